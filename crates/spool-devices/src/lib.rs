@@ -1,0 +1,46 @@
+//! Devices layer: the physical block devices a pool is built from.
+//!
+//! Owns: opening files and block devices (size, O_DIRECT probe, exclusive lock), synchronous
+//! metadata I/O, and the per-worker asynchronous [`DeviceQueue`] that moves data between a
+//! device and caller-supplied memory (io_uring for files and block devices).
+//!
+//! Must not know: virtio, vhost-user, volumes, extents or pool metadata. Offsets here are
+//! device byte offsets; the pool maps volume offsets onto them.
+
+mod file;
+mod queue;
+
+pub use file::{DeviceKind, FileDevice, OpenOptions};
+pub use queue::{DeviceIo, DeviceQueue, IoVec, UringQueue};
+
+/// Errors of the devices layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {what}: {source}")]
+    Io {
+        path: String,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {msg}")]
+    Invalid { path: String, msg: String },
+    #[error("{path}: device is in use by another process (it is locked); stop the other spoold or pick another device")]
+    Busy { path: String },
+}
+
+impl Error {
+    pub(crate) fn io(path: &std::path::Path, what: &'static str, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.display().to_string(),
+            what,
+            source,
+        }
+    }
+}
+
+/// Result type of the devices layer.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The sector size every offset and length of the data path is a multiple of.
+pub const SECTOR_SIZE: u64 = 512;

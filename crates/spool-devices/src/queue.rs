@@ -1,0 +1,368 @@
+//! Per-worker asynchronous device queues.
+//!
+//! A [`DeviceQueue`] is owned by exactly one I/O worker: no lock is taken on submit or reap.
+//! [`UringQueue`] is the io_uring implementation for files and block devices; the userspace
+//! NVMe driver and the null/fault-injection devices fill the same trait.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+/// One contiguous piece of caller memory (same layout as `struct iovec`).
+pub type IoVec = libc::iovec;
+
+/// One device operation. Offsets and lengths are device bytes.
+#[derive(Debug, Clone, Copy)]
+pub enum DeviceIo {
+    /// Read `len` bytes at `offset` into the `iovcnt` buffers at `iov`.
+    Read {
+        offset: u64,
+        len: u64,
+        iov: *const IoVec,
+        iovcnt: u32,
+    },
+    /// Write `len` bytes at `offset` from the `iovcnt` buffers at `iov`.
+    Write {
+        offset: u64,
+        len: u64,
+        iov: *const IoVec,
+        iovcnt: u32,
+    },
+    /// Make every completed write durable (fdatasync).
+    Flush,
+    /// The range's contents are no longer needed (they may read back as zeroes or not).
+    Discard { offset: u64, len: u64 },
+    /// The range must read back as zeroes.
+    WriteZeroes { offset: u64, len: u64 },
+}
+
+/// A device's submission/completion queue owned by one worker.
+pub trait DeviceQueue: Send {
+    /// Queues `io`; its completion is reported by [`DeviceQueue::reap`] with `tag`.
+    /// `tag` must be below 2^62.
+    ///
+    /// # Safety
+    /// For reads and writes, the iovec array and every buffer it describes must stay valid
+    /// (mapped, not freed, not otherwise written for reads) until the completion for `tag`
+    /// has been reaped.
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64);
+    /// Hands queued operations to the device.
+    fn kick(&mut self) -> std::io::Result<()>;
+    /// Calls `done(tag, result)` for each finished operation; `result` is the byte count
+    /// (or 0) on success and a negative errno on failure. Returns how many were reaped.
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize;
+    /// A descriptor that becomes readable when completions are waiting.
+    fn completion_fd(&self) -> RawFd;
+    /// Operations submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+}
+
+const KIND_SHIFT: u32 = 62;
+const KIND_PLAIN: u64 = 0;
+const KIND_ZERO_RANGE: u64 = 1;
+const KIND_DISCARD: u64 = 2;
+
+/// io_uring queue over a file or block device.
+pub struct UringQueue {
+    ring: IoUring,
+    buffered: RawFd,
+    direct: Option<RawFd>,
+    align: u64,
+    overflow: VecDeque<squeue::Entry>,
+    in_flight: usize,
+    event: OwnedFd,
+    /// Write-zeroes ranges in flight, so an EOPNOTSUPP can fall back to punching a hole.
+    zero_ranges: HashMap<u64, (u64, u64)>,
+}
+
+impl UringQueue {
+    /// Creates a ring of `depth` entries over the given descriptors. The descriptors must
+    /// outlive the queue (the owning device is kept alive by the caller).
+    pub fn new(
+        buffered: RawFd,
+        direct: Option<RawFd>,
+        align: u64,
+        depth: u32,
+    ) -> std::io::Result<Self> {
+        let ring = IoUring::builder().build(depth.clamp(8, 4096))?;
+        // SAFETY: eventfd takes no pointers; the result is checked before use.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `efd` is a fresh descriptor we exclusively own.
+        let event = unsafe { OwnedFd::from_raw_fd(efd) };
+        ring.submitter().register_eventfd(event.as_raw_fd())?;
+        Ok(UringQueue {
+            ring,
+            buffered,
+            direct,
+            align,
+            overflow: VecDeque::new(),
+            in_flight: 0,
+            event,
+            zero_ranges: HashMap::new(),
+        })
+    }
+
+    fn pick_fd(&self, offset: u64, len: u64, iov: *const IoVec, iovcnt: u32) -> RawFd {
+        let Some(direct) = self.direct else {
+            return self.buffered;
+        };
+        let a = self.align;
+        if offset % a != 0 || len % a != 0 {
+            return self.buffered;
+        }
+        // SAFETY: the caller of `submit` guarantees `iov` points to `iovcnt` valid iovecs.
+        let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
+        if iovs
+            .iter()
+            .all(|v| (v.iov_base as u64) % a == 0 && (v.iov_len as u64) % a == 0)
+        {
+            direct
+        } else {
+            self.buffered
+        }
+    }
+
+    fn push(&mut self, e: squeue::Entry) {
+        self.in_flight += 1;
+        if !self.overflow.is_empty() {
+            self.overflow.push_back(e);
+            return;
+        }
+        // SAFETY: every entry built by this queue references memory the submit() caller keeps
+        // alive until completion (see the trait's contract) or no memory at all.
+        if unsafe { self.ring.submission().push(&e) }.is_err() {
+            self.overflow.push_back(e);
+        }
+    }
+
+    fn fallocate(&self, offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
+        fallocate_entry(self.buffered, offset, len, mode, user_data)
+    }
+}
+
+fn fallocate_entry(fd: RawFd, offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
+    {
+        opcode::Fallocate::new(types::Fd(fd), len)
+            .offset(offset)
+            .mode(mode)
+            .build()
+            .user_data(user_data)
+    }
+}
+
+impl DeviceQueue for UringQueue {
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        debug_assert!(tag < (1 << KIND_SHIFT));
+        let plain = tag | (KIND_PLAIN << KIND_SHIFT);
+        let e = match io {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => {
+                let fd = self.pick_fd(offset, len, iov, iovcnt);
+                opcode::Readv::new(types::Fd(fd), iov, iovcnt)
+                    .offset(offset)
+                    .build()
+                    .user_data(plain)
+            }
+            DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => {
+                let fd = self.pick_fd(offset, len, iov, iovcnt);
+                opcode::Writev::new(types::Fd(fd), iov, iovcnt)
+                    .offset(offset)
+                    .build()
+                    .user_data(plain)
+            }
+            DeviceIo::Flush => opcode::Fsync::new(types::Fd(self.buffered))
+                .flags(types::FsyncFlags::DATASYNC)
+                .build()
+                .user_data(plain),
+            DeviceIo::Discard { offset, len } => self.fallocate(
+                offset,
+                len,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                tag | (KIND_DISCARD << KIND_SHIFT),
+            ),
+            DeviceIo::WriteZeroes { offset, len } => {
+                self.zero_ranges.insert(tag, (offset, len));
+                self.fallocate(
+                    offset,
+                    len,
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    tag | (KIND_ZERO_RANGE << KIND_SHIFT),
+                )
+            }
+        };
+        self.push(e);
+    }
+
+    fn kick(&mut self) -> std::io::Result<()> {
+        while let Some(e) = self.overflow.front() {
+            // SAFETY: as in push(): the entry's memory is kept alive by the submit() caller.
+            if unsafe { self.ring.submission().push(e) }.is_err() {
+                break;
+            }
+            self.overflow.pop_front();
+        }
+        if self.ring.submission().is_empty() {
+            return Ok(());
+        }
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) || e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        let mut n = 0;
+        let mut retry = Vec::new();
+        let fd = self.buffered;
+        for cqe in self.ring.completion() {
+            let ud = cqe.user_data();
+            let tag = ud & ((1 << KIND_SHIFT) - 1);
+            let kind = ud >> KIND_SHIFT;
+            let mut res = cqe.result();
+            match kind {
+                KIND_ZERO_RANGE => {
+                    let range = self.zero_ranges.remove(&tag);
+                    if res == -libc::EOPNOTSUPP || res == -libc::EINVAL {
+                        // tmpfs and some block devices lack ZERO_RANGE; a punched hole reads
+                        // back as zeroes on files, and as zeroes on block devices too (the
+                        // kernel zeroes or unmaps with zeroing guaranteed).
+                        if let Some((offset, len)) = range {
+                            retry.push(fallocate_entry(
+                                fd,
+                                offset,
+                                len,
+                                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                                tag | (KIND_PLAIN << KIND_SHIFT),
+                            ));
+                            continue;
+                        }
+                    }
+                }
+                KIND_DISCARD if res == -libc::EOPNOTSUPP => res = 0, // discard is advisory
+                _ => {}
+            }
+            self.in_flight -= 1;
+            n += 1;
+            done(tag, res);
+        }
+        for e in retry {
+            self.in_flight -= 1; // push() counts it again
+            self.push(e);
+        }
+        n
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FileDevice, OpenOptions};
+
+    fn wait_all(q: &mut UringQueue) -> Vec<(u64, i32)> {
+        let mut out = Vec::new();
+        q.kick().unwrap();
+        while q.in_flight() > 0 {
+            q.reap(&mut |t, r| out.push((t, r)));
+            q.kick().unwrap();
+            std::thread::yield_now();
+        }
+        out
+    }
+
+    #[test]
+    fn read_write_flush_zero_discard_through_the_ring() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = FileDevice::open(
+            &dir.path().join("d"),
+            &OpenOptions {
+                create_size: Some(1 << 20),
+                no_direct: false,
+            },
+        )
+        .unwrap();
+        let mut q = dev.open_queue(4).unwrap();
+        // Unaligned buffer on purpose: must take the buffered path and still work.
+        let mut data = vec![0xabu8; 8193];
+        let iov = [IoVec {
+            iov_base: data[1..].as_mut_ptr().cast(),
+            iov_len: 8192,
+        }];
+        // SAFETY: `data` and `iov` outlive wait_all().
+        unsafe {
+            q.submit(
+                DeviceIo::Write {
+                    offset: 8192,
+                    len: 8192,
+                    iov: iov.as_ptr(),
+                    iovcnt: 1,
+                },
+                1,
+            );
+            q.submit(DeviceIo::Flush, 2);
+        }
+        let mut r = wait_all(&mut q);
+        r.sort();
+        assert_eq!(r, vec![(1, 8192), (2, 0)]);
+        let mut back = vec![0u8; 8192];
+        dev.read_at(&mut back, 8192).unwrap();
+        assert!(back.iter().all(|&b| b == 0xab));
+        // SAFETY: no memory is referenced.
+        unsafe {
+            q.submit(DeviceIo::WriteZeroes { offset: 8192, len: 4096 }, 3);
+            q.submit(DeviceIo::Discard { offset: 12288, len: 4096 }, 4);
+        }
+        let mut r = wait_all(&mut q);
+        r.sort();
+        assert_eq!(r, vec![(3, 0), (4, 0)]);
+        dev.read_at(&mut back[..4096], 8192).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 0));
+        // Many more submissions than ring entries: the overflow queue carries them.
+        let mut bufs = vec![[0u8; 512]; 64];
+        let iovs: Vec<IoVec> = bufs
+            .iter_mut()
+            .map(|b| IoVec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: 512,
+            })
+            .collect();
+        for (i, v) in iovs.iter().enumerate() {
+            // SAFETY: `bufs` and `iovs` outlive wait_all().
+            unsafe {
+                q.submit(
+                    DeviceIo::Read {
+                        offset: 8192 + 512 * (i as u64 % 16),
+                        len: 512,
+                        iov: v,
+                        iovcnt: 1,
+                    },
+                    100 + i as u64,
+                )
+            };
+        }
+        let r = wait_all(&mut q);
+        assert_eq!(r.len(), 64);
+        assert!(r.iter().all(|&(_, res)| res == 512));
+    }
+}

@@ -1,0 +1,178 @@
+//! Pool tests on real (temporary) files.
+
+use super::*;
+
+fn spec(dir: &Path, name: &str, mib: u64) -> DeviceSpec {
+    DeviceSpec {
+        path: dir.join(name),
+        create_size: Some(mib << 20),
+    }
+}
+
+fn opts() -> PoolOptions {
+    PoolOptions {
+        min_extent: 1 << 20,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn volumes_survive_reopen_exactly() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 17), spec(d.path(), "b", 9)];
+    let (before, pool_uuid) = {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        p.create_volume("v1", 5 << 20, false, 2).unwrap();
+        p.create_volume("v2", (3 << 20) + 512, true, 1).unwrap();
+        p.resize_volume("v1", 12 << 20).unwrap();
+        p.create_volume("gone", 1 << 20, false, 1).unwrap();
+        p.delete_volume("gone").unwrap();
+        (p.volumes(), p.info().uuid)
+    };
+    // Reopen with the device paths in the other order: devices are found by UUID.
+    let specs_rev = [specs[1].clone(), specs[0].clone()];
+    let p = Pool::open(&specs_rev, opts()).unwrap();
+    assert_eq!(p.info().uuid, pool_uuid);
+    let after = p.volumes();
+    assert_eq!(
+        serde_json::to_value(&before).unwrap(),
+        serde_json::to_value(&after).unwrap()
+    );
+    let l = p.layout("v1").unwrap();
+    assert_eq!(l.size, 12 << 20);
+    assert!(l.segments.iter().map(|s| s.len).sum::<u64>() >= 12 << 20);
+}
+
+#[test]
+fn volumes_span_devices_and_never_overlap() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 5), spec(d.path(), "b", 5)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    // Each device has 4 MiB of data area: a 6 MiB volume must span both.
+    let v = p.create_volume("big", 6 << 20, false, 1).unwrap();
+    assert_eq!(v.devices.len(), 2);
+    let w = p.create_volume("small", 2 << 20, false, 1).unwrap();
+    assert!(p.create_volume("nospace", 1 << 20, false, 1).is_err());
+    let mut ranges = Vec::new();
+    for id in ["big", "small"] {
+        let l = p.layout(id).unwrap();
+        for s in &l.segments {
+            ranges.push((l.devices[s.device].path().to_path_buf(), s.offset, s.offset + s.len));
+        }
+    }
+    for (i, a) in ranges.iter().enumerate() {
+        assert!(a.1 >= METADATA_AREA);
+        for b in &ranges[i + 1..] {
+            assert!(a.0 != b.0 || a.2 <= b.1 || b.2 <= a.1, "{a:?} overlaps {b:?}");
+        }
+    }
+    assert_eq!(w.allocated, 2 << 20);
+    p.delete_volume(&v.uuid.to_string()).unwrap();
+    p.delete_volume("small").unwrap();
+    assert_eq!(p.info().free, 8 << 20);
+}
+
+#[test]
+fn map_splits_at_segment_boundaries() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 5), spec(d.path(), "b", 5)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume("v", 6 << 20, false, 1).unwrap();
+    let l = p.layout("v").unwrap();
+    let mut pieces = Vec::new();
+    l.map((4 << 20) - 512, 1024, |dev, off, len, at| pieces.push((dev, off, len, at)));
+    assert_eq!(pieces.len(), 2);
+    assert_eq!(pieces[0].2 + pieces[1].2, 1024);
+    assert_eq!(pieces[1].3, 512);
+    assert_ne!(pieces[0].0, pieces[1].0);
+}
+
+#[test]
+fn foreign_corrupt_and_newer_devices_are_refused_without_force() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        Pool::open(&[spec(d.path(), "other", 4)], opts()).unwrap();
+    }
+    {
+        Pool::open(&[spec(d.path(), "mine", 4)], opts()).unwrap();
+    }
+    let both = [spec(d.path(), "mine", 4), spec(d.path(), "other", 4)];
+    let e = Pool::open(&both, opts()).err().unwrap();
+    assert!(matches!(e, Error::ForeignPool { .. }), "{e}");
+    assert!(e.to_string().contains("--force"), "{e}");
+    // Nothing was overwritten: "other" still opens as its own pool.
+    Pool::open(&[spec(d.path(), "other", 4)], opts()).unwrap();
+    // Garbage where the metadata should be.
+    std::fs::write(d.path().join("junk"), vec![0x42u8; 4 << 20]).unwrap();
+    let e = Pool::open(&[spec(d.path(), "junk", 4)], opts()).err().unwrap();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    let junk = std::fs::read(d.path().join("junk")).unwrap();
+    assert!(junk.iter().all(|&b| b == 0x42), "refused device was modified");
+    // With force, the device is reformatted and joins.
+    let p = Pool::open(
+        &both,
+        PoolOptions {
+            force: true,
+            ..opts()
+        },
+    )
+    .unwrap();
+    assert_eq!(p.info().devices.len(), 2);
+}
+
+#[test]
+fn torn_metadata_write_keeps_the_pool() {
+    let d = tempfile::tempdir().unwrap();
+    let s = [spec(d.path(), "a", 8)];
+    let generation = {
+        let mut p = Pool::open(&s, opts()).unwrap();
+        p.create_volume("v", 1 << 20, false, 1).unwrap();
+        p.create_volume("w", 1 << 20, false, 1).unwrap();
+        p.info().generation
+    };
+    // Tear the newest copy: the previous generation (without "w") comes back.
+    let f = std::fs::OpenOptions::new().write(true).open(d.path().join("a")).unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&[0xee; 100], (generation % 2) * metadata::SLOT_SIZE + 100)
+        .unwrap();
+    let p = Pool::open(&s, opts()).unwrap();
+    let names: Vec<_> = p.volumes().into_iter().map(|v| v.name).collect();
+    assert_eq!(names, vec!["v"]);
+}
+
+#[test]
+fn new_volumes_never_see_old_data() {
+    let d = tempfile::tempdir().unwrap();
+    let mut p = Pool::open(&[spec(d.path(), "a", 3)], opts()).unwrap();
+    p.create_volume("old", 1 << 20, false, 1).unwrap();
+    let l = p.layout("old").unwrap();
+    let dev = l.devices[0].clone();
+    dev.write_at_durable(&[0x77; 4096], l.segments[0].offset).unwrap();
+    p.delete_volume("old").unwrap();
+    p.create_volume("new", 1 << 20, false, 1).unwrap();
+    let l2 = p.layout("new").unwrap();
+    assert_eq!(l2.segments[0].offset, l.segments[0].offset, "extent reused");
+    let mut b = [1u8; 4096];
+    dev.read_at(&mut b, l2.segments[0].offset).unwrap();
+    assert!(b.iter().all(|&x| x == 0));
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let mut p = Pool::open(&[spec(d.path(), "a", 4)], opts()).unwrap();
+    for (name, size, q) in [("", 512, 1), ("a/b", 512, 1), ("ok", 0, 1), ("ok", 1000, 1), ("ok", 512, 0), ("ok", 512, 65)] {
+        let e = p.create_volume(name, size, false, q).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+    p.create_volume("ok", 512, false, 1).unwrap();
+    assert!(matches!(p.create_volume("ok", 512, false, 1), Err(Error::VolumeExists(_))));
+    assert!(matches!(p.resize_volume("ok", 0), Err(Error::InvalidArgument(_))));
+    p.resize_volume("ok", 4096).unwrap();
+    assert!(p.resize_volume("ok", 512).unwrap_err().to_string().contains("shrinking"));
+    assert!(matches!(p.delete_volume("nope"), Err(Error::NoSuchVolume(_))));
+    let e = p.create_volume("huge", 1 << 40, false, 1).unwrap_err();
+    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+    // A failed allocation leaks nothing.
+    assert_eq!(p.info().free, p.info().size - (1 << 20));
+}
