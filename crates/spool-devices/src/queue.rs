@@ -54,6 +54,8 @@ pub trait DeviceQueue: Send {
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize;
     /// A descriptor that becomes readable when completions are waiting.
     fn completion_fd(&self) -> RawFd;
+    /// Resets the readiness of [`DeviceQueue::completion_fd`] (after a wake-up).
+    fn ack_completion_event(&self);
     /// Operations submitted and not yet reaped.
     fn in_flight(&self) -> usize;
 }
@@ -71,7 +73,7 @@ pub struct UringQueue {
     align: u64,
     overflow: VecDeque<squeue::Entry>,
     in_flight: usize,
-    event: OwnedFd,
+    event: std::fs::File,
     /// Write-zeroes ranges in flight, so an EOPNOTSUPP can fall back to punching a hole.
     zero_ranges: HashMap<u64, (u64, u64)>,
 }
@@ -92,7 +94,7 @@ impl UringQueue {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: `efd` is a fresh descriptor we exclusively own.
-        let event = unsafe { OwnedFd::from_raw_fd(efd) };
+        let event = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(efd) });
         ring.submitter().register_eventfd(event.as_raw_fd())?;
         Ok(UringQueue {
             ring,
@@ -268,6 +270,12 @@ impl DeviceQueue for UringQueue {
 
     fn completion_fd(&self) -> RawFd {
         self.event.as_raw_fd()
+    }
+
+    fn ack_completion_event(&self) {
+        use std::io::Read;
+        let mut buf = [0u8; 8];
+        let _ = (&self.event).read(&mut buf);
     }
 
     fn in_flight(&self) -> usize {

@@ -1,0 +1,94 @@
+//! Frontend layer: serves pool volumes to VMs over vhost-user-blk.
+//!
+//! Owns: the vhost-user protocol (via the rust-vmm `vhost` crate's request-handler trait),
+//! guest memory mapping, virtio-blk request parsing and validation, and the polling I/O
+//! workers that own their virtqueues and device queues.
+//!
+//! Must not know: how the pool allocates extents or stores metadata (it only reads a
+//! [`VolumeLayout`]), how devices implement I/O (it only uses `DeviceQueue`), or anything of
+//! the control plane (config files, RPC).
+
+pub mod blk_config;
+pub mod memory;
+pub mod request;
+mod server;
+mod session;
+pub mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use spool_pool::VolumeLayout;
+
+pub use server::VolumeServer;
+pub use session::{Session, MAX_QUEUE_SIZE};
+
+/// Tunables of the data path.
+#[derive(Debug, Clone)]
+pub struct FrontendSettings {
+    /// How long a worker keeps polling after its last request before it sleeps on the kick
+    /// eventfd (0 = purely event-driven; large = always polling).
+    pub poll_idle: Duration,
+}
+
+impl Default for FrontendSettings {
+    fn default() -> Self {
+        FrontendSettings {
+            poll_idle: Duration::from_micros(50),
+        }
+    }
+}
+
+/// What every connection of one volume shares: its current layout (swapped on resize) and
+/// the settings.
+pub struct VolumeContext {
+    name: String,
+    layout: Arc<ArcSwap<VolumeLayout>>,
+    settings: FrontendSettings,
+}
+
+impl VolumeContext {
+    /// Context for a volume.
+    pub fn new(layout: VolumeLayout, settings: FrontendSettings) -> Arc<Self> {
+        Arc::new(VolumeContext {
+            name: layout.name.clone(),
+            layout: Arc::new(ArcSwap::from_pointee(layout)),
+            settings,
+        })
+    }
+
+    /// Volume name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The volume's layout, as workers see it.
+    pub fn layout(&self) -> Arc<ArcSwap<VolumeLayout>> {
+        self.layout.clone()
+    }
+
+    /// Publishes a new layout (after a resize); running workers pick it up.
+    pub fn update_layout(&self, layout: VolumeLayout) {
+        self.layout.store(Arc::new(layout));
+    }
+
+    /// Number of queues offered.
+    pub fn num_queues(&self) -> u16 {
+        self.layout.load().num_queues
+    }
+
+    /// GET_ID serial: the volume UUID's first 20 characters.
+    pub fn serial(&self) -> [u8; request::ID_LEN] {
+        let mut s = [0u8; request::ID_LEN];
+        let u = self.layout.load().uuid.simple().to_string();
+        let n = u.len().min(s.len());
+        s[..n].copy_from_slice(&u.as_bytes()[..n]);
+        s
+    }
+
+    /// Data-path settings.
+    pub fn settings(&self) -> &FrontendSettings {
+        &self.settings
+    }
+}

@@ -1,0 +1,76 @@
+//! The virtio-blk device configuration space and feature bits we offer.
+
+use virtio_bindings::virtio_blk::*;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use vhost::vhost_user::message::VhostUserVirtioFeatures;
+
+/// Largest bytes in one data segment (advertised as SIZE_MAX).
+pub const SIZE_MAX: u32 = 1 << 20;
+/// Largest number of data segments in one request (advertised as SEG_MAX).
+pub const SEG_MAX: u32 = 126;
+/// Largest sectors in one discard/write-zeroes segment.
+pub const MAX_DISCARD_SECTORS: u32 = (1 << 22) - 1;
+/// Largest segments in one discard/write-zeroes request.
+pub const MAX_DISCARD_SEG: u32 = 32;
+/// Logical block size advertised to the guest.
+pub const BLK_SIZE: u32 = 512;
+
+/// Virtio feature bits offered for a volume.
+pub fn features(read_only: bool) -> u64 {
+    let mut f = (1u64 << VIRTIO_F_VERSION_1)
+        | (1 << VIRTIO_RING_F_EVENT_IDX)
+        | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+        | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        | (1 << VIRTIO_BLK_F_SIZE_MAX)
+        | (1 << VIRTIO_BLK_F_SEG_MAX)
+        | (1 << VIRTIO_BLK_F_BLK_SIZE)
+        | (1 << VIRTIO_BLK_F_FLUSH)
+        | (1 << VIRTIO_BLK_F_MQ);
+    if read_only {
+        f |= 1 << VIRTIO_BLK_F_RO;
+    } else {
+        f |= (1 << VIRTIO_BLK_F_DISCARD) | (1 << VIRTIO_BLK_F_WRITE_ZEROES);
+    }
+    f
+}
+
+/// Size of the config space we serve (the virtio 1.2 layout up to the secure-erase fields;
+/// reads beyond it return zeroes).
+pub const CONFIG_LEN: usize = 72;
+
+/// Encodes `struct virtio_blk_config` (little-endian, virtio 1.2 §5.2.4).
+pub fn config_space(capacity_bytes: u64, num_queues: u16) -> [u8; CONFIG_LEN] {
+    let mut c = [0u8; CONFIG_LEN];
+    let put32 = |c: &mut [u8; CONFIG_LEN], at: usize, v: u32| c[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    c[0..8].copy_from_slice(&(capacity_bytes / 512).to_le_bytes());
+    put32(&mut c, 8, SIZE_MAX);
+    put32(&mut c, 12, SEG_MAX);
+    // 16..20 geometry: unused
+    put32(&mut c, 20, BLK_SIZE);
+    // 24..32 topology: unused (not offered)
+    c[32] = 0; // writeback (CONFIG_WCE not offered)
+    c[34..36].copy_from_slice(&num_queues.to_le_bytes());
+    put32(&mut c, 36, MAX_DISCARD_SECTORS);
+    put32(&mut c, 40, MAX_DISCARD_SEG);
+    put32(&mut c, 44, 8); // discard_sector_alignment: 4 KiB
+    put32(&mut c, 48, MAX_DISCARD_SECTORS);
+    put32(&mut c, 52, MAX_DISCARD_SEG);
+    c[56] = 1; // write_zeroes_may_unmap
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_layout() {
+        let c = config_space(1 << 30, 4);
+        assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 1 << 21);
+        assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 4);
+        assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);
+        assert_eq!(features(true) & (1 << VIRTIO_BLK_F_RO), 1 << VIRTIO_BLK_F_RO);
+        assert_eq!(features(true) & (1 << VIRTIO_BLK_F_DISCARD), 0);
+    }
+}

@@ -1,0 +1,156 @@
+//! The guest memory table a vhost-user frontend gives us (SET_MEM_TABLE, ADD_MEM_REG,
+//! REM_MEM_REG), mapped once and published to the workers through a [`GuestMemoryAtomic`].
+//!
+//! Workers load the current map per batch and keep the `Arc` of it in every in-flight request,
+//! so a region removed while I/O into it is in flight stays mapped until that I/O completes.
+
+use std::fs::File;
+use std::sync::Arc;
+
+use vhost::vhost_user::message::VhostUserMemoryRegion;
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryAtomic, GuestRegionMmap};
+
+use crate::request::GuestMemory;
+
+/// Most memory slots we accept (GET_MAX_MEM_SLOTS).
+pub const MAX_MEM_SLOTS: u64 = 509;
+
+#[derive(Debug, Clone)]
+struct Mapping {
+    gpa: u64,
+    size: u64,
+    /// Frontend's virtual address of the region (vring addresses are given in these).
+    vva: u64,
+    region: Arc<GuestRegionMmap<()>>,
+}
+
+/// The frontend's memory, as mapped into this process.
+pub struct MemoryTable {
+    maps: Vec<Mapping>,
+    atomic: GuestMemoryAtomic<GuestMemory>,
+}
+
+impl Default for MemoryTable {
+    fn default() -> Self {
+        MemoryTable {
+            maps: Vec::new(),
+            atomic: GuestMemoryAtomic::new(GuestMemory::default()),
+        }
+    }
+}
+
+/// Why a memory table message was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("memory region gpa={gpa:#x} size={size:#x} cannot be mapped: {why}")]
+    Map { gpa: u64, size: u64, why: String },
+    #[error("memory regions overlap or are invalid: {0}")]
+    Layout(String),
+    #[error("too many memory regions (at most {MAX_MEM_SLOTS})")]
+    TooMany,
+    #[error("no memory region at gpa={0:#x} to remove")]
+    NotFound(u64),
+}
+
+fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
+    let size = usize::try_from(r.memory_size).map_err(|_| MemoryError::Map {
+        gpa: r.guest_phys_addr,
+        size: r.memory_size,
+        why: "size too large".into(),
+    })?;
+    if size == 0 || r.guest_phys_addr.checked_add(r.memory_size).is_none() {
+        return Err(MemoryError::Map {
+            gpa: r.guest_phys_addr,
+            size: r.memory_size,
+            why: "empty or wrapping region".into(),
+        });
+    }
+    let region = GuestRegionMmap::from_range(
+        GuestAddress(r.guest_phys_addr),
+        size,
+        Some(FileOffset::new(file, r.mmap_offset)),
+    )
+    .map_err(|e| MemoryError::Map {
+        gpa: r.guest_phys_addr,
+        size: r.memory_size,
+        why: e.to_string(),
+    })?;
+    Ok(Mapping {
+        gpa: r.guest_phys_addr,
+        size: r.memory_size,
+        vva: r.user_addr,
+        region: Arc::new(region),
+    })
+}
+
+impl MemoryTable {
+    /// The map workers read.
+    pub fn atomic(&self) -> GuestMemoryAtomic<GuestMemory> {
+        self.atomic.clone()
+    }
+
+    fn publish(&mut self, maps: Vec<Mapping>) -> Result<(), MemoryError> {
+        let mem = GuestMemory::from_arc_regions(maps.iter().map(|m| m.region.clone()).collect())
+            .map_err(|e| MemoryError::Layout(e.to_string()))?;
+        self.atomic
+            .lock()
+            .map_err(|_| MemoryError::Layout("memory map lock poisoned".into()))?
+            .replace(mem);
+        self.maps = maps;
+        Ok(())
+    }
+
+    /// Replaces the whole table (SET_MEM_TABLE).
+    pub fn set(&mut self, regions: &[VhostUserMemoryRegion], files: Vec<File>) -> Result<(), MemoryError> {
+        if regions.len() as u64 > MAX_MEM_SLOTS || regions.len() != files.len() {
+            return Err(MemoryError::TooMany);
+        }
+        let mut maps = regions
+            .iter()
+            .zip(files)
+            .map(|(r, f)| map(r, f))
+            .collect::<Result<Vec<_>, _>>()?;
+        maps.sort_by_key(|m| m.gpa);
+        self.publish(maps)
+    }
+
+    /// Adds one region (ADD_MEM_REG).
+    pub fn add(&mut self, r: &VhostUserMemoryRegion, file: File) -> Result<(), MemoryError> {
+        if self.maps.len() as u64 >= MAX_MEM_SLOTS {
+            return Err(MemoryError::TooMany);
+        }
+        let mut maps = self.maps.clone();
+        maps.push(map(r, file)?);
+        maps.sort_by_key(|m| m.gpa);
+        self.publish(maps)
+    }
+
+    /// Removes one region (REM_MEM_REG).
+    pub fn remove(&mut self, r: &VhostUserMemoryRegion) -> Result<(), MemoryError> {
+        let mut maps = self.maps.clone();
+        let i = maps
+            .iter()
+            .position(|m| m.gpa == r.guest_phys_addr && m.size == r.memory_size)
+            .ok_or(MemoryError::NotFound(r.guest_phys_addr))?;
+        maps.remove(i);
+        self.publish(maps)
+    }
+
+    /// Translates a frontend virtual address (as in SET_VRING_ADDR) to a guest address.
+    pub fn vva_to_gpa(&self, vva: u64) -> Option<GuestAddress> {
+        self.maps
+            .iter()
+            .find(|m| vva >= m.vva && vva - m.vva < m.size)
+            .map(|m| GuestAddress(m.gpa + (vva - m.vva)))
+    }
+
+    /// Number of regions.
+    pub fn len(&self) -> usize {
+        self.maps.len()
+    }
+
+    /// True without regions.
+    pub fn is_empty(&self) -> bool {
+        self.maps.is_empty()
+    }
+}

@@ -1,0 +1,493 @@
+//! virtio-blk request parsing: a descriptor chain becomes an owned, bounds-checked [`Request`]
+//! once, before anything is executed; execution never looks at the ring again.
+//!
+//! Every check a hostile guest could make us skip is here: descriptor direction, every buffer
+//! inside the guest's memory regions, chain length and loops (bounded by the ring and detected
+//! when the last descriptor still says NEXT), request size, sector range inside the volume
+//! with overflow-checked arithmetic, discard/write-zeroes segment counts, sizes and flags.
+//! A rejected chain still carries its status address when one could be found, so the guest
+//! gets `VIRTIO_BLK_S_IOERR`/`S_UNSUPP` instead of a hang.
+
+use spool_devices::IoVec;
+use virtio_bindings::virtio_blk::*;
+use virtio_queue::desc::split::Descriptor;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+/// Guest memory as the frontend maps it.
+pub type GuestMemory = GuestMemoryMmap<()>;
+
+/// Bytes in a virtio-blk sector (fixed by the spec, independent of the block size).
+pub const SECTOR: u64 = 512;
+/// Length of the virtio-blk request header.
+pub const HEADER_LEN: u64 = 16;
+/// Serial length of GET_ID.
+pub const ID_LEN: usize = VIRTIO_BLK_ID_BYTES as usize;
+
+/// What a queue accepts.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Volume capacity in sectors.
+    pub capacity_sectors: u64,
+    pub read_only: bool,
+    /// Largest data payload of one read or write, in bytes.
+    pub max_data: u64,
+    /// Largest number of segments in one discard/write-zeroes request.
+    pub max_discard_segs: u32,
+    /// Largest sector count of one discard/write-zeroes segment.
+    pub max_discard_sectors: u32,
+}
+
+/// One discard or write-zeroes range, already checked against the capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    pub sector: u64,
+    pub sectors: u32,
+}
+
+/// The operation a request asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    Flush,
+    GetId,
+    Discard(Vec<Range>),
+    WriteZeroes { ranges: Vec<Range>, unmap: bool },
+}
+
+/// A parsed, validated request.
+#[derive(Debug)]
+pub struct Request {
+    /// Head descriptor index (what goes back into the used ring).
+    pub head: u16,
+    pub op: Op,
+    /// First sector (reads and writes).
+    pub sector: u64,
+    /// Data buffers as host addresses inside the guest mapping the parser was given. Valid
+    /// while that mapping is alive: the worker keeps it alive until the request completes.
+    pub iov: Vec<IoVec>,
+    /// Data length in bytes.
+    pub len: u64,
+    /// Where the status byte goes.
+    pub status: GuestAddress,
+}
+
+/// A chain the device refuses, answered with `status` when a status byte could be located.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    pub head: u16,
+    pub status_addr: Option<GuestAddress>,
+    pub status: u8,
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Seg {
+    addr: GuestAddress,
+    len: u64,
+    write: bool,
+}
+
+/// Parses the chain whose descriptors are `descs` (in chain order).
+pub fn parse(
+    head: u16,
+    descs: impl Iterator<Item = Descriptor>,
+    mem: &GuestMemory,
+    limits: &Limits,
+) -> Result<Request, Rejected> {
+    let mut segs: Vec<Seg> = Vec::new();
+    let mut truncated = false;
+    for d in descs {
+        truncated = d.has_next();
+        if d.len() == 0 {
+            continue;
+        }
+        segs.push(Seg {
+            addr: d.addr(),
+            len: d.len() as u64,
+            write: d.is_write_only(),
+        });
+    }
+    let reject = |status_addr: Option<GuestAddress>, status: u32, reason: &'static str| Rejected {
+        head,
+        status_addr,
+        status: status as u8,
+        reason,
+    };
+    // Status byte: the last byte of the last descriptor, which must be device-writable and
+    // inside guest memory.
+    let status_addr = match segs.last() {
+        Some(s) if s.write => {
+            let a = s.addr.0.checked_add(s.len - 1).map(GuestAddress);
+            a.filter(|a| mem.check_range(*a, 1))
+        }
+        _ => None,
+    };
+    if truncated {
+        return Err(reject(status_addr, VIRTIO_BLK_S_IOERR, "descriptor chain loops or is too long"));
+    }
+    let Some(status) = status_addr else {
+        return Err(reject(None, VIRTIO_BLK_S_IOERR, "no writable status byte at the end of the chain"));
+    };
+    for s in &segs {
+        let ok = usize::try_from(s.len)
+            .ok()
+            .is_some_and(|l| mem.check_range(s.addr, l));
+        if !ok {
+            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "buffer outside guest memory"));
+        }
+    }
+    if let Some(last) = segs.last_mut() {
+        last.len -= 1;
+        if last.len == 0 {
+            segs.pop();
+        }
+    }
+    // Header: the first 16 bytes, device-readable, possibly split across descriptors.
+    let mut header = [0u8; HEADER_LEN as usize];
+    let mut got = 0usize;
+    let mut i = 0;
+    while got < header.len() {
+        let Some(s) = segs.get_mut(i) else {
+            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request header too short"));
+        };
+        if s.write {
+            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request header is device-writable"));
+        }
+        let n = (header.len() - got).min(s.len as usize);
+        if mem.read_slice(&mut header[got..got + n], s.addr).is_err() {
+            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request header unreadable"));
+        }
+        got += n;
+        s.addr = GuestAddress(s.addr.0 + n as u64);
+        s.len -= n as u64;
+        if s.len == 0 {
+            i += 1;
+        }
+    }
+    let data: Vec<Seg> = segs[i..].iter().copied().filter(|s| s.len > 0).collect();
+    let ty = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
+    let sector = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+    let len: u64 = data.iter().map(|s| s.len).sum();
+    let all = |write: bool| data.iter().all(|s| s.write == write);
+
+    let op = match ty {
+        VIRTIO_BLK_T_IN => Op::Read,
+        VIRTIO_BLK_T_OUT => Op::Write,
+        VIRTIO_BLK_T_FLUSH => Op::Flush,
+        VIRTIO_BLK_T_GET_ID => Op::GetId,
+        VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => Op::Discard(vec![]),
+        _ => return Err(reject(Some(status), VIRTIO_BLK_S_UNSUPP, "unsupported request type")),
+    };
+    let mut iov = Vec::new();
+    let op = match op {
+        Op::Read | Op::Write => {
+            let write = op == Op::Write;
+            if !all(!write) {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "data buffer has the wrong direction"));
+            }
+            if write && limits.read_only {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "write to a read-only volume"));
+            }
+            if len % SECTOR != 0 {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "data length is not a multiple of 512"));
+            }
+            if len > limits.max_data {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request larger than the device accepts"));
+            }
+            check_range(sector, len / SECTOR, limits.capacity_sectors)
+                .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
+            for s in &data {
+                for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
+                    let slice = slice.map_err(|_| reject(Some(status), VIRTIO_BLK_S_IOERR, "buffer outside guest memory"))?;
+                    iov.push(IoVec {
+                        iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                        iov_len: slice.len(),
+                    });
+                }
+            }
+            op
+        }
+        Op::Flush => Op::Flush,
+        Op::GetId => {
+            if !all(true) || len == 0 {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "GET_ID needs a writable buffer"));
+            }
+            for s in &data {
+                for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
+                    let slice = slice.map_err(|_| reject(Some(status), VIRTIO_BLK_S_IOERR, "buffer outside guest memory"))?;
+                    iov.push(IoVec {
+                        iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                        iov_len: slice.len(),
+                    });
+                }
+            }
+            Op::GetId
+        }
+        _ => {
+            let zeroes = ty == VIRTIO_BLK_T_WRITE_ZEROES;
+            if !all(false) {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "range buffer has the wrong direction"));
+            }
+            if limits.read_only {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "discard/write-zeroes on a read-only volume"));
+            }
+            if len == 0 || len % 16 != 0 {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "range list is not a multiple of 16 bytes"));
+            }
+            if len / 16 > limits.max_discard_segs as u64 {
+                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "too many discard/write-zeroes segments"));
+            }
+            let mut raw = Vec::with_capacity(len as usize);
+            for s in &data {
+                let mut b = vec![0u8; s.len as usize];
+                mem.read_slice(&mut b, s.addr)
+                    .map_err(|_| reject(Some(status), VIRTIO_BLK_S_IOERR, "range list unreadable"))?;
+                raw.extend_from_slice(&b);
+            }
+            let mut ranges = Vec::new();
+            let mut unmap = false;
+            for c in raw.chunks_exact(16) {
+                let sector = u64::from_le_bytes(c[0..8].try_into().expect("8 bytes"));
+                let sectors = u32::from_le_bytes(c[8..12].try_into().expect("4 bytes"));
+                let flags = u32::from_le_bytes(c[12..16].try_into().expect("4 bytes"));
+                let allowed = if zeroes { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP } else { 0 };
+                if flags & !allowed != 0 {
+                    return Err(reject(Some(status), VIRTIO_BLK_S_UNSUPP, "unsupported discard/write-zeroes flags"));
+                }
+                unmap |= flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+                if sectors > limits.max_discard_sectors {
+                    return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "discard/write-zeroes segment too large"));
+                }
+                check_range(sector, sectors as u64, limits.capacity_sectors)
+                    .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
+                ranges.push(Range { sector, sectors });
+            }
+            if zeroes {
+                Op::WriteZeroes { ranges, unmap }
+            } else {
+                Op::Discard(ranges)
+            }
+        }
+    };
+    Ok(Request {
+        head,
+        op,
+        sector,
+        iov,
+        len,
+        status,
+    })
+}
+
+fn check_range(sector: u64, sectors: u64, capacity: u64) -> Result<(), &'static str> {
+    match sector.checked_add(sectors) {
+        Some(end) if end <= capacity => Ok(()),
+        _ => Err("sector range beyond the end of the volume"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::mock::MockSplitQueue;
+    use virtio_queue::{Queue, QueueOwnedT};
+
+    const W: u16 = VRING_DESC_F_WRITE as u16;
+
+    fn mem() -> GuestMemory {
+        GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap()
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            capacity_sectors: 2048,
+            read_only: false,
+            max_data: 1 << 20,
+            max_discard_segs: 4,
+            max_discard_sectors: 1024,
+        }
+    }
+
+    fn header(mem: &GuestMemory, at: u64, ty: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&ty.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        mem.write_slice(&h, GuestAddress(at)).unwrap();
+    }
+
+    fn run(mem: &GuestMemory, descs: &[RawDescriptor], limits: &Limits) -> Result<Request, Rejected> {
+        let q = MockSplitQueue::new(mem, 16);
+        let n = descs.len();
+        let chained: Vec<RawDescriptor> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let x = Descriptor::from(*r);
+                let (flags, next) = if i + 1 < n {
+                    (x.flags() | VRING_DESC_F_NEXT as u16, i as u16 + 1)
+                } else {
+                    (x.flags(), 0)
+                };
+                RawDescriptor::from(Descriptor::new(x.addr().0, x.len(), flags, next))
+            })
+            .collect();
+        q.add_desc_chains(&chained, 0).unwrap();
+        let mut queue: Queue = q.create_queue().unwrap();
+        let chain = queue.iter(mem).unwrap().next().unwrap();
+        let head = chain.head_index();
+        parse(head, chain, mem, limits)
+    }
+
+    fn d(addr: u64, len: u32, flags: u16) -> RawDescriptor {
+        RawDescriptor::from(Descriptor::new(addr, len, flags, 0))
+    }
+
+    #[test]
+    fn read_with_libblkio_framing() {
+        let m = mem();
+        header(&m, 0x1000, VIRTIO_BLK_T_IN, 8);
+        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)], &limits()).unwrap();
+        assert_eq!(r.op, Op::Read);
+        assert_eq!((r.sector, r.len, r.status), (8, 4096, GuestAddress(0x3000)));
+        assert_eq!(r.iov.len(), 1);
+    }
+
+    #[test]
+    fn header_and_status_may_share_descriptors_with_data() {
+        let m = mem();
+        header(&m, 0x1000, VIRTIO_BLK_T_OUT, 0);
+        // header + data in one readable descriptor, status at the end of a writable one
+        let r = run(&m, &[d(0x1000, 16 + 512, 0), d(0x3000, 1, W)], &limits()).unwrap();
+        assert_eq!((r.op, r.len), (Op::Write, 512));
+        let r = run(&m, &[d(0x1000, 8, 0), d(0x1008, 8, 0), d(0x4000, 512 + 1, W)], &limits());
+        assert_eq!(r.unwrap_err().reason, "data buffer has the wrong direction");
+    }
+
+    #[test]
+    fn hostile_chains_are_rejected_with_a_status() {
+        let m = mem();
+        let l = limits();
+        let cases: Vec<(Vec<RawDescriptor>, u32, &str)> = vec![
+            (vec![d(0x1000, 16, 0), d(0x2000, 512, 0), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "wrong direction"),
+            (vec![d(0x1000, 16, 0), d(0x2000, 100, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "multiple of 512"),
+            (vec![d(0x1000, 16, 0), d(0xff000, 0x2000, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "outside guest memory"),
+            (vec![d(0x1000, 16, 0), d(u64::MAX - 10, 512, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "outside guest memory"),
+            (vec![d(0x1000, 8, 0), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "header too short"),
+            (vec![d(0x1000, 16, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "header is device-writable"),
+            (vec![d(0x1000, 16, 0), d(0x3000, 1, W)], 99, "unsupported request type"),
+        ];
+        for (descs, ty, why) in cases {
+            header(&m, 0x1000, ty, 0);
+            let e = run(&m, &descs, &l).unwrap_err();
+            assert!(e.reason.contains(why), "{why}: got {e:?}");
+            assert_eq!(e.status_addr, Some(GuestAddress(0x3000)), "{why}");
+        }
+        // No writable status byte at all: nothing can be written, but no panic either.
+        header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
+        let e = run(&m, &[d(0x1000, 16, 0), d(0x2000, 512, 0)], &l).unwrap_err();
+        assert_eq!(e.status_addr, None);
+        // Status outside memory.
+        let e = run(&m, &[d(0x1000, 16, 0), d(0x20_0000, 1, W)], &l).unwrap_err();
+        assert_eq!(e.status_addr, None);
+    }
+
+    #[test]
+    fn sector_ranges_are_overflow_checked() {
+        let m = mem();
+        for (sector, ok) in [(2040u64, true), (2041, false), (u64::MAX - 2, false), (u64::MAX / 512 + 1, false)] {
+            header(&m, 0x1000, VIRTIO_BLK_T_IN, sector);
+            let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)], &limits());
+            assert_eq!(r.is_ok(), ok, "sector {sector}: {r:?}");
+        }
+        let mut l = limits();
+        l.max_data = 2048;
+        header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
+        let e = run(&m, &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)], &l).unwrap_err();
+        assert!(e.reason.contains("larger"));
+    }
+
+    #[test]
+    fn read_only_refuses_writes_discards_and_zeroes() {
+        let m = mem();
+        let mut l = limits();
+        l.read_only = true;
+        for ty in [VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_WRITE_ZEROES] {
+            header(&m, 0x1000, ty, 0);
+            let e = run(&m, &[d(0x1000, 16, 0), d(0x2000, 512, 0), d(0x3000, 1, W)], &l).unwrap_err();
+            assert_eq!(e.status, VIRTIO_BLK_S_IOERR as u8);
+        }
+        header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
+        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 512, W), d(0x3000, 1, W)], &l).is_ok());
+    }
+
+    #[test]
+    fn discard_and_write_zeroes_segments() {
+        let m = mem();
+        let seg = |sector: u64, n: u32, flags: u32| {
+            let mut b = [0u8; 16];
+            b[0..8].copy_from_slice(&sector.to_le_bytes());
+            b[8..12].copy_from_slice(&n.to_le_bytes());
+            b[12..16].copy_from_slice(&flags.to_le_bytes());
+            b
+        };
+        m.write_slice(&seg(8, 16, 0), GuestAddress(0x2000)).unwrap();
+        m.write_slice(&seg(100, 8, 0), GuestAddress(0x2010)).unwrap();
+        header(&m, 0x1000, VIRTIO_BLK_T_DISCARD, 0);
+        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 32, 0), d(0x3000, 1, W)], &limits()).unwrap();
+        assert_eq!(r.op, Op::Discard(vec![Range { sector: 8, sectors: 16 }, Range { sector: 100, sectors: 8 }]));
+        m.write_slice(&seg(0, 8, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP), GuestAddress(0x2000)).unwrap();
+        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 32, 0), d(0x3000, 1, W)], &limits()).unwrap_err();
+        assert_eq!(r.status, VIRTIO_BLK_S_UNSUPP as u8, "unmap flag is not valid on discard");
+        header(&m, 0x1000, VIRTIO_BLK_T_WRITE_ZEROES, 0);
+        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)], &limits()).unwrap();
+        assert!(matches!(r.op, Op::WriteZeroes { unmap: true, .. }));
+        m.write_slice(&seg(2047, 2, 0), GuestAddress(0x2000)).unwrap();
+        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)], &limits()).is_err());
+        m.write_slice(&seg(0, 2000, 0), GuestAddress(0x2000)).unwrap();
+        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)], &limits()).is_err());
+        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 80, 0), d(0x3000, 1, W)], &limits()).is_err());
+        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 15, 0), d(0x3000, 1, W)], &limits()).is_err());
+    }
+
+    #[test]
+    fn looping_chain_is_bounded_and_rejected() {
+        let m = mem();
+        header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
+        let q = MockSplitQueue::new(&m, 4);
+        // 0 -> 1 -> 0 -> ... never ends.
+        let descs = [
+            RawDescriptor::from(Descriptor::new(0x1000, 16, VRING_DESC_F_NEXT as u16, 1)),
+            RawDescriptor::from(Descriptor::new(0x3000, 1, (VRING_DESC_F_NEXT | VRING_DESC_F_WRITE) as u16, 0)),
+        ];
+        for (i, desc) in descs.iter().enumerate() {
+            q.desc_table().store(i as u16, *desc).unwrap();
+        }
+        q.avail().ring().ref_at(0).unwrap().store(0u16.to_le());
+        q.avail().idx().store(1u16.to_le());
+        let mut queue: Queue = q.create_queue().unwrap();
+        let chain = queue.iter(&m).unwrap().next().unwrap();
+        let e = parse(chain.head_index(), chain, &m, &limits()).unwrap_err();
+        assert!(e.reason.contains("loops"), "{e:?}");
+    }
+
+    #[test]
+    fn parser_never_panics_on_random_chains() {
+        use proptest::prelude::*;
+        let m = mem();
+        proptest!(|(descs in prop::collection::vec((0u64..0x12_0000, 0u32..0x3000, any::<bool>()), 1..8),
+                    ty in 0u32..16, sector in any::<u64>())| {
+            header(&m, 0x1000, ty, sector);
+            let raw: Vec<_> = descs.iter().map(|&(a, l, w)| d(a, l, if w { W } else { 0 })).collect();
+            if let Ok(r) = run(&m, &raw, &limits()) {
+                // Anything accepted stays inside memory and the volume.
+                prop_assert!(r.len <= limits().max_data);
+                if matches!(r.op, Op::Read | Op::Write) {
+                    prop_assert!(r.sector + r.len / 512 <= 2048);
+                }
+            }
+        });
+    }
+}

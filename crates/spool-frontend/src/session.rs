@@ -1,0 +1,402 @@
+//! One vhost-user connection: the frontend's negotiated state and the queue workers it starts.
+//!
+//! Built on the rust-vmm `vhost` crate's low-level request handler trait (not
+//! `vhost-user-backend`), so that queue state stays ours: the journal and the upgrade handoff
+//! need to own where each ring resumes. Any message we cannot honour returns an error, which
+//! makes the connection loop close this connection only.
+
+use std::fs::File;
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
+use vhost::vhost_user::message::*;
+use vhost::VhostUserMemoryRegionBase;
+use vhost::vhost_user::{Backend, Error as VhostError, Result as VhostResult, VhostUserBackendReqHandlerMut};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestAddressSpace;
+
+use crate::blk_config;
+use crate::memory::{MemoryTable, MAX_MEM_SLOTS};
+use crate::request::{Limits, SECTOR};
+use crate::worker::{WorkerHandle, WorkerSpec};
+use crate::VolumeContext;
+
+/// Largest virtqueue we accept (libblkio and QEMU use up to 1024; the spec allows 32768).
+pub const MAX_QUEUE_SIZE: u16 = 32768;
+
+#[derive(Default)]
+struct Vring {
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+    base: u16,
+    kick: Option<File>,
+    call: Arc<ArcSwapOption<File>>,
+    err: Option<File>,
+    enabled: bool,
+    started: bool,
+    worker: Option<WorkerHandle>,
+}
+
+/// State of one frontend connection.
+pub struct Session {
+    ctx: Arc<VolumeContext>,
+    acked_features: u64,
+    acked_protocol: u64,
+    mem: MemoryTable,
+    vrings: Vec<Vring>,
+}
+
+fn invalid(msg: &str, ctx: &VolumeContext) -> VhostError {
+    tracing::warn!(volume = %ctx.name(), "vhost-user: {msg}");
+    VhostError::InvalidParam
+}
+
+impl Session {
+    /// A fresh session for a new connection.
+    pub fn new(ctx: Arc<VolumeContext>) -> Self {
+        let n = ctx.num_queues() as usize;
+        Session {
+            ctx,
+            acked_features: 0,
+            acked_protocol: 0,
+            mem: MemoryTable::default(),
+            vrings: (0..n).map(|_| Vring::default()).collect(),
+        }
+    }
+
+    fn vring(&mut self, index: u32) -> VhostResult<&mut Vring> {
+        let ctx = self.ctx.clone();
+        self.vrings
+            .get_mut(index as usize)
+            .ok_or_else(|| invalid(&format!("queue index {index} out of range"), &ctx))
+    }
+
+    fn protocol_negotiated(&self) -> bool {
+        self.acked_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
+    }
+
+    fn stop_worker(&mut self, index: usize) {
+        let v = &mut self.vrings[index];
+        if let Some(w) = v.worker.take() {
+            if let Some(q) = w.stop() {
+                v.base = q.next_avail();
+            }
+        }
+    }
+
+    /// Stops every worker (disconnect, reset).
+    pub fn stop_all(&mut self) {
+        for i in 0..self.vrings.len() {
+            self.stop_worker(i);
+        }
+    }
+
+    fn maybe_start(&mut self, index: usize) -> VhostResult<()> {
+        let ctx = self.ctx.clone();
+        let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let v = &self.vrings[index];
+        if !v.started || !v.enabled || v.worker.is_some() {
+            return Ok(());
+        }
+        let tr = |a: u64, what: &str| {
+            self.mem
+                .vva_to_gpa(a)
+                .ok_or_else(|| invalid(&format!("queue {index}: {what} address {a:#x} is not in guest memory"), &ctx))
+        };
+        let (desc, avail, used) = (tr(v.desc, "descriptor")?, tr(v.avail, "avail")?, tr(v.used, "used")?);
+        let mut q = Queue::new(MAX_QUEUE_SIZE).map_err(|_| VhostError::InvalidParam)?;
+        q.set_size(v.size);
+        q.set_desc_table_address(Some(desc.0 as u32), Some((desc.0 >> 32) as u32));
+        q.set_avail_ring_address(Some(avail.0 as u32), Some((avail.0 >> 32) as u32));
+        q.set_used_ring_address(Some(used.0 as u32), Some((used.0 >> 32) as u32));
+        q.set_event_idx(event_idx);
+        q.set_ready(true);
+        let mem = self.mem.atomic();
+        let guard = mem.memory();
+        if !q.is_valid(&*guard) {
+            return Err(invalid(&format!("queue {index}: size {} or ring addresses invalid", v.size), &ctx));
+        }
+        q.set_next_avail(v.base);
+        // The used index the guest sees is authoritative for where completions continue.
+        let used_idx = q
+            .used_idx(&*guard, std::sync::atomic::Ordering::Acquire)
+            .map_err(|_| invalid("used ring unreadable", &ctx))?;
+        q.set_next_used(used_idx.0);
+        drop(guard);
+        let layout = ctx.layout();
+        let cur = layout.load();
+        let limits = Limits {
+            capacity_sectors: cur.size / SECTOR,
+            read_only: cur.read_only,
+            max_data: blk_config::SIZE_MAX as u64 * blk_config::SEG_MAX as u64,
+            max_discard_segs: blk_config::MAX_DISCARD_SEG,
+            max_discard_sectors: blk_config::MAX_DISCARD_SECTORS,
+        };
+        drop(cur);
+        let kick = v
+            .kick
+            .as_ref()
+            .and_then(|k| k.try_clone().ok())
+            .ok_or_else(|| invalid("kick fd missing", &ctx))?;
+        let spec = WorkerSpec {
+            index: index as u16,
+            queue: q,
+            mem,
+            kick,
+            call: v.call.clone(),
+            layout,
+            limits,
+            serial: ctx.serial(),
+            poll_idle: ctx.settings().poll_idle,
+            volume: ctx.name().to_string(),
+        };
+        let w = WorkerHandle::spawn(spec).map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;
+        tracing::info!(volume = %ctx.name(), queue = index, size = v.size, base = v.base, "queue started");
+        self.vrings[index].worker = Some(w);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.stop_all();
+        let n = self.vrings.len();
+        self.vrings = (0..n).map(|_| Vring::default()).collect();
+        self.acked_features = 0;
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+impl VhostUserBackendReqHandlerMut for Session {
+    fn set_owner(&mut self) -> VhostResult<()> {
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VhostResult<()> {
+        self.reset();
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VhostResult<()> {
+        self.reset();
+        Ok(())
+    }
+
+    fn get_features(&mut self) -> VhostResult<u64> {
+        Ok(blk_config::features(self.ctx.layout().load().read_only))
+    }
+
+    fn set_features(&mut self, features: u64) -> VhostResult<()> {
+        let offered = self.get_features()?;
+        if features & !offered != 0 {
+            return Err(invalid(&format!("frontend acked features {features:#x} we did not offer"), &self.ctx));
+        }
+        self.acked_features = features;
+        if !self.protocol_negotiated() {
+            // Without VHOST_USER_F_PROTOCOL_FEATURES rings are enabled from the start.
+            for v in &mut self.vrings {
+                v.enabled = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        ctx: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        _postcopy_listening: Option<bool>,
+    ) -> VhostResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        self.mem
+            .set(ctx, files)
+            .map_err(|e| invalid(&e.to_string(), &self.ctx))?;
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VhostResult<()> {
+        let ctx = self.ctx.clone();
+        if num == 0 || num > MAX_QUEUE_SIZE as u32 || !num.is_power_of_two() {
+            return Err(invalid(&format!("queue size {num} must be a power of two up to {MAX_QUEUE_SIZE}"), &ctx));
+        }
+        self.vring(index)?.size = num as u16;
+        Ok(())
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VhostResult<()> {
+        if flags.contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG) {
+            return Err(invalid("dirty logging is not supported", &self.ctx));
+        }
+        let v = self.vring(index)?;
+        v.desc = descriptor;
+        v.used = used;
+        v.avail = available;
+        Ok(())
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VhostResult<()> {
+        let ctx = self.ctx.clone();
+        if base > u16::MAX as u32 {
+            return Err(invalid("vring base out of range", &ctx));
+        }
+        self.vring(index)?.base = base as u16;
+        Ok(())
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VhostResult<VhostUserVringState> {
+        self.vring(index)?;
+        self.stop_worker(index as usize);
+        let v = &mut self.vrings[index as usize];
+        v.started = false;
+        // GET_VRING_BASE stops the ring; the kick fd is closed by the frontend.
+        v.kick = None;
+        tracing::info!(volume = %self.ctx.name(), queue = index, base = v.base, "queue stopped");
+        Ok(VhostUserVringState::new(index, v.base as u32))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        let i = index as u32;
+        self.vring(i)?;
+        self.stop_worker(index as usize);
+        let v = &mut self.vrings[index as usize];
+        let Some(fd) = fd else {
+            return Err(invalid("polling mode kick (no fd) is not supported", &self.ctx));
+        };
+        v.kick = Some(fd);
+        v.started = true;
+        self.maybe_start(index as usize)
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        let v = self.vring(index as u32)?;
+        v.call.store(fd.map(Arc::new));
+        Ok(())
+    }
+
+    fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        self.vring(index as u32)?.err = fd;
+        Ok(())
+    }
+
+    fn get_protocol_features(&mut self) -> VhostResult<VhostUserProtocolFeatures> {
+        Ok(VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::RESET_DEVICE)
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {
+        let offered = self.get_protocol_features()?.bits();
+        if features & !offered != 0 {
+            return Err(invalid(&format!("frontend acked protocol features {features:#x} we did not offer"), &self.ctx));
+        }
+        self.acked_protocol = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VhostResult<u64> {
+        Ok(self.vrings.len() as u64)
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VhostResult<()> {
+        self.vring(index)?.enabled = enable;
+        if enable {
+            self.maybe_start(index as usize)
+        } else {
+            self.stop_worker(index as usize);
+            Ok(())
+        }
+    }
+
+    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VhostResult<Vec<u8>> {
+        let l = self.ctx.layout().load();
+        let space = blk_config::config_space(l.size, self.vrings.len() as u16);
+        let (off, size) = (offset as usize, size as usize);
+        let mut out = vec![0u8; size];
+        if off < space.len() {
+            let n = (space.len() - off).min(size);
+            out[..n].copy_from_slice(&space[off..off + n]);
+        }
+        Ok(out)
+    }
+
+    fn set_config(&mut self, _offset: u32, _buf: &[u8], _flags: VhostUserConfigFlags) -> VhostResult<()> {
+        // Nothing in our config space is writable (CONFIG_WCE is not offered).
+        Ok(())
+    }
+
+    fn set_backend_req_fd(&mut self, _backend: Backend) {}
+
+    fn set_gpu_socket(&mut self, _gpu_backend: vhost::vhost_user::GpuBackend) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation("gpu socket"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VhostResult<File> {
+        Err(VhostError::InvalidOperation("shared objects"))
+    }
+
+    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> VhostResult<(VhostUserInflight, File)> {
+        Err(VhostError::InvalidOperation("inflight fd"))
+    }
+
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation("inflight fd"))
+    }
+
+    fn get_max_mem_slots(&mut self) -> VhostResult<u64> {
+        Ok(MAX_MEM_SLOTS)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        _postcopy_listening: Option<bool>,
+    ) -> VhostResult<Option<VhostUserMemoryRegionBase>> {
+        self.mem
+            .add(region, fd)
+            .map_err(|e| invalid(&e.to_string(), &self.ctx))?;
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VhostResult<()> {
+        self.mem
+            .remove(region)
+            .map_err(|e| invalid(&e.to_string(), &self.ctx))
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VhostResult<Option<File>> {
+        Err(VhostError::InvalidOperation("device state"))
+    }
+
+    fn check_device_state(&mut self) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation("device state"))
+    }
+
+    fn get_shmem_config(&mut self) -> VhostResult<VhostUserShMemConfig> {
+        Err(VhostError::InvalidOperation("shmem"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VhostResult<()> {
+        Err(VhostError::InvalidOperation("dirty logging"))
+    }
+}

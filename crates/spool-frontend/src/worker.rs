@@ -1,0 +1,524 @@
+//! One polling I/O worker per virtqueue.
+//!
+//! The worker thread owns its [`Queue`], its in-flight table and one [`DeviceQueue`] per device
+//! the volume lives on: nothing on the data path is shared or locked. It polls the avail ring
+//! and the device completions; after `poll_idle` without work it re-enables guest
+//! notifications and sleeps in epoll on the kick eventfd, the device completion eventfds and
+//! its own wake eventfd (event-driven mode). All per-queue state lives in [`QueueWorker`], the
+//! seam where the journal hooks in.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use spool_devices::{DeviceIo, DeviceQueue, IoVec};
+use spool_pool::VolumeLayout;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::request::{self, GuestMemory, Limits, Op, Request, ID_LEN, SECTOR};
+
+/// What a worker needs to start.
+pub struct WorkerSpec {
+    pub index: u16,
+    pub queue: Queue,
+    pub mem: GuestMemoryAtomic<GuestMemory>,
+    pub kick: File,
+    pub call: Arc<ArcSwapOption<File>>,
+    pub layout: Arc<ArcSwap<VolumeLayout>>,
+    pub limits: Limits,
+    pub serial: [u8; ID_LEN],
+    pub poll_idle: Duration,
+    pub volume: String,
+}
+
+/// Handle to a running worker.
+pub struct WorkerHandle {
+    stop: Arc<AtomicBool>,
+    wake: EventFd,
+    thread: Option<JoinHandle<Queue>>,
+}
+
+impl WorkerHandle {
+    /// Starts a worker thread.
+    pub fn spawn(spec: WorkerSpec) -> std::io::Result<WorkerHandle> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
+        let worker = QueueWorker::new(spec, stop.clone(), wake.try_clone()?)?;
+        let name = format!("q{}-{}", worker.index, worker.volume);
+        let thread = std::thread::Builder::new()
+            .name(name.chars().take(15).collect())
+            .spawn(move || worker.run())?;
+        Ok(WorkerHandle {
+            stop,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the worker after the requests it holds have completed (bounded wait), and gives
+    /// the queue back (its `next_avail` is what GET_VRING_BASE reports).
+    pub fn stop(mut self) -> Option<Queue> {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        self.thread.take().and_then(|t| t.join().ok())
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.stop.store(true, Ordering::Release);
+            let _ = self.wake.write(1);
+            let _ = t.join();
+        }
+    }
+}
+
+/// A request between submission to the devices and completion to the guest.
+///
+/// Holds raw iovec pointers into guest memory, so it is not `Send` by default.
+struct Inflight {
+    status: GuestAddress,
+    used_len: u32,
+    pending: u32,
+    status_code: u8,
+    /// Per-device-piece iovec arrays; the device holds raw pointers into them.
+    parts: Vec<Vec<IoVec>>,
+    /// Keeps the guest mapping alive while the device may write into it.
+    _mem: Arc<GuestMemory>,
+}
+
+// SAFETY: the raw pointers in `parts` point into the guest mapping held by `_mem` in the same
+// value; moving the value to another thread moves that ownership with it, and only the one
+// worker thread that owns the slot ever dereferences them (through the device queue).
+unsafe impl Send for Inflight {}
+
+const TOKEN_KICK: u64 = 0;
+const TOKEN_WAKE: u64 = 1;
+const TOKEN_DEVICE: u64 = 2;
+/// How long the drain on stop waits for device completions before giving up.
+const STOP_DRAIN: Duration = Duration::from_secs(5);
+
+/// The per-queue state: the virtqueue, its in-flight table, and its device queues.
+pub struct QueueWorker {
+    index: u16,
+    volume: String,
+    queue: Queue,
+    mem: GuestMemoryAtomic<GuestMemory>,
+    kick: File,
+    call: Arc<ArcSwapOption<File>>,
+    layout_src: Arc<ArcSwap<VolumeLayout>>,
+    layout: Arc<VolumeLayout>,
+    devices: Vec<Box<dyn DeviceQueue>>,
+    slots: Vec<Option<Inflight>>,
+    in_flight: usize,
+    limits: Limits,
+    serial: [u8; ID_LEN],
+    poll_idle: Duration,
+    stop: Arc<AtomicBool>,
+    wake: EventFd,
+    epoll: Epoll,
+    need_notify: bool,
+    broken: bool,
+}
+
+impl QueueWorker {
+    fn new(spec: WorkerSpec, stop: Arc<AtomicBool>, wake: EventFd) -> std::io::Result<Self> {
+        let layout = spec.layout.load_full();
+        let size = spec.queue.size() as usize;
+        let epoll = Epoll::new()?;
+        epoll.ctl(
+            ControlOperation::Add,
+            spec.kick.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_KICK),
+        )?;
+        epoll.ctl(
+            ControlOperation::Add,
+            wake.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_WAKE),
+        )?;
+        let mut w = QueueWorker {
+            index: spec.index,
+            volume: spec.volume,
+            queue: spec.queue,
+            mem: spec.mem,
+            kick: spec.kick,
+            call: spec.call,
+            layout_src: spec.layout,
+            layout,
+            devices: Vec::new(),
+            slots: (0..size).map(|_| None).collect(),
+            in_flight: 0,
+            limits: spec.limits,
+            serial: spec.serial,
+            poll_idle: spec.poll_idle,
+            stop,
+            wake,
+            epoll,
+            need_notify: false,
+            broken: false,
+        };
+        w.open_device_queues()?;
+        Ok(w)
+    }
+
+    /// Opens queues for devices the layout gained (a grown volume may span new devices; the
+    /// pool keeps existing device indices stable).
+    fn open_device_queues(&mut self) -> std::io::Result<()> {
+        let depth = (self.slots.len() as u32 * 2).max(64);
+        while self.devices.len() < self.layout.devices.len() {
+            let d = self.devices.len();
+            let q = self.layout.devices[d].open_queue(depth)?;
+            self.epoll.ctl(
+                ControlOperation::Add,
+                q.completion_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_DEVICE + d as u64),
+            )?;
+            self.devices.push(Box::new(q));
+        }
+        Ok(())
+    }
+
+    fn refresh_layout(&mut self) {
+        let cur = self.layout_src.load();
+        if !Arc::ptr_eq(&cur, &self.layout) {
+            let new = arc_swap::Guard::into_inner(cur);
+            self.limits.capacity_sectors = new.size / SECTOR;
+            self.layout = new;
+            if let Err(e) = self.open_device_queues() {
+                tracing::error!(volume = %self.volume, queue = self.index, error = %e, "cannot open device queue for grown volume");
+            }
+        }
+    }
+
+    fn run(mut self) -> Queue {
+        tracing::debug!(volume = %self.volume, queue = self.index, "worker started");
+        let mut last_work = Instant::now();
+        let mut events = vec![EpollEvent::default(); 8];
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                break;
+            }
+            self.refresh_layout();
+            let mem = self.mem.memory().into_inner();
+            let mut work = self.poll_avail(&mem);
+            for d in 0..self.devices.len() {
+                if let Err(e) = self.devices[d].kick() {
+                    tracing::error!(volume = %self.volume, error = %e, "device submit failed");
+                }
+            }
+            work |= self.reap(&mem);
+            self.notify(&mem);
+            if work {
+                last_work = Instant::now();
+                continue;
+            }
+            if last_work.elapsed() < self.poll_idle {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Event-driven mode: ask the guest to kick us, re-check, then sleep.
+            match self.queue.enable_notification(&*mem) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    self.fail_queue(&e.to_string());
+                }
+            }
+            let n = match self.epoll.wait(1000, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+                Err(e) => {
+                    tracing::error!(volume = %self.volume, error = %e, "epoll failed");
+                    std::thread::sleep(Duration::from_millis(1));
+                    0
+                }
+            };
+            let mut buf = [0u8; 8];
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_KICK => {
+                        let _ = (&self.kick).read(&mut buf);
+                    }
+                    TOKEN_WAKE => {
+                        let _ = self.wake.read();
+                    }
+                    t => {
+                        let d = (t - TOKEN_DEVICE) as usize;
+                        if let Some(q) = self.devices.get(d) {
+                            q.ack_completion_event();
+                        }
+                    }
+                }
+            }
+            if !self.broken {
+                let _ = self.queue.disable_notification(&*mem);
+            }
+            last_work = Instant::now();
+        }
+        self.drain();
+        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.queue.next_avail(), "worker stopped");
+        self.queue
+    }
+
+    /// Completes what is in flight before handing the queue back.
+    fn drain(&mut self) {
+        let deadline = Instant::now() + STOP_DRAIN;
+        while self.in_flight > 0 && Instant::now() < deadline {
+            let mem = self.mem.memory().into_inner();
+            for d in 0..self.devices.len() {
+                let _ = self.devices[d].kick();
+            }
+            if !self.reap(&mem) {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            self.notify(&mem);
+        }
+        if self.in_flight > 0 {
+            tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
+        }
+    }
+
+    fn fail_queue(&mut self, why: &str) {
+        if !self.broken {
+            tracing::error!(volume = %self.volume, queue = self.index, error = why, "virtqueue is broken; ignoring it until the guest resets the device");
+            self.broken = true;
+        }
+    }
+
+    /// Takes every available request from the ring and submits it. Returns true if any.
+    fn poll_avail(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        if self.broken {
+            return false;
+        }
+        let mut any = false;
+        loop {
+            let chain = match self.queue.iter(&**mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    self.fail_queue(&e.to_string());
+                    return any;
+                }
+            };
+            let Some(chain) = chain else { break };
+            any = true;
+            let head = chain.head_index();
+            match request::parse(head, chain, mem, &self.limits) {
+                Ok(req) => self.submit(req, mem),
+                Err(rej) => {
+                    tracing::debug!(volume = %self.volume, head, reason = rej.reason, "request rejected");
+                    if let Some(a) = rej.status_addr {
+                        let _ = mem.write_obj(rej.status, a);
+                    }
+                    self.complete_used(mem, head, 1);
+                }
+            }
+        }
+        any
+    }
+
+    fn complete_used(&mut self, mem: &GuestMemory, head: u16, len: u32) {
+        if let Err(e) = self.queue.add_used(mem, head, len) {
+            self.fail_queue(&e.to_string());
+        }
+        self.need_notify = true;
+    }
+
+    fn submit(&mut self, req: Request, mem: &Arc<GuestMemory>) {
+        let head = req.head;
+        let slot = head as usize;
+        if self.slots.get(slot).is_none_or(|s| s.is_some()) {
+            // A head the guest has not got back yet, offered again: a driver bug. Completing
+            // it would corrupt the request in flight; leave it.
+            tracing::warn!(volume = %self.volume, head, "guest reused a descriptor head that is still in flight; ignored");
+            return;
+        }
+        let mut inf = Inflight {
+            status: req.status,
+            used_len: 1,
+            pending: 0,
+            status_code: VIRTIO_BLK_S_OK as u8,
+            parts: Vec::new(),
+            _mem: mem.clone(),
+        };
+        let mut ios: Vec<(usize, DeviceIo)> = Vec::new();
+        match &req.op {
+            Op::Read | Op::Write => {
+                let write = req.op == Op::Write;
+                if !write {
+                    inf.used_len = (req.len as u32).saturating_add(1);
+                }
+                let mut pieces = Vec::new();
+                self.layout
+                    .map(req.sector * SECTOR, req.len, |d, off, len, at| pieces.push((d, off, len, at)));
+                if pieces.len() == 1 {
+                    inf.parts.push(req.iov);
+                } else {
+                    for &(_, _, len, at) in &pieces {
+                        inf.parts.push(slice_iov(&req.iov, at, len));
+                    }
+                }
+                for (i, &(d, off, len, _)) in pieces.iter().enumerate() {
+                    let iov = inf.parts[i].as_ptr();
+                    let iovcnt = inf.parts[i].len() as u32;
+                    ios.push((
+                        d,
+                        if write {
+                            DeviceIo::Write { offset: off, len, iov, iovcnt }
+                        } else {
+                            DeviceIo::Read { offset: off, len, iov, iovcnt }
+                        },
+                    ));
+                }
+            }
+            Op::Flush => {
+                for d in 0..self.layout.devices.len() {
+                    ios.push((d, DeviceIo::Flush));
+                }
+            }
+            Op::GetId => {
+                let mut left = &self.serial[..];
+                let mut written = 0u32;
+                for v in &req.iov {
+                    let n = v.iov_len.min(left.len());
+                    // SAFETY: `v` was produced by the parser from a vm-memory slice inside the
+                    // guest mapping `mem`, which is alive here; n <= v.iov_len. The guest may
+                    // race on these bytes, which only affects what it reads back.
+                    unsafe { std::ptr::copy_nonoverlapping(left.as_ptr(), v.iov_base.cast::<u8>(), n) };
+                    left = &left[n..];
+                    written += n as u32;
+                }
+                inf.used_len = written + 1;
+            }
+            Op::Discard(ranges) | Op::WriteZeroes { ranges, .. } => {
+                let zeroes = matches!(req.op, Op::WriteZeroes { .. });
+                for r in ranges {
+                    self.layout
+                        .map(r.sector * SECTOR, r.sectors as u64 * SECTOR, |d, off, len, _| {
+                            ios.push((
+                                d,
+                                if zeroes {
+                                    DeviceIo::WriteZeroes { offset: off, len }
+                                } else {
+                                    DeviceIo::Discard { offset: off, len }
+                                },
+                            ))
+                        });
+                }
+            }
+        }
+        inf.pending = ios.len() as u32;
+        if inf.pending == 0 {
+            let _ = mem.write_obj(inf.status_code, inf.status);
+            self.complete_used(mem, head, inf.used_len);
+            return;
+        }
+        self.slots[slot] = Some(inf);
+        self.in_flight += 1;
+        for (d, io) in ios {
+            // SAFETY: the iovec arrays live in `self.slots[slot].parts` (their heap buffers do
+            // not move) and point into the guest mapping that the slot keeps alive; the slot
+            // is only cleared once every piece of this request has been reaped.
+            unsafe { self.devices[d].submit(io, head as u64) };
+        }
+    }
+
+    /// Reaps device completions; completes finished requests to the guest.
+    fn reap(&mut self, mem: &GuestMemory) -> bool {
+        let mut finished: Vec<u16> = Vec::new();
+        let mut any = false;
+        for d in 0..self.devices.len() {
+            let slots = &mut self.slots;
+            let volume = &self.volume;
+            let n = self.devices[d].reap(&mut |tag, res| {
+                let Some(Some(inf)) = slots.get_mut(tag as usize) else {
+                    tracing::error!(tag, "completion for a request that is not in flight");
+                    return;
+                };
+                if res < 0 {
+                    tracing::warn!(volume = %volume, head = tag, errno = -res, "device I/O failed");
+                    inf.status_code = VIRTIO_BLK_S_IOERR as u8;
+                }
+                inf.pending -= 1;
+                if inf.pending == 0 {
+                    finished.push(tag as u16);
+                }
+            });
+            any |= n > 0;
+        }
+        for head in finished {
+            if let Some(inf) = self.slots[head as usize].take() {
+                self.in_flight -= 1;
+                let _ = mem.write_obj(inf.status_code, inf.status);
+                self.complete_used(mem, head, inf.used_len);
+            }
+        }
+        any
+    }
+
+    fn notify(&mut self, mem: &GuestMemory) {
+        if !self.need_notify {
+            return;
+        }
+        self.need_notify = false;
+        match self.queue.needs_notification(mem) {
+            Ok(false) => {}
+            Ok(true) | Err(_) => {
+                if let Some(call) = self.call.load().as_ref() {
+                    let _ = (&**call).write(&1u64.to_ne_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// The iovecs covering `[at, at + len)` of the data described by `iov`.
+fn slice_iov(iov: &[IoVec], at: u64, len: u64) -> Vec<IoVec> {
+    let mut out = Vec::new();
+    let mut pos = 0u64;
+    let end = at + len;
+    for v in iov {
+        let vstart = pos;
+        let vend = pos + v.iov_len as u64;
+        pos = vend;
+        if vend <= at || vstart >= end {
+            continue;
+        }
+        let s = at.max(vstart);
+        let e = end.min(vend);
+        out.push(IoVec {
+            iov_base: (v.iov_base as usize + (s - vstart) as usize) as *mut libc::c_void,
+            iov_len: (e - s) as usize,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slice_iov_splits_across_buffers() {
+        let v = [
+            IoVec { iov_base: 0x1000 as *mut _, iov_len: 512 },
+            IoVec { iov_base: 0x5000 as *mut _, iov_len: 1024 },
+        ];
+        let s = slice_iov(&v, 256, 512);
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].iov_base as usize, s[0].iov_len), (0x1100, 256));
+        assert_eq!((s[1].iov_base as usize, s[1].iov_len), (0x5000, 256));
+        let s = slice_iov(&v, 512, 1024);
+        assert_eq!(s.len(), 1);
+        assert_eq!((s[0].iov_base as usize, s[0].iov_len), (0x5000, 1024));
+    }
+}
