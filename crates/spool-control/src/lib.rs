@@ -1,0 +1,28 @@
+//! Control plane: the `spoold` process (config, start-up, signals, JSON-RPC API) and the
+//! client side `spoolctl` uses.
+//!
+//! Owns: turning a config file or RPC call into pool and frontend operations, and the
+//! socket layout under the state directory.
+//!
+//! Must not know: virtio or on-device formats; it talks to the pool and frontend layers only
+//! through their public APIs.
+
+pub mod config;
+pub mod daemon;
+pub mod rpc;
+pub mod size;
+
+pub use config::Config;
+pub use daemon::Daemon;
+
+/// A ready-to-paste QEMU command line that boots a VM with `socket` as its disk.
+pub fn qemu_command_line(socket: &std::path::Path, name: &str, num_queues: u16) -> String {
+    format!(
+        "qemu-system-x86_64 -machine q35 -accel kvm -cpu host -smp 2 -m 1G \\\n  \
+         -object memory-backend-memfd,id=mem,size=1G,share=on -numa node,memdev=mem \\\n  \
+         -chardev socket,id={name},path={},reconnect=1 \\\n  \
+         -device vhost-user-blk-pci,chardev={name},num-queues={num_queues} \\\n  \
+         -kernel YOUR_KERNEL -append 'console=ttyS0 root=/dev/vda' -nographic",
+        socket.display()
+    )
+}

@@ -1,0 +1,237 @@
+//! spoolctl: command-line client of spoold's JSON-RPC API.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use serde_json::{json, Value};
+use spool_control::rpc::Client;
+use spool_control::size::{format_size, parse_size};
+
+/// Manage a running spoold: its pool, devices and volumes.
+#[derive(Parser)]
+#[command(version)]
+struct Args {
+    /// spoold's RPC socket.
+    #[arg(short, long, env = "SPOOL_SOCKET", default_value = "spool-state/spoold.sock")]
+    socket: PathBuf,
+    /// Print the raw JSON result (for scripts).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The storage pool.
+    Pool {
+        #[command(subcommand)]
+        cmd: PoolCmd,
+    },
+    /// Devices of the pool.
+    Device {
+        #[command(subcommand)]
+        cmd: DeviceCmd,
+    },
+    /// Logical volumes.
+    Volume {
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
+    /// Send any RPC method with JSON params (for debugging).
+    Rpc { method: String, params: Option<String> },
+}
+
+#[derive(Subcommand)]
+enum PoolCmd {
+    /// Show the pool: size, free space, devices.
+    Show,
+}
+
+#[derive(Subcommand)]
+enum DeviceCmd {
+    /// List devices.
+    List,
+    /// Add a file or block device to the pool.
+    Add {
+        path: PathBuf,
+        /// Create a sparse file of this size if PATH does not exist (e.g. 10G).
+        #[arg(long)]
+        create_size: Option<String>,
+        /// Reformat the device if it holds foreign or unreadable metadata (its data is lost).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum VolumeCmd {
+    /// List volumes.
+    List,
+    /// Show one volume (by name or UUID).
+    Show { id: String },
+    /// Create a volume.
+    Create {
+        name: String,
+        /// Capacity, e.g. 10G (a multiple of 512 bytes).
+        size: String,
+        #[arg(long)]
+        read_only: bool,
+        /// Number of virtqueues (1-64).
+        #[arg(long, default_value_t = 2)]
+        queues: u16,
+    },
+    /// Delete a volume (its data is lost).
+    Delete {
+        id: String,
+        /// Disconnect a connected client first.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Grow a volume to SIZE.
+    Resize { id: String, size: String },
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    parse_size(s)
+}
+
+fn table(rows: Vec<Vec<String>>) -> String {
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    rows.iter()
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+                .collect::<Vec<_>>()
+                .join("  ")
+                .trim_end()
+                .to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn s(v: &Value, k: &str) -> String {
+    match &v[k] {
+        Value::String(x) => x.clone(),
+        Value::Null => "-".into(),
+        x => x.to_string(),
+    }
+}
+
+fn sz(v: &Value, k: &str) -> String {
+    v[k].as_u64().map(format_size).unwrap_or_else(|| "-".into())
+}
+
+fn volumes_table(vs: &[Value]) -> String {
+    let mut rows = vec![["NAME", "UUID", "SIZE", "QUEUES", "MODE", "STATE", "SOCKET"].map(String::from).to_vec()];
+    for v in vs {
+        rows.push(vec![
+            s(v, "name"),
+            s(v, "uuid"),
+            sz(v, "size"),
+            s(v, "num_queues"),
+            if v["read_only"] == json!(true) { "ro".into() } else { "rw".into() },
+            if v["online"] == json!(false) {
+                "offline".into()
+            } else if v["connected"] == json!(true) {
+                "connected".into()
+            } else {
+                "ready".into()
+            },
+            s(v, "socket"),
+        ]);
+    }
+    table(rows)
+}
+
+fn devices_table(ds: &[Value]) -> String {
+    let mut rows = vec![["UUID", "PATH", "SIZE", "FREE", "DIRECT", "STATE"].map(String::from).to_vec()];
+    for d in ds {
+        rows.push(vec![
+            s(d, "uuid"),
+            s(d, "path"),
+            sz(d, "size"),
+            sz(d, "free"),
+            if d["direct_io"] == json!(true) { "yes".into() } else { "no".into() },
+            if d["present"] == json!(true) { "present".into() } else { "MISSING".into() },
+        ]);
+    }
+    table(rows)
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let (method, params): (&str, Value) = match &args.cmd {
+        Cmd::Pool { cmd: PoolCmd::Show } => ("pool_show", json!({})),
+        Cmd::Device { cmd: DeviceCmd::List } => ("device_list", json!({})),
+        Cmd::Device { cmd: DeviceCmd::Add { path, create_size, force } } => {
+            let path = std::path::absolute(path).map_err(|e| e.to_string())?;
+            let mut p = json!({"path": path, "force": force});
+            if let Some(c) = create_size {
+                p["create_size"] = json!(size(c)?);
+            }
+            ("device_add", p)
+        }
+        Cmd::Volume { cmd: VolumeCmd::List } => ("volume_list", json!({})),
+        Cmd::Volume { cmd: VolumeCmd::Show { id } } => ("volume_show", json!({"id": id})),
+        Cmd::Volume { cmd: VolumeCmd::Create { name, size: sz, read_only, queues } } => (
+            "volume_create",
+            json!({"name": name, "size": size(sz)?, "read_only": read_only, "num_queues": queues}),
+        ),
+        Cmd::Volume { cmd: VolumeCmd::Delete { id, force } } => ("volume_delete", json!({"id": id, "force": force})),
+        Cmd::Volume { cmd: VolumeCmd::Resize { id, size: sz } } => ("volume_resize", json!({"id": id, "size": size(sz)?})),
+        Cmd::Rpc { method, params } => {
+            let p = match params {
+                Some(t) => serde_json::from_str(t).map_err(|e| format!("params are not JSON: {e}"))?,
+                None => json!({}),
+            };
+            (method.as_str(), p)
+        }
+    };
+    let mut c = Client::connect(&args.socket)?;
+    let r = c.call(method, params).map_err(|e| e.message)?;
+    if args.json || matches!(args.cmd, Cmd::Rpc { .. }) {
+        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+        return Ok(());
+    }
+    match &args.cmd {
+        Cmd::Pool { .. } => {
+            println!(
+                "pool {} ({})  generation {}  size {}  free {}  min extent {}  volumes {}",
+                s(&r, "name"),
+                s(&r, "uuid"),
+                s(&r, "generation"),
+                sz(&r, "size"),
+                sz(&r, "free"),
+                sz(&r, "min_extent"),
+                s(&r, "volumes")
+            );
+            println!("{}", devices_table(r["devices"].as_array().map(Vec::as_slice).unwrap_or(&[])));
+        }
+        Cmd::Device { cmd: DeviceCmd::List } => {
+            println!("{}", devices_table(r.as_array().map(Vec::as_slice).unwrap_or(&[])))
+        }
+        Cmd::Device { .. } => println!("{}", devices_table(&[r])),
+        Cmd::Volume { cmd: VolumeCmd::List } => {
+            println!("{}", volumes_table(r.as_array().map(Vec::as_slice).unwrap_or(&[])))
+        }
+        Cmd::Volume { cmd: VolumeCmd::Delete { .. } } => println!("deleted volume {} ({})", s(&r, "name"), s(&r, "uuid")),
+        Cmd::Volume { .. } => println!("{}", volumes_table(&[r])),
+        Cmd::Rpc { .. } => {}
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("spoolctl: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! The daemon's declarative configuration (TOML), and the embedded default used when no
+//! config file is given (file-backed devices under a state directory).
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::size::parse_size;
+
+/// A size written as a number of bytes or a string with a suffix.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    fn bytes(&self, what: &str) -> Result<u64, String> {
+        match self {
+            SizeValue::Bytes(n) => Ok(*n),
+            SizeValue::Text(s) => parse_size(s).map_err(|e| format!("{what}: {e}")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawPool {
+    name: Option<String>,
+    min_extent: Option<SizeValue>,
+    #[serde(default)]
+    no_direct: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDevice {
+    path: PathBuf,
+    create_size: Option<SizeValue>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawVolume {
+    name: String,
+    size: SizeValue,
+    #[serde(default)]
+    read_only: bool,
+    num_queues: Option<u16>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawIo {
+    poll_idle_us: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    state_dir: PathBuf,
+    rpc_socket: Option<PathBuf>,
+    socket_dir: Option<PathBuf>,
+    #[serde(default)]
+    pool: RawPool,
+    #[serde(default)]
+    devices: Vec<RawDevice>,
+    #[serde(default)]
+    volumes: Vec<RawVolume>,
+    #[serde(default)]
+    io: RawIo,
+}
+
+/// A device to put in the pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceConfig {
+    pub path: PathBuf,
+    pub create_size: Option<u64>,
+}
+
+/// A volume that must exist (created at start if missing, grown if smaller).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VolumeConfig {
+    pub name: String,
+    pub size: u64,
+    pub read_only: bool,
+    pub num_queues: u16,
+}
+
+/// The validated daemon configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    pub rpc_socket: PathBuf,
+    pub socket_dir: PathBuf,
+    pub pool_name: String,
+    pub min_extent: u64,
+    pub no_direct: bool,
+    pub devices: Vec<DeviceConfig>,
+    pub volumes: Vec<VolumeConfig>,
+    pub poll_idle_us: u64,
+}
+
+/// Default number of queues per volume.
+pub const DEFAULT_QUEUES: u16 = 2;
+
+/// The config used when none is given: two sparse 2 GiB files and one 1 GiB volume.
+pub fn embedded_default(state_dir: &Path) -> String {
+    format!(
+        r#"# Spool embedded default: file-backed devices under the state directory.
+state_dir = "{dir}"
+
+[pool]
+name = "pool0"
+min_extent = "4M"
+
+[[devices]]
+path = "{dir}/dev0.img"
+create_size = "2G"
+
+[[devices]]
+path = "{dir}/dev1.img"
+create_size = "2G"
+
+[[volumes]]
+name = "vol0"
+size = "1G"
+num_queues = 2
+"#,
+        dir = state_dir.display()
+    )
+}
+
+impl Config {
+    /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
+    pub fn parse(text: &str, base: &Path) -> Result<Config, String> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
+        let abs = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+        let state_dir = abs(&raw.state_dir);
+        let min_extent = match &raw.pool.min_extent {
+            Some(s) => s.bytes("pool.min_extent")?,
+            None => 4 << 20,
+        };
+        if !min_extent.is_power_of_two() || min_extent < 64 * 1024 {
+            return Err(format!(
+                "pool.min_extent: {min_extent} must be a power of two of at least 64K"
+            ));
+        }
+        let mut devices = Vec::new();
+        for d in &raw.devices {
+            devices.push(DeviceConfig {
+                path: abs(&d.path),
+                create_size: d
+                    .create_size
+                    .as_ref()
+                    .map(|s| s.bytes(&format!("device {}: create_size", d.path.display())))
+                    .transpose()?,
+            });
+        }
+        let mut volumes = Vec::new();
+        for v in &raw.volumes {
+            let size = v.size.bytes(&format!("volume {}: size", v.name))?;
+            let q = v.num_queues.unwrap_or(DEFAULT_QUEUES);
+            if !(1..=64).contains(&q) {
+                return Err(format!("volume {}: num_queues {q} must be 1..=64", v.name));
+            }
+            if volumes.iter().any(|x: &VolumeConfig| x.name == v.name) {
+                return Err(format!("volume {} is listed twice", v.name));
+            }
+            volumes.push(VolumeConfig {
+                name: v.name.clone(),
+                size,
+                read_only: v.read_only,
+                num_queues: q,
+            });
+        }
+        Ok(Config {
+            rpc_socket: raw
+                .rpc_socket
+                .as_deref()
+                .map(abs)
+                .unwrap_or_else(|| state_dir.join("spoold.sock")),
+            socket_dir: raw
+                .socket_dir
+                .as_deref()
+                .map(abs)
+                .unwrap_or_else(|| state_dir.join("vhost")),
+            state_dir,
+            pool_name: raw.pool.name.unwrap_or_else(|| "pool0".into()),
+            min_extent,
+            no_direct: raw.pool.no_direct,
+            devices,
+            volumes,
+            poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),
+        })
+    }
+
+    /// Reads a config file.
+    pub fn load(path: &Path) -> Result<Config, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let base = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        Config::parse(&text, &base).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_parses() {
+        let c = Config::parse(&embedded_default(Path::new("/tmp/s")), Path::new("/")).unwrap();
+        assert_eq!(c.devices.len(), 2);
+        assert_eq!(c.devices[0].create_size, Some(2 << 30));
+        assert_eq!(c.volumes[0].size, 1 << 30);
+        assert_eq!(c.rpc_socket, Path::new("/tmp/s/spoold.sock"));
+        assert_eq!(c.socket_dir, Path::new("/tmp/s/vhost"));
+    }
+
+    #[test]
+    fn bad_configs_say_what_is_wrong() {
+        for (text, needle) in [
+            ("state_dir = 1", "state_dir"),
+            ("state_dir = \"/x\"\nbogus = 1", "bogus"),
+            ("state_dir = \"/x\"\n[pool]\nmin_extent = \"3M\"", "power of two"),
+            ("state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = \"lots\"", "volume a: size"),
+            ("state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\nnum_queues = 0", "num_queues"),
+        ] {
+            let e = Config::parse(text, Path::new("/")).unwrap_err();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn relative_paths_are_relative_to_the_config_file() {
+        let c = Config::parse(
+            "state_dir = \"st\"\n[[devices]]\npath = \"d.img\"\ncreate_size = 1048576",
+            Path::new("/etc/spool"),
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, Path::new("/etc/spool/st"));
+        assert_eq!(c.devices[0].path, Path::new("/etc/spool/d.img"));
+    }
+}

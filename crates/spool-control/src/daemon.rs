@@ -1,0 +1,288 @@
+//! The daemon: assembles the pool from the config, serves every volume, and executes the
+//! control operations the RPC layer hands it.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use spool_frontend::{FrontendSettings, VolumeContext, VolumeServer};
+use spool_pool::{DeviceSpec, Pool, PoolOptions, VolumeInfo};
+use uuid::Uuid;
+
+use crate::config::{Config, SizeValue, DEFAULT_QUEUES};
+use crate::rpc::RpcError;
+
+/// The running daemon.
+pub struct Daemon {
+    cfg: Config,
+    pool: Mutex<Pool>,
+    servers: Mutex<BTreeMap<Uuid, VolumeServer>>,
+    settings: FrontendSettings,
+}
+
+fn mkdir_private(p: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(p).map_err(|e| format!("{}: cannot create directory: {e}", p.display()))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| format!("{}: cannot set permissions: {e}", p.display()))
+}
+
+impl Daemon {
+    /// Assembles the pool, creates the volumes the config asks for, and serves every volume.
+    pub fn start(cfg: Config, force: bool) -> Result<Arc<Daemon>, String> {
+        mkdir_private(&cfg.state_dir)?;
+        mkdir_private(&cfg.socket_dir)?;
+        if cfg.devices.is_empty() {
+            return Err("config lists no devices; add at least one [[devices]] entry".into());
+        }
+        let specs: Vec<DeviceSpec> = cfg
+            .devices
+            .iter()
+            .map(|d| DeviceSpec {
+                path: d.path.clone(),
+                create_size: d.create_size,
+            })
+            .collect();
+        let pool = Pool::open(
+            &specs,
+            PoolOptions {
+                name: cfg.pool_name.clone(),
+                min_extent: cfg.min_extent,
+                force,
+                no_direct: cfg.no_direct,
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        let d = Arc::new(Daemon {
+            settings: FrontendSettings {
+                poll_idle: Duration::from_micros(cfg.poll_idle_us),
+            },
+            cfg,
+            pool: Mutex::new(pool),
+            servers: Mutex::new(BTreeMap::new()),
+        });
+        {
+            let mut pool = d.pool();
+            for v in &d.cfg.volumes {
+                match pool.volume(&v.name) {
+                    Ok(have) if have.size < v.size => {
+                        pool.resize_volume(&v.name, v.size).map_err(|e| e.to_string())?;
+                    }
+                    Ok(have) if have.size > v.size => tracing::warn!(
+                        volume = %v.name, have = have.size, config = v.size,
+                        "volume is larger than the config says; volumes never shrink"
+                    ),
+                    Ok(_) => {}
+                    Err(_) => {
+                        pool.create_volume(&v.name, v.size, v.read_only, v.num_queues)
+                            .map_err(|e| format!("volume {}: {e}", v.name))?;
+                    }
+                }
+            }
+        }
+        let vols = d.pool().volumes();
+        for v in vols {
+            if let Err(e) = d.serve(&v) {
+                tracing::error!(volume = %v.name, error = %e, "volume not served");
+            }
+        }
+        Ok(d)
+    }
+
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn servers(&self) -> MutexGuard<'_, BTreeMap<Uuid, VolumeServer>> {
+        self.servers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The daemon's configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Where a volume's vhost-user socket lives.
+    pub fn socket_path(&self, name: &str) -> PathBuf {
+        self.cfg.socket_dir.join(format!("{name}.sock"))
+    }
+
+    fn serve(&self, v: &VolumeInfo) -> Result<(), String> {
+        if !v.online {
+            return Err("one of its devices is missing".into());
+        }
+        let layout = self.pool().layout(&v.uuid.to_string()).map_err(|e| e.to_string())?;
+        let ctx = VolumeContext::new(layout, self.settings.clone());
+        let server = VolumeServer::start(&self.socket_path(&v.name), ctx)
+            .map_err(|e| format!("{}: {e}", self.socket_path(&v.name).display()))?;
+        self.servers().insert(v.uuid, server);
+        Ok(())
+    }
+
+    /// Volumes with their socket paths, for the start-up banner.
+    pub fn volumes(&self) -> Vec<(VolumeInfo, Option<PathBuf>)> {
+        let servers = self.servers();
+        self.pool()
+            .volumes()
+            .into_iter()
+            .map(|v| {
+                let p = servers.get(&v.uuid).map(|s| s.path().to_path_buf());
+                (v, p)
+            })
+            .collect()
+    }
+
+    /// Stops every server (workers drain their in-flight requests first).
+    pub fn shutdown(&self) {
+        let servers = std::mem::take(&mut *self.servers());
+        for (_, s) in servers {
+            s.shutdown();
+        }
+    }
+
+    fn volume_json(&self, v: &VolumeInfo) -> Value {
+        let servers = self.servers();
+        let s = servers.get(&v.uuid);
+        let mut j = serde_json::to_value(v).unwrap_or(Value::Null);
+        j["socket"] = json!(s.map(|s| s.path().display().to_string()));
+        j["connected"] = json!(s.is_some_and(|s| s.connected()));
+        j
+    }
+
+    /// Executes one RPC method.
+    pub fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
+        match method {
+            "pool_show" => {
+                no_params(&params)?;
+                Ok(serde_json::to_value(self.pool().info()).unwrap_or(Value::Null))
+            }
+            "device_list" => {
+                no_params(&params)?;
+                Ok(serde_json::to_value(self.pool().devices()).unwrap_or(Value::Null))
+            }
+            "device_add" => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct P {
+                    path: PathBuf,
+                    create_size: Option<SizeValue>,
+                    #[serde(default)]
+                    force: bool,
+                }
+                let p: P = params_of(params)?;
+                let create_size = p.create_size.map(|s| size_arg(&s, "create_size")).transpose()?;
+                let info = self
+                    .pool()
+                    .add_device(&DeviceSpec { path: p.path, create_size }, p.force)
+                    .map_err(RpcError::app)?;
+                Ok(serde_json::to_value(info).unwrap_or(Value::Null))
+            }
+            "volume_list" => {
+                no_params(&params)?;
+                let vols = self.pool().volumes();
+                Ok(Value::Array(vols.iter().map(|v| self.volume_json(v)).collect()))
+            }
+            "volume_show" => {
+                let p: IdParam = params_of(params)?;
+                let v = self.pool().volume(&p.id).map_err(RpcError::app)?;
+                Ok(self.volume_json(&v))
+            }
+            "volume_create" => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct P {
+                    name: String,
+                    size: SizeValue,
+                    #[serde(default)]
+                    read_only: bool,
+                    num_queues: Option<u16>,
+                }
+                let p: P = params_of(params)?;
+                let size = size_arg(&p.size, "size")?;
+                let v = self
+                    .pool()
+                    .create_volume(&p.name, size, p.read_only, p.num_queues.unwrap_or(DEFAULT_QUEUES))
+                    .map_err(RpcError::app)?;
+                if let Err(e) = self.serve(&v) {
+                    return Err(RpcError::app(format!("volume created but not served: {e}")));
+                }
+                Ok(self.volume_json(&v))
+            }
+            "volume_delete" => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct P {
+                    id: String,
+                    #[serde(default)]
+                    force: bool,
+                }
+                let p: P = params_of(params)?;
+                let v = self.pool().volume(&p.id).map_err(RpcError::app)?;
+                let server = self.servers().remove(&v.uuid);
+                if let Some(s) = server {
+                    if s.connected() && !p.force {
+                        self.servers().insert(v.uuid, s);
+                        return Err(RpcError::app(format!(
+                            "volume '{}' is in use by a connected client; stop the VM first, or pass force=true (spoolctl volume delete --force) to disconnect it",
+                            v.name
+                        )));
+                    }
+                    s.shutdown();
+                }
+                let v = self.pool().delete_volume(&v.uuid.to_string()).map_err(RpcError::app)?;
+                Ok(serde_json::to_value(v).unwrap_or(Value::Null))
+            }
+            "volume_resize" => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct P {
+                    id: String,
+                    size: SizeValue,
+                }
+                let p: P = params_of(params)?;
+                let size = size_arg(&p.size, "size")?;
+                let (v, layout) = {
+                    let mut pool = self.pool();
+                    let v = pool.resize_volume(&p.id, size).map_err(RpcError::app)?;
+                    let l = pool.layout(&v.uuid.to_string()).map_err(RpcError::app)?;
+                    (v, l)
+                };
+                if let Some(s) = self.servers().get(&v.uuid) {
+                    s.context().update_layout(layout);
+                }
+                Ok(self.volume_json(&v))
+            }
+            _ => Err(RpcError::method_not_found(method)),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdParam {
+    id: String,
+}
+
+fn no_params(p: &Value) -> Result<(), RpcError> {
+    match p {
+        Value::Null => Ok(()),
+        Value::Object(m) if m.is_empty() => Ok(()),
+        Value::Array(a) if a.is_empty() => Ok(()),
+        _ => Err(RpcError::invalid_params("this method takes no parameters")),
+    }
+}
+
+fn params_of<T: for<'de> Deserialize<'de>>(p: Value) -> Result<T, RpcError> {
+    let p = if p.is_null() { json!({}) } else { p };
+    serde_json::from_value(p).map_err(|e| RpcError::invalid_params(e.to_string()))
+}
+
+fn size_arg(s: &SizeValue, what: &str) -> Result<u64, RpcError> {
+    match s {
+        SizeValue::Bytes(n) => Ok(*n),
+        SizeValue::Text(t) => crate::size::parse_size(t).map_err(|e| RpcError::invalid_params(format!("{what}: {e}"))),
+    }
+}
