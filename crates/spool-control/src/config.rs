@@ -136,7 +136,13 @@ impl Config {
     /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Config, String> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
-        let abs = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+        let abs = |p: &Path| {
+            if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                base.join(p)
+            }
+        };
         let state_dir = abs(&raw.state_dir);
         let min_extent = match &raw.pool.min_extent {
             Some(s) => s.bytes("pool.min_extent")?,
@@ -227,9 +233,18 @@ mod tests {
         for (text, needle) in [
             ("state_dir = 1", "state_dir"),
             ("state_dir = \"/x\"\nbogus = 1", "bogus"),
-            ("state_dir = \"/x\"\n[pool]\nmin_extent = \"3M\"", "power of two"),
-            ("state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = \"lots\"", "volume a: size"),
-            ("state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\nnum_queues = 0", "num_queues"),
+            (
+                "state_dir = \"/x\"\n[pool]\nmin_extent = \"3M\"",
+                "power of two",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = \"lots\"",
+                "volume a: size",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\nnum_queues = 0",
+                "num_queues",
+            ),
         ] {
             let e = Config::parse(text, Path::new("/")).unwrap_err();
             assert!(e.contains(needle), "{text:?}: {e}");

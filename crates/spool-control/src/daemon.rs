@@ -25,7 +25,8 @@ pub struct Daemon {
 }
 
 fn mkdir_private(p: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(p).map_err(|e| format!("{}: cannot create directory: {e}", p.display()))?;
+    std::fs::create_dir_all(p)
+        .map_err(|e| format!("{}: cannot create directory: {e}", p.display()))?;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
         .map_err(|e| format!("{}: cannot set permissions: {e}", p.display()))
 }
@@ -69,7 +70,8 @@ impl Daemon {
             for v in &d.cfg.volumes {
                 match pool.volume(&v.name) {
                     Ok(have) if have.size < v.size => {
-                        pool.resize_volume(&v.name, v.size).map_err(|e| e.to_string())?;
+                        pool.resize_volume(&v.name, v.size)
+                            .map_err(|e| e.to_string())?;
                     }
                     Ok(have) if have.size > v.size => tracing::warn!(
                         volume = %v.name, have = have.size, config = v.size,
@@ -114,7 +116,10 @@ impl Daemon {
         if !v.online {
             return Err("one of its devices is missing".into());
         }
-        let layout = self.pool().layout(&v.uuid.to_string()).map_err(|e| e.to_string())?;
+        let layout = self
+            .pool()
+            .layout(&v.uuid.to_string())
+            .map_err(|e| e.to_string())?;
         let ctx = VolumeContext::new(layout, self.settings.clone());
         let server = VolumeServer::start(&self.socket_path(&v.name), ctx)
             .map_err(|e| format!("{}: {e}", self.socket_path(&v.name).display()))?;
@@ -173,17 +178,28 @@ impl Daemon {
                     force: bool,
                 }
                 let p: P = params_of(params)?;
-                let create_size = p.create_size.map(|s| size_arg(&s, "create_size")).transpose()?;
+                let create_size = p
+                    .create_size
+                    .map(|s| size_arg(&s, "create_size"))
+                    .transpose()?;
                 let info = self
                     .pool()
-                    .add_device(&DeviceSpec { path: p.path, create_size }, p.force)
+                    .add_device(
+                        &DeviceSpec {
+                            path: p.path,
+                            create_size,
+                        },
+                        p.force,
+                    )
                     .map_err(RpcError::app)?;
                 Ok(serde_json::to_value(info).unwrap_or(Value::Null))
             }
             "volume_list" => {
                 no_params(&params)?;
                 let vols = self.pool().volumes();
-                Ok(Value::Array(vols.iter().map(|v| self.volume_json(v)).collect()))
+                Ok(Value::Array(
+                    vols.iter().map(|v| self.volume_json(v)).collect(),
+                ))
             }
             "volume_show" => {
                 let p: IdParam = params_of(params)?;
@@ -204,7 +220,12 @@ impl Daemon {
                 let size = size_arg(&p.size, "size")?;
                 let v = self
                     .pool()
-                    .create_volume(&p.name, size, p.read_only, p.num_queues.unwrap_or(DEFAULT_QUEUES))
+                    .create_volume(
+                        &p.name,
+                        size,
+                        p.read_only,
+                        p.num_queues.unwrap_or(DEFAULT_QUEUES),
+                    )
                     .map_err(RpcError::app)?;
                 if let Err(e) = self.serve(&v) {
                     return Err(RpcError::app(format!("volume created but not served: {e}")));
@@ -232,7 +253,10 @@ impl Daemon {
                     }
                     s.shutdown();
                 }
-                let v = self.pool().delete_volume(&v.uuid.to_string()).map_err(RpcError::app)?;
+                let v = self
+                    .pool()
+                    .delete_volume(&v.uuid.to_string())
+                    .map_err(RpcError::app)?;
                 Ok(serde_json::to_value(v).unwrap_or(Value::Null))
             }
             "volume_resize" => {
@@ -283,6 +307,8 @@ fn params_of<T: for<'de> Deserialize<'de>>(p: Value) -> Result<T, RpcError> {
 fn size_arg(s: &SizeValue, what: &str) -> Result<u64, RpcError> {
     match s {
         SizeValue::Bytes(n) => Ok(*n),
-        SizeValue::Text(t) => crate::size::parse_size(t).map_err(|e| RpcError::invalid_params(format!("{what}: {e}"))),
+        SizeValue::Text(t) => {
+            crate::size::parse_size(t).map_err(|e| RpcError::invalid_params(format!("{what}: {e}")))
+        }
     }
 }

@@ -24,10 +24,16 @@ pub struct RpcError {
 
 impl RpcError {
     pub fn parse(msg: impl Into<String>) -> Self {
-        RpcError { code: -32700, message: msg.into() }
+        RpcError {
+            code: -32700,
+            message: msg.into(),
+        }
     }
     pub fn invalid_request(msg: impl Into<String>) -> Self {
-        RpcError { code: -32600, message: msg.into() }
+        RpcError {
+            code: -32600,
+            message: msg.into(),
+        }
     }
     pub fn method_not_found(m: &str) -> Self {
         RpcError {
@@ -36,11 +42,17 @@ impl RpcError {
         }
     }
     pub fn invalid_params(msg: impl Into<String>) -> Self {
-        RpcError { code: -32602, message: format!("invalid params: {}", msg.into()) }
+        RpcError {
+            code: -32602,
+            message: format!("invalid params: {}", msg.into()),
+        }
     }
     /// An operation that was understood but failed (the message says why and what to do).
     pub fn app(e: impl std::fmt::Display) -> Self {
-        RpcError { code: -32000, message: e.to_string() }
+        RpcError {
+            code: -32000,
+            message: e.to_string(),
+        }
     }
 }
 
@@ -48,13 +60,22 @@ impl RpcError {
 pub fn handle_line(d: &Daemon, line: &str) -> Option<Value> {
     let req: Value = match serde_json::from_str(line) {
         Ok(v) => v,
-        Err(e) => return Some(error_response(Value::Null, RpcError::parse(format!("parse error: {e}")))),
+        Err(e) => {
+            return Some(error_response(
+                Value::Null,
+                RpcError::parse(format!("parse error: {e}")),
+            ))
+        }
     };
     let id = req.get("id").cloned();
     let check = || -> Result<(String, Value), RpcError> {
-        let obj = req.as_object().ok_or_else(|| RpcError::invalid_request("request must be a JSON object"))?;
+        let obj = req
+            .as_object()
+            .ok_or_else(|| RpcError::invalid_request("request must be a JSON object"))?;
         if obj.get("jsonrpc") != Some(&json!("2.0")) {
-            return Err(RpcError::invalid_request("\"jsonrpc\": \"2.0\" is required"));
+            return Err(RpcError::invalid_request(
+                "\"jsonrpc\": \"2.0\" is required",
+            ));
         }
         let method = obj
             .get("method")
@@ -84,30 +105,43 @@ pub fn serve(path: &Path, d: Arc<Daemon>) -> std::io::Result<()> {
         if UnixStream::connect(path).is_ok() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::AddrInUse,
-                format!("{}: another spoold is already listening here", path.display()),
+                format!(
+                    "{}: another spoold is already listening here",
+                    path.display()
+                ),
             ));
         }
         std::fs::remove_file(path)?;
     }
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    std::thread::Builder::new().name("rpc".into()).spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(conn) = conn else { continue };
-            let d = d.clone();
-            let _ = std::thread::Builder::new().name("rpc-conn".into()).spawn(move || serve_conn(conn, &d));
-        }
-    })?;
+    std::thread::Builder::new()
+        .name("rpc".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let d = d.clone();
+                let _ = std::thread::Builder::new()
+                    .name("rpc-conn".into())
+                    .spawn(move || serve_conn(conn, &d));
+            }
+        })?;
     Ok(())
 }
 
 fn serve_conn(conn: UnixStream, d: &Daemon) {
-    let Ok(mut out) = conn.try_clone() else { return };
+    let Ok(mut out) = conn.try_clone() else {
+        return;
+    };
     let mut reader = BufReader::new(conn);
     let mut line = String::new();
     loop {
         line.clear();
-        match reader.by_ref().take(MAX_REQUEST as u64 + 1).read_line(&mut line) {
+        match reader
+            .by_ref()
+            .take(MAX_REQUEST as u64 + 1)
+            .read_line(&mut line)
+        {
             Ok(0) | Err(_) => return,
             Ok(n) if n > MAX_REQUEST => {
                 let r = error_response(Value::Null, RpcError::invalid_request("request too large"));
@@ -137,9 +171,15 @@ impl Client {
     /// Connects to a spoold RPC socket.
     pub fn connect(path: &Path) -> Result<Client, String> {
         let s = UnixStream::connect(path).map_err(|e| {
-            format!("cannot connect to spoold at {}: {e} (is spoold running? pass --socket PATH)", path.display())
+            format!(
+                "cannot connect to spoold at {}: {e} (is spoold running? pass --socket PATH)",
+                path.display()
+            )
         })?;
-        Ok(Client { stream: BufReader::new(s), next_id: 1 })
+        Ok(Client {
+            stream: BufReader::new(s),
+            next_id: 1,
+        })
     }
 
     /// Calls `method`; `Err` carries the server's error object or a transport error.
@@ -147,17 +187,25 @@ impl Client {
         let id = self.next_id;
         self.next_id += 1;
         let req = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
-        writeln!(self.stream.get_mut(), "{req}").map_err(|e| RpcError::app(format!("send: {e}")))?;
+        writeln!(self.stream.get_mut(), "{req}")
+            .map_err(|e| RpcError::app(format!("send: {e}")))?;
         let mut line = String::new();
-        self.stream.read_line(&mut line).map_err(|e| RpcError::app(format!("receive: {e}")))?;
+        self.stream
+            .read_line(&mut line)
+            .map_err(|e| RpcError::app(format!("receive: {e}")))?;
         if line.is_empty() {
             return Err(RpcError::app("spoold closed the connection"));
         }
-        let resp: Value = serde_json::from_str(&line).map_err(|e| RpcError::app(format!("bad response: {e}")))?;
+        let resp: Value =
+            serde_json::from_str(&line).map_err(|e| RpcError::app(format!("bad response: {e}")))?;
         if let Some(e) = resp.get("error") {
             return Err(RpcError {
                 code: e.get("code").and_then(Value::as_i64).unwrap_or(-32000),
-                message: e.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string(),
+                message: e
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown error")
+                    .to_string(),
             });
         }
         Ok(resp.get("result").cloned().unwrap_or(Value::Null))

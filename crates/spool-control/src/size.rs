@@ -4,7 +4,10 @@
 /// "iB" or "B" is accepted).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
     let (num, shift) = match t.chars().last() {
         Some('k' | 'K') => (&t[..t.len() - 1], 10),
         Some('m' | 'M') => (&t[..t.len() - 1], 20),
@@ -23,7 +26,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// Formats bytes for people (exact when possible: "512M", otherwise bytes).
 pub fn format_size(n: u64) -> String {
     for (shift, suffix) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
-        if n >= 1 << shift && n % (1 << shift) == 0 {
+        if n >= 1 << shift && n.is_multiple_of(1 << shift) {
             return format!("{}{suffix}", n >> shift);
         }
     }

@@ -58,13 +58,19 @@ fn patterns_through_several_queues_and_isolation() {
         let off = (blk * bs) as u64;
         let (r, data) = a.read_sync((blk + 1) % 4, off, bs);
         assert_eq!(r, 0);
-        assert!(data == pattern(1, off, bs), "volume a block {blk} corrupted");
+        assert!(
+            data == pattern(1, off, bs),
+            "volume a block {blk} corrupted"
+        );
     }
     for blk in 0..8usize {
         let off = (blk * bs) as u64;
         let (r, data) = b.read_sync(blk % 4, off, bs);
         assert_eq!(r, 0);
-        assert!(data == pattern(2, off, bs), "volume b block {blk} shows someone else's data");
+        assert!(
+            data == pattern(2, off, bs),
+            "volume b block {blk} shows someone else's data"
+        );
     }
     // Never-written space of b reads as zeroes.
     let (r, data) = b.read_sync(0, 8 << 20, bs);
@@ -108,11 +114,19 @@ num_queues = 1
 #[test]
 fn data_survives_restart_and_kill() {
     let mut d = Spoold::start(TWO_DEVICES);
-    let created = d.rpc("volume_create", json!({"name": "c", "size": "8M", "num_queues": 2})).unwrap();
+    let created = d
+        .rpc(
+            "volume_create",
+            json!({"name": "c", "size": "8M", "num_queues": 2}),
+        )
+        .unwrap();
     {
         let mut c = connect(&d.socket("c"), 2, false).unwrap();
         for i in 0..16u64 {
-            assert_eq!(c.write_sync((i % 2) as usize, i * 65536, &pattern(3, i * 65536, 65536)), 0);
+            assert_eq!(
+                c.write_sync((i % 2) as usize, i * 65536, &pattern(3, i * 65536, 65536)),
+                0
+            );
         }
         c.queues[0].flush(9, blkio::ReqFlags::empty());
         assert_eq!(c.wait(0, 1)[0].1, 0);
@@ -131,7 +145,10 @@ fn data_survives_restart_and_kill() {
         for i in 0..16u64 {
             let (r, data) = c.read_sync(0, i * 65536, 65536);
             assert_eq!(r, 0);
-            assert!(data == pattern(3, i * 65536, 65536), "{how}: block {i} lost");
+            assert!(
+                data == pattern(3, i * 65536, 65536),
+                "{how}: block {i} lost"
+            );
         }
     }
 }
@@ -159,9 +176,15 @@ fn read_only_volume() {
         let mut c = connect(&d.socket("a"), 1, false).unwrap();
         assert_eq!(c.write_sync(0, 4096, &pattern(9, 4096, 4096)), 0);
     }
-    d.rpc("volume_create", json!({"name": "ro", "size": "4M", "read_only": true})).unwrap();
+    d.rpc(
+        "volume_create",
+        json!({"name": "ro", "size": "4M", "read_only": true}),
+    )
+    .unwrap();
     // libblkio refuses to open an RO device read-write: proof that RO is advertised.
-    let e = connect(&d.socket("ro"), 1, false).err().expect("RO must be advertised");
+    let e = connect(&d.socket("ro"), 1, false)
+        .err()
+        .expect("RO must be advertised");
     assert!(e.message().contains("read-only"), "{}", e.message());
     let mut c = connect(&d.socket("ro"), 1, true).unwrap();
     let (r, data) = c.read_sync(0, 0, 4096);
@@ -197,7 +220,9 @@ fn resize_grows_a_served_volume() {
     let d = Spoold::start(TWO_DEVICES);
     let mut c = connect(&d.socket("a"), 1, false).unwrap();
     assert_eq!(c.write_sync(0, 0, &pattern(6, 0, 4096)), 0);
-    let v = d.rpc("volume_resize", json!({"id": "a", "size": "24M"})).unwrap();
+    let v = d
+        .rpc("volume_resize", json!({"id": "a", "size": "24M"}))
+        .unwrap();
     assert_eq!(v["size"], json!(24u64 << 20));
     // The running queue accepts I/O beyond the old end right away.
     assert_eq!(c.write_sync(0, 20 << 20, &pattern(6, 20 << 20, 4096)), 0);

@@ -61,7 +61,8 @@ impl FileDevice {
                         .create_new(true)
                         .open(path)
                         .map_err(|e| Error::io(path, "create", e))?;
-                    f.set_len(size).map_err(|e| Error::io(path, "set size", e))?;
+                    f.set_len(size)
+                        .map_err(|e| Error::io(path, "set size", e))?;
                     f.metadata().map_err(|e| Error::io(path, "stat", e))?
                 }
                 None => return Err(Error::io(path, "open", e)),
@@ -97,7 +98,9 @@ impl FileDevice {
         }
         let size = match kind {
             DeviceKind::File => meta.len(),
-            DeviceKind::Block => block_device_size(&buffered).map_err(|e| Error::io(path, "BLKGETSIZE64", e))?,
+            DeviceKind::Block => {
+                block_device_size(&buffered).map_err(|e| Error::io(path, "BLKGETSIZE64", e))?
+            }
         };
         let size = size - size % SECTOR_SIZE;
         let (direct, direct_align) = if opts.no_direct {
@@ -207,7 +210,12 @@ impl FileDevice {
 
     /// Opens an asynchronous queue on this device for one worker.
     pub fn open_queue(&self, depth: u32) -> std::io::Result<crate::UringQueue> {
-        crate::UringQueue::new(self.buffered_fd(), self.direct_fd(), self.direct_align, depth)
+        crate::UringQueue::new(
+            self.buffered_fd(),
+            self.direct_fd(),
+            self.direct_align,
+            depth,
+        )
     }
 }
 

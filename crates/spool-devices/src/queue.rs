@@ -113,14 +113,14 @@ impl UringQueue {
             return self.buffered;
         };
         let a = self.align;
-        if offset % a != 0 || len % a != 0 {
+        if !offset.is_multiple_of(a) || !len.is_multiple_of(a) {
             return self.buffered;
         }
         // SAFETY: the caller of `submit` guarantees `iov` points to `iovcnt` valid iovecs.
         let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
         if iovs
             .iter()
-            .all(|v| (v.iov_base as u64) % a == 0 && (v.iov_len as u64) % a == 0)
+            .all(|v| (v.iov_base as u64).is_multiple_of(a) && (v.iov_len as u64).is_multiple_of(a))
         {
             direct
         } else {
@@ -221,7 +221,12 @@ impl DeviceQueue for UringQueue {
         }
         match self.ring.submit() {
             Ok(_) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) || e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
+            Err(e)
+                if e.raw_os_error() == Some(libc::EBUSY)
+                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }
@@ -338,8 +343,20 @@ mod tests {
         assert!(back.iter().all(|&b| b == 0xab));
         // SAFETY: no memory is referenced.
         unsafe {
-            q.submit(DeviceIo::WriteZeroes { offset: 8192, len: 4096 }, 3);
-            q.submit(DeviceIo::Discard { offset: 12288, len: 4096 }, 4);
+            q.submit(
+                DeviceIo::WriteZeroes {
+                    offset: 8192,
+                    len: 4096,
+                },
+                3,
+            );
+            q.submit(
+                DeviceIo::Discard {
+                    offset: 12288,
+                    len: 4096,
+                },
+                4,
+            );
         }
         let mut r = wait_all(&mut q);
         r.sort();

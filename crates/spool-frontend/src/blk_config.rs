@@ -1,9 +1,9 @@
 //! The virtio-blk device configuration space and feature bits we offer.
 
+use vhost::vhost_user::message::VhostUserVirtioFeatures;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use vhost::vhost_user::message::VhostUserVirtioFeatures;
 
 /// Largest bytes in one data segment (advertised as SIZE_MAX).
 pub const SIZE_MAX: u32 = 1 << 20;
@@ -42,7 +42,9 @@ pub const CONFIG_LEN: usize = 72;
 /// Encodes `struct virtio_blk_config` (little-endian, virtio 1.2 §5.2.4).
 pub fn config_space(capacity_bytes: u64, num_queues: u16) -> [u8; CONFIG_LEN] {
     let mut c = [0u8; CONFIG_LEN];
-    let put32 = |c: &mut [u8; CONFIG_LEN], at: usize, v: u32| c[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    let put32 = |c: &mut [u8; CONFIG_LEN], at: usize, v: u32| {
+        c[at..at + 4].copy_from_slice(&v.to_le_bytes())
+    };
     c[0..8].copy_from_slice(&(capacity_bytes / 512).to_le_bytes());
     put32(&mut c, 8, SIZE_MAX);
     put32(&mut c, 12, SEG_MAX);
@@ -70,7 +72,10 @@ mod tests {
         assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 1 << 21);
         assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 4);
         assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);
-        assert_eq!(features(true) & (1 << VIRTIO_BLK_F_RO), 1 << VIRTIO_BLK_F_RO);
+        assert_eq!(
+            features(true) & (1 << VIRTIO_BLK_F_RO),
+            1 << VIRTIO_BLK_F_RO
+        );
         assert_eq!(features(true) & (1 << VIRTIO_BLK_F_DISCARD), 0);
     }
 }

@@ -101,7 +101,11 @@ impl MemoryTable {
     }
 
     /// Replaces the whole table (SET_MEM_TABLE).
-    pub fn set(&mut self, regions: &[VhostUserMemoryRegion], files: Vec<File>) -> Result<(), MemoryError> {
+    pub fn set(
+        &mut self,
+        regions: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+    ) -> Result<(), MemoryError> {
         if regions.len() as u64 > MAX_MEM_SLOTS || regions.len() != files.len() {
             return Err(MemoryError::TooMany);
         }

@@ -124,17 +124,29 @@ pub fn parse(
         _ => None,
     };
     if truncated {
-        return Err(reject(status_addr, VIRTIO_BLK_S_IOERR, "descriptor chain loops or is too long"));
+        return Err(reject(
+            status_addr,
+            VIRTIO_BLK_S_IOERR,
+            "descriptor chain loops or is too long",
+        ));
     }
     let Some(status) = status_addr else {
-        return Err(reject(None, VIRTIO_BLK_S_IOERR, "no writable status byte at the end of the chain"));
+        return Err(reject(
+            None,
+            VIRTIO_BLK_S_IOERR,
+            "no writable status byte at the end of the chain",
+        ));
     };
     for s in &segs {
         let ok = usize::try_from(s.len)
             .ok()
             .is_some_and(|l| mem.check_range(s.addr, l));
         if !ok {
-            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "buffer outside guest memory"));
+            return Err(reject(
+                Some(status),
+                VIRTIO_BLK_S_IOERR,
+                "buffer outside guest memory",
+            ));
         }
     }
     if let Some(last) = segs.last_mut() {
@@ -149,14 +161,26 @@ pub fn parse(
     let mut i = 0;
     while got < header.len() {
         let Some(s) = segs.get_mut(i) else {
-            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request header too short"));
+            return Err(reject(
+                Some(status),
+                VIRTIO_BLK_S_IOERR,
+                "request header too short",
+            ));
         };
         if s.write {
-            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request header is device-writable"));
+            return Err(reject(
+                Some(status),
+                VIRTIO_BLK_S_IOERR,
+                "request header is device-writable",
+            ));
         }
         let n = (header.len() - got).min(s.len as usize);
         if mem.read_slice(&mut header[got..got + n], s.addr).is_err() {
-            return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request header unreadable"));
+            return Err(reject(
+                Some(status),
+                VIRTIO_BLK_S_IOERR,
+                "request header unreadable",
+            ));
         }
         got += n;
         s.addr = GuestAddress(s.addr.0 + n as u64);
@@ -177,29 +201,57 @@ pub fn parse(
         VIRTIO_BLK_T_FLUSH => Op::Flush,
         VIRTIO_BLK_T_GET_ID => Op::GetId,
         VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => Op::Discard(vec![]),
-        _ => return Err(reject(Some(status), VIRTIO_BLK_S_UNSUPP, "unsupported request type")),
+        _ => {
+            return Err(reject(
+                Some(status),
+                VIRTIO_BLK_S_UNSUPP,
+                "unsupported request type",
+            ))
+        }
     };
     let mut iov = Vec::new();
     let op = match op {
         Op::Read | Op::Write => {
             let write = op == Op::Write;
             if !all(!write) {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "data buffer has the wrong direction"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "data buffer has the wrong direction",
+                ));
             }
             if write && limits.read_only {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "write to a read-only volume"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "write to a read-only volume",
+                ));
             }
-            if len % SECTOR != 0 {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "data length is not a multiple of 512"));
+            if !len.is_multiple_of(SECTOR) {
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "data length is not a multiple of 512",
+                ));
             }
             if len > limits.max_data {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "request larger than the device accepts"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "request larger than the device accepts",
+                ));
             }
             check_range(sector, len / SECTOR, limits.capacity_sectors)
                 .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
             for s in &data {
                 for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
-                    let slice = slice.map_err(|_| reject(Some(status), VIRTIO_BLK_S_IOERR, "buffer outside guest memory"))?;
+                    let slice = slice.map_err(|_| {
+                        reject(
+                            Some(status),
+                            VIRTIO_BLK_S_IOERR,
+                            "buffer outside guest memory",
+                        )
+                    })?;
                     iov.push(IoVec {
                         iov_base: slice.ptr_guard_mut().as_ptr().cast(),
                         iov_len: slice.len(),
@@ -211,11 +263,21 @@ pub fn parse(
         Op::Flush => Op::Flush,
         Op::GetId => {
             if !all(true) || len == 0 {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "GET_ID needs a writable buffer"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "GET_ID needs a writable buffer",
+                ));
             }
             for s in &data {
                 for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
-                    let slice = slice.map_err(|_| reject(Some(status), VIRTIO_BLK_S_IOERR, "buffer outside guest memory"))?;
+                    let slice = slice.map_err(|_| {
+                        reject(
+                            Some(status),
+                            VIRTIO_BLK_S_IOERR,
+                            "buffer outside guest memory",
+                        )
+                    })?;
                     iov.push(IoVec {
                         iov_base: slice.ptr_guard_mut().as_ptr().cast(),
                         iov_len: slice.len(),
@@ -227,22 +289,39 @@ pub fn parse(
         _ => {
             let zeroes = ty == VIRTIO_BLK_T_WRITE_ZEROES;
             if !all(false) {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "range buffer has the wrong direction"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "range buffer has the wrong direction",
+                ));
             }
             if limits.read_only {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "discard/write-zeroes on a read-only volume"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "discard/write-zeroes on a read-only volume",
+                ));
             }
-            if len == 0 || len % 16 != 0 {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "range list is not a multiple of 16 bytes"));
+            if len == 0 || !len.is_multiple_of(16) {
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "range list is not a multiple of 16 bytes",
+                ));
             }
             if len / 16 > limits.max_discard_segs as u64 {
-                return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "too many discard/write-zeroes segments"));
+                return Err(reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "too many discard/write-zeroes segments",
+                ));
             }
             let mut raw = Vec::with_capacity(len as usize);
             for s in &data {
                 let mut b = vec![0u8; s.len as usize];
-                mem.read_slice(&mut b, s.addr)
-                    .map_err(|_| reject(Some(status), VIRTIO_BLK_S_IOERR, "range list unreadable"))?;
+                mem.read_slice(&mut b, s.addr).map_err(|_| {
+                    reject(Some(status), VIRTIO_BLK_S_IOERR, "range list unreadable")
+                })?;
                 raw.extend_from_slice(&b);
             }
             let mut ranges = Vec::new();
@@ -251,13 +330,25 @@ pub fn parse(
                 let sector = u64::from_le_bytes(c[0..8].try_into().expect("8 bytes"));
                 let sectors = u32::from_le_bytes(c[8..12].try_into().expect("4 bytes"));
                 let flags = u32::from_le_bytes(c[12..16].try_into().expect("4 bytes"));
-                let allowed = if zeroes { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP } else { 0 };
+                let allowed = if zeroes {
+                    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+                } else {
+                    0
+                };
                 if flags & !allowed != 0 {
-                    return Err(reject(Some(status), VIRTIO_BLK_S_UNSUPP, "unsupported discard/write-zeroes flags"));
+                    return Err(reject(
+                        Some(status),
+                        VIRTIO_BLK_S_UNSUPP,
+                        "unsupported discard/write-zeroes flags",
+                    ));
                 }
                 unmap |= flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
                 if sectors > limits.max_discard_sectors {
-                    return Err(reject(Some(status), VIRTIO_BLK_S_IOERR, "discard/write-zeroes segment too large"));
+                    return Err(reject(
+                        Some(status),
+                        VIRTIO_BLK_S_IOERR,
+                        "discard/write-zeroes segment too large",
+                    ));
                 }
                 check_range(sector, sectors as u64, limits.capacity_sectors)
                     .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
@@ -318,7 +409,11 @@ mod tests {
         mem.write_slice(&h, GuestAddress(at)).unwrap();
     }
 
-    fn run(mem: &GuestMemory, descs: &[RawDescriptor], limits: &Limits) -> Result<Request, Rejected> {
+    fn run(
+        mem: &GuestMemory,
+        descs: &[RawDescriptor],
+        limits: &Limits,
+    ) -> Result<Request, Rejected> {
         let q = MockSplitQueue::new(mem, 16);
         let n = descs.len();
         let chained: Vec<RawDescriptor> = descs
@@ -349,7 +444,12 @@ mod tests {
     fn read_with_libblkio_framing() {
         let m = mem();
         header(&m, 0x1000, VIRTIO_BLK_T_IN, 8);
-        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)], &limits()).unwrap();
+        let r = run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)],
+            &limits(),
+        )
+        .unwrap();
         assert_eq!(r.op, Op::Read);
         assert_eq!((r.sector, r.len, r.status), (8, 4096, GuestAddress(0x3000)));
         assert_eq!(r.iov.len(), 1);
@@ -362,7 +462,11 @@ mod tests {
         // header + data in one readable descriptor, status at the end of a writable one
         let r = run(&m, &[d(0x1000, 16 + 512, 0), d(0x3000, 1, W)], &limits()).unwrap();
         assert_eq!((r.op, r.len), (Op::Write, 512));
-        let r = run(&m, &[d(0x1000, 8, 0), d(0x1008, 8, 0), d(0x4000, 512 + 1, W)], &limits());
+        let r = run(
+            &m,
+            &[d(0x1000, 8, 0), d(0x1008, 8, 0), d(0x4000, 512 + 1, W)],
+            &limits(),
+        );
         assert_eq!(r.unwrap_err().reason, "data buffer has the wrong direction");
     }
 
@@ -371,13 +475,41 @@ mod tests {
         let m = mem();
         let l = limits();
         let cases: Vec<(Vec<RawDescriptor>, u32, &str)> = vec![
-            (vec![d(0x1000, 16, 0), d(0x2000, 512, 0), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "wrong direction"),
-            (vec![d(0x1000, 16, 0), d(0x2000, 100, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "multiple of 512"),
-            (vec![d(0x1000, 16, 0), d(0xff000, 0x2000, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "outside guest memory"),
-            (vec![d(0x1000, 16, 0), d(u64::MAX - 10, 512, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "outside guest memory"),
-            (vec![d(0x1000, 8, 0), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "header too short"),
-            (vec![d(0x1000, 16, W), d(0x3000, 1, W)], VIRTIO_BLK_T_IN, "header is device-writable"),
-            (vec![d(0x1000, 16, 0), d(0x3000, 1, W)], 99, "unsupported request type"),
+            (
+                vec![d(0x1000, 16, 0), d(0x2000, 512, 0), d(0x3000, 1, W)],
+                VIRTIO_BLK_T_IN,
+                "wrong direction",
+            ),
+            (
+                vec![d(0x1000, 16, 0), d(0x2000, 100, W), d(0x3000, 1, W)],
+                VIRTIO_BLK_T_IN,
+                "multiple of 512",
+            ),
+            (
+                vec![d(0x1000, 16, 0), d(0xff000, 0x2000, W), d(0x3000, 1, W)],
+                VIRTIO_BLK_T_IN,
+                "outside guest memory",
+            ),
+            (
+                vec![d(0x1000, 16, 0), d(u64::MAX - 10, 512, W), d(0x3000, 1, W)],
+                VIRTIO_BLK_T_IN,
+                "outside guest memory",
+            ),
+            (
+                vec![d(0x1000, 8, 0), d(0x3000, 1, W)],
+                VIRTIO_BLK_T_IN,
+                "header too short",
+            ),
+            (
+                vec![d(0x1000, 16, W), d(0x3000, 1, W)],
+                VIRTIO_BLK_T_IN,
+                "header is device-writable",
+            ),
+            (
+                vec![d(0x1000, 16, 0), d(0x3000, 1, W)],
+                99,
+                "unsupported request type",
+            ),
         ];
         for (descs, ty, why) in cases {
             header(&m, 0x1000, ty, 0);
@@ -397,15 +529,29 @@ mod tests {
     #[test]
     fn sector_ranges_are_overflow_checked() {
         let m = mem();
-        for (sector, ok) in [(2040u64, true), (2041, false), (u64::MAX - 2, false), (u64::MAX / 512 + 1, false)] {
+        for (sector, ok) in [
+            (2040u64, true),
+            (2041, false),
+            (u64::MAX - 2, false),
+            (u64::MAX / 512 + 1, false),
+        ] {
             header(&m, 0x1000, VIRTIO_BLK_T_IN, sector);
-            let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)], &limits());
+            let r = run(
+                &m,
+                &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)],
+                &limits(),
+            );
             assert_eq!(r.is_ok(), ok, "sector {sector}: {r:?}");
         }
         let mut l = limits();
         l.max_data = 2048;
         header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
-        let e = run(&m, &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)], &l).unwrap_err();
+        let e = run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 4096, W), d(0x3000, 1, W)],
+            &l,
+        )
+        .unwrap_err();
         assert!(e.reason.contains("larger"));
     }
 
@@ -414,13 +560,27 @@ mod tests {
         let m = mem();
         let mut l = limits();
         l.read_only = true;
-        for ty in [VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_WRITE_ZEROES] {
+        for ty in [
+            VIRTIO_BLK_T_OUT,
+            VIRTIO_BLK_T_DISCARD,
+            VIRTIO_BLK_T_WRITE_ZEROES,
+        ] {
             header(&m, 0x1000, ty, 0);
-            let e = run(&m, &[d(0x1000, 16, 0), d(0x2000, 512, 0), d(0x3000, 1, W)], &l).unwrap_err();
+            let e = run(
+                &m,
+                &[d(0x1000, 16, 0), d(0x2000, 512, 0), d(0x3000, 1, W)],
+                &l,
+            )
+            .unwrap_err();
             assert_eq!(e.status, VIRTIO_BLK_S_IOERR as u8);
         }
         header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
-        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 512, W), d(0x3000, 1, W)], &l).is_ok());
+        assert!(run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 512, W), d(0x3000, 1, W)],
+            &l
+        )
+        .is_ok());
     }
 
     #[test]
@@ -434,22 +594,79 @@ mod tests {
             b
         };
         m.write_slice(&seg(8, 16, 0), GuestAddress(0x2000)).unwrap();
-        m.write_slice(&seg(100, 8, 0), GuestAddress(0x2010)).unwrap();
+        m.write_slice(&seg(100, 8, 0), GuestAddress(0x2010))
+            .unwrap();
         header(&m, 0x1000, VIRTIO_BLK_T_DISCARD, 0);
-        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 32, 0), d(0x3000, 1, W)], &limits()).unwrap();
-        assert_eq!(r.op, Op::Discard(vec![Range { sector: 8, sectors: 16 }, Range { sector: 100, sectors: 8 }]));
-        m.write_slice(&seg(0, 8, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP), GuestAddress(0x2000)).unwrap();
-        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 32, 0), d(0x3000, 1, W)], &limits()).unwrap_err();
-        assert_eq!(r.status, VIRTIO_BLK_S_UNSUPP as u8, "unmap flag is not valid on discard");
+        let r = run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 32, 0), d(0x3000, 1, W)],
+            &limits(),
+        )
+        .unwrap();
+        assert_eq!(
+            r.op,
+            Op::Discard(vec![
+                Range {
+                    sector: 8,
+                    sectors: 16
+                },
+                Range {
+                    sector: 100,
+                    sectors: 8
+                }
+            ])
+        );
+        m.write_slice(
+            &seg(0, 8, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP),
+            GuestAddress(0x2000),
+        )
+        .unwrap();
+        let r = run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 32, 0), d(0x3000, 1, W)],
+            &limits(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            r.status, VIRTIO_BLK_S_UNSUPP as u8,
+            "unmap flag is not valid on discard"
+        );
         header(&m, 0x1000, VIRTIO_BLK_T_WRITE_ZEROES, 0);
-        let r = run(&m, &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)], &limits()).unwrap();
+        let r = run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)],
+            &limits(),
+        )
+        .unwrap();
         assert!(matches!(r.op, Op::WriteZeroes { unmap: true, .. }));
-        m.write_slice(&seg(2047, 2, 0), GuestAddress(0x2000)).unwrap();
-        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)], &limits()).is_err());
-        m.write_slice(&seg(0, 2000, 0), GuestAddress(0x2000)).unwrap();
-        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)], &limits()).is_err());
-        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 80, 0), d(0x3000, 1, W)], &limits()).is_err());
-        assert!(run(&m, &[d(0x1000, 16, 0), d(0x2000, 15, 0), d(0x3000, 1, W)], &limits()).is_err());
+        m.write_slice(&seg(2047, 2, 0), GuestAddress(0x2000))
+            .unwrap();
+        assert!(run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)],
+            &limits()
+        )
+        .is_err());
+        m.write_slice(&seg(0, 2000, 0), GuestAddress(0x2000))
+            .unwrap();
+        assert!(run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 16, 0), d(0x3000, 1, W)],
+            &limits()
+        )
+        .is_err());
+        assert!(run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 80, 0), d(0x3000, 1, W)],
+            &limits()
+        )
+        .is_err());
+        assert!(run(
+            &m,
+            &[d(0x1000, 16, 0), d(0x2000, 15, 0), d(0x3000, 1, W)],
+            &limits()
+        )
+        .is_err());
     }
 
     #[test]
@@ -460,7 +677,12 @@ mod tests {
         // 0 -> 1 -> 0 -> ... never ends.
         let descs = [
             RawDescriptor::from(Descriptor::new(0x1000, 16, VRING_DESC_F_NEXT as u16, 1)),
-            RawDescriptor::from(Descriptor::new(0x3000, 1, (VRING_DESC_F_NEXT | VRING_DESC_F_WRITE) as u16, 0)),
+            RawDescriptor::from(Descriptor::new(
+                0x3000,
+                1,
+                (VRING_DESC_F_NEXT | VRING_DESC_F_WRITE) as u16,
+                0,
+            )),
         ];
         for (i, desc) in descs.iter().enumerate() {
             q.desc_table().store(i as u16, *desc).unwrap();

@@ -25,11 +25,16 @@ impl VolumeServer {
     /// Binds `path` (replacing a stale socket file) and starts serving.
     pub fn start(path: &Path, ctx: Arc<VolumeContext>) -> std::io::Result<VolumeServer> {
         match std::fs::symlink_metadata(path) {
-            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => std::fs::remove_file(path)?,
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(path)?
+            }
             Ok(_) => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::AlreadyExists,
-                    format!("{} exists and is not a socket; refusing to replace it", path.display()),
+                    format!(
+                        "{} exists and is not a socket; refusing to replace it",
+                        path.display()
+                    ),
                 ))
             }
             Err(_) => {}

@@ -10,8 +10,10 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 use vhost::vhost_user::message::*;
+use vhost::vhost_user::{
+    Backend, Error as VhostError, Result as VhostResult, VhostUserBackendReqHandlerMut,
+};
 use vhost::VhostUserMemoryRegionBase;
-use vhost::vhost_user::{Backend, Error as VhostError, Result as VhostResult, VhostUserBackendReqHandlerMut};
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddressSpace;
@@ -102,11 +104,18 @@ impl Session {
             return Ok(());
         }
         let tr = |a: u64, what: &str| {
-            self.mem
-                .vva_to_gpa(a)
-                .ok_or_else(|| invalid(&format!("queue {index}: {what} address {a:#x} is not in guest memory"), &ctx))
+            self.mem.vva_to_gpa(a).ok_or_else(|| {
+                invalid(
+                    &format!("queue {index}: {what} address {a:#x} is not in guest memory"),
+                    &ctx,
+                )
+            })
         };
-        let (desc, avail, used) = (tr(v.desc, "descriptor")?, tr(v.avail, "avail")?, tr(v.used, "used")?);
+        let (desc, avail, used) = (
+            tr(v.desc, "descriptor")?,
+            tr(v.avail, "avail")?,
+            tr(v.used, "used")?,
+        );
         let mut q = Queue::new(MAX_QUEUE_SIZE).map_err(|_| VhostError::InvalidParam)?;
         q.set_size(v.size);
         q.set_desc_table_address(Some(desc.0 as u32), Some((desc.0 >> 32) as u32));
@@ -117,7 +126,10 @@ impl Session {
         let mem = self.mem.atomic();
         let guard = mem.memory();
         if !q.is_valid(&*guard) {
-            return Err(invalid(&format!("queue {index}: size {} or ring addresses invalid", v.size), &ctx));
+            return Err(invalid(
+                &format!("queue {index}: size {} or ring addresses invalid", v.size),
+                &ctx,
+            ));
         }
         q.set_next_avail(v.base);
         // The used index the guest sees is authoritative for where completions continue.
@@ -153,7 +165,8 @@ impl Session {
             poll_idle: ctx.settings().poll_idle,
             volume: ctx.name().to_string(),
         };
-        let w = WorkerHandle::spawn(spec).map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;
+        let w = WorkerHandle::spawn(spec)
+            .map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;
         tracing::info!(volume = %ctx.name(), queue = index, size = v.size, base = v.base, "queue started");
         self.vrings[index].worker = Some(w);
         Ok(())
@@ -195,7 +208,10 @@ impl VhostUserBackendReqHandlerMut for Session {
     fn set_features(&mut self, features: u64) -> VhostResult<()> {
         let offered = self.get_features()?;
         if features & !offered != 0 {
-            return Err(invalid(&format!("frontend acked features {features:#x} we did not offer"), &self.ctx));
+            return Err(invalid(
+                &format!("frontend acked features {features:#x} we did not offer"),
+                &self.ctx,
+            ));
         }
         self.acked_features = features;
         if !self.protocol_negotiated() {
@@ -222,7 +238,10 @@ impl VhostUserBackendReqHandlerMut for Session {
     fn set_vring_num(&mut self, index: u32, num: u32) -> VhostResult<()> {
         let ctx = self.ctx.clone();
         if num == 0 || num > MAX_QUEUE_SIZE as u32 || !num.is_power_of_two() {
-            return Err(invalid(&format!("queue size {num} must be a power of two up to {MAX_QUEUE_SIZE}"), &ctx));
+            return Err(invalid(
+                &format!("queue size {num} must be a power of two up to {MAX_QUEUE_SIZE}"),
+                &ctx,
+            ));
         }
         self.vring(index)?.size = num as u16;
         Ok(())
@@ -273,7 +292,10 @@ impl VhostUserBackendReqHandlerMut for Session {
         self.stop_worker(index as usize);
         let v = &mut self.vrings[index as usize];
         let Some(fd) = fd else {
-            return Err(invalid("polling mode kick (no fd) is not supported", &self.ctx));
+            return Err(invalid(
+                "polling mode kick (no fd) is not supported",
+                &self.ctx,
+            ));
         };
         v.kick = Some(fd);
         v.started = true;
@@ -302,7 +324,10 @@ impl VhostUserBackendReqHandlerMut for Session {
     fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {
         let offered = self.get_protocol_features()?.bits();
         if features & !offered != 0 {
-            return Err(invalid(&format!("frontend acked protocol features {features:#x} we did not offer"), &self.ctx));
+            return Err(invalid(
+                &format!("frontend acked protocol features {features:#x} we did not offer"),
+                &self.ctx,
+            ));
         }
         self.acked_protocol = features;
         Ok(())
@@ -322,7 +347,12 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
     }
 
-    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VhostResult<Vec<u8>> {
+    fn get_config(
+        &mut self,
+        offset: u32,
+        size: u32,
+        _flags: VhostUserConfigFlags,
+    ) -> VhostResult<Vec<u8>> {
         let l = self.ctx.layout().load();
         let space = blk_config::config_space(l.size, self.vrings.len() as u16);
         let (off, size) = (offset as usize, size as usize);
@@ -334,7 +364,12 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(out)
     }
 
-    fn set_config(&mut self, _offset: u32, _buf: &[u8], _flags: VhostUserConfigFlags) -> VhostResult<()> {
+    fn set_config(
+        &mut self,
+        _offset: u32,
+        _buf: &[u8],
+        _flags: VhostUserConfigFlags,
+    ) -> VhostResult<()> {
         // Nothing in our config space is writable (CONFIG_WCE is not offered).
         Ok(())
     }
@@ -349,7 +384,10 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(VhostError::InvalidOperation("shared objects"))
     }
 
-    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> VhostResult<(VhostUserInflight, File)> {
+    fn get_inflight_fd(
+        &mut self,
+        _inflight: &VhostUserInflight,
+    ) -> VhostResult<(VhostUserInflight, File)> {
         Err(VhostError::InvalidOperation("inflight fd"))
     }
 

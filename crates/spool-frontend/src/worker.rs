@@ -359,7 +359,9 @@ impl QueueWorker {
                 }
                 let mut pieces = Vec::new();
                 self.layout
-                    .map(req.sector * SECTOR, req.len, |d, off, len, at| pieces.push((d, off, len, at)));
+                    .map(req.sector * SECTOR, req.len, |d, off, len, at| {
+                        pieces.push((d, off, len, at))
+                    });
                 if pieces.len() == 1 {
                     inf.parts.push(req.iov);
                 } else {
@@ -373,9 +375,19 @@ impl QueueWorker {
                     ios.push((
                         d,
                         if write {
-                            DeviceIo::Write { offset: off, len, iov, iovcnt }
+                            DeviceIo::Write {
+                                offset: off,
+                                len,
+                                iov,
+                                iovcnt,
+                            }
                         } else {
-                            DeviceIo::Read { offset: off, len, iov, iovcnt }
+                            DeviceIo::Read {
+                                offset: off,
+                                len,
+                                iov,
+                                iovcnt,
+                            }
                         },
                     ));
                 }
@@ -393,7 +405,9 @@ impl QueueWorker {
                     // SAFETY: `v` was produced by the parser from a vm-memory slice inside the
                     // guest mapping `mem`, which is alive here; n <= v.iov_len. The guest may
                     // race on these bytes, which only affects what it reads back.
-                    unsafe { std::ptr::copy_nonoverlapping(left.as_ptr(), v.iov_base.cast::<u8>(), n) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(left.as_ptr(), v.iov_base.cast::<u8>(), n)
+                    };
                     left = &left[n..];
                     written += n as u32;
                 }
@@ -402,8 +416,10 @@ impl QueueWorker {
             Op::Discard(ranges) | Op::WriteZeroes { ranges, .. } => {
                 let zeroes = matches!(req.op, Op::WriteZeroes { .. });
                 for r in ranges {
-                    self.layout
-                        .map(r.sector * SECTOR, r.sectors as u64 * SECTOR, |d, off, len, _| {
+                    self.layout.map(
+                        r.sector * SECTOR,
+                        r.sectors as u64 * SECTOR,
+                        |d, off, len, _| {
                             ios.push((
                                 d,
                                 if zeroes {
@@ -412,7 +428,8 @@ impl QueueWorker {
                                     DeviceIo::Discard { offset: off, len }
                                 },
                             ))
-                        });
+                        },
+                    );
                 }
             }
         }
@@ -510,8 +527,14 @@ mod tests {
     #[test]
     fn slice_iov_splits_across_buffers() {
         let v = [
-            IoVec { iov_base: 0x1000 as *mut _, iov_len: 512 },
-            IoVec { iov_base: 0x5000 as *mut _, iov_len: 1024 },
+            IoVec {
+                iov_base: 0x1000 as *mut _,
+                iov_len: 512,
+            },
+            IoVec {
+                iov_base: 0x5000 as *mut _,
+                iov_len: 1024,
+            },
         ];
         let s = slice_iov(&v, 256, 512);
         assert_eq!(s.len(), 2);

@@ -21,7 +21,10 @@ pub struct Buddy {
 impl Buddy {
     /// Manages `[base, base + len)` in blocks of at least `min` bytes (a power of two).
     pub fn new(base: u64, len: u64, min: u64) -> Self {
-        assert!(min.is_power_of_two(), "minimum extent must be a power of two");
+        assert!(
+            min.is_power_of_two(),
+            "minimum extent must be a power of two"
+        );
         let mut top = Vec::new();
         let mut off = 0u64;
         let mut remaining = len - len % min;
@@ -75,7 +78,10 @@ impl Buddy {
 
     /// Largest order with a free block.
     pub fn largest_free_order(&self) -> Option<u32> {
-        (0..self.free.len()).rev().find(|&o| !self.free[o].is_empty()).map(|o| o as u32)
+        (0..self.free.len())
+            .rev()
+            .find(|&o| !self.free[o].is_empty())
+            .map(|o| o as u32)
     }
 
     /// Allocates a block of `order`; returns its absolute offset.
@@ -100,7 +106,9 @@ impl Buddy {
         let rel = offset
             .checked_sub(self.base)
             .filter(|r| r % size == 0)
-            .ok_or_else(|| format!("extent at {offset} (order {order}) is misaligned or before the data area"))?;
+            .ok_or_else(|| {
+                format!("extent at {offset} (order {order}) is misaligned or before the data area")
+            })?;
         for o in order as usize..self.free.len() {
             let cand = rel & !((self.min << o) - 1);
             if self.free[o].remove(&cand) {
@@ -207,7 +215,10 @@ mod tests {
 
     fn ops() -> impl Strategy<Value = Vec<Op>> {
         prop::collection::vec(
-            prop_oneof![(0u32..5).prop_map(Op::Alloc), any::<usize>().prop_map(Op::Free)],
+            prop_oneof![
+                (0u32..5).prop_map(Op::Alloc),
+                any::<usize>().prop_map(Op::Free)
+            ],
             1..200,
         )
     }

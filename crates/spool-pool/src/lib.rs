@@ -18,7 +18,9 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use buddy::Buddy;
-use metadata::{DeviceEntry, DeviceState, ExtentEntry, PoolTable, Record, VolumeEntry, METADATA_AREA};
+use metadata::{
+    DeviceEntry, DeviceState, ExtentEntry, PoolTable, Record, VolumeEntry, METADATA_AREA,
+};
 use spool_devices::{FileDevice, OpenOptions};
 
 /// Errors of the pool layer. Each says what was wrong and what to do.
@@ -138,7 +140,9 @@ impl VolumeLayout {
     /// `f(device index, device offset, piece length, offset within the range)`.
     /// The caller has checked the range against `size`.
     pub fn map(&self, offset: u64, len: u64, mut f: impl FnMut(usize, u64, u64, u64)) {
-        let mut i = self.segments.partition_point(|s| s.logical + s.len <= offset);
+        let mut i = self
+            .segments
+            .partition_point(|s| s.logical + s.len <= offset);
         let mut done = 0;
         while done < len && i < self.segments.len() {
             let s = &self.segments[i];
@@ -271,7 +275,10 @@ impl Pool {
                         if !opts.force {
                             return Err(Error::Corrupt {
                                 path,
-                                why: format!("device {} is not in the pool's current device table", r.device_uuid),
+                                why: format!(
+                                    "device {} is not in the pool's current device table",
+                                    r.device_uuid
+                                ),
                             });
                         }
                         needs_write = true;
@@ -299,7 +306,9 @@ impl Pool {
                     needs_write = true;
                     Self::join(&mut table, &dev, true)?
                 }
-                DeviceState::Corrupt(why) if !opts.force => return Err(Error::Corrupt { path, why }),
+                DeviceState::Corrupt(why) if !opts.force => {
+                    return Err(Error::Corrupt { path, why })
+                }
                 DeviceState::Unsupported(version) if !opts.force => {
                     return Err(Error::Unsupported {
                         path,
@@ -331,10 +340,12 @@ impl Pool {
         for v in &table.volumes {
             for e in &v.extents {
                 if let Some(m) = members.iter_mut().find(|m| m.uuid == e.device) {
-                    m.buddy.alloc_at(e.offset, e.order).map_err(|why| Error::Corrupt {
-                        path: m.dev.path().display().to_string(),
-                        why: format!("volume '{}': {why}", v.name),
-                    })?;
+                    m.buddy
+                        .alloc_at(e.offset, e.order)
+                        .map_err(|why| Error::Corrupt {
+                            path: m.dev.path().display().to_string(),
+                            why: format!("volume '{}': {why}", v.name),
+                        })?;
                 }
             }
         }
@@ -415,7 +426,10 @@ impl Pool {
             DeviceState::Blank => {}
             DeviceState::Member(r, _) if !force => {
                 return Err(if r.table.pool_uuid == self.table.pool_uuid {
-                    Error::Duplicate { path, uuid: r.device_uuid }
+                    Error::Duplicate {
+                        path,
+                        uuid: r.device_uuid,
+                    }
                 } else {
                     Error::ForeignPool {
                         path,
@@ -473,7 +487,12 @@ impl Pool {
 
     /// Pool summary.
     pub fn info(&self) -> PoolInfo {
-        let devices: Vec<_> = self.table.devices.iter().map(|d| self.device_info(d.uuid)).collect();
+        let devices: Vec<_> = self
+            .table
+            .devices
+            .iter()
+            .map(|d| self.device_info(d.uuid))
+            .collect();
         PoolInfo {
             name: self.table.name.clone(),
             uuid: self.table.pool_uuid,
@@ -511,18 +530,28 @@ impl Pool {
             uuid: v.uuid,
             name: v.name.clone(),
             size: v.size,
-            allocated: v.extents.iter().map(|e| self.table.min_extent << e.order).sum(),
+            allocated: v
+                .extents
+                .iter()
+                .map(|e| self.table.min_extent << e.order)
+                .sum(),
             read_only: v.read_only,
             num_queues: v.num_queues,
             extents: v.extents.len(),
-            online: devices.iter().all(|d| self.members.iter().any(|m| m.uuid == *d)),
+            online: devices
+                .iter()
+                .all(|d| self.members.iter().any(|m| m.uuid == *d)),
             devices,
         }
     }
 
     /// All volumes.
     pub fn volumes(&self) -> Vec<VolumeInfo> {
-        self.table.volumes.iter().map(|v| self.volume_info(v)).collect()
+        self.table
+            .volumes
+            .iter()
+            .map(|v| self.volume_info(v))
+            .collect()
     }
 
     /// One volume, by name or UUID.
@@ -563,7 +592,11 @@ impl Pool {
                     pending.push(order - 1);
                 }
                 None => {
-                    let available = self.members.iter().map(|m| m.buddy.free_bytes()).sum::<u64>()
+                    let available = self
+                        .members
+                        .iter()
+                        .map(|m| m.buddy.free_bytes())
+                        .sum::<u64>()
                         + out.iter().map(|e| min << e.order).sum::<u64>();
                     self.release(&out);
                     return Err(Error::NoSpace {
@@ -574,7 +607,7 @@ impl Pool {
             }
         }
         // Largest extents first in the volume's address space.
-        out.sort_by(|a, b| b.order.cmp(&a.order));
+        out.sort_by_key(|e| std::cmp::Reverse(e.order));
         Ok(out)
     }
 
@@ -590,14 +623,15 @@ impl Pool {
     fn scrub(&self, extents: &[ExtentEntry]) -> Result<()> {
         for e in extents {
             if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
-                m.dev.zero_range(e.offset, self.table.min_extent << e.order)?;
+                m.dev
+                    .zero_range(e.offset, self.table.min_extent << e.order)?;
             }
         }
         Ok(())
     }
 
     fn check_size(size: u64) -> Result<()> {
-        if size == 0 || size % 512 != 0 {
+        if size == 0 || !size.is_multiple_of(512) {
             return Err(Error::InvalidArgument(format!(
                 "volume size {size} must be a positive multiple of 512 bytes"
             )));

@@ -118,7 +118,10 @@ pub fn encode(rec: &Record) -> Result<Vec<u8>, String> {
 }
 
 /// Decodes a slot image (at least the header; the payload is read through `payload`).
-pub fn decode(header: &[u8], read_payload: impl FnOnce(usize) -> Result<Vec<u8>, String>) -> SlotState {
+pub fn decode(
+    header: &[u8],
+    read_payload: impl FnOnce(usize) -> Result<Vec<u8>, String>,
+) -> SlotState {
     if header.len() < HEADER_SIZE {
         return SlotState::Corrupt("short header".into());
     }
@@ -197,7 +200,9 @@ pub fn read_device(dev: &FileDevice) -> DeviceState {
     }
     if let Some(r) = best {
         let note = slots.iter().find_map(|s| match s {
-            SlotState::Corrupt(why) => Some(format!("other metadata copy is damaged ({why}); it will be rewritten")),
+            SlotState::Corrupt(why) => Some(format!(
+                "other metadata copy is damaged ({why}); it will be rewritten"
+            )),
             _ => None,
         });
         return DeviceState::Member(r.clone(), note);
@@ -280,7 +285,15 @@ mod tests {
         let t = table();
         let du = Uuid::new_v4();
         for g in 1..=3 {
-            write_record(&dev, &Record { generation: g, device_uuid: du, table: t.clone() }).unwrap();
+            write_record(
+                &dev,
+                &Record {
+                    generation: g,
+                    device_uuid: du,
+                    table: t.clone(),
+                },
+            )
+            .unwrap();
             match read_device(&dev) {
                 DeviceState::Member(r, None) => assert_eq!(r.generation, g),
                 other => panic!("{other:?}"),
@@ -293,11 +306,28 @@ mod tests {
         let (_d, dev) = dev();
         let du = Uuid::new_v4();
         let mut t = table();
-        write_record(&dev, &Record { generation: 1, device_uuid: du, table: t.clone() }).unwrap();
+        write_record(
+            &dev,
+            &Record {
+                generation: 1,
+                device_uuid: du,
+                table: t.clone(),
+            },
+        )
+        .unwrap();
         t.name = "newer".into();
-        write_record(&dev, &Record { generation: 2, device_uuid: du, table: t }).unwrap();
+        write_record(
+            &dev,
+            &Record {
+                generation: 2,
+                device_uuid: du,
+                table: t,
+            },
+        )
+        .unwrap();
         // Tear generation 2 (slot 0) in the middle of its payload.
-        dev.write_at_durable(&[0xff; 16], HEADER_SIZE as u64 + 10).unwrap();
+        dev.write_at_durable(&[0xff; 16], HEADER_SIZE as u64 + 10)
+            .unwrap();
         match read_device(&dev) {
             DeviceState::Member(r, Some(note)) => {
                 assert_eq!(r.generation, 1);
@@ -315,8 +345,15 @@ mod tests {
     fn foreign_and_newer_formats_are_recognised() {
         let (_d, dev) = dev();
         dev.write_at_durable(b"EXT4 superblock?", 0).unwrap();
-        assert!(matches!(read_device(&dev), DeviceState::Corrupt(w) if w.contains("unknown magic")));
-        let mut img = encode(&Record { generation: 1, device_uuid: Uuid::new_v4(), table: table() }).unwrap();
+        assert!(
+            matches!(read_device(&dev), DeviceState::Corrupt(w) if w.contains("unknown magic"))
+        );
+        let mut img = encode(&Record {
+            generation: 1,
+            device_uuid: Uuid::new_v4(),
+            table: table(),
+        })
+        .unwrap();
         img[7] = 2; // a format-2 magic from a newer spoold
         dev.write_at_durable(&img, 0).unwrap();
         assert_eq!(read_device(&dev), DeviceState::Unsupported(2));

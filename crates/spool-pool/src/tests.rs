@@ -57,13 +57,20 @@ fn volumes_span_devices_and_never_overlap() {
     for id in ["big", "small"] {
         let l = p.layout(id).unwrap();
         for s in &l.segments {
-            ranges.push((l.devices[s.device].path().to_path_buf(), s.offset, s.offset + s.len));
+            ranges.push((
+                l.devices[s.device].path().to_path_buf(),
+                s.offset,
+                s.offset + s.len,
+            ));
         }
     }
     for (i, a) in ranges.iter().enumerate() {
         assert!(a.1 >= METADATA_AREA);
         for b in &ranges[i + 1..] {
-            assert!(a.0 != b.0 || a.2 <= b.1 || b.2 <= a.1, "{a:?} overlaps {b:?}");
+            assert!(
+                a.0 != b.0 || a.2 <= b.1 || b.2 <= a.1,
+                "{a:?} overlaps {b:?}"
+            );
         }
     }
     assert_eq!(w.allocated, 2 << 20);
@@ -80,7 +87,9 @@ fn map_splits_at_segment_boundaries() {
     p.create_volume("v", 6 << 20, false, 1).unwrap();
     let l = p.layout("v").unwrap();
     let mut pieces = Vec::new();
-    l.map((4 << 20) - 512, 1024, |dev, off, len, at| pieces.push((dev, off, len, at)));
+    l.map((4 << 20) - 512, 1024, |dev, off, len, at| {
+        pieces.push((dev, off, len, at))
+    });
     assert_eq!(pieces.len(), 2);
     assert_eq!(pieces[0].2 + pieces[1].2, 1024);
     assert_eq!(pieces[1].3, 512);
@@ -104,10 +113,15 @@ fn foreign_corrupt_and_newer_devices_are_refused_without_force() {
     Pool::open(&[spec(d.path(), "other", 4)], opts()).unwrap();
     // Garbage where the metadata should be.
     std::fs::write(d.path().join("junk"), vec![0x42u8; 4 << 20]).unwrap();
-    let e = Pool::open(&[spec(d.path(), "junk", 4)], opts()).err().unwrap();
+    let e = Pool::open(&[spec(d.path(), "junk", 4)], opts())
+        .err()
+        .unwrap();
     assert!(matches!(e, Error::Corrupt { .. }), "{e}");
     let junk = std::fs::read(d.path().join("junk")).unwrap();
-    assert!(junk.iter().all(|&b| b == 0x42), "refused device was modified");
+    assert!(
+        junk.iter().all(|&b| b == 0x42),
+        "refused device was modified"
+    );
     // With force, the device is reformatted and joins.
     let p = Pool::open(
         &both,
@@ -131,7 +145,10 @@ fn torn_metadata_write_keeps_the_pool() {
         p.info().generation
     };
     // Tear the newest copy: the previous generation (without "w") comes back.
-    let f = std::fs::OpenOptions::new().write(true).open(d.path().join("a")).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.path().join("a"))
+        .unwrap();
     use std::os::unix::fs::FileExt;
     f.write_all_at(&[0xee; 100], (generation % 2) * metadata::SLOT_SIZE + 100)
         .unwrap();
@@ -147,7 +164,8 @@ fn new_volumes_never_see_old_data() {
     p.create_volume("old", 1 << 20, false, 1).unwrap();
     let l = p.layout("old").unwrap();
     let dev = l.devices[0].clone();
-    dev.write_at_durable(&[0x77; 4096], l.segments[0].offset).unwrap();
+    dev.write_at_durable(&[0x77; 4096], l.segments[0].offset)
+        .unwrap();
     p.delete_volume("old").unwrap();
     p.create_volume("new", 1 << 20, false, 1).unwrap();
     let l2 = p.layout("new").unwrap();
@@ -161,16 +179,36 @@ fn new_volumes_never_see_old_data() {
 fn bad_arguments_are_clear_errors() {
     let d = tempfile::tempdir().unwrap();
     let mut p = Pool::open(&[spec(d.path(), "a", 4)], opts()).unwrap();
-    for (name, size, q) in [("", 512, 1), ("a/b", 512, 1), ("ok", 0, 1), ("ok", 1000, 1), ("ok", 512, 0), ("ok", 512, 65)] {
+    for (name, size, q) in [
+        ("", 512, 1),
+        ("a/b", 512, 1),
+        ("ok", 0, 1),
+        ("ok", 1000, 1),
+        ("ok", 512, 0),
+        ("ok", 512, 65),
+    ] {
         let e = p.create_volume(name, size, false, q).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
     p.create_volume("ok", 512, false, 1).unwrap();
-    assert!(matches!(p.create_volume("ok", 512, false, 1), Err(Error::VolumeExists(_))));
-    assert!(matches!(p.resize_volume("ok", 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        p.create_volume("ok", 512, false, 1),
+        Err(Error::VolumeExists(_))
+    ));
+    assert!(matches!(
+        p.resize_volume("ok", 0),
+        Err(Error::InvalidArgument(_))
+    ));
     p.resize_volume("ok", 4096).unwrap();
-    assert!(p.resize_volume("ok", 512).unwrap_err().to_string().contains("shrinking"));
-    assert!(matches!(p.delete_volume("nope"), Err(Error::NoSuchVolume(_))));
+    assert!(p
+        .resize_volume("ok", 512)
+        .unwrap_err()
+        .to_string()
+        .contains("shrinking"));
+    assert!(matches!(
+        p.delete_volume("nope"),
+        Err(Error::NoSuchVolume(_))
+    ));
     let e = p.create_volume("huge", 1 << 40, false, 1).unwrap_err();
     assert!(matches!(e, Error::NoSpace { .. }), "{e}");
     // A failed allocation leaks nothing.

@@ -13,7 +13,12 @@ use spool_control::size::{format_size, parse_size};
 #[command(version)]
 struct Args {
     /// spoold's RPC socket.
-    #[arg(short, long, env = "SPOOL_SOCKET", default_value = "spool-state/spoold.sock")]
+    #[arg(
+        short,
+        long,
+        env = "SPOOL_SOCKET",
+        default_value = "spool-state/spoold.sock"
+    )]
     socket: PathBuf,
     /// Print the raw JSON result (for scripts).
     #[arg(long, global = true)]
@@ -40,7 +45,10 @@ enum Cmd {
         cmd: VolumeCmd,
     },
     /// Send any RPC method with JSON params (for debugging).
-    Rpc { method: String, params: Option<String> },
+    Rpc {
+        method: String,
+        params: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -128,14 +136,22 @@ fn sz(v: &Value, k: &str) -> String {
 }
 
 fn volumes_table(vs: &[Value]) -> String {
-    let mut rows = vec![["NAME", "UUID", "SIZE", "QUEUES", "MODE", "STATE", "SOCKET"].map(String::from).to_vec()];
+    let mut rows = vec![
+        ["NAME", "UUID", "SIZE", "QUEUES", "MODE", "STATE", "SOCKET"]
+            .map(String::from)
+            .to_vec(),
+    ];
     for v in vs {
         rows.push(vec![
             s(v, "name"),
             s(v, "uuid"),
             sz(v, "size"),
             s(v, "num_queues"),
-            if v["read_only"] == json!(true) { "ro".into() } else { "rw".into() },
+            if v["read_only"] == json!(true) {
+                "ro".into()
+            } else {
+                "rw".into()
+            },
             if v["online"] == json!(false) {
                 "offline".into()
             } else if v["connected"] == json!(true) {
@@ -150,15 +166,25 @@ fn volumes_table(vs: &[Value]) -> String {
 }
 
 fn devices_table(ds: &[Value]) -> String {
-    let mut rows = vec![["UUID", "PATH", "SIZE", "FREE", "DIRECT", "STATE"].map(String::from).to_vec()];
+    let mut rows = vec![["UUID", "PATH", "SIZE", "FREE", "DIRECT", "STATE"]
+        .map(String::from)
+        .to_vec()];
     for d in ds {
         rows.push(vec![
             s(d, "uuid"),
             s(d, "path"),
             sz(d, "size"),
             sz(d, "free"),
-            if d["direct_io"] == json!(true) { "yes".into() } else { "no".into() },
-            if d["present"] == json!(true) { "present".into() } else { "MISSING".into() },
+            if d["direct_io"] == json!(true) {
+                "yes".into()
+            } else {
+                "no".into()
+            },
+            if d["present"] == json!(true) {
+                "present".into()
+            } else {
+                "MISSING".into()
+            },
         ]);
     }
     table(rows)
@@ -167,8 +193,17 @@ fn devices_table(ds: &[Value]) -> String {
 fn run(args: Args) -> Result<(), String> {
     let (method, params): (&str, Value) = match &args.cmd {
         Cmd::Pool { cmd: PoolCmd::Show } => ("pool_show", json!({})),
-        Cmd::Device { cmd: DeviceCmd::List } => ("device_list", json!({})),
-        Cmd::Device { cmd: DeviceCmd::Add { path, create_size, force } } => {
+        Cmd::Device {
+            cmd: DeviceCmd::List,
+        } => ("device_list", json!({})),
+        Cmd::Device {
+            cmd:
+                DeviceCmd::Add {
+                    path,
+                    create_size,
+                    force,
+                },
+        } => {
             let path = std::path::absolute(path).map_err(|e| e.to_string())?;
             let mut p = json!({"path": path, "force": force});
             if let Some(c) = create_size {
@@ -176,17 +211,35 @@ fn run(args: Args) -> Result<(), String> {
             }
             ("device_add", p)
         }
-        Cmd::Volume { cmd: VolumeCmd::List } => ("volume_list", json!({})),
-        Cmd::Volume { cmd: VolumeCmd::Show { id } } => ("volume_show", json!({"id": id})),
-        Cmd::Volume { cmd: VolumeCmd::Create { name, size: sz, read_only, queues } } => (
+        Cmd::Volume {
+            cmd: VolumeCmd::List,
+        } => ("volume_list", json!({})),
+        Cmd::Volume {
+            cmd: VolumeCmd::Show { id },
+        } => ("volume_show", json!({"id": id})),
+        Cmd::Volume {
+            cmd:
+                VolumeCmd::Create {
+                    name,
+                    size: sz,
+                    read_only,
+                    queues,
+                },
+        } => (
             "volume_create",
             json!({"name": name, "size": size(sz)?, "read_only": read_only, "num_queues": queues}),
         ),
-        Cmd::Volume { cmd: VolumeCmd::Delete { id, force } } => ("volume_delete", json!({"id": id, "force": force})),
-        Cmd::Volume { cmd: VolumeCmd::Resize { id, size: sz } } => ("volume_resize", json!({"id": id, "size": size(sz)?})),
+        Cmd::Volume {
+            cmd: VolumeCmd::Delete { id, force },
+        } => ("volume_delete", json!({"id": id, "force": force})),
+        Cmd::Volume {
+            cmd: VolumeCmd::Resize { id, size: sz },
+        } => ("volume_resize", json!({"id": id, "size": size(sz)?})),
         Cmd::Rpc { method, params } => {
             let p = match params {
-                Some(t) => serde_json::from_str(t).map_err(|e| format!("params are not JSON: {e}"))?,
+                Some(t) => {
+                    serde_json::from_str(t).map_err(|e| format!("params are not JSON: {e}"))?
+                }
                 None => json!({}),
             };
             (method.as_str(), p)
@@ -210,16 +263,31 @@ fn run(args: Args) -> Result<(), String> {
                 sz(&r, "min_extent"),
                 s(&r, "volumes")
             );
-            println!("{}", devices_table(r["devices"].as_array().map(Vec::as_slice).unwrap_or(&[])));
+            println!(
+                "{}",
+                devices_table(r["devices"].as_array().map(Vec::as_slice).unwrap_or(&[]))
+            );
         }
-        Cmd::Device { cmd: DeviceCmd::List } => {
-            println!("{}", devices_table(r.as_array().map(Vec::as_slice).unwrap_or(&[])))
+        Cmd::Device {
+            cmd: DeviceCmd::List,
+        } => {
+            println!(
+                "{}",
+                devices_table(r.as_array().map(Vec::as_slice).unwrap_or(&[]))
+            )
         }
         Cmd::Device { .. } => println!("{}", devices_table(&[r])),
-        Cmd::Volume { cmd: VolumeCmd::List } => {
-            println!("{}", volumes_table(r.as_array().map(Vec::as_slice).unwrap_or(&[])))
+        Cmd::Volume {
+            cmd: VolumeCmd::List,
+        } => {
+            println!(
+                "{}",
+                volumes_table(r.as_array().map(Vec::as_slice).unwrap_or(&[]))
+            )
         }
-        Cmd::Volume { cmd: VolumeCmd::Delete { .. } } => println!("deleted volume {} ({})", s(&r, "name"), s(&r, "uuid")),
+        Cmd::Volume {
+            cmd: VolumeCmd::Delete { .. },
+        } => println!("deleted volume {} ({})", s(&r, "name"), s(&r, "uuid")),
         Cmd::Volume { .. } => println!("{}", volumes_table(&[r])),
         Cmd::Rpc { .. } => {}
     }

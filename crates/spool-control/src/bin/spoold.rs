@@ -69,7 +69,11 @@ fn main() -> ExitCode {
         daemon.shutdown();
         return ExitCode::FAILURE;
     }
-    println!("spoold ready. RPC: {}  (spoolctl --socket {} volume list)", rpc_path.display(), rpc_path.display());
+    println!(
+        "spoold ready. RPC: {}  (spoolctl --socket {} volume list)",
+        rpc_path.display(),
+        rpc_path.display()
+    );
     for (v, sock) in daemon.volumes() {
         match sock {
             Some(s) => {
@@ -82,7 +86,10 @@ fn main() -> ExitCode {
                     if v.read_only { ", read-only" } else { "" },
                     s.display()
                 );
-                println!("  boot a VM on it:\n  {}", qemu_command_line(&s, &v.name, v.num_queues));
+                println!(
+                    "  boot a VM on it:\n  {}",
+                    qemu_command_line(&s, &v.name, v.num_queues)
+                );
             }
             None => println!("volume {}: OFFLINE (a device is missing)", v.name),
         }

@@ -31,7 +31,11 @@ impl Spoold {
             ),
         )
         .unwrap();
-        let mut s = Spoold { dir, config, child: None };
+        let mut s = Spoold {
+            dir,
+            config,
+            child: None,
+        };
         s.spawn();
         s
     }
@@ -71,7 +75,11 @@ impl Spoold {
             if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("spoold exited with {st}: {}", self.log());
             }
-            assert!(Instant::now() < deadline, "spoold did not come up: {}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "spoold did not come up: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -81,7 +89,9 @@ impl Spoold {
     }
 
     pub fn rpc(&self, method: &str, params: Value) -> Result<Value, RpcError> {
-        Client::connect(&self.rpc_path()).unwrap().call(method, params)
+        Client::connect(&self.rpc_path())
+            .unwrap()
+            .call(method, params)
     }
 
     /// SIGTERM and wait (graceful).
@@ -103,7 +113,9 @@ impl Spoold {
     }
 
     pub fn running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| c.try_wait().unwrap().is_none())
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
     }
 }
 
@@ -135,11 +147,16 @@ pub fn connect(sock: &Path, num_queues: i32, read_only: bool) -> Result<Client_,
     let region = b.alloc_mem_region(REGION)?;
     b.map_mem_region(&region)?;
     let capacity = b.get_u64("capacity")?;
-    Ok(Client_ { b, queues: out.queues, region, capacity })
+    Ok(Client_ {
+        b,
+        queues: out.queues,
+        region,
+        capacity,
+    })
 }
 
 impl Client_ {
-    pub fn buf(&self, off: usize, len: usize) -> &mut [u8] {
+    pub fn buf(&mut self, off: usize, len: usize) -> &mut [u8] {
         assert!(off + len <= REGION);
         // SAFETY: the region is REGION bytes of memory libblkio allocated for us and keeps
         // mapped until free; tests never hold two overlapping slices across a request.
@@ -153,7 +170,8 @@ impl Client_ {
     /// Waits for `n` completions on queue `q`; returns their (user_data, ret).
     pub fn wait(&mut self, q: usize, n: usize) -> Vec<(usize, i32)> {
         let mut out = Vec::new();
-        let mut comps: Vec<MaybeUninit<Completion>> = (0..n.max(1)).map(|_| MaybeUninit::uninit()).collect();
+        let mut comps: Vec<MaybeUninit<Completion>> =
+            (0..n.max(1)).map(|_| MaybeUninit::uninit()).collect();
         while out.len() < n {
             let mut t = Duration::from_secs(10);
             let got = self.queues[q]

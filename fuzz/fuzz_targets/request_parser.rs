@@ -1,0 +1,62 @@
+//! Fuzzes the whole guest-facing request path: the input becomes guest memory (descriptor
+//! table, avail ring, buffers) and the queue geometry; every chain the ring yields goes
+//! through the parser. It must never panic, and whatever it accepts must lie inside guest
+//! memory and inside the volume.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use spool_frontend::request::{parse, GuestMemory, Limits, Op};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+const MEM: usize = 64 * 1024;
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 8 {
+        return;
+    }
+    let mem = GuestMemory::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
+    let body = &data[8..];
+    mem.write_slice(&body[..body.len().min(MEM)], GuestAddress(0)).unwrap();
+    let size = 1u16 << (data[0] % 9); // 1..256
+    let mut q = Queue::new(256).unwrap();
+    q.set_size(size);
+    let desc = u16::from_le_bytes([data[1], data[2]]) as u64 * 16;
+    let avail = u16::from_le_bytes([data[3], data[4]]) as u64 * 2;
+    let used = u16::from_le_bytes([data[5], data[6]]) as u64 * 4;
+    q.set_desc_table_address(Some(desc as u32), Some(0));
+    q.set_avail_ring_address(Some(avail as u32), Some(0));
+    q.set_used_ring_address(Some(used as u32), Some(0));
+    q.set_event_idx(data[7] & 1 != 0);
+    q.set_ready(true);
+    if !q.is_valid(&mem) {
+        return;
+    }
+    let limits = Limits {
+        capacity_sectors: 1024,
+        read_only: data[7] & 2 != 0,
+        max_data: 32 * 1024,
+        max_discard_segs: 4,
+        max_discard_sectors: 512,
+    };
+    for _ in 0..size {
+        let chain = match q.iter(&mem) {
+            Ok(mut it) => it.next(),
+            Err(_) => return,
+        };
+        let Some(chain) = chain else { return };
+        let head = chain.head_index();
+        if let Ok(r) = parse(head, chain, &mem, &limits) {
+            assert!(r.len <= limits.max_data);
+            if matches!(r.op, Op::Read | Op::Write) {
+                assert!(r.sector + r.len / 512 <= limits.capacity_sectors);
+                assert!(!(limits.read_only && r.op == Op::Write));
+            }
+            let host = mem.get_host_address(GuestAddress(0)).unwrap() as usize;
+            for v in &r.iov {
+                let b = v.iov_base as usize;
+                assert!(b >= host && b + v.iov_len <= host + MEM, "iovec outside guest memory");
+            }
+        }
+    }
+});

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs on a fresh Debian 12 machine: QEMU 7.2 (system emulator
+# and qemu-storage-daemon), fio and a static busybox for the test guest. The machine may carry
+# bookworm-backports' qemu-utils; Debian refuses to mix it with bookworm's
+# qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
+set -euo pipefail
+need=()
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v fio >/dev/null || need+=(fio)
+command -v busybox >/dev/null || need+=(busybox-static)
+command -v xz >/dev/null || need+=(xz-utils)
+if ((${#need[@]} == 0)); then
+    exit 0
+fi
+echo "installing: ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+install() {
+    apt-get install -y --no-install-recommends --allow-downgrades "${need[@]}" \
+        qemu-utils/bookworm qemu-block-extra/bookworm
+}
+install >/tmp/spool-apt.log 2>&1 || { apt-get update >/dev/null 2>&1 && install >/tmp/spool-apt.log 2>&1; } || {
+    tail -20 /tmp/spool-apt.log >&2
+    echo "install-deps: apt-get failed (log above)" >&2
+    exit 1
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs QEMU, fio and the guest kernel from
+# Debian packages if missing, then runs lint, unit, property, libblkio integration, real-VM
+# end-to-end and fuzz smoke tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+echo "== format and lint"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== guest image"
+scripts/build-guest.sh
+echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"
+SPOOL_E2E=1 cargo test --workspace
+echo "== fuzz smoke"
+scripts/fuzz.sh 30
+echo "== all tests passed"
