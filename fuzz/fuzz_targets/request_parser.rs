@@ -7,7 +7,7 @@
 use libfuzzer_sys::fuzz_target;
 use spool_frontend::request::{parse, GuestMemory, Limits, Op};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 const MEM: usize = 64 * 1024;
 
