@@ -13,6 +13,7 @@ pub mod memory;
 pub mod request;
 mod server;
 mod session;
+pub mod vring;
 pub mod worker;
 
 use std::sync::Arc;

@@ -1,0 +1,560 @@
+//! Journal layer: one cross-process journal per virtqueue, in a file under `/dev/shm` that
+//! outlives the process (Spool §4, Algorithms 1 and 2).
+//!
+//! Owns: the journal's shared-memory layout (docs/journal-format.md), the individual steps of
+//! Algorithm 1 as single ordered stores, Algorithm 2's state repair, validation of journals
+//! found on start-up (magic, version, queue size, checksum of the static part), and the
+//! lifecycle of journal files (create, new generation, delete).
+//!
+//! Must not know: virtio ring layouts, guest memory or devices. It sees descriptor heads and
+//! 16-bit ring indices only; the frontend maps these onto the virtqueue.
+//!
+//! # Memory ordering
+//! After a crash the journal is read by another process, so what matters is the order in
+//! which each step's stores reach memory. Every step is one atomic store (the `aux` word is a
+//! single aligned 64-bit store: the paper's instruction merge), and a `Release` fence follows
+//! each step so neither the compiler nor the CPU lets a later step's store (including the
+//! frontend's stores into the used ring) become visible before it. On x86 these fences
+//! compile to nothing (TSO already keeps stores in order); on weaker CPUs they emit the
+//! needed barrier. A process crash does not lose stores that were issued: the memory is a
+//! shared file mapping.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
+
+use uuid::Uuid;
+
+/// Magic at offset 0.
+pub const MAGIC: [u8; 8] = *b"SPOOLJN\x01";
+/// Layout version written and understood by this build.
+pub const FORMAT_VERSION: u32 = 1;
+const HEADER_LEN: usize = 128;
+const AUX_OFF: usize = 128;
+const USED_OFF: usize = 136;
+const SLOTS_OFF: usize = 144;
+const STATIC_LEN: usize = 72;
+
+/// State of a descriptor head in the journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ReqState {
+    None = 0,
+    Inflight = 1,
+    Done = 2,
+}
+
+/// Transaction state in the `aux` word.
+const AUX_FINISHED: u64 = 0;
+const AUX_START: u64 = 1;
+
+/// Errors opening or validating a journal. Each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("journal {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("journal {path} is not a Spool journal (bad magic); refusing to use it. Inspect it, then delete it to start the queue without it (requests it may describe are then lost)")]
+    BadMagic { path: String },
+    #[error("journal {path} has format version {found}, newer than this spoold understands ({supported}); run the newer spoold or delete the file (requests it describes are then lost)")]
+    NewerFormat {
+        path: String,
+        found: u32,
+        supported: u32,
+    },
+    #[error("journal {path} is damaged: {why}; refusing to replay it. Delete it to start the queue without it (requests it may describe are then lost)")]
+    Corrupt { path: String, why: String },
+}
+
+/// Result type of the journal layer.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Ring identity stored in the static part: a journal only applies to the same rings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RingAddrs {
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+}
+
+/// The static header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub queue_size: u16,
+    pub queue_index: u16,
+    pub generation: u64,
+    pub volume: Uuid,
+    pub rings: RingAddrs,
+}
+
+/// What Algorithm 2 found and repaired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// Where to continue taking requests from the avail ring.
+    pub last_avail: u16,
+    /// The used index, synchronised with the ring's.
+    pub used_idx: u16,
+    /// Heads to resubmit, oldest first (by the avail index they were taken at).
+    pub inflight: Vec<u16>,
+    /// A START transaction was finished (its request recorded INFLIGHT).
+    pub finished_start: bool,
+    /// DONE requests rolled back to INFLIGHT (their completion had not reached the ring).
+    pub rolled_back: usize,
+    /// DONE requests rolled forward to NONE (their completion had reached the ring).
+    pub rolled_forward: usize,
+}
+
+/// Places Algorithm 2 can be interrupted (for the crash-point tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoveryStep {
+    FinishStartMarked,
+    FinishStartState,
+    DoneRepaired(u16),
+    UsedSynced,
+}
+
+/// A journal mapped into this process.
+pub struct Journal {
+    path: PathBuf,
+    ptr: *mut u8,
+    len: usize,
+    queue_size: u16,
+    _file: File,
+}
+
+// SAFETY: the mapping is plain shared memory accessed only through atomics (and, for the
+// static header, only by the owner before any other thread sees the journal).
+unsafe impl Send for Journal {}
+
+/// File name of a queue's journal.
+pub fn journal_path(dir: &Path, volume: Uuid, queue: u16) -> PathBuf {
+    dir.join(format!("spool-{}-q{queue}.journal", volume.simple()))
+}
+
+/// Removes every journal of a volume (the volume was deleted).
+pub fn remove_volume_journals(dir: &Path, volume: Uuid) {
+    let prefix = format!("spool-{}-q", volume.simple());
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+fn size_for(queue_size: u16) -> usize {
+    SLOTS_OFF + 4 * queue_size as usize
+}
+
+impl Journal {
+    /// Opens an existing journal (validated) or creates a fresh one. Returns the journal and
+    /// whether it existed before.
+    pub fn open_or_create(
+        dir: &Path,
+        volume: Uuid,
+        queue: u16,
+        queue_size: u16,
+    ) -> Result<(Journal, bool)> {
+        let path = journal_path(dir, volume, queue);
+        let io = |e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io)?;
+        let existing = file.metadata().map_err(io)?.len();
+        let j = if existing == 0 {
+            let len = size_for(queue_size);
+            file.set_len(len as u64).map_err(io)?;
+            let mut j = Journal::map(path.clone(), file, len)?;
+            j.queue_size = queue_size;
+            j.write_header(&Header {
+                queue_size,
+                queue_index: queue,
+                generation: 1,
+                volume,
+                rings: RingAddrs::default(),
+            });
+            return Ok((j, false));
+        } else {
+            if existing < SLOTS_OFF as u64 || existing > size_for(u16::MAX) as u64 {
+                return Err(Error::Corrupt {
+                    path: path.display().to_string(),
+                    why: format!("size {existing} is impossible"),
+                });
+            }
+            Journal::map(path.clone(), file, existing as usize)?
+        };
+        let j = j.validated()?;
+        let h = j.header();
+        if h.volume != volume || h.queue_index != queue {
+            return Err(Error::Corrupt {
+                path: path.display().to_string(),
+                why: format!("belongs to volume {} queue {}", h.volume, h.queue_index),
+            });
+        }
+        Ok((j, true))
+    }
+
+    fn map(path: PathBuf, file: File, len: usize) -> Result<Journal> {
+        let ptr = map_raw(&file, len).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        })?;
+        Ok(Journal {
+            path,
+            ptr,
+            len,
+            queue_size: 0,
+            _file: file,
+        })
+    }
+
+    fn bytes(&self, off: usize, n: usize) -> &[u8] {
+        assert!(off + n <= self.len);
+        // SAFETY: within the mapping; the static header is only written by the owner.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) }
+    }
+
+    fn validated(mut self) -> Result<Journal> {
+        let path = self.path.display().to_string();
+        let b = self.bytes(0, HEADER_LEN).to_vec();
+        if b[0..7] != MAGIC[0..7] {
+            return Err(Error::BadMagic { path });
+        }
+        let version = u32::from_le_bytes(b[8..12].try_into().expect("4"));
+        if version > FORMAT_VERSION || b[7] > MAGIC[7] {
+            return Err(Error::NewerFormat {
+                path,
+                found: version.max(b[7] as u32),
+                supported: FORMAT_VERSION,
+            });
+        }
+        let crc = u32::from_le_bytes(b[72..76].try_into().expect("4"));
+        if crc32c::crc32c(&b[0..STATIC_LEN]) != crc {
+            return Err(Error::Corrupt {
+                path,
+                why: "checksum of the static header does not match".into(),
+            });
+        }
+        let qs = u16::from_le_bytes(b[16..18].try_into().expect("2"));
+        if qs == 0 || !qs.is_power_of_two() || size_for(qs) != self.len {
+            return Err(Error::Corrupt {
+                path,
+                why: format!("queue size {qs} does not match the file size {}", self.len),
+            });
+        }
+        self.queue_size = qs;
+        Ok(self)
+    }
+
+    /// Path of the journal file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The static header.
+    pub fn header(&self) -> Header {
+        let b = self.bytes(0, STATIC_LEN);
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8"));
+        Header {
+            queue_size: u16::from_le_bytes(b[16..18].try_into().expect("2")),
+            queue_index: u16::from_le_bytes(b[18..20].try_into().expect("2")),
+            generation: u64_at(24),
+            volume: Uuid::from_slice(&b[32..48]).expect("16"),
+            rings: RingAddrs {
+                desc: u64_at(48),
+                avail: u64_at(56),
+                used: u64_at(64),
+            },
+        }
+    }
+
+    fn write_header(&mut self, h: &Header) {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
+        b[16..18].copy_from_slice(&h.queue_size.to_le_bytes());
+        b[18..20].copy_from_slice(&h.queue_index.to_le_bytes());
+        b[24..32].copy_from_slice(&h.generation.to_le_bytes());
+        b[32..48].copy_from_slice(h.volume.as_bytes());
+        b[48..56].copy_from_slice(&h.rings.desc.to_le_bytes());
+        b[56..64].copy_from_slice(&h.rings.avail.to_le_bytes());
+        b[64..72].copy_from_slice(&h.rings.used.to_le_bytes());
+        let crc = crc32c::crc32c(&b[0..STATIC_LEN]);
+        b[72..76].copy_from_slice(&crc.to_le_bytes());
+        // SAFETY: within the mapping; `&mut self` means no worker uses the journal now.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.ptr, HEADER_LEN) };
+        fence(Ordering::Release);
+    }
+
+    /// Starts a new generation: a new session, a guest reset or a changed queue size. Nothing
+    /// of the previous generation can be replayed afterwards.
+    pub fn new_generation(
+        &mut self,
+        queue_size: u16,
+        rings: RingAddrs,
+        last_avail: u16,
+        used_idx: u16,
+    ) -> Result<()> {
+        let mut h = self.header();
+        if queue_size != self.queue_size {
+            let len = size_for(queue_size);
+            let io = |e| Error::Io {
+                path: self.path.display().to_string(),
+                source: e,
+            };
+            // SAFETY: unmapping our own mapping; `&mut self` guarantees no reference into it
+            // is alive.
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+            self.len = 0;
+            self._file.set_len(len as u64).map_err(io)?;
+            self.ptr = map_raw(&self._file, len).map_err(io)?;
+            self.len = len;
+            self.queue_size = queue_size;
+        }
+        // Invalidate the old static part first, so a crash in the middle leaves a journal
+        // that fails validation rather than a mix of two generations.
+        // SAFETY: within the mapping, owner-only.
+        unsafe { *self.ptr.add(72) ^= 0xff };
+        fence(Ordering::Release);
+        for i in 0..queue_size {
+            self.slot(i).store(0, Ordering::Relaxed);
+        }
+        self.used_atomic().store(used_idx, Ordering::Relaxed);
+        self.aux_atomic()
+            .store(pack_aux(AUX_FINISHED, last_avail, 0), Ordering::Relaxed);
+        fence(Ordering::Release);
+        h.generation += 1;
+        h.queue_size = queue_size;
+        h.rings = rings;
+        self.write_header(&h);
+        Ok(())
+    }
+
+    fn atomic_at<T>(&self, off: usize) -> &T {
+        assert!(off + std::mem::size_of::<T>() <= self.len && off % std::mem::align_of::<T>() == 0);
+        // SAFETY: in bounds and aligned (the mapping is page-aligned and offsets are
+        // multiples of the type's size); the memory is shared with other processes, which is
+        // what atomics are for; the reference lives no longer than `self` (the mapping).
+        unsafe { &*(self.ptr.add(off) as *const T) }
+    }
+
+    fn aux_atomic(&self) -> &AtomicU64 {
+        self.atomic_at(AUX_OFF)
+    }
+
+    fn used_atomic(&self) -> &AtomicU16 {
+        self.atomic_at(USED_OFF)
+    }
+
+    fn slot(&self, head: u16) -> &AtomicU32 {
+        self.atomic_at(SLOTS_OFF + 4 * (head as usize % self.queue_size as usize))
+    }
+
+    /// Queue size of the current generation.
+    pub fn queue_size(&self) -> u16 {
+        self.queue_size
+    }
+
+    /// The journal's last avail index (where the next request will be taken).
+    pub fn last_avail(&self) -> u16 {
+        unpack_aux(self.aux_atomic().load(Ordering::Acquire)).1
+    }
+
+    /// The journal's used index.
+    pub fn used_idx(&self) -> u16 {
+        self.used_atomic().load(Ordering::Acquire)
+    }
+
+    /// State of one head.
+    pub fn state(&self, head: u16) -> ReqState {
+        match self.slot(head).load(Ordering::Acquire) & 0xff {
+            1 => ReqState::Inflight,
+            2 => ReqState::Done,
+            _ => ReqState::None,
+        }
+    }
+
+    /// True when the journal describes requests not yet completed to the guest.
+    pub fn has_work(&self) -> bool {
+        let (state, _, _) = unpack_aux(self.aux_atomic().load(Ordering::Acquire));
+        state == AUX_START || (0..self.queue_size).any(|h| self.state(h) != ReqState::None)
+    }
+
+    // ---- Algorithm 1 -------------------------------------------------------------------
+
+    /// Steps 2–5: one 64-bit store of {START, last_avail + 1, head}. From here on the
+    /// request cannot be lost: recovery finishes the transaction.
+    pub fn take_begin(&self, head: u16) {
+        let (_, last, _) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
+        self.aux_atomic().store(
+            pack_aux(AUX_START, last.wrapping_add(1), head),
+            Ordering::Relaxed,
+        );
+        fence(Ordering::Release);
+    }
+
+    /// Step 6: the request is INFLIGHT (with the avail index it was taken at, for ordering).
+    pub fn take_mark_inflight(&self, head: u16) {
+        let (_, last, _) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
+        self.slot(head).store(
+            ReqState::Inflight as u32 | ((last.wrapping_sub(1) as u32) << 16),
+            Ordering::Relaxed,
+        );
+        fence(Ordering::Release);
+    }
+
+    /// Step 7: the transaction is FINISHED.
+    pub fn take_finish(&self) {
+        let (_, last, head) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
+        self.aux_atomic()
+            .store(pack_aux(AUX_FINISHED, last, head), Ordering::Relaxed);
+        fence(Ordering::Release);
+    }
+
+    /// Step 10: the journal's used index moves ahead of the ring's.
+    pub fn complete_begin(&self) {
+        let u = self.used_atomic().load(Ordering::Relaxed);
+        self.used_atomic()
+            .store(u.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+    }
+
+    /// Step 11: the request is DONE (its completion is about to be put in the used ring).
+    pub fn complete_mark_done(&self, head: u16) {
+        let s = self.slot(head);
+        s.store(
+            (s.load(Ordering::Relaxed) & !0xff) | ReqState::Done as u32,
+            Ordering::Relaxed,
+        );
+        fence(Ordering::Release);
+    }
+
+    /// Step 14: the completion reached the used ring; the head is free.
+    pub fn complete_mark_none(&self, head: u16) {
+        self.slot(head).store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+    }
+
+    // ---- Algorithm 2 -------------------------------------------------------------------
+
+    /// Repairs the journal against the ring's used index and lists the requests to resubmit.
+    /// `hook` is called after each repairing store (crash-point tests); it is idempotent to
+    /// run recovery again after an interruption.
+    pub fn recover(&self, ring_used_idx: u16, hook: &mut dyn FnMut(RecoveryStep)) -> Recovery {
+        let mut r = Recovery {
+            last_avail: 0,
+            used_idx: ring_used_idx,
+            inflight: Vec::new(),
+            finished_start: false,
+            rolled_back: 0,
+            rolled_forward: 0,
+        };
+        // Lines 1-4: finish an interrupted take.
+        let (state, last, head) = unpack_aux(self.aux_atomic().load(Ordering::Acquire));
+        if state == AUX_START {
+            if self.state(head) == ReqState::None {
+                self.slot(head).store(
+                    ReqState::Inflight as u32 | ((last.wrapping_sub(1) as u32) << 16),
+                    Ordering::Relaxed,
+                );
+                fence(Ordering::Release);
+            }
+            hook(RecoveryStep::FinishStartMarked);
+            self.aux_atomic()
+                .store(pack_aux(AUX_FINISHED, last, head), Ordering::Relaxed);
+            fence(Ordering::Release);
+            hook(RecoveryStep::FinishStartState);
+            r.finished_start = true;
+        }
+        r.last_avail = last;
+        // Lines 5-6: DONE requests are rolled forward when their completion reached the ring
+        // (journal used index == ring used index), back to INFLIGHT otherwise.
+        let jused = self.used_idx();
+        let forward = jused == ring_used_idx;
+        for h in 0..self.queue_size {
+            if self.state(h) == ReqState::Done {
+                let s = self.slot(h);
+                let v = s.load(Ordering::Relaxed);
+                if forward {
+                    s.store(0, Ordering::Relaxed);
+                    r.rolled_forward += 1;
+                } else {
+                    s.store((v & !0xff) | ReqState::Inflight as u32, Ordering::Relaxed);
+                    r.rolled_back += 1;
+                }
+                fence(Ordering::Release);
+                hook(RecoveryStep::DoneRepaired(h));
+            }
+        }
+        // Line 8: the ring's used index is authoritative.
+        self.used_atomic().store(ring_used_idx, Ordering::Relaxed);
+        fence(Ordering::Release);
+        hook(RecoveryStep::UsedSynced);
+        // Line 9: everything INFLIGHT is resubmitted, oldest first.
+        let mut inflight: Vec<(u16, u16)> = (0..self.queue_size)
+            .filter(|&h| self.state(h) == ReqState::Inflight)
+            .map(|h| {
+                let taken_at = (self.slot(h).load(Ordering::Relaxed) >> 16) as u16;
+                (last.wrapping_sub(taken_at), h)
+            })
+            .collect();
+        inflight.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        r.inflight = inflight.into_iter().map(|(_, h)| h).collect();
+        r
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping our own mapping; all references into it borrow `self`.
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        }
+    }
+}
+
+fn map_raw(file: &File, len: usize) -> std::io::Result<*mut u8> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: maps `len` bytes of a file that is at least that long; MAP_SHARED so the
+    // contents outlive this process. The pointer is only used within [ptr, ptr+len).
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(ptr.cast())
+}
+
+fn pack_aux(state: u64, last_avail: u16, head: u16) -> u64 {
+    state | (last_avail as u64) << 16 | (head as u64) << 32
+}
+
+fn unpack_aux(v: u64) -> (u64, u16, u16) {
+    (v & 0xff, (v >> 16) as u16, (v >> 32) as u16)
+}
+
+#[cfg(test)]
+mod tests;
