@@ -58,6 +58,27 @@ struct RawIo {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawJournal {
+    #[serde(default = "yes")]
+    enabled: bool,
+    dir: Option<PathBuf>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for RawJournal {
+    fn default() -> Self {
+        RawJournal {
+            enabled: true,
+            dir: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawConfig {
     state_dir: PathBuf,
     rpc_socket: Option<PathBuf>,
@@ -70,6 +91,8 @@ struct RawConfig {
     volumes: Vec<RawVolume>,
     #[serde(default)]
     io: RawIo,
+    #[serde(default)]
+    journal: RawJournal,
 }
 
 /// A device to put in the pool.
@@ -100,7 +123,12 @@ pub struct Config {
     pub devices: Vec<DeviceConfig>,
     pub volumes: Vec<VolumeConfig>,
     pub poll_idle_us: u64,
+    /// Journal directory; `None` = journal disabled (Spool-NoJ, benchmarks only).
+    pub journal_dir: Option<PathBuf>,
 }
+
+/// Default journal directory (tmpfs: the journal must survive the process, not the host).
+pub const DEFAULT_JOURNAL_DIR: &str = "/dev/shm/spool";
 
 /// Default number of queues per volume.
 pub const DEFAULT_QUEUES: u16 = 2;
@@ -199,6 +227,13 @@ impl Config {
             devices,
             volumes,
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),
+            journal_dir: raw.journal.enabled.then(|| {
+                raw.journal
+                    .dir
+                    .as_deref()
+                    .map(abs)
+                    .unwrap_or_else(|| PathBuf::from(DEFAULT_JOURNAL_DIR))
+            }),
         })
     }
 

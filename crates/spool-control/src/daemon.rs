@@ -36,6 +36,12 @@ impl Daemon {
     pub fn start(cfg: Config, force: bool) -> Result<Arc<Daemon>, String> {
         mkdir_private(&cfg.state_dir)?;
         mkdir_private(&cfg.socket_dir)?;
+        match &cfg.journal_dir {
+            Some(dir) => mkdir_private(dir)?,
+            None => tracing::warn!(
+                "journal disabled: in-flight I/O is NOT protected across restarts (benchmark mode)"
+            ),
+        }
         if cfg.devices.is_empty() {
             return Err("config lists no devices; add at least one [[devices]] entry".into());
         }
@@ -60,6 +66,7 @@ impl Daemon {
         let d = Arc::new(Daemon {
             settings: FrontendSettings {
                 poll_idle: Duration::from_micros(cfg.poll_idle_us),
+                journal_dir: cfg.journal_dir.clone(),
             },
             cfg,
             pool: Mutex::new(pool),
@@ -278,6 +285,37 @@ impl Daemon {
                     s.context().update_layout(layout);
                 }
                 Ok(self.volume_json(&v))
+            }
+            "device_reset" => {
+                // Resubmits, from the journal, everything in flight on every volume that lives
+                // on the device (the controller-reset path of the failure handling).
+                let p: IdParam = params_of(params)?;
+                let dev = self
+                    .pool()
+                    .devices()
+                    .into_iter()
+                    .find(|d| d.uuid.to_string() == p.id || d.path == p.id)
+                    .ok_or_else(|| {
+                        RpcError::app(format!(
+                            "no device '{}'; `spoolctl device list` shows them",
+                            p.id
+                        ))
+                    })?;
+                let vols: Vec<_> = self
+                    .pool()
+                    .volumes()
+                    .into_iter()
+                    .filter(|v| v.devices.contains(&dev.uuid))
+                    .collect();
+                let servers = self.servers();
+                for v in &vols {
+                    if let Some(s) = servers.get(&v.uuid) {
+                        s.device_reset();
+                    }
+                }
+                Ok(
+                    json!({"device": dev.uuid, "volumes": vols.iter().map(|v| v.name.clone()).collect::<Vec<_>>()}),
+                )
             }
             _ => Err(RpcError::method_not_found(method)),
         }

@@ -38,7 +38,7 @@ impl RpcError {
     pub fn method_not_found(m: &str) -> Self {
         RpcError {
             code: -32601,
-            message: format!("unknown method '{m}'; methods: pool_show, device_list, device_add, volume_list, volume_show, volume_create, volume_delete, volume_resize"),
+            message: format!("unknown method '{m}'; methods: pool_show, device_list, device_add, device_reset, volume_list, volume_show, volume_create, volume_delete, volume_resize"),
         }
     }
     pub fn invalid_params(msg: impl Into<String>) -> Self {

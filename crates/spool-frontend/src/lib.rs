@@ -16,6 +16,7 @@ mod session;
 pub mod vring;
 pub mod worker;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,12 +32,16 @@ pub struct FrontendSettings {
     /// How long a worker keeps polling after its last request before it sleeps on the kick
     /// eventfd (0 = purely event-driven; large = always polling).
     pub poll_idle: Duration,
+    /// Directory of the per-queue journals (a tmpfs such as /dev/shm). `None` runs without
+    /// a journal (the paper's Spool-NoJ): only for measuring the journal's overhead.
+    pub journal_dir: Option<PathBuf>,
 }
 
 impl Default for FrontendSettings {
     fn default() -> Self {
         FrontendSettings {
             poll_idle: Duration::from_micros(50),
+            journal_dir: Some(PathBuf::from("/dev/shm/spool")),
         }
     }
 }
@@ -86,6 +91,11 @@ impl VolumeContext {
         let n = u.len().min(s.len());
         s[..n].copy_from_slice(&u.as_bytes()[..n]);
         s
+    }
+
+    /// The volume's UUID.
+    pub fn uuid(&self) -> uuid::Uuid {
+        self.layout.load().uuid
     }
 
     /// Data-path settings.

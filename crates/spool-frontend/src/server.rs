@@ -18,6 +18,7 @@ pub struct VolumeServer {
     ctx: Arc<VolumeContext>,
     stop: Arc<AtomicBool>,
     current: Arc<Mutex<Option<UnixStream>>>,
+    session: Arc<Mutex<Option<Arc<Mutex<Session>>>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -42,12 +43,14 @@ impl VolumeServer {
         let listener = UnixListener::bind(path)?;
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(None));
+        let session = Arc::new(Mutex::new(None));
         let thread = {
-            let (ctx, stop, current) = (ctx.clone(), stop.clone(), current.clone());
+            let (ctx, stop, current, session) =
+                (ctx.clone(), stop.clone(), current.clone(), session.clone());
             let name: String = format!("vu-{}", ctx.name()).chars().take(15).collect();
             std::thread::Builder::new()
                 .name(name)
-                .spawn(move || accept_loop(listener, ctx, stop, current))?
+                .spawn(move || accept_loop(listener, ctx, stop, current, session))?
         };
         tracing::info!(volume = %ctx.name(), socket = %path.display(), "serving vhost-user-blk");
         Ok(VolumeServer {
@@ -55,6 +58,7 @@ impl VolumeServer {
             ctx,
             stop,
             current,
+            session,
             thread: Some(thread),
         })
     }
@@ -72,6 +76,17 @@ impl VolumeServer {
     /// Whether a frontend is connected now.
     pub fn connected(&self) -> bool {
         self.current.lock().map(|c| c.is_some()).unwrap_or(false)
+    }
+
+    /// The device-reset hook: every running queue abandons its device queues and resubmits
+    /// what its journal records as in flight.
+    pub fn device_reset(&self) {
+        let s = self.session.lock().ok().and_then(|s| s.clone());
+        if let Some(s) = s {
+            if let Ok(s) = s.lock() {
+                s.device_reset();
+            }
+        }
     }
 
     /// Disconnects the current client, stops accepting and removes the socket.
@@ -105,6 +120,7 @@ fn accept_loop(
     ctx: Arc<VolumeContext>,
     stop: Arc<AtomicBool>,
     current: Arc<Mutex<Option<UnixStream>>>,
+    current_session: Arc<Mutex<Option<Arc<Mutex<Session>>>>>,
 ) {
     for conn in listener.incoming() {
         if stop.load(Ordering::Acquire) {
@@ -122,6 +138,7 @@ fn accept_loop(
         }
         tracing::info!(volume = %ctx.name(), "frontend connected");
         let session = Arc::new(Mutex::new(Session::new(ctx.clone())));
+        *current_session.lock().expect("session slot") = Some(session.clone());
         let mut handler = BackendReqHandler::from_stream(stream, session.clone());
         loop {
             match handler.handle_request() {
@@ -139,6 +156,7 @@ fn accept_loop(
             }
         }
         drop(handler);
+        *current_session.lock().expect("session slot") = None;
         if let Ok(mut s) = session.lock() {
             s.stop_all();
         }

@@ -21,8 +21,10 @@ use vm_memory::GuestAddressSpace;
 use crate::blk_config;
 use crate::memory::{MemoryTable, MAX_MEM_SLOTS};
 use crate::request::{Limits, SECTOR};
+use crate::vring::{resume, ring_indices, RingView};
 use crate::worker::{WorkerHandle, WorkerSpec};
 use crate::VolumeContext;
+use spool_journal::{Journal, RingAddrs};
 
 /// Largest virtqueue we accept (libblkio and QEMU use up to 1024; the spec allows 32768).
 pub const MAX_QUEUE_SIZE: u16 = 32768;
@@ -89,6 +91,15 @@ impl Session {
         }
     }
 
+    /// Asks every running worker to take the device-reset path (resubmit from the journal).
+    pub fn device_reset(&self) {
+        for v in &self.vrings {
+            if let Some(w) = &v.worker {
+                w.device_reset();
+            }
+        }
+    }
+
     /// Stops every worker (disconnect, reset).
     pub fn stop_all(&mut self) {
         for i in 0..self.vrings.len() {
@@ -131,13 +142,48 @@ impl Session {
                 &ctx,
             ));
         }
-        q.set_next_avail(v.base);
         // The used index the guest sees is authoritative for where completions continue.
-        let used_idx = q
-            .used_idx(&*guard, std::sync::atomic::Ordering::Acquire)
-            .map_err(|_| invalid("used ring unreadable", &ctx))?;
-        q.set_next_used(used_idx.0);
+        let (avail_idx, used_idx) =
+            ring_indices(&q, &guard).map_err(|_| invalid("rings unreadable", &ctx))?;
+        q.set_next_used(used_idx);
         drop(guard);
+        // The journal, not SET_VRING_BASE, decides where the queue resumes (Algorithm 2).
+        let mut next_avail = v.base;
+        let mut resubmit = Vec::new();
+        let journal = match &ctx.settings().journal_dir {
+            None => None,
+            Some(dir) => {
+                let (mut j, _) = Journal::open_or_create(dir, ctx.uuid(), index as u16, v.size)
+                    .map_err(|e| {
+                        tracing::error!(volume = %ctx.name(), queue = index, "{e}");
+                        VhostError::InvalidParam
+                    })?;
+                let view = RingView {
+                    rings: RingAddrs {
+                        desc: desc.0,
+                        avail: avail.0,
+                        used: used.0,
+                    },
+                    size: v.size,
+                    avail_idx,
+                    used_idx,
+                };
+                let r = resume(&mut j, view, v.base, &mut |_| {}).map_err(|e| {
+                    tracing::error!(volume = %ctx.name(), queue = index, "{e}");
+                    VhostError::InvalidParam
+                })?;
+                if let Some(n) = &r.note {
+                    tracing::warn!(volume = %ctx.name(), queue = index, "{n}");
+                }
+                if r.recovered {
+                    tracing::info!(volume = %ctx.name(), queue = index, next_avail = r.next_avail, used_idx, inflight = r.resubmit.len(), "recovered queue from its journal");
+                }
+                next_avail = r.next_avail;
+                resubmit = r.resubmit;
+                Some(j)
+            }
+        };
+        q.set_next_avail(next_avail);
         let layout = ctx.layout();
         let cur = layout.load();
         let limits = Limits {
@@ -156,6 +202,8 @@ impl Session {
         let spec = WorkerSpec {
             index: index as u16,
             queue: q,
+            journal,
+            resubmit,
             mem,
             kick,
             call: v.call.clone(),
@@ -167,7 +215,7 @@ impl Session {
         };
         let w = WorkerHandle::spawn(spec)
             .map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;
-        tracing::info!(volume = %ctx.name(), queue = index, size = v.size, base = v.base, "queue started");
+        tracing::info!(volume = %ctx.name(), queue = index, size = v.size, next_avail, "queue started");
         self.vrings[index].worker = Some(w);
         Ok(())
     }

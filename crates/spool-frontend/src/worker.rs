@@ -19,17 +19,23 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use spool_devices::{DeviceIo, DeviceQueue, IoVec};
 use spool_pool::VolumeLayout;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::request::{self, GuestMemory, Limits, Op, Request, ID_LEN, SECTOR};
+use crate::vring::{ChainWalker, JournaledQueue};
+use spool_journal::Journal;
 
 /// What a worker needs to start.
 pub struct WorkerSpec {
     pub index: u16,
     pub queue: Queue,
+    /// The queue's journal (None: Spool-NoJ, for the overhead benchmark only).
+    pub journal: Option<Journal>,
+    /// Heads the journal says were taken and never completed: resubmitted first.
+    pub resubmit: Vec<u16>,
     pub mem: GuestMemoryAtomic<GuestMemory>,
     pub kick: File,
     pub call: Arc<ArcSwapOption<File>>,
@@ -43,6 +49,7 @@ pub struct WorkerSpec {
 /// Handle to a running worker.
 pub struct WorkerHandle {
     stop: Arc<AtomicBool>,
+    reset: Arc<AtomicBool>,
     wake: EventFd,
     thread: Option<JoinHandle<Queue>>,
 }
@@ -51,17 +58,27 @@ impl WorkerHandle {
     /// Starts a worker thread.
     pub fn spawn(spec: WorkerSpec) -> std::io::Result<WorkerHandle> {
         let stop = Arc::new(AtomicBool::new(false));
+        let reset = Arc::new(AtomicBool::new(false));
         let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
-        let worker = QueueWorker::new(spec, stop.clone(), wake.try_clone()?)?;
+        let worker = QueueWorker::new(spec, stop.clone(), reset.clone(), wake.try_clone()?)?;
         let name = format!("q{}-{}", worker.index, worker.volume);
         let thread = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
             .spawn(move || worker.run())?;
         Ok(WorkerHandle {
             stop,
+            reset,
             wake,
             thread: Some(thread),
         })
+    }
+
+    /// The device-reset hook: the worker abandons what its device queues hold (waiting until
+    /// the device no longer touches the buffers), reopens them, and resubmits every request
+    /// the journal records as INFLIGHT. The guest sees latency, not errors.
+    pub fn device_reset(&self) {
+        self.reset.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
     }
 
     /// Stops the worker after the requests it holds have completed (bounded wait), and gives
@@ -112,7 +129,9 @@ const STOP_DRAIN: Duration = Duration::from_secs(5);
 pub struct QueueWorker {
     index: u16,
     volume: String,
-    queue: Queue,
+    vq: JournaledQueue,
+    resubmit: Vec<u16>,
+    reset: Arc<AtomicBool>,
     mem: GuestMemoryAtomic<GuestMemory>,
     kick: File,
     call: Arc<ArcSwapOption<File>>,
@@ -132,7 +151,12 @@ pub struct QueueWorker {
 }
 
 impl QueueWorker {
-    fn new(spec: WorkerSpec, stop: Arc<AtomicBool>, wake: EventFd) -> std::io::Result<Self> {
+    fn new(
+        spec: WorkerSpec,
+        stop: Arc<AtomicBool>,
+        reset: Arc<AtomicBool>,
+        wake: EventFd,
+    ) -> std::io::Result<Self> {
         let layout = spec.layout.load_full();
         let size = spec.queue.size() as usize;
         let epoll = Epoll::new()?;
@@ -149,7 +173,12 @@ impl QueueWorker {
         let mut w = QueueWorker {
             index: spec.index,
             volume: spec.volume,
-            queue: spec.queue,
+            vq: JournaledQueue {
+                queue: spec.queue,
+                journal: spec.journal,
+            },
+            resubmit: spec.resubmit,
+            reset,
             mem: spec.mem,
             kick: spec.kick,
             call: spec.call,
@@ -204,9 +233,25 @@ impl QueueWorker {
         tracing::debug!(volume = %self.volume, queue = self.index, "worker started");
         let mut last_work = Instant::now();
         let mut events = vec![EpollEvent::default(); 8];
+        // Completions a previous process put in the used ring just before it died may not
+        // have been signalled: one (possibly spurious) interrupt lets the guest see them.
+        if let Some(call) = self.call.load().as_ref() {
+            let _ = (&**call).write(&1u64.to_ne_bytes());
+        }
+        if !self.resubmit.is_empty() {
+            let mem = self.mem.memory().into_inner();
+            let heads = std::mem::take(&mut self.resubmit);
+            tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
+            for head in heads {
+                self.resubmit_head(head, &mem);
+            }
+        }
         loop {
             if self.stop.load(Ordering::Acquire) {
                 break;
+            }
+            if self.reset.swap(false, Ordering::AcqRel) {
+                self.reset_devices();
             }
             self.refresh_layout();
             let mem = self.mem.memory().into_inner();
@@ -227,7 +272,7 @@ impl QueueWorker {
                 continue;
             }
             // Event-driven mode: ask the guest to kick us, re-check, then sleep.
-            match self.queue.enable_notification(&*mem) {
+            match self.vq.queue.enable_notification(&*mem) {
                 Ok(true) => continue,
                 Ok(false) => {}
                 Err(e) => {
@@ -261,13 +306,13 @@ impl QueueWorker {
                 }
             }
             if !self.broken {
-                let _ = self.queue.disable_notification(&*mem);
+                let _ = self.vq.queue.disable_notification(&*mem);
             }
             last_work = Instant::now();
         }
         self.drain();
-        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.queue.next_avail(), "worker stopped");
-        self.queue
+        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.queue.next_avail(), "worker stopped");
+        self.vq.queue
     }
 
     /// Completes what is in flight before handing the queue back.
@@ -302,8 +347,9 @@ impl QueueWorker {
         }
         let mut any = false;
         loop {
-            let chain = match self.queue.iter(&**mem) {
-                Ok(mut it) => it.next(),
+            // Algorithm 1, steps 1-7: the request is journaled INFLIGHT before we see it.
+            let chain = match self.vq.pop(mem, &mut |_| {}) {
+                Ok(c) => c,
                 Err(e) => {
                     self.fail_queue(&e.to_string());
                     return any;
@@ -312,22 +358,79 @@ impl QueueWorker {
             let Some(chain) = chain else { break };
             any = true;
             let head = chain.head_index();
-            match request::parse(head, chain, mem, &self.limits) {
-                Ok(req) => self.submit(req, mem),
-                Err(rej) => {
-                    tracing::debug!(volume = %self.volume, head, reason = rej.reason, "request rejected");
-                    if let Some(a) = rej.status_addr {
-                        let _ = mem.write_obj(rej.status, a);
-                    }
-                    self.complete_used(mem, head, 1);
-                }
-            }
+            let parsed = request::parse(head, chain, mem, &self.limits);
+            self.dispatch(parsed, mem);
         }
         any
     }
 
+    /// Submits a parsed request, or completes a rejected one with its error status.
+    fn dispatch(&mut self, parsed: Result<Request, request::Rejected>, mem: &Arc<GuestMemory>) {
+        match parsed {
+            Ok(req) => self.submit(req, mem),
+            Err(rej) => {
+                tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason, "request rejected");
+                if let Some(a) = rej.status_addr {
+                    let _ = mem.write_obj(rej.status, a);
+                }
+                self.complete_used(mem, rej.head, 1);
+            }
+        }
+    }
+
+    /// Re-parses a journaled request from its descriptor chain and submits it again.
+    fn resubmit_head(&mut self, head: u16, mem: &Arc<GuestMemory>) {
+        let q = &self.vq.queue;
+        let walker = ChainWalker::new(mem, GuestAddress(q.desc_table()), q.size(), head);
+        let parsed = request::parse(head, walker, mem, &self.limits);
+        self.dispatch(parsed, mem);
+    }
+
+    /// The device-reset path: drain what the device queues hold without completing it to the
+    /// guest, reopen them, and resubmit every request the journal (or, without a journal,
+    /// the in-flight table) says is outstanding.
+    fn reset_devices(&mut self) {
+        let heads: Vec<u16> = match &self.vq.journal {
+            Some(j) => (0..self.vq.queue.size())
+                .filter(|&h| j.state(h) == spool_journal::ReqState::Inflight)
+                .collect(),
+            None => (0..self.slots.len() as u16)
+                .filter(|&h| self.slots[h as usize].is_some())
+                .collect(),
+        };
+        let deadline = Instant::now() + STOP_DRAIN;
+        for d in 0..self.devices.len() {
+            while self.devices[d].in_flight() > 0 && Instant::now() < deadline {
+                let _ = self.devices[d].kick();
+                if self.devices[d].reap(&mut |_, _| {}) == 0 {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+        for s in &mut self.slots {
+            *s = None;
+        }
+        self.in_flight = 0;
+        for q in self.devices.drain(..) {
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                q.completion_fd(),
+                EpollEvent::default(),
+            );
+        }
+        if let Err(e) = self.open_device_queues() {
+            tracing::error!(volume = %self.volume, error = %e, "cannot reopen device queues after reset");
+        }
+        let mem = self.mem.memory().into_inner();
+        tracing::info!(volume = %self.volume, queue = self.index, resubmitted = heads.len(), "device reset: resubmitting in-flight requests");
+        for h in heads {
+            self.resubmit_head(h, &mem);
+        }
+    }
+
     fn complete_used(&mut self, mem: &GuestMemory, head: u16, len: u32) {
-        if let Err(e) = self.queue.add_used(mem, head, len) {
+        // Algorithm 1, steps 10-14.
+        if let Err(e) = self.vq.complete(mem, head, len, &mut |_| {}) {
             self.fail_queue(&e.to_string());
         }
         self.need_notify = true;
@@ -487,7 +590,7 @@ impl QueueWorker {
             return;
         }
         self.need_notify = false;
-        match self.queue.needs_notification(mem) {
+        match self.vq.queue.needs_notification(mem) {
             Ok(false) => {}
             Ok(true) | Err(_) => {
                 if let Some(call) = self.call.load().as_ref() {

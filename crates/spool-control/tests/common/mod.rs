@@ -20,13 +20,19 @@ pub struct Spoold {
 impl Spoold {
     /// Writes `extra` (devices, volumes) after a standard header and starts spoold.
     pub fn start(extra: &str) -> Spoold {
+        Self::start_with(extra, true)
+    }
+
+    /// Like `start`, optionally with the journal switched off (Spool-NoJ).
+    pub fn start_with(extra: &str, journal: bool) -> Spoold {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("spoold.toml");
         std::fs::write(
             &config,
             format!(
-                "state_dir = \"{}\"\n[pool]\nmin_extent = \"1M\"\n{}",
+                "state_dir = \"{}\"\n[journal]\nenabled = {journal}\ndir = \"{}\"\n[pool]\nmin_extent = \"1M\"\n{}",
                 dir.path().join("state").display(),
+                dir.path().join("journal").display(),
                 extra.replace("@DIR@", &dir.path().display().to_string())
             ),
         )
