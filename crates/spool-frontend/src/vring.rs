@@ -226,7 +226,7 @@ impl Iterator for ChainWalker<'_> {
         let d: Descriptor = self.mem.read_obj(addr).ok()?;
         if d.refers_to_indirect_table() {
             if self.indirect_done
-                || d.len() % 16 != 0
+                || !d.len().is_multiple_of(16)
                 || d.len() == 0
                 || d.len() / 16 > u16::MAX as u32
             {

@@ -346,7 +346,10 @@ impl Journal {
     }
 
     fn atomic_at<T>(&self, off: usize) -> &T {
-        assert!(off + std::mem::size_of::<T>() <= self.len && off % std::mem::align_of::<T>() == 0);
+        assert!(
+            off + std::mem::size_of::<T>() <= self.len
+                && off.is_multiple_of(std::mem::align_of::<T>())
+        );
         // SAFETY: in bounds and aligned (the mapping is page-aligned and offsets are
         // multiples of the type's size); the memory is shared with other processes, which is
         // what atomics are for; the reference lives no longer than `self` (the mapping).
