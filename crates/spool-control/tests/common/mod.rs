@@ -127,6 +127,14 @@ impl Spoold {
 
 impl Drop for Spoold {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("--- spoold log (last 40 lines) ---");
+            for l in tail.iter().rev() {
+                eprintln!("{l}");
+            }
+        }
         self.kill();
     }
 }
