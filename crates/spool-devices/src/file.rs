@@ -40,6 +40,19 @@ pub struct FileDevice {
     buffered: File,
     direct: Option<File>,
     direct_align: u64,
+    /// The file system cannot do non-blocking I/O (tmpfs): io_uring would punt every request
+    /// to a kernel worker thread, so queues run inline instead.
+    inline_io: bool,
+}
+
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+fn on_tmpfs(f: &File) -> bool {
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: fstatfs fills the statfs struct we pass, which lives on our stack.
+    let r = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
+    // SAFETY: fstatfs succeeded, so it initialised the struct.
+    r == 0 && unsafe { st.assume_init() }.f_type as i64 == TMPFS_MAGIC
 }
 
 impl FileDevice {
@@ -109,6 +122,7 @@ impl FileDevice {
             probe_direct(path)
         };
         tracing::debug!(path = %path.display(), size, direct = direct.is_some(), direct_align, "device opened");
+        let inline_io = kind == DeviceKind::File && on_tmpfs(&buffered);
         Ok(FileDevice {
             path: path.to_path_buf(),
             kind,
@@ -116,6 +130,7 @@ impl FileDevice {
             buffered,
             direct,
             direct_align,
+            inline_io,
         })
     }
 
@@ -208,14 +223,22 @@ impl FileDevice {
         }
     }
 
-    /// Opens an asynchronous queue on this device for one worker.
-    pub fn open_queue(&self, depth: u32) -> std::io::Result<crate::UringQueue> {
-        crate::UringQueue::new(
+    /// True when queues on this device run inline rather than through io_uring (tmpfs).
+    pub fn inline_io(&self) -> bool {
+        self.inline_io
+    }
+
+    /// Opens a queue on this device for one worker: io_uring, or inline on tmpfs.
+    pub fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn crate::DeviceQueue>> {
+        if self.inline_io {
+            return Ok(Box::new(crate::InlineQueue::new(self.buffered_fd())?));
+        }
+        Ok(Box::new(crate::UringQueue::new(
             self.buffered_fd(),
             self.direct_fd(),
             self.direct_align,
             depth,
-        )
+        )?))
     }
 }
 

@@ -8,9 +8,11 @@
 //! device byte offsets; the pool maps volume offsets onto them.
 
 mod file;
+mod inline;
 mod queue;
 
 pub use file::{DeviceKind, FileDevice, OpenOptions};
+pub use inline::InlineQueue;
 pub use queue::{DeviceIo, DeviceQueue, IoVec, UringQueue};
 
 /// Errors of the devices layer.

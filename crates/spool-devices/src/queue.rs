@@ -56,6 +56,9 @@ pub trait DeviceQueue: Send {
     fn completion_fd(&self) -> RawFd;
     /// Resets the readiness of [`DeviceQueue::completion_fd`] (after a wake-up).
     fn ack_completion_event(&self);
+    /// Whether completions signal [`DeviceQueue::completion_fd`]. A polling worker turns this
+    /// off (it would only cost a kernel wake-up per completion) and on before it sleeps.
+    fn set_completion_events(&mut self, _enabled: bool) {}
     /// Operations submitted and not yet reaped.
     fn in_flight(&self) -> usize;
 }
@@ -277,6 +280,14 @@ impl DeviceQueue for UringQueue {
         self.event.as_raw_fd()
     }
 
+    fn set_completion_events(&mut self, enabled: bool) {
+        if enabled {
+            self.ring.completion().enable_eventfd();
+        } else {
+            self.ring.completion().disable_eventfd();
+        }
+    }
+
     fn ack_completion_event(&self) {
         use std::io::Read;
         let mut buf = [0u8; 8];
@@ -293,7 +304,7 @@ mod tests {
     use super::*;
     use crate::{FileDevice, OpenOptions};
 
-    fn wait_all(q: &mut UringQueue) -> Vec<(u64, i32)> {
+    fn wait_all(q: &mut dyn DeviceQueue) -> Vec<(u64, i32)> {
         let mut out = Vec::new();
         q.kick().unwrap();
         while q.in_flight() > 0 {
@@ -306,15 +317,25 @@ mod tests {
 
     #[test]
     fn read_write_flush_zero_discard_through_the_ring() {
-        let dir = tempfile::tempdir().unwrap();
+        // /tmp is a disk file system here (io_uring); /dev/shm is tmpfs (inline queue).
+        let disk = tempfile::tempdir().unwrap();
+        exercise(disk.path(), false);
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        exercise(shm.path(), true);
+    }
+
+    fn exercise(dir: &std::path::Path, expect_inline: bool) {
         let dev = FileDevice::open(
-            &dir.path().join("d"),
+            &dir.join("d"),
             &OpenOptions {
                 create_size: Some(1 << 20),
                 no_direct: false,
             },
         )
         .unwrap();
+        if expect_inline {
+            assert!(dev.inline_io(), "tmpfs must use the inline queue");
+        }
         let mut q = dev.open_queue(4).unwrap();
         // Unaligned buffer on purpose: must take the buffered path and still work.
         let mut data = vec![0xabu8; 8193];
@@ -335,7 +356,7 @@ mod tests {
             );
             q.submit(DeviceIo::Flush, 2);
         }
-        let mut r = wait_all(&mut q);
+        let mut r = wait_all(&mut *q);
         r.sort();
         assert_eq!(r, vec![(1, 8192), (2, 0)]);
         let mut back = vec![0u8; 8192];
@@ -358,7 +379,7 @@ mod tests {
                 4,
             );
         }
-        let mut r = wait_all(&mut q);
+        let mut r = wait_all(&mut *q);
         r.sort();
         assert_eq!(r, vec![(3, 0), (4, 0)]);
         dev.read_at(&mut back[..4096], 8192).unwrap();
@@ -386,7 +407,7 @@ mod tests {
                 )
             };
         }
-        let r = wait_all(&mut q);
+        let r = wait_all(&mut *q);
         assert_eq!(r.len(), 64);
         assert!(r.iter().all(|&(_, res)| res == 512));
     }

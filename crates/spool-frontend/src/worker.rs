@@ -212,7 +212,9 @@ impl QueueWorker {
                 q.completion_fd(),
                 EpollEvent::new(EventSet::IN, TOKEN_DEVICE + d as u64),
             )?;
-            self.devices.push(Box::new(q));
+            let mut q = q;
+            q.set_completion_events(false);
+            self.devices.push(q);
         }
         Ok(())
     }
@@ -232,7 +234,9 @@ impl QueueWorker {
     fn run(mut self) -> Queue {
         tracing::debug!(volume = %self.volume, queue = self.index, "worker started");
         let mut last_work = Instant::now();
+        let mut idle_rounds = 0u32;
         let mut events = vec![EpollEvent::default(); 8];
+        self.set_device_events(false);
         // Completions a previous process put in the used ring just before it died may not
         // have been signalled: one (possibly spurious) interrupt lets the guest see them.
         if let Some(call) = self.call.load().as_ref() {
@@ -265,19 +269,30 @@ impl QueueWorker {
             self.notify(&mem);
             if work {
                 last_work = Instant::now();
+                idle_rounds = 0;
                 continue;
             }
-            if last_work.elapsed() < self.poll_idle {
+            // Reading the clock costs more than a poll round: look only every 64 idle rounds.
+            idle_rounds += 1;
+            if idle_rounds % 64 != 0 || last_work.elapsed() < self.poll_idle {
                 std::hint::spin_loop();
                 continue;
             }
-            // Event-driven mode: ask the guest to kick us, re-check, then sleep.
+            // Event-driven mode: ask the guest and the devices to wake us, re-check, sleep.
             match self.vq.queue.enable_notification(&*mem) {
                 Ok(true) => continue,
                 Ok(false) => {}
                 Err(e) => {
                     self.fail_queue(&e.to_string());
                 }
+            }
+            for d in &mut self.devices {
+                d.set_completion_events(true);
+            }
+            if self.reap(&mem) {
+                self.set_device_events(false);
+                self.notify(&mem);
+                continue;
             }
             let n = match self.epoll.wait(1000, &mut events) {
                 Ok(n) => n,
@@ -308,11 +323,18 @@ impl QueueWorker {
             if !self.broken {
                 let _ = self.vq.queue.disable_notification(&*mem);
             }
+            self.set_device_events(false);
             last_work = Instant::now();
         }
         self.drain();
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.queue.next_avail(), "worker stopped");
         self.vq.queue
+    }
+
+    fn set_device_events(&mut self, enabled: bool) {
+        for d in &mut self.devices {
+            d.set_completion_events(enabled);
+        }
     }
 
     /// Completes what is in flight before handing the queue back.

@@ -1,0 +1,322 @@
+//! spool-bench: an fio-like load generator for vhost-user-blk backends (spoold,
+//! qemu-storage-daemon, ...) built on the real libblkio client.
+//!
+//! One thread per queue, each keeping `iodepth` requests in flight; reports IOPS, MiB/s,
+//! latency (mean, p50, p99, p99.9) and, with `--server-pid`, the server's CPU time per I/O.
+
+use std::mem::MaybeUninit;
+use std::time::{Duration, Instant};
+
+use blkio::{Blkio, Completion, ReqFlags};
+use clap::{Parser, ValueEnum};
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Rw {
+    Read,
+    Write,
+    Randread,
+    Randwrite,
+    Randrw,
+}
+
+/// Drive a vhost-user-blk socket with libblkio and report throughput and latency.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// vhost-user-blk socket.
+    #[arg(long)]
+    socket: String,
+    /// Access pattern.
+    #[arg(long, value_enum, default_value = "randread")]
+    rw: Rw,
+    /// Percentage of reads for randrw.
+    #[arg(long, default_value_t = 70)]
+    rwmixread: u32,
+    /// Block size in bytes.
+    #[arg(long, default_value_t = 4096)]
+    bs: usize,
+    /// Requests in flight per queue.
+    #[arg(long, default_value_t = 32)]
+    iodepth: usize,
+    /// Queues (one client thread each).
+    #[arg(long, default_value_t = 1)]
+    queues: usize,
+    /// Seconds to run (after warm-up).
+    #[arg(long, default_value_t = 5.0)]
+    runtime: f64,
+    /// Seconds of warm-up not counted.
+    #[arg(long, default_value_t = 0.5)]
+    warmup: f64,
+    /// Bytes of the device to use (default: all of it, at most 1 GiB).
+    #[arg(long)]
+    size: Option<u64>,
+    /// Use libblkio poll queues (busy-polling client) instead of interrupt-driven ones.
+    #[arg(long)]
+    poll: bool,
+    /// PID of the server process, to report its CPU time per I/O.
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// Label for the result.
+    #[arg(long, default_value = "")]
+    label: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    label: String,
+    rw: Rw,
+    bs: usize,
+    iodepth: usize,
+    queues: usize,
+    runtime_s: f64,
+    ios: u64,
+    iops: f64,
+    mib_s: f64,
+    lat_mean_us: f64,
+    lat_p50_us: f64,
+    lat_p99_us: f64,
+    lat_p999_us: f64,
+    errors: u64,
+    server_cpu_us_per_io: Option<f64>,
+}
+
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn run(args: &Args) -> Result<Report, String> {
+    fn e(what: &'static str) -> impl Fn(blkio::Error) -> String {
+        move |err| format!("{what}: {}", err.message())
+    }
+    let mut b = Blkio::new("virtio-blk-vhost-user").map_err(e("libblkio"))?;
+    b.set_str("path", &args.socket).map_err(e("path"))?;
+    b.connect().map_err(e("connect"))?;
+    if args.poll {
+        b.set_i32("num-queues", 0).map_err(e("num-queues"))?;
+        b.set_i32("num-poll-queues", args.queues as i32)
+            .map_err(e("num-poll-queues"))?;
+    } else {
+        b.set_i32("num-queues", args.queues as i32)
+            .map_err(e("num-queues"))?;
+    }
+    let out = b.start().map_err(e("start"))?;
+    let queues = if args.poll {
+        out.poll_queues
+    } else {
+        out.queues
+    };
+    let capacity = b.get_u64("capacity").map_err(e("capacity"))?;
+    let span = args.size.unwrap_or(capacity.min(1 << 30)).min(capacity) / args.bs as u64;
+    if span == 0 {
+        return Err("device smaller than one block".into());
+    }
+    let per_queue = args.bs * args.iodepth;
+    let region = b
+        .alloc_mem_region(per_queue * args.queues)
+        .map_err(e("alloc"))?;
+    b.map_mem_region(&region).map_err(e("map"))?;
+    let base = region.addr;
+    let cpu0 = args.server_pid.and_then(cpu_ticks);
+    let start = Instant::now();
+    let warm = Duration::from_secs_f64(args.warmup);
+    let stop = warm + Duration::from_secs_f64(args.runtime);
+    let results: Vec<(u64, u64, Vec<u32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = queues
+            .into_iter()
+            .enumerate()
+            .map(|(qi, mut q)| {
+                s.spawn(move || {
+                    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (qi as u64 + 1));
+                    let mut seq = (qi as u64 * span / args.queues.max(1) as u64) % span;
+                    let mut issued = vec![Instant::now(); args.iodepth];
+                    let mut lats: Vec<u32> = Vec::with_capacity(1 << 20);
+                    let (mut ios, mut errors) = (0u64, 0u64);
+                    let mut comps: Vec<MaybeUninit<Completion>> =
+                        (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
+                    let submit =
+                        |q: &mut blkio::Blkioq, slot: usize, rng: &mut Rng, seq: &mut u64| {
+                            let blk = match args.rw {
+                                Rw::Read | Rw::Write => {
+                                    *seq = (*seq + 1) % span;
+                                    *seq
+                                }
+                                _ => rng.next() % span,
+                            };
+                            let write = match args.rw {
+                                Rw::Write | Rw::Randwrite => true,
+                                Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
+                                _ => false,
+                            };
+                            let buf = (base + qi * per_queue + slot * args.bs) as *mut u8;
+                            let off = blk * args.bs as u64;
+                            if write {
+                                q.write(off, buf, args.bs, slot, ReqFlags::empty());
+                            } else {
+                                q.read(off, buf, args.bs, slot, ReqFlags::empty());
+                            }
+                        };
+                    for slot in 0..args.iodepth {
+                        issued[slot] = Instant::now();
+                        submit(&mut q, slot, &mut rng, &mut seq);
+                    }
+                    loop {
+                        let n = match q.do_io(&mut comps, 1, None, None) {
+                            Ok(n) => n,
+                            Err(_) => {
+                                errors += 1;
+                                break;
+                            }
+                        };
+                        let now = Instant::now();
+                        let since = now - start;
+                        for c in &comps[..n] {
+                            // SAFETY: do_io initialised the first n completions.
+                            let c = unsafe { c.assume_init_ref() };
+                            let slot = c.user_data;
+                            if since >= warm {
+                                ios += 1;
+                                if c.ret != 0 {
+                                    errors += 1;
+                                }
+                                lats.push(
+                                    (now - issued[slot]).as_nanos().min(u32::MAX as u128) as u32
+                                );
+                            }
+                            if since < stop {
+                                issued[slot] = Instant::now();
+                                submit(&mut q, slot, &mut rng, &mut seq);
+                            }
+                        }
+                        if since >= stop {
+                            // Drain what is still in flight, uncounted.
+                            let outstanding = args.iodepth - n;
+                            let mut left = outstanding;
+                            while left > 0 {
+                                match q.do_io(
+                                    &mut comps,
+                                    1,
+                                    Some(&mut Duration::from_secs(5)),
+                                    None,
+                                ) {
+                                    Ok(0) | Err(_) => break,
+                                    Ok(m) => left = left.saturating_sub(m),
+                                }
+                            }
+                            break;
+                        }
+                    }
+                    (ios, errors, lats)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
+    let elapsed = args.runtime;
+    let cpu1 = args.server_pid.and_then(cpu_ticks);
+    let ios: u64 = results.iter().map(|r| r.0).sum();
+    let errors: u64 = results.iter().map(|r| r.1).sum();
+    let mut lats: Vec<u32> = results.into_iter().flat_map(|r| r.2).collect();
+    lats.sort_unstable();
+    let pct = |p: f64| {
+        if lats.is_empty() {
+            0.0
+        } else {
+            lats[((lats.len() as f64 * p) as usize).min(lats.len() - 1)] as f64 / 1000.0
+        }
+    };
+    let mean = if lats.is_empty() {
+        0.0
+    } else {
+        lats.iter().map(|&x| x as f64).sum::<f64>() / lats.len() as f64 / 1000.0
+    };
+    // SAFETY: sysconf takes no pointers.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let total_secs = start.elapsed().as_secs_f64();
+    let server_cpu_us_per_io = match (cpu0, cpu1) {
+        // The server's CPU over the whole run (warm-up included) per I/O of the whole run,
+        // estimated from the measured rate.
+        (Some(a), Some(b)) if ios > 0 => {
+            let all_ios = ios as f64 * total_secs / elapsed;
+            Some((b - a) as f64 / hz * 1e6 / all_ios)
+        }
+        _ => None,
+    };
+    Ok(Report {
+        label: args.label.clone(),
+        rw: args.rw,
+        bs: args.bs,
+        iodepth: args.iodepth,
+        queues: args.queues,
+        runtime_s: elapsed,
+        ios,
+        iops: ios as f64 / elapsed,
+        mib_s: ios as f64 * args.bs as f64 / elapsed / (1 << 20) as f64,
+        lat_mean_us: mean,
+        lat_p50_us: pct(0.50),
+        lat_p99_us: pct(0.99),
+        lat_p999_us: pct(0.999),
+        errors,
+        server_cpu_us_per_io,
+    })
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    if args.iodepth == 0 || args.queues == 0 || args.bs == 0 || args.bs % 512 != 0 {
+        eprintln!("spool-bench: error: iodepth and queues must be >= 1 and bs a multiple of 512");
+        return std::process::ExitCode::FAILURE;
+    }
+    match run(&args) {
+        Ok(r) => {
+            if args.json {
+                println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            } else {
+                println!(
+                    "{:<20} {:>9} bs={:<7} qd={:<3} q={} iops={:>10.0} {:>8.1} MiB/s lat mean={:.1}us p50={:.1} p99={:.1} p99.9={:.1} errors={}{}",
+                    r.label,
+                    format!("{:?}", r.rw).to_lowercase(),
+                    r.bs,
+                    r.iodepth,
+                    r.queues,
+                    r.iops,
+                    r.mib_s,
+                    r.lat_mean_us,
+                    r.lat_p50_us,
+                    r.lat_p99_us,
+                    r.lat_p999_us,
+                    r.errors,
+                    r.server_cpu_us_per_io.map(|c| format!(" server_cpu={c:.2}us/io")).unwrap_or_default()
+                );
+            }
+            if r.errors > 0 {
+                return std::process::ExitCode::FAILURE;
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("spool-bench: error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
