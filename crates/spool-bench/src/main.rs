@@ -173,8 +173,8 @@ fn run(args: &Args) -> Result<Report, String> {
                                 q.read(off, buf, args.bs, slot, ReqFlags::empty());
                             }
                         };
-                    for slot in 0..args.iodepth {
-                        issued[slot] = Instant::now();
+                    for (slot, t) in issued.iter_mut().enumerate() {
+                        *t = Instant::now();
                         submit(&mut q, slot, &mut rng, &mut seq);
                     }
                     loop {

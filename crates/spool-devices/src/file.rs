@@ -52,7 +52,7 @@ fn on_tmpfs(f: &File) -> bool {
     // SAFETY: fstatfs fills the statfs struct we pass, which lives on our stack.
     let r = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
     // SAFETY: fstatfs succeeded, so it initialised the struct.
-    r == 0 && unsafe { st.assume_init() }.f_type as i64 == TMPFS_MAGIC
+    r == 0 && unsafe { st.assume_init() }.f_type == TMPFS_MAGIC
 }
 
 impl FileDevice {
