@@ -274,7 +274,7 @@ impl QueueWorker {
             }
             // Reading the clock costs more than a poll round: look only every 64 idle rounds.
             idle_rounds += 1;
-            if idle_rounds % 64 != 0 || last_work.elapsed() < self.poll_idle {
+            if !idle_rounds.is_multiple_of(64) || last_work.elapsed() < self.poll_idle {
                 std::hint::spin_loop();
                 continue;
             }
