@@ -7,7 +7,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-runtime=4; rounds=3
+runtime=4; rounds=5
 [[ "${1:-}" == "--quick" ]] && { runtime=0.5; rounds=1; }
 cargo build --release -q --bin spoold --bin spool-bench
 work=$(mktemp -d /dev/shm/spool-bench.XXXXXX)
@@ -44,10 +44,13 @@ cases=("randread 32" "randwrite 32" "randread 1" "randwrite 1")
 for round in $(seq "$rounds"); do
     for c in "${cases[@]}"; do
         set -- $c
-        for mode in on off; do
+        # Alternate which variant goes first, so order effects cancel out.
+        order="on off"; (( round % 2 == 0 )) && order="off on"
+        for mode in $order; do
             start "$mode"
             # Prefill so reads hit allocated blocks.
-            if [[ $round == 1 && $1 == randread ]]; then
+            if [[ ! -e "$work/$mode.filled" ]]; then
+                touch "$work/$mode.filled"
                 target/release/spool-bench --socket "$work/$mode/vhost/v.sock" --rw write --bs 1048576 \
                     --iodepth 4 --runtime 1 --warmup 0 --size 536870912 --json >/dev/null
             fi

@@ -32,10 +32,10 @@ fn guest_dir() -> PathBuf {
     g
 }
 
-fn qemu(sock: &std::path::Path, job: &str, queues: u16, extra: &str) -> Command {
+fn qemu(sock: &std::path::Path, job: &str, queues: u16, extra: &str, timeout_s: u64) -> Command {
     let g = guest_dir();
     let mut c = Command::new("timeout");
-    c.arg("600")
+    c.arg(timeout_s.to_string())
         .arg("qemu-system-x86_64")
         .args([
             "-machine",
@@ -76,7 +76,7 @@ fn qemu(sock: &std::path::Path, job: &str, queues: u16, extra: &str) -> Command 
 /// Boots the guest on `sock` and runs `job`; returns the console output.
 fn run_guest(sock: &std::path::Path, job: &str, queues: u16, log: &std::path::Path) -> String {
     let start = Instant::now();
-    let out = qemu(sock, job, queues, "")
+    let out = qemu(sock, job, queues, "", 600)
         .output()
         .expect("qemu-system-x86_64 must be installed (apt-get install qemu-system-x86)");
     let console =
@@ -220,6 +220,7 @@ num_queues = 2
         "killtest",
         2,
         &format!("spool.runtime={runtime}"),
+        runtime + 300,
     )
     .stdout(std::fs::File::create(&console).unwrap())
     .stderr(std::process::Stdio::null())
