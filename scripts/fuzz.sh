@@ -11,7 +11,7 @@ if RUSTC_BOOTSTRAP=1 cargo fuzz run request_parser -- -max_total_time="$secs" -m
     corpus/request_parser >"$log" 2>&1; then
     grep -E "^Done|^#[0-9]+.*DONE" "$log" | tail -1
 else
-    tail -60 "$log"
+    grep -E "panicked|assert|ERROR|SUMMARY" -A3 "$log" | head -40; tail -15 "$log"
     echo "fuzz: request_parser found a failure (artifact under fuzz/artifacts/)" >&2
     exit 1
 fi

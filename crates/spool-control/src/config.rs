@@ -38,6 +38,8 @@ struct RawPool {
 struct RawDevice {
     path: PathBuf,
     create_size: Option<SizeValue>,
+    /// "untouched" or "zero": a null device named `path` of `create_size` bytes.
+    null: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -100,6 +102,7 @@ struct RawConfig {
 pub struct DeviceConfig {
     pub path: PathBuf,
     pub create_size: Option<u64>,
+    pub null: Option<spool_devices::NullReads>,
 }
 
 /// A volume that must exist (created at start if missing, grown if smaller).
@@ -183,14 +186,33 @@ impl Config {
         }
         let mut devices = Vec::new();
         for d in &raw.devices {
+            let null = match d.null.as_deref() {
+                None => None,
+                Some("untouched") => Some(spool_devices::NullReads::Untouched),
+                Some("zero") => Some(spool_devices::NullReads::Zero),
+                Some(other) => {
+                    return Err(format!(
+                        "device {}: null = \"{other}\" must be \"untouched\" or \"zero\"",
+                        d.path.display()
+                    ))
+                }
+            };
+            if null.is_some() && d.create_size.is_none() {
+                return Err(format!("null device {}: create_size (its size) is required", d.path.display()));
+            }
             devices.push(DeviceConfig {
-                path: abs(&d.path),
+                null,
+                path: if null.is_some() { d.path.clone() } else { abs(&d.path) },
                 create_size: d
                     .create_size
                     .as_ref()
                     .map(|s| s.bytes(&format!("device {}: create_size", d.path.display())))
                     .transpose()?,
             });
+        }
+        let nulls = devices.iter().filter(|d| d.null.is_some()).count();
+        if nulls > 0 && nulls < devices.len() {
+            return Err("null devices keep nothing across restarts: a pool is either all null devices or none".into());
         }
         let mut volumes = Vec::new();
         for v in &raw.volumes {

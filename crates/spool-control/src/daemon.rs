@@ -51,6 +51,7 @@ impl Daemon {
             .map(|d| DeviceSpec {
                 path: d.path.clone(),
                 create_size: d.create_size,
+                null: d.null,
             })
             .collect();
         let pool = Pool::open(
@@ -195,6 +196,7 @@ impl Daemon {
                         &DeviceSpec {
                             path: p.path,
                             create_size,
+                            null: None,
                         },
                         p.force,
                     )

@@ -7,7 +7,7 @@
 //! read or write first writes back and invalidates the page cache of its range.
 
 use std::fs::{File, OpenOptions as StdOpenOptions};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -20,6 +20,9 @@ pub enum DeviceKind {
     File,
     /// A block device node.
     Block,
+    /// The null device (nothing stored; metadata kept in an anonymous memfd for the life of
+    /// the process): benchmarks only.
+    Null(crate::NullReads),
 }
 
 /// How to open a device.
@@ -56,6 +59,38 @@ fn on_tmpfs(f: &File) -> bool {
 }
 
 impl FileDevice {
+    /// A null device of `size` bytes named `name`. Its pool metadata lives in memory only.
+    pub fn open_null(name: &str, size: u64, reads: crate::NullReads) -> Result<Self> {
+        let path = PathBuf::from(format!("null:{name}"));
+        if size == 0 || size % SECTOR_SIZE != 0 {
+            return Err(Error::Invalid {
+                path: path.display().to_string(),
+                msg: format!("size {size} is not a positive multiple of 512"),
+            });
+        }
+        let cname = std::ffi::CString::new(format!("spool-null-{name}")).map_err(|_| Error::Invalid {
+            path: path.display().to_string(),
+            msg: "name contains a NUL byte".into(),
+        })?;
+        // SAFETY: memfd_create reads the NUL-terminated name we pass; the result is checked.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::io(&path, "memfd_create", std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a fresh descriptor we exclusively own.
+        let f = unsafe { File::from_raw_fd(fd) };
+        f.set_len(size).map_err(|e| Error::io(&path, "set size", e))?;
+        Ok(FileDevice {
+            path,
+            kind: DeviceKind::Null(reads),
+            size,
+            buffered: f,
+            direct: None,
+            direct_align: 0,
+            inline_io: false,
+        })
+    }
+
     /// Opens (and with `create_size`, creates) a device and takes an exclusive lock on it.
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Self> {
         let meta = match std::fs::metadata(path) {
@@ -111,7 +146,7 @@ impl FileDevice {
         }
         let size = match kind {
             DeviceKind::File => meta.len(),
-            DeviceKind::Block => {
+            DeviceKind::Block | DeviceKind::Null(_) => {
                 block_device_size(&buffered).map_err(|e| Error::io(path, "BLKGETSIZE64", e))?
             }
         };
@@ -230,6 +265,9 @@ impl FileDevice {
 
     /// Opens a queue on this device for one worker: io_uring, or inline on tmpfs.
     pub fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn crate::DeviceQueue>> {
+        if let DeviceKind::Null(reads) = self.kind {
+            return Ok(Box::new(crate::NullQueue::new(reads)?));
+        }
         if self.inline_io {
             return Ok(Box::new(crate::InlineQueue::new(self.buffered_fd())?));
         }

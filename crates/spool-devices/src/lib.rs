@@ -9,10 +9,12 @@
 
 mod file;
 mod inline;
+mod null;
 mod queue;
 
 pub use file::{DeviceKind, FileDevice, OpenOptions};
 pub use inline::InlineQueue;
+pub use null::{NullQueue, NullReads};
 pub use queue::{DeviceIo, DeviceQueue, IoVec, UringQueue};
 
 /// Errors of the devices layer.

@@ -67,8 +67,29 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, Clone)]
 pub struct DeviceSpec {
     pub path: PathBuf,
-    /// Create a file of this size when the path does not exist.
+    /// Create a file of this size when the path does not exist (the size of a null device).
     pub create_size: Option<u64>,
+    /// A null device (benchmarks only): `path` is its name, nothing is stored.
+    pub null: Option<spool_devices::NullReads>,
+}
+
+fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
+    Ok(match s.null {
+        Some(reads) => FileDevice::open_null(
+            &s.path.display().to_string(),
+            s.create_size.ok_or_else(|| {
+                Error::InvalidArgument(format!("null device {}: a size is required", s.path.display()))
+            })?,
+            reads,
+        )?,
+        None => FileDevice::open(
+            &s.path,
+            &OpenOptions {
+                create_size: s.create_size,
+                no_direct,
+            },
+        )?,
+    })
 }
 
 /// How to assemble a pool.
@@ -224,13 +245,7 @@ impl Pool {
         }
         let mut opened = Vec::new();
         for s in specs {
-            let dev = FileDevice::open(
-                &s.path,
-                &OpenOptions {
-                    create_size: s.create_size,
-                    no_direct: opts.no_direct,
-                },
-            )?;
+            let dev = open_spec(s, opts.no_direct)?;
             let state = metadata::read_device(&dev);
             opened.push((dev, state));
         }
@@ -414,13 +429,7 @@ impl Pool {
 
     /// Adds a device to a running pool.
     pub fn add_device(&mut self, spec: &DeviceSpec, force: bool) -> Result<DeviceInfo> {
-        let dev = FileDevice::open(
-            &spec.path,
-            &OpenOptions {
-                create_size: spec.create_size,
-                no_direct: self.opts.no_direct,
-            },
-        )?;
+        let dev = open_spec(spec, self.opts.no_direct)?;
         let path = dev.path().display().to_string();
         match metadata::read_device(&dev) {
             DeviceState::Blank => {}

@@ -6,6 +6,7 @@ fn spec(dir: &Path, name: &str, mib: u64) -> DeviceSpec {
     DeviceSpec {
         path: dir.join(name),
         create_size: Some(mib << 20),
+        null: None,
     }
 }
 

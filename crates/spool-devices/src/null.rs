@@ -1,0 +1,88 @@
+//! The `null` device: completes every request at once without storing anything, to measure the
+//! software stack alone (like SPDK's null bdev and qemu-storage-daemon's `null-co`).
+//!
+//! Reads either leave the guest's buffers untouched (SPDK's null bdev, qsd
+//! `read-zeroes=off`) or zero them (qsd `read-zeroes=on`): [`NullReads`] makes the choice
+//! explicit so benchmarks compare like with like.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::queue::{DeviceIo, DeviceQueue};
+
+/// What a null device does with read buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NullReads {
+    /// Never touch them (fastest; data read back is whatever the buffer held).
+    #[default]
+    Untouched,
+    /// Fill them with zeroes (one memory write per byte read).
+    Zero,
+}
+
+/// Queue of a null device.
+pub struct NullQueue {
+    reads: NullReads,
+    done: VecDeque<(u64, i32)>,
+    event: File,
+}
+
+impl NullQueue {
+    /// A new queue.
+    pub fn new(reads: NullReads) -> std::io::Result<Self> {
+        // SAFETY: eventfd takes no pointers; the result is checked before use.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(NullQueue {
+            reads,
+            done: VecDeque::new(),
+            // SAFETY: `efd` is a fresh descriptor we exclusively own.
+            event: File::from(unsafe { OwnedFd::from_raw_fd(efd) }),
+        })
+    }
+}
+
+impl DeviceQueue for NullQueue {
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        let res = match io {
+            DeviceIo::Read { len, iov, iovcnt, .. } => {
+                if self.reads == NullReads::Zero {
+                    // SAFETY: the caller guarantees `iovcnt` valid iovecs over writable buffers.
+                    for v in unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) } {
+                        // SAFETY: as above, each buffer is `iov_len` writable bytes.
+                        unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
+                    }
+                }
+                len.min(i32::MAX as u64) as i32
+            }
+            DeviceIo::Write { len, .. } => len.min(i32::MAX as u64) as i32,
+            _ => 0,
+        };
+        self.done.push_back((tag, res));
+    }
+
+    fn kick(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        let n = self.done.len();
+        while let Some((t, r)) = self.done.pop_front() {
+            done(t, r);
+        }
+        n
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+
+    fn ack_completion_event(&self) {}
+
+    fn in_flight(&self) -> usize {
+        self.done.len()
+    }
+}
