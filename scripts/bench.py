@@ -197,10 +197,10 @@ def main():
         finally:
             b.stop()
 
-    def file_img(d, n):
+    def file_img(d, n, size=VOL + (8 << 20)):
         p = os.path.join(d, n)
         with open(p, "wb") as f:
-            f.truncate(VOL + (8 << 20))
+            f.truncate(size)
         return p
 
     try:
@@ -208,12 +208,12 @@ def main():
         run_backend("spoold null (untouched)", lambda: Spoold(
             work, "sn", '[[devices]]\npath = "n0"\nnull = "untouched"\ncreate_size = "1G"\n'), "null", False)
         run_backend("qsd null-co read-zeroes=off", lambda: Qsd(
-            work, "qn", "driver=null-co,node-name=base,size=1G,read-zeroes=off"), "null", False)
+            work, "qn", "driver=null-co,node-name=base,size=1073741824,read-zeroes=off"), "null", False)
         if not args.quick:
             run_backend("spoold null (zeroes reads)", lambda: Spoold(
                 work, "snz", '[[devices]]\npath = "n0"\nnull = "zero"\ncreate_size = "1G"\n'), "null", False)
             run_backend("qsd null-co read-zeroes=on", lambda: Qsd(
-                work, "qnz", "driver=null-co,node-name=base,size=1G,read-zeroes=on"), "null", False)
+                work, "qnz", "driver=null-co,node-name=base,size=1073741824,read-zeroes=on"), "null", False)
         tmpfs_q = file_img(work, "q.img")
         run_backend("spoold tmpfs", lambda: Spoold(
             work, "st", f'[[devices]]\npath = "{work}/s.img"\ncreate_size = "{VOL + (8 << 20)}"\n'), "tmpfs")
@@ -252,7 +252,7 @@ def main():
             ("spoold tmpfs", lambda: Spoold(work, "s3", f'[[devices]]\npath = "{work}/s3.img"\n'
                                                          f'create_size = "{3 * VOL + (16 << 20)}"\n', nvols=3)),
             ("qsd tmpfs aio=native,direct", lambda: Qsd(
-                work, "q3", f"driver=file,node-name=base,filename={file_img(work, 'q3.img')},"
+                work, "q3", f"driver=file,node-name=base,filename={file_img(work, 'q3.img', 3 * VOL)},"
                             f"cache.direct=on,aio=native", nvols=3)),
         ]:
             log(f"== figure 16: {label}, 3 volumes")

@@ -14,4 +14,7 @@ echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"
 SPOOL_E2E=1 cargo test --workspace
 echo "== fuzz smoke"
 scripts/fuzz.sh 30
+echo "== benchmark suite smoke (checks the suite runs, not its numbers)"
+python3 -c "import matplotlib" 2>/dev/null || pip install -q matplotlib
+python3 scripts/bench.py --quick
 echo "== all tests passed"
