@@ -146,7 +146,7 @@ def fill(sock):
                    capture_output=True, check=True, timeout=60)
 
 
-def fio_native(path, case, runtime):
+def fio_native(path, case, runtime, store):
     """Native fio with io_uring on the same file: the kernel path without any backend."""
     name, rw, bs, qd, jobs, _ = case
     if shutil.which("fio") is None:
@@ -162,7 +162,7 @@ def fio_native(path, case, runtime):
     j = json.loads(r.stdout)["jobs"][0]
     iops = j["read"]["iops"] + j["write"]["iops"]
     lat = [x["lat_ns"]["mean"] for x in (j["read"], j["write"]) if x["io_bytes"] > 0]
-    return dict(label="fio-io_uring", case=name, rw=rw, bs=bs, iodepth=qd, queues=jobs, iops=iops,
+    return dict(label=f"fio io_uring {store}", case=name, rw=rw, bs=bs, iodepth=qd, queues=jobs, iops=iops,
                 mib_s=iops * bs / (1 << 20), lat_mean_us=(sum(lat) / len(lat) / 1000) if lat else 0,
                 lat_p50_us=None, lat_p99_us=None, lat_p999_us=None, errors=0, server_cpu_us_per_io=None)
 
@@ -228,7 +228,7 @@ def main():
                 "tmpfs")
         log("== fio io_uring (native) tmpfs")
         for c in cases:
-            r = fio_native(tmpfs_q, c, runtime)
+            r = fio_native(tmpfs_q, c, runtime, "tmpfs")
             if r:
                 r["store"] = "tmpfs"
                 results.append(r)
@@ -242,7 +242,7 @@ def main():
                 work, "qd", f"driver=file,node-name=base,filename={disk_q},cache.direct=on,aio=native"), "disk")
             log("== fio io_uring (native) disk")
             for c in cases:
-                r = fio_native(disk_q, c, runtime)
+                r = fio_native(disk_q, c, runtime, "disk")
                 if r:
                     r["store"] = "disk"
                     results.append(r)
@@ -332,15 +332,14 @@ def write_summary(doc, path):
                  ("spoold tmpfs", "qsd tmpfs aio=native,direct"),
                  ("spoold tmpfs", "qsd tmpfs aio=native,direct,iothread"),
                  ("spoold tmpfs", "qsd tmpfs aio=io_uring"),
-                 ("spoold tmpfs", "fio-io_uring"),
-                 ("spoold disk", "qsd disk aio=native,direct")]
+                 ("spoold tmpfs", "fio io_uring tmpfs"),
+                 ("spoold disk", "qsd disk aio=native,direct"),
+                 ("spoold disk", "fio io_uring disk")]
         f.write("| spoold vs peer | " + " | ".join(cases) + " |\n|---|" + "---|" * len(cases) + "\n")
         for a, b in pairs:
             cells = []
             for c in cases:
                 ra, rb = find(res, a, c), find(res, b, c)
-                if b == "fio-io_uring":
-                    rb = next((r for r in res if r["label"] == b and r["case"] == c and r.get("store") == "tmpfs"), None)
                 if not ra or not rb or not rb["iops"]:
                     cells.append("–")
                 elif "QD1" in c and ra["lat_mean_us"]:
@@ -381,7 +380,7 @@ def plots(doc, prefix):
             continue
         qd1 = "QD1" in case
         vals = [r["lat_mean_us"] if qd1 else r["iops"] / 1e3 for r in rows]
-        labels = [f"{r['label']}" + (f" [{r['store']}]" if r["label"] == "fio-io_uring" else "") for r in rows]
+        labels = [r["label"] for r in rows]
         fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
         colors = ["tab:blue" if l.startswith("spoold") else "tab:gray" for l in labels]
         ax.barh(labels, vals, color=colors)
