@@ -198,11 +198,18 @@ impl Config {
                 }
             };
             if null.is_some() && d.create_size.is_none() {
-                return Err(format!("null device {}: create_size (its size) is required", d.path.display()));
+                return Err(format!(
+                    "null device {}: create_size (its size) is required",
+                    d.path.display()
+                ));
             }
             devices.push(DeviceConfig {
                 null,
-                path: if null.is_some() { d.path.clone() } else { abs(&d.path) },
+                path: if null.is_some() {
+                    d.path.clone()
+                } else {
+                    abs(&d.path)
+                },
                 create_size: d
                     .create_size
                     .as_ref()

@@ -68,18 +68,24 @@ impl FileDevice {
                 msg: format!("size {size} is not a positive multiple of 512"),
             });
         }
-        let cname = std::ffi::CString::new(format!("spool-null-{name}")).map_err(|_| Error::Invalid {
-            path: path.display().to_string(),
-            msg: "name contains a NUL byte".into(),
-        })?;
+        let cname =
+            std::ffi::CString::new(format!("spool-null-{name}")).map_err(|_| Error::Invalid {
+                path: path.display().to_string(),
+                msg: "name contains a NUL byte".into(),
+            })?;
         // SAFETY: memfd_create reads the NUL-terminated name we pass; the result is checked.
         let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(Error::io(&path, "memfd_create", std::io::Error::last_os_error()));
+            return Err(Error::io(
+                &path,
+                "memfd_create",
+                std::io::Error::last_os_error(),
+            ));
         }
         // SAFETY: `fd` is a fresh descriptor we exclusively own.
         let f = unsafe { File::from_raw_fd(fd) };
-        f.set_len(size).map_err(|e| Error::io(&path, "set size", e))?;
+        f.set_len(size)
+            .map_err(|e| Error::io(&path, "set size", e))?;
         Ok(FileDevice {
             path,
             kind: DeviceKind::Null(reads),

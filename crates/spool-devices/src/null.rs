@@ -48,7 +48,9 @@ impl NullQueue {
 impl DeviceQueue for NullQueue {
     unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
         let res = match io {
-            DeviceIo::Read { len, iov, iovcnt, .. } => {
+            DeviceIo::Read {
+                len, iov, iovcnt, ..
+            } => {
                 if self.reads == NullReads::Zero {
                     // SAFETY: the caller guarantees `iovcnt` valid iovecs over writable buffers.
                     for v in unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) } {

@@ -346,13 +346,14 @@ impl Journal {
     }
 
     fn atomic_at<T>(&self, off: usize) -> &T {
-        assert!(
-            off + std::mem::size_of::<T>() <= self.len
-                && off.is_multiple_of(std::mem::align_of::<T>())
-        );
-        // SAFETY: in bounds and aligned (the mapping is page-aligned and offsets are
-        // multiples of the type's size); the memory is shared with other processes, which is
-        // what atomics are for; the reference lives no longer than `self` (the mapping).
+        // Offsets are the constant header fields or a slot index masked by the queue size, and
+        // the mapping is at least `size_for(queue_size)` bytes (checked at open and at every
+        // new generation), so this only guards against a bug in this file.
+        debug_assert!(off + std::mem::size_of::<T>() <= self.len);
+        debug_assert!(off.is_multiple_of(std::mem::align_of::<T>()));
+        // SAFETY: in bounds and aligned (see above; the mapping is page-aligned); the memory is
+        // shared with other processes, which is what atomics are for; the reference lives no
+        // longer than `self` (the mapping).
         unsafe { &*(self.ptr.add(off) as *const T) }
     }
 
@@ -365,7 +366,8 @@ impl Journal {
     }
 
     fn slot(&self, head: u16) -> &AtomicU32 {
-        self.atomic_at(SLOTS_OFF + 4 * (head as usize % self.queue_size as usize))
+        // queue_size is a power of two (validated), so the mask keeps every head in range.
+        self.atomic_at(SLOTS_OFF + 4 * (head as usize & (self.queue_size as usize - 1)))
     }
 
     /// Queue size of the current generation.

@@ -78,7 +78,10 @@ fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
         Some(reads) => FileDevice::open_null(
             &s.path.display().to_string(),
             s.create_size.ok_or_else(|| {
-                Error::InvalidArgument(format!("null device {}: a size is required", s.path.display()))
+                Error::InvalidArgument(format!(
+                    "null device {}: a size is required",
+                    s.path.display()
+                ))
             })?,
             reads,
         )?,
