@@ -62,7 +62,7 @@ impl FileDevice {
     /// A null device of `size` bytes named `name`. Its pool metadata lives in memory only.
     pub fn open_null(name: &str, size: u64, reads: crate::NullReads) -> Result<Self> {
         let path = PathBuf::from(format!("null:{name}"));
-        if size == 0 || size % SECTOR_SIZE != 0 {
+        if size == 0 || !size.is_multiple_of(SECTOR_SIZE) {
             return Err(Error::Invalid {
                 path: path.display().to_string(),
                 msg: format!("size {size} is not a positive multiple of 512"),
