@@ -8,10 +8,14 @@
 //! A rejected chain still carries its status address when one could be found, so the guest
 //! gets `VIRTIO_BLK_S_IOERR`/`S_UNSUPP` instead of a hang.
 
+use smallvec::SmallVec;
 use spool_devices::IoVec;
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{
+    Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    MemoryRegionAddress,
+};
 
 /// Guest memory as the frontend maps it.
 pub type GuestMemory = GuestMemoryMmap<()>;
@@ -86,6 +90,21 @@ struct Seg {
     addr: GuestAddress,
     len: u64,
     write: bool,
+    /// Host address of `addr` when the whole segment lies in one memory region (the common
+    /// case: translated once here instead of by every later access).
+    host: Option<usize>,
+}
+
+/// Host address of `[addr, addr + len)` when it lies inside a single region.
+fn host_addr(mem: &GuestMemory, addr: GuestAddress, len: u64) -> Option<usize> {
+    let r = mem.find_region(addr)?;
+    let off = addr.0 - r.start_addr().0;
+    if off.checked_add(len)? > r.len() {
+        return None;
+    }
+    r.get_host_address(MemoryRegionAddress(off))
+        .ok()
+        .map(|p| p as usize)
 }
 
 /// Parses the chain whose descriptors are `descs` (in chain order).
@@ -95,7 +114,8 @@ pub fn parse(
     mem: &GuestMemory,
     limits: &Limits,
 ) -> Result<Request, Rejected> {
-    let mut segs: Vec<Seg> = Vec::new();
+    // Most chains have 3 descriptors (libblkio) or a few more (Linux): no heap allocation.
+    let mut segs: SmallVec<[Seg; 8]> = SmallVec::new();
     let mut truncated = false;
     for d in descs {
         truncated = d.has_next();
@@ -106,6 +126,7 @@ pub fn parse(
             addr: d.addr(),
             len: d.len() as u64,
             write: d.is_write_only(),
+            host: None,
         });
     }
     let reject = |status_addr: Option<GuestAddress>, status: u32, reason: &'static str| Rejected {
@@ -137,10 +158,12 @@ pub fn parse(
             "no writable status byte at the end of the chain",
         ));
     };
-    for s in &segs {
-        let ok = usize::try_from(s.len)
-            .ok()
-            .is_some_and(|l| mem.check_range(s.addr, l));
+    for s in segs.iter_mut() {
+        s.host = host_addr(mem, s.addr, s.len);
+        let ok = s.host.is_some()
+            || usize::try_from(s.len)
+                .ok()
+                .is_some_and(|l| mem.check_range(s.addr, l));
         if !ok {
             return Err(reject(
                 Some(status),
@@ -184,12 +207,13 @@ pub fn parse(
         }
         got += n;
         s.addr = GuestAddress(s.addr.0 + n as u64);
+        s.host = s.host.map(|h| h + n);
         s.len -= n as u64;
         if s.len == 0 {
             i += 1;
         }
     }
-    let data: Vec<Seg> = segs[i..].iter().copied().filter(|s| s.len > 0).collect();
+    let data: SmallVec<[Seg; 8]> = segs[i..].iter().copied().filter(|s| s.len > 0).collect();
     let ty = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
     let sector = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
     let len: u64 = data.iter().map(|s| s.len).sum();
@@ -244,6 +268,13 @@ pub fn parse(
             check_range(sector, len / SECTOR, limits.capacity_sectors)
                 .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
             for s in &data {
+                if let Some(h) = s.host {
+                    iov.push(IoVec {
+                        iov_base: h as *mut libc::c_void,
+                        iov_len: s.len as usize,
+                    });
+                    continue;
+                }
                 for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
                     let slice = slice.map_err(|_| {
                         reject(
@@ -270,6 +301,13 @@ pub fn parse(
                 ));
             }
             for s in &data {
+                if let Some(h) = s.host {
+                    iov.push(IoVec {
+                        iov_base: h as *mut libc::c_void,
+                        iov_len: s.len as usize,
+                    });
+                    continue;
+                }
                 for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
                     let slice = slice.map_err(|_| {
                         reject(

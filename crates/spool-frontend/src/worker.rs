@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
+use smallvec::SmallVec;
 use spool_devices::{DeviceIo, DeviceQueue, IoVec};
 use spool_pool::VolumeLayout;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
@@ -475,14 +476,14 @@ impl QueueWorker {
             parts: Vec::new(),
             _mem: mem.clone(),
         };
-        let mut ios: Vec<(usize, DeviceIo)> = Vec::new();
+        let mut ios: SmallVec<[(usize, DeviceIo); 4]> = SmallVec::new();
         match &req.op {
             Op::Read | Op::Write => {
                 let write = req.op == Op::Write;
                 if !write {
                     inf.used_len = (req.len as u32).saturating_add(1);
                 }
-                let mut pieces = Vec::new();
+                let mut pieces: SmallVec<[(usize, u64, u64, u64); 4]> = SmallVec::new();
                 self.layout
                     .map(req.sector * SECTOR, req.len, |d, off, len, at| {
                         pieces.push((d, off, len, at))
@@ -576,7 +577,7 @@ impl QueueWorker {
 
     /// Reaps device completions; completes finished requests to the guest.
     fn reap(&mut self, mem: &GuestMemory) -> bool {
-        let mut finished: Vec<u16> = Vec::new();
+        let mut finished: SmallVec<[u16; 32]> = SmallVec::new();
         let mut any = false;
         for d in 0..self.devices.len() {
             let slots = &mut self.slots;
