@@ -24,6 +24,19 @@ pub struct Daemon {
     settings: FrontendSettings,
 }
 
+/// Whether `p` is on tmpfs (where a journal belongs: shared memory without writeback).
+fn on_tmpfs(p: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
+        return false;
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: statfs reads the NUL-terminated path and fills the struct on our stack.
+    let r = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statfs succeeded, so it initialised the struct.
+    r == 0 && unsafe { st.assume_init() }.f_type == 0x0102_1994
+}
+
 fn mkdir_private(p: &Path) -> Result<(), String> {
     std::fs::create_dir_all(p)
         .map_err(|e| format!("{}: cannot create directory: {e}", p.display()))?;
@@ -37,7 +50,12 @@ impl Daemon {
         mkdir_private(&cfg.state_dir)?;
         mkdir_private(&cfg.socket_dir)?;
         match &cfg.journal_dir {
-            Some(dir) => mkdir_private(dir)?,
+            Some(dir) => {
+                mkdir_private(dir)?;
+                if !on_tmpfs(dir) {
+                    tracing::warn!(dir = %dir.display(), "journal directory is not on tmpfs: page writeback of the shared journal pages will stall I/O for milliseconds (use /dev/shm)");
+                }
+            }
             None => tracing::warn!(
                 "journal disabled: in-flight I/O is NOT protected across restarts (benchmark mode)"
             ),
