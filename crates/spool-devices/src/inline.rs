@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 
 use crate::queue::{DeviceIo, DeviceQueue};
 
@@ -25,16 +25,10 @@ pub struct InlineQueue {
 impl InlineQueue {
     /// A queue over `fd`, which must outlive it.
     pub fn new(fd: RawFd) -> std::io::Result<Self> {
-        // SAFETY: eventfd takes no pointers; the result is checked before use.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if efd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(InlineQueue {
             fd,
             done: VecDeque::new(),
-            // SAFETY: `efd` is a fresh descriptor we exclusively own.
-            event: File::from(unsafe { OwnedFd::from_raw_fd(efd) }),
+            event: crate::queue::completion_eventfd()?,
             events: true,
         })
     }

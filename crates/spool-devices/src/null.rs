@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 
 use crate::queue::{DeviceIo, DeviceQueue};
 
@@ -31,16 +31,10 @@ pub struct NullQueue {
 impl NullQueue {
     /// A new queue.
     pub fn new(reads: NullReads) -> std::io::Result<Self> {
-        // SAFETY: eventfd takes no pointers; the result is checked before use.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if efd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(NullQueue {
             reads,
             done: VecDeque::new(),
-            // SAFETY: `efd` is a fresh descriptor we exclusively own.
-            event: File::from(unsafe { OwnedFd::from_raw_fd(efd) }),
+            event: crate::queue::completion_eventfd()?,
         })
     }
 }

@@ -63,6 +63,17 @@ pub trait DeviceQueue: Send {
     fn in_flight(&self) -> usize;
 }
 
+/// A fresh non-blocking eventfd, the completion descriptor of a device queue.
+pub(crate) fn completion_eventfd() -> std::io::Result<std::fs::File> {
+    // SAFETY: eventfd takes no pointers; the result is checked before use.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if efd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `efd` is a fresh descriptor we exclusively own.
+    Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(efd) }))
+}
+
 const KIND_SHIFT: u32 = 62;
 const KIND_PLAIN: u64 = 0;
 const KIND_ZERO_RANGE: u64 = 1;
@@ -91,13 +102,7 @@ impl UringQueue {
         depth: u32,
     ) -> std::io::Result<Self> {
         let ring = IoUring::builder().build(depth.clamp(8, 4096))?;
-        // SAFETY: eventfd takes no pointers; the result is checked before use.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if efd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `efd` is a fresh descriptor we exclusively own.
-        let event = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(efd) });
+        let event = completion_eventfd()?;
         ring.submitter().register_eventfd(event.as_raw_fd())?;
         Ok(UringQueue {
             ring,

@@ -107,6 +107,28 @@ fn host_addr(mem: &GuestMemory, addr: GuestAddress, len: u64) -> Option<usize> {
         .map(|p| p as usize)
 }
 
+/// Host iovecs covering the data segments (None if one is not in guest memory).
+fn host_iovecs(data: &[Seg], mem: &GuestMemory) -> Option<Vec<IoVec>> {
+    let mut iov = Vec::with_capacity(data.len());
+    for s in data {
+        if let Some(h) = s.host {
+            iov.push(IoVec {
+                iov_base: h as *mut libc::c_void,
+                iov_len: s.len as usize,
+            });
+            continue;
+        }
+        for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
+            let slice = slice.ok()?;
+            iov.push(IoVec {
+                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                iov_len: slice.len(),
+            });
+        }
+    }
+    Some(iov)
+}
+
 /// Parses the chain whose descriptors are `descs` (in chain order).
 pub fn parse(
     head: u16,
@@ -267,28 +289,13 @@ pub fn parse(
             }
             check_range(sector, len / SECTOR, limits.capacity_sectors)
                 .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
-            for s in &data {
-                if let Some(h) = s.host {
-                    iov.push(IoVec {
-                        iov_base: h as *mut libc::c_void,
-                        iov_len: s.len as usize,
-                    });
-                    continue;
-                }
-                for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
-                    let slice = slice.map_err(|_| {
-                        reject(
-                            Some(status),
-                            VIRTIO_BLK_S_IOERR,
-                            "buffer outside guest memory",
-                        )
-                    })?;
-                    iov.push(IoVec {
-                        iov_base: slice.ptr_guard_mut().as_ptr().cast(),
-                        iov_len: slice.len(),
-                    });
-                }
-            }
+            iov = host_iovecs(&data, mem).ok_or_else(|| {
+                reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "buffer outside guest memory",
+                )
+            })?;
             op
         }
         Op::Flush => Op::Flush,
@@ -300,28 +307,13 @@ pub fn parse(
                     "GET_ID needs a writable buffer",
                 ));
             }
-            for s in &data {
-                if let Some(h) = s.host {
-                    iov.push(IoVec {
-                        iov_base: h as *mut libc::c_void,
-                        iov_len: s.len as usize,
-                    });
-                    continue;
-                }
-                for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
-                    let slice = slice.map_err(|_| {
-                        reject(
-                            Some(status),
-                            VIRTIO_BLK_S_IOERR,
-                            "buffer outside guest memory",
-                        )
-                    })?;
-                    iov.push(IoVec {
-                        iov_base: slice.ptr_guard_mut().as_ptr().cast(),
-                        iov_len: slice.len(),
-                    });
-                }
-            }
+            iov = host_iovecs(&data, mem).ok_or_else(|| {
+                reject(
+                    Some(status),
+                    VIRTIO_BLK_S_IOERR,
+                    "buffer outside guest memory",
+                )
+            })?;
             Op::GetId
         }
         _ => {
