@@ -180,6 +180,7 @@ pub fn parse(
             "no writable status byte at the end of the chain",
         ));
     };
+    let ioerr = |reason: &'static str| reject(Some(status), VIRTIO_BLK_S_IOERR, reason);
     for s in segs.iter_mut() {
         s.host = host_addr(mem, s.addr, s.len);
         let ok = s.host.is_some()
@@ -187,11 +188,7 @@ pub fn parse(
                 .ok()
                 .is_some_and(|l| mem.check_range(s.addr, l));
         if !ok {
-            return Err(reject(
-                Some(status),
-                VIRTIO_BLK_S_IOERR,
-                "buffer outside guest memory",
-            ));
+            return Err(ioerr("buffer outside guest memory"));
         }
     }
     if let Some(last) = segs.last_mut() {
@@ -206,26 +203,14 @@ pub fn parse(
     let mut i = 0;
     while got < header.len() {
         let Some(s) = segs.get_mut(i) else {
-            return Err(reject(
-                Some(status),
-                VIRTIO_BLK_S_IOERR,
-                "request header too short",
-            ));
+            return Err(ioerr("request header too short"));
         };
         if s.write {
-            return Err(reject(
-                Some(status),
-                VIRTIO_BLK_S_IOERR,
-                "request header is device-writable",
-            ));
+            return Err(ioerr("request header is device-writable"));
         }
         let n = (header.len() - got).min(s.len as usize);
         if mem.read_slice(&mut header[got..got + n], s.addr).is_err() {
-            return Err(reject(
-                Some(status),
-                VIRTIO_BLK_S_IOERR,
-                "request header unreadable",
-            ));
+            return Err(ioerr("request header unreadable"));
         }
         got += n;
         s.addr = GuestAddress(s.addr.0 + n as u64);
@@ -260,98 +245,48 @@ pub fn parse(
         Op::Read | Op::Write => {
             let write = op == Op::Write;
             if !all(!write) {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "data buffer has the wrong direction",
-                ));
+                return Err(ioerr("data buffer has the wrong direction"));
             }
             if write && limits.read_only {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "write to a read-only volume",
-                ));
+                return Err(ioerr("write to a read-only volume"));
             }
             if !len.is_multiple_of(SECTOR) {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "data length is not a multiple of 512",
-                ));
+                return Err(ioerr("data length is not a multiple of 512"));
             }
             if len > limits.max_data {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "request larger than the device accepts",
-                ));
+                return Err(ioerr("request larger than the device accepts"));
             }
-            check_range(sector, len / SECTOR, limits.capacity_sectors)
-                .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
-            iov = host_iovecs(&data, mem).ok_or_else(|| {
-                reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "buffer outside guest memory",
-                )
-            })?;
+            check_range(sector, len / SECTOR, limits.capacity_sectors).map_err(ioerr)?;
+            iov = host_iovecs(&data, mem).ok_or_else(|| ioerr("buffer outside guest memory"))?;
             op
         }
         Op::Flush => Op::Flush,
         Op::GetId => {
             if !all(true) || len == 0 {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "GET_ID needs a writable buffer",
-                ));
+                return Err(ioerr("GET_ID needs a writable buffer"));
             }
-            iov = host_iovecs(&data, mem).ok_or_else(|| {
-                reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "buffer outside guest memory",
-                )
-            })?;
+            iov = host_iovecs(&data, mem).ok_or_else(|| ioerr("buffer outside guest memory"))?;
             Op::GetId
         }
         _ => {
             let zeroes = ty == VIRTIO_BLK_T_WRITE_ZEROES;
             if !all(false) {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "range buffer has the wrong direction",
-                ));
+                return Err(ioerr("range buffer has the wrong direction"));
             }
             if limits.read_only {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "discard/write-zeroes on a read-only volume",
-                ));
+                return Err(ioerr("discard/write-zeroes on a read-only volume"));
             }
             if len == 0 || !len.is_multiple_of(16) {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "range list is not a multiple of 16 bytes",
-                ));
+                return Err(ioerr("range list is not a multiple of 16 bytes"));
             }
             if len / 16 > limits.max_discard_segs as u64 {
-                return Err(reject(
-                    Some(status),
-                    VIRTIO_BLK_S_IOERR,
-                    "too many discard/write-zeroes segments",
-                ));
+                return Err(ioerr("too many discard/write-zeroes segments"));
             }
             let mut raw = Vec::with_capacity(len as usize);
             for s in &data {
                 let mut b = vec![0u8; s.len as usize];
-                mem.read_slice(&mut b, s.addr).map_err(|_| {
-                    reject(Some(status), VIRTIO_BLK_S_IOERR, "range list unreadable")
-                })?;
+                mem.read_slice(&mut b, s.addr)
+                    .map_err(|_| ioerr("range list unreadable"))?;
                 raw.extend_from_slice(&b);
             }
             let mut ranges = Vec::new();
@@ -374,14 +309,9 @@ pub fn parse(
                 }
                 unmap |= flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
                 if sectors > limits.max_discard_sectors {
-                    return Err(reject(
-                        Some(status),
-                        VIRTIO_BLK_S_IOERR,
-                        "discard/write-zeroes segment too large",
-                    ));
+                    return Err(ioerr("discard/write-zeroes segment too large"));
                 }
-                check_range(sector, sectors as u64, limits.capacity_sectors)
-                    .map_err(|r| reject(Some(status), VIRTIO_BLK_S_IOERR, r))?;
+                check_range(sector, sectors as u64, limits.capacity_sectors).map_err(ioerr)?;
                 ranges.push(Range { sector, sectors });
             }
             if zeroes {
