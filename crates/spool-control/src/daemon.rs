@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
-use spool_frontend::{FrontendSettings, VolumeContext, VolumeServer};
+use spool_frontend::{
+    listen_key, session_key, FrontendSettings, Restore, StateStore, VolumeContext, VolumeServer,
+};
+use spool_keeper::{KeeperLink, Phase, Restored};
 use spool_pool::{DeviceSpec, Pool, PoolOptions, VolumeInfo};
 use uuid::Uuid;
 
@@ -22,7 +25,46 @@ pub struct Daemon {
     pool: Mutex<Pool>,
     servers: Mutex<BTreeMap<Uuid, VolumeServer>>,
     settings: FrontendSettings,
+    keeping: Option<Keeping>,
+    store: Option<Arc<dyn StateStore>>,
+    phases: Mutex<Vec<Phase>>,
 }
+
+/// The worker's keeper: where state is deposited, and what the previous worker left.
+pub struct Keeping {
+    pub link: Arc<KeeperLink>,
+    pub restored: Mutex<Restored>,
+}
+
+impl Keeping {
+    fn take(&self, key: &str) -> Option<(String, Vec<std::fs::File>)> {
+        self.restored
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(key)
+    }
+}
+
+/// The keeper as the frontend's state store.
+struct KeeperStore(Arc<KeeperLink>);
+
+impl StateStore for KeeperStore {
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) {
+        if let Err(e) = self.0.put(key, value, fds) {
+            tracing::error!(key, "cannot deposit state with the keeper: {e}; a crash now would make this frontend reconnect");
+        }
+    }
+    fn remove(&self, prefix: &str) {
+        if let Err(e) = self.0.remove(prefix) {
+            tracing::error!(prefix, "keeper: {e}");
+        }
+    }
+}
+
+/// Keeper key of the RPC listening socket.
+pub const RPC_LISTEN_KEY: &str = "rpc/listen";
+/// Keeper key naming the state formats the running worker writes.
+pub const FORMAT_KEY: &str = "meta/state-format";
 
 /// Whether `p` is on tmpfs (where a journal belongs: shared memory without writeback).
 fn on_tmpfs(p: &Path) -> bool {
@@ -46,7 +88,11 @@ fn mkdir_private(p: &Path) -> Result<(), String> {
 
 impl Daemon {
     /// Assembles the pool, creates the volumes the config asks for, and serves every volume.
-    pub fn start(cfg: Config, force: bool) -> Result<Arc<Daemon>, String> {
+    pub fn start(
+        cfg: Config,
+        force: bool,
+        keeping: Option<Keeping>,
+    ) -> Result<Arc<Daemon>, String> {
         mkdir_private(&cfg.state_dir)?;
         mkdir_private(&cfg.socket_dir)?;
         match &cfg.journal_dir {
@@ -72,6 +118,7 @@ impl Daemon {
                 null: d.null,
             })
             .collect();
+        let t_open = std::time::Instant::now();
         let pool = Pool::open(
             &specs,
             PoolOptions {
@@ -82,6 +129,10 @@ impl Daemon {
             },
         )
         .map_err(|e| e.to_string())?;
+        let open_devices = t_open.elapsed();
+        let store: Option<Arc<dyn StateStore>> = keeping
+            .as_ref()
+            .map(|k| Arc::new(KeeperStore(k.link.clone())) as Arc<dyn StateStore>);
         let d = Arc::new(Daemon {
             settings: FrontendSettings {
                 poll_idle: Duration::from_micros(cfg.poll_idle_us),
@@ -90,7 +141,17 @@ impl Daemon {
             cfg,
             pool: Mutex::new(pool),
             servers: Mutex::new(BTreeMap::new()),
+            keeping,
+            store,
+            phases: Mutex::new(vec![Phase::new("open devices", open_devices)]),
         });
+        if let Some(s) = &d.store {
+            s.put(
+                FORMAT_KEY,
+                json!({"session": spool_frontend::SESSION_STATE_FORMAT}).to_string(),
+                &[],
+            );
+        }
         {
             let mut pool = d.pool();
             for v in &d.cfg.volumes {
@@ -111,10 +172,35 @@ impl Daemon {
                 }
             }
         }
+        let t_serve = std::time::Instant::now();
         let vols = d.pool().volumes();
         for v in vols {
             if let Err(e) = d.serve(&v) {
                 tracing::error!(volume = %v.name, error = %e, "volume not served");
+            }
+        }
+        let clock = spool_frontend::restore_clock();
+        {
+            let mut ph = d.phases.lock().unwrap_or_else(|p| p.into_inner());
+            ph.push(Phase::new("map guest memory", clock.map_memory));
+            ph.push(Phase::new(
+                "recover journals, start queues",
+                clock.recover_queues,
+            ));
+            ph.push(Phase::new(
+                "serve volumes (other)",
+                t_serve
+                    .elapsed()
+                    .saturating_sub(clock.map_memory + clock.recover_queues),
+            ));
+        }
+        // Whatever the previous worker kept for volumes that no longer exist is let go.
+        if let (Some(k), Some(s)) = (&d.keeping, &d.store) {
+            let left = k.restored.lock().unwrap_or_else(|p| p.into_inner()).keys();
+            for key in left.into_iter().filter(|k| k.starts_with("vol/")) {
+                tracing::warn!(key = %key, "kept state of a volume that is not served; releasing it");
+                let _ = k.take(&key);
+                s.remove(&key);
             }
         }
         Ok(d)
@@ -147,8 +233,20 @@ impl Daemon {
             .layout(&v.uuid.to_string())
             .map_err(|e| e.to_string())?;
         let ctx = VolumeContext::new(layout, self.settings.clone());
-        let server = VolumeServer::start(&self.socket_path(&v.name), ctx)
-            .map_err(|e| format!("{}: {e}", self.socket_path(&v.name).display()))?;
+        let restore = match &self.keeping {
+            Some(k) => Restore {
+                listener: k.take(&listen_key(v.uuid)).and_then(|(_, f)| {
+                    f.into_iter().next().map(|f| {
+                        std::os::unix::net::UnixListener::from(std::os::fd::OwnedFd::from(f))
+                    })
+                }),
+                session: k.take(&session_key(v.uuid)),
+            },
+            None => Restore::default(),
+        };
+        let server =
+            VolumeServer::start(&self.socket_path(&v.name), ctx, self.store.clone(), restore)
+                .map_err(|e| format!("{}: {e}", self.socket_path(&v.name).display()))?;
         self.servers().insert(v.uuid, server);
         Ok(())
     }
@@ -164,6 +262,45 @@ impl Daemon {
                 (v, p)
             })
             .collect()
+    }
+
+    /// Phases of this process's start (for the restart report).
+    pub fn start_phases(&self) -> Vec<Phase> {
+        self.phases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The keeper link, when running under one.
+    pub fn keeper(&self) -> Option<&Arc<KeeperLink>> {
+        self.keeping.as_ref().map(|k| &k.link)
+    }
+
+    /// What the keeper left for the RPC socket.
+    pub fn take_kept_rpc_listener(&self) -> Option<std::os::unix::net::UnixListener> {
+        let (_, f) = self.keeping.as_ref()?.take(RPC_LISTEN_KEY)?;
+        let f = f.into_iter().next()?;
+        Some(std::os::unix::net::UnixListener::from(
+            std::os::fd::OwnedFd::from(f),
+        ))
+    }
+
+    /// Deposits the RPC listening socket with the keeper.
+    pub fn keep_rpc_listener(&self, l: &std::os::unix::net::UnixListener) {
+        if let Some(s) = &self.store {
+            use std::os::fd::AsRawFd;
+            s.put(RPC_LISTEN_KEY, "{}".into(), &[l.as_raw_fd()]);
+        }
+    }
+
+    /// Stops serving for a handoff to a new process: every queue drains and stops, the final
+    /// state goes to the keeper; no socket is closed for the frontends.
+    pub fn detach(&self) {
+        let servers = std::mem::take(&mut *self.servers());
+        for (_, s) in servers {
+            s.detach();
+        }
     }
 
     /// Stops every server (workers drain their in-flight requests first).
@@ -183,9 +320,86 @@ impl Daemon {
         j
     }
 
+    /// `daemon_upgrade`: asks the keeper to replace this worker with `binary` (default: the
+    /// same binary); the keeper answers on `conn` when the new worker serves or rolls back.
+    pub fn upgrade(
+        &self,
+        params: Value,
+        id: Option<Value>,
+        conn: Option<&std::os::unix::net::UnixStream>,
+    ) -> Result<(), RpcError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct P {
+            binary: Option<PathBuf>,
+        }
+        let p: P = params_of(params)?;
+        let Some(link) = self.keeper() else {
+            return Err(RpcError::app(
+                "spoold runs without a keeper (--no-keeper): a live upgrade needs the keeper; restart spoold without --no-keeper",
+            ));
+        };
+        let binary = match p.binary {
+            Some(b) => {
+                let b = std::path::absolute(&b).unwrap_or(b);
+                let meta = std::fs::metadata(&b).map_err(|e| {
+                    RpcError::invalid_params(format!("binary {}: {e}", b.display()))
+                })?;
+                if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+                    return Err(RpcError::invalid_params(format!(
+                        "binary {} is not an executable file",
+                        b.display()
+                    )));
+                }
+                Some(b.display().to_string())
+            }
+            None => None,
+        };
+        use std::os::fd::AsRawFd;
+        link.upgrade(binary, id, conn.map(|c| c.as_raw_fd()))
+            .map_err(|e| RpcError::app(format!("cannot reach the keeper: {e}")))
+    }
+
+    fn status(&self) -> Value {
+        let info = self.keeping.as_ref().map(|k| {
+            k.restored
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .info
+                .clone()
+        });
+        let first_io_ms = info.as_ref().and_then(|i| {
+            let t = spool_frontend::first_completion()?;
+            let us = t.duration_since(std::time::UNIX_EPOCH).ok()?.as_micros() as u64;
+            (i.restart_began_us > 0 && i.reason != "first-start")
+                .then(|| us.saturating_sub(i.restart_began_us) as f64 / 1e3)
+        });
+        json!({
+            "pid": std::process::id(),
+            "version": env!("CARGO_PKG_VERSION"),
+            "binary": std::env::current_exe().ok().map(|p| p.display().to_string()),
+            "keeper": info.as_ref().map(|i| json!({
+                "pid": i.keeper_pid,
+                "generation": i.generation,
+                "start_reason": i.reason,
+            })),
+            "start_phases": self.start_phases(),
+            "first_io_after_restart_ms": first_io_ms,
+            "last_restart": self.keeper().and_then(|l| l.last_report()),
+            "state_format": {"session": spool_frontend::SESSION_STATE_FORMAT},
+        })
+    }
+
     /// Executes one RPC method.
     pub fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
         match method {
+            "daemon_status" => {
+                no_params(&params)?;
+                Ok(self.status())
+            }
+            "daemon_upgrade" => Err(RpcError::app(
+                "daemon_upgrade is answered on the RPC connection by the keeper",
+            )),
             "pool_show" => {
                 no_params(&params)?;
                 Ok(serde_json::to_value(self.pool().info()).unwrap_or(Value::Null))

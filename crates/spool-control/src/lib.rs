@@ -13,7 +13,7 @@ pub mod rpc;
 pub mod size;
 
 pub use config::Config;
-pub use daemon::Daemon;
+pub use daemon::{Daemon, Keeping};
 
 /// A ready-to-paste QEMU command line that boots a VM with `socket` as its disk.
 pub fn qemu_command_line(socket: &std::path::Path, name: &str, num_queues: u16) -> String {

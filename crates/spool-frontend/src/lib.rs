@@ -23,8 +23,33 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use spool_pool::VolumeLayout;
 
-pub use server::VolumeServer;
-pub use session::{Session, MAX_QUEUE_SIZE};
+pub use server::{listen_key, session_key, Restore, VolumeServer};
+pub use session::{RestoreClock, Session, SessionState, MAX_QUEUE_SIZE, SESSION_STATE_FORMAT};
+
+/// Where a server deposits what must outlive this process (the keeper, in spoold): named
+/// values with descriptors. The store gets its own copies of the descriptors.
+pub trait StateStore: Send + Sync {
+    /// Stores (replaces) `key`.
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]);
+    /// Forgets every key starting with `prefix`.
+    fn remove(&self, prefix: &str);
+}
+
+static RESTORE_CLOCK: std::sync::Mutex<RestoreClock> = std::sync::Mutex::new(RestoreClock {
+    map_memory: Duration::ZERO,
+    recover_queues: Duration::ZERO,
+});
+
+pub(crate) fn restore_clock_add(c: RestoreClock) {
+    let mut t = RESTORE_CLOCK.lock().unwrap_or_else(|p| p.into_inner());
+    t.map_memory += c.map_memory;
+    t.recover_queues += c.recover_queues;
+}
+
+/// Time spent so far in this process restoring kept sessions (summed over volumes).
+pub fn restore_clock() -> RestoreClock {
+    *RESTORE_CLOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Tunables of the data path.
 #[derive(Debug, Clone)]
@@ -102,4 +127,15 @@ impl VolumeContext {
     pub fn settings(&self) -> &FrontendSettings {
         &self.settings
     }
+}
+
+static FIRST_COMPLETION: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+
+pub(crate) fn note_first_completion() {
+    let _ = FIRST_COMPLETION.set(std::time::SystemTime::now());
+}
+
+/// When this process first completed a request to a guest (None before that).
+pub fn first_completion() -> Option<std::time::SystemTime> {
+    FIRST_COMPLETION.get().copied()
 }

@@ -21,6 +21,8 @@ struct Mapping {
     size: u64,
     /// Frontend's virtual address of the region (vring addresses are given in these).
     vva: u64,
+    /// Offset of the region in its file.
+    offset: u64,
     region: Arc<GuestRegionMmap<()>>,
 }
 
@@ -79,6 +81,7 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
         gpa: r.guest_phys_addr,
         size: r.memory_size,
         vva: r.user_addr,
+        offset: r.mmap_offset,
         region: Arc::new(region),
     })
 }
@@ -146,6 +149,22 @@ impl MemoryTable {
             .iter()
             .find(|m| vva >= m.vva && vva - m.vva < m.size)
             .map(|m| GuestAddress(m.gpa + (vva - m.vva)))
+    }
+
+    /// The table as the frontend sent it, with each region's file (for the keeper: a restarted
+    /// process maps the same files again).
+    pub fn regions(&self) -> Vec<(VhostUserMemoryRegion, std::os::fd::RawFd)> {
+        use std::os::fd::AsRawFd;
+        self.maps
+            .iter()
+            .filter_map(|m| {
+                let fd = m.region.file_offset()?.file().as_raw_fd();
+                Some((
+                    VhostUserMemoryRegion::new(m.gpa, m.size, m.vva, m.offset),
+                    fd,
+                ))
+            })
+            .collect()
     }
 
     /// Number of regions.

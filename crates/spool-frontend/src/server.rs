@@ -1,63 +1,156 @@
 //! One vhost-user listening socket per volume; connections are served one at a time, and the
 //! socket keeps accepting after a client disconnects (a VM can reboot or reconnect).
+//!
+//! With a [`StateStore`] (the keeper), the listening socket, the live connection and the
+//! session state are deposited after every vhost-user message, so a new process can continue
+//! the same connection ([`Restore`]). [`VolumeServer::detach`] stops serving without closing
+//! anything the frontend can see (the graceful-upgrade path).
 
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
+use vhost::vhost_user::{BackendReqHandler, Error as VhostError, VhostUserVirtioFeatures};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
 
-use crate::session::Session;
-use crate::VolumeContext;
+use crate::session::{RestoreClock, Session, SessionState};
+use crate::{StateStore, VolumeContext};
+
+const RUN: u8 = 0;
+const SHUTDOWN: u8 = 1;
+const DETACH: u8 = 2;
+
+const TOKEN_WAKE: u64 = 0;
+const TOKEN_LISTEN: u64 = 1;
+const TOKEN_CONN: u64 = 2;
+
+/// Keeper key of a volume's listening socket.
+pub fn listen_key(volume: uuid::Uuid) -> String {
+    format!("vol/{volume}/listen")
+}
+
+/// Keeper key of a volume's live connection and session state.
+pub fn session_key(volume: uuid::Uuid) -> String {
+    format!("vol/{volume}/session")
+}
+
+/// What a previous process left for this volume.
+#[derive(Default)]
+pub struct Restore {
+    /// The listening socket (clients queued in its backlog are kept).
+    pub listener: Option<UnixListener>,
+    /// The live connection's state (JSON [`SessionState`]) and its descriptors.
+    pub session: Option<(String, Vec<File>)>,
+}
+
+type SessionSlot = Arc<Mutex<Option<Arc<Mutex<Session>>>>>;
 
 /// A running vhost-user-blk server for one volume.
 pub struct VolumeServer {
     path: PathBuf,
     ctx: Arc<VolumeContext>,
-    stop: Arc<AtomicBool>,
-    current: Arc<Mutex<Option<UnixStream>>>,
-    session: Arc<Mutex<Option<Arc<Mutex<Session>>>>>,
+    mode: Arc<AtomicU8>,
+    wake: EventFd,
+    connected: Arc<AtomicBool>,
+    session: SessionSlot,
     thread: Option<JoinHandle<()>>,
 }
 
-impl VolumeServer {
-    /// Binds `path` (replacing a stale socket file) and starts serving.
-    pub fn start(path: &Path, ctx: Arc<VolumeContext>) -> std::io::Result<VolumeServer> {
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-                std::fs::remove_file(path)?
-            }
-            Ok(_) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    format!(
-                        "{} exists and is not a socket; refusing to replace it",
-                        path.display()
-                    ),
-                ))
-            }
-            Err(_) => {}
+fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            std::fs::remove_file(path)?
         }
-        let listener = UnixListener::bind(path)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let current = Arc::new(Mutex::new(None));
-        let session = Arc::new(Mutex::new(None));
-        let thread = {
-            let (ctx, stop, current, session) =
-                (ctx.clone(), stop.clone(), current.clone(), session.clone());
-            let name: String = format!("vu-{}", ctx.name()).chars().take(15).collect();
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(move || accept_loop(listener, ctx, stop, current, session))?
+        Ok(_) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!(
+                    "{} exists and is not a socket; refusing to replace it",
+                    path.display()
+                ),
+            ))
+        }
+        Err(_) => {}
+    }
+    UnixListener::bind(path)
+}
+
+/// Everything the serving thread owns.
+struct Serve {
+    ctx: Arc<VolumeContext>,
+    store: Option<Arc<dyn StateStore>>,
+    mode: Arc<AtomicU8>,
+    epoll: Epoll,
+    connected: Arc<AtomicBool>,
+    slot: SessionSlot,
+}
+
+impl VolumeServer {
+    /// Serves `path`: binds it (replacing a stale socket file) unless `restore` brings the
+    /// listening socket, and continues the kept connection first if there is one.
+    pub fn start(
+        path: &Path,
+        ctx: Arc<VolumeContext>,
+        store: Option<Arc<dyn StateStore>>,
+        restore: Restore,
+    ) -> std::io::Result<VolumeServer> {
+        let listener = match restore.listener {
+            Some(l) => l,
+            None => bind(path)?,
         };
+        if let Some(s) = &store {
+            s.put(
+                &listen_key(ctx.uuid()),
+                format!("{{\"path\":{:?}}}", path.display().to_string()),
+                &[listener.as_raw_fd()],
+            );
+        }
+        let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
+        let epoll = Epoll::new()?;
+        epoll.ctl(
+            ControlOperation::Add,
+            wake.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_WAKE),
+        )?;
+        let mode = Arc::new(AtomicU8::new(RUN));
+        let connected = Arc::new(AtomicBool::new(false));
+        let session: SessionSlot = Arc::new(Mutex::new(None));
+        let serve = Serve {
+            ctx: ctx.clone(),
+            store,
+            mode: mode.clone(),
+            epoll,
+            connected: connected.clone(),
+            slot: session.clone(),
+        };
+        let name: String = format!("vu-{}", ctx.name()).chars().take(15).collect();
+        // The kept connection is restored before start returns, so "serving" means serving.
+        let kept = restore.session.and_then(|(json, files)| {
+            match restore_connection(&ctx, &json, files) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::error!(volume = %ctx.name(), "cannot continue the kept connection: {e}; the frontend has to reconnect");
+                    serve.forget();
+                    None
+                }
+            }
+        });
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || serve.run(listener, kept))?;
         tracing::info!(volume = %ctx.name(), socket = %path.display(), "serving vhost-user-blk");
         Ok(VolumeServer {
             path: path.to_path_buf(),
             ctx,
-            stop,
-            current,
+            mode,
+            wake,
+            connected,
             session,
             thread: Some(thread),
         })
@@ -75,7 +168,7 @@ impl VolumeServer {
 
     /// Whether a frontend is connected now.
     pub fn connected(&self) -> bool {
-        self.current.lock().map(|c| c.is_some()).unwrap_or(false)
+        self.connected.load(Ordering::Acquire)
     }
 
     /// The device-reset hook: every running queue abandons its device queues and resubmits
@@ -91,75 +184,269 @@ impl VolumeServer {
 
     /// Disconnects the current client, stops accepting and removes the socket.
     pub fn shutdown(mut self) {
-        self.stop_inner();
+        self.stop(SHUTDOWN);
     }
 
-    fn stop_inner(&mut self) {
+    /// Stops serving for a handoff: queues drain and stop, the final state goes to the store,
+    /// and neither the connection nor the listening socket is closed for the frontend.
+    pub fn detach(mut self) {
+        self.stop(DETACH);
+    }
+
+    fn stop(&mut self, mode: u8) {
         let Some(t) = self.thread.take() else { return };
-        self.stop.store(true, Ordering::Release);
-        if let Ok(c) = self.current.lock() {
-            if let Some(s) = c.as_ref() {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        // Wake the blocking accept().
-        let _ = UnixStream::connect(&self.path);
+        self.mode.store(mode, Ordering::Release);
+        let _ = self.wake.write(1);
         let _ = t.join();
-        let _ = std::fs::remove_file(&self.path);
+        if mode == SHUTDOWN {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
 impl Drop for VolumeServer {
     fn drop(&mut self) {
-        self.stop_inner();
+        self.stop(SHUTDOWN);
     }
 }
 
-fn accept_loop(
-    listener: UnixListener,
-    ctx: Arc<VolumeContext>,
-    stop: Arc<AtomicBool>,
-    current: Arc<Mutex<Option<UnixStream>>>,
-    current_session: Arc<Mutex<Option<Arc<Mutex<Session>>>>>,
-) {
-    for conn in listener.incoming() {
-        if stop.load(Ordering::Acquire) {
-            break;
+/// Sends the raw vhost-user messages that bring a fresh request handler to the feature state
+/// the frontend negotiated with the previous process (the `vhost` crate keeps acked features
+/// and REPLY_ACK privately and has no way to set them).
+fn prime(
+    handler: &mut BackendReqHandler<Mutex<Session>>,
+    to_handler: &mut UnixStream,
+    acked: u64,
+    acked_protocol: u64,
+) -> Result<(), String> {
+    let mut send = |code: u32, body: Option<u64>| -> Result<(), String> {
+        let mut m = Vec::with_capacity(20);
+        m.extend_from_slice(&code.to_le_bytes());
+        m.extend_from_slice(&1u32.to_le_bytes()); // version 1, no flags
+        m.extend_from_slice(&(if body.is_some() { 8u32 } else { 0 }).to_le_bytes());
+        if let Some(b) = body {
+            m.extend_from_slice(&b.to_le_bytes());
         }
-        let stream = match conn {
-            Ok(s) => s,
+        to_handler.write_all(&m).map_err(|e| e.to_string())?;
+        handler
+            .handle_request()
+            .map_err(|e| format!("priming message {code}: {e}"))
+    };
+    const GET_FEATURES: u32 = 1;
+    const SET_FEATURES: u32 = 2;
+    const GET_PROTOCOL_FEATURES: u32 = 15;
+    const SET_PROTOCOL_FEATURES: u32 = 16;
+    send(GET_FEATURES, None)?;
+    send(SET_FEATURES, Some(acked))?;
+    if acked & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
+        send(GET_PROTOCOL_FEATURES, None)?;
+        send(SET_PROTOCOL_FEATURES, Some(acked_protocol))?;
+    }
+    Ok(())
+}
+
+/// A request handler for a kept connection, in the negotiated state.
+fn continue_connection(
+    session: Arc<Mutex<Session>>,
+    conn: &UnixStream,
+) -> Result<BackendReqHandler<Mutex<Session>>, String> {
+    let (acked, acked_protocol) = session.lock().map_err(|_| "session poisoned")?.acked();
+    let (a, mut b) = UnixStream::pair().map_err(|e| e.to_string())?;
+    let handler_fd: RawFd = a.as_raw_fd();
+    let mut handler = BackendReqHandler::from_stream(a, session);
+    prime(&mut handler, &mut b, acked, acked_protocol)?;
+    // SAFETY: dup2 makes the handler's own descriptor number refer to the kept connection; the
+    // number stays owned (and later closed) by the handler's socket, `conn` keeps its own.
+    // No memory is involved; the priming pair's end is closed by dup2.
+    if unsafe { libc::dup2(conn.as_raw_fd(), handler_fd) } < 0 {
+        return Err(format!(
+            "cannot adopt the kept connection: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(handler)
+}
+
+impl Serve {
+    fn save(&self, session: &Mutex<Session>, conn: &UnixStream) {
+        let Some(store) = &self.store else { return };
+        let Ok(s) = session.lock() else { return };
+        let (st, mut fds) = s.snapshot();
+        fds[st.conn] = conn.as_raw_fd();
+        match serde_json::to_string(&st) {
+            Ok(json) => store.put(&session_key(self.ctx.uuid()), json, &fds),
             Err(e) => {
-                tracing::warn!(volume = %ctx.name(), error = %e, "accept failed");
-                continue;
+                tracing::error!(volume = %self.ctx.name(), "cannot encode session state: {e}")
             }
-        };
-        if let Ok(clone) = stream.try_clone() {
-            *current.lock().expect("connection slot") = Some(clone);
         }
-        tracing::info!(volume = %ctx.name(), "frontend connected");
-        let session = Arc::new(Mutex::new(Session::new(ctx.clone())));
-        *current_session.lock().expect("session slot") = Some(session.clone());
-        let mut handler = BackendReqHandler::from_stream(stream, session.clone());
+    }
+
+    fn forget(&self) {
+        if let Some(store) = &self.store {
+            store.remove(&session_key(self.ctx.uuid()));
+        }
+    }
+
+    fn running(&self) -> bool {
+        self.mode.load(Ordering::Acquire) == RUN
+    }
+
+    /// Waits for `token`'s descriptor; false when woken to stop.
+    fn wait(&self) -> Option<u64> {
+        let mut ev = [EpollEvent::default(); 4];
         loop {
+            match self.epoll.wait(-1, &mut ev) {
+                Ok(n) => {
+                    if ev[..n].iter().any(|e| e.data() == TOKEN_WAKE) {
+                        return None;
+                    }
+                    if let Some(e) = ev[..n].first() {
+                        return Some(e.data());
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::error!(volume = %self.ctx.name(), "epoll: {e}");
+                    return None;
+                }
+            }
+        }
+    }
+
+    fn run(self, listener: UnixListener, kept: Option<Kept>) {
+        if let Some((conn, session, handler)) = kept {
+            self.serve_connection(conn, session, handler);
+        }
+        self.accept_loop(&listener);
+        if self.mode.load(Ordering::Acquire) == SHUTDOWN {
+            if let Some(store) = &self.store {
+                store.remove(&format!("vol/{}/", self.ctx.uuid()));
+            }
+        }
+    }
+
+    fn accept_loop(&self, listener: &UnixListener) {
+        if self
+            .epoll
+            .ctl(
+                ControlOperation::Add,
+                listener.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_LISTEN),
+            )
+            .is_err()
+        {
+            return;
+        }
+        while self.running() {
+            if self.wait() != Some(TOKEN_LISTEN) {
+                break;
+            }
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(volume = %self.ctx.name(), error = %e, "accept failed");
+                    continue;
+                }
+            };
+            tracing::info!(volume = %self.ctx.name(), "frontend connected");
+            let session = Arc::new(Mutex::new(Session::new(self.ctx.clone())));
+            let handler = match stream.try_clone() {
+                Ok(s) => BackendReqHandler::from_stream(s, session.clone()),
+                Err(e) => {
+                    tracing::warn!(volume = %self.ctx.name(), error = %e, "cannot use connection");
+                    continue;
+                }
+            };
+            self.save(&session, &stream);
+            self.serve_connection(stream, session, handler);
+        }
+    }
+}
+
+type Kept = (
+    UnixStream,
+    Arc<Mutex<Session>>,
+    BackendReqHandler<Mutex<Session>>,
+);
+
+/// Continues a kept connection: session state back in place, queues recovered and running,
+/// a request handler primed to the negotiated features.
+fn restore_connection(
+    ctx: &Arc<VolumeContext>,
+    json: &str,
+    files: Vec<File>,
+) -> Result<Kept, String> {
+    {
+        let st: SessionState =
+            serde_json::from_str(json).map_err(|e| format!("kept session state: {e}"))?;
+        let mut files: Vec<Option<File>> = files.into_iter().map(Some).collect();
+        let conn_file = files
+            .get_mut(st.conn)
+            .and_then(Option::take)
+            .ok_or("kept connection descriptor missing")?;
+        // SAFETY: the keeper gave us this descriptor as the volume's connected socket; we own
+        // it from here on (the File is consumed).
+        let conn =
+            unsafe { UnixStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(conn_file)) };
+        let mut clock = RestoreClock::default();
+        let session = Session::restore(ctx.clone(), &st, &mut files, &mut clock)?;
+        crate::restore_clock_add(clock);
+        let session = Arc::new(Mutex::new(session));
+        let handler = continue_connection(session.clone(), &conn)?;
+        tracing::info!(volume = %ctx.name(), "continuing the kept vhost-user connection");
+        Ok((conn, session, handler))
+    }
+}
+
+impl Serve {
+    fn serve_connection(
+        &self,
+        stream: UnixStream,
+        session: Arc<Mutex<Session>>,
+        mut handler: BackendReqHandler<Mutex<Session>>,
+    ) {
+        self.connected.store(true, Ordering::Release);
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(session.clone());
+        let added = self.epoll.ctl(
+            ControlOperation::Add,
+            stream.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_CONN),
+        );
+        while added.is_ok() && self.running() {
+            if self.wait() != Some(TOKEN_CONN) {
+                break;
+            }
             match handler.handle_request() {
-                Ok(()) => {}
+                Ok(()) => self.save(&session, &stream),
                 Err(VhostError::Disconnected) | Err(VhostError::PartialMessage) => {
-                    tracing::info!(volume = %ctx.name(), "frontend disconnected");
+                    tracing::info!(volume = %self.ctx.name(), "frontend disconnected");
                     break;
                 }
                 Err(e) => {
-                    if !stop.load(Ordering::Acquire) {
-                        tracing::warn!(volume = %ctx.name(), error = %e, "closing vhost-user connection after a bad message");
-                    }
+                    tracing::warn!(volume = %self.ctx.name(), error = %e, "closing vhost-user connection after a bad message");
                     break;
                 }
             }
         }
-        drop(handler);
-        *current_session.lock().expect("session slot") = None;
+        let _ = self.epoll.ctl(
+            ControlOperation::Delete,
+            stream.as_raw_fd(),
+            EpollEvent::default(),
+        );
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let detach = self.mode.load(Ordering::Acquire) == DETACH;
         if let Ok(mut s) = session.lock() {
             s.stop_all();
         }
-        *current.lock().expect("connection slot") = None;
+        if detach {
+            // Queues are drained and stopped: their resume points go to the keeper, and the
+            // connection stays open there for the next process.
+            self.save(&session, &stream);
+        } else {
+            self.forget();
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        drop(handler);
+        self.connected.store(false, Ordering::Release);
     }
 }

@@ -149,6 +149,8 @@ pub struct QueueWorker {
     epoll: Epoll,
     need_notify: bool,
     broken: bool,
+    /// Whether this worker completed a request yet (the restart report's "first I/O").
+    served_one: bool,
 }
 
 impl QueueWorker {
@@ -196,6 +198,7 @@ impl QueueWorker {
             epoll,
             need_notify: false,
             broken: false,
+            served_one: false,
         };
         w.open_device_queues()?;
         Ok(w)
@@ -457,6 +460,10 @@ impl QueueWorker {
             self.fail_queue(&e.to_string());
         }
         self.need_notify = true;
+        if !self.served_one {
+            self.served_one = true;
+            crate::note_first_completion();
+        }
     }
 
     fn submit(&mut self, req: Request, mem: &Arc<GuestMemory>) {

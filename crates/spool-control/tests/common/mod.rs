@@ -15,6 +15,7 @@ pub struct Spoold {
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
     child: Option<Child>,
+    args: Vec<String>,
 }
 
 impl Spoold {
@@ -25,6 +26,15 @@ impl Spoold {
 
     /// Like `start`, optionally with the journal switched off (Spool-NoJ).
     pub fn start_with(extra: &str, journal: bool) -> Spoold {
+        Self::start_full(extra, journal, &[])
+    }
+
+    /// With extra spoold arguments.
+    pub fn start_args(extra: &str, args: &[&str]) -> Spoold {
+        Self::start_full(extra, true, args)
+    }
+
+    fn start_full(extra: &str, journal: bool, args: &[&str]) -> Spoold {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("spoold.toml");
         std::fs::write(
@@ -41,6 +51,7 @@ impl Spoold {
             dir,
             config,
             child: None,
+            args: args.iter().map(|a| a.to_string()).collect(),
         };
         s.spawn();
         s
@@ -66,6 +77,7 @@ impl Spoold {
             .arg(&self.config)
             .arg("--log-level")
             .arg("info")
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -110,12 +122,81 @@ impl Spoold {
         }
     }
 
-    /// SIGKILL and wait.
+    /// SIGKILL the keeper (the worker dies with it) and wait until both are gone.
     pub fn kill(&mut self) {
+        let worker = self
+            .child
+            .is_some()
+            .then(|| {
+                Client::connect(&self.rpc_path())
+                    .ok()?
+                    .call("daemon_status", Value::Null)
+                    .ok()
+            })
+            .flatten()
+            .and_then(|s| s["pid"].as_u64());
         if let Some(mut c) = self.child.take() {
             c.kill().unwrap();
             c.wait().unwrap();
         }
+        if let Some(pid) = worker {
+            wait_gone(pid as u32);
+        }
+    }
+
+    /// `daemon_status`, retried while a worker restarts (an RPC accepted by a dying worker
+    /// fails; the next one reaches the new worker).
+    pub fn status(&self) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut c) = Client::connect(&self.rpc_path()) {
+                if let Ok(v) = c.call("daemon_status", Value::Null) {
+                    return v;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon_status never answered: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The serving worker's pid.
+    pub fn worker_pid(&self) -> u32 {
+        self.status()["pid"].as_u64().unwrap() as u32
+    }
+
+    /// SIGKILLs the worker (not the keeper) and waits until a new worker serves.
+    pub fn kill_worker(&self) -> u32 {
+        let old = self.worker_pid();
+        // SAFETY: kill(2) takes no pointers.
+        unsafe { libc::kill(old as i32, libc::SIGKILL) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = self.status();
+            let pid = s["pid"].as_u64().unwrap() as u32;
+            if pid != old {
+                return pid;
+            }
+            assert!(Instant::now() < deadline, "no new worker: {}", self.log());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// `daemon_upgrade` (answered once the new worker serves, or with the rollback reason).
+    pub fn upgrade(&self, binary: Option<&Path>) -> Result<Value, RpcError> {
+        let params = match binary {
+            Some(b) => serde_json::json!({"binary": b}),
+            None => Value::Null,
+        };
+        self.rpc("daemon_upgrade", params)
+    }
+
+    /// The keeper's pid.
+    pub fn keeper_pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
     }
 
     pub fn running(&mut self) -> bool {
@@ -136,6 +217,19 @@ impl Drop for Spoold {
             }
         }
         self.kill();
+    }
+}
+
+/// Waits until process `pid` no longer exists.
+pub fn wait_gone(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        // A zombie still has /proc/PID; its state is Z.
+        let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if st.split(' ').nth(2) == Some("Z") || Instant::now() > deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
@@ -236,4 +330,39 @@ pub fn pattern(salt: u64, offset: u64, len: usize) -> Vec<u8> {
     }
     v.truncate(len);
     v
+}
+
+pub const BS: usize = 64 * 1024;
+
+/// Writes rounds of 2 queues × 32 requests (64 KiB each) until `done()` says so (at least `min_rounds`), checking every
+/// completion; returns the number of rounds. Then every block must hold its last write.
+pub fn write_rounds_until(c: &mut Client_, done: &dyn Fn() -> bool, min_rounds: u64) -> u64 {
+    let mut round = 0u64;
+    while round < min_rounds || !done() {
+        for q in 0..2 {
+            for i in 0..32 {
+                let blk = q * 32 + i;
+                let off = (blk * BS) as u64;
+                c.buf(blk * BS, BS)
+                    .copy_from_slice(&pattern(round, off, BS));
+                c.write(q, off, blk * BS, BS, blk);
+            }
+        }
+        for q in 0..2 {
+            let done = c.wait(q, 32);
+            assert!(done.iter().all(|&(_, r)| r == 0), "round {round}: {done:?}");
+        }
+        round += 1;
+    }
+    for blk in 0..64usize {
+        let off = (blk * BS) as u64;
+        let (r, data) = c.read_sync(blk % 2, off, BS);
+        assert_eq!(r, 0);
+        assert!(
+            data == pattern(round - 1, off, BS),
+            "block {blk} does not hold its last write (round {})",
+            round - 1
+        );
+    }
+    round
 }
