@@ -284,3 +284,113 @@ num_queues = 2
         "no restart ever found work in the journal: the test did not exercise it"
     );
 }
+
+/// With the keeper: the worker is SIGKILLed 20 times and upgraded 20 times, alternating at
+/// random moments, while the guest runs the verifying out-of-order workload. The vhost-user
+/// connection is never dropped (QEMU never reconnects), and fio sees no error.
+#[test]
+fn vm_survives_worker_kills_and_upgrades_with_the_keeper() {
+    if !enabled() {
+        return;
+    }
+    let rounds: usize = std::env::var("SPOOL_KEEPER_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let seed: u64 = std::env::var("SPOOL_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("keeper test: {rounds} kills + {rounds} upgrades, seed {seed}");
+    let mut rng = XorShift(seed);
+    let d = Spoold::start(
+        r#"
+[io]
+poll_idle_us = 20
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "128M"
+[[volumes]]
+name = "vm"
+size = "96M"
+num_queues = 2
+"#,
+    );
+    let console = d.dir.path().join("keeper.console");
+    let runtime = 10 + rounds as u64 * 2;
+    let mut vm = qemu(
+        &d.socket("vm"),
+        "killtest",
+        2,
+        &format!("spool.runtime={runtime}"),
+        runtime + 300,
+    )
+    .stdout(std::fs::File::create(&console).unwrap())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .expect("qemu-system-x86_64 must be installed");
+    let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
+    let deadline = Instant::now() + std::time::Duration::from_secs(120);
+    while !read_console().contains("SPOOL-E2E: disk") {
+        assert!(
+            Instant::now() < deadline,
+            "guest did not start: {}",
+            read_console()
+        );
+        assert!(
+            vm.try_wait().unwrap().is_none(),
+            "guest exited early: {}",
+            read_console()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (mut kill_stalls, mut upgrade_stalls) = (Vec::new(), Vec::new());
+    for k in 0..rounds {
+        std::thread::sleep(std::time::Duration::from_millis(200 + rng.next() % 500));
+        assert!(
+            vm.try_wait().unwrap().is_none(),
+            "round {k}: guest exited early: {}",
+            read_console()
+        );
+        d.kill_worker();
+        let s = d.status();
+        kill_stalls.push(s["last_restart"]["stall_ms"].as_f64().unwrap_or(f64::NAN));
+        std::thread::sleep(std::time::Duration::from_millis(200 + rng.next() % 500));
+        let r = d
+            .upgrade(None)
+            .unwrap_or_else(|e| panic!("round {k}: upgrade failed: {e:?}"));
+        assert_eq!(r["outcome"], serde_json::json!("ok"), "{r}");
+        upgrade_stalls.push(r["stall_ms"].as_f64().unwrap());
+    }
+    let status = vm.wait().unwrap();
+    let c = read_console();
+    let log = d.log();
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    let (km, kx) = med(&mut kill_stalls);
+    let (um, ux) = med(&mut upgrade_stalls);
+    eprintln!(
+        "keeper test: qemu {status}; worker SIGKILL restart median {km:.1} ms (max {kx:.1}), upgrade median {um:.1} ms (max {ux:.1}); journal resubmissions: {}",
+        log.matches("resubmitting requests recovered from the journal").count()
+    );
+    assert_pass(&c, &d, "killtest");
+    assert_eq!(
+        log.matches("frontend connected").count(),
+        1,
+        "QEMU reconnected: a keeper path dropped the connection\n{log}"
+    );
+    assert!(
+        log.matches("continuing the kept vhost-user connection")
+            .count()
+            >= 2 * rounds,
+        "not every restart continued the kept connection"
+    );
+}

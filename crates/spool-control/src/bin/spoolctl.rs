@@ -44,6 +44,16 @@ enum Cmd {
         #[command(subcommand)]
         cmd: VolumeCmd,
     },
+    /// Show the daemon: worker and keeper, how it last (re)started, restart phases.
+    Status,
+    /// Replace the running worker with a new binary without disconnecting any VM: the old
+    /// worker drains and hands its descriptors over through the keeper. If the new binary
+    /// refuses the state or fails, the old one keeps (or resumes) serving and this says why.
+    Upgrade {
+        /// The new spoold binary (default: the binary the worker runs now).
+        #[arg(long)]
+        binary: Option<PathBuf>,
+    },
     /// Send any RPC method with JSON params (for debugging).
     Rpc {
         method: String,
@@ -235,6 +245,14 @@ fn run(args: Args) -> Result<(), String> {
         Cmd::Volume {
             cmd: VolumeCmd::Resize { id, size: sz },
         } => ("volume_resize", json!({"id": id, "size": size(sz)?})),
+        Cmd::Status => ("daemon_status", json!({})),
+        Cmd::Upgrade { binary } => {
+            let mut p = json!({});
+            if let Some(b) = binary {
+                p["binary"] = json!(std::path::absolute(b).map_err(|e| e.to_string())?);
+            }
+            ("daemon_upgrade", p)
+        }
         Cmd::Rpc { method, params } => {
             let p = match params {
                 Some(t) => {
@@ -289,9 +307,51 @@ fn run(args: Args) -> Result<(), String> {
             cmd: VolumeCmd::Delete { .. },
         } => println!("deleted volume {} ({})", s(&r, "name"), s(&r, "uuid")),
         Cmd::Volume { .. } => println!("{}", volumes_table(&[r])),
+        Cmd::Status => {
+            println!(
+                "spoold {}  worker pid {}  binary {}",
+                s(&r, "version"),
+                s(&r, "pid"),
+                s(&r, "binary")
+            );
+            match r.get("keeper").filter(|k| !k.is_null()) {
+                Some(k) => println!(
+                    "keeper pid {}  worker generation {}  started by {}",
+                    s(k, "pid"),
+                    s(k, "generation"),
+                    s(k, "start_reason")
+                ),
+                None => println!("no keeper (--no-keeper): restarts make VMs reconnect"),
+            }
+            if let Some(l) = r.get("last_restart").filter(|l| !l.is_null()) {
+                print_restart(l);
+            }
+            if let Some(f) = r["first_io_after_restart_ms"].as_f64() {
+                println!("first I/O served {f:.2} ms after the restart began");
+            }
+        }
+        Cmd::Upgrade { .. } => print_restart(&r),
         Cmd::Rpc { .. } => {}
     }
     Ok(())
+}
+
+fn print_restart(r: &Value) {
+    println!(
+        "last {}: pid {} -> {}  stall {:.2} ms  outcome: {}",
+        s(r, "kind"),
+        s(r, "old_pid"),
+        s(r, "new_pid"),
+        r["stall_ms"].as_f64().unwrap_or(0.0),
+        s(r, "outcome")
+    );
+    for p in r["phases"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        println!(
+            "  {:<36} {:>8.2} ms",
+            s(p, "name"),
+            p["ms"].as_f64().unwrap_or(0.0)
+        );
+    }
 }
 
 fn main() -> ExitCode {
