@@ -64,6 +64,10 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Write a completion timeline (CSV: millisecond since start, completions in it) for
+    /// stall plots; restarts show up as gaps.
+    #[arg(long)]
+    timeline: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize, Debug)]
@@ -81,6 +85,8 @@ struct Report {
     lat_p50_us: f64,
     lat_p99_us: f64,
     lat_p999_us: f64,
+    /// The slowest request: during a restart, the stall the client saw.
+    lat_max_us: f64,
     errors: u64,
     server_cpu_us_per_io: Option<f64>,
 }
@@ -138,7 +144,8 @@ fn run(args: &Args) -> Result<Report, String> {
     let start = Instant::now();
     let warm = Duration::from_secs_f64(args.warmup);
     let stop = warm + Duration::from_secs_f64(args.runtime);
-    let results: Vec<(u64, u64, Vec<u32>)> = std::thread::scope(|s| {
+    type PerQueue = (u64, u64, Vec<u32>, Option<Vec<u32>>);
+    let results: Vec<PerQueue> = std::thread::scope(|s| {
         let handles: Vec<_> = queues
             .into_iter()
             .enumerate()
@@ -148,6 +155,10 @@ fn run(args: &Args) -> Result<Report, String> {
                     let mut seq = (qi as u64 * span / args.queues.max(1) as u64) % span;
                     let mut issued = vec![Instant::now(); args.iodepth];
                     let mut lats: Vec<u32> = Vec::with_capacity(1 << 20);
+                    let mut timeline: Option<Vec<u32>> = args
+                        .timeline
+                        .as_ref()
+                        .map(|_| vec![0u32; (stop.as_millis() as usize) + 10_000]);
                     let (mut ios, mut errors) = (0u64, 0u64);
                     let mut comps: Vec<MaybeUninit<Completion>> =
                         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
@@ -187,6 +198,12 @@ fn run(args: &Args) -> Result<Report, String> {
                         };
                         let now = Instant::now();
                         let since = now - start;
+                        if let Some(tl) = timeline.as_mut() {
+                            let ms = since.as_millis() as usize;
+                            if ms < tl.len() {
+                                tl[ms] += n as u32;
+                            }
+                        }
                         for c in &comps[..n] {
                             // SAFETY: do_io initialised the first n completions.
                             let c = unsafe { c.assume_init_ref() };
@@ -223,7 +240,7 @@ fn run(args: &Args) -> Result<Report, String> {
                             break;
                         }
                     }
-                    (ios, errors, lats)
+                    (ios, errors, lats, timeline)
                 })
             })
             .collect();
@@ -236,6 +253,29 @@ fn run(args: &Args) -> Result<Report, String> {
     let cpu1 = args.server_pid.and_then(cpu_ticks);
     let ios: u64 = results.iter().map(|r| r.0).sum();
     let errors: u64 = results.iter().map(|r| r.1).sum();
+    if let Some(path) = &args.timeline {
+        let len = results
+            .iter()
+            .filter_map(|r| r.3.as_ref().map(Vec::len))
+            .max()
+            .unwrap_or(0);
+        let mut total = vec![0u64; len];
+        for r in &results {
+            for (i, c) in r.3.iter().flatten().enumerate() {
+                total[i] += *c as u64;
+            }
+        }
+        let end = (start.elapsed().as_millis() as usize).min(len);
+        let csv: String = std::iter::once("ms,completions\n".to_string())
+            .chain(
+                total[..end]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| format!("{i},{c}\n")),
+            )
+            .collect();
+        std::fs::write(path, csv).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let mut lats: Vec<u32> = results.into_iter().flat_map(|r| r.2).collect();
     lats.sort_unstable();
     let pct = |p: f64| {
@@ -276,6 +316,7 @@ fn run(args: &Args) -> Result<Report, String> {
         lat_p50_us: pct(0.50),
         lat_p99_us: pct(0.99),
         lat_p999_us: pct(0.999),
+        lat_max_us: lats.last().map(|&x| x as f64 / 1000.0).unwrap_or(0.0),
         errors,
         server_cpu_us_per_io,
     })
