@@ -79,6 +79,19 @@ impl Default for RawJournal {
     }
 }
 
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawHealth {
+    media_errors_to_fail: Option<u32>,
+    io_timeout_ms: Option<u64>,
+    reset_timeout_ms: Option<u64>,
+    poll_interval_ms: Option<u64>,
+    request_retries: Option<u32>,
+    hook: Option<String>,
+    #[serde(default)]
+    spares: Vec<PathBuf>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -95,6 +108,37 @@ struct RawConfig {
     io: RawIo,
     #[serde(default)]
     journal: RawJournal,
+    #[serde(default)]
+    health: RawHealth,
+}
+
+/// Failure handling (DESIGN.md §6, docs/failures.md).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthConfig {
+    pub media_errors_to_fail: u32,
+    pub io_timeout_ms: u64,
+    pub reset_timeout_ms: u64,
+    pub poll_interval_ms: u64,
+    pub request_retries: u32,
+    /// Shell command run on every health event.
+    pub hook: Option<String>,
+    /// Blank devices (paths) that automatically replace a failed or removed device, first
+    /// existing one first: a spare file, or a block device that appears when hot-plugged.
+    pub spares: Vec<PathBuf>,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            media_errors_to_fail: 1,
+            io_timeout_ms: 30_000,
+            reset_timeout_ms: 10_000,
+            poll_interval_ms: 1_000,
+            request_retries: 3,
+            hook: None,
+            spares: Vec::new(),
+        }
+    }
 }
 
 /// A device to put in the pool.
@@ -128,6 +172,7 @@ pub struct Config {
     pub poll_idle_us: u64,
     /// Journal directory; `None` = journal disabled (Spool-NoJ, benchmarks only).
     pub journal_dir: Option<PathBuf>,
+    pub health: HealthConfig,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -238,7 +283,30 @@ impl Config {
                 num_queues: q,
             });
         }
+        let d = HealthConfig::default();
+        let h = &raw.health;
+        let positive = |v: Option<u64>, def: u64, what: &str| -> Result<u64, String> {
+            match v {
+                Some(0) => Err(format!("health.{what} must be positive")),
+                Some(v) => Ok(v),
+                None => Ok(def),
+            }
+        };
+        let health = HealthConfig {
+            media_errors_to_fail: positive(
+                h.media_errors_to_fail.map(u64::from),
+                d.media_errors_to_fail as u64,
+                "media_errors_to_fail",
+            )? as u32,
+            io_timeout_ms: positive(h.io_timeout_ms, d.io_timeout_ms, "io_timeout_ms")?,
+            reset_timeout_ms: positive(h.reset_timeout_ms, d.reset_timeout_ms, "reset_timeout_ms")?,
+            poll_interval_ms: positive(h.poll_interval_ms, d.poll_interval_ms, "poll_interval_ms")?,
+            request_retries: h.request_retries.unwrap_or(d.request_retries),
+            hook: h.hook.clone().filter(|s| !s.trim().is_empty()),
+            spares: h.spares.iter().map(|p| abs(p)).collect(),
+        };
         Ok(Config {
+            health,
             rpc_socket: raw
                 .rpc_socket
                 .as_deref()
@@ -296,6 +364,11 @@ mod tests {
     fn bad_configs_say_what_is_wrong() {
         for (text, needle) in [
             ("state_dir = 1", "state_dir"),
+            (
+                "state_dir = \"/x\"\n[health]\nio_timeout_ms = 0",
+                "health.io_timeout_ms must be positive",
+            ),
+            ("state_dir = \"/x\"\n[health]\nretries = 1", "retries"),
             ("state_dir = \"/x\"\nbogus = 1", "bogus"),
             (
                 "state_dir = \"/x\"\n[pool]\nmin_extent = \"3M\"",

@@ -19,6 +19,8 @@ use uuid::Uuid;
 use crate::config::{Config, SizeValue, DEFAULT_QUEUES};
 use crate::rpc::RpcError;
 
+mod failures;
+
 /// The running daemon.
 pub struct Daemon {
     cfg: Config,
@@ -28,6 +30,11 @@ pub struct Daemon {
     keeping: Option<Keeping>,
     store: Option<Arc<dyn StateStore>>,
     phases: Mutex<Vec<Phase>>,
+    /// Device health (DESIGN.md §6): classification, reset, isolation, events.
+    monitor: Arc<spool_health::Monitor>,
+    /// Spares already tried (each is used once).
+    spares_used: Mutex<Vec<PathBuf>>,
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 /// The worker's keeper: where state is deposited, and what the previous worker left.
@@ -133,11 +140,28 @@ impl Daemon {
         let store: Option<Arc<dyn StateStore>> = keeping
             .as_ref()
             .map(|k| Arc::new(KeeperStore(k.link.clone())) as Arc<dyn StateStore>);
+        let h = &cfg.health;
+        let monitor = spool_health::Monitor::start(spool_health::Policy {
+            media_errors_to_fail: h.media_errors_to_fail,
+            io_timeout: Duration::from_millis(h.io_timeout_ms),
+            reset_timeout: Duration::from_millis(h.reset_timeout_ms),
+            poll_interval: Duration::from_millis(h.poll_interval_ms),
+            request_retries: h.request_retries,
+            hook: h.hook.clone(),
+        });
+        for (uuid, dev) in pool.device_handles() {
+            monitor.watch(uuid, dev);
+        }
         let d = Arc::new(Daemon {
             settings: FrontendSettings {
                 poll_idle: Duration::from_micros(cfg.poll_idle_us),
                 journal_dir: cfg.journal_dir.clone(),
+                io_timeout: Duration::from_millis(h.io_timeout_ms),
+                request_retries: h.request_retries,
             },
+            monitor,
+            spares_used: Mutex::new(Vec::new()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             cfg,
             pool: Mutex::new(pool),
             servers: Mutex::new(BTreeMap::new()),
@@ -203,6 +227,7 @@ impl Daemon {
                 s.remove(&key);
             }
         }
+        d.start_spare_watcher();
         Ok(d)
     }
 
@@ -305,6 +330,9 @@ impl Daemon {
 
     /// Stops every server (workers drain their in-flight requests first).
     pub fn shutdown(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.monitor.stop();
         let servers = std::mem::take(&mut *self.servers());
         for (_, s) in servers {
             s.shutdown();
@@ -392,6 +420,9 @@ impl Daemon {
 
     /// Executes one RPC method.
     pub fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
+        if let Some(r) = self.call_failures(method, &params) {
+            return r;
+        }
         match method {
             "daemon_status" => {
                 no_params(&params)?;
@@ -418,10 +449,7 @@ impl Daemon {
                     force: bool,
                 }
                 let p: P = params_of(params)?;
-                let create_size = p
-                    .create_size
-                    .map(|s| size_arg(&s, "create_size"))
-                    .transpose()?;
+                let create_size = opt_size(p.create_size, "create_size")?;
                 let info = self
                     .pool()
                     .add_device(
@@ -520,37 +548,6 @@ impl Daemon {
                 }
                 Ok(self.volume_json(&v))
             }
-            "device_reset" => {
-                // Resubmits, from the journal, everything in flight on every volume that lives
-                // on the device (the controller-reset path of the failure handling).
-                let p: IdParam = params_of(params)?;
-                let dev = self
-                    .pool()
-                    .devices()
-                    .into_iter()
-                    .find(|d| d.uuid.to_string() == p.id || d.path == p.id)
-                    .ok_or_else(|| {
-                        RpcError::app(format!(
-                            "no device '{}'; `spoolctl device list` shows them",
-                            p.id
-                        ))
-                    })?;
-                let vols: Vec<_> = self
-                    .pool()
-                    .volumes()
-                    .into_iter()
-                    .filter(|v| v.devices.contains(&dev.uuid))
-                    .collect();
-                let servers = self.servers();
-                for v in &vols {
-                    if let Some(s) = servers.get(&v.uuid) {
-                        s.device_reset();
-                    }
-                }
-                Ok(
-                    json!({"device": dev.uuid, "volumes": vols.iter().map(|v| v.name.clone()).collect::<Vec<_>>()}),
-                )
-            }
             _ => Err(RpcError::method_not_found(method)),
         }
     }
@@ -574,6 +571,10 @@ fn no_params(p: &Value) -> Result<(), RpcError> {
 fn params_of<T: for<'de> Deserialize<'de>>(p: Value) -> Result<T, RpcError> {
     let p = if p.is_null() { json!({}) } else { p };
     serde_json::from_value(p).map_err(|e| RpcError::invalid_params(e.to_string()))
+}
+
+fn opt_size(s: Option<SizeValue>, what: &str) -> Result<Option<u64>, RpcError> {
+    s.map(|s| size_arg(&s, what)).transpose()
 }
 
 fn size_arg(s: &SizeValue, what: &str) -> Result<u64, RpcError> {

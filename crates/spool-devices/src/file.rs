@@ -11,7 +11,9 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::{Error, Result, SECTOR_SIZE};
+use std::sync::Arc;
+
+use crate::{DeviceHealth, Error, FaultSet, FaultyQueue, Result, SECTOR_SIZE};
 
 /// What kind of object backs a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +48,21 @@ pub struct FileDevice {
     /// The file system cannot do non-blocking I/O (tmpfs): io_uring would punt every request
     /// to a kernel worker thread, so queues run inline instead.
     inline_io: bool,
+    /// Injected faults, applied in front of every queue of this device.
+    faults: Arc<FaultSet>,
+    /// The state the data path obeys (the health monitor moves it).
+    health: Arc<DeviceHealth>,
+}
+
+/// What a health probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// The device answered a read.
+    Ok,
+    /// The device is gone (why).
+    Gone(String),
+    /// The read failed with this errno.
+    Failed(i32),
 }
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -94,6 +111,8 @@ impl FileDevice {
             direct: None,
             direct_align: 0,
             inline_io: false,
+            faults: Arc::default(),
+            health: Arc::default(),
         })
     }
 
@@ -172,6 +191,8 @@ impl FileDevice {
             direct,
             direct_align,
             inline_io,
+            faults: Arc::default(),
+            health: Arc::default(),
         })
     }
 
@@ -269,20 +290,74 @@ impl FileDevice {
         self.inline_io
     }
 
-    /// Opens a queue on this device for one worker: io_uring, or inline on tmpfs.
+    /// Opens a queue on this device for one worker: io_uring, or inline on tmpfs, behind
+    /// the device's fault injection.
     pub fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn crate::DeviceQueue>> {
+        let f = self.faults.clone();
         if let DeviceKind::Null(reads) = self.kind {
-            return Ok(Box::new(crate::NullQueue::new(reads)?));
+            return Ok(Box::new(FaultyQueue::new(crate::NullQueue::new(reads)?, f)));
         }
         if self.inline_io {
-            return Ok(Box::new(crate::InlineQueue::new(self.buffered_fd())?));
+            return Ok(Box::new(FaultyQueue::new(
+                crate::InlineQueue::new(self.buffered_fd())?,
+                f,
+            )));
         }
-        Ok(Box::new(crate::UringQueue::new(
-            self.buffered_fd(),
-            self.direct_fd(),
-            self.direct_align,
-            depth,
-        )?))
+        Ok(Box::new(FaultyQueue::new(
+            crate::UringQueue::new(
+                self.buffered_fd(),
+                self.direct_fd(),
+                self.direct_align,
+                depth,
+            )?,
+            f,
+        )))
+    }
+
+    /// The device's fault-injection rules.
+    pub fn faults(&self) -> &Arc<FaultSet> {
+        &self.faults
+    }
+
+    /// The device's health cell.
+    pub fn health(&self) -> &Arc<DeviceHealth> {
+        &self.health
+    }
+
+    /// Asks the device whether it still answers: injected probe faults first, then (files)
+    /// whether the file still has a name, then a 4 KiB read at offset 0 (the metadata area,
+    /// which every pool device has).
+    pub fn probe(&self) -> Probe {
+        if let Some(e) = self.faults.probe_fault() {
+            return match crate::ErrorClass::of_errno(e) {
+                crate::ErrorClass::Gone => Probe::Gone(format!(
+                    "injected: {}",
+                    std::io::Error::from_raw_os_error(e)
+                )),
+                _ => Probe::Failed(e),
+            };
+        }
+        if self.kind == DeviceKind::File {
+            match self.buffered.metadata() {
+                Ok(m) if std::os::unix::fs::MetadataExt::nlink(&m) == 0 => {
+                    return Probe::Gone("the backing file was deleted".into())
+                }
+                Ok(_) => {}
+                Err(e) => return Probe::Failed(e.raw_os_error().unwrap_or(libc::EIO)),
+            }
+        }
+        let mut buf = vec![0u8; 4096.min(self.size as usize)];
+        match self.buffered.read_at(&mut buf, 0) {
+            Ok(_) => Probe::Ok,
+            Err(e) => {
+                let errno = e.raw_os_error().unwrap_or(libc::EIO);
+                if crate::ErrorClass::of_errno(errno) == crate::ErrorClass::Gone {
+                    Probe::Gone(e.to_string())
+                } else {
+                    Probe::Failed(errno)
+                }
+            }
+        }
     }
 }
 

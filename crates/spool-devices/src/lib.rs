@@ -2,17 +2,22 @@
 //!
 //! Owns: opening files and block devices (size, O_DIRECT probe, exclusive lock), synchronous
 //! metadata I/O, and the per-worker asynchronous [`DeviceQueue`] that moves data between a
-//! device and caller-supplied memory (io_uring for files and block devices).
+//! device and caller-supplied memory (io_uring for files and block devices), fault injection
+//! in front of every queue, and each device's health cell (the state the data path obeys).
 //!
 //! Must not know: virtio, vhost-user, volumes, extents or pool metadata. Offsets here are
 //! device byte offsets; the pool maps volume offsets onto them.
 
+mod fault;
 mod file;
+mod health;
 mod inline;
 mod null;
 mod queue;
 
-pub use file::{DeviceKind, FileDevice, OpenOptions};
+pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue};
+pub use file::{DeviceKind, FileDevice, OpenOptions, Probe};
+pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullQueue, NullReads};
 pub use queue::{DeviceIo, DeviceQueue, IoVec, UringQueue};

@@ -61,6 +61,13 @@ pub trait DeviceQueue: Send {
     fn set_completion_events(&mut self, _enabled: bool) {}
     /// Operations submitted and not yet reaped.
     fn in_flight(&self) -> usize;
+    /// Completes every operation the queue can give up on (hung commands) with
+    /// `-ECANCELED` on the next reap, as a controller reset aborts its commands. Operations
+    /// already handed to the kernel cannot be taken back and complete normally. Returns how
+    /// many were aborted.
+    fn abort(&mut self) -> usize {
+        0
+    }
 }
 
 /// A fresh non-blocking eventfd, the completion descriptor of a device queue.

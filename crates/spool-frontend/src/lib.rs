@@ -60,6 +60,11 @@ pub struct FrontendSettings {
     /// Directory of the per-queue journals (a tmpfs such as /dev/shm). `None` runs without
     /// a journal (the paper's Spool-NoJ): only for measuring the journal's overhead.
     pub journal_dir: Option<PathBuf>,
+    /// A request on a device longer than this is reported as a timeout (a path error: the
+    /// device is reset and the request resubmitted).
+    pub io_timeout: Duration,
+    /// How often one request is resubmitted after path errors before it fails on its own.
+    pub request_retries: u32,
 }
 
 impl Default for FrontendSettings {
@@ -67,6 +72,8 @@ impl Default for FrontendSettings {
         FrontendSettings {
             poll_idle: Duration::from_micros(50),
             journal_dir: Some(PathBuf::from("/dev/shm/spool")),
+            io_timeout: Duration::from_secs(30),
+            request_retries: 3,
         }
     }
 }

@@ -397,6 +397,8 @@ impl Session {
             limits,
             serial: ctx.serial(),
             poll_idle: ctx.settings().poll_idle,
+            io_timeout: ctx.settings().io_timeout,
+            request_retries: ctx.settings().request_retries,
             volume: ctx.name().to_string(),
         };
         let w = WorkerHandle::spawn(spec)

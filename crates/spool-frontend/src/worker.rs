@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use smallvec::SmallVec;
-use spool_devices::{DeviceIo, DeviceQueue, IoVec};
+use spool_devices::{DeviceIo, DeviceQueue, ErrorClass, ErrorReport, HealthState, IoVec, Signal};
 use spool_pool::VolumeLayout;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueT};
@@ -44,6 +44,8 @@ pub struct WorkerSpec {
     pub limits: Limits,
     pub serial: [u8; ID_LEN],
     pub poll_idle: Duration,
+    pub io_timeout: Duration,
+    pub request_retries: u32,
     pub volume: String,
 }
 
@@ -109,6 +111,14 @@ struct Inflight {
     used_len: u32,
     pending: u32,
     status_code: u8,
+    /// A piece failed with a path error: hold the request for resubmission, do not complete it.
+    held: bool,
+    /// Already reported as timed out.
+    timed_out: bool,
+    /// The timeout sweep during which it was submitted.
+    sweep: u32,
+    /// Device pieces (device index, device offset, length, write), for error reports.
+    pieces: SmallVec<[(u16, u64, u64, bool); 2]>,
     /// Per-device-piece iovec arrays; the device holds raw pointers into them.
     parts: Vec<Vec<IoVec>>,
     /// Keeps the guest mapping alive while the device may write into it.
@@ -151,7 +161,23 @@ pub struct QueueWorker {
     broken: bool,
     /// Whether this worker completed a request yet (the restart report's "first I/O").
     served_one: bool,
+    /// Requests held while a device resets (taken, journaled INFLIGHT, not submitted).
+    held: Vec<u16>,
+    /// The health epoch of each device this worker last acted on.
+    seen_epochs: Vec<u64>,
+    /// Resubmissions after path errors, per head.
+    retries: Vec<u8>,
+    request_retries: u32,
+    io_timeout: Duration,
+    /// Timeout sweeps: a request in flight across `TIMEOUT_SWEEPS` of them has timed out.
+    sweep: u32,
+    last_sweep: Instant,
+    rounds: u32,
 }
+
+/// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
+/// `TIMEOUT_SWEEPS` sweeps has been in flight for at least `io_timeout`.
+const TIMEOUT_SWEEPS: u32 = 4;
 
 impl QueueWorker {
     fn new(
@@ -199,6 +225,14 @@ impl QueueWorker {
             need_notify: false,
             broken: false,
             served_one: false,
+            held: Vec::new(),
+            seen_epochs: Vec::new(),
+            retries: vec![0; size],
+            request_retries: spec.request_retries,
+            io_timeout: spec.io_timeout.max(Duration::from_millis(4)),
+            sweep: 0,
+            last_sweep: Instant::now(),
+            rounds: 0,
         };
         w.open_device_queues()?;
         Ok(w)
@@ -219,13 +253,31 @@ impl QueueWorker {
             let mut q = q;
             q.set_completion_events(false);
             self.devices.push(q);
+            self.seen_epochs
+                .push(self.layout.devices[d].health().load().1);
         }
         Ok(())
     }
 
     fn refresh_layout(&mut self) {
         let cur = self.layout_src.load();
-        if !Arc::ptr_eq(&cur, &self.layout) {
+        if Arc::ptr_eq(&cur, &self.layout) {
+            return;
+        }
+        // A device replaced under an existing index: its queue (and whatever is in flight on
+        // the old device) must go; the reset path reopens every queue on the new layout.
+        let replaced = self
+            .layout
+            .devices
+            .iter()
+            .zip(cur.devices.iter())
+            .any(|(a, b)| !Arc::ptr_eq(a, b));
+        if replaced {
+            drop(cur);
+            self.reset_devices();
+            return;
+        }
+        {
             let new = arc_swap::Guard::into_inner(cur);
             self.limits.capacity_sectors = new.size / SECTOR;
             self.layout = new;
@@ -263,6 +315,11 @@ impl QueueWorker {
             }
             self.refresh_layout();
             let mem = self.mem.memory().into_inner();
+            self.check_health(&mem);
+            self.rounds = self.rounds.wrapping_add(1);
+            if self.rounds.is_multiple_of(1024) {
+                self.sweep_timeouts();
+            }
             let mut work = self.poll_avail(&mem);
             for d in 0..self.devices.len() {
                 if let Err(e) = self.devices[d].kick() {
@@ -298,7 +355,15 @@ impl QueueWorker {
                 self.notify(&mem);
                 continue;
             }
-            let n = match self.epoll.wait(1000, &mut events) {
+            self.sweep_timeouts();
+            let wait_ms = if self.in_flight > 0 {
+                (self.io_timeout.as_millis() as u32 / TIMEOUT_SWEEPS).clamp(1, 1000) as i32
+            } else if !self.held.is_empty() {
+                5
+            } else {
+                1000
+            };
+            let n = match self.epoll.wait(wait_ms, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
                 Err(e) => {
@@ -344,6 +409,10 @@ impl QueueWorker {
     /// Completes what is in flight before handing the queue back.
     fn drain(&mut self) {
         let deadline = Instant::now() + STOP_DRAIN;
+        // Hung commands are given up (they stay INFLIGHT in the journal for the next process).
+        for d in &mut self.devices {
+            d.abort();
+        }
         while self.in_flight > 0 && Instant::now() < deadline {
             let mem = self.mem.memory().into_inner();
             for d in 0..self.devices.len() {
@@ -404,6 +473,73 @@ impl QueueWorker {
         }
     }
 
+    /// Acts on device health changes: a device that started resetting has its hung commands
+    /// aborted (they come back as path errors and are held); when any device leaves the
+    /// resetting state, held requests are dispatched again (submitted if their devices are
+    /// healthy, failed if isolated, held again if still resetting).
+    fn check_health(&mut self, mem: &Arc<GuestMemory>) {
+        let mut changed = false;
+        for d in 0..self.devices.len() {
+            let (state, epoch) = self.layout.devices[d].health().load();
+            if epoch != self.seen_epochs[d] {
+                self.seen_epochs[d] = epoch;
+                tracing::debug!(volume = %self.volume, queue = self.index, device = d, state = state.name(), "device health changed");
+                self.devices[d].abort();
+                changed = true;
+            }
+        }
+        if !changed {
+            return;
+        }
+        self.reap(mem);
+        if !self.held.is_empty() && !self.held_all_resetting() {
+            let heads = std::mem::take(&mut self.held);
+            tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "dispatching held requests again");
+            for h in heads {
+                self.resubmit_head(h, mem);
+            }
+        }
+    }
+
+    /// Whether every device is resetting (then nothing held can make progress).
+    fn held_all_resetting(&self) -> bool {
+        (0..self.devices.len())
+            .all(|d| self.layout.devices[d].health().state() == HealthState::Resetting)
+    }
+
+    /// Reports requests in flight for longer than the I/O timeout (once each).
+    fn sweep_timeouts(&mut self) {
+        if self.in_flight == 0 {
+            self.last_sweep = Instant::now();
+            return;
+        }
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < self.io_timeout / TIMEOUT_SWEEPS {
+            return;
+        }
+        self.last_sweep = now;
+        self.sweep = self.sweep.wrapping_add(1);
+        for slot in self.slots.iter_mut().flatten() {
+            if slot.timed_out || self.sweep.wrapping_sub(slot.sweep) <= TIMEOUT_SWEEPS {
+                continue;
+            }
+            slot.timed_out = true;
+            for &(d, offset, len, write) in &slot.pieces {
+                if let Some(dev) = self.layout.devices.get(d as usize) {
+                    if self.devices[d as usize].in_flight() > 0 {
+                        tracing::warn!(volume = %self.volume, queue = self.index, device = d, offset, "request timed out");
+                        dev.health().report(ErrorReport {
+                            signal: Signal::Timeout,
+                            offset,
+                            len,
+                            write,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
     /// Re-parses a journaled request from its descriptor chain and submits it again.
     fn resubmit_head(&mut self, head: u16, mem: &Arc<GuestMemory>) {
         let q = &self.vq.queue;
@@ -416,15 +552,20 @@ impl QueueWorker {
     /// guest, reopen them, and resubmit every request the journal (or, without a journal,
     /// the in-flight table) says is outstanding.
     fn reset_devices(&mut self) {
+        let held = std::mem::take(&mut self.held);
         let heads: Vec<u16> = match &self.vq.journal {
             Some(j) => (0..self.vq.queue.size())
                 .filter(|&h| j.state(h) == spool_journal::ReqState::Inflight)
                 .collect(),
             None => (0..self.slots.len() as u16)
                 .filter(|&h| self.slots[h as usize].is_some())
+                .chain(held)
                 .collect(),
         };
         let deadline = Instant::now() + STOP_DRAIN;
+        for d in &mut self.devices {
+            d.abort();
+        }
         for d in 0..self.devices.len() {
             while self.devices[d].in_flight() > 0 && Instant::now() < deadline {
                 let _ = self.devices[d].kick();
@@ -444,6 +585,12 @@ impl QueueWorker {
                 EpollEvent::default(),
             );
         }
+        self.seen_epochs.clear();
+        // The layout may have changed underneath (a replaced device): reopen against the
+        // current one.
+        let cur = self.layout_src.load_full();
+        self.limits.capacity_sectors = cur.size / SECTOR;
+        self.layout = cur;
         if let Err(e) = self.open_device_queues() {
             tracing::error!(volume = %self.volume, error = %e, "cannot reopen device queues after reset");
         }
@@ -480,6 +627,10 @@ impl QueueWorker {
             used_len: 1,
             pending: 0,
             status_code: VIRTIO_BLK_S_OK as u8,
+            held: false,
+            timed_out: false,
+            sweep: 0,
+            pieces: SmallVec::new(),
             parts: Vec::new(),
             _mem: mem.clone(),
         };
@@ -567,11 +718,39 @@ impl QueueWorker {
             }
         }
         inf.pending = ios.len() as u32;
+        // The health gate: one atomic load per piece.
+        let mut hold = false;
+        for (d, _) in &ios {
+            match self.layout.devices[*d].health().state() {
+                HealthState::Healthy => {}
+                HealthState::Resetting => hold = true,
+                HealthState::Failed | HealthState::Removed => {
+                    inf.status_code = VIRTIO_BLK_S_IOERR as u8;
+                    inf.pending = 0;
+                }
+            }
+        }
+        if hold && inf.pending != 0 {
+            self.held.push(head);
+            return;
+        }
         if inf.pending == 0 {
             let _ = mem.write_obj(inf.status_code, inf.status);
             self.complete_used(mem, head, inf.used_len);
             return;
         }
+        for (d, io) in &ios {
+            let (offset, len, write) = match *io {
+                DeviceIo::Read { offset, len, .. } => (offset, len, false),
+                DeviceIo::Write { offset, len, .. } => (offset, len, true),
+                DeviceIo::Flush => (0, 0, true),
+                DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
+                    (offset, len, true)
+                }
+            };
+            inf.pieces.push((*d as u16, offset, len, write));
+        }
+        inf.sweep = self.sweep;
         self.slots[slot] = Some(inf);
         self.in_flight += 1;
         for (d, io) in ios {
@@ -589,14 +768,35 @@ impl QueueWorker {
         for d in 0..self.devices.len() {
             let slots = &mut self.slots;
             let volume = &self.volume;
+            let health = self.layout.devices[d].health();
             let n = self.devices[d].reap(&mut |tag, res| {
                 let Some(Some(inf)) = slots.get_mut(tag as usize) else {
                     tracing::error!(tag, "completion for a request that is not in flight");
                     return;
                 };
                 if res < 0 {
-                    tracing::warn!(volume = %volume, head = tag, errno = -res, "device I/O failed");
-                    inf.status_code = VIRTIO_BLK_S_IOERR as u8;
+                    let errno = -res;
+                    let class = ErrorClass::of_errno(errno);
+                    tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), "device I/O failed");
+                    if errno != libc::ECANCELED {
+                        let &(_, offset, len, write) = inf
+                            .pieces
+                            .iter()
+                            .find(|p| p.0 as usize == d)
+                            .unwrap_or(&(0, 0, 0, false));
+                        health.report(ErrorReport {
+                            signal: Signal::Errno(errno),
+                            offset,
+                            len,
+                            write,
+                        });
+                    }
+                    match class {
+                        ErrorClass::Path | ErrorClass::Gone => inf.held = true,
+                        ErrorClass::Media | ErrorClass::Request => {
+                            inf.status_code = VIRTIO_BLK_S_IOERR as u8
+                        }
+                    }
                 }
                 inf.pending -= 1;
                 if inf.pending == 0 {
@@ -608,7 +808,19 @@ impl QueueWorker {
         for head in finished {
             if let Some(inf) = self.slots[head as usize].take() {
                 self.in_flight -= 1;
-                let _ = mem.write_obj(inf.status_code, inf.status);
+                let h = head as usize;
+                if inf.held && inf.status_code == VIRTIO_BLK_S_OK as u8 {
+                    if (self.retries[h] as u32) < self.request_retries {
+                        self.retries[h] += 1;
+                        self.held.push(head);
+                        continue;
+                    }
+                    tracing::error!(volume = %self.volume, head, retries = self.retries[h], "request keeps failing after device resets; failing it");
+                    let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, inf.status);
+                } else {
+                    let _ = mem.write_obj(inf.status_code, inf.status);
+                }
+                self.retries[h] = 0;
                 self.complete_used(mem, head, inf.used_len);
             }
         }

@@ -125,6 +125,23 @@ struct Member {
     buddy: Buddy,
 }
 
+impl Member {
+    /// Failed or removed (the health layer says so): no new extents, no metadata writes.
+    fn isolated(&self) -> bool {
+        self.dev.health().state().isolated()
+    }
+}
+
+/// What a device replacement did.
+#[derive(Debug, Clone, Serialize)]
+pub struct Replacement {
+    pub old: Uuid,
+    pub new: DeviceInfo,
+    /// Volumes whose extents moved to the new device (their data there reads as zeroes).
+    pub volumes: Vec<String>,
+    pub extents: usize,
+}
+
 /// An assembled storage pool.
 pub struct Pool {
     table: PoolTable,
@@ -408,13 +425,14 @@ impl Pool {
         Ok(uuid)
     }
 
-    /// Writes `table` as the next generation to every present member, then adopts it.
+    /// Writes `table` as the next generation to every present member that is not isolated
+    /// (failed or removed: writing to it could hang or fail), then adopts it.
     fn commit(&mut self, table: PoolTable) -> Result<()> {
-        if self.members.is_empty() {
+        if !self.members.iter().any(|m| !m.isolated()) {
             return Err(Error::NoDevices);
         }
         let generation = self.generation + 1;
-        for m in &self.members {
+        for m in self.members.iter().filter(|m| !m.isolated()) {
             metadata::write_record(
                 &m.dev,
                 &Record {
@@ -588,7 +606,9 @@ impl Pool {
             let best = self
                 .members
                 .iter_mut()
-                .filter(|m| m.buddy.largest_free_order().is_some_and(|l| l >= order))
+                .filter(|m| {
+                    !m.isolated() && m.buddy.largest_free_order().is_some_and(|l| l >= order)
+                })
                 .max_by_key(|m| m.buddy.free_bytes());
             match best {
                 Some(m) => {
@@ -790,6 +810,127 @@ impl Pool {
             num_queues: v.num_queues,
             segments,
             devices,
+        })
+    }
+
+    /// Present devices with their handles (for the health monitor).
+    pub fn device_handles(&self) -> Vec<(Uuid, Arc<FileDevice>)> {
+        self.members
+            .iter()
+            .map(|m| (m.uuid, m.dev.clone()))
+            .collect()
+    }
+
+    /// The UUID of a device given by UUID or path.
+    pub fn device_uuid(&self, id: &str) -> Result<Uuid> {
+        let by_uuid = Uuid::parse_str(id).ok();
+        self.table
+            .devices
+            .iter()
+            .find(|d| Some(d.uuid) == by_uuid || d.last_path == id)
+            .map(|d| d.uuid)
+            .or_else(|| {
+                self.members
+                    .iter()
+                    .find(|m| m.dev.path() == Path::new(id))
+                    .map(|m| m.uuid)
+            })
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "no device '{id}' in the pool; `spoolctl device list` shows them"
+                ))
+            })
+    }
+
+    /// Replaces device `old` (failed, removed or missing) with a blank device: every extent
+    /// on `old` gets an extent of the same size on the new device, zeroed, and `old` leaves
+    /// the pool. The data that was on `old` is gone (no mirror yet): the volumes come back
+    /// online reading zeroes there. Refused while `old` is healthy and present, unless
+    /// `force` (an operator retiring a working device would want its data copied first).
+    pub fn replace_device(
+        &mut self,
+        old: &str,
+        spec: &DeviceSpec,
+        force: bool,
+    ) -> Result<Replacement> {
+        let old = self.device_uuid(old)?;
+        if let Some(m) = self.members.iter().find(|m| m.uuid == old) {
+            if !m.isolated() && !force {
+                return Err(Error::InvalidArgument(format!(
+                    "device {old} ({}) is healthy; replacing it would discard the data of every volume on it. Pass force to do it anyway",
+                    m.dev.path().display()
+                )));
+            }
+        }
+        let dev = open_spec(spec, self.opts.no_direct)?;
+        let path = dev.path().display().to_string();
+        match metadata::read_device(&dev) {
+            DeviceState::Blank => {}
+            DeviceState::Member(r, _) if r.device_uuid == old => {
+                return Err(Error::InvalidArgument(format!(
+                    "{path} is the device being replaced"
+                )))
+            }
+            _ if !force => {
+                return Err(Error::InvalidArgument(format!(
+                    "{path} is not blank (it has pool metadata or other data); pass force to reformat it"
+                )))
+            }
+            _ => {}
+        }
+        let mut table = self.table.clone();
+        let new = Self::join(&mut table, &dev, force)?;
+        let mut buddy = Buddy::new(METADATA_AREA, dev.size() - METADATA_AREA, table.min_extent);
+        let mut moved = 0;
+        let mut volumes = Vec::new();
+        for v in &mut table.volumes {
+            let mut touched = false;
+            for e in v.extents.iter_mut().filter(|e| e.device == old) {
+                let off = buddy.alloc(e.order).ok_or_else(|| Error::NoSpace {
+                    requested: self.table.min_extent << e.order,
+                    available: buddy.free_bytes(),
+                })?;
+                *e = ExtentEntry {
+                    device: new,
+                    offset: off,
+                    order: e.order,
+                };
+                moved += 1;
+                touched = true;
+            }
+            if touched {
+                volumes.push(v.name.clone());
+            }
+        }
+        table.devices.retain(|d| d.uuid != old);
+        for v in table.volumes.iter().filter(|v| volumes.contains(&v.name)) {
+            for e in v.extents.iter().filter(|e| e.device == new) {
+                dev.zero_range(e.offset, table.min_extent << e.order)?;
+            }
+        }
+        let removed = self
+            .members
+            .iter()
+            .position(|m| m.uuid == old)
+            .map(|i| self.members.remove(i));
+        self.members.push(Member {
+            uuid: new,
+            dev: Arc::new(dev),
+            buddy,
+        });
+        if let Err(e) = self.commit(table) {
+            self.members.pop();
+            if let Some(m) = removed {
+                self.members.push(m);
+            }
+            return Err(e);
+        }
+        tracing::warn!(old = %old, new = %new, %path, extents = moved, volumes = ?volumes, "device replaced; the volumes' data on the old device is lost");
+        Ok(Replacement {
+            old,
+            new: self.device_info(new),
+            volumes,
+            extents: moved,
         })
     }
 

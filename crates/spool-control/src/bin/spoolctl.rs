@@ -54,6 +54,15 @@ enum Cmd {
         #[arg(long)]
         binary: Option<PathBuf>,
     },
+    /// Health events (device state changes, warnings, replacements), oldest first.
+    Events {
+        /// Only events after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        since: u64,
+        /// Keep printing new events until interrupted.
+        #[arg(long, short)]
+        follow: bool,
+    },
     /// Send any RPC method with JSON params (for debugging).
     Rpc {
         method: String,
@@ -81,6 +90,56 @@ enum DeviceCmd {
         #[arg(long)]
         force: bool,
     },
+    /// Health of every device (or one): state, why, error counters, SMART warning.
+    Health { id: Option<String> },
+    /// Controller reset: hold the device's I/O, check it answers, resubmit what was in flight.
+    Reset { id: String },
+    /// Replace a failed or removed device with a blank one; volumes on the old device come
+    /// back online (their data that was on it is lost: there is no mirror yet).
+    Replace {
+        old: String,
+        new: PathBuf,
+        /// Create a sparse file of this size if NEW does not exist (e.g. 10G).
+        #[arg(long)]
+        create_size: Option<String>,
+        /// Replace a healthy device, or reformat a NEW that is not blank.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Inject a fault (to test and rehearse failure handling). Kinds: media (ENODATA,
+    /// until cleared), transient (EIO, once), link-down (EIO, probes fail too, until cleared
+    /// or --duration-ms), timeout (commands hang until the reset aborts them, once),
+    /// removed (ENODEV), errno (--errno), smart (--bits: SMART critical-warning byte).
+    Inject {
+        id: String,
+        kind: String,
+        /// read, write or any.
+        #[arg(long, default_value = "any")]
+        op: String,
+        /// Device byte offset of the affected range (e.g. 1G).
+        #[arg(long)]
+        offset: Option<String>,
+        /// Length of the range (default: the whole device).
+        #[arg(long)]
+        len: Option<String>,
+        /// Operations to hit before disarming (0 = until cleared).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Disarm after this many milliseconds.
+        #[arg(long)]
+        duration_ms: Option<u64>,
+        /// For kind errno: a number or a name (EIO, ENODATA, ...).
+        #[arg(long)]
+        errno: Option<String>,
+        /// For kind smart: the critical-warning byte (1 spare, 2 temperature, 4 reliability,
+        /// 8 read-only).
+        #[arg(long)]
+        bits: Option<u8>,
+    },
+    /// Armed fault-injection rules of a device.
+    Faults { id: String },
+    /// Disarm every injected fault of a device (and clear its simulated SMART warning).
+    ClearFaults { id: String },
 }
 
 #[derive(Subcommand)]
@@ -221,6 +280,73 @@ fn run(args: Args) -> Result<(), String> {
             }
             ("device_add", p)
         }
+        Cmd::Device {
+            cmd: DeviceCmd::Health { id },
+        } => ("device_health", json!({"id": id})),
+        Cmd::Device {
+            cmd: DeviceCmd::Reset { id },
+        } => ("device_reset", json!({"id": id})),
+        Cmd::Device {
+            cmd: DeviceCmd::Faults { id },
+        } => ("device_faults", json!({"id": id})),
+        Cmd::Device {
+            cmd: DeviceCmd::ClearFaults { id },
+        } => ("device_clear_faults", json!({"id": id})),
+        Cmd::Device {
+            cmd:
+                DeviceCmd::Replace {
+                    old,
+                    new,
+                    create_size,
+                    force,
+                },
+        } => {
+            let new = std::path::absolute(new).map_err(|e| e.to_string())?;
+            let mut p = json!({"old": old, "new": new, "force": force});
+            if let Some(c) = create_size {
+                p["create_size"] = json!(size(c)?);
+            }
+            ("device_replace", p)
+        }
+        Cmd::Device {
+            cmd:
+                DeviceCmd::Inject {
+                    id,
+                    kind,
+                    op,
+                    offset,
+                    len,
+                    count,
+                    duration_ms,
+                    errno,
+                    bits,
+                },
+        } => {
+            let mut p = json!({"id": id, "kind": kind, "op": op});
+            if let Some(o) = offset {
+                p["offset"] = json!(size(o)?);
+            }
+            if let Some(l) = len {
+                p["len"] = json!(size(l)?);
+            }
+            if let Some(c) = count {
+                p["count"] = json!(c);
+            }
+            if let Some(d) = duration_ms {
+                p["duration_ms"] = json!(d);
+            }
+            if let Some(e) = errno {
+                p["errno"] = match e.parse::<i64>() {
+                    Ok(n) => json!(n),
+                    Err(_) => json!(e),
+                };
+            }
+            if let Some(b) = bits {
+                p["bits"] = json!(b);
+            }
+            ("device_inject", p)
+        }
+        Cmd::Events { since, follow } => return follow_events(&args, *since, *follow),
         Cmd::Volume {
             cmd: VolumeCmd::List,
         } => ("volume_list", json!({})),
@@ -294,6 +420,55 @@ fn run(args: Args) -> Result<(), String> {
                 devices_table(r.as_array().map(Vec::as_slice).unwrap_or(&[]))
             )
         }
+        Cmd::Device {
+            cmd: DeviceCmd::Health { .. },
+        } => println!(
+            "{}",
+            health_table(r.as_array().map(Vec::as_slice).unwrap_or(&[]))
+        ),
+        Cmd::Device {
+            cmd: DeviceCmd::Reset { .. },
+        } => println!(
+            "device {} resetting; volumes resubmitting in-flight I/O: {}",
+            s(&r, "device"),
+            s(&r, "volumes")
+        ),
+        Cmd::Device {
+            cmd: DeviceCmd::Replace { .. },
+        } => println!(
+            "device {} replaced by {} ({}): {} extents of volumes {} moved; their data that was on the old device is lost",
+            s(&r, "old"),
+            s(&r["new"], "uuid"),
+            s(&r["new"], "path"),
+            s(&r, "extents"),
+            s(&r, "volumes")
+        ),
+        Cmd::Device {
+            cmd: DeviceCmd::Inject { .. },
+        } => println!(
+            "device {}: injected {}",
+            s(&r, "device"),
+            if r["rule"].is_null() {
+                format!("SMART critical warning {}", s(&r, "smart_critical_warning"))
+            } else {
+                r["rule"].to_string()
+            }
+        ),
+        Cmd::Device {
+            cmd: DeviceCmd::Faults { .. },
+        } => {
+            println!(
+                "device {}  SMART critical warning {}",
+                s(&r, "device"),
+                s(&r, "smart_critical_warning")
+            );
+            for rule in r["rules"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                println!("  {rule}");
+            }
+        }
+        Cmd::Device {
+            cmd: DeviceCmd::ClearFaults { .. },
+        } => println!("device {}: {} rules cleared", s(&r, "device"), s(&r, "cleared")),
         Cmd::Device { .. } => println!("{}", devices_table(&[r])),
         Cmd::Volume {
             cmd: VolumeCmd::List,
@@ -331,9 +506,72 @@ fn run(args: Args) -> Result<(), String> {
             }
         }
         Cmd::Upgrade { .. } => print_restart(&r),
-        Cmd::Rpc { .. } => {}
+        Cmd::Rpc { .. } | Cmd::Events { .. } => {}
     }
     Ok(())
+}
+
+fn health_table(ds: &[Value]) -> String {
+    let mut rows = vec![[
+        "DEVICE", "PATH", "STATE", "MEDIA", "PATH-ERR", "TIMEOUTS", "RESETS", "SMART", "REASON",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for d in ds {
+        let c = &d["counters"];
+        rows.push(vec![
+            s(d, "device"),
+            s(d, "path"),
+            s(d, "state").to_uppercase(),
+            s(c, "media_errors"),
+            s(c, "path_errors"),
+            s(c, "timeouts"),
+            s(c, "resets"),
+            format!(
+                "0x{:02x}",
+                d["smart_critical_warning"].as_u64().unwrap_or(0)
+            ),
+            s(d, "reason"),
+        ]);
+    }
+    table(rows)
+}
+
+fn print_event(e: &Value) {
+    let secs = e["time_ms"].as_u64().unwrap_or(0) as f64 / 1e3;
+    let change = match (e["from"].as_str(), e["to"].as_str()) {
+        (Some(f), Some(t)) => format!("{f} -> {t}"),
+        (None, Some(t)) => format!("-> {t}"),
+        _ => s(e, "kind"),
+    };
+    println!(
+        "#{:<5} {secs:.3}  {}  {}  {change}: {}",
+        s(e, "seq"),
+        s(e, "device"),
+        s(e, "path"),
+        s(e, "reason")
+    );
+}
+
+fn follow_events(args: &Args, mut since: u64, follow: bool) -> Result<(), String> {
+    let mut c = Client::connect(&args.socket)?;
+    loop {
+        let wait = if follow { 10_000 } else { 0 };
+        let r = c
+            .call("events_list", json!({"since": since, "wait_ms": wait}))
+            .map_err(|e| e.message)?;
+        for e in r["events"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+            if args.json {
+                println!("{e}");
+            } else {
+                print_event(e);
+            }
+            since = since.max(e["seq"].as_u64().unwrap_or(0));
+        }
+        if !follow {
+            return Ok(());
+        }
+    }
 }
 
 fn print_restart(r: &Value) {

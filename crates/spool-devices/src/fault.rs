@@ -1,0 +1,365 @@
+//! Fault injection: make a healthy device fail in chosen ways, for tests and rehearsals.
+//!
+//! Owns: the per-device rule set ([`FaultSet`]: by operation and byte range, once, N times or
+//! until cleared, optionally for a duration), the simulated SMART critical-warning byte of
+//! devices that have no SMART log (files), and [`FaultyQueue`], the wrapper every device
+//! queue goes through. With no rule armed the wrapper costs one relaxed atomic load per
+//! submission; a matching rule completes the operation with its errno without touching the
+//! device, or holds it ("hang") until the queue is aborted, as a controller reset would.
+//!
+//! Must not know: what the errors mean (the health layer classifies them) or who asked.
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::queue::{DeviceIo, DeviceQueue};
+
+/// Which operations a rule matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultOps {
+    Read,
+    /// Writes, write-zeroes, discards and flushes.
+    Write,
+    Any,
+}
+
+/// What a matching operation does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultEffect {
+    /// Completes with this (positive) errno, without reaching the device.
+    Errno(i32),
+    /// Never completes until the queue is aborted (a hung command).
+    Hang,
+}
+
+/// One injection rule.
+#[derive(Debug, Clone)]
+pub struct FaultRule {
+    pub effect: FaultEffect,
+    pub ops: FaultOps,
+    /// Device byte range; `len == 0` means the whole device.
+    pub offset: u64,
+    pub len: u64,
+    /// How many operations it hits before it disarms; `None` = until cleared.
+    pub count: Option<u64>,
+    /// Disarms after this long.
+    pub duration: Option<Duration>,
+    /// Also fails the health monitor's probe (the link is down, not just some commands).
+    pub fails_probe: bool,
+}
+
+#[derive(Debug)]
+struct Armed {
+    id: u64,
+    rule: FaultRule,
+    until: Option<Instant>,
+    hits: u64,
+}
+
+/// A public view of an armed rule.
+#[derive(Debug, Clone)]
+pub struct FaultStatus {
+    pub id: u64,
+    pub rule: FaultRule,
+    pub hits: u64,
+    pub remaining: Option<u64>,
+}
+
+/// The fault rules of one device.
+#[derive(Debug, Default)]
+pub struct FaultSet {
+    armed: AtomicBool,
+    rules: Mutex<Vec<Armed>>,
+    next_id: AtomicU64,
+    smart_warning: AtomicU8,
+    injected: AtomicU64,
+}
+
+impl FaultSet {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Armed>> {
+        self.rules.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Arms a rule; returns its id.
+    pub fn add(&self, rule: FaultRule) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let until = rule.duration.map(|d| Instant::now() + d);
+        let mut rules = self.lock();
+        rules.push(Armed {
+            id,
+            rule,
+            until,
+            hits: 0,
+        });
+        self.armed.store(true, Ordering::Release);
+        id
+    }
+
+    /// Disarms every rule and clears the simulated SMART warning; returns how many rules there were.
+    pub fn clear(&self) -> usize {
+        let mut rules = self.lock();
+        let n = rules.len();
+        rules.clear();
+        self.armed.store(false, Ordering::Release);
+        self.smart_warning.store(0, Ordering::Release);
+        n
+    }
+
+    /// The armed rules.
+    pub fn list(&self) -> Vec<FaultStatus> {
+        let mut rules = self.lock();
+        Self::expire(&mut rules);
+        rules
+            .iter()
+            .map(|a| FaultStatus {
+                id: a.id,
+                rule: a.rule.clone(),
+                hits: a.hits,
+                remaining: a.rule.count.map(|c| c.saturating_sub(a.hits)),
+            })
+            .collect()
+    }
+
+    /// How many operations were failed or held by injection so far.
+    pub fn injected(&self) -> u64 {
+        self.injected.load(Ordering::Relaxed)
+    }
+
+    /// Sets the simulated SMART critical-warning byte (NVMe log page 02h, byte 0).
+    pub fn set_smart_warning(&self, bits: u8) {
+        self.smart_warning.store(bits, Ordering::Release);
+    }
+
+    /// The simulated SMART critical-warning byte.
+    pub fn smart_warning(&self) -> u8 {
+        self.smart_warning.load(Ordering::Acquire)
+    }
+
+    fn expire(rules: &mut Vec<Armed>) {
+        let now = Instant::now();
+        rules
+            .retain(|a| a.until.is_none_or(|u| now < u) && a.rule.count.is_none_or(|c| a.hits < c));
+    }
+
+    /// What an operation does under the armed rules (`None`: it goes to the device).
+    #[inline]
+    pub fn check(&self, write: bool, offset: u64, len: u64) -> Option<FaultEffect> {
+        if !self.armed.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.check_slow(write, offset, len)
+    }
+
+    #[cold]
+    fn check_slow(&self, write: bool, offset: u64, len: u64) -> Option<FaultEffect> {
+        let mut rules = self.lock();
+        Self::expire(&mut rules);
+        if rules.is_empty() {
+            self.armed.store(false, Ordering::Release);
+            return None;
+        }
+        let hit = rules.iter_mut().find(|a| {
+            let ops = match a.rule.ops {
+                FaultOps::Any => true,
+                FaultOps::Read => !write,
+                FaultOps::Write => write,
+            };
+            let range = a.rule.len == 0
+                || len == 0
+                || (offset < a.rule.offset.saturating_add(a.rule.len)
+                    && a.rule.offset < offset.saturating_add(len));
+            ops && range
+        })?;
+        hit.hits += 1;
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        Some(hit.rule.effect)
+    }
+
+    /// The errno a health probe fails with, if a rule says the device does not answer.
+    pub fn probe_fault(&self) -> Option<i32> {
+        if !self.armed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut rules = self.lock();
+        Self::expire(&mut rules);
+        rules
+            .iter()
+            .find(|a| a.rule.fails_probe)
+            .map(|a| match a.rule.effect {
+                FaultEffect::Errno(e) => e,
+                FaultEffect::Hang => libc::ETIMEDOUT,
+            })
+    }
+}
+
+/// A device queue with fault injection in front of it.
+pub struct FaultyQueue<Q> {
+    inner: Q,
+    faults: std::sync::Arc<FaultSet>,
+    done: VecDeque<(u64, i32)>,
+    hung: Vec<u64>,
+}
+
+impl<Q: DeviceQueue> FaultyQueue<Q> {
+    /// Wraps `inner`; rules are read from `faults`.
+    pub fn new(inner: Q, faults: std::sync::Arc<FaultSet>) -> Self {
+        FaultyQueue {
+            inner,
+            faults,
+            done: VecDeque::new(),
+            hung: Vec::new(),
+        }
+    }
+}
+
+impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
+    #[inline]
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        let (write, offset, len) = match io {
+            DeviceIo::Read { offset, len, .. } => (false, offset, len),
+            DeviceIo::Write { offset, len, .. } => (true, offset, len),
+            DeviceIo::Flush => (true, 0, 0),
+            DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
+                (true, offset, len)
+            }
+        };
+        match self.faults.check(write, offset, len) {
+            None => {
+                // SAFETY: the caller's guarantee is passed on unchanged.
+                unsafe { self.inner.submit(io, tag) }
+            }
+            Some(FaultEffect::Errno(e)) => self.done.push_back((tag, -e)),
+            Some(FaultEffect::Hang) => self.hung.push(tag),
+        }
+    }
+
+    fn kick(&mut self) -> std::io::Result<()> {
+        self.inner.kick()
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        let mut n = 0;
+        while let Some((t, r)) = self.done.pop_front() {
+            done(t, r);
+            n += 1;
+        }
+        n + self.inner.reap(done)
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.inner.completion_fd()
+    }
+
+    fn ack_completion_event(&self) {
+        self.inner.ack_completion_event()
+    }
+
+    fn set_completion_events(&mut self, enabled: bool) {
+        self.inner.set_completion_events(enabled)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.done.len() + self.hung.len()
+    }
+
+    fn abort(&mut self) -> usize {
+        let n = self.hung.len();
+        for t in self.hung.drain(..) {
+            self.done.push_back((t, -libc::ECANCELED));
+        }
+        n + self.inner.abort()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(effect: FaultEffect, ops: FaultOps, offset: u64, len: u64) -> FaultRule {
+        FaultRule {
+            effect,
+            ops,
+            offset,
+            len,
+            count: None,
+            duration: None,
+            fails_probe: false,
+        }
+    }
+
+    #[test]
+    fn rules_match_by_op_and_range_and_run_out() {
+        let f = FaultSet::default();
+        assert_eq!(f.check(false, 0, 4096), None);
+        f.add(FaultRule {
+            count: Some(2),
+            ..rule(
+                FaultEffect::Errno(libc::ENODATA),
+                FaultOps::Read,
+                8192,
+                4096,
+            )
+        });
+        assert_eq!(f.check(true, 8192, 4096), None, "writes pass");
+        assert_eq!(f.check(false, 0, 4096), None, "other ranges pass");
+        assert_eq!(
+            f.check(false, 4096, 8192),
+            Some(FaultEffect::Errno(libc::ENODATA))
+        );
+        assert_eq!(
+            f.check(false, 12287, 1),
+            Some(FaultEffect::Errno(libc::ENODATA))
+        );
+        assert_eq!(f.check(false, 8192, 512), None, "two hits and it is spent");
+        assert_eq!(f.injected(), 2);
+        assert!(f.list().is_empty());
+    }
+
+    #[test]
+    fn durations_expire_and_probe_faults_are_seen() {
+        let f = FaultSet::default();
+        f.add(FaultRule {
+            duration: Some(Duration::from_millis(30)),
+            fails_probe: true,
+            ..rule(FaultEffect::Errno(libc::EIO), FaultOps::Any, 0, 0)
+        });
+        assert_eq!(f.probe_fault(), Some(libc::EIO));
+        assert_eq!(
+            f.check(true, 1 << 30, 512),
+            Some(FaultEffect::Errno(libc::EIO))
+        );
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(f.probe_fault(), None);
+        assert_eq!(f.check(true, 0, 512), None);
+    }
+
+    #[test]
+    fn hung_operations_complete_only_when_aborted() {
+        let faults = std::sync::Arc::new(FaultSet::default());
+        faults.add(FaultRule {
+            count: Some(1),
+            ..rule(FaultEffect::Hang, FaultOps::Any, 0, 0)
+        });
+        let mut q = FaultyQueue::new(
+            crate::NullQueue::new(crate::NullReads::Untouched).unwrap(),
+            faults,
+        );
+        // SAFETY: flushes carry no buffers.
+        unsafe {
+            q.submit(DeviceIo::Flush, 1);
+            q.submit(DeviceIo::Flush, 2);
+        }
+        let mut got = Vec::new();
+        q.reap(&mut |t, r| got.push((t, r)));
+        assert_eq!(got, vec![(2, 0)]);
+        assert_eq!(q.in_flight(), 1);
+        assert_eq!(q.abort(), 1);
+        got.clear();
+        q.reap(&mut |t, r| got.push((t, r)));
+        assert_eq!(got, vec![(1, -libc::ECANCELED)]);
+        assert_eq!(q.in_flight(), 0);
+    }
+}
