@@ -64,7 +64,8 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Write a completion timeline (CSV: millisecond since start, completions in it) for
+    /// Write a completion timeline (CSV: millisecond since start, successful and failed
+    /// completions in it) for
     /// stall plots; restarts show up as gaps.
     #[arg(long)]
     timeline: Option<std::path::PathBuf>,
@@ -144,7 +145,7 @@ fn run(args: &Args) -> Result<Report, String> {
     let start = Instant::now();
     let warm = Duration::from_secs_f64(args.warmup);
     let stop = warm + Duration::from_secs_f64(args.runtime);
-    type PerQueue = (u64, u64, Vec<u32>, Option<Vec<u32>>);
+    type PerQueue = (u64, u64, Vec<u32>, Option<Vec<[u32; 2]>>);
     let results: Vec<PerQueue> = std::thread::scope(|s| {
         let handles: Vec<_> = queues
             .into_iter()
@@ -155,10 +156,11 @@ fn run(args: &Args) -> Result<Report, String> {
                     let mut seq = (qi as u64 * span / args.queues.max(1) as u64) % span;
                     let mut issued = vec![Instant::now(); args.iodepth];
                     let mut lats: Vec<u32> = Vec::with_capacity(1 << 20);
-                    let mut timeline: Option<Vec<u32>> = args
+                    // Per millisecond: [successful, failed] completions.
+                    let mut timeline: Option<Vec<[u32; 2]>> = args
                         .timeline
                         .as_ref()
-                        .map(|_| vec![0u32; (stop.as_millis() as usize) + 10_000]);
+                        .map(|_| vec![[0u32; 2]; (stop.as_millis() as usize) + 10_000]);
                     let (mut ios, mut errors) = (0u64, 0u64);
                     let mut comps: Vec<MaybeUninit<Completion>> =
                         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
@@ -198,16 +200,14 @@ fn run(args: &Args) -> Result<Report, String> {
                         };
                         let now = Instant::now();
                         let since = now - start;
-                        if let Some(tl) = timeline.as_mut() {
-                            let ms = since.as_millis() as usize;
-                            if ms < tl.len() {
-                                tl[ms] += n as u32;
-                            }
-                        }
+                        let ms = since.as_millis() as usize;
                         for c in &comps[..n] {
                             // SAFETY: do_io initialised the first n completions.
                             let c = unsafe { c.assume_init_ref() };
                             let slot = c.user_data;
+                            if let Some(cell) = timeline.as_mut().and_then(|tl| tl.get_mut(ms)) {
+                                cell[usize::from(c.ret != 0)] += 1;
+                            }
                             if since >= warm {
                                 ios += 1;
                                 if c.ret != 0 {
@@ -259,19 +259,20 @@ fn run(args: &Args) -> Result<Report, String> {
             .filter_map(|r| r.3.as_ref().map(Vec::len))
             .max()
             .unwrap_or(0);
-        let mut total = vec![0u64; len];
+        let mut total = vec![[0u64; 2]; len];
         for r in &results {
             for (i, c) in r.3.iter().flatten().enumerate() {
-                total[i] += *c as u64;
+                total[i][0] += c[0] as u64;
+                total[i][1] += c[1] as u64;
             }
         }
         let end = (start.elapsed().as_millis() as usize).min(len);
-        let csv: String = std::iter::once("ms,completions\n".to_string())
+        let csv: String = std::iter::once("ms,completions,errors\n".to_string())
             .chain(
                 total[..end]
                     .iter()
                     .enumerate()
-                    .map(|(i, c)| format!("{i},{c}\n")),
+                    .map(|(i, [ok, err])| format!("{i},{ok},{err}\n")),
             )
             .collect();
         std::fs::write(path, csv).map_err(|e| format!("{}: {e}", path.display()))?;

@@ -148,7 +148,7 @@ const EVENTS_KEPT: usize = 1000;
 const TICK_RESETTING: Duration = Duration::from_millis(5);
 const TICK_IDLE: Duration = Duration::from_millis(50);
 const FIRST_BACKOFF: Duration = Duration::from_millis(10);
-const MAX_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_millis(50);
 
 fn now_ms() -> u64 {
     SystemTime::now()
