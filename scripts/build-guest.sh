@@ -29,7 +29,8 @@ cp "$(command -v busybox)" "$root/bin/busybox"
 if ldd "$root/bin/busybox" >/dev/null 2>&1; then
     echo "build-guest: busybox must be static (apt-get install busybox-static)" >&2; exit 1
 fi
-for app in sh mount insmod poweroff cat grep sleep echo ls mkdir dd cmp sync head awk seq; do
+for app in sh mount insmod poweroff cat grep sleep echo ls mkdir dd cmp sync head awk seq \
+    tail sed tr cut wc kill pidof readlink basename rm cp; do
     ln -sf busybox "$root/bin/$app"
 done
 # fio and every library it links, at the same paths.
@@ -43,7 +44,9 @@ done
 for lib in /usr/lib/x86_64-linux-gnu/libaio.so.1*; do
     [[ -e "$lib" ]] && cp -L "$lib" "$root/usr/lib/x86_64-linux-gnu/" 2>/dev/null || true
 done
-mods="virtio virtio_ring virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci virtio_blk"
+# virtio for the vhost-user tests; VFIO for the userspace NVMe driver tests.
+mods="virtio virtio_ring virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci virtio_blk
+      irqbypass vfio vfio_iommu_type1 vfio_virqfd vfio-pci-core vfio-pci"
 for m in $mods; do
     f=$(find "$work/k/lib/modules/$kver" -name "$m.ko*" | head -1)
     if [[ -z "$f" ]]; then

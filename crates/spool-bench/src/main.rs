@@ -69,6 +69,39 @@ struct Args {
     /// stall plots; restarts show up as gaps.
     #[arg(long)]
     timeline: Option<std::path::PathBuf>,
+    /// Verify data: writes store a pattern that depends only on `--seed` and the byte offset
+    /// (so concurrent or repeated writes of a block agree), and every read must return that
+    /// pattern exactly. Mismatches are counted and make the exit status non-zero.
+    #[arg(long)]
+    verify: bool,
+    /// Seed of the `--verify` pattern.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write (or with --rw read, read) every block of the span exactly once, sequentially,
+    /// then stop (instead of running for --runtime). With --verify: lay the pattern down, or
+    /// check all of it.
+    #[arg(long)]
+    fill: bool,
+}
+
+/// The 8-byte word of the `--verify` pattern at byte offset `off` (a multiple of 8).
+fn pattern_word(seed: u64, off: u64) -> u64 {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ off.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 29)
+}
+
+fn fill_pattern(buf: &mut [u8], seed: u64, off: u64) {
+    for (i, w) in buf.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&pattern_word(seed, off + i as u64 * 8).to_le_bytes());
+    }
+}
+
+fn check_pattern(buf: &[u8], seed: u64, off: u64) -> bool {
+    buf.chunks_exact(8)
+        .enumerate()
+        .all(|(i, w)| w == pattern_word(seed, off + i as u64 * 8).to_le_bytes())
 }
 
 #[derive(Serialize, Debug)]
@@ -89,6 +122,8 @@ struct Report {
     /// The slowest request: during a restart, the stall the client saw.
     lat_max_us: f64,
     errors: u64,
+    /// Reads that did not return the `--verify` pattern.
+    mismatches: u64,
     server_cpu_us_per_io: Option<f64>,
 }
 
@@ -145,7 +180,8 @@ fn run(args: &Args) -> Result<Report, String> {
     let start = Instant::now();
     let warm = Duration::from_secs_f64(args.warmup);
     let stop = warm + Duration::from_secs_f64(args.runtime);
-    type PerQueue = (u64, u64, Vec<u32>, Option<Vec<[u32; 2]>>);
+    type PerQueue = (u64, u64, Vec<u32>, Option<Vec<[u32; 2]>>, u64);
+    let warm = if args.fill { Duration::ZERO } else { warm };
     let results: Vec<PerQueue> = std::thread::scope(|s| {
         let handles: Vec<_> = queues
             .into_iter()
@@ -153,7 +189,17 @@ fn run(args: &Args) -> Result<Report, String> {
             .map(|(qi, mut q)| {
                 s.spawn(move || {
                     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (qi as u64 + 1));
-                    let mut seq = (qi as u64 * span / args.queues.max(1) as u64) % span;
+                    let share_start = qi as u64 * span / args.queues as u64;
+                    let share_end = (qi as u64 + 1) * span / args.queues as u64;
+                    // With --fill the first submit takes share_start itself.
+                    let mut seq = if args.fill {
+                        share_start.wrapping_sub(1)
+                    } else {
+                        share_start % span
+                    };
+                    let mut offs = vec![(0u64, false); args.iodepth];
+                    let mut mismatches = 0u64;
+                    let mut in_flight = 0usize;
                     let mut issued = vec![Instant::now(); args.iodepth];
                     let mut lats: Vec<u32> = Vec::with_capacity(1 << 20);
                     // Per millisecond: [successful, failed] completions.
@@ -164,33 +210,59 @@ fn run(args: &Args) -> Result<Report, String> {
                     let (mut ios, mut errors) = (0u64, 0u64);
                     let mut comps: Vec<MaybeUninit<Completion>> =
                         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
-                    let submit =
-                        |q: &mut blkio::Blkioq, slot: usize, rng: &mut Rng, seq: &mut u64| {
-                            let blk = match args.rw {
+                    // Issues the next request in `slot`; false when --fill has covered its share.
+                    let submit = |q: &mut blkio::Blkioq,
+                                  slot: usize,
+                                  rng: &mut Rng,
+                                  seq: &mut u64,
+                                  offs: &mut Vec<(u64, bool)>|
+                     -> bool {
+                        let blk = if args.fill {
+                            *seq = seq.wrapping_add(1);
+                            if *seq >= share_end {
+                                return false;
+                            }
+                            *seq
+                        } else {
+                            match args.rw {
                                 Rw::Read | Rw::Write => {
                                     *seq = (*seq + 1) % span;
                                     *seq
                                 }
                                 _ => rng.next() % span,
-                            };
-                            let write = match args.rw {
-                                Rw::Write | Rw::Randwrite => true,
-                                Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
-                                _ => false,
-                            };
-                            let buf = (base + qi * per_queue + slot * args.bs) as *mut u8;
-                            let off = blk * args.bs as u64;
-                            if write {
-                                q.write(off, buf, args.bs, slot, ReqFlags::empty());
-                            } else {
-                                q.read(off, buf, args.bs, slot, ReqFlags::empty());
                             }
                         };
+                        let write = match args.rw {
+                            Rw::Write | Rw::Randwrite => true,
+                            Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
+                            _ => false,
+                        };
+                        let buf = (base + qi * per_queue + slot * args.bs) as *mut u8;
+                        let off = blk * args.bs as u64;
+                        offs[slot] = (off, write);
+                        if write {
+                            if args.verify {
+                                // SAFETY: this slot's bs bytes of the mapped region belong to
+                                // this thread and no request is using them now.
+                                let b = unsafe { std::slice::from_raw_parts_mut(buf, args.bs) };
+                                fill_pattern(b, args.seed, off);
+                            }
+                            q.write(off, buf, args.bs, slot, ReqFlags::empty());
+                        } else {
+                            q.read(off, buf, args.bs, slot, ReqFlags::empty());
+                        }
+                        true
+                    };
                     for (slot, t) in issued.iter_mut().enumerate() {
                         *t = Instant::now();
-                        submit(&mut q, slot, &mut rng, &mut seq);
+                        if submit(&mut q, slot, &mut rng, &mut seq, &mut offs) {
+                            in_flight += 1;
+                        }
                     }
                     loop {
+                        if args.fill && in_flight == 0 {
+                            break;
+                        }
                         let n = match q.do_io(&mut comps, 1, None, None) {
                             Ok(n) => n,
                             Err(_) => {
@@ -205,6 +277,25 @@ fn run(args: &Args) -> Result<Report, String> {
                             // SAFETY: do_io initialised the first n completions.
                             let c = unsafe { c.assume_init_ref() };
                             let slot = c.user_data;
+                            in_flight -= 1;
+                            let (off, write) = offs[slot];
+                            if args.verify && !write && c.ret == 0 {
+                                // SAFETY: the read into this slot's buffer has completed.
+                                let b = unsafe {
+                                    std::slice::from_raw_parts(
+                                        (base + qi * per_queue + slot * args.bs) as *const u8,
+                                        args.bs,
+                                    )
+                                };
+                                if !check_pattern(b, args.seed, off) {
+                                    if mismatches < 5 {
+                                        eprintln!(
+                                            "spool-bench: verify: wrong data at offset {off}"
+                                        );
+                                    }
+                                    mismatches += 1;
+                                }
+                            }
                             if let Some(cell) = timeline.as_mut().and_then(|tl| tl.get_mut(ms)) {
                                 cell[usize::from(c.ret != 0)] += 1;
                             }
@@ -217,12 +308,14 @@ fn run(args: &Args) -> Result<Report, String> {
                                     (now - issued[slot]).as_nanos().min(u32::MAX as u128) as u32
                                 );
                             }
-                            if since < stop {
+                            if since < stop || args.fill {
                                 issued[slot] = Instant::now();
-                                submit(&mut q, slot, &mut rng, &mut seq);
+                                if submit(&mut q, slot, &mut rng, &mut seq, &mut offs) {
+                                    in_flight += 1;
+                                }
                             }
                         }
-                        if since >= stop {
+                        if since >= stop && !args.fill {
                             // Drain what is still in flight, uncounted.
                             let outstanding = args.iodepth - n;
                             let mut left = outstanding;
@@ -240,7 +333,7 @@ fn run(args: &Args) -> Result<Report, String> {
                             break;
                         }
                     }
-                    (ios, errors, lats, timeline)
+                    (ios, errors, lats, timeline, mismatches)
                 })
             })
             .collect();
@@ -249,7 +342,12 @@ fn run(args: &Args) -> Result<Report, String> {
             .map(|h| h.join().expect("bench thread"))
             .collect()
     });
-    let elapsed = args.runtime;
+    let elapsed = if args.fill {
+        start.elapsed().as_secs_f64()
+    } else {
+        args.runtime
+    };
+    let mismatches: u64 = results.iter().map(|r| r.4).sum();
     let cpu1 = args.server_pid.and_then(cpu_ticks);
     let ios: u64 = results.iter().map(|r| r.0).sum();
     let errors: u64 = results.iter().map(|r| r.1).sum();
@@ -319,6 +417,7 @@ fn run(args: &Args) -> Result<Report, String> {
         lat_p999_us: pct(0.999),
         lat_max_us: lats.last().map(|&x| x as f64 / 1000.0).unwrap_or(0.0),
         errors,
+        mismatches,
         server_cpu_us_per_io,
     })
 }
@@ -335,7 +434,7 @@ fn main() -> std::process::ExitCode {
                 println!("{}", serde_json::to_string(&r).unwrap_or_default());
             } else {
                 println!(
-                    "{:<20} {:>9} bs={:<7} qd={:<3} q={} iops={:>10.0} {:>8.1} MiB/s lat mean={:.1}us p50={:.1} p99={:.1} p99.9={:.1} errors={}{}",
+                    "{:<20} {:>9} bs={:<7} qd={:<3} q={} iops={:>10.0} {:>8.1} MiB/s lat mean={:.1}us p50={:.1} p99={:.1} p99.9={:.1} errors={}{}{}",
                     r.label,
                     format!("{:?}", r.rw).to_lowercase(),
                     r.bs,
@@ -348,10 +447,11 @@ fn main() -> std::process::ExitCode {
                     r.lat_p99_us,
                     r.lat_p999_us,
                     r.errors,
+                    if args.verify { format!(" mismatches={}", r.mismatches) } else { String::new() },
                     r.server_cpu_us_per_io.map(|c| format!(" server_cpu={c:.2}us/io")).unwrap_or_default()
                 );
             }
-            if r.errors > 0 {
+            if r.errors > 0 || r.mismatches > 0 {
                 return std::process::ExitCode::FAILURE;
             }
             std::process::ExitCode::SUCCESS

@@ -213,7 +213,8 @@ impl Config {
     pub fn parse(text: &str, base: &Path) -> Result<Config, String> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
         let abs = |p: &Path| {
-            if p.is_absolute() {
+            // `nvme:DDDD:BB:DD.F` names a controller, not a file.
+            if p.is_absolute() || p.to_str().is_some_and(|s| s.starts_with("nvme:")) {
                 p.to_path_buf()
             } else {
                 base.join(p)

@@ -261,6 +261,10 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
         self.inner.set_completion_events(enabled)
     }
 
+    fn polled(&self) -> bool {
+        self.inner.polled()
+    }
+
     fn in_flight(&self) -> usize {
         self.inner.in_flight() + self.done.len() + self.hung.len()
     }

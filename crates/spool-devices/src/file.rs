@@ -22,6 +22,9 @@ pub enum DeviceKind {
     File,
     /// A block device node.
     Block,
+    /// Namespace 1 of an NVMe controller driven by Spool's userspace driver over VFIO
+    /// (path `nvme:DDDD:BB:DD.F`).
+    Nvme,
     /// The null device (nothing stored; metadata kept in an anonymous memfd for the life of
     /// the process): benchmarks only.
     Null(crate::NullReads),
@@ -52,6 +55,11 @@ pub struct FileDevice {
     faults: Arc<FaultSet>,
     /// The state the data path obeys (the health monitor moves it).
     health: Arc<DeviceHealth>,
+    /// The controller, for NVMe devices (then `buffered` is an empty placeholder memfd and
+    /// every access goes through the controller).
+    nvme: Option<Arc<spool_nvme::Controller>>,
+    /// Last SMART critical-warning byte read from the controller, and when (NVMe only).
+    smart_cache: std::sync::Mutex<(u8, Option<std::time::Instant>)>,
 }
 
 /// What a health probe found.
@@ -85,22 +93,7 @@ impl FileDevice {
                 msg: format!("size {size} is not a positive multiple of 512"),
             });
         }
-        let cname =
-            std::ffi::CString::new(format!("spool-null-{name}")).map_err(|_| Error::Invalid {
-                path: path.display().to_string(),
-                msg: "name contains a NUL byte".into(),
-            })?;
-        // SAFETY: memfd_create reads the NUL-terminated name we pass; the result is checked.
-        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::io(
-                &path,
-                "memfd_create",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: `fd` is a fresh descriptor we exclusively own.
-        let f = unsafe { File::from_raw_fd(fd) };
+        let f = memfd(&format!("spool-null-{name}"), &path)?;
         f.set_len(size)
             .map_err(|e| Error::io(&path, "set size", e))?;
         Ok(FileDevice {
@@ -113,11 +106,70 @@ impl FileDevice {
             inline_io: false,
             faults: Arc::default(),
             health: Arc::default(),
+            nvme: None,
+            smart_cache: Default::default(),
         })
     }
 
+    /// Opens an NVMe controller at PCI address `bdf` (bound to vfio-pci) and uses its
+    /// namespace 1. VFIO gives one process the device at a time, which is the lock.
+    pub fn open_nvme(bdf: &str) -> Result<Self> {
+        let path = PathBuf::from(format!("nvme:{bdf}"));
+        let ctrl = spool_nvme::Controller::open(bdf).map_err(|e| Error::Invalid {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        let size = ctrl.size();
+        let placeholder = memfd("spool-nvme-placeholder", &path)?;
+        Ok(FileDevice {
+            path,
+            kind: DeviceKind::Nvme,
+            size,
+            buffered: placeholder,
+            direct: None,
+            direct_align: 0,
+            inline_io: false,
+            faults: Arc::default(),
+            health: Arc::default(),
+            nvme: Some(ctrl),
+            smart_cache: Default::default(),
+        })
+    }
+
+    /// The NVMe controller behind this device, if it is one.
+    pub fn nvme(&self) -> Option<&Arc<spool_nvme::Controller>> {
+        self.nvme.as_ref()
+    }
+
+    /// The SMART critical-warning bits: the controller's (read at most once a second) or, for
+    /// other devices, the simulated byte of fault injection; both when set.
+    pub fn smart_warning(&self) -> u8 {
+        let injected = self.faults.smart_warning();
+        let Some(c) = &self.nvme else {
+            return injected;
+        };
+        let mut cache = self.smart_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache
+            .1
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1))
+        {
+            match c.smart_log() {
+                Ok(log) => cache.0 = log.critical_warning,
+                Err(e) => {
+                    tracing::debug!(device = %self.path.display(), error = %e, "cannot read the SMART log")
+                }
+            }
+            cache.1 = Some(std::time::Instant::now());
+        }
+        cache.0 | injected
+    }
+
     /// Opens (and with `create_size`, creates) a device and takes an exclusive lock on it.
+    /// A path `nvme:DDDD:BB:DD.F` opens an NVMe controller through VFIO.
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Self> {
+        if let Some(bdf) = path.to_str().and_then(|p| p.strip_prefix("nvme:")) {
+            return Self::open_nvme(bdf);
+        }
         let meta = match std::fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => match opts.create_size {
@@ -171,7 +223,7 @@ impl FileDevice {
         }
         let size = match kind {
             DeviceKind::File => meta.len(),
-            DeviceKind::Block | DeviceKind::Null(_) => {
+            DeviceKind::Block | DeviceKind::Null(_) | DeviceKind::Nvme => {
                 block_device_size(&buffered).map_err(|e| Error::io(path, "BLKGETSIZE64", e))?
             }
         };
@@ -193,6 +245,8 @@ impl FileDevice {
             inline_io,
             faults: Arc::default(),
             health: Arc::default(),
+            nvme: None,
+            smart_cache: Default::default(),
         })
     }
 
@@ -229,6 +283,12 @@ impl FileDevice {
     /// Synchronous read used for metadata (never on the data path).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
+        if let Some(c) = &self.nvme {
+            let (start, data) = self.nvme_read_covering(c, offset, buf.len() as u64)?;
+            let at = (offset - start) as usize;
+            buf.copy_from_slice(&data[at..at + buf.len()]);
+            return Ok(());
+        }
         self.buffered
             .read_exact_at(buf, offset)
             .map_err(|e| Error::io(&self.path, "read", e))
@@ -237,6 +297,21 @@ impl FileDevice {
     /// Synchronous, durable write used for metadata (never on the data path).
     pub fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.check_range(offset, buf.len() as u64)?;
+        if let Some(c) = &self.nvme {
+            let lba = c.namespace().lba_size;
+            let (start, mut data) =
+                if offset.is_multiple_of(lba) && (buf.len() as u64).is_multiple_of(lba) {
+                    (offset, buf.to_vec())
+                } else {
+                    // Read-modify-write of the partial blocks at either end.
+                    self.nvme_read_covering(c, offset, buf.len() as u64)?
+                };
+            let at = (offset - start) as usize;
+            data[at..at + buf.len()].copy_from_slice(buf);
+            return c
+                .write_durable(start, &data)
+                .map_err(|e| self.nvme_error("write", e));
+        }
         self.buffered
             .write_all_at(buf, offset)
             .map_err(|e| Error::io(&self.path, "write", e))?;
@@ -250,6 +325,15 @@ impl FileDevice {
     /// writes zeroes otherwise.
     pub fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
         self.check_range(offset, len)?;
+        if let Some(c) = &self.nvme {
+            let lba = c.namespace().lba_size;
+            if offset.is_multiple_of(lba) && len.is_multiple_of(lba) {
+                return c
+                    .zero_durable(offset, len)
+                    .map_err(|e| self.nvme_error("write zeroes", e));
+            }
+            return self.write_at_durable(&vec![0u8; len as usize], offset);
+        }
         // SAFETY: fallocate on a descriptor we own; no memory is involved.
         let r = unsafe {
             libc::fallocate(
@@ -275,6 +359,33 @@ impl FileDevice {
             .map_err(|e| Error::io(&self.path, "fdatasync", e))
     }
 
+    /// Reads the whole blocks covering `[offset, offset+len)`; returns their start and bytes.
+    fn nvme_read_covering(
+        &self,
+        c: &spool_nvme::Controller,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u64, Vec<u8>)> {
+        let lba = c.namespace().lba_size;
+        let start = offset / lba * lba;
+        let end = (offset + len).div_ceil(lba) * lba;
+        let mut data = vec![0u8; (end - start) as usize];
+        c.read(start, &mut data)
+            .map_err(|e| self.nvme_error("read", e))?;
+        Ok((start, data))
+    }
+
+    fn nvme_error(&self, what: &'static str, e: spool_nvme::Error) -> Error {
+        Error::Io {
+            path: self.path.display().to_string(),
+            what,
+            source: std::io::Error::new(
+                std::io::Error::from_raw_os_error(e.errno()).kind(),
+                e.to_string(),
+            ),
+        }
+    }
+
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
@@ -294,6 +405,12 @@ impl FileDevice {
     /// the device's fault injection.
     pub fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn crate::DeviceQueue>> {
         let f = self.faults.clone();
+        if let Some(c) = &self.nvme {
+            return Ok(Box::new(FaultyQueue::new(
+                crate::nvme::NvmeQueue::new(c.clone(), depth)?,
+                f,
+            )));
+        }
         if let DeviceKind::Null(reads) = self.kind {
             return Ok(Box::new(FaultyQueue::new(crate::NullQueue::new(reads)?, f)));
         }
@@ -337,6 +454,21 @@ impl FileDevice {
                 _ => Probe::Failed(e),
             };
         }
+        if let Some(c) = &self.nvme {
+            let csts = c.csts();
+            if csts == u32::MAX {
+                return Probe::Gone("the controller's registers read all ones (removed)".into());
+            }
+            if csts & spool_nvme::spec::CSTS_CFS != 0 {
+                return Probe::Failed(libc::EIO);
+            }
+            let mut buf = vec![0u8; 4096.min(self.size as usize)];
+            return match c.read(0, &mut buf) {
+                Ok(()) => Probe::Ok,
+                Err(spool_nvme::Error::Gone(why)) => Probe::Gone(why),
+                Err(e) => Probe::Failed(e.errno()),
+            };
+        }
         if self.kind == DeviceKind::File {
             match self.buffered.metadata() {
                 Ok(m) if std::os::unix::fs::MetadataExt::nlink(&m) == 0 => {
@@ -359,6 +491,25 @@ impl FileDevice {
             }
         }
     }
+}
+
+/// A fresh anonymous memory file named `name`.
+fn memfd(name: &str, path: &Path) -> Result<File> {
+    let cname = std::ffi::CString::new(name).map_err(|_| Error::Invalid {
+        path: path.display().to_string(),
+        msg: "name contains a NUL byte".into(),
+    })?;
+    // SAFETY: memfd_create reads the NUL-terminated name we pass; the result is checked.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io(
+            path,
+            "memfd_create",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: `fd` is a fresh descriptor we exclusively own.
+    Ok(unsafe { File::from_raw_fd(fd) })
 }
 
 fn block_device_size(f: &File) -> std::io::Result<u64> {

@@ -2,7 +2,8 @@
 //!
 //! Owns: opening files and block devices (size, O_DIRECT probe, exclusive lock), synchronous
 //! metadata I/O, and the per-worker asynchronous [`DeviceQueue`] that moves data between a
-//! device and caller-supplied memory (io_uring for files and block devices), fault injection
+//! device and caller-supplied memory (io_uring for files and block devices, Spool's userspace
+//! driver for NVMe controllers), fault injection
 //! in front of every queue, and each device's health cell (the state the data path obeys).
 //!
 //! Must not know: virtio, vhost-user, volumes, extents or pool metadata. Offsets here are
@@ -13,6 +14,7 @@ mod file;
 mod health;
 mod inline;
 mod null;
+mod nvme;
 mod queue;
 
 pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue};
@@ -20,6 +22,19 @@ pub use file::{DeviceKind, FileDevice, OpenOptions, Probe};
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullQueue, NullReads};
+pub use nvme::NvmeQueue;
+
+/// Makes `[addr, addr+len)` of this process reachable by DMA from every NVMe controller, so
+/// requests into it are zero copy (called for guest memory when a vhost-user frontend maps
+/// it). Harmless, and cheap, when no NVMe device is in use.
+pub fn register_dma_memory(addr: u64, len: u64) -> std::result::Result<(), String> {
+    spool_nvme::register_memory(addr, len).map_err(|e| e.to_string())
+}
+
+/// Undoes [`register_dma_memory`]; no request may still point into the range.
+pub fn unregister_dma_memory(addr: u64, len: u64) {
+    spool_nvme::unregister_memory(addr, len)
+}
 pub use queue::{DeviceIo, DeviceQueue, IoVec, UringQueue};
 
 /// Errors of the devices layer.

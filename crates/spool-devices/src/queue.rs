@@ -59,6 +59,11 @@ pub trait DeviceQueue: Send {
     /// Whether completions signal [`DeviceQueue::completion_fd`]. A polling worker turns this
     /// off (it would only cost a kernel wake-up per completion) and on before it sleeps.
     fn set_completion_events(&mut self, _enabled: bool) {}
+    /// True when completions are found only by polling (the userspace NVMe driver has no
+    /// interrupts): the worker must not sleep while such a queue has operations in flight.
+    fn polled(&self) -> bool {
+        false
+    }
     /// Operations submitted and not yet reaped.
     fn in_flight(&self) -> usize;
     /// Completes every operation the queue can give up on (hung commands) with

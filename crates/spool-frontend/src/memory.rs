@@ -24,6 +24,36 @@ struct Mapping {
     /// Offset of the region in its file.
     offset: u64,
     region: Arc<GuestRegionMmap<()>>,
+    /// Keeps the region mapped for device DMA (zero-copy NVMe) while the table holds it.
+    _dma: Arc<DmaRegistration>,
+}
+
+/// The region's registration for device DMA, undone when the table lets go of the region. A
+/// command still in flight into a region the frontend removed then fails on the IOMMU
+/// instead of touching memory that is no longer the guest's.
+#[derive(Debug)]
+struct DmaRegistration {
+    addr: u64,
+    len: u64,
+}
+
+impl DmaRegistration {
+    fn new(region: &GuestRegionMmap<()>) -> Self {
+        use vm_memory::GuestMemoryRegion;
+        let addr = region.as_ptr() as u64;
+        let len = region.len();
+        if let Err(e) = spool_devices::register_dma_memory(addr, len) {
+            // Not fatal: NVMe requests into this region fall back to bounce buffers.
+            tracing::warn!(error = %e, "guest memory cannot be mapped for device DMA; NVMe I/O will copy");
+        }
+        DmaRegistration { addr, len }
+    }
+}
+
+impl Drop for DmaRegistration {
+    fn drop(&mut self) {
+        spool_devices::unregister_dma_memory(self.addr, self.len);
+    }
 }
 
 /// The frontend's memory, as mapped into this process.
@@ -82,6 +112,7 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
         size: r.memory_size,
         vva: r.user_addr,
         offset: r.mmap_offset,
+        _dma: Arc::new(DmaRegistration::new(&region)),
         region: Arc::new(region),
     })
 }

@@ -334,8 +334,13 @@ impl QueueWorker {
                 continue;
             }
             // Reading the clock costs more than a poll round: look only every 64 idle rounds.
+            // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
+            // the worker awake, or nothing would ever wake it for their completions.
             idle_rounds += 1;
-            if !idle_rounds.is_multiple_of(64) || last_work.elapsed() < self.poll_idle {
+            if !idle_rounds.is_multiple_of(64)
+                || last_work.elapsed() < self.poll_idle
+                || self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
+            {
                 std::hint::spin_loop();
                 continue;
             }

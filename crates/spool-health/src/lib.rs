@@ -312,7 +312,7 @@ impl Monitor {
                     epoch,
                     counters: w.counters.clone(),
                     last_error: w.last_error.clone(),
-                    smart_critical_warning: w.dev.faults().smart_warning(),
+                    smart_critical_warning: w.dev.smart_warning(),
                     injected_faults: w.dev.faults().list().len(),
                     injected_hits: w.dev.faults().injected(),
                     since_s: w.changed.elapsed().as_secs_f64(),
@@ -536,7 +536,7 @@ impl Monitor {
             }
             HealthState::Healthy => {
                 w.reset_started = None;
-                let smart = w.dev.faults().smart_warning();
+                let smart = w.dev.smart_warning();
                 if smart != w.smart_seen {
                     w.smart_seen = smart;
                     if smart & SMART_FATAL != 0 {

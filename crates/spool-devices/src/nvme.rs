@@ -1,0 +1,474 @@
+//! A pool device on an NVMe namespace driven by Spool's userspace driver (`spool-nvme`).
+//!
+//! [`NvmeQueue`] is one worker's I/O queue pair. Reads and writes point the controller
+//! straight at the caller's buffers when they lie in memory registered for DMA (guest
+//! memory, see [`crate::register_dma_memory`]) and the buffer list can be described by PRPs;
+//! otherwise (unregistered or oddly split memory) the data goes through a bounce buffer. A
+//! request larger than the controller's transfer limit becomes several commands that
+//! complete as one. Completions are polled: the queue reports itself as
+//! [`DeviceQueue::polled`], so the worker never sleeps while commands are outstanding.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+
+use spool_nvme::spec::{io, Sqe};
+use spool_nvme::{prp, Controller, DmaBuf, QueuePair, PAGE};
+
+use crate::queue::{DeviceIo, DeviceQueue, IoVec};
+
+struct Bounce {
+    buf: DmaBuf,
+    iov: *const IoVec,
+    iovcnt: u32,
+    read: bool,
+}
+
+struct Request {
+    tag: u64,
+    remaining: u32,
+    result: i32,
+    len: u64,
+    bounce: Option<Bounce>,
+}
+
+/// One worker's queue pair on a controller's namespace 1.
+pub struct NvmeQueue {
+    ctrl: Arc<Controller>,
+    qp: Option<QueuePair>,
+    depth: u16,
+    lba: u64,
+    nsid: u32,
+    max_xfer: u64,
+    /// PRP list (or DSM range) page of each command identifier.
+    lists: DmaBuf,
+    /// Request index of each outstanding command identifier.
+    cids: Vec<u32>,
+    reqs: Vec<Request>,
+    free_reqs: Vec<u32>,
+    backlog: VecDeque<(DeviceIo, u64)>,
+    done: VecDeque<(u64, i32)>,
+    outstanding: usize,
+    segs: Vec<(u64, u64)>,
+    chunk: Vec<(u64, u64)>,
+    entries: Vec<u64>,
+    event: File,
+    /// Requests that went through a bounce buffer (for the device's statistics).
+    pub bounced: u64,
+}
+
+// SAFETY: raw pointers held in `Bounce` are the caller's iovecs, which the `submit` contract
+// keeps valid until completion; the queue is used by one worker thread at a time.
+unsafe impl Send for NvmeQueue {}
+
+impl NvmeQueue {
+    /// Creates an I/O queue pair of `depth` entries on `ctrl`.
+    pub fn new(ctrl: Arc<Controller>, depth: u32) -> std::io::Result<NvmeQueue> {
+        let err = |e: spool_nvme::Error| std::io::Error::from_raw_os_error(e.errno());
+        let qp = ctrl
+            .create_queue_pair(depth.clamp(2, 1024) as u16)
+            .map_err(|e| {
+                tracing::error!(controller = ctrl.bdf(), error = %e, "cannot create an I/O queue pair");
+                err(e)
+            })?;
+        let depth = qp.depth();
+        let ns = ctrl.namespace();
+        let lists = DmaBuf::new(depth as usize * PAGE as usize).map_err(err)?;
+        Ok(NvmeQueue {
+            max_xfer: ctrl.info().max_transfer,
+            lba: ns.lba_size,
+            nsid: ns.nsid,
+            ctrl,
+            qp: Some(qp),
+            depth,
+            lists,
+            cids: vec![u32::MAX; depth as usize],
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            backlog: VecDeque::new(),
+            done: VecDeque::new(),
+            outstanding: 0,
+            segs: Vec::new(),
+            chunk: Vec::new(),
+            entries: Vec::new(),
+            event: crate::queue::completion_eventfd()?,
+            bounced: 0,
+        })
+    }
+
+    fn commands_needed(&self, io: &DeviceIo) -> u64 {
+        match *io {
+            DeviceIo::Read { len, .. } | DeviceIo::Write { len, .. } => {
+                len.div_ceil(self.max_xfer).max(1)
+            }
+            DeviceIo::WriteZeroes { len, .. } => (len / self.lba).div_ceil(0x10000).max(1),
+            DeviceIo::Discard { len, .. } => (len / self.lba).div_ceil(0xffff_0000).max(1),
+            DeviceIo::Flush => 1,
+        }
+    }
+
+    fn new_request(&mut self, tag: u64, remaining: u32, len: u64, bounce: Option<Bounce>) -> u32 {
+        let r = Request {
+            tag,
+            remaining,
+            result: 0,
+            len,
+            bounce,
+        };
+        match self.free_reqs.pop() {
+            Some(i) => {
+                self.reqs[i as usize] = r;
+                i
+            }
+            None => {
+                self.reqs.push(r);
+                self.reqs.len() as u32 - 1
+            }
+        }
+    }
+
+    /// Pushes one command for request `req`; `prps` are its data entries (empty for none).
+    fn push(&mut self, mut sqe: Sqe, req: u32, with_list: impl FnOnce(&mut [u8])) {
+        let qp = self.qp.as_mut().expect("checked by the caller");
+        let cid = qp.peek_cid().expect("capacity checked by the caller");
+        let list = &mut self.lists.bytes_mut()
+            [cid as usize * PAGE as usize..(cid as usize + 1) * PAGE as usize];
+        with_list(list);
+        if sqe.prp1 == u64::MAX {
+            sqe.prp1 = self.lists.iova() + cid as u64 * PAGE;
+        }
+        if sqe.prp2 == u64::MAX {
+            sqe.prp2 = self.lists.iova() + cid as u64 * PAGE;
+        }
+        let got = qp.push(sqe).expect("capacity checked by the caller");
+        debug_assert_eq!(got, cid);
+        self.cids[cid as usize] = req;
+        self.outstanding += 1;
+    }
+
+    /// Turns `io` into commands, or returns false when the queue lacks room for all of them.
+    ///
+    /// # Safety
+    /// As [`DeviceQueue::submit`].
+    unsafe fn try_submit(&mut self, io: DeviceIo, tag: u64) -> bool {
+        let Some(qp) = self.qp.as_ref() else {
+            self.done.push_back((tag, -libc::EIO));
+            return true;
+        };
+        let need = self.commands_needed(&io);
+        if need > qp.free() as u64 {
+            if need >= self.depth as u64 {
+                // Can never fit: the request is larger than the whole queue can carry.
+                self.done.push_back((tag, -libc::EINVAL));
+                return true;
+            }
+            return false;
+        }
+        let info = self.ctrl.info().clone();
+        match io {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            }
+            | DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => {
+                let read = matches!(io, DeviceIo::Read { .. });
+                if len == 0 || offset % self.lba != 0 || len % self.lba != 0 {
+                    self.done.push_back((tag, -libc::EINVAL));
+                    return true;
+                }
+                // SAFETY: the caller guarantees `iovcnt` valid iovecs.
+                let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
+                self.segs.clear();
+                let mut zero_copy = true;
+                for v in iovs.iter().filter(|v| v.iov_len > 0) {
+                    match spool_nvme::dma::translate(v.iov_base as u64, v.iov_len as u64) {
+                        Some(a) => self.segs.push((a, v.iov_len as u64)),
+                        None => {
+                            zero_copy = false;
+                            break;
+                        }
+                    }
+                }
+                let total: u64 = self.segs.iter().map(|s| s.1).sum();
+                let mut bounce = None;
+                if !zero_copy || total != len || !prp::describable(&self.segs) {
+                    let buf = match DmaBuf::new(len as usize) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "no DMA memory for a bounce buffer");
+                            self.done.push_back((tag, -libc::ENOMEM));
+                            return true;
+                        }
+                    };
+                    if !read {
+                        let mut at = 0usize;
+                        for v in iovs {
+                            let n = v.iov_len.min(len as usize - at);
+                            // SAFETY: each iovec is `iov_len` readable bytes (caller's guarantee);
+                            // the bounce buffer holds `len` bytes.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    v.iov_base.cast::<u8>(),
+                                    buf.as_ptr().add(at),
+                                    n,
+                                )
+                            };
+                            at += n;
+                            if at == len as usize {
+                                break;
+                            }
+                        }
+                    }
+                    self.segs.clear();
+                    self.segs.push((buf.iova(), len));
+                    self.bounced += 1;
+                    bounce = Some(Bounce {
+                        buf,
+                        iov,
+                        iovcnt,
+                        read,
+                    });
+                }
+                let req = self.new_request(tag, need as u32, len, bounce);
+                let mut done = 0u64;
+                while done < len {
+                    let n = (len - done).min(self.max_xfer);
+                    self.chunk.clear();
+                    prp::slice(&self.segs, done, n, &mut self.chunk);
+                    self.entries.clear();
+                    prp::entries(&self.chunk, &mut self.entries);
+                    let mut sqe = Sqe::new(if read { io::READ } else { io::WRITE }, self.nsid)
+                        .lba((offset + done) / self.lba, (n / self.lba) as u32);
+                    let entries = std::mem::take(&mut self.entries);
+                    sqe.prp1 = entries[0];
+                    sqe.prp2 = match entries.len() {
+                        1 => 0,
+                        2 => entries[1],
+                        _ => u64::MAX,
+                    };
+                    self.push(sqe, req, |page| {
+                        if entries.len() > 2 {
+                            for (i, e) in entries[1..].iter().enumerate() {
+                                page[i * 8..i * 8 + 8].copy_from_slice(&e.to_le_bytes());
+                            }
+                        }
+                    });
+                    self.entries = entries;
+                    done += n;
+                }
+            }
+            DeviceIo::Flush => {
+                if !info.write_cache {
+                    self.done.push_back((tag, 0));
+                    return true;
+                }
+                let req = self.new_request(tag, 1, 0, None);
+                self.push(Sqe::new(io::FLUSH, self.nsid), req, |_| {});
+            }
+            DeviceIo::WriteZeroes { offset, len } | DeviceIo::Discard { offset, len } => {
+                let zeroes = matches!(io, DeviceIo::WriteZeroes { .. });
+                if offset % self.lba != 0 || len % self.lba != 0 {
+                    self.done.push_back((tag, -libc::EINVAL));
+                    return true;
+                }
+                let supported = info.oncs & (1 << if zeroes { 3 } else { 2 }) != 0;
+                if !supported || len == 0 {
+                    // Discard is advisory; Write Zeroes without controller support is refused
+                    // so the caller writes zeroes itself.
+                    self.done.push_back((
+                        tag,
+                        if zeroes && len > 0 {
+                            -libc::EOPNOTSUPP
+                        } else {
+                            0
+                        },
+                    ));
+                    return true;
+                }
+                let per = if zeroes { 0x10000 } else { 0xffff_0000u64 };
+                let req = self.new_request(tag, need as u32, 0, None);
+                let mut blk = offset / self.lba;
+                let mut left = len / self.lba;
+                while left > 0 {
+                    let n = left.min(per);
+                    if zeroes {
+                        self.push(
+                            Sqe::new(io::WRITE_ZEROES, self.nsid).lba(blk, n as u32),
+                            req,
+                            |_| {},
+                        );
+                    } else {
+                        // One range: context attributes 0, length, starting LBA; AD (deallocate).
+                        let sqe = Sqe {
+                            prp1: u64::MAX,
+                            cdw10: 0,
+                            cdw11: 1 << 2,
+                            ..Sqe::new(io::DSM, self.nsid)
+                        };
+                        self.push(sqe, req, |page| {
+                            page[..4].copy_from_slice(&0u32.to_le_bytes());
+                            page[4..8].copy_from_slice(&(n as u32).to_le_bytes());
+                            page[8..16].copy_from_slice(&blk.to_le_bytes());
+                        });
+                    }
+                    blk += n;
+                    left -= n;
+                }
+            }
+        }
+        true
+    }
+
+    fn finish(&mut self, req: u32) {
+        let r = &mut self.reqs[req as usize];
+        let tag = r.tag;
+        let result = if r.result < 0 {
+            r.result
+        } else {
+            r.len.min(i32::MAX as u64) as i32
+        };
+        if let Some(b) = r.bounce.take() {
+            if b.read && result >= 0 {
+                // SAFETY: the submit contract keeps the iovecs valid and writable until this
+                // completion is reaped; the bounce buffer holds `len` bytes the device wrote.
+                let iovs = unsafe { std::slice::from_raw_parts(b.iov, b.iovcnt as usize) };
+                let mut at = 0usize;
+                for v in iovs {
+                    let n = v.iov_len.min(r.len as usize - at);
+                    // SAFETY: as above.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            b.buf.as_ptr().add(at),
+                            v.iov_base.cast::<u8>(),
+                            n,
+                        )
+                    };
+                    at += n;
+                    if at == r.len as usize {
+                        break;
+                    }
+                }
+            }
+        }
+        self.free_reqs.push(req);
+        self.done.push_back((tag, result));
+    }
+}
+
+impl DeviceQueue for NvmeQueue {
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        // SAFETY: the caller's guarantee is passed on unchanged.
+        if !self.backlog.is_empty() || !unsafe { self.try_submit(io, tag) } {
+            self.backlog.push_back((io, tag));
+        }
+    }
+
+    fn kick(&mut self) -> std::io::Result<()> {
+        while let Some(&(io, tag)) = self.backlog.front() {
+            // SAFETY: backlogged operations were given to `submit` under its contract.
+            if !unsafe { self.try_submit(io, tag) } {
+                break;
+            }
+            self.backlog.pop_front();
+        }
+        if let Some(qp) = self.qp.as_mut() {
+            qp.ring();
+        }
+        Ok(())
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        if let Some(mut qp) = self.qp.take() {
+            let mut finished = Vec::new();
+            qp.poll(&mut |c| {
+                let req = std::mem::replace(&mut self.cids[c.cid as usize], u32::MAX);
+                if req == u32::MAX {
+                    return;
+                }
+                self.outstanding -= 1;
+                let r = &mut self.reqs[req as usize];
+                if !c.status.ok() && r.result >= 0 {
+                    tracing::debug!(controller = self.ctrl.bdf(), status = %c.status, "command failed");
+                    r.result = c.status.errno();
+                }
+                r.remaining -= 1;
+                if r.remaining == 0 {
+                    finished.push(req);
+                }
+            });
+            self.qp = Some(qp);
+            for req in finished {
+                self.finish(req);
+            }
+        }
+        let n = self.done.len();
+        while let Some((t, r)) = self.done.pop_front() {
+            done(t, r);
+        }
+        n
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+
+    fn ack_completion_event(&self) {}
+
+    fn polled(&self) -> bool {
+        true
+    }
+
+    fn in_flight(&self) -> usize {
+        self.reqs.len() - self.free_reqs.len() + self.backlog.len() + self.done.len()
+    }
+
+    /// Deletes the queue pair (the controller aborts every outstanding command and stops
+    /// touching their buffers), completes those requests with -ECANCELED and creates a new
+    /// queue pair.
+    fn abort(&mut self) -> usize {
+        if self.outstanding == 0 {
+            return 0;
+        }
+        if let Some(qp) = self.qp.take() {
+            self.ctrl.delete_queue_pair(qp);
+        }
+        let mut n = 0;
+        for cid in 0..self.cids.len() {
+            let req = std::mem::replace(&mut self.cids[cid], u32::MAX);
+            if req == u32::MAX {
+                continue;
+            }
+            let r = &mut self.reqs[req as usize];
+            r.result = -libc::ECANCELED;
+            r.remaining -= 1;
+            if r.remaining == 0 {
+                self.finish(req);
+                n += 1;
+            }
+        }
+        self.outstanding = 0;
+        match self.ctrl.create_queue_pair(self.depth) {
+            Ok(qp) => self.qp = Some(qp),
+            Err(e) => {
+                tracing::error!(controller = self.ctrl.bdf(), error = %e, "cannot recreate the I/O queue pair after an abort")
+            }
+        }
+        n
+    }
+}
+
+impl Drop for NvmeQueue {
+    fn drop(&mut self) {
+        if let Some(qp) = self.qp.take() {
+            self.ctrl.delete_queue_pair(qp);
+        }
+    }
+}

@@ -1,0 +1,130 @@
+#!/bin/sh
+# Runs inside the NVMe test guest (scripts/test-nvme.py): binds every emulated NVMe
+# controller to vfio-pci, runs spoold on them with Spool's userspace driver and drives two
+# volumes with spool-bench (libblkio) verifying every byte: identify, writes and reads of
+# several sizes (PRP lists, commands split at the transfer limit), several queues, a graceful
+# upgrade, a worker SIGKILL under load, and (when the host does the device_del) a hot
+# removal. Prints "SPOOL-NVME: PASS" or "SPOOL-NVME: FAIL <why>".
+export PATH=/bin:/sbin:/opt/spool
+say() { echo "SPOOL-NVME: $*"; }
+t() { cut -d' ' -f1 /proc/uptime; }
+fail() {
+    say "FAIL $*"
+    [ -f /tmp/spoold.log ] && tail -n 60 /tmp/spoold.log
+    sync
+    poweroff -f
+}
+ctl() { spoolctl --socket /tmp/spool/spoldd.sock "$@"; }
+bench() { spool-bench --size 33554432 "$@" || fail "spool-bench $*"; }
+
+mount -t tmpfs tmpfs /tmp
+mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm
+for m in irqbypass vfio vfio_iommu_type1 vfio_virqfd vfio-pci-core vfio-pci; do
+    if [ -f /lib/modules/$m.ko ]; then
+        insmod /lib/modules/$m.ko || fail "insmod $m"
+    fi
+done
+bdfs=""
+for d in /sys/bus/pci/devices/*; do
+    [ "$(cat $d/class)" = "0x010802" ] || continue
+    b=${d##*/}
+    [ -e $d/driver ] && echo "$b" > $d/driver/unbind
+    echo vfio-pci > $d/driver_override
+    echo "$b" > /sys/bus/pci/drivers_probe
+    bdfs="$bdfs $b"
+done
+set -- $bdfs
+[ $# -ge 2 ] || fail "expected 2 NVMe controllers, found $#"
+c1=$1
+c2=$2
+for b in $c1 $c2; do
+    g=$(readlink /sys/bus/pci/devices/$b/iommu_group)
+    [ -c /dev/vfio/${g##*/} ] || fail "$b: no /dev/vfio/${g##*/} (vIOMMU or vfio-pci missing)"
+done
+say "controllers $c1 $c2 bound to vfio-pci at $(t)s"
+
+mkdir -p /tmp/spool
+cat > /tmp/spool.toml <<CONF
+state_dir = "/tmp/spool"
+rpc_socket = "/tmp/spool/spoldd.sock"
+[[devices]]
+path = "nvme:$c1"
+[[devices]]
+path = "nvme:$c2"
+[[volumes]]
+name = "vol1"
+size = "64M"
+num_queues = 2
+[[volumes]]
+name = "vol2"
+size = "64M"
+[health]
+poll_interval_ms = 200
+CONF
+spoold --config /tmp/spool.toml > /tmp/spoold.log 2>&1 &
+keeper=$!
+i=0
+while [ ! -S /tmp/spool/vhost/vol2.sock ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
+[ -S /tmp/spool/vhost/vol2.sock ] || fail "spoold did not start"
+grep -q "NVMe controller ready" /tmp/spoold.log || fail "no controller came up"
+grep "NVMe controller ready" /tmp/spoold.log | sed 's/^.*INFO //' | head -2
+say "spoold serving at $(t)s"
+ctl device health || fail "device health"
+v1=/tmp/spool/vhost/vol1.sock
+v2=/tmp/spool/vhost/vol2.sock
+
+# Lay patterns down with several request sizes (4K: one PRP entry; 128K: a PRP list; 1M:
+# split at the controller's transfer limit) and two queues, then read everything back.
+bench --socket $v1 --rw write --fill --verify --seed 11 --bs 131072 --iodepth 4 --queues 2
+bench --socket $v2 --rw write --fill --verify --seed 22 --bs 1048576 --iodepth 2
+bench --socket $v1 --rw randwrite --verify --seed 11 --bs 4096 --iodepth 16 --runtime 2
+bench --socket $v1 --rw read --fill --verify --seed 11 --bs 65536 --iodepth 8 --queues 2
+bench --socket $v2 --rw read --fill --verify --seed 22 --bs 4096 --iodepth 32
+say "write/read verify passed at $(t)s"
+grep -q "bounce" /tmp/spoold.log && say "note: some requests used bounce buffers"
+
+# Graceful upgrade (same binary): the new worker takes the controllers over.
+ctl upgrade || fail "upgrade"
+bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+bench --socket $v2 --rw read --fill --verify --seed 22 --bs 131072 --iodepth 4
+say "upgrade passed at $(t)s"
+
+# Worker SIGKILL under a verifying random-write load on both volumes.
+spool-bench --socket $v1 --size 33554432 --rw randwrite --verify --seed 11 --iodepth 16 --runtime 8 > /tmp/b1 2>&1 &
+b1=$!
+spool-bench --socket $v2 --size 33554432 --rw randrw --verify --seed 22 --iodepth 8 --runtime 8 > /tmp/b2 2>&1 &
+b2=$!
+sleep 3
+worker=""
+for p in $(pidof spoold); do [ "$p" != "$keeper" ] && worker=$p; done
+[ -n "$worker" ] || fail "no worker process"
+kill -9 "$worker"
+say "killed worker $worker at $(t)s"
+wait $b1 || { cat /tmp/b1; fail "vol1 load across the worker kill"; }
+wait $b2 || { cat /tmp/b2; fail "vol2 load across the worker kill"; }
+cat /tmp/b1 /tmp/b2
+bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+bench --socket $v2 --rw read --fill --verify --seed 22 --bs 131072 --iodepth 4
+say "worker kill passed at $(t)s"
+grep -E "resetting|re-attach" /tmp/spoold.log | sed 's/^.*INFO //' | head -3
+
+if grep -q "spool.hotremove=1" /proc/cmdline; then
+    # The host removes controller 2 (device_del): spoold must release it, isolate vol2 and
+    # keep serving vol1.
+    say "REMOVE nvme1"
+    i=0
+    while [ -e /sys/bus/pci/devices/$c2 ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+    [ -e /sys/bus/pci/devices/$c2 ] && fail "controller $c2 was not released"
+    say "controller removed at $(t)s"
+    bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+    ctl device health
+    ctl events | tail -n 5
+    kill -0 $keeper || fail "spoold exited"
+    say "hot removal passed at $(t)s"
+fi
+ctl status | head -n 20
+kill $keeper
+wait $keeper
+say "PASS"
+sync
+poweroff -f

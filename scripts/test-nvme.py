@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Userspace NVMe driver test: boots a TCG guest with two emulated NVMe controllers behind a
+virtual IOMMU (QEMU's intel-iommu), ships spoold/spoolctl/spool-bench into it as an extra
+initramfs archive, and runs scripts/guest/nvme-job.sh there (VFIO bind, spoold on the
+controllers, verified I/O, upgrade, worker kill, hot removal). The host side only starts
+QEMU, answers the guest's "REMOVE" request with a QMP device_del, and checks the verdict.
+
+Usage: scripts/test-nvme.py [--release] [--no-hotremove] [--timeout SECONDS]
+Exit status 0 when the guest prints "SPOOL-NVME: PASS". The console log is kept in
+.cache/nvme-guest.log.
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.environ.get("SPOOL_CACHE", os.path.join(REPO, ".cache"))
+BINS = ["spoold", "spoolctl", "spool-bench"]
+
+
+def sh(*cmd, **kw):
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def build(profile):
+    args = ["cargo", "build", "--quiet", "--bins"] + (["--release"] if profile == "release" else [])
+    sh(*args, cwd=REPO)
+    sh(os.path.join(REPO, "scripts", "build-guest.sh"))
+
+
+def extra_initramfs(profile, work):
+    """An initramfs archive with the binaries (debug info stripped), their libraries and the job."""
+    root = os.path.join(work, "root")
+    opt = os.path.join(root, "opt", "spool")
+    os.makedirs(opt)
+    libs = set()
+    for b in BINS:
+        src = os.path.join(REPO, "target", profile, b)
+        dst = os.path.join(opt, b)
+        sh("objcopy", "--strip-debug", src, dst)
+        out = subprocess.run(["ldd", src], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if "=>" in parts and len(parts) > parts.index("=>") + 1:
+                libs.add(parts[parts.index("=>") + 1])
+            elif parts and parts[0].startswith("/"):
+                libs.add(parts[0])
+    for lib in libs:
+        if not os.path.isfile(lib):
+            continue
+        dst = root + lib
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy(lib, dst)
+    shutil.copy(os.path.join(REPO, "scripts", "guest", "nvme-job.sh"), os.path.join(opt, "job.sh"))
+    os.chmod(os.path.join(opt, "job.sh"), 0o755)
+    cpio = os.path.join(work, "extra.cpio")
+    files = subprocess.run(["find", "."], cwd=root, capture_output=True, text=True, check=True).stdout
+    with open(cpio, "wb") as f:
+        subprocess.run(["busybox", "cpio", "-o", "-H", "newc"], cwd=root, input=files.encode(),
+                       stdout=f, stderr=subprocess.DEVNULL, check=True)
+    base = os.path.join(CACHE, "guest", "initramfs.cpio.gz")
+    combined = os.path.join(work, "initramfs.cpio.gz")
+    # The kernel unpacks concatenated archives in order: the second adds /opt/spool.
+    with open(combined, "wb") as out:
+        with open(base, "rb") as f:
+            shutil.copyfileobj(f, out)
+        with open(cpio, "rb") as f, gzip.open(out, "wb", compresslevel=1) as g:
+            shutil.copyfileobj(f, g)
+    return combined
+
+
+class Qmp:
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX)
+        for _ in range(100):
+            try:
+                self.s.connect(path)
+                break
+            except OSError:
+                time.sleep(0.1)
+        self.f = self.s.makefile("rw")
+        json.loads(self.f.readline())
+        self.cmd("qmp_capabilities")
+
+    def cmd(self, name, **args):
+        self.f.write(json.dumps({"execute": name, "arguments": args}) + "\n")
+        self.f.flush()
+        while True:
+            r = json.loads(self.f.readline())
+            if "return" in r or "error" in r:
+                return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--release", action="store_true", help="test release binaries (default: debug)")
+    ap.add_argument("--no-hotremove", action="store_true", help="skip the device_del step")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds before the guest is killed")
+    a = ap.parse_args()
+    profile = "release" if a.release else "debug"
+    build(profile)
+    work = tempfile.mkdtemp(prefix="spool-nvme-")
+    try:
+        initrd = extra_initramfs(profile, work)
+        disks = []
+        for i in range(2):
+            p = os.path.join(work, f"nvme{i}.img")
+            with open(p, "wb") as f:
+                f.truncate(256 << 20)
+            disks.append(p)
+        qmp_path = os.path.join(work, "qmp.sock")
+        append = "console=ttyS0 quiet panic=-1 intel_iommu=on iommu=pt spool.job=script"
+        if not a.no_hotremove:
+            append += " spool.hotremove=1"
+        cmd = ["timeout", str(a.timeout), "qemu-system-x86_64",
+               "-machine", "q35", "-accel", "tcg,thread=multi", "-smp", "2", "-m", "1G",
+               "-device", "intel-iommu,intremap=on,caching-mode=on",
+               "-nographic", "-no-reboot", "-nic", "none",
+               "-kernel", os.path.join(CACHE, "guest", "vmlinuz"), "-initrd", initrd,
+               "-append", append,
+               "-qmp", f"unix:{qmp_path},server=on,wait=off"]
+        for i, d in enumerate(disks):
+            cmd += ["-drive", f"file={d},if=none,id=d{i},format=raw,cache=unsafe",
+                    "-device", f"pcie-root-port,id=rp{i},chassis={i + 1},slot={i + 1}",
+                    "-device", f"nvme,id=nvme{i},serial=spool{i},drive=d{i},bus=rp{i}"]
+        log_path = os.path.join(CACHE, "nvme-guest.log")
+        start = time.time()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace")
+        qmp = None
+        verdict = None
+        with open(log_path, "w") as log:
+            for line in p.stdout:
+                log.write(line)
+                log.flush()
+                if "SPOOL-NVME:" in line or "SPOOL-E2E:" in line:
+                    print(f"[{time.time() - start:6.1f}s] {line.rstrip()}", flush=True)
+                if "SPOOL-NVME: REMOVE" in line:
+                    dev = line.split("REMOVE", 1)[1].strip()
+                    qmp = qmp or Qmp(qmp_path)
+                    r = qmp.cmd("device_del", id=dev)
+                    print(f"  host: device_del {dev}: {r}", flush=True)
+                if "SPOOL-NVME: PASS" in line:
+                    verdict = True
+                elif "SPOOL-NVME: FAIL" in line:
+                    verdict = False
+        p.wait()
+        elapsed = time.time() - start
+        if verdict:
+            print(f"test-nvme: PASS in {elapsed:.0f} s (log: {log_path})")
+            return 0
+        print(f"test-nvme: FAIL after {elapsed:.0f} s (qemu exit {p.returncode}); last lines of {log_path}:")
+        with open(log_path) as f:
+            print("".join(f.readlines()[-60:]))
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
