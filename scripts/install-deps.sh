@@ -9,6 +9,7 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v fio >/dev/null || need+=(fio)
 command -v busybox >/dev/null || need+=(busybox-static)
 command -v xz >/dev/null || need+=(xz-utils)
+command -v objcopy >/dev/null || need+=(binutils)
 if ((${#need[@]} == 0)); then
     exit 0
 fi

@@ -12,6 +12,8 @@ echo "== guest image"
 scripts/build-guest.sh
 echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"
 SPOOL_E2E=1 cargo test --workspace
+echo "== userspace NVMe driver in a TCG guest (VFIO, intel-iommu, QEMU's emulated NVMe)"
+python3 scripts/test-nvme.py
 echo "== fuzz smoke"
 scripts/fuzz.sh 30
 echo "== benchmark suite smoke (checks the suite runs, not its numbers)"

@@ -109,16 +109,30 @@ say "worker kill passed at $(t)s"
 grep -E "resetting|re-attach" /tmp/spoold.log | sed 's/^.*INFO //' | head -3
 
 if grep -q "spool.hotremove=1" /proc/cmdline; then
-    # The host removes controller 2 (device_del): spoold must release it, isolate vol2 and
-    # keep serving vol1.
-    say "REMOVE nvme1"
+    # The host removes vol2's controller (device_del): spoold must release it, isolate vol2
+    # (clean errors, no hang) and keep serving vol1 on the other controller.
+    v2dev=$(ctl volume --json show vol2 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
+    v1dev=$(ctl volume --json show vol1 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
+    [ "$v1dev" != "$v2dev" ] || fail "vol1 and vol2 share a device"
+    gone=$(ctl device list | grep "$v2dev" | grep -o 'nvme:[0-9a-f:.]*' | cut -d: -f2-)
+    case "$gone" in
+    "$c1") say "REMOVE nvme0" ;;
+    "$c2") say "REMOVE nvme1" ;;
+    *) fail "cannot find vol2's controller ($v2dev: '$gone')" ;;
+    esac
     i=0
-    while [ -e /sys/bus/pci/devices/$c2 ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
-    [ -e /sys/bus/pci/devices/$c2 ] && fail "controller $c2 was not released"
-    say "controller removed at $(t)s"
+    while [ -e /sys/bus/pci/devices/$gone ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+    [ -e /sys/bus/pci/devices/$gone ] && fail "controller $gone was not released"
+    say "controller $gone removed at $(t)s"
     bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+    if timeout 60 spool-bench --socket $v2 --rw randread --runtime 1 --iodepth 4 > /tmp/b2 2>&1; then
+        cat /tmp/b2
+        fail "I/O to the removed controller's volume succeeded"
+    fi
+    grep -q "errors=0 " /tmp/b2 && fail "vol2 saw no errors: $(cat /tmp/b2)"
+    tail -n 1 /tmp/b2
     ctl device health
-    ctl events | tail -n 5
+    ctl events | tail -n 4
     kill -0 $keeper || fail "spoold exited"
     say "hot removal passed at $(t)s"
 fi

@@ -455,10 +455,18 @@ impl FileDevice {
             };
         }
         if let Some(c) = &self.nvme {
-            let csts = c.csts();
-            if csts == u32::MAX {
-                return Probe::Gone("the controller's registers read all ones (removed)".into());
+            if c.removal_requested() {
+                c.release("the kernel asked for the device back (hot removal)");
+                return Probe::Gone(
+                    "hot removal: the kernel asked for the device back; released it".into(),
+                );
             }
+            if c.is_gone() {
+                return Probe::Gone(
+                    "the controller's registers read all ones or faulted (removed)".into(),
+                );
+            }
+            let csts = c.csts();
             if csts & spool_nvme::spec::CSTS_CFS != 0 {
                 return Probe::Failed(libc::EIO);
             }

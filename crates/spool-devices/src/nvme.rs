@@ -66,13 +66,19 @@ impl NvmeQueue {
     /// Creates an I/O queue pair of `depth` entries on `ctrl`.
     pub fn new(ctrl: Arc<Controller>, depth: u32) -> std::io::Result<NvmeQueue> {
         let err = |e: spool_nvme::Error| std::io::Error::from_raw_os_error(e.errno());
-        let qp = ctrl
-            .create_queue_pair(depth.clamp(2, 1024) as u16)
-            .map_err(|e| {
+        // A controller that is gone still gets a queue (every request fails with ENODEV), so
+        // volumes on other devices of the pool keep starting.
+        let qp = match ctrl.create_queue_pair(depth.clamp(2, 1024) as u16) {
+            Ok(qp) => Some(qp),
+            Err(spool_nvme::Error::Gone(_)) => None,
+            Err(e) => {
                 tracing::error!(controller = ctrl.bdf(), error = %e, "cannot create an I/O queue pair");
-                err(e)
-            })?;
-        let depth = qp.depth();
+                return Err(err(e));
+            }
+        };
+        let depth = qp
+            .as_ref()
+            .map_or(depth.clamp(2, 1024) as u16, QueuePair::depth);
         let ns = ctrl.namespace();
         let lists = DmaBuf::new(depth as usize * PAGE as usize).map_err(err)?;
         Ok(NvmeQueue {
@@ -80,7 +86,7 @@ impl NvmeQueue {
             lba: ns.lba_size,
             nsid: ns.nsid,
             ctrl,
-            qp: Some(qp),
+            qp,
             depth,
             lists,
             cids: vec![u32::MAX; depth as usize],
@@ -153,7 +159,12 @@ impl NvmeQueue {
     /// As [`DeviceQueue::submit`].
     unsafe fn try_submit(&mut self, io: DeviceIo, tag: u64) -> bool {
         let Some(qp) = self.qp.as_ref() else {
-            self.done.push_back((tag, -libc::EIO));
+            let e = if self.ctrl.is_gone() {
+                libc::ENODEV
+            } else {
+                libc::EIO
+            };
+            self.done.push_back((tag, -e));
             return true;
         };
         let need = self.commands_needed(&io);

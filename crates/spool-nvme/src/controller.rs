@@ -79,8 +79,15 @@ pub struct Controller {
     admin: Mutex<Admin>,
     sync: Mutex<Option<SyncIo>>,
     bar: Bar,
-    /// Kept open: closing the device descriptor hands the controller back to the kernel.
-    _dev: Device,
+    /// Kept open while we drive the controller: closing the device descriptor hands it back
+    /// to the kernel (which is what a hot removal waits for).
+    dev: Mutex<Option<Device>>,
+    /// Signalled by the kernel when it wants the device back (hot removal).
+    removal: Option<std::fs::File>,
+    /// SIGBUS-watch slot of the BAR mapping.
+    bar_slot: Option<usize>,
+    /// Released or found gone: every operation fails fast with [`Error::Gone`].
+    gone: std::sync::atomic::AtomicBool,
     cap: Cap,
     info: ControllerInfo,
     ns: NamespaceInfo,
@@ -133,12 +140,17 @@ impl Controller {
         };
         let max_qid =
             ((bar.len - spec::REG_DOORBELLS) / (2 * cap.doorbell_stride)).min(1024) as u16 - 1;
+        let removal = dev.request_eventfd();
+        let bar_slot = crate::sigbus::watch(bar.ptr as usize, bar.len);
         let mut c = Controller {
             bdf: bdf.clone(),
             admin: Mutex::new(admin),
             sync: Mutex::new(None),
             bar,
-            _dev: dev,
+            dev: Mutex::new(Some(dev)),
+            removal,
+            bar_slot,
+            gone: Default::default(),
             cap,
             info: ControllerInfo::default(),
             ns: NamespaceInfo::default(),
@@ -221,6 +233,7 @@ impl Controller {
 
     /// Runs one admin command to completion; returns its dword 0.
     fn admin_cmd(&self, sqe: Sqe, what: &'static str) -> Result<u32> {
+        self.check_present()?;
         let mut adm = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         Self::run_sync(&self.bdf, &mut adm.qp, sqe, what, &|| {
             self.rd32(spec::REG_CSTS)
@@ -351,6 +364,7 @@ impl Controller {
 
     /// Runs an admin command that returns one 4 KiB page (PRP1 = the admin buffer).
     fn admin_page(&self, mut sqe: Sqe, what: &'static str) -> Result<Vec<u8>> {
+        self.check_present()?;
         let mut adm = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         adm.buf.bytes_mut().fill(0);
         sqe.prp1 = adm.buf.iova();
@@ -383,8 +397,58 @@ impl Controller {
         self.rd32(spec::REG_CSTS)
     }
 
+    /// True once the controller was released, its BAR faulted (SIGBUS) or its registers read
+    /// all ones (surprise removal).
+    pub fn is_gone(&self) -> bool {
+        if self.gone.load(Ordering::Acquire) {
+            return true;
+        }
+        if self.bar_slot.is_some_and(crate::sigbus::faulted) || self.csts() == u32::MAX {
+            self.gone.store(true, Ordering::Release);
+            return true;
+        }
+        false
+    }
+
+    fn check_present(&self) -> Result<()> {
+        if self.is_gone() {
+            return Err(Error::Gone(self.bdf.clone()));
+        }
+        Ok(())
+    }
+
+    /// Whether the kernel asked for the device back (a hot removal is waiting for us).
+    pub fn removal_requested(&self) -> bool {
+        let Some(ev) = &self.removal else {
+            return false;
+        };
+        let mut b = [0u8; 8];
+        matches!(std::io::Read::read(&mut &*ev, &mut b), Ok(8))
+    }
+
+    /// Lets go of the device for good (hot removal, or a device found gone): the BAR is
+    /// covered with an all-ones dummy mapping, so queue owners still ringing doorbells touch
+    /// nothing and see "gone", and the VFIO device descriptor is closed, which lets the
+    /// kernel finish the removal. Outstanding commands never complete; owners abort them.
+    pub fn release(&self, why: &str) {
+        let mut dev = self.dev.lock().unwrap_or_else(|p| p.into_inner());
+        if dev.is_none() {
+            return;
+        }
+        self.gone.store(true, Ordering::Release);
+        // SAFETY: the BAR mapping is ours and stays mapped (now as dummy memory) until the
+        // controller is dropped; concurrent accesses hit either the old or the new mapping.
+        if !unsafe { crate::sigbus::cover_with_ones(self.bar.ptr as usize, self.bar.len) } {
+            tracing::warn!(controller = %self.bdf, "cannot cover the BAR; keeping the device open");
+            return;
+        }
+        drop(dev.take());
+        tracing::warn!(controller = %self.bdf, why, "controller released");
+    }
+
     /// Creates an I/O queue pair of up to `depth` entries for one worker.
     pub fn create_queue_pair(&self, depth: u16) -> Result<QueuePair> {
+        self.check_present()?;
         let depth = (depth as u32).clamp(2, self.cap.mqes.min(1024)) as u16;
         let qid = {
             let mut q = self.qids.lock().unwrap_or_else(|p| p.into_inner());
@@ -440,6 +504,11 @@ impl Controller {
     /// are aborted by the controller.
     pub fn delete_queue_pair(&self, qp: QueuePair) {
         let qid = qp.qid as u32;
+        if self.is_gone() {
+            // Nothing to tell a controller that is gone; its rings can simply be freed.
+            drop(qp);
+            return;
+        }
         let r1 = self.admin_cmd(
             Sqe {
                 cdw10: qid,
@@ -473,6 +542,7 @@ impl Controller {
     where
         F: FnMut(&mut dyn FnMut(Sqe) -> Result<()>, &mut DmaBuf) -> Result<()>,
     {
+        self.check_present()?;
         let mut g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
         let s = g
             .as_mut()
@@ -680,7 +750,10 @@ impl Drop for Controller {
             // Leave the rings to the shutdown below; deleting here needs the admin queue.
             drop(s);
         }
-        if self.rd32(spec::REG_CSTS) == u32::MAX {
+        if let Some(slot) = self.bar_slot {
+            crate::sigbus::unwatch(slot);
+        }
+        if self.is_gone() {
             return;
         }
         // Normal shutdown: the controller flushes its cache and stops DMA.

@@ -17,6 +17,7 @@ pub mod controller;
 pub mod dma;
 pub mod prp;
 pub mod qpair;
+mod sigbus;
 pub mod spec;
 pub mod vfio;
 

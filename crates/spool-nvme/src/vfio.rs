@@ -28,6 +28,7 @@ const GROUP_GET_STATUS: u64 = vfio_io(3);
 const GROUP_SET_CONTAINER: u64 = vfio_io(4);
 const GROUP_GET_DEVICE_FD: u64 = vfio_io(6);
 const DEVICE_GET_REGION_INFO: u64 = vfio_io(8);
+const DEVICE_SET_IRQS: u64 = vfio_io(10);
 const DEVICE_RESET: u64 = vfio_io(11);
 const IOMMU_MAP_DMA: u64 = vfio_io(13);
 const IOMMU_UNMAP_DMA: u64 = vfio_io(14);
@@ -353,6 +354,41 @@ impl Device {
     pub fn enable_bus_master(&self) -> Result<()> {
         let cmd = self.config_read16(4)?;
         self.config_write16(4, cmd | 0x6)
+    }
+
+    /// An eventfd the kernel signals when it wants the device back (PCI hot removal: the
+    /// device is being unplugged and vfio-pci waits for us to let go of it). `None` when the
+    /// kernel does not offer the request interrupt.
+    pub fn request_eventfd(&self) -> Option<File> {
+        // SAFETY: eventfd takes no pointers; the result is checked.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return None;
+        }
+        // SAFETY: `efd` is a fresh descriptor we exclusively own.
+        let ev = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(efd) };
+        #[repr(C)]
+        struct IrqSetOne {
+            hdr: b::vfio_irq_set,
+            fd: i32,
+        }
+        let set = IrqSetOne {
+            hdr: b::vfio_irq_set {
+                argsz: std::mem::size_of::<IrqSetOne>() as u32,
+                flags: b::VFIO_IRQ_SET_DATA_EVENTFD | b::VFIO_IRQ_SET_ACTION_TRIGGER,
+                index: b::VFIO_PCI_REQ_IRQ_INDEX,
+                start: 0,
+                count: 1,
+                data: Default::default(),
+            },
+            fd: ev.as_raw_fd(),
+        };
+        // SAFETY: the kernel reads the header and one descriptor from the struct we pass.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), DEVICE_SET_IRQS as _, &set) } != 0 {
+            tracing::info!(device = %self.bdf, error = %std::io::Error::last_os_error(), "no VFIO device request interrupt: hot removal is seen only when the device stops answering");
+            return None;
+        }
+        Some(ev)
     }
 
     /// Function-level reset through VFIO (used only when the controller does not respond).
