@@ -68,6 +68,25 @@ impl StateStore for KeeperStore {
     }
 }
 
+/// The keeper as the NVMe driver's descriptor store.
+struct NvmeKeeper(Arc<KeeperLink>);
+
+impl spool_devices::nvme_handoff::Keeper for NvmeKeeper {
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) {
+        if let Err(e) = self.0.put(key, value, fds) {
+            tracing::error!(
+                key,
+                "cannot deposit an NVMe controller with the keeper: {e}; a crash now resets it"
+            );
+        }
+    }
+    fn remove(&self, key: &str) {
+        if let Err(e) = self.0.remove(key) {
+            tracing::error!(key, "keeper: {e}");
+        }
+    }
+}
+
 /// Keeper key of the RPC listening socket.
 pub const RPC_LISTEN_KEY: &str = "rpc/listen";
 /// Keeper key naming the state formats the running worker writes.
@@ -126,6 +145,19 @@ impl Daemon {
             })
             .collect();
         let t_open = std::time::Instant::now();
+        if let Some(k) = &keeping {
+            // NVMe controllers stay up across workers: the driver deposits its VFIO
+            // descriptors and queue arenas with the keeper and takes over what the previous
+            // worker left (see spool_nvme::handoff).
+            use spool_devices::nvme_handoff as h;
+            h::set_keeper(Arc::new(NvmeKeeper(k.link.clone())));
+            let keys = k.restored.lock().unwrap_or_else(|p| p.into_inner()).keys();
+            for key in keys.into_iter().filter(|key| key.starts_with(h::PREFIX)) {
+                if let Some((value, files)) = k.take(&key) {
+                    h::offer(key, value, files);
+                }
+            }
+        }
         let pool = Pool::open(
             &specs,
             PoolOptions {

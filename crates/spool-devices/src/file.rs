@@ -62,6 +62,28 @@ pub struct FileDevice {
     smart_cache: std::sync::Mutex<(u8, Option<std::time::Instant>)>,
 }
 
+/// What [`FileDevice::nvme_status`] reports.
+#[derive(Debug, Clone)]
+pub struct NvmeStatus {
+    pub pci: String,
+    pub model: String,
+    pub serial: String,
+    pub firmware: String,
+    pub version: String,
+    pub lba_size: u64,
+    pub blocks: u64,
+    pub io_queues: u16,
+    pub max_transfer: u64,
+    /// Controller resets this process did (0 after a re-attach to a live controller).
+    pub resets: u64,
+    /// This process took the controller over live (no reset) from the previous worker.
+    pub attached: bool,
+    pub zero_copy_requests: u64,
+    pub bounced_requests: u64,
+    pub gone: bool,
+    pub smart: Option<spool_nvme::SmartLog>,
+}
+
 /// What a health probe found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Probe {
@@ -133,6 +155,36 @@ impl FileDevice {
             health: Arc::default(),
             nvme: Some(ctrl),
             smart_cache: Default::default(),
+        })
+    }
+
+    /// What the NVMe driver knows about this device (None for other kinds): identify data,
+    /// queue and copy counters, and a fresh SMART log when the controller answers.
+    pub fn nvme_status(&self) -> Option<NvmeStatus> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = self.nvme.as_ref()?;
+        let i = c.info();
+        let ns = c.namespace();
+        Some(NvmeStatus {
+            pci: c.bdf().to_string(),
+            model: i.model.clone(),
+            serial: i.serial.clone(),
+            firmware: i.firmware.clone(),
+            version: format!("{}.{}", i.version.0, i.version.1),
+            lba_size: ns.lba_size,
+            blocks: ns.blocks,
+            io_queues: i.io_queues,
+            max_transfer: i.max_transfer,
+            resets: c.resets(),
+            attached: c.attached(),
+            zero_copy_requests: c.zero_copy_requests.load(Relaxed),
+            bounced_requests: c.bounced_requests.load(Relaxed),
+            gone: c.is_gone(),
+            smart: if c.is_gone() {
+                None
+            } else {
+                c.smart_log().ok()
+            },
         })
     }
 

@@ -18,11 +18,13 @@ mod nvme;
 mod queue;
 
 pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue};
-pub use file::{DeviceKind, FileDevice, OpenOptions, Probe};
+pub use file::{DeviceKind, FileDevice, NvmeStatus, OpenOptions, Probe};
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullQueue, NullReads};
 pub use nvme::NvmeQueue;
+/// Keeping NVMe controllers alive across worker restarts (the daemon wires its keeper in).
+pub use spool_nvme::handoff as nvme_handoff;
 
 /// Makes `[addr, addr+len)` of this process reachable by DMA from every NVMe controller, so
 /// requests into it are zero copy (called for guest memory when a vhost-user frontend maps

@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use spool_nvme::spec::{io, Sqe};
@@ -54,8 +55,6 @@ pub struct NvmeQueue {
     chunk: Vec<(u64, u64)>,
     entries: Vec<u64>,
     event: File,
-    /// Requests that went through a bounce buffer (for the device's statistics).
-    pub bounced: u64,
 }
 
 // SAFETY: raw pointers held in `Bounce` are the caller's iovecs, which the `submit` contract
@@ -99,7 +98,6 @@ impl NvmeQueue {
             chunk: Vec::new(),
             entries: Vec::new(),
             event: crate::queue::completion_eventfd()?,
-            bounced: 0,
         })
     }
 
@@ -240,13 +238,16 @@ impl NvmeQueue {
                     }
                     self.segs.clear();
                     self.segs.push((buf.iova(), len));
-                    self.bounced += 1;
+                    self.ctrl.bounced_requests.fetch_add(1, Ordering::Relaxed);
                     bounce = Some(Bounce {
                         buf,
                         iov,
                         iovcnt,
                         read,
                     });
+                }
+                if bounce.is_none() {
+                    self.ctrl.zero_copy_requests.fetch_add(1, Ordering::Relaxed);
                 }
                 let req = self.new_request(tag, need as u32, len, bounce);
                 let mut done = 0u64;

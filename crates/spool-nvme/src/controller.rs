@@ -3,12 +3,14 @@
 //!
 //! Only namespace 1 is used (a pool device is one namespace, as with a file).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
+use crate::arena::Arena;
 use crate::spec::{self, admin, io, le16, le32, le64, Cap, Sqe, Status};
-use crate::vfio::{Bar, Device};
+use crate::vfio::{Bar, Container, Device};
 use crate::{DmaBuf, Error, QueuePair, Result, PAGE};
 
 /// Identify Controller fields the driver uses.
@@ -64,8 +66,13 @@ pub struct ErrorLogEntry {
 
 struct Admin {
     qp: QueuePair,
-    buf: DmaBuf,
+    /// Arena page 3: identify data and log pages.
+    buf: (*mut u8, u64),
 }
+
+// SAFETY: `buf` points into the controller's arena, which lives as long as the controller;
+// the admin lock serialises its use.
+unsafe impl Send for Admin {}
 
 struct SyncIo {
     qp: QueuePair,
@@ -75,9 +82,11 @@ struct SyncIo {
 /// An enabled controller.
 pub struct Controller {
     bdf: String,
-    // Field order is drop order: queues before the BAR they ring, the BAR before the device.
+    // Field order is drop order: queues before the BAR they ring and the arena they live in,
+    // the BAR before the device.
     admin: Mutex<Admin>,
     sync: Mutex<Option<SyncIo>>,
+    arena: Arena,
     bar: Bar,
     /// Kept open while we drive the controller: closing the device descriptor hands it back
     /// to the kernel (which is what a hot removal waits for).
@@ -94,23 +103,237 @@ pub struct Controller {
     qids: Mutex<Vec<bool>>,
     /// Times this process reset the controller (bring-up included).
     resets: AtomicU64,
+    /// Taken over live from the previous worker (no reset).
+    attached: bool,
+    /// Data requests that pointed the controller straight at the caller's memory.
+    pub zero_copy_requests: AtomicU64,
+    /// Data requests that went through a bounce buffer.
+    pub bounced_requests: AtomicU64,
 }
 
 const ADMIN_DEPTH: u16 = 32;
 const SYNC_DEPTH: u16 = 16;
 const SYNC_BUF: usize = 1 << 20;
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a re-attach waits for the previous worker's admin commands.
+const RESUME_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest transfer per command: one PRP list page describes 512 pages plus PRP1.
 const PRP_LIMIT: u64 = 512 * PAGE;
 
+/// A controller the previous worker left, prepared by [`take_over_all`].
+enum Prepared {
+    /// Re-attached to the live admin queue; the old I/O queues are deleted.
+    Attached {
+        dev: Device,
+        bar: Bar,
+        arena: Arena,
+        admin: QueuePair,
+    },
+    /// Could not re-attach (why): reset it, reusing the kept descriptor and arena.
+    Reset {
+        dev: Device,
+        arena: Option<Arena>,
+        why: String,
+    },
+}
+
+static PREPARED: Mutex<Option<HashMap<String, Prepared>>> = Mutex::new(None);
+static TAKEOVER: Once = Once::new();
+
+fn admin_qp(arena: &Arena, resume: bool, bar: *mut u8, stride: usize) -> QueuePair {
+    // SAFETY: pages 1 and 2 of the arena hold the admin SQ (32 × 64 bytes) and CQ (32 × 16
+    // bytes), the header's mirror is in page 0; the arena outlives the queue pair (the
+    // controller drops its admin queue before its arena) and nothing else uses them.
+    unsafe {
+        QueuePair::in_shared_memory(
+            0,
+            ADMIN_DEPTH,
+            arena.page(1),
+            arena.page(2),
+            &arena.header().admin,
+            resume,
+            bar,
+            stride,
+        )
+    }
+}
+
+/// Takes over every controller the previous worker deposited: re-attaches to each live admin
+/// queue, deletes the previous worker's I/O queues (the controller aborts what they held),
+/// then clears the previous worker's DMA mappings of guest and bounce memory. Runs once,
+/// before any controller is opened.
+fn take_over_all() {
+    let bdfs = crate::handoff::offered_controllers();
+    if bdfs.is_empty() {
+        return;
+    }
+    let container = match Container::get() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot take the kept VFIO container over; controllers will be reopened and reset");
+            return;
+        }
+    };
+    let mut out = HashMap::new();
+    for bdf in bdfs {
+        let Some((value, mut files)) = crate::handoff::take(&crate::handoff::ctrl_key(&bdf)) else {
+            continue;
+        };
+        let t = Instant::now();
+        let iova = serde_iova(&value);
+        let arena_file = if files.len() == 2 { files.pop() } else { None };
+        let Some(dev_file) = files.pop() else {
+            continue;
+        };
+        let dev = match Device::open(&bdf, Some(dev_file)) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(controller = %bdf, error = %e, "cannot reuse the kept device descriptor");
+                continue;
+            }
+        };
+        let arena = match (arena_file, iova) {
+            (Some(f), Some(iova)) => match Arena::restore(f, iova) {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    tracing::warn!(controller = %bdf, error = %e, "kept arena unusable");
+                    None
+                }
+            },
+            _ => None,
+        };
+        let p = match arena {
+            None => Prepared::Reset {
+                dev,
+                arena: None,
+                why: "no usable arena was kept".into(),
+            },
+            Some(arena) => match attach(&bdf, &dev, &arena) {
+                Ok((bar, admin)) => {
+                    tracing::info!(controller = %bdf, ms = format!("{:.2}", t.elapsed().as_secs_f64() * 1e3),
+                        "re-attached to the live controller (no reset); the previous worker's I/O queues are deleted");
+                    Prepared::Attached {
+                        dev,
+                        bar,
+                        arena,
+                        admin,
+                    }
+                }
+                Err(why) => Prepared::Reset {
+                    dev,
+                    arena: Some(arena),
+                    why,
+                },
+            },
+        };
+        out.insert(bdf, p);
+    }
+    if container.restored {
+        container.unmap_range(crate::dma::IOVA_BASE, crate::dma::IOVA_END);
+        let _g = crate::dma::mapping_lock();
+        if let Err(e) = crate::dma::map_all(&container) {
+            tracing::error!(error = %e, "cannot map registered memory after the takeover");
+        }
+    }
+    *PREPARED.lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
+}
+
+fn serde_iova(value: &str) -> Option<u64> {
+    // The kept value is `{"arena_iova":N}`.
+    let v = value.split("\"arena_iova\":").nth(1)?;
+    v.trim_end_matches('}').trim().parse().ok()
+}
+
+/// Re-attaches to a live controller's admin queue and deletes its I/O queues.
+fn attach(bdf: &str, dev: &Device, arena: &Arena) -> std::result::Result<(Bar, QueuePair), String> {
+    let bar = dev.map_bar(0).map_err(|e| e.to_string())?;
+    // SAFETY: register offsets inside the BAR (NVMe BAR0 is at least 8 KiB; checked below).
+    let rd32 = |at: usize| unsafe { bar.ptr.add(at).cast::<u32>().read_volatile() };
+    if bar.len < 0x2000 {
+        return Err("BAR0 too small".into());
+    }
+    let (cc, csts) = (rd32(spec::REG_CC), rd32(spec::REG_CSTS));
+    if csts == u32::MAX {
+        return Err("registers read all ones".into());
+    }
+    if cc & spec::CC_EN == 0 || csts & spec::CSTS_RDY == 0 || csts & spec::CSTS_CFS != 0 {
+        return Err(format!(
+            "controller not running (CC {cc:#x}, CSTS {csts:#x})"
+        ));
+    }
+    let cap = Cap::decode(rd32(spec::REG_CAP) as u64 | (rd32(spec::REG_CAP + 4) as u64) << 32);
+    let mut admin = admin_qp(arena, true, bar.ptr, cap.doorbell_stride);
+    let left = arena
+        .header()
+        .admin
+        .outstanding
+        .load(std::sync::atomic::Ordering::Acquire);
+    if admin.resume(RESUME_TIMEOUT).is_none() {
+        return Err(format!(
+            "{left} admin commands of the previous worker did not complete"
+        ));
+    }
+    let csts_fn = || rd32(spec::REG_CSTS);
+    for qid in arena.header().live_qids() {
+        for (op, what) in [
+            (admin::DELETE_SQ, "delete old I/O submission queue"),
+            (admin::DELETE_CQ, "delete old I/O completion queue"),
+        ] {
+            match Controller::run_sync(
+                bdf,
+                &mut admin,
+                Sqe {
+                    cdw10: qid as u32,
+                    ..Sqe::new(op, 0)
+                },
+                what,
+                &csts_fn,
+            ) {
+                Ok(_) | Err(Error::Command { .. }) => {}
+                Err(e) => return Err(format!("{what} {qid}: {e}")),
+            }
+        }
+        arena.header().set_qid(qid, false);
+    }
+    Ok((bar, admin))
+}
+
 impl Controller {
-    /// Opens the controller at PCI address `bdf` (bound to vfio-pci), resets and enables it,
-    /// and identifies namespace 1.
+    /// Opens the controller at PCI address `bdf` (bound to vfio-pci) and identifies
+    /// namespace 1. A controller the previous worker left running (kept by the keeper) is
+    /// taken over without a reset; any other is reset and enabled.
     pub fn open(bdf: &str) -> Result<Arc<Controller>> {
-        let dev = Device::open(bdf)?;
-        let bdf = dev.bdf.clone();
+        TAKEOVER.call_once(take_over_all);
+        let bdf = crate::vfio::parse_bdf(bdf)?;
+        let prepared = PREPARED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            .and_then(|m| m.remove(&bdf));
+        let (dev, bar, arena, admin, attached) = match prepared {
+            Some(Prepared::Attached {
+                dev,
+                bar,
+                arena,
+                admin,
+            }) => (dev, bar, arena, Some(admin), true),
+            Some(Prepared::Reset { dev, arena, why }) => {
+                tracing::warn!(controller = %bdf, why = %why, "cannot re-attach to the controller the previous worker left: resetting it");
+                let bar = dev.map_bar(0)?;
+                let arena = match arena {
+                    Some(a) => a,
+                    None => Arena::create(&*Container::get()?)?,
+                };
+                (dev, bar, arena, None, false)
+            }
+            None => {
+                let dev = Device::open(&bdf, None)?;
+                let bar = dev.map_bar(0)?;
+                let arena = Arena::create(&*Container::get()?)?;
+                (dev, bar, arena, None, false)
+            }
+        };
         dev.enable_bus_master()?;
-        let bar = dev.map_bar(0)?;
         if bar.len < 0x2000 {
             return Err(Error::Invalid(format!(
                 "{bdf}: BAR0 is {} bytes, too small for NVMe",
@@ -132,20 +355,27 @@ impl Controller {
             )));
         }
         let vs = rd32(spec::REG_VS);
-        let was_enabled = rd32(spec::REG_CC) & spec::CC_EN != 0;
-        let admin_qp = QueuePair::new(0, ADMIN_DEPTH, bar.ptr, cap.doorbell_stride)?;
         let admin = Admin {
-            qp: admin_qp,
-            buf: DmaBuf::new(4096)?,
+            qp: match admin {
+                Some(q) => q,
+                None => admin_qp(&arena, false, bar.ptr, cap.doorbell_stride),
+            },
+            buf: arena.page(3),
         };
         let max_qid =
             ((bar.len - spec::REG_DOORBELLS) / (2 * cap.doorbell_stride)).min(1024) as u16 - 1;
         let removal = dev.request_eventfd();
         let bar_slot = crate::sigbus::watch(bar.ptr as usize, bar.len);
+        crate::handoff::keep(
+            &crate::handoff::ctrl_key(&bdf),
+            format!("{{\"arena_iova\":{}}}", arena.iova),
+            &[dev.raw_fd(), arena.raw_fd()],
+        );
         let mut c = Controller {
             bdf: bdf.clone(),
             admin: Mutex::new(admin),
             sync: Mutex::new(None),
+            arena,
             bar,
             dev: Mutex::new(Some(dev)),
             removal,
@@ -156,12 +386,14 @@ impl Controller {
             ns: NamespaceInfo::default(),
             qids: Mutex::new(vec![false; max_qid as usize + 1]),
             resets: AtomicU64::new(0),
+            attached,
+            zero_copy_requests: AtomicU64::new(0),
+            bounced_requests: AtomicU64::new(0),
         };
-        if was_enabled {
-            tracing::info!(controller = %bdf, "controller was left enabled by a previous process: resetting it (re-attaching to live queues is not implemented yet)");
+        if !attached {
+            c.reset_and_enable()?;
         }
-        c.reset_and_enable()?;
-        c.identify()?;
+        c.identify(!attached)?;
         c.info.version = ((vs >> 16) as u16, (vs >> 8) as u8);
         let qp = c.create_queue_pair(SYNC_DEPTH)?;
         *c.sync.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(SyncIo {
@@ -170,8 +402,13 @@ impl Controller {
         });
         tracing::info!(controller = %bdf, model = %c.info.model, serial = %c.info.serial,
             lba_size = c.ns.lba_size, blocks = c.ns.blocks, io_queues = c.info.io_queues,
-            max_transfer = c.info.max_transfer, "NVMe controller ready");
+            max_transfer = c.info.max_transfer, attached, resets = c.resets(), "NVMe controller ready");
         Ok(Arc::new(c))
+    }
+
+    /// True when this process took the controller over live from the previous worker.
+    pub fn attached(&self) -> bool {
+        self.attached
     }
 
     fn rd32(&self, at: usize) -> u32 {
@@ -219,8 +456,11 @@ impl Controller {
         self.resets.fetch_add(1, Ordering::Relaxed);
         self.wr32(spec::REG_CC, 0);
         self.wait_ready(false)?;
+        let fresh = admin_qp(&self.arena, false, self.bar.ptr, self.cap.doorbell_stride);
+        for q in self.arena.header().live_qids() {
+            self.arena.header().set_qid(q, false);
+        }
         let adm = self.admin.get_mut().unwrap_or_else(|p| p.into_inner());
-        let fresh = QueuePair::new(0, ADMIN_DEPTH, self.bar.ptr, self.cap.doorbell_stride)?;
         adm.qp = fresh;
         let (sq, cq) = (adm.qp.sq_iova(), adm.qp.cq_iova());
         let n = ADMIN_DEPTH as u32 - 1;
@@ -292,7 +532,7 @@ impl Controller {
         }
     }
 
-    fn identify(&mut self) -> Result<()> {
+    fn identify(&mut self, set_queues: bool) -> Result<()> {
         let page = self.admin_page(
             Sqe {
                 cdw10: 1,
@@ -341,15 +581,23 @@ impl Controller {
         }
         let max_qid = self.qids.get_mut().unwrap_or_else(|p| p.into_inner()).len() as u32 - 1;
         let want = max_qid.min(64);
-        let dw0 = self.admin_cmd(
-            Sqe {
-                cdw10: spec::FEAT_NUM_QUEUES as u32,
-                cdw11: ((want - 1) << 16) | (want - 1),
-                ..Sqe::new(admin::SET_FEATURES, 0)
-            },
-            "set number of queues",
-        )?;
-        info.io_queues = ((dw0 & 0xffff).min(dw0 >> 16) + 1).min(want) as u16;
+        let hdr = &self.arena.header().io_queues;
+        let kept = hdr.load(std::sync::atomic::Ordering::Acquire);
+        info.io_queues = if set_queues || kept == 0 {
+            // Number of Queues may be set once per controller reset.
+            let dw0 = self.admin_cmd(
+                Sqe {
+                    cdw10: spec::FEAT_NUM_QUEUES as u32,
+                    cdw11: ((want - 1) << 16) | (want - 1),
+                    ..Sqe::new(admin::SET_FEATURES, 0)
+                },
+                "set number of queues",
+            )?;
+            ((dw0 & 0xffff).min(dw0 >> 16) + 1).min(want) as u16
+        } else {
+            kept.min(want) as u16
+        };
+        hdr.store(info.io_queues as u32, std::sync::atomic::Ordering::Release);
         let qids = self.qids.get_mut().unwrap_or_else(|p| p.into_inner());
         qids.truncate(info.io_queues as usize + 1);
         qids[0] = true;
@@ -366,13 +614,15 @@ impl Controller {
     fn admin_page(&self, mut sqe: Sqe, what: &'static str) -> Result<Vec<u8>> {
         self.check_present()?;
         let mut adm = self.admin.lock().unwrap_or_else(|p| p.into_inner());
-        adm.buf.bytes_mut().fill(0);
-        sqe.prp1 = adm.buf.iova();
-        let a = &mut *adm;
-        Self::run_sync(&self.bdf, &mut a.qp, sqe, what, &|| {
+        let (ptr, iova) = adm.buf;
+        // SAFETY: arena page 3 is 4 KiB reserved for admin data; the admin lock is held.
+        unsafe { std::ptr::write_bytes(ptr, 0, PAGE as usize) };
+        sqe.prp1 = iova;
+        Self::run_sync(&self.bdf, &mut adm.qp, sqe, what, &|| {
             self.rd32(spec::REG_CSTS)
         })?;
-        Ok(a.buf.bytes()[..4096].to_vec())
+        // SAFETY: as above; the command has completed, the controller no longer writes it.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, PAGE as usize) }.to_vec())
     }
 
     pub fn bdf(&self) -> &str {
@@ -443,6 +693,8 @@ impl Controller {
             return;
         }
         drop(dev.take());
+        // The keeper's copy of the descriptor must go too, or the removal keeps waiting.
+        crate::handoff::withdraw(&crate::handoff::ctrl_key(&self.bdf));
         tracing::warn!(controller = %self.bdf, why, "controller released");
     }
 
@@ -460,10 +712,13 @@ impl Controller {
                 )));
             };
             q[i] = true;
+            // Recorded before the queue exists, so a successor deletes it whatever happens.
+            self.arena.header().set_qid(i as u16, true);
             i as u16
         };
         let release = |e| {
             self.qids.lock().unwrap_or_else(|p| p.into_inner())[qid as usize] = false;
+            self.arena.header().set_qid(qid, false);
             e
         };
         let qp =
@@ -753,7 +1008,8 @@ impl Drop for Controller {
         if let Some(slot) = self.bar_slot {
             crate::sigbus::unwatch(slot);
         }
-        if self.is_gone() {
+        if self.is_gone() || crate::handoff::has_keeper() {
+            // Kept by the keeper: the next worker takes the running controller over.
             return;
         }
         // Normal shutdown: the controller flushes its cache and stops DMA.

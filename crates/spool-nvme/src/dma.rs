@@ -37,7 +37,10 @@ static REGISTRY: RwLock<Registry> = RwLock::new(Registry {
 /// Serialises map/unmap ioctls against container creation.
 static MAPPING: Mutex<()> = Mutex::new(());
 
-const IOVA_BASE: u64 = 1 << 32;
+/// Start of the IOVA range for registered and driver memory (controller arenas lie below).
+pub(crate) const IOVA_BASE: u64 = 1 << 32;
+/// End of that range (within a 39-bit IOMMU).
+pub(crate) const IOVA_END: u64 = 1 << 39;
 const IOVA_ALIGN: u64 = 2 << 20;
 
 /// Makes `[vaddr, vaddr+len)` reachable by every controller of this process. Idempotent for

@@ -13,8 +13,10 @@
 //! guest against QEMU's emulated NVMe); the pure parts (PRP lists, status decoding, identify
 //! parsing) are unit-tested on any machine.
 
+mod arena;
 pub mod controller;
 pub mod dma;
+pub mod handoff;
 pub mod prp;
 pub mod qpair;
 mod sigbus;

@@ -38,6 +38,8 @@ pub struct Container {
     file: File,
     /// Groups attached so far (kept open: closing a group detaches it).
     groups: Mutex<Vec<(u32, Arc<File>)>>,
+    /// Taken over from the previous worker (IOMMU type set, old mappings still in place).
+    pub restored: bool,
 }
 
 static CURRENT: Mutex<Option<Arc<Container>>> = Mutex::new(None);
@@ -49,11 +51,22 @@ impl Container {
     }
 
     /// The container, opened on first use.
-    fn get() -> Result<Arc<Container>> {
+    pub(crate) fn get() -> Result<Arc<Container>> {
         let _g = crate::dma::mapping_lock();
         let mut cur = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = cur.as_ref() {
             return Ok(c.clone());
+        }
+        if let Some((_, mut files)) = crate::handoff::take(crate::handoff::CONTAINER_KEY) {
+            if let Some(file) = files.pop() {
+                let c = Arc::new(Container {
+                    file,
+                    groups: Mutex::new(Vec::new()),
+                    restored: true,
+                });
+                *cur = Some(c.clone());
+                return Ok(c);
+            }
         }
         let file = OpenOptions::new()
             .read(true)
@@ -84,9 +97,15 @@ impl Container {
                     .into(),
             ));
         }
+        crate::handoff::keep(
+            crate::handoff::CONTAINER_KEY,
+            "{}".into(),
+            &[file.as_raw_fd()],
+        );
         let c = Arc::new(Container {
             file,
             groups: Mutex::new(Vec::new()),
+            restored: false,
         });
         *cur = Some(c.clone());
         Ok(c)
@@ -111,6 +130,11 @@ impl Container {
         Ok(())
     }
 
+    /// Unmaps every mapping inside `[from, to)` (a previous worker's, after a takeover).
+    pub(crate) fn unmap_range(&self, from: u64, to: u64) {
+        self.unmap_dma(from, to - from)
+    }
+
     pub(crate) fn unmap_dma(&self, iova: u64, size: u64) {
         let mut m = b::vfio_iommu_type1_dma_unmap {
             argsz: std::mem::size_of::<b::vfio_iommu_type1_dma_unmap>() as u32,
@@ -130,6 +154,14 @@ impl Container {
         let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, f)) = groups.iter().find(|(g, _)| *g == n) {
             return Ok(f.clone());
+        }
+        if let Some((_, mut files)) = crate::handoff::take(&crate::handoff::group_key(n)) {
+            if let Some(f) = files.pop() {
+                // Already attached to the (kept) container by the previous worker.
+                let f = Arc::new(f);
+                groups.push((n, f.clone()));
+                return Ok(f);
+            }
         }
         let path = format!("/dev/vfio/{n}");
         let f = OpenOptions::new()
@@ -158,7 +190,8 @@ impl Container {
         if unsafe { libc::ioctl(f.as_raw_fd(), GROUP_SET_CONTAINER as _, &cfd) } != 0 {
             return Err(Error::os(format!("VFIO_GROUP_SET_CONTAINER {path}")));
         }
-        if groups.is_empty() {
+        crate::handoff::keep(&crate::handoff::group_key(n), "{}".into(), &[f.as_raw_fd()]);
+        if groups.is_empty() && !self.restored {
             // SAFETY: VFIO_SET_IOMMU takes an integer argument.
             if unsafe { libc::ioctl(cfd, SET_IOMMU as _, b::VFIO_TYPE1v2_IOMMU) } != 0 {
                 return Err(Error::os("VFIO_SET_IOMMU type1v2"));
@@ -230,8 +263,9 @@ pub fn parse_bdf(s: &str) -> Result<String> {
 }
 
 impl Device {
-    /// Opens the device at PCI address `bdf`, which must be bound to vfio-pci.
-    pub fn open(bdf: &str) -> Result<Device> {
+    /// Opens the device at PCI address `bdf`, which must be bound to vfio-pci; `kept` is its
+    /// descriptor when a previous worker left it open (no new open, so no function reset).
+    pub fn open(bdf: &str, kept: Option<File>) -> Result<Device> {
         let bdf = parse_bdf(bdf)?;
         let sys = Path::new("/sys/bus/pci/devices").join(&bdf);
         if !sys.exists() {
@@ -240,7 +274,7 @@ impl Device {
         let driver = std::fs::read_link(sys.join("driver"))
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
-        if driver.as_deref() != Some("vfio-pci") {
+        if driver.as_deref() != Some("vfio-pci") && kept.is_none() {
             return Err(Error::Invalid(format!(
                 "PCI device {bdf} is bound to {}, not vfio-pci (echo vfio-pci > {}/driver_override; echo {bdf} > /sys/bus/pci/drivers_probe)",
                 driver.as_deref().unwrap_or("no driver"),
@@ -257,14 +291,22 @@ impl Device {
             })?;
         let container = Container::get()?;
         let gfile = container.attach_group(group)?;
-        let name = std::ffi::CString::new(bdf.clone()).expect("no NUL in a checked address");
-        // SAFETY: the kernel reads the NUL-terminated name; the result is a new descriptor.
-        let fd = unsafe { libc::ioctl(gfile.as_raw_fd(), GROUP_GET_DEVICE_FD as _, name.as_ptr()) };
-        if fd < 0 {
-            return Err(Error::os(format!("VFIO_GROUP_GET_DEVICE_FD {bdf}")));
-        }
-        // SAFETY: `fd` is a fresh descriptor we exclusively own.
-        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let file = match kept {
+            Some(f) => f,
+            None => {
+                let name =
+                    std::ffi::CString::new(bdf.clone()).expect("no NUL in a checked address");
+                // SAFETY: the kernel reads the NUL-terminated name; the result is a new descriptor.
+                let fd = unsafe {
+                    libc::ioctl(gfile.as_raw_fd(), GROUP_GET_DEVICE_FD as _, name.as_ptr())
+                };
+                if fd < 0 {
+                    return Err(Error::os(format!("VFIO_GROUP_GET_DEVICE_FD {bdf}")));
+                }
+                // SAFETY: `fd` is a fresh descriptor we exclusively own.
+                unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+            }
+        };
         let mut d = Device {
             bdf,
             file,
@@ -297,6 +339,11 @@ impl Device {
             )));
         }
         Ok(info)
+    }
+
+    /// The device descriptor (to deposit with a keeper).
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
     }
 
     /// Maps BAR `index` (0 for NVMe registers).

@@ -534,7 +534,40 @@ fn health_table(ds: &[Value]) -> String {
             s(d, "reason"),
         ]);
     }
-    table(rows)
+    let mut out = table(rows);
+    for d in ds.iter().filter(|d| d["nvme"].is_object()) {
+        let n = &d["nvme"];
+        out.push_str(&format!(
+            "\n{} NVMe {} {} (sn {}, fw {}, v{}): {} x {} B, {} I/O queues, max transfer {} KiB\n  controller resets by this worker {}{}; requests zero-copy {}, bounced {}{}",
+            s(d, "path"),
+            s(n, "pci"),
+            s(n, "model"),
+            s(n, "serial"),
+            s(n, "firmware"),
+            s(n, "version"),
+            s(n, "blocks"),
+            s(n, "lba_size"),
+            s(n, "io_queues"),
+            n["max_transfer"].as_u64().unwrap_or(0) / 1024,
+            s(n, "resets"),
+            if n["attached"].as_bool() == Some(true) { " (taken over live from the previous worker)" } else { "" },
+            s(n, "zero_copy_requests"),
+            s(n, "bounced_requests"),
+            match n["smart"].as_object() {
+                Some(m) => format!(
+                    "\n  SMART: critical warning 0x{:02x}, {} K, spare {}%, used {}%, media errors {}, error log entries {}",
+                    m["critical_warning"].as_u64().unwrap_or(0),
+                    m["temperature_k"],
+                    m["available_spare_pct"],
+                    m["percentage_used"],
+                    m["media_errors"],
+                    m["error_log_entries"]
+                ),
+                None => String::new(),
+            }
+        ));
+    }
+    out
 }
 
 fn print_event(e: &Value) {

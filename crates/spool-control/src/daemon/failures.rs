@@ -227,7 +227,20 @@ impl Daemon {
                     .into_iter()
                     .filter(|r| only.is_none_or(|u| u == r.device))
                     .collect();
-                Ok(serde_json::to_value(reports).unwrap_or(Value::Null))
+                let handles = self.pool().device_handles();
+                let mut out = Vec::new();
+                for r in reports {
+                    let mut v = serde_json::to_value(&r).unwrap_or(Value::Null);
+                    let nvme = handles
+                        .iter()
+                        .find(|(u, _)| *u == r.device)
+                        .and_then(|(_, d)| d.nvme_status());
+                    if let (Some(n), Some(obj)) = (nvme, v.as_object_mut()) {
+                        obj.insert("nvme".into(), nvme_json(&n));
+                    }
+                    out.push(v);
+                }
+                Ok(Value::Array(out))
             })(),
             "events_list" => (|| {
                 #[derive(Deserialize)]
@@ -405,4 +418,32 @@ impl Daemon {
             .map(|(_, d)| d)
             .ok_or_else(|| RpcError::app(format!("device {uuid} is not present")))
     }
+}
+
+/// The NVMe part of a device's health report.
+fn nvme_json(n: &spool_devices::NvmeStatus) -> Value {
+    serde_json::json!({
+        "pci": n.pci,
+        "model": n.model,
+        "serial": n.serial,
+        "firmware": n.firmware,
+        "version": n.version,
+        "lba_size": n.lba_size,
+        "blocks": n.blocks,
+        "io_queues": n.io_queues,
+        "max_transfer": n.max_transfer,
+        "resets": n.resets,
+        "attached": n.attached,
+        "zero_copy_requests": n.zero_copy_requests,
+        "bounced_requests": n.bounced_requests,
+        "gone": n.gone,
+        "smart": n.smart.map(|s| serde_json::json!({
+            "critical_warning": s.critical_warning,
+            "temperature_k": s.temperature,
+            "available_spare_pct": s.available_spare,
+            "percentage_used": s.percentage_used,
+            "media_errors": s.media_errors,
+            "error_log_entries": s.error_log_entries,
+        })),
+    })
 }
