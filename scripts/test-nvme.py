@@ -2,16 +2,18 @@
 """Userspace NVMe driver test: boots a TCG guest with two emulated NVMe controllers behind a
 virtual IOMMU (QEMU's intel-iommu), ships spoold/spoolctl/spool-bench into it as an extra
 initramfs archive, and runs scripts/guest/nvme-job.sh there (VFIO bind, spoold on the
-controllers, verified I/O, upgrade, worker kill, hot removal). The host side only starts
-QEMU, answers the guest's "REMOVE" request with a QMP device_del, and checks the verdict.
+controllers, verified I/O, upgrade, worker kill, SMART warning, hot removal). The host side
+only starts QEMU, answers the guest's "SMART" and "REMOVE" requests over QMP (qom-set
+smart_critical_warning, device_del) and checks the verdict.
 
-Usage: scripts/test-nvme.py [--release] [--no-hotremove] [--timeout SECONDS]
+Usage: scripts/test-nvme.py [--release] [--no-hotremove] [--no-smart] [--timeout SECONDS]
 Exit status 0 when the guest prints "SPOOL-NVME: PASS". The console log is kept in
 .cache/nvme-guest.log.
 """
 import argparse
 import gzip
 import json
+import re
 import os
 import shutil
 import socket
@@ -103,6 +105,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--release", action="store_true", help="test release binaries (default: debug)")
     ap.add_argument("--no-hotremove", action="store_true", help="skip the device_del step")
+    ap.add_argument("--no-smart", action="store_true", help="skip the SMART critical-warning step")
     ap.add_argument("--timeout", type=int, default=900, help="seconds before the guest is killed")
     a = ap.parse_args()
     profile = "release" if a.release else "debug"
@@ -120,6 +123,8 @@ def main():
         append = "console=ttyS0 quiet panic=-1 intel_iommu=on iommu=pt spool.job=script"
         if not a.no_hotremove:
             append += " spool.hotremove=1"
+        if not a.no_smart:
+            append += " spool.smart=1"
         cmd = ["timeout", str(a.timeout), "qemu-system-x86_64",
                "-machine", "q35", "-accel", "tcg,thread=multi", "-smp", "2", "-m", "1G",
                "-device", "intel-iommu,intremap=on,caching-mode=on",
@@ -143,11 +148,19 @@ def main():
                 log.flush()
                 if "SPOOL-NVME:" in line or "SPOOL-E2E:" in line:
                     print(f"[{time.time() - start:6.1f}s] {line.rstrip()}", flush=True)
-                if "SPOOL-NVME: REMOVE" in line:
-                    dev = line.split("REMOVE", 1)[1].strip()
+                m = re.search(r"SPOOL-NVME: REMOVE (nvme\d+)\s*$", line)
+                if m:
+                    dev = m.group(1)
                     qmp = qmp or Qmp(qmp_path)
                     r = qmp.cmd("device_del", id=dev)
                     print(f"  host: device_del {dev}: {r}", flush=True)
+                m = re.search(r"SPOOL-NVME: SMART (nvme\d+) (\d+)\s*$", line)
+                if m:
+                    dev, value = m.groups()
+                    qmp = qmp or Qmp(qmp_path)
+                    r = qmp.cmd("qom-set", path=f"/machine/peripheral/{dev}",
+                                property="smart_critical_warning", value=int(value))
+                    print(f"  host: qom-set {dev} smart_critical_warning={value}: {r}", flush=True)
                 if "SPOOL-NVME: PASS" in line:
                     verdict = True
                 elif "SPOOL-NVME: FAIL" in line:

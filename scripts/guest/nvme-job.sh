@@ -122,18 +122,36 @@ bench --socket $v2 --rw read --fill --verify --seed 22 --bs 131072 --iodepth 4
 live "worker kill"
 say "worker kill passed at $(t)s"
 
+# Which controller holds vol2 (the volumes are on different controllers).
+v2dev=$(ctl volume --json show vol2 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
+v1dev=$(ctl volume --json show vol1 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
+[ "$v1dev" != "$v2dev" ] || fail "vol1 and vol2 share a device"
+gone=$(ctl device list | grep "$v2dev" | grep -o 'nvme:[0-9a-f:.]*' | cut -d: -f2-)
+case "$gone" in
+"$c1") gone_id=nvme0 ;;
+"$c2") gone_id=nvme1 ;;
+*) fail "cannot find vol2's controller ($v2dev: '$gone')" ;;
+esac
+
+if grep -q "spool.smart=1" /proc/cmdline; then
+    # The host sets SMART critical warning 0x04 (NVM subsystem reliability degraded) on
+    # vol2's controller: spoold reads it from the SMART log and isolates that device.
+    say "SMART $gone_id 4"
+    i=0
+    while ! ctl device health | grep "$v2dev" | grep -q FAILED && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+    ctl device health | grep "$v2dev" | grep -q FAILED || fail "SMART warning 0x04 did not fail the device"
+    if timeout 60 spool-bench --socket $v2 --rw randread --runtime 1 --iodepth 4 > /tmp/b2 2>&1; then
+        fail "I/O to the failed device's volume succeeded"
+    fi
+    bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+    ctl events | tail -n 1
+    say "SMART isolation passed at $(t)s"
+fi
+
 if grep -q "spool.hotremove=1" /proc/cmdline; then
     # The host removes vol2's controller (device_del): spoold must release it, isolate vol2
     # (clean errors, no hang) and keep serving vol1 on the other controller.
-    v2dev=$(ctl volume --json show vol2 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
-    v1dev=$(ctl volume --json show vol1 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
-    [ "$v1dev" != "$v2dev" ] || fail "vol1 and vol2 share a device"
-    gone=$(ctl device list | grep "$v2dev" | grep -o 'nvme:[0-9a-f:.]*' | cut -d: -f2-)
-    case "$gone" in
-    "$c1") say "REMOVE nvme0" ;;
-    "$c2") say "REMOVE nvme1" ;;
-    *) fail "cannot find vol2's controller ($v2dev: '$gone')" ;;
-    esac
+    say "REMOVE $gone_id"
     i=0
     while [ -e /sys/bus/pci/devices/$gone ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
     [ -e /sys/bus/pci/devices/$gone ] && fail "controller $gone was not released"

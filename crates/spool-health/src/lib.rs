@@ -566,7 +566,17 @@ impl Monitor {
                     }
                 }
             }
-            HealthState::Failed | HealthState::Removed => {}
+            HealthState::Failed => {
+                // A failed device can still be pulled: a hot removal must be seen (and, for
+                // NVMe, answered by letting go of the device) whatever state it is in.
+                if now.duration_since(w.last_poll) >= self.policy.poll_interval {
+                    w.last_poll = now;
+                    if let Probe::Gone(why) = w.dev.probe() {
+                        go(w, HealthState::Removed, format!("device gone: {why}"), emit);
+                    }
+                }
+            }
+            HealthState::Removed => {}
         }
     }
 
