@@ -116,6 +116,9 @@ impl Arena {
             iova
         };
         let a = Arena { file, ptr, iova };
+        // A slot unused in this process may still carry the arena of a controller an earlier
+        // worker let go of (hot removal): its mapping goes first.
+        c.unmap_dma(iova, ARENA_LEN as u64);
         c.map_dma(ptr as u64, iova, ARENA_LEN as u64)?;
         a.header().magic.store(MAGIC, Ordering::Release);
         Ok(a)

@@ -144,7 +144,9 @@ impl Container {
             data: Default::default(),
         };
         // SAFETY: the kernel reads and updates the struct we pass (on our stack).
-        if unsafe { libc::ioctl(self.file.as_raw_fd(), IOMMU_UNMAP_DMA as _, &mut m) } != 0 {
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), IOMMU_UNMAP_DMA as _, &mut m) } != 0
+            && std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT)
+        {
             tracing::warn!(iova, size, error = %std::io::Error::last_os_error(), "VFIO_IOMMU_UNMAP_DMA failed");
         }
     }

@@ -264,10 +264,26 @@ impl Pool {
             )));
         }
         let mut opened = Vec::new();
+        let mut first_error = None;
         for s in specs {
-            let dev = open_spec(s, opts.no_direct)?;
-            let state = metadata::read_device(&dev);
-            opened.push((dev, state));
+            // A device that cannot be opened (pulled, hot-removed, failed) must not take the
+            // volumes on the other devices down with it: it is left out, and the pool table
+            // (read from the others) marks it missing, so only its volumes are offline.
+            match open_spec(s, opts.no_direct) {
+                Ok(dev) => {
+                    let state = metadata::read_device(&dev);
+                    opened.push((dev, state));
+                }
+                Err(e) => {
+                    tracing::error!(path = %s.path.display(), error = %e, "device cannot be opened; volumes on it stay offline until it is back (or replaced)");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if opened.is_empty() {
+            if let Some(e) = first_error {
+                return Err(e);
+            }
         }
         let best = opened
             .iter()

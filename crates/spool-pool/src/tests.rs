@@ -215,3 +215,49 @@ fn bad_arguments_are_clear_errors() {
     // A failed allocation leaks nothing.
     assert_eq!(p.info().free, p.info().size - (1 << 20));
 }
+
+#[test]
+fn a_device_that_cannot_be_opened_takes_only_its_volumes_offline() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 9), spec(d.path(), "b", 9)];
+    let (on_a, on_b) = {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        let v1 = p.create_volume("v1", 4 << 20, false, 1).unwrap();
+        let v2 = p.create_volume("v2", 4 << 20, false, 1).unwrap();
+        assert_ne!(v1.devices, v2.devices, "one volume per device");
+        (v1, v2)
+    };
+    // Device b is pulled (no create_size: it cannot come back as a blank file).
+    std::fs::remove_file(d.path().join("b")).unwrap();
+    let specs = [
+        specs[0].clone(),
+        DeviceSpec {
+            create_size: None,
+            ..specs[1].clone()
+        },
+    ];
+    let p = Pool::open(&specs, opts()).expect("the pool opens without the pulled device");
+    let b_uuid = p
+        .info()
+        .devices
+        .iter()
+        .find(|x| !x.present)
+        .map(|x| x.uuid)
+        .expect("device b is listed as missing");
+    let vols = p.volumes();
+    for v in [&on_a, &on_b] {
+        let now = vols.iter().find(|x| x.name == v.name).unwrap();
+        assert_eq!(now.online, !v.devices.contains(&b_uuid), "{}", v.name);
+    }
+    // With no device at all the pool refuses to open, saying why.
+    std::fs::remove_file(d.path().join("a")).unwrap();
+    let only_missing = [DeviceSpec {
+        create_size: None,
+        ..specs[0].clone()
+    }];
+    let e = match Pool::open(&only_missing, opts()) {
+        Ok(_) => panic!("a pool without any device opened"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("No such file"), "{e}");
+}
