@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Userspace NVMe driver test: boots a TCG guest with two emulated NVMe controllers behind a
-virtual IOMMU (QEMU's intel-iommu), ships spoold/spoolctl/spool-bench into it as an extra
+virtual IOMMU (QEMU's intel-iommu), plus a third as the replacement, ships spoold/spoolctl/spool-bench into it as an extra
 initramfs archive, and runs scripts/guest/nvme-job.sh there (VFIO bind, spoold on the
-controllers, verified I/O, upgrade, worker kill, SMART warning, hot removal). The host side
-only starts QEMU, answers the guest's "SMART" and "REMOVE" requests over QMP (qom-set
+controllers, verified I/O, upgrade, worker kill, media errors and replacement, SMART
+warning, hot removal). The host side only starts QEMU, answers the guest's "MEDIA", "SMART"
+and "REMOVE" requests over QMP (blkdebug switched in with blockdev-reopen, qom-set
 smart_critical_warning, device_del) and checks the verdict.
 
-Usage: scripts/test-nvme.py [--release] [--no-hotremove] [--no-smart] [--timeout SECONDS]
+Usage: scripts/test-nvme.py [--release] [--no-hotremove] [--no-smart] [--no-media] [--timeout SECONDS]
 Exit status 0 when the guest prints "SPOOL-NVME: PASS". The console log is kept in
 .cache/nvme-guest.log.
 """
@@ -106,6 +107,7 @@ def main():
     ap.add_argument("--release", action="store_true", help="test release binaries (default: debug)")
     ap.add_argument("--no-hotremove", action="store_true", help="skip the device_del step")
     ap.add_argument("--no-smart", action="store_true", help="skip the SMART critical-warning step")
+    ap.add_argument("--no-media", action="store_true", help="skip the media-error and replacement step")
     ap.add_argument("--timeout", type=int, default=900, help="seconds before the guest is killed")
     a = ap.parse_args()
     profile = "release" if a.release else "debug"
@@ -114,7 +116,7 @@ def main():
     try:
         initrd = extra_initramfs(profile, work)
         disks = []
-        for i in range(2):
+        for i in range(3):
             p = os.path.join(work, f"nvme{i}.img")
             with open(p, "wb") as f:
                 f.truncate(256 << 20)
@@ -125,6 +127,8 @@ def main():
             append += " spool.hotremove=1"
         if not a.no_smart:
             append += " spool.smart=1"
+        if not a.no_media:
+            append += " spool.media=1"
         cmd = ["timeout", str(a.timeout), "qemu-system-x86_64",
                "-machine", "q35", "-accel", "tcg,thread=multi", "-smp", "2", "-m", "1G",
                "-device", "intel-iommu,intremap=on,caching-mode=on",
@@ -132,8 +136,11 @@ def main():
                "-kernel", os.path.join(CACHE, "guest", "vmlinuz"), "-initrd", initrd,
                "-append", append,
                "-qmp", f"unix:{qmp_path},server=on,wait=off"]
+        # Controllers 0 and 1 hold the pool, 2 is the blank replacement. Each disk is a raw
+        # node over a file node, so a blkdebug node can be switched in for media errors.
         for i, d in enumerate(disks):
-            cmd += ["-drive", f"file={d},if=none,id=d{i},format=raw,cache=unsafe",
+            cmd += ["-blockdev", f"driver=file,node-name=f{i},filename={d},cache.no-flush=on",
+                    "-blockdev", f"driver=raw,node-name=d{i},file=f{i}",
                     "-device", f"pcie-root-port,id=rp{i},chassis={i + 1},slot={i + 1}",
                     "-device", f"nvme,id=nvme{i},serial=spool{i},drive=d{i},bus=rp{i}"]
         log_path = os.path.join(CACHE, "nvme-guest.log")
@@ -154,6 +161,16 @@ def main():
                     qmp = qmp or Qmp(qmp_path)
                     r = qmp.cmd("device_del", id=dev)
                     print(f"  host: device_del {dev}: {r}", flush=True)
+                m = re.search(r"SPOOL-NVME: MEDIA nvme(\d+)\s*$", line)
+                if m:
+                    # Every read of that controller's disk now fails with EIO, which QEMU's
+                    # NVMe model reports as Unrecovered Read Error (SCT 2, SC 0x81).
+                    i = m.group(1)
+                    qmp = qmp or Qmp(qmp_path)
+                    r1 = qmp.cmd("blockdev-add", **{"driver": "blkdebug", "node-name": f"dbg{i}", "image": f"f{i}",
+                                                     "inject-error": [{"event": "read_aio", "errno": 5}]})
+                    r2 = qmp.cmd("blockdev-reopen", options=[{"driver": "raw", "node-name": f"d{i}", "file": f"dbg{i}"}])
+                    print(f"  host: media errors on nvme{i}: {r1} {r2}", flush=True)
                 m = re.search(r"SPOOL-NVME: SMART (nvme\d+) (\d+)\s*$", line)
                 if m:
                     dev, value = m.groups()

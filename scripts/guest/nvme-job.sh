@@ -37,7 +37,8 @@ set -- $bdfs
 [ $# -ge 2 ] || fail "expected 2 NVMe controllers, found $#"
 c1=$1
 c2=$2
-for b in $c1 $c2; do
+c3=${3:-}
+for b in $c1 $c2 $c3; do
     g=$(readlink /sys/bus/pci/devices/$b/iommu_group)
     [ -c /dev/vfio/${g##*/} ] || fail "$b: no /dev/vfio/${g##*/} (vIOMMU or vfio-pci missing)"
 done
@@ -132,6 +133,31 @@ case "$gone" in
 "$c2") gone_id=nvme1 ;;
 *) fail "cannot find vol2's controller ($v2dev: '$gone')" ;;
 esac
+
+if grep -q "spool.media=1" /proc/cmdline; then
+    # The host makes every read of vol2's controller fail (QEMU reports Unrecovered Read
+    # Error, SCT 2 SC 0x81): spoold must classify it as a media error and isolate the
+    # device, vol2 gets clean errors, vol1 is untouched. Then vol2 moves to the blank third
+    # controller with `spoolctl device replace` and is usable again (its old data is gone).
+    [ -n "$c3" ] || fail "no third controller for the replacement"
+    say "MEDIA $gone_id"
+    sleep 0.5
+    timeout 60 spool-bench --socket $v2 --rw randread --runtime 1 --iodepth 4 > /tmp/b2 2>&1
+    i=0
+    while ! ctl device health | grep "$v2dev" | grep -q FAILED && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+    ctl device health | grep "$v2dev" | grep -q FAILED || { cat /tmp/b2; fail "media errors did not fail the device"; }
+    grep -q "errors=0 " /tmp/b2 && fail "vol2 saw no errors on a failing medium: $(cat /tmp/b2)"
+    ctl device health | grep "$v2dev"
+    bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+    ctl device replace "$v2dev" "nvme:$c3" || fail "device replace"
+    bench --socket $v2 --rw write --fill --verify --seed 33 --bs 131072 --iodepth 4
+    bench --socket $v2 --rw read --fill --verify --seed 33 --bs 65536 --iodepth 8
+    v2dev=$(ctl volume --json show vol2 | grep -A1 '"devices"' | tail -n 1 | tr -d ' ",')
+    gone=$c3
+    gone_id=nvme2
+    ctl device health
+    say "media error, isolation and replacement passed at $(t)s"
+fi
 
 if grep -q "spool.smart=1" /proc/cmdline; then
     # The host sets SMART critical warning 0x04 (NVM subsystem reliability degraded) on

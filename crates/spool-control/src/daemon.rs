@@ -309,6 +309,11 @@ impl Daemon {
     }
 
     /// Volumes with their socket paths, for the start-up banner.
+    /// Configured devices the pool runs without, and why.
+    pub fn left_out(&self) -> Vec<spool_pool::LeftOut> {
+        self.pool().info().left_out
+    }
+
     pub fn volumes(&self) -> Vec<(VolumeInfo, Option<PathBuf>)> {
         let servers = self.servers();
         self.pool()

@@ -148,6 +148,15 @@ pub struct Pool {
     generation: u64,
     members: Vec<Member>,
     opts: PoolOptions,
+    /// Configured devices that could not be opened or were left out at start, and why.
+    left_out: Vec<LeftOut>,
+}
+
+/// A configured device the pool is running without.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeftOut {
+    pub path: String,
+    pub reason: String,
 }
 
 /// One piece of a volume's address space mapped onto a device.
@@ -234,6 +243,9 @@ pub struct PoolInfo {
     pub free: u64,
     pub devices: Vec<DeviceInfo>,
     pub volumes: usize,
+    /// Configured devices the pool runs without (cannot be opened, unreadable, foreign,
+    /// replaced), untouched.
+    pub left_out: Vec<LeftOut>,
 }
 
 fn valid_name(name: &str) -> Result<()> {
@@ -265,6 +277,7 @@ impl Pool {
         }
         let mut opened = Vec::new();
         let mut first_error = None;
+        let mut left_out = Vec::new();
         for s in specs {
             // A device that cannot be opened (pulled, hot-removed, failed) must not take the
             // volumes on the other devices down with it: it is left out, and the pool table
@@ -276,6 +289,10 @@ impl Pool {
                 }
                 Err(e) => {
                     tracing::error!(path = %s.path.display(), error = %e, "device cannot be opened; volumes on it stay offline until it is back (or replaced)");
+                    left_out.push(LeftOut {
+                        path: s.path.display().to_string(),
+                        reason: e.to_string(),
+                    });
                     first_error.get_or_insert(e);
                 }
             }
@@ -318,59 +335,84 @@ impl Pool {
         let mut needs_write = false;
         let mut members = Vec::new();
         let mut seen = HashSet::new();
+        // An existing pool is not held hostage by one bad device: a device whose metadata is
+        // unreadable, foreign, of an unknown format or no longer in the pool (replaced) is
+        // left out untouched, with the reason logged. Only while assembling a new pool are
+        // such devices a hard error (the operator is pointing at the wrong disk).
+        let existing = generation > 0;
         for (dev, state) in opened {
             let path = dev.path().display().to_string();
-            let uuid = match state {
-                DeviceState::Member(r, note) if r.table.pool_uuid == pool_uuid => {
-                    if !table.devices.iter().any(|d| d.uuid == r.device_uuid) {
+            let p = path.clone();
+            let checked: Result<Uuid> = (|| {
+                let path = p;
+                Ok(match state {
+                    DeviceState::Member(r, note) if r.table.pool_uuid == pool_uuid => {
+                        if !table.devices.iter().any(|d| d.uuid == r.device_uuid) {
+                            if !opts.force {
+                                return Err(Error::Corrupt {
+                                    path,
+                                    why: format!(
+                                        "device {} is not in the pool's current device table",
+                                        r.device_uuid
+                                    ),
+                                });
+                            }
+                            needs_write = true;
+                            Self::join(&mut table, &dev, opts.force)?
+                        } else {
+                            if let Some(n) = note {
+                                tracing::warn!(%path, "{n}");
+                                needs_write = true;
+                            }
+                            if r.generation != generation {
+                                tracing::info!(%path, device_generation = r.generation, generation, "device metadata is stale, rewriting");
+                                needs_write = true;
+                            }
+                            r.device_uuid
+                        }
+                    }
+                    DeviceState::Member(r, _) => {
                         if !opts.force {
-                            return Err(Error::Corrupt {
+                            return Err(Error::ForeignPool {
                                 path,
-                                why: format!(
-                                    "device {} is not in the pool's current device table",
-                                    r.device_uuid
-                                ),
+                                found: r.table.pool_uuid,
+                                expected: pool_uuid,
                             });
                         }
                         needs_write = true;
-                        Self::join(&mut table, &dev, opts.force)?
-                    } else {
-                        if let Some(n) = note {
-                            tracing::warn!(%path, "{n}");
-                            needs_write = true;
-                        }
-                        if r.generation != generation {
-                            tracing::info!(%path, device_generation = r.generation, generation, "device metadata is stale, rewriting");
-                            needs_write = true;
-                        }
-                        r.device_uuid
+                        Self::join(&mut table, &dev, true)?
                     }
-                }
-                DeviceState::Member(r, _) => {
-                    if !opts.force {
-                        return Err(Error::ForeignPool {
+                    DeviceState::Corrupt(why) if !opts.force => {
+                        return Err(Error::Corrupt { path, why })
+                    }
+                    DeviceState::Unsupported(version) if !opts.force => {
+                        return Err(Error::Unsupported {
                             path,
-                            found: r.table.pool_uuid,
-                            expected: pool_uuid,
-                        });
+                            version,
+                            supported: metadata::FORMAT_VERSION,
+                        })
                     }
-                    needs_write = true;
-                    Self::join(&mut table, &dev, true)?
-                }
-                DeviceState::Corrupt(why) if !opts.force => {
-                    return Err(Error::Corrupt { path, why })
-                }
-                DeviceState::Unsupported(version) if !opts.force => {
-                    return Err(Error::Unsupported {
+                    DeviceState::Blank | DeviceState::Corrupt(_) | DeviceState::Unsupported(_) => {
+                        needs_write = true;
+                        Self::join(&mut table, &dev, opts.force)?
+                    }
+                })
+            })();
+            let uuid = match checked {
+                Ok(u) => u,
+                Err(
+                    e @ (Error::Corrupt { .. }
+                    | Error::ForeignPool { .. }
+                    | Error::Unsupported { .. }),
+                ) if existing => {
+                    tracing::error!(%path, error = %e, "device left out of the pool (not touched)");
+                    left_out.push(LeftOut {
                         path,
-                        version,
-                        supported: metadata::FORMAT_VERSION,
-                    })
+                        reason: e.to_string(),
+                    });
+                    continue;
                 }
-                DeviceState::Blank | DeviceState::Corrupt(_) | DeviceState::Unsupported(_) => {
-                    needs_write = true;
-                    Self::join(&mut table, &dev, opts.force)?
-                }
+                Err(e) => return Err(e),
             };
             if !seen.insert(uuid) {
                 return Err(Error::Duplicate { path, uuid });
@@ -410,6 +452,7 @@ impl Pool {
             generation,
             members,
             opts,
+            left_out,
         };
         if needs_write {
             let t = pool.table.clone();
@@ -548,6 +591,7 @@ impl Pool {
             free: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
             devices,
             volumes: self.table.volumes.len(),
+            left_out: self.left_out.clone(),
         }
     }
 

@@ -107,9 +107,18 @@ fn foreign_corrupt_and_newer_devices_are_refused_without_force() {
         Pool::open(&[spec(d.path(), "mine", 4)], opts()).unwrap();
     }
     let both = [spec(d.path(), "mine", 4), spec(d.path(), "other", 4)];
-    let e = Pool::open(&both, opts()).err().unwrap();
-    assert!(matches!(e, Error::ForeignPool { .. }), "{e}");
-    assert!(e.to_string().contains("--force"), "{e}");
+    // An existing pool runs without the foreign device, says why, and does not touch it.
+    {
+        let p = Pool::open(&both, opts()).unwrap();
+        let info = p.info();
+        assert_eq!(info.devices.len(), 1);
+        assert_eq!(info.left_out.len(), 1, "{:?}", info.left_out);
+        assert!(
+            info.left_out[0].reason.contains("--force"),
+            "{:?}",
+            info.left_out
+        );
+    }
     // Nothing was overwritten: "other" still opens as its own pool.
     Pool::open(&[spec(d.path(), "other", 4)], opts()).unwrap();
     // Garbage where the metadata should be.

@@ -174,6 +174,15 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s)
 }
 
+/// A device path as the daemon needs it: files absolute (the daemon has its own working
+/// directory), `nvme:PCI-ADDRESS` as given.
+fn device_path(p: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    if p.to_str().is_some_and(|s| s.starts_with("nvme:")) {
+        return Ok(p.to_path_buf());
+    }
+    std::path::absolute(p).map_err(|e| e.to_string())
+}
+
 fn table(rows: Vec<Vec<String>>) -> String {
     let widths: Vec<usize> = (0..rows[0].len())
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
@@ -273,7 +282,7 @@ fn run(args: Args) -> Result<(), String> {
                     force,
                 },
         } => {
-            let path = std::path::absolute(path).map_err(|e| e.to_string())?;
+            let path = device_path(path)?;
             let mut p = json!({"path": path, "force": force});
             if let Some(c) = create_size {
                 p["create_size"] = json!(size(c)?);
@@ -301,7 +310,7 @@ fn run(args: Args) -> Result<(), String> {
                     force,
                 },
         } => {
-            let new = std::path::absolute(new).map_err(|e| e.to_string())?;
+            let new = device_path(new)?;
             let mut p = json!({"old": old, "new": new, "force": force});
             if let Some(c) = create_size {
                 p["create_size"] = json!(size(c)?);

@@ -293,6 +293,9 @@ fn banner(daemon: &Daemon, rpc_path: &std::path::Path) {
             None => println!("volume {}: OFFLINE (a device is missing)", v.name),
         }
     }
+    for l in daemon.left_out() {
+        println!("device {} LEFT OUT (not touched): {}", l.path, l.reason);
+    }
     use std::io::Write;
     let _ = std::io::stdout().flush();
 }
