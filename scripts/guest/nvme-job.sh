@@ -80,6 +80,12 @@ bench --socket $v1 --rw write --fill --verify --seed 11 --bs 131072 --iodepth 4 
 bench --socket $v2 --rw write --fill --verify --seed 22 --bs 1048576 --iodepth 2
 bench --socket $v1 --rw randwrite --verify --seed 11 --bs 4096 --iodepth 16 --runtime 2
 bench --socket $v1 --rw read --fill --verify --seed 11 --bs 65536 --iodepth 8 --queues 2
+# Write Zeroes, deallocate (discard) and flushes: zeroed blocks must read back as zeroes;
+# then the pattern is laid down again with a flush after every 16 writes.
+bench --socket $v2 --rw zero --fill --bs 65536 --iodepth 8
+bench --socket $v2 --rw read --fill --verify --expect-zeroes --bs 131072 --iodepth 4
+bench --socket $v2 --rw trim --fill --bs 1048576 --iodepth 4
+bench --socket $v2 --rw write --fill --verify --seed 22 --bs 4096 --iodepth 32 --fsync 16
 bench --socket $v2 --rw read --fill --verify --seed 22 --bs 4096 --iodepth 32
 say "write/read verify passed at $(t)s"
 # Zero copy: libblkio's buffers are page-aligned guest (shared) memory, registered with the
@@ -91,6 +97,11 @@ bo=$(sum bounced_requests)
 say "requests zero-copy $zc, bounced $bo"
 [ "$zc" -gt 1000 ] || fail "too few zero-copy requests ($zc)"
 [ "$bo" = 0 ] || fail "$bo requests were bounced"
+for k in flush_commands deallocate_commands write_zeroes_commands; do
+    n=$(sum $k)
+    say "$k $n"
+    [ "$n" -gt 0 ] || fail "no $k reached the controller"
+done
 live() {
     n=$(ctl device --json health | grep -c '"attached": true')
     [ "$n" = 2 ] || fail "$1: $n of 2 controllers were taken over live (the rest were reset)"

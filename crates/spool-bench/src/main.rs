@@ -19,6 +19,10 @@ enum Rw {
     Randread,
     Randwrite,
     Randrw,
+    /// Discard (deallocate) each block.
+    Trim,
+    /// Write zeroes to each block (no data transferred).
+    Zero,
 }
 
 /// Drive a vhost-user-blk socket with libblkio and report throughput and latency.
@@ -82,6 +86,12 @@ struct Args {
     /// check all of it.
     #[arg(long)]
     fill: bool,
+    /// With --verify: reads must return zeroes (after --rw zero) instead of the pattern.
+    #[arg(long)]
+    expect_zeroes: bool,
+    /// Issue a flush after every N writes on each queue (like fio's fsync=N).
+    #[arg(long, default_value_t = 0)]
+    fsync: u32,
 }
 
 /// The 8-byte word of the `--verify` pattern at byte offset `off` (a multiple of 8).
@@ -210,6 +220,7 @@ fn run(args: &Args) -> Result<Report, String> {
                     let (mut ios, mut errors) = (0u64, 0u64);
                     let mut comps: Vec<MaybeUninit<Completion>> =
                         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
+                    let writes_since_flush = std::cell::Cell::new(0u32);
                     // Issues the next request in `slot`; false when --fill has covered its share.
                     let submit = |q: &mut blkio::Blkioq,
                                   slot: usize,
@@ -217,6 +228,12 @@ fn run(args: &Args) -> Result<Report, String> {
                                   seq: &mut u64,
                                   offs: &mut Vec<(u64, bool)>|
                      -> bool {
+                        if args.fsync > 0 && writes_since_flush.get() >= args.fsync {
+                            writes_since_flush.set(0);
+                            offs[slot] = (0, true);
+                            q.flush(slot, ReqFlags::empty());
+                            return true;
+                        }
                         let blk = if args.fill {
                             *seq = seq.wrapping_add(1);
                             if *seq >= share_end {
@@ -229,11 +246,15 @@ fn run(args: &Args) -> Result<Report, String> {
                                     *seq = (*seq + 1) % span;
                                     *seq
                                 }
+                                Rw::Trim | Rw::Zero => {
+                                    *seq = (*seq + 1) % span;
+                                    *seq
+                                }
                                 _ => rng.next() % span,
                             }
                         };
                         let write = match args.rw {
-                            Rw::Write | Rw::Randwrite => true,
+                            Rw::Write | Rw::Randwrite | Rw::Trim | Rw::Zero => true,
                             Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
                             _ => false,
                         };
@@ -241,6 +262,13 @@ fn run(args: &Args) -> Result<Report, String> {
                         let off = blk * args.bs as u64;
                         offs[slot] = (off, write);
                         if write {
+                            writes_since_flush.set(writes_since_flush.get() + 1);
+                        }
+                        if args.rw == Rw::Trim {
+                            q.discard(off, args.bs as u64, slot, ReqFlags::empty());
+                        } else if args.rw == Rw::Zero {
+                            q.write_zeroes(off, args.bs as u64, slot, ReqFlags::empty());
+                        } else if write {
                             if args.verify {
                                 // SAFETY: this slot's bs bytes of the mapped region belong to
                                 // this thread and no request is using them now.
@@ -287,7 +315,12 @@ fn run(args: &Args) -> Result<Report, String> {
                                         args.bs,
                                     )
                                 };
-                                if !check_pattern(b, args.seed, off) {
+                                let good = if args.expect_zeroes {
+                                    b.iter().all(|&x| x == 0)
+                                } else {
+                                    check_pattern(b, args.seed, off)
+                                };
+                                if !good {
                                     if mismatches < 5 {
                                         eprintln!(
                                             "spool-bench: verify: wrong data at offset {off}"

@@ -80,8 +80,13 @@ pub struct NvmeStatus {
     pub attached: bool,
     pub zero_copy_requests: u64,
     pub bounced_requests: u64,
+    pub flush_commands: u64,
+    pub deallocate_commands: u64,
+    pub write_zeroes_commands: u64,
     pub gone: bool,
     pub smart: Option<spool_nvme::SmartLog>,
+    /// Newest Error Information log entries (at most 4).
+    pub error_log: Vec<spool_nvme::controller::ErrorLogEntry>,
 }
 
 /// What a health probe found.
@@ -179,11 +184,19 @@ impl FileDevice {
             attached: c.attached(),
             zero_copy_requests: c.zero_copy_requests.load(Relaxed),
             bounced_requests: c.bounced_requests.load(Relaxed),
+            flush_commands: c.flush_commands.load(Relaxed),
+            deallocate_commands: c.deallocate_commands.load(Relaxed),
+            write_zeroes_commands: c.write_zeroes_commands.load(Relaxed),
             gone: c.is_gone(),
             smart: if c.is_gone() {
                 None
             } else {
                 c.smart_log().ok()
+            },
+            error_log: if c.is_gone() {
+                Vec::new()
+            } else {
+                c.error_log(4).unwrap_or_default()
             },
         })
     }

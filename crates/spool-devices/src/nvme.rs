@@ -283,6 +283,7 @@ impl NvmeQueue {
                     return true;
                 }
                 let req = self.new_request(tag, 1, 0, None);
+                self.ctrl.flush_commands.fetch_add(1, Ordering::Relaxed);
                 self.push(Sqe::new(io::FLUSH, self.nsid), req, |_| {});
             }
             DeviceIo::WriteZeroes { offset, len } | DeviceIo::Discard { offset, len } => {
@@ -312,12 +313,18 @@ impl NvmeQueue {
                 while left > 0 {
                     let n = left.min(per);
                     if zeroes {
+                        self.ctrl
+                            .write_zeroes_commands
+                            .fetch_add(1, Ordering::Relaxed);
                         self.push(
                             Sqe::new(io::WRITE_ZEROES, self.nsid).lba(blk, n as u32),
                             req,
                             |_| {},
                         );
                     } else {
+                        self.ctrl
+                            .deallocate_commands
+                            .fetch_add(1, Ordering::Relaxed);
                         // One range: context attributes 0, length, starting LBA; AD (deallocate).
                         let sqe = Sqe {
                             prp1: u64::MAX,

@@ -109,6 +109,10 @@ pub struct Controller {
     pub zero_copy_requests: AtomicU64,
     /// Data requests that went through a bounce buffer.
     pub bounced_requests: AtomicU64,
+    /// Flush, Dataset Management (deallocate) and Write Zeroes commands issued by I/O queues.
+    pub flush_commands: AtomicU64,
+    pub deallocate_commands: AtomicU64,
+    pub write_zeroes_commands: AtomicU64,
 }
 
 const ADMIN_DEPTH: u16 = 32;
@@ -389,6 +393,9 @@ impl Controller {
             attached,
             zero_copy_requests: AtomicU64::new(0),
             bounced_requests: AtomicU64::new(0),
+            flush_commands: AtomicU64::new(0),
+            deallocate_commands: AtomicU64::new(0),
+            write_zeroes_commands: AtomicU64::new(0),
         };
         if !attached {
             c.reset_and_enable()?;

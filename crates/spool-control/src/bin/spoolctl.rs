@@ -547,7 +547,7 @@ fn health_table(ds: &[Value]) -> String {
     for d in ds.iter().filter(|d| d["nvme"].is_object()) {
         let n = &d["nvme"];
         out.push_str(&format!(
-            "\n{} NVMe {} {} (sn {}, fw {}, v{}): {} x {} B, {} I/O queues, max transfer {} KiB\n  controller resets by this worker {}{}; requests zero-copy {}, bounced {}{}",
+            "\n{} NVMe {} {} (sn {}, fw {}, v{}): {} x {} B, {} I/O queues, max transfer {} KiB\n  controller resets by this worker {}{}; requests zero-copy {}, bounced {}; flush {}, deallocate {}, write-zeroes {}{}",
             s(d, "path"),
             s(n, "pci"),
             s(n, "model"),
@@ -562,6 +562,9 @@ fn health_table(ds: &[Value]) -> String {
             if n["attached"].as_bool() == Some(true) { " (taken over live from the previous worker)" } else { "" },
             s(n, "zero_copy_requests"),
             s(n, "bounced_requests"),
+            s(n, "flush_commands"),
+            s(n, "deallocate_commands"),
+            s(n, "write_zeroes_commands"),
             match n["smart"].as_object() {
                 Some(m) => format!(
                     "\n  SMART: critical warning 0x{:02x}, {} K, spare {}%, used {}%, media errors {}, error log entries {}",
@@ -575,6 +578,16 @@ fn health_table(ds: &[Value]) -> String {
                 None => String::new(),
             }
         ));
+        for e in n["error_log"].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "\n  error log #{}: queue {} command {} status {} LBA {}",
+                s(e, "error_count"),
+                s(e, "sqid"),
+                s(e, "cid"),
+                s(e, "status"),
+                s(e, "lba")
+            ));
+        }
     }
     out
 }

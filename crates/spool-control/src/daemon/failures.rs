@@ -436,7 +436,18 @@ fn nvme_json(n: &spool_devices::NvmeStatus) -> Value {
         "attached": n.attached,
         "zero_copy_requests": n.zero_copy_requests,
         "bounced_requests": n.bounced_requests,
+        "flush_commands": n.flush_commands,
+        "deallocate_commands": n.deallocate_commands,
+        "write_zeroes_commands": n.write_zeroes_commands,
         "gone": n.gone,
+        "error_log": n.error_log.iter().map(|e| serde_json::json!({
+            "error_count": e.error_count,
+            "sqid": e.sqid,
+            "cid": e.cid,
+            "status": e.status.to_string(),
+            "lba": e.lba,
+            "nsid": e.nsid,
+        })).collect::<Vec<_>>(),
         "smart": n.smart.map(|s| serde_json::json!({
             "critical_warning": s.critical_warning,
             "temperature_k": s.temperature,
