@@ -90,10 +90,15 @@ class Qmp:
             except OSError:
                 time.sleep(0.1)
         self.f = self.s.makefile("rw")
+        self.lock = threading.Lock()
         json.loads(self.f.readline())
         self.cmd("qmp_capabilities")
 
     def cmd(self, name, **args):
+        with self.lock:
+            return self._cmd(name, **args)
+
+    def _cmd(self, name, **args):
         self.f.write(json.dumps({"execute": name, "arguments": args}) + "\n")
         self.f.flush()
         while True:
@@ -108,6 +113,7 @@ def main():
     ap.add_argument("--no-hotremove", action="store_true", help="skip the device_del step")
     ap.add_argument("--no-smart", action="store_true", help="skip the SMART critical-warning step")
     ap.add_argument("--no-media", action="store_true", help="skip the media-error and replacement step")
+    ap.add_argument("--no-hang", action="store_true", help="skip the hung-command step")
     ap.add_argument("--timeout", type=int, default=900, help="seconds before the guest is killed")
     a = ap.parse_args()
     profile = "release" if a.release else "debug"
@@ -129,6 +135,8 @@ def main():
             append += " spool.smart=1"
         if not a.no_media:
             append += " spool.media=1"
+        if not a.no_hang:
+            append += " spool.hang=1"
         cmd = ["timeout", str(a.timeout), "qemu-system-x86_64",
                "-machine", "q35", "-accel", "tcg,thread=multi", "-smp", "2", "-m", "1G",
                "-device", "intel-iommu,intremap=on,caching-mode=on",
@@ -161,6 +169,25 @@ def main():
                     qmp = qmp or Qmp(qmp_path)
                     r = qmp.cmd("device_del", id=dev)
                     print(f"  host: device_del {dev}: {r}", flush=True)
+                m = re.search(r"SPOOL-NVME: HANG nvme(\d+)\s*$", line)
+                if m:
+                    # The controller's disk is throttled to 2 requests a second for 3 s, so
+                    # commands sit far longer than spoold's io_timeout, the way a controller
+                    # that stops answering for a while looks. (A blkdebug breakpoint cannot be
+                    # used: QEMU's Delete SQ waits for the suspended request inside its main
+                    # loop, and the monitor command that would resume it never runs.)
+                    i = m.group(1)
+                    qmp = qmp or Qmp(qmp_path)
+                    r1 = qmp.cmd("object-add", **{"qom-type": "throttle-group", "id": f"tg{i}", "limits": {"iops-total": 2}})
+                    r2 = qmp.cmd("blockdev-add", **{"driver": "throttle", "node-name": f"thr{i}", "throttle-group": f"tg{i}", "file": f"f{i}"})
+                    r3 = qmp.cmd("blockdev-reopen", options=[{"driver": "raw", "node-name": f"d{i}", "file": f"thr{i}"}])
+                    print(f"  host: nvme{i} throttled: {r1} {r2} {r3}", flush=True)
+
+                    def unthrottle(i=i):
+                        time.sleep(3)
+                        r = qmp.cmd("blockdev-reopen", options=[{"driver": "raw", "node-name": f"d{i}", "file": f"f{i}"}])
+                        print(f"  host: nvme{i} unthrottled: {r}", flush=True)
+                    threading.Thread(target=unthrottle, daemon=True).start()
                 m = re.search(r"SPOOL-NVME: MEDIA nvme(\d+)\s*$", line)
                 if m:
                     # Every read of that controller's disk now fails with EIO, which QEMU's

@@ -61,6 +61,7 @@ name = "vol2"
 size = "64M"
 [health]
 poll_interval_ms = 200
+io_timeout_ms = 1500
 CONF
 spoold --config /tmp/spool.toml > /tmp/spoold.log 2>&1 &
 keeper=$!
@@ -144,6 +145,27 @@ case "$gone" in
 "$c2") gone_id=nvme1 ;;
 *) fail "cannot find vol2's controller ($v2dev: '$gone')" ;;
 esac
+
+if grep -q "spool.hang=1" /proc/cmdline; then
+    # The host throttles vol2's controller to 2 commands a second for 3 s: commands outlive
+    # io_timeout, spoold aborts them by deleting and recreating the queue pair, holds,
+    # checks the controller and resubmits; the client sees latency, not errors.
+    spool-bench --socket $v2 --size 33554432 --rw randread --verify --seed 22 --iodepth 8 --runtime 10 --json > /tmp/bh 2>&1 &
+    bh=$!
+    sleep 1
+    say "HANG $gone_id"
+    wait $bh || { cat /tmp/bh; fail "vol2 saw errors across a hung command"; }
+    cat /tmp/bh
+    ctl device health
+    ctl events | tail -n 3
+    ctl device health | grep "$v2dev" | grep -q HEALTHY || fail "vol2's device is not healthy after the hang"
+    to=$(ctl device health | grep "$v2dev" | awk '{print $6}')
+    [ "${to:-0}" -ge 1 ] || fail "no timeout was counted"
+    grep -q "aborted outstanding commands by deleting the I/O queue pair" /tmp/spoold.log \
+        || fail "the hung commands were not aborted"
+    grep "aborted outstanding commands" /tmp/spoold.log | tail -n 1 | sed 's/^.*INFO //'
+    say "hung commands: $to timeouts, aborted and resubmitted without an error, at $(t)s"
+fi
 
 if grep -q "spool.media=1" /proc/cmdline; then
     # The host makes every read of vol2's controller fail (QEMU reports Unrecovered Read

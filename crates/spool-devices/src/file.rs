@@ -506,6 +506,27 @@ impl FileDevice {
         &self.health
     }
 
+    /// The periodic check of a device not being reset: is it still there? For NVMe this is
+    /// the kernel's removal request and the registers (no I/O: a probe read would queue behind
+    /// whatever the controller is stuck on and stall the monitor); for other devices, a probe.
+    pub fn presence(&self) -> Probe {
+        if let Some(c) = &self.nvme {
+            if c.removal_requested() {
+                c.release("the kernel asked for the device back (hot removal)");
+                return Probe::Gone(
+                    "hot removal: the kernel asked for the device back; released it".into(),
+                );
+            }
+            if c.is_gone() {
+                return Probe::Gone(
+                    "the controller's registers read all ones or faulted (removed)".into(),
+                );
+            }
+            return Probe::Ok;
+        }
+        self.probe()
+    }
+
     /// Asks the device whether it still answers: injected probe faults first, then (files)
     /// whether the file still has a name, then a 4 KiB read at offset 0 (the metadata area,
     /// which every pool device has).

@@ -474,6 +474,11 @@ impl DeviceQueue for NvmeQueue {
             }
         }
         self.outstanding = 0;
+        tracing::info!(
+            controller = self.ctrl.bdf(),
+            requests = n,
+            "aborted outstanding commands by deleting the I/O queue pair; recreating it"
+        );
         match self.ctrl.create_queue_pair(self.depth) {
             Ok(qp) => self.qp = Some(qp),
             Err(e) => {

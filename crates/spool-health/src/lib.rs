@@ -561,7 +561,7 @@ impl Monitor {
                 }
                 if now.duration_since(w.last_poll) >= self.policy.poll_interval {
                     w.last_poll = now;
-                    if let Probe::Gone(why) = w.dev.probe() {
+                    if let Probe::Gone(why) = w.dev.presence() {
                         go(w, HealthState::Removed, format!("device gone: {why}"), emit);
                     }
                 }
@@ -571,7 +571,7 @@ impl Monitor {
                 // NVMe, answered by letting go of the device) whatever state it is in.
                 if now.duration_since(w.last_poll) >= self.policy.poll_interval {
                     w.last_poll = now;
-                    if let Probe::Gone(why) = w.dev.probe() {
+                    if let Probe::Gone(why) = w.dev.presence() {
                         go(w, HealthState::Removed, format!("device gone: {why}"), emit);
                     }
                 }
