@@ -541,16 +541,8 @@ impl FileDevice {
             };
         }
         if let Some(c) = &self.nvme {
-            if c.removal_requested() {
-                c.release("the kernel asked for the device back (hot removal)");
-                return Probe::Gone(
-                    "hot removal: the kernel asked for the device back; released it".into(),
-                );
-            }
-            if c.is_gone() {
-                return Probe::Gone(
-                    "the controller's registers read all ones or faulted (removed)".into(),
-                );
+            if let gone @ Probe::Gone(_) = self.presence() {
+                return gone;
             }
             let csts = c.csts();
             if csts & spool_nvme::spec::CSTS_CFS != 0 {
