@@ -89,6 +89,10 @@ struct Args {
     /// With --verify: reads must return zeroes (after --rw zero) instead of the pattern.
     #[arg(long)]
     expect_zeroes: bool,
+    /// Describe each request's buffer with N iovecs (pieces of bs/N bytes, not sector or page
+    /// aligned) instead of one: exercises servers' scatter-gather paths.
+    #[arg(long, default_value_t = 1)]
+    iovecs: usize,
     /// Issue a flush after every N writes on each queue (like fio's fsync=N).
     #[arg(long, default_value_t = 0)]
     fsync: u32,
@@ -221,6 +225,23 @@ fn run(args: &Args) -> Result<Report, String> {
                     let mut comps: Vec<MaybeUninit<Completion>> =
                         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
                     let writes_since_flush = std::cell::Cell::new(0u32);
+                    // Per slot, its buffer cut into `--iovecs` contiguous pieces.
+                    let iovs: Vec<Vec<libc::iovec>> = (0..args.iodepth)
+                        .map(|slot| {
+                            let buf = base + qi * per_queue + slot * args.bs;
+                            let n = args.iovecs;
+                            (0..n)
+                                .map(|i| {
+                                    let from = i * args.bs / n;
+                                    let to = (i + 1) * args.bs / n;
+                                    libc::iovec {
+                                        iov_base: (buf + from) as *mut libc::c_void,
+                                        iov_len: to - from,
+                                    }
+                                })
+                                .collect()
+                        })
+                        .collect();
                     // Issues the next request in `slot`; false when --fill has covered its share.
                     let submit = |q: &mut blkio::Blkioq,
                                   slot: usize,
@@ -275,7 +296,15 @@ fn run(args: &Args) -> Result<Report, String> {
                                 let b = unsafe { std::slice::from_raw_parts_mut(buf, args.bs) };
                                 fill_pattern(b, args.seed, off);
                             }
-                            q.write(off, buf, args.bs, slot, ReqFlags::empty());
+                            if args.iovecs > 1 {
+                                let v = &iovs[slot];
+                                q.writev(off, v.as_ptr(), v.len() as u32, slot, ReqFlags::empty());
+                            } else {
+                                q.write(off, buf, args.bs, slot, ReqFlags::empty());
+                            }
+                        } else if args.iovecs > 1 {
+                            let v = &iovs[slot];
+                            q.readv(off, v.as_ptr(), v.len() as u32, slot, ReqFlags::empty());
                         } else {
                             q.read(off, buf, args.bs, slot, ReqFlags::empty());
                         }
@@ -457,8 +486,14 @@ fn run(args: &Args) -> Result<Report, String> {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    if args.iodepth == 0 || args.queues == 0 || args.bs == 0 || args.bs % 512 != 0 {
-        eprintln!("spool-bench: error: iodepth and queues must be >= 1 and bs a multiple of 512");
+    if args.iodepth == 0
+        || args.queues == 0
+        || args.bs == 0
+        || args.bs % 512 != 0
+        || args.iovecs == 0
+        || args.iovecs > args.bs
+    {
+        eprintln!("spool-bench: error: iodepth, queues and iovecs must be >= 1, bs a multiple of 512, iovecs at most bs");
         return std::process::ExitCode::FAILURE;
     }
     match run(&args) {

@@ -56,6 +56,7 @@ struct RawVolume {
 #[serde(deny_unknown_fields)]
 struct RawIo {
     poll_idle_us: Option<u64>,
+    nvme_sgl: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -170,6 +171,9 @@ pub struct Config {
     pub devices: Vec<DeviceConfig>,
     pub volumes: Vec<VolumeConfig>,
     pub poll_idle_us: u64,
+    /// Describe NVMe scatter lists that PRPs cannot with SGLs when the controller offers them
+    /// (otherwise such requests go through a bounce buffer).
+    pub nvme_sgl: bool,
     /// Journal directory; `None` = journal disabled (Spool-NoJ, benchmarks only).
     pub journal_dir: Option<PathBuf>,
     pub health: HealthConfig,
@@ -325,6 +329,7 @@ impl Config {
             devices,
             volumes,
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),
+            nvme_sgl: raw.io.nvme_sgl.unwrap_or(true),
             journal_dir: raw.journal.enabled.then(|| {
                 raw.journal
                     .dir

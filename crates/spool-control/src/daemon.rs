@@ -145,6 +145,7 @@ impl Daemon {
             })
             .collect();
         let t_open = std::time::Instant::now();
+        spool_devices::set_nvme_sgl(cfg.nvme_sgl);
         if let Some(k) = &keeping {
             // NVMe controllers stay up across workers: the driver deposits its VFIO
             // descriptors and queue arenas with the keeper and takes over what the previous

@@ -80,6 +80,10 @@ pub struct NvmeStatus {
     pub attached: bool,
     pub zero_copy_requests: u64,
     pub bounced_requests: u64,
+    /// Zero-copy requests described by an SGL.
+    pub sgl_requests: u64,
+    /// Controller SGL support (0 none, 1 any alignment, 2 dword-aligned).
+    pub sgl: u8,
     pub flush_commands: u64,
     pub deallocate_commands: u64,
     pub write_zeroes_commands: u64,
@@ -184,6 +188,8 @@ impl FileDevice {
             attached: c.attached(),
             zero_copy_requests: c.zero_copy_requests.load(Relaxed),
             bounced_requests: c.bounced_requests.load(Relaxed),
+            sgl_requests: c.sgl_requests.load(Relaxed),
+            sgl: i.sgl,
             flush_commands: c.flush_commands.load(Relaxed),
             deallocate_commands: c.deallocate_commands.load(Relaxed),
             write_zeroes_commands: c.write_zeroes_commands.load(Relaxed),

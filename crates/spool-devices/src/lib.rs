@@ -33,6 +33,12 @@ pub fn register_dma_memory(addr: u64, len: u64) -> std::result::Result<(), Strin
     spool_nvme::register_memory(addr, len).map_err(|e| e.to_string())
 }
 
+/// Whether NVMe queues may use SGLs (config `[io] nvme_sgl`, default on); off, scatter lists
+/// PRPs cannot describe go through bounce buffers. Applies to queues opened afterwards.
+pub fn set_nvme_sgl(enabled: bool) {
+    nvme::SGL_ENABLED.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Undoes [`register_dma_memory`]; no request may still point into the range.
 pub fn unregister_dma_memory(addr: u64, len: u64) {
     spool_nvme::unregister_memory(addr, len)

@@ -19,6 +19,13 @@ use spool_nvme::{prp, Controller, DmaBuf, QueuePair, PAGE};
 
 use crate::queue::{DeviceIo, DeviceQueue, IoVec};
 
+/// See [`crate::set_nvme_sgl`].
+pub(crate) static SGL_ENABLED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// SGL descriptors one list page holds.
+const SGL_PER_PAGE: usize = (PAGE / 16) as usize;
+
 struct Bounce {
     buf: DmaBuf,
     iov: *const IoVec,
@@ -42,6 +49,8 @@ pub struct NvmeQueue {
     lba: u64,
     nsid: u32,
     max_xfer: u64,
+    /// SGL support used by this queue (0 = none: PRPs and bounce buffers only).
+    sgl: u8,
     /// PRP list (or DSM range) page of each command identifier.
     lists: DmaBuf,
     /// Request index of each outstanding command identifier.
@@ -82,6 +91,11 @@ impl NvmeQueue {
         let lists = DmaBuf::new(depth as usize * PAGE as usize).map_err(err)?;
         Ok(NvmeQueue {
             max_xfer: ctrl.info().max_transfer,
+            sgl: if SGL_ENABLED.load(Ordering::Relaxed) {
+                ctrl.info().sgl
+            } else {
+                0
+            },
             lba: ns.lba_size,
             nsid: ns.nsid,
             ctrl,
@@ -208,7 +222,13 @@ impl NvmeQueue {
                 }
                 let total: u64 = self.segs.iter().map(|s| s.1).sum();
                 let mut bounce = None;
-                if !zero_copy || total != len || !prp::describable(&self.segs) {
+                let prp_ok = prp::describable(&self.segs);
+                // Scatter lists PRPs cannot describe go as an SGL when the controller has them.
+                let sgl = zero_copy
+                    && total == len
+                    && !prp_ok
+                    && prp::sgl_describable(&self.segs, self.sgl, SGL_PER_PAGE);
+                if !zero_copy || total != len || (!prp_ok && !sgl) {
                     let buf = match DmaBuf::new(len as usize) {
                         Ok(b) => b,
                         Err(e) => {
@@ -249,16 +269,34 @@ impl NvmeQueue {
                 if bounce.is_none() {
                     self.ctrl.zero_copy_requests.fetch_add(1, Ordering::Relaxed);
                 }
+                if sgl {
+                    self.ctrl.sgl_requests.fetch_add(1, Ordering::Relaxed);
+                }
                 let req = self.new_request(tag, need as u32, len, bounce);
                 let mut done = 0u64;
                 while done < len {
                     let n = (len - done).min(self.max_xfer);
                     self.chunk.clear();
                     prp::slice(&self.segs, done, n, &mut self.chunk);
-                    self.entries.clear();
-                    prp::entries(&self.chunk, &mut self.entries);
                     let mut sqe = Sqe::new(if read { io::READ } else { io::WRITE }, self.nsid)
                         .lba((offset + done) / self.lba, (n / self.lba) as u32);
+                    if sgl {
+                        let chunk = std::mem::take(&mut self.chunk);
+                        let (dptr, list) = prp::sgl(&chunk, u64::MAX);
+                        sqe.cdw0 |= spool_nvme::spec::PSDT_SGL;
+                        sqe.prp1 = dptr.0;
+                        sqe.prp2 = dptr.1;
+                        self.push(sqe, req, |page| {
+                            for (i, d) in list.iter().enumerate() {
+                                page[i * 16..i * 16 + 16].copy_from_slice(d);
+                            }
+                        });
+                        self.chunk = chunk;
+                        done += n;
+                        continue;
+                    }
+                    self.entries.clear();
+                    prp::entries(&self.chunk, &mut self.entries);
                     let entries = std::mem::take(&mut self.entries);
                     sqe.prp1 = entries[0];
                     sqe.prp2 = match entries.len() {

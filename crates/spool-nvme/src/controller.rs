@@ -27,6 +27,8 @@ pub struct ControllerInfo {
     pub write_cache: bool,
     /// Optional NVM commands (ONCS): bit 2 Dataset Management, bit 3 Write Zeroes.
     pub oncs: u16,
+    /// SGL support (SGLS bits 1:0): 0 none, 1 any alignment, 2 dword-aligned.
+    pub sgl: u8,
     /// I/O queue pairs the controller granted.
     pub io_queues: u16,
     /// Largest queue the controller accepts (CAP.MQES).
@@ -109,6 +111,8 @@ pub struct Controller {
     pub zero_copy_requests: AtomicU64,
     /// Data requests that went through a bounce buffer.
     pub bounced_requests: AtomicU64,
+    /// Zero-copy requests described by an SGL (scatter lists PRPs cannot describe).
+    pub sgl_requests: AtomicU64,
     /// Flush, Dataset Management (deallocate) and Write Zeroes commands issued by I/O queues.
     pub flush_commands: AtomicU64,
     pub deallocate_commands: AtomicU64,
@@ -393,6 +397,7 @@ impl Controller {
             attached,
             zero_copy_requests: AtomicU64::new(0),
             bounced_requests: AtomicU64::new(0),
+            sgl_requests: AtomicU64::new(0),
             flush_commands: AtomicU64::new(0),
             deallocate_commands: AtomicU64::new(0),
             write_zeroes_commands: AtomicU64::new(0),
@@ -409,7 +414,7 @@ impl Controller {
         });
         tracing::info!(controller = %bdf, model = %c.info.model, serial = %c.info.serial,
             lba_size = c.ns.lba_size, blocks = c.ns.blocks, io_queues = c.info.io_queues,
-            max_transfer = c.info.max_transfer, attached, resets = c.resets(), "NVMe controller ready");
+            max_transfer = c.info.max_transfer, sgl = c.info.sgl, attached, resets = c.resets(), "NVMe controller ready");
         Ok(Arc::new(c))
     }
 
@@ -559,6 +564,7 @@ impl Controller {
             firmware: spec::ascii(&page[64..72]),
             max_transfer,
             oncs: le16(&page, 520),
+            sgl: (le32(&page, 536) & 3) as u8,
             write_cache: page[525] & 1 == 1,
             max_queue_entries: self.cap.mqes,
             ..ControllerInfo::default()

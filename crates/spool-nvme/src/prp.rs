@@ -1,5 +1,5 @@
-//! Physical Region Page lists (NVMe Base Specification §4.3): how one command describes a
-//! scattered buffer.
+//! Physical Region Page lists (NVMe Base Specification §4.3) and Scatter Gather Lists (§4.4):
+//! how one command describes a scattered buffer.
 //!
 //! The first entry may start anywhere dword-aligned; every later entry is a whole page
 //! start, and every segment but the last must end on a page boundary. A buffer list that
@@ -66,9 +66,86 @@ pub fn fill(e: &[u64], list: &mut [u64], list_iova: u64) -> Option<(u64, u64)> {
     }
 }
 
+/// Whether the controller's SGL support (`sgl`: 0 none, 1 any alignment, 2 dword aligned)
+/// can describe `segs` with at most `max` data block descriptors in one list.
+pub fn sgl_describable(segs: &[(u64, u64)], sgl: u8, max: usize) -> bool {
+    match sgl {
+        1 => !segs.is_empty() && segs.len() <= max,
+        2 => {
+            !segs.is_empty()
+                && segs.len() <= max
+                && segs
+                    .iter()
+                    .all(|&(a, l)| a.is_multiple_of(4) && l.is_multiple_of(4))
+        }
+        _ => false,
+    }
+}
+
+fn descriptor(addr: u64, len: u64, id: u8) -> [u8; 16] {
+    let mut d = [0u8; 16];
+    d[..8].copy_from_slice(&addr.to_le_bytes());
+    d[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+    d[15] = id;
+    d
+}
+
+/// The command's data pointer (two quadwords) for `segs` described by an SGL, and the list of
+/// data block descriptors to place at `list_iova` when there is more than one segment (the data
+/// pointer is then a Last Segment descriptor naming that list). `list_iova` may be a
+/// placeholder (`u64::MAX`) the caller replaces with the list page's address.
+pub fn sgl(segs: &[(u64, u64)], list_iova: u64) -> ((u64, u64), Vec<[u8; 16]>) {
+    const DATA_BLOCK: u8 = 0x00;
+    const LAST_SEGMENT: u8 = 0x30;
+    let quads = |d: [u8; 16]| {
+        (
+            u64::from_le_bytes(d[..8].try_into().expect("8 bytes")),
+            u64::from_le_bytes(d[8..].try_into().expect("8 bytes")),
+        )
+    };
+    if segs.len() == 1 {
+        return (
+            quads(descriptor(segs[0].0, segs[0].1, DATA_BLOCK)),
+            Vec::new(),
+        );
+    }
+    let list: Vec<[u8; 16]> = segs
+        .iter()
+        .map(|&(a, l)| descriptor(a, l, DATA_BLOCK))
+        .collect();
+    let last = descriptor(list_iova, list.len() as u64 * 16, LAST_SEGMENT);
+    (quads(last), list)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sgl_descriptors() {
+        let segs = [(0x1001, 0x3ff), (0x5000, 0x201)];
+        assert!(!describable(&segs));
+        assert!(sgl_describable(&segs, 1, 256));
+        assert!(!sgl_describable(&segs, 2, 256), "dword alignment required");
+        assert!(!sgl_describable(&segs, 0, 256));
+        assert!(!sgl_describable(&segs, 1, 1), "too many for one list");
+        let ((d0, d1), list) = sgl(&segs, 0xabc000);
+        // Last Segment descriptor: the list's address, its length (2 × 16), type 3.
+        assert_eq!(d0, 0xabc000);
+        assert_eq!(d1 & 0xffff_ffff, 32);
+        assert_eq!(d1 >> 56, 0x30);
+        assert_eq!(list.len(), 2);
+        assert_eq!(u64::from_le_bytes(list[1][..8].try_into().unwrap()), 0x5000);
+        assert_eq!(
+            u32::from_le_bytes(list[1][8..12].try_into().unwrap()),
+            0x201
+        );
+        assert_eq!(list[1][15], 0);
+        // One segment: a Data Block descriptor in the command itself.
+        let ((d0, d1), list) = sgl(&segs[..1], 0);
+        assert_eq!((d0, d1 & 0xffff_ffff, d1 >> 56), (0x1001, 0x3ff, 0));
+        assert!(list.is_empty());
+    }
 
     #[test]
     fn rules() {

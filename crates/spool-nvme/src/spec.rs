@@ -31,6 +31,9 @@ pub const CSTS_CFS: u32 = 1 << 1;
 /// CSTS.SHST = shutdown complete.
 pub const CSTS_SHST_DONE: u32 = 2 << 2;
 
+/// CDW0 PSDT = 01b: the data pointer is an SGL (metadata pointer an address).
+pub const PSDT_SGL: u32 = 1 << 14;
+
 /// Admin opcodes.
 pub mod admin {
     pub const DELETE_SQ: u8 = 0x00;

@@ -547,7 +547,7 @@ fn health_table(ds: &[Value]) -> String {
     for d in ds.iter().filter(|d| d["nvme"].is_object()) {
         let n = &d["nvme"];
         out.push_str(&format!(
-            "\n{} NVMe {} {} (sn {}, fw {}, v{}): {} x {} B, {} I/O queues, max transfer {} KiB\n  controller resets by this worker {}{}; requests zero-copy {}, bounced {}; flush {}, deallocate {}, write-zeroes {}{}",
+            "\n{} NVMe {} {} (sn {}, fw {}, v{}): {} x {} B, {} I/O queues, max transfer {} KiB\n  controller resets by this worker {}{}; requests zero-copy {} (SGL {}), bounced {}; flush {}, deallocate {}, write-zeroes {}{}",
             s(d, "path"),
             s(n, "pci"),
             s(n, "model"),
@@ -561,6 +561,7 @@ fn health_table(ds: &[Value]) -> String {
             s(n, "resets"),
             if n["attached"].as_bool() == Some(true) { " (taken over live from the previous worker)" } else { "" },
             s(n, "zero_copy_requests"),
+            s(n, "sgl_requests"),
             s(n, "bounced_requests"),
             s(n, "flush_commands"),
             s(n, "deallocate_commands"),

@@ -436,6 +436,8 @@ fn nvme_json(n: &spool_devices::NvmeStatus) -> Value {
         "attached": n.attached,
         "zero_copy_requests": n.zero_copy_requests,
         "bounced_requests": n.bounced_requests,
+        "sgl": n.sgl,
+        "sgl_requests": n.sgl_requests,
         "flush_commands": n.flush_commands,
         "deallocate_commands": n.deallocate_commands,
         "write_zeroes_commands": n.write_zeroes_commands,
