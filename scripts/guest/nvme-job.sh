@@ -183,6 +183,24 @@ if grep -q "spool.hang=1" /proc/cmdline; then
         || fail "the hung commands were not aborted"
     grep "aborted outstanding commands" /tmp/spoold.log | tail -n 1 | sed 's/^.*INFO //'
     say "hung commands: $to timeouts, aborted and resubmitted without an error, at $(t)s"
+    creset() { ctl device health | grep -A1 "^nvme:$1 NVMe" | grep -o 'controller resets by this worker [0-9]*' | awk '{print $NF}'; }
+    r=$(creset "$gone")
+    say "controller $gone reset $r times by this worker"
+    [ "${r:-0}" -ge 1 ] || fail "the hang did not reset the controller"
+    # An operator's reset of vol1's controller under a verifying write load: the controller
+    # is really reset (CC.EN), every queue pair is re-created, nothing is lost.
+    v1c=$(ctl device list | grep "$v1dev" | grep -o 'nvme:[0-9a-f:.]*' | cut -d: -f2-)
+    before=$(creset "$v1c")
+    spool-bench --socket $v1 --size 33554432 --rw randwrite --verify --seed 11 --iodepth 16 --runtime 6 > /tmp/b1 2>&1 &
+    b1=$!
+    sleep 2
+    ctl device reset "$v1dev" || fail "device reset"
+    wait $b1 || { cat /tmp/b1; fail "vol1 saw errors across a controller reset"; }
+    cat /tmp/b1
+    after=$(creset "$v1c")
+    [ "$after" -gt "$before" ] || fail "device reset did not reset controller $v1c ($before -> $after)"
+    bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
+    say "operator controller reset under load passed ($before -> $after resets) at $(t)s"
 fi
 
 if grep -q "spool.media=1" /proc/cmdline; then

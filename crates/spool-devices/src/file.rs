@@ -512,6 +512,14 @@ impl FileDevice {
         &self.health
     }
 
+    /// Resets the device's controller when there is one to reset (NVMe): the first step of a
+    /// reset episode, before probing. `None` for devices without a controller of ours.
+    pub fn reset_controller(&self) -> Option<std::result::Result<(), String>> {
+        self.nvme
+            .as_ref()
+            .map(|c| c.reset().map_err(|e| e.to_string()))
+    }
+
     /// The periodic check of a device not being reset: is it still there? For NVMe this is
     /// the kernel's removal request and the registers (no I/O: a probe read would queue behind
     /// whatever the controller is stuck on and stall the monitor); for other devices, a probe.

@@ -429,6 +429,7 @@ impl DeviceQueue for NvmeQueue {
     }
 
     fn kick(&mut self) -> std::io::Result<()> {
+        self.follow_reset();
         while let Some(&(io, tag)) = self.backlog.front() {
             // SAFETY: backlogged operations were given to `submit` under its contract.
             if !unsafe { self.try_submit(io, tag) } {
@@ -494,6 +495,15 @@ impl DeviceQueue for NvmeQueue {
         if self.outstanding == 0 {
             return 0;
         }
+        self.restart("aborted outstanding commands by deleting the I/O queue pair; recreating it")
+    }
+}
+
+impl NvmeQueue {
+    /// Deletes the queue pair (the controller aborts what it held and stops touching its
+    /// buffers; after a controller reset it is gone already), completes those requests with
+    /// ECANCELED and creates a new queue pair.
+    fn restart(&mut self, why: &'static str) -> usize {
         if let Some(qp) = self.qp.take() {
             self.ctrl.delete_queue_pair(qp);
         }
@@ -512,18 +522,25 @@ impl DeviceQueue for NvmeQueue {
             }
         }
         self.outstanding = 0;
-        tracing::info!(
-            controller = self.ctrl.bdf(),
-            requests = n,
-            "aborted outstanding commands by deleting the I/O queue pair; recreating it"
-        );
+        tracing::info!(controller = self.ctrl.bdf(), requests = n, "{why}");
         match self.ctrl.create_queue_pair(self.depth) {
             Ok(qp) => self.qp = Some(qp),
             Err(e) => {
-                tracing::error!(controller = self.ctrl.bdf(), error = %e, "cannot recreate the I/O queue pair after an abort")
+                tracing::error!(controller = self.ctrl.bdf(), error = %e, "cannot recreate the I/O queue pair")
             }
         }
         n
+    }
+
+    /// After a controller reset the queue pair no longer exists: start over on a new one.
+    fn follow_reset(&mut self) {
+        if self
+            .qp
+            .as_ref()
+            .is_some_and(|q| q.generation != self.ctrl.generation())
+        {
+            self.restart("the controller was reset: outstanding commands failed with ECANCELED; new I/O queue pair");
+        }
     }
 }
 

@@ -598,6 +598,11 @@ impl Monitor {
             reason: w.reason.clone(),
             kind: "state",
         });
+        // A device with a controller of ours (NVMe) is really reset; the probes that follow
+        // say whether it came back. Files and block devices are only probed.
+        if let Some(Err(e)) = w.dev.reset_controller() {
+            tracing::warn!(path = %w.dev.path().display(), error = %e, "controller reset failed; probing until reset_timeout");
+        }
     }
 }
 

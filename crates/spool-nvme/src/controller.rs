@@ -464,16 +464,23 @@ impl Controller {
 
     /// Disables the controller (aborting everything outstanding), reprograms the admin queue
     /// and enables it again.
-    fn reset_and_enable(&mut self) -> Result<()> {
-        self.resets.fetch_add(1, Ordering::Relaxed);
+    fn reset_and_enable(&self) -> Result<()> {
+        let mut adm = self.admin.lock().unwrap_or_else(|p| p.into_inner());
+        self.resets.fetch_add(1, Ordering::AcqRel);
         self.wr32(spec::REG_CC, 0);
         self.wait_ready(false)?;
-        let fresh = admin_qp(&self.arena, false, self.bar.ptr, self.cap.doorbell_stride);
+        // Every I/O queue is gone with the reset.
         for q in self.arena.header().live_qids() {
             self.arena.header().set_qid(q, false);
         }
-        let adm = self.admin.get_mut().unwrap_or_else(|p| p.into_inner());
-        adm.qp = fresh;
+        {
+            let mut q = self.qids.lock().unwrap_or_else(|p| p.into_inner());
+            q.iter_mut().for_each(|b| *b = false);
+            if let Some(b) = q.first_mut() {
+                *b = true;
+            }
+        }
+        adm.qp = admin_qp(&self.arena, false, self.bar.ptr, self.cap.doorbell_stride);
         let (sq, cq) = (adm.qp.sq_iova(), adm.qp.cq_iova());
         let n = ADMIN_DEPTH as u32 - 1;
         self.wr32(spec::REG_AQA, (n << 16) | n);
@@ -481,6 +488,38 @@ impl Controller {
         self.wr64(spec::REG_ACQ, cq);
         self.wr32(spec::REG_CC, spec::CC_ENTRY_SIZES | spec::CC_EN);
         self.wait_ready(true)
+    }
+
+    /// The controller generation: how many resets this process did. Queue pairs of an older
+    /// generation no longer exist on the controller.
+    pub fn generation(&self) -> u64 {
+        self.resets.load(Ordering::Acquire)
+    }
+
+    /// Resets a running controller (a controller-level failure, a hang that deleting queues
+    /// did not cure, or an operator's request): disable, re-create the admin queue, enable,
+    /// grant queues again and re-create the synchronous queue. Every I/O queue pair is gone
+    /// afterwards; their owners notice the new [`Controller::generation`], fail what they had
+    /// outstanding with ECANCELED (the journal resubmits it) and create new ones.
+    pub fn reset(&self) -> Result<()> {
+        self.check_present()?;
+        let t = Instant::now();
+        let mut sync = self.sync.lock().unwrap_or_else(|p| p.into_inner());
+        self.reset_and_enable()?;
+        let want = self.info.io_queues.max(1) as u32;
+        self.admin_cmd(
+            Sqe {
+                cdw10: spec::FEAT_NUM_QUEUES as u32,
+                cdw11: ((want - 1) << 16) | (want - 1),
+                ..Sqe::new(admin::SET_FEATURES, 0)
+            },
+            "set number of queues",
+        )?;
+        if let Some(s) = sync.as_mut() {
+            s.qp = self.create_queue_pair(SYNC_DEPTH)?;
+        }
+        tracing::warn!(controller = %self.bdf, ms = format!("{:.2}", t.elapsed().as_secs_f64() * 1e3), resets = self.resets(), "controller reset");
+        Ok(())
     }
 
     /// Runs one admin command to completion; returns its dword 0.
@@ -734,8 +773,9 @@ impl Controller {
             self.arena.header().set_qid(qid, false);
             e
         };
-        let qp =
+        let mut qp =
             QueuePair::new(qid, depth, self.bar.ptr, self.cap.doorbell_stride).map_err(release)?;
+        qp.generation = self.generation();
         let size_qid = ((depth as u32 - 1) << 16) | qid as u32;
         self.admin_cmd(
             Sqe {
@@ -772,6 +812,12 @@ impl Controller {
     /// are aborted by the controller.
     pub fn delete_queue_pair(&self, qp: QueuePair) {
         let qid = qp.qid as u32;
+        if qp.generation != self.generation() {
+            // A reset already destroyed it (and freed its identifier, which may be reused by
+            // now): nothing to tell the controller.
+            drop(qp);
+            return;
+        }
         if self.is_gone() {
             // Nothing to tell a controller that is gone; its rings can simply be freed.
             drop(qp);

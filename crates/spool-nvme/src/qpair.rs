@@ -56,6 +56,9 @@ impl Mem {
 
 pub struct QueuePair {
     pub qid: u16,
+    /// The controller generation (resets so far) the queue was created in; a reset destroys
+    /// every queue of older generations.
+    pub generation: u64,
     depth: u16,
     sq: Mem,
     cq: Mem,
@@ -149,6 +152,7 @@ impl QueuePair {
         let base = crate::spec::REG_DOORBELLS + 2 * qid as usize * stride;
         QueuePair {
             qid,
+            generation: 0,
             depth,
             sq,
             cq,
