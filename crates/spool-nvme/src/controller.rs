@@ -490,6 +490,20 @@ impl Controller {
         self.wait_ready(true)
     }
 
+    /// Asks for `want` I/O queue pairs (Set Features, Number of Queues); returns how many the
+    /// controller granted (at most `want`).
+    fn set_queue_count(&self, want: u32) -> Result<u16> {
+        let dw0 = self.admin_cmd(
+            Sqe {
+                cdw10: spec::FEAT_NUM_QUEUES as u32,
+                cdw11: ((want - 1) << 16) | (want - 1),
+                ..Sqe::new(admin::SET_FEATURES, 0)
+            },
+            "set number of queues",
+        )?;
+        Ok(((dw0 & 0xffff).min(dw0 >> 16) + 1).min(want) as u16)
+    }
+
     /// The controller generation: how many resets this process did. Queue pairs of an older
     /// generation no longer exist on the controller.
     pub fn generation(&self) -> u64 {
@@ -506,15 +520,7 @@ impl Controller {
         let t = Instant::now();
         let mut sync = self.sync.lock().unwrap_or_else(|p| p.into_inner());
         self.reset_and_enable()?;
-        let want = self.info.io_queues.max(1) as u32;
-        self.admin_cmd(
-            Sqe {
-                cdw10: spec::FEAT_NUM_QUEUES as u32,
-                cdw11: ((want - 1) << 16) | (want - 1),
-                ..Sqe::new(admin::SET_FEATURES, 0)
-            },
-            "set number of queues",
-        )?;
+        self.set_queue_count(self.info.io_queues.max(1) as u32)?;
         if let Some(s) = sync.as_mut() {
             s.qp = self.create_queue_pair(SYNC_DEPTH)?;
         }
@@ -637,15 +643,7 @@ impl Controller {
         let kept = hdr.load(std::sync::atomic::Ordering::Acquire);
         info.io_queues = if set_queues || kept == 0 {
             // Number of Queues may be set once per controller reset.
-            let dw0 = self.admin_cmd(
-                Sqe {
-                    cdw10: spec::FEAT_NUM_QUEUES as u32,
-                    cdw11: ((want - 1) << 16) | (want - 1),
-                    ..Sqe::new(admin::SET_FEATURES, 0)
-                },
-                "set number of queues",
-            )?;
-            ((dw0 & 0xffff).min(dw0 >> 16) + 1).min(want) as u16
+            self.set_queue_count(want)?
         } else {
             kept.min(want) as u16
         };
