@@ -87,6 +87,9 @@ impl spool_devices::nvme_handoff::Keeper for NvmeKeeper {
     }
 }
 
+/// Keeper key prefix of kept device health states (`health/UUID`).
+pub const HEALTH_PREFIX: &str = "health/";
+
 /// Keeper key of the RPC listening socket.
 pub const RPC_LISTEN_KEY: &str = "rpc/listen";
 /// Keeper key naming the state formats the running worker writes.
@@ -184,6 +187,63 @@ impl Daemon {
         });
         for (uuid, dev) in pool.device_handles() {
             monitor.watch(uuid, dev);
+        }
+        if let Some(k) = &keeping {
+            // Isolation outlives the worker: a device the previous worker failed or found
+            // removed stays isolated (its state is kept with the keeper under health/UUID).
+            let keys = k.restored.lock().unwrap_or_else(|p| p.into_inner()).keys();
+            for key in keys
+                .into_iter()
+                .filter(|key| key.starts_with(HEALTH_PREFIX))
+            {
+                let Some((value, _)) = k.take(&key) else {
+                    continue;
+                };
+                let kept: Option<(uuid::Uuid, spool_devices::HealthState, String)> = (|| {
+                    let v: Value = serde_json::from_str(&value).ok()?;
+                    let uuid = key.strip_prefix(HEALTH_PREFIX)?.parse().ok()?;
+                    let state = match v["state"].as_str()? {
+                        "failed" => spool_devices::HealthState::Failed,
+                        "removed" => spool_devices::HealthState::Removed,
+                        _ => return None,
+                    };
+                    Some((uuid, state, v["reason"].as_str().unwrap_or("").to_string()))
+                })(
+                );
+                match kept {
+                    Some((uuid, state, reason)) => {
+                        if monitor.restore(uuid, state, &reason) {
+                            // Still isolated: keep it kept.
+                            let _ = k.link.put(&key, value, &[]);
+                        } else {
+                            let _ = k.link.remove(&key);
+                        }
+                    }
+                    None => {
+                        tracing::warn!(key = %key, "unreadable kept device state; dropped");
+                        let _ = k.link.remove(&key);
+                    }
+                }
+            }
+            let link = k.link.clone();
+            monitor.subscribe(move |ev| {
+                let key = format!("{HEALTH_PREFIX}{}", ev.device);
+                match (ev.kind.as_str(), ev.to) {
+                    ("state", Some(to @ ("failed" | "removed"))) => {
+                        let v = json!({"state": to, "reason": ev.reason}).to_string();
+                        if let Err(e) = link.put(&key, v, &[]) {
+                            tracing::error!(
+                                key,
+                                "cannot keep the device state with the keeper: {e}"
+                            );
+                        }
+                    }
+                    ("state", Some("healthy")) | ("replaced", _) => {
+                        let _ = link.remove(&key);
+                    }
+                    _ => {}
+                }
+            });
         }
         let d = Arc::new(Daemon {
             settings: FrontendSettings {

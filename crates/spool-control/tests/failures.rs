@@ -576,3 +576,53 @@ fn bad_injection_requests_are_refused_clearly() {
         json!([])
     );
 }
+
+/// Isolation outlives the worker: a device failed by media errors stays failed after the
+/// worker is killed and restarted (the injected fault is gone with the old process, so
+/// without the kept state the new worker would serve the volume from the failing device).
+#[test]
+fn an_isolated_device_stays_isolated_across_a_worker_restart() {
+    let s = Spoold::start(&config(""));
+    let (dev2, _) = device_of(&s, "vol2");
+    s.rpc(
+        "device_inject",
+        json!({"id": dev2, "kind": "media", "op": "read"}),
+    )
+    .unwrap();
+    let sock = s.socket("vol2");
+    let mut c = connect(&sock, 1, false).unwrap();
+    assert!(c.read_sync(0, 0, 4096).0 != 0, "the injected media error");
+    wait_state(&s, &dev2, "failed");
+    s.kill_worker();
+    let h = wait_state(&s, &dev2, "failed");
+    assert!(h["reason"].as_str().unwrap().contains("media error"), "{h}");
+    let ev = s.rpc("events_list", json!({"since": 0})).unwrap();
+    assert!(
+        ev["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == json!("restored") && e["device"] == json!(dev2)),
+        "{ev}"
+    );
+    // The volume's I/O still fails cleanly (the client stays connected through the restart).
+    let mut failed = false;
+    for _ in 0..50 {
+        if c.read_sync(0, 0, 4096).0 != 0 {
+            failed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(failed, "the isolated device served I/O after the restart");
+    // Replacing it clears the kept state: a further restart finds it healthy.
+    let new = s.dir.path().join("new.img");
+    s.rpc(
+        "device_replace",
+        json!({"old": dev2, "new": new, "create_size": 64 << 20}),
+    )
+    .unwrap();
+    let (new_uuid, _) = device_of(&s, "vol2");
+    s.kill_worker();
+    assert_eq!(health(&s, &new_uuid)["state"], json!("healthy"));
+}

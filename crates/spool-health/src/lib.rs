@@ -83,7 +83,8 @@ pub struct Event {
     pub time_ms: u64,
     pub device: Uuid,
     pub path: String,
-    /// `state` (a transition), `warning`, `replaced`.
+    /// `state` (a transition), `warning`, `replaced`, `restored` (an isolated state carried
+    /// over a worker restart).
     pub kind: String,
     pub from: Option<&'static str>,
     pub to: Option<&'static str>,
@@ -265,6 +266,39 @@ impl Monitor {
             )
         };
         self.announce(ev);
+    }
+
+    /// Puts a watched device back in the isolated state (failed or removed) a previous worker
+    /// left it in, so a worker restart never brings an isolated device back into service.
+    /// Returns false when the device is not watched, not healthy now, or `state` is not an
+    /// isolated one.
+    pub fn restore(&self, uuid: Uuid, state: HealthState, reason: &str) -> bool {
+        if !matches!(state, HealthState::Failed | HealthState::Removed) {
+            return false;
+        }
+        let ev = {
+            let mut inner = self.lock();
+            let Some(w) = inner.devices.iter_mut().find(|w| w.uuid == uuid) else {
+                return false;
+            };
+            if !w.dev.health().transition(HealthState::Healthy, state) {
+                return false;
+            }
+            w.reason = reason.to_string();
+            w.changed = Instant::now();
+            let path = w.path.clone();
+            Self::push_event(
+                &mut inner,
+                uuid,
+                &path,
+                "restored",
+                Some("healthy"),
+                Some(state.name()),
+                format!("{reason} (state kept across a worker restart)"),
+            )
+        };
+        self.announce(ev);
+        true
     }
 
     /// Stops watching a device.

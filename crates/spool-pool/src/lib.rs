@@ -332,6 +332,39 @@ impl Pool {
             ),
         };
         let pool_uuid = table.pool_uuid;
+        // Devices that joined at run time (`device add`, `device replace`, spares) are not in
+        // the configuration: they are found again at the path the pool table last saw them.
+        let have: HashSet<Uuid> = opened
+            .iter()
+            .filter_map(|(_, st)| match st {
+                DeviceState::Member(r, _) => Some(r.device_uuid),
+                _ => None,
+            })
+            .collect();
+        let configured: HashSet<PathBuf> = specs.iter().map(|s| s.path.clone()).collect();
+        for d in &table.devices {
+            let path = PathBuf::from(&d.last_path);
+            if have.contains(&d.uuid) || configured.contains(&path) || d.last_path.is_empty() {
+                continue;
+            }
+            let spec = DeviceSpec {
+                path,
+                create_size: None,
+                null: None,
+            };
+            match open_spec(&spec, opts.no_direct) {
+                Ok(dev) => {
+                    let state = metadata::read_device(&dev);
+                    if matches!(&state, DeviceState::Member(r, _) if r.device_uuid == d.uuid) {
+                        tracing::info!(path = %d.last_path, device = %d.uuid, "found a device added at run time where it was last seen");
+                        opened.push((dev, state));
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(path = %d.last_path, error = %e, "device not at its last path")
+                }
+            }
+        }
         let mut needs_write = false;
         let mut members = Vec::new();
         let mut seen = HashSet::new();

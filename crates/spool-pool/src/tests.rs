@@ -270,3 +270,20 @@ fn a_device_that_cannot_be_opened_takes_only_its_volumes_offline() {
     };
     assert!(e.contains("No such file"), "{e}");
 }
+
+#[test]
+fn devices_added_at_run_time_are_found_again_without_being_configured() {
+    let d = tempfile::tempdir().unwrap();
+    let configured = [spec(d.path(), "a", 9)];
+    {
+        let mut p = Pool::open(&configured, opts()).unwrap();
+        p.add_device(&spec(d.path(), "added", 9), false).unwrap();
+        // Big enough that it must use both devices.
+        p.create_volume("v", 12 << 20, false, 1).unwrap();
+    }
+    let p = Pool::open(&configured, opts()).unwrap();
+    let info = p.info();
+    assert_eq!(info.devices.len(), 2);
+    assert!(info.devices.iter().all(|x| x.present), "{:?}", info.devices);
+    assert!(p.volumes()[0].online);
+}
