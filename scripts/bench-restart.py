@@ -29,21 +29,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(REPO, "target", "release")
-OUT = os.path.join(REPO, "docs", "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import BIN, OUT, REPO, ctl, log  # noqa: E402
 
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def ctl(sock, *args):
-    r = subprocess.run([os.path.join(BIN, "spoolctl"), "--socket", sock, "--json", *args],
-                       capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        raise RuntimeError(f"spoolctl {' '.join(args)}: {r.stderr.strip()}")
-    return json.loads(r.stdout)
 
 
 def status(sock):

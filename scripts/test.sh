@@ -20,4 +20,5 @@ echo "== benchmark suite smoke (checks the suite runs, not its numbers)"
 python3 -c "import matplotlib" 2>/dev/null || pip install -q matplotlib
 python3 scripts/bench.py --quick
 python3 scripts/bench-restart.py --quick
+python3 scripts/bench-failures.py --quick
 echo "== all tests passed"
