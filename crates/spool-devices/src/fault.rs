@@ -241,12 +241,7 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
-        let mut n = 0;
-        while let Some((t, r)) = self.done.pop_front() {
-            done(t, r);
-            n += 1;
-        }
-        n + self.inner.reap(done)
+        crate::queue::drain_done(&mut self.done, done) + self.inner.reap(done)
     }
 
     fn completion_fd(&self) -> RawFd {

@@ -65,11 +65,7 @@ impl DeviceQueue for NullQueue {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
-        let n = self.done.len();
-        while let Some((t, r)) = self.done.pop_front() {
-            done(t, r);
-        }
-        n
+        crate::queue::drain_done(&mut self.done, done)
     }
 
     fn completion_fd(&self) -> RawFd {

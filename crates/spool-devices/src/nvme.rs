@@ -51,6 +51,12 @@ pub struct NvmeQueue {
     max_xfer: u64,
     /// SGL support used by this queue (0 = none: PRPs and bounce buffers only).
     sgl: u8,
+    /// Volatile write cache present (Flush means something).
+    write_cache: bool,
+    /// Optional NVM commands (ONCS).
+    oncs: u16,
+    /// Requests whose last command completed in the current reap (reused buffer).
+    finished: Vec<u32>,
     /// PRP list (or DSM range) page of each command identifier.
     lists: DmaBuf,
     /// Request index of each outstanding command identifier.
@@ -91,6 +97,9 @@ impl NvmeQueue {
         let lists = DmaBuf::new(depth as usize * PAGE as usize).map_err(err)?;
         Ok(NvmeQueue {
             max_xfer: ctrl.info().max_transfer,
+            write_cache: ctrl.info().write_cache,
+            oncs: ctrl.info().oncs,
+            finished: Vec::new(),
             sgl: if SGL_ENABLED.load(Ordering::Relaxed) {
                 ctrl.info().sgl
             } else {
@@ -188,7 +197,6 @@ impl NvmeQueue {
             }
             return false;
         }
-        let info = self.ctrl.info().clone();
         match io {
             DeviceIo::Read {
                 offset,
@@ -316,7 +324,7 @@ impl NvmeQueue {
                 }
             }
             DeviceIo::Flush => {
-                if !info.write_cache {
+                if !self.write_cache {
                     self.done.push_back((tag, 0));
                     return true;
                 }
@@ -330,7 +338,7 @@ impl NvmeQueue {
                     self.done.push_back((tag, -libc::EINVAL));
                     return true;
                 }
-                let supported = info.oncs & (1 << if zeroes { 3 } else { 2 }) != 0;
+                let supported = self.oncs & (1 << if zeroes { 3 } else { 2 }) != 0;
                 if !supported || len == 0 {
                     // Discard is advisory; Write Zeroes without controller support is refused
                     // so the caller writes zeroes itself.
@@ -445,7 +453,7 @@ impl DeviceQueue for NvmeQueue {
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
         if let Some(mut qp) = self.qp.take() {
-            let mut finished = Vec::new();
+            let mut finished = std::mem::take(&mut self.finished);
             qp.poll(&mut |c| {
                 let req = std::mem::replace(&mut self.cids[c.cid as usize], u32::MAX);
                 if req == u32::MAX {
@@ -463,15 +471,13 @@ impl DeviceQueue for NvmeQueue {
                 }
             });
             self.qp = Some(qp);
-            for req in finished {
+            for &req in &finished {
                 self.finish(req);
             }
+            finished.clear();
+            self.finished = finished;
         }
-        let n = self.done.len();
-        while let Some((t, r)) = self.done.pop_front() {
-            done(t, r);
-        }
-        n
+        crate::queue::drain_done(&mut self.done, done)
     }
 
     fn completion_fd(&self) -> RawFd {

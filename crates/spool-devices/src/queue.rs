@@ -75,6 +75,15 @@ pub trait DeviceQueue: Send {
     }
 }
 
+/// Hands every completion already known (tag, result) to `done`; returns how many.
+pub(crate) fn drain_done(q: &mut VecDeque<(u64, i32)>, done: &mut dyn FnMut(u64, i32)) -> usize {
+    let n = q.len();
+    while let Some((t, r)) = q.pop_front() {
+        done(t, r);
+    }
+    n
+}
+
 /// A fresh non-blocking eventfd, the completion descriptor of a device queue.
 pub(crate) fn completion_eventfd() -> std::io::Result<std::fs::File> {
     // SAFETY: eventfd takes no pointers; the result is checked before use.
