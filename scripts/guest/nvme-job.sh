@@ -10,12 +10,26 @@ say() { echo "SPOOL-NVME: $*"; }
 t() { cut -d' ' -f1 /proc/uptime; }
 fail() {
     say "FAIL $*"
-    [ -f /tmp/spoold.log ] && tail -n 60 /tmp/spoold.log
+    timeout 10 spoolctl --socket /tmp/spool/spoldd.sock device health 2>&1
+    timeout 10 spoolctl --socket /tmp/spool/spoldd.sock events 2>&1 | tail -n 20
+    [ -f /tmp/spoold.log ] && tail -n 80 /tmp/spoold.log
     sync
     poweroff -f
 }
-ctl() { spoolctl --socket /tmp/spool/spoldd.sock "$@"; }
-bench() { spool-bench --size 33554432 "$@" || fail "spool-bench $*"; }
+ctl() { timeout 60 spoolctl --socket /tmp/spool/spoldd.sock "$@"; }
+# Every client run is bounded: a request that never completes fails the test with the
+# daemon's log instead of hanging it until the host's timeout.
+bench() { timeout 120 spool-bench --size 33554432 "$@" || fail "spool-bench $*"; }
+# waitfor PID WHAT: waits for a background client, bounded.
+waitfor() {
+    n=0
+    while kill -0 "$1" 2>/dev/null; do
+        n=$((n + 1))
+        [ $n -lt 1200 ] || { kill -9 "$1"; fail "$2: the client hung (no completion in 120 s)"; }
+        sleep 0.1
+    done
+    wait "$1"
+}
 
 mount -t tmpfs tmpfs /tmp
 mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm
@@ -145,8 +159,8 @@ for p in $(pidof spoold); do [ "$p" != "$keeper" ] && worker=$p; done
 [ -n "$worker" ] || fail "no worker process"
 kill -9 "$worker"
 say "killed worker $worker at $(t)s"
-wait $b1 || { cat /tmp/b1; fail "vol1 load across the worker kill"; }
-wait $b2 || { cat /tmp/b2; fail "vol2 load across the worker kill"; }
+waitfor $b1 "vol1 load across the worker kill" || { cat /tmp/b1; fail "vol1 load across the worker kill"; }
+waitfor $b2 "vol2 load across the worker kill" || { cat /tmp/b2; fail "vol2 load across the worker kill"; }
 cat /tmp/b1 /tmp/b2
 bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
 bench --socket $v2 --rw read --fill --verify --seed 22 --bs 131072 --iodepth 4
@@ -172,7 +186,7 @@ if grep -q "spool.hang=1" /proc/cmdline; then
     bh=$!
     sleep 1
     say "HANG $gone_id"
-    wait $bh || { cat /tmp/bh; fail "vol2 saw errors across a hung command"; }
+    waitfor $bh "vol2 across a hung command" || { cat /tmp/bh; fail "vol2 saw errors across a hung command"; }
     cat /tmp/bh
     ctl device health
     ctl events | tail -n 3
@@ -195,7 +209,7 @@ if grep -q "spool.hang=1" /proc/cmdline; then
     b1=$!
     sleep 2
     ctl device reset "$v1dev" || fail "device reset"
-    wait $b1 || { cat /tmp/b1; fail "vol1 saw errors across a controller reset"; }
+    waitfor $b1 "vol1 across a controller reset" || { cat /tmp/b1; fail "vol1 saw errors across a controller reset"; }
     cat /tmp/b1
     after=$(creset "$v1c")
     [ "$after" -gt "$before" ] || fail "device reset did not reset controller $v1c ($before -> $after)"

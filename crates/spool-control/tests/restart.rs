@@ -201,3 +201,55 @@ fn without_keeper_upgrade_is_refused_clearly() {
     assert!(d.status()["keeper"].is_null());
     d.stop();
 }
+
+/// A panic in a queue thread (here forced by a test hook on the device-reset path, with
+/// requests in flight) ends the worker; the keeper restarts it and the journal resubmits
+/// what was in flight. Without that the panicked queue would never answer again and the
+/// client's requests would hang (the client waits 10 s at most, then fails the test).
+#[test]
+fn a_panicking_queue_thread_restarts_the_worker_invisibly() {
+    let d = Arc::new(Spoold::start(ONE_VOLUME));
+    let panicky = wrapper(&d, "spoold-panics", "SPOOL_TEST_PANIC_ON_DEVICE_RESET=1");
+    d.upgrade(Some(&panicky)).unwrap();
+    let before = d.worker_pid();
+    let dev = d.rpc("volume_show", json!({"id": "a"})).unwrap()["devices"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut c = connect(&d.socket("a"), 2, false).unwrap();
+    let resetter = {
+        let d = d.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = d.rpc("device_reset", json!({"id": dev}));
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Ok(s) = d.rpc("daemon_status", serde_json::Value::Null) {
+                    let pid = s["pid"].as_u64().unwrap_or(0) as u32;
+                    if pid != before && pid != 0 {
+                        return pid;
+                    }
+                }
+                assert!(std::time::Instant::now() < deadline, "no new worker");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    let rounds = write_rounds_until(&mut c, &|| resetter.is_finished(), 10);
+    let after = resetter.join().unwrap();
+    assert_ne!(after, before);
+    let log = d.log();
+    assert!(
+        log.contains("a worker thread panicked; ending the worker"),
+        "the panic was not reported"
+    );
+    assert_eq!(d.status()["keeper"]["start_reason"], json!("crash-restart"));
+    assert_eq!(
+        log.matches("frontend connected").count(),
+        1,
+        "the client connected more than once"
+    );
+    eprintln!(
+        "worker {before} panicked in a queue thread, {after} took over; {rounds} rounds verified"
+    );
+}

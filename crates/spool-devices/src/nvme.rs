@@ -70,7 +70,12 @@ pub struct NvmeQueue {
     chunk: Vec<(u64, u64)>,
     entries: Vec<u64>,
     event: File,
+    /// When to try again to create a queue pair the controller refused.
+    retry_at: Option<std::time::Instant>,
 }
+
+/// How long a queue without a queue pair waits before asking the controller again.
+const QP_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
 // SAFETY: raw pointers held in `Bounce` are the caller's iovecs, which the `submit` contract
 // keeps valid until completion; the queue is used by one worker thread at a time.
@@ -81,13 +86,14 @@ impl NvmeQueue {
     pub fn new(ctrl: Arc<Controller>, depth: u32) -> std::io::Result<NvmeQueue> {
         let err = |e: spool_nvme::Error| std::io::Error::from_raw_os_error(e.errno());
         // A controller that is gone still gets a queue (every request fails with ENODEV), so
-        // volumes on other devices of the pool keep starting.
+        // volumes on other devices of the pool keep starting; one that refuses a queue pair
+        // now (being reset by the monitor) gets one on a later kick.
         let qp = match ctrl.create_queue_pair(depth.clamp(2, 1024) as u16) {
             Ok(qp) => Some(qp),
             Err(spool_nvme::Error::Gone(_)) => None,
             Err(e) => {
-                tracing::error!(controller = ctrl.bdf(), error = %e, "cannot create an I/O queue pair");
-                return Err(err(e));
+                tracing::warn!(controller = ctrl.bdf(), error = %e, "cannot create an I/O queue pair yet; retrying");
+                None
             }
         };
         let depth = qp
@@ -121,6 +127,7 @@ impl NvmeQueue {
             chunk: Vec::new(),
             entries: Vec::new(),
             event: crate::queue::completion_eventfd()?,
+            retry_at: None,
         })
     }
 
@@ -430,6 +437,8 @@ impl NvmeQueue {
 
 impl DeviceQueue for NvmeQueue {
     unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        // Never onto a queue pair a controller reset has destroyed (one atomic load).
+        self.follow_reset();
         // SAFETY: the caller's guarantee is passed on unchanged.
         if !self.backlog.is_empty() || !unsafe { self.try_submit(io, tag) } {
             self.backlog.push_back((io, tag));
@@ -538,14 +547,36 @@ impl NvmeQueue {
         n
     }
 
-    /// After a controller reset the queue pair no longer exists: start over on a new one.
+    /// After a controller reset the queue pair no longer exists: start over on a new one. A
+    /// queue left without a queue pair (the controller refused one while it was being reset)
+    /// asks again, at most every [`QP_RETRY`]; until then its requests fail with EIO, a path
+    /// error the health layer holds and resubmits.
     fn follow_reset(&mut self) {
-        if self
-            .qp
-            .as_ref()
-            .is_some_and(|q| q.generation != self.ctrl.generation())
-        {
-            self.restart("the controller was reset: outstanding commands failed with ECANCELED; new I/O queue pair");
+        match &self.qp {
+            Some(q) if q.generation != self.ctrl.generation() => {
+                self.restart("the controller was reset: outstanding commands failed with ECANCELED; new I/O queue pair");
+            }
+            Some(_) => {}
+            None if self.ctrl.is_gone() => {}
+            None => {
+                let now = std::time::Instant::now();
+                if self.retry_at.is_some_and(|t| now < t) {
+                    return;
+                }
+                match self.ctrl.create_queue_pair(self.depth) {
+                    Ok(qp) => {
+                        tracing::info!(controller = self.ctrl.bdf(), "I/O queue pair created");
+                        self.qp = Some(qp);
+                        self.retry_at = None;
+                    }
+                    Err(e) => {
+                        if self.retry_at.is_none() {
+                            tracing::warn!(controller = self.ctrl.bdf(), error = %e, "cannot create an I/O queue pair; retrying");
+                        }
+                        self.retry_at = Some(now + QP_RETRY);
+                    }
+                }
+            }
         }
     }
 }

@@ -113,6 +113,9 @@ struct Inflight {
     status_code: u8,
     /// A piece failed with a path error: hold the request for resubmission, do not complete it.
     held: bool,
+    /// A piece was cancelled by us (a queue pair aborted or lost to a controller reset):
+    /// submit the request again at once, nothing is wrong with it or the device.
+    cancelled: bool,
     /// Already reported as timed out.
     timed_out: bool,
     /// The timeout sweep during which it was submitted.
@@ -163,6 +166,8 @@ pub struct QueueWorker {
     served_one: bool,
     /// Requests held while a device resets (taken, journaled INFLIGHT, not submitted).
     held: Vec<u16>,
+    /// Requests whose device commands we cancelled, to submit again on the next round.
+    cancelled: Vec<u16>,
     /// The health epoch of each device this worker last acted on.
     seen_epochs: Vec<u64>,
     /// Resubmissions after path errors, per head.
@@ -226,6 +231,7 @@ impl QueueWorker {
             broken: false,
             served_one: false,
             held: Vec::new(),
+            cancelled: Vec::new(),
             seen_epochs: Vec::new(),
             retries: vec![0; size],
             request_retries: spec.request_retries,
@@ -327,6 +333,14 @@ impl QueueWorker {
                 }
             }
             work |= self.reap(&mem);
+            if !self.cancelled.is_empty() {
+                // Through the health gate again: submitted, held (device resetting) or
+                // failed (device isolated).
+                for h in std::mem::take(&mut self.cancelled) {
+                    self.resubmit_head(h, &mem);
+                }
+                work = true;
+            }
             self.notify(&mem);
             if work {
                 last_work = Instant::now();
@@ -557,7 +571,12 @@ impl QueueWorker {
     /// guest, reopen them, and resubmit every request the journal (or, without a journal,
     /// the in-flight table) says is outstanding.
     fn reset_devices(&mut self) {
-        let held = std::mem::take(&mut self.held);
+        // Test hook (docs/restart.md): a queue thread that panics with requests in flight.
+        if std::env::var_os("SPOOL_TEST_PANIC_ON_DEVICE_RESET").is_some() {
+            panic!("SPOOL_TEST_PANIC_ON_DEVICE_RESET is set");
+        }
+        let mut held = std::mem::take(&mut self.held);
+        held.append(&mut self.cancelled);
         let heads: Vec<u16> = match &self.vq.journal {
             Some(j) => (0..self.vq.queue.size())
                 .filter(|&h| j.state(h) == spool_journal::ReqState::Inflight)
@@ -633,6 +652,7 @@ impl QueueWorker {
             pending: 0,
             status_code: VIRTIO_BLK_S_OK as u8,
             held: false,
+            cancelled: false,
             timed_out: false,
             sweep: 0,
             pieces: SmallVec::new(),
@@ -739,6 +759,15 @@ impl QueueWorker {
             self.held.push(head);
             return;
         }
+        if inf.pending != 0 && ios.iter().any(|(d, _)| *d >= self.devices.len()) {
+            // A device queue that could not be reopened (after a reset or a replacement):
+            // try again; if it still cannot be had, this request fails cleanly.
+            if let Err(e) = self.open_device_queues() {
+                tracing::error!(volume = %self.volume, error = %e, "no device queue; failing the request");
+                inf.status_code = VIRTIO_BLK_S_IOERR as u8;
+                inf.pending = 0;
+            }
+        }
         if inf.pending == 0 {
             let _ = mem.write_obj(inf.status_code, inf.status);
             self.complete_used(mem, head, inf.used_len);
@@ -797,6 +826,7 @@ impl QueueWorker {
                         });
                     }
                     match class {
+                        _ if errno == libc::ECANCELED => inf.cancelled = true,
                         ErrorClass::Path | ErrorClass::Gone => inf.held = true,
                         ErrorClass::Media | ErrorClass::Request => {
                             inf.status_code = VIRTIO_BLK_S_IOERR as u8
@@ -822,6 +852,13 @@ impl QueueWorker {
                     }
                     tracing::error!(volume = %self.volume, head, retries = self.retries[h], "request keeps failing after device resets; failing it");
                     let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, inf.status);
+                } else if inf.cancelled && inf.status_code == VIRTIO_BLK_S_OK as u8 {
+                    // Our own cancellation is no failure of the request: no retry counted.
+                    // Held requests wait for a health change; these would wait forever if
+                    // the change they follow has already been seen (a queue pair replaced
+                    // after a controller reset the worker had already acted on).
+                    self.cancelled.push(head);
+                    continue;
                 } else {
                     let _ = mem.write_obj(inf.status_code, inf.status);
                 }

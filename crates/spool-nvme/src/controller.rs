@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Mutex, Once, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::arena::Arena;
@@ -103,6 +103,10 @@ pub struct Controller {
     info: ControllerInfo,
     ns: NamespaceInfo,
     qids: Mutex<Vec<bool>>,
+    /// Queue pairs are created and deleted under the read side, a reset holds the write
+    /// side: a queue pair exists on the controller exactly when its generation is current,
+    /// and a reset never frees an identifier that a creation in progress holds.
+    reset_gate: RwLock<()>,
     /// Times this process reset the controller (bring-up included).
     resets: AtomicU64,
     /// Taken over live from the previous worker (no reset).
@@ -393,6 +397,7 @@ impl Controller {
             info: ControllerInfo::default(),
             ns: NamespaceInfo::default(),
             qids: Mutex::new(vec![false; max_qid as usize + 1]),
+            reset_gate: RwLock::new(()),
             resets: AtomicU64::new(0),
             attached,
             zero_copy_requests: AtomicU64::new(0),
@@ -518,11 +523,12 @@ impl Controller {
     pub fn reset(&self) -> Result<()> {
         self.check_present()?;
         let t = Instant::now();
+        let _gate = self.reset_gate.write().unwrap_or_else(|p| p.into_inner());
         let mut sync = self.sync.lock().unwrap_or_else(|p| p.into_inner());
         self.reset_and_enable()?;
         self.set_queue_count(self.info.io_queues.max(1) as u32)?;
         if let Some(s) = sync.as_mut() {
-            s.qp = self.create_queue_pair(SYNC_DEPTH)?;
+            s.qp = self.create_queue_pair_gated(SYNC_DEPTH)?;
         }
         tracing::warn!(controller = %self.bdf, ms = format!("{:.2}", t.elapsed().as_secs_f64() * 1e3), resets = self.resets(), "controller reset");
         Ok(())
@@ -750,6 +756,12 @@ impl Controller {
 
     /// Creates an I/O queue pair of up to `depth` entries for one worker.
     pub fn create_queue_pair(&self, depth: u16) -> Result<QueuePair> {
+        let _gate = self.reset_gate.read().unwrap_or_else(|p| p.into_inner());
+        self.create_queue_pair_gated(depth)
+    }
+
+    /// [`Controller::create_queue_pair`] with the reset gate held by the caller.
+    fn create_queue_pair_gated(&self, depth: u16) -> Result<QueuePair> {
         self.check_present()?;
         let depth = (depth as u32).clamp(2, self.cap.mqes.min(1024)) as u16;
         let qid = {
@@ -809,6 +821,7 @@ impl Controller {
     /// Deletes a queue pair made by [`Controller::create_queue_pair`]; outstanding commands
     /// are aborted by the controller.
     pub fn delete_queue_pair(&self, qp: QueuePair) {
+        let _gate = self.reset_gate.read().unwrap_or_else(|p| p.into_inner());
         let qid = qp.qid as u32;
         if qp.generation != self.generation() {
             // A reset already destroyed it (and freed its identifier, which may be reused by
@@ -840,6 +853,7 @@ impl Controller {
         }
         // The rings stay allocated until here, after the controller let go of them.
         drop(qp);
+        self.arena.header().set_qid(qid as u16, false);
         if let Some(b) = self
             .qids
             .lock()

@@ -100,6 +100,20 @@ fn keeper() -> ExitCode {
     spool_keeper::run_keeper(KeeperConfig::new(binary, worker_args))
 }
 
+/// Under a keeper, a panic in any thread of the worker (a bug: guest and operator input are
+/// answered with errors, never panics) ends the whole worker. The keeper starts the next one,
+/// which continues every vhost-user connection and resubmits from the journal what was in
+/// flight: a restart the VMs do not see. A queue thread that died alone would instead leave
+/// its requests unanswered forever.
+fn end_worker_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        tracing::error!(%info, "a worker thread panicked; ending the worker so that the keeper restarts it");
+        std::process::abort();
+    }));
+}
+
 /// Checks, as an upgrade candidate, that this binary reads every state the old worker kept.
 fn validate_preview(entries: &[(String, String)]) -> Result<(), String> {
     // Test hook (docs/upgrade.md): pretend to read only formats up to N, like an older binary.
@@ -140,6 +154,9 @@ enum Event {
 
 fn worker(cfg: Config, force: bool, link: Option<Arc<KeeperLink>>) -> ExitCode {
     let t_start = std::time::Instant::now();
+    if link.is_some() {
+        end_worker_on_panic();
+    }
     let keeping = match &link {
         None => None,
         Some(l) => {
