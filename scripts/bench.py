@@ -141,9 +141,16 @@ def bench(sock, case, runtime, pid=None, label="", size=VOL):
 
 
 def fill(sock):
-    subprocess.run([f"{BIN}/spool-bench", "--socket", sock, "--rw", "write", "--bs", "1048576",
-                    "--iodepth", "4", "--runtime", "1", "--warmup", "0", "--size", str(VOL), "--json"],
-                   capture_output=True, check=True, timeout=60)
+    # Once seen failing in CI without its output (2026-11-23); it now says why, and a second
+    # attempt tells a passing hiccup from a broken backend.
+    for attempt in (1, 2):
+        r = subprocess.run([f"{BIN}/spool-bench", "--socket", sock, "--rw", "write", "--bs", "1048576",
+                            "--iodepth", "4", "--runtime", "1", "--warmup", "0", "--size", str(VOL),
+                            "--json"], capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            return
+        log(f"   filling {sock} failed (attempt {attempt}): {r.stderr.strip()} {r.stdout.strip()}")
+    raise RuntimeError(f"filling {sock} failed twice")
 
 
 def fio_native(path, case, runtime, store):
@@ -194,6 +201,12 @@ def main():
                 r["store"] = store
                 results.append(r)
                 log(f"   {c[0]:22} {r['iops']:>10.0f} IOPS  {r['lat_mean_us']:8.1f} us")
+        except Exception:
+            logf = os.path.join(getattr(b, "dir", ""), "log")
+            if os.path.exists(logf):
+                with open(logf) as f:
+                    log(f"--- {label}: end of the server's log\n{f.read()[-4000:]}")
+            raise
         finally:
             b.stop()
 

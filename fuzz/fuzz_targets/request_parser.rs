@@ -1,12 +1,14 @@
 //! Fuzzes the whole guest-facing request path: the input becomes guest memory (descriptor
-//! table, avail ring, buffers) and the queue geometry; every chain the ring yields goes
-//! through the parser. It must never panic, and whatever it accepts must lie inside guest
-//! memory and inside the volume.
+//! table, avail ring, buffers) and the queue geometry; every head the ring yields is walked
+//! and parsed, and completed into the used ring, exactly as a worker does. It must never
+//! panic, and whatever it accepts must lie inside guest memory and inside the volume.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use spool_frontend::hostmem::HostMap;
 use spool_frontend::request::{parse, GuestMemory, Limits, Op};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use spool_frontend::vring::JournaledQueue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 const MEM: usize = 64 * 1024;
@@ -39,14 +41,17 @@ fuzz_target!(|data: &[u8]| {
         max_discard_segs: 4,
         max_discard_sectors: 512,
     };
+    let host = HostMap::new(&mem);
+    let mut vq = JournaledQueue::new(q, None);
     for _ in 0..size {
-        let chain = match q.iter(&mem) {
-            Ok(mut it) => it.next(),
-            Err(_) => return,
+        let head = match vq.pop(&host, &mut |_| {}) {
+            Ok(Some(h)) => h,
+            _ => return,
         };
-        let Some(chain) = chain else { return };
-        let head = chain.head_index();
-        if let Ok(r) = parse(head, chain, &mem, &limits) {
+        let parsed = parse(head, vq.chain(&host, head), &host, &limits);
+        let _ = vq.complete(&host, head, 1, &mut |_| {});
+        let _ = vq.needs_notification(&host);
+        if let Ok(r) = parsed {
             if matches!(r.op, Op::Read | Op::Write) {
                 assert!(r.len <= limits.max_data);
                 assert!(r.sector + r.len / 512 <= limits.capacity_sectors);

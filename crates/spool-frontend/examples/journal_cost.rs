@@ -7,6 +7,7 @@
 //!     valgrind --tool=callgrind target/release/examples/journal_cost journal 200000
 //!     valgrind --tool=callgrind target/release/examples/journal_cost nojournal 200000
 
+use spool_frontend::hostmem::HostMap;
 use spool_frontend::request::{parse, GuestMemory, Limits};
 use spool_frontend::vring::JournaledQueue;
 use spool_journal::{Journal, RingAddrs};
@@ -69,10 +70,8 @@ fn main() {
         .unwrap();
         j
     });
-    let mut vq = JournaledQueue {
-        queue: q,
-        journal: j,
-    };
+    let mut vq = JournaledQueue::new(q, j);
+    let host = HostMap::new(&mem);
     let limits = Limits {
         capacity_sectors: 1 << 20,
         read_only: false,
@@ -89,11 +88,10 @@ fn main() {
             .unwrap();
         avail = avail.wrapping_add(1);
         mem.write_obj(avail, GuestAddress(AVAIL + 2)).unwrap();
-        let chain = vq.pop(&mem, &mut |_| {}).unwrap().expect("a request");
-        let h = chain.head_index();
-        let req = parse(h, chain, &mem, &limits).unwrap();
-        mem.write_obj(0u8, req.status).unwrap();
-        vq.complete(&mem, h, 4097, &mut |_| {}).unwrap();
+        let h = vq.pop(&host, &mut |_| {}).unwrap().expect("a request");
+        let req = parse(h, vq.chain(&host, h), &host, &limits).unwrap();
+        host.write(req.status.0, &[0u8]);
+        vq.complete(&host, h, 4097, &mut |_| {}).unwrap();
     }
     let el = start.elapsed();
     println!(

@@ -9,6 +9,7 @@
 //! the control plane (config files, RPC).
 
 pub mod blk_config;
+pub mod hostmem;
 pub mod memory;
 pub mod request;
 mod server;

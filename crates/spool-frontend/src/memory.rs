@@ -1,14 +1,16 @@
 //! The guest memory table a vhost-user frontend gives us (SET_MEM_TABLE, ADD_MEM_REG,
-//! REM_MEM_REG), mapped once and published to the workers through a [`GuestMemoryAtomic`].
+//! REM_MEM_REG), mapped once and published to the workers through an [`ArcSwap`] (workers
+//! read it through an `arc_swap::Cache`: one atomic load per poll round).
 //!
-//! Workers load the current map per batch and keep the `Arc` of it in every in-flight request,
+//! Workers load the current map per round and keep the `Arc` of it in every in-flight request,
 //! so a region removed while I/O into it is in flight stays mapped until that I/O completes.
 
 use std::fs::File;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryAtomic, GuestRegionMmap};
+use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap};
 
 use crate::request::GuestMemory;
 
@@ -59,14 +61,14 @@ impl Drop for DmaRegistration {
 /// The frontend's memory, as mapped into this process.
 pub struct MemoryTable {
     maps: Vec<Mapping>,
-    atomic: GuestMemoryAtomic<GuestMemory>,
+    shared: Arc<ArcSwap<GuestMemory>>,
 }
 
 impl Default for MemoryTable {
     fn default() -> Self {
         MemoryTable {
             maps: Vec::new(),
-            atomic: GuestMemoryAtomic::new(GuestMemory::default()),
+            shared: Arc::new(ArcSwap::from_pointee(GuestMemory::default())),
         }
     }
 }
@@ -119,17 +121,14 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
 
 impl MemoryTable {
     /// The map workers read.
-    pub fn atomic(&self) -> GuestMemoryAtomic<GuestMemory> {
-        self.atomic.clone()
+    pub fn shared(&self) -> Arc<ArcSwap<GuestMemory>> {
+        self.shared.clone()
     }
 
     fn publish(&mut self, maps: Vec<Mapping>) -> Result<(), MemoryError> {
         let mem = GuestMemory::from_arc_regions(maps.iter().map(|m| m.region.clone()).collect())
             .map_err(|e| MemoryError::Layout(e.to_string()))?;
-        self.atomic
-            .lock()
-            .map_err(|_| MemoryError::Layout("memory map lock poisoned".into()))?
-            .replace(mem);
+        self.shared.store(Arc::new(mem));
         self.maps = maps;
         Ok(())
     }

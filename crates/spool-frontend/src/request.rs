@@ -12,13 +12,16 @@ use smallvec::SmallVec;
 use spool_devices::IoVec;
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{
-    Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-    MemoryRegionAddress,
-};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+use crate::hostmem::HostMap;
 
 /// Guest memory as the frontend maps it.
 pub type GuestMemory = GuestMemoryMmap<()>;
+
+/// A request's data buffers: up to four without a heap allocation (libblkio and Linux use
+/// one per page or per contiguous run).
+pub type IoVecs = SmallVec<[IoVec; 4]>;
 
 /// Bytes in a virtio-blk sector (fixed by the spec, independent of the block size).
 pub const SECTOR: u64 = 512;
@@ -69,7 +72,7 @@ pub struct Request {
     pub sector: u64,
     /// Data buffers as host addresses inside the guest mapping the parser was given. Valid
     /// while that mapping is alive: the worker keeps it alive until the request completes.
-    pub iov: Vec<IoVec>,
+    pub iov: IoVecs,
     /// Data length in bytes.
     pub len: u64,
     /// Where the status byte goes.
@@ -95,21 +98,9 @@ struct Seg {
     host: Option<usize>,
 }
 
-/// Host address of `[addr, addr + len)` when it lies inside a single region.
-fn host_addr(mem: &GuestMemory, addr: GuestAddress, len: u64) -> Option<usize> {
-    let r = mem.find_region(addr)?;
-    let off = addr.0 - r.start_addr().0;
-    if off.checked_add(len)? > r.len() {
-        return None;
-    }
-    r.get_host_address(MemoryRegionAddress(off))
-        .ok()
-        .map(|p| p as usize)
-}
-
 /// Host iovecs covering the data segments (None if one is not in guest memory).
-fn host_iovecs(data: &[Seg], mem: &GuestMemory) -> Option<Vec<IoVec>> {
-    let mut iov = Vec::with_capacity(data.len());
+fn host_iovecs(data: &[Seg], mem: &HostMap) -> Option<IoVecs> {
+    let mut iov = IoVecs::new();
     for s in data {
         if let Some(h) = s.host {
             iov.push(IoVec {
@@ -118,12 +109,14 @@ fn host_iovecs(data: &[Seg], mem: &GuestMemory) -> Option<Vec<IoVec>> {
             });
             continue;
         }
-        for slice in GuestMemoryBackend::get_slices(mem, s.addr, s.len as usize) {
-            let slice = slice.ok()?;
+        let whole = mem.pieces(s.addr.0, s.len, |h, n| {
             iov.push(IoVec {
-                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
-                iov_len: slice.len(),
-            });
+                iov_base: h as *mut libc::c_void,
+                iov_len: n,
+            })
+        });
+        if !whole {
+            return None;
         }
     }
     Some(iov)
@@ -133,7 +126,7 @@ fn host_iovecs(data: &[Seg], mem: &GuestMemory) -> Option<Vec<IoVec>> {
 pub fn parse(
     head: u16,
     descs: impl Iterator<Item = Descriptor>,
-    mem: &GuestMemory,
+    mem: &HostMap,
     limits: &Limits,
 ) -> Result<Request, Rejected> {
     // Most chains have 3 descriptors (libblkio) or a few more (Linux): no heap allocation.
@@ -162,7 +155,7 @@ pub fn parse(
     let status_addr = match segs.last() {
         Some(s) if s.write => {
             let a = s.addr.0.checked_add(s.len - 1).map(GuestAddress);
-            a.filter(|a| mem.check_range(*a, 1))
+            a.filter(|a| mem.host(a.0, 1).is_some())
         }
         _ => None,
     };
@@ -182,12 +175,8 @@ pub fn parse(
     };
     let ioerr = |reason: &'static str| reject(Some(status), VIRTIO_BLK_S_IOERR, reason);
     for s in segs.iter_mut() {
-        s.host = host_addr(mem, s.addr, s.len);
-        let ok = s.host.is_some()
-            || usize::try_from(s.len)
-                .ok()
-                .is_some_and(|l| mem.check_range(s.addr, l));
-        if !ok {
+        s.host = mem.host(s.addr.0, s.len);
+        if s.host.is_none() && !mem.contains(s.addr.0, s.len) {
             return Err(ioerr("buffer outside guest memory"));
         }
     }
@@ -209,7 +198,7 @@ pub fn parse(
             return Err(ioerr("request header is device-writable"));
         }
         let n = (header.len() - got).min(s.len as usize);
-        if mem.read_slice(&mut header[got..got + n], s.addr).is_err() {
+        if !mem.read(s.addr.0, &mut header[got..got + n]) {
             return Err(ioerr("request header unreadable"));
         }
         got += n;
@@ -220,7 +209,9 @@ pub fn parse(
             i += 1;
         }
     }
-    let data: SmallVec<[Seg; 8]> = segs[i..].iter().copied().filter(|s| s.len > 0).collect();
+    // No empty segment remains: empty descriptors were skipped, an emptied status descriptor
+    // popped and an emptied header descriptor stepped over.
+    let data = &segs[i..];
     let ty = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
     let sector = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
     let len: u64 = data.iter().map(|s| s.len).sum();
@@ -240,7 +231,7 @@ pub fn parse(
             ))
         }
     };
-    let mut iov = Vec::new();
+    let mut iov = IoVecs::new();
     let op = match op {
         Op::Read | Op::Write => {
             let write = op == Op::Write;
@@ -257,7 +248,7 @@ pub fn parse(
                 return Err(ioerr("request larger than the device accepts"));
             }
             check_range(sector, len / SECTOR, limits.capacity_sectors).map_err(ioerr)?;
-            iov = host_iovecs(&data, mem).ok_or_else(|| ioerr("buffer outside guest memory"))?;
+            iov = host_iovecs(data, mem).ok_or_else(|| ioerr("buffer outside guest memory"))?;
             op
         }
         Op::Flush => Op::Flush,
@@ -265,7 +256,7 @@ pub fn parse(
             if !all(true) || len == 0 {
                 return Err(ioerr("GET_ID needs a writable buffer"));
             }
-            iov = host_iovecs(&data, mem).ok_or_else(|| ioerr("buffer outside guest memory"))?;
+            iov = host_iovecs(data, mem).ok_or_else(|| ioerr("buffer outside guest memory"))?;
             Op::GetId
         }
         _ => {
@@ -283,11 +274,12 @@ pub fn parse(
                 return Err(ioerr("too many discard/write-zeroes segments"));
             }
             let mut raw = Vec::with_capacity(len as usize);
-            for s in &data {
-                let mut b = vec![0u8; s.len as usize];
-                mem.read_slice(&mut b, s.addr)
-                    .map_err(|_| ioerr("range list unreadable"))?;
-                raw.extend_from_slice(&b);
+            for s in data {
+                let at = raw.len();
+                raw.resize(at + s.len as usize, 0);
+                if !mem.read(s.addr.0, &mut raw[at..]) {
+                    return Err(ioerr("range list unreadable"));
+                }
             }
             let mut ranges = Vec::new();
             let mut unmap = false;
@@ -345,6 +337,7 @@ mod tests {
     use virtio_queue::desc::RawDescriptor;
     use virtio_queue::mock::MockSplitQueue;
     use virtio_queue::{Queue, QueueOwnedT};
+    use vm_memory::Bytes;
 
     const W: u16 = VRING_DESC_F_WRITE as u16;
 
@@ -393,7 +386,7 @@ mod tests {
         let mut queue: Queue = q.create_queue().unwrap();
         let chain = queue.iter(mem).unwrap().next().unwrap();
         let head = chain.head_index();
-        parse(head, chain, mem, limits)
+        parse(head, chain, &HostMap::new(mem), limits)
     }
 
     fn d(addr: u64, len: u32, flags: u16) -> RawDescriptor {
@@ -651,7 +644,7 @@ mod tests {
         q.avail().idx().store(1u16.to_le());
         let mut queue: Queue = q.create_queue().unwrap();
         let chain = queue.iter(&m).unwrap().next().unwrap();
-        let e = parse(chain.head_index(), chain, &m, &limits()).unwrap_err();
+        let e = parse(chain.head_index(), chain, &HostMap::new(&m), &limits()).unwrap_err();
         assert!(e.reason.contains("loops"), "{e:?}");
     }
 

@@ -18,7 +18,6 @@ use vhost::vhost_user::{
 use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestAddressSpace;
 
 use crate::blk_config;
 use crate::memory::{MemoryTable, MAX_MEM_SLOTS};
@@ -310,8 +309,8 @@ impl Session {
         q.set_used_ring_address(Some(used.0 as u32), Some((used.0 >> 32) as u32));
         q.set_event_idx(event_idx);
         q.set_ready(true);
-        let mem = self.mem.atomic();
-        let guard = mem.memory();
+        let mem = self.mem.shared();
+        let guard = mem.load_full();
         if !q.is_valid(&*guard) {
             return Err(invalid(
                 &format!("queue {index}: size {} or ring addresses invalid", v.size),

@@ -6,14 +6,21 @@
 //! device completes (the worker); 10 journal used index + 1; 11 head DONE; 12–13 used ring
 //! element and used index (one `add_used`); 14 head NONE. With the journal switched off
 //! (Spool-NoJ, for the overhead benchmark) only the ring operations remain.
+//!
+//! The split ring itself is read and written here, through a [`HostMap`], rather than through
+//! virtio-queue's iterators and `add_used`: those go through vm-memory's generic accessors
+//! on every index, ring slot and descriptor, which callgrind showed to be the largest cost of
+//! a request (docs/benchmarks/request-path.md). virtio-queue's [`Queue`] still holds the
+//! queue's configuration and validity check, and does notification suppression (its
+//! `next_avail`/`next_used` are kept current here).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, Ordering};
 
 use spool_journal::{Journal, RingAddrs};
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Address, Bytes, GuestAddress};
+use virtio_queue::{Queue, QueueT};
 
+use crate::hostmem::HostMap;
 use crate::request::GuestMemory;
 
 /// A point between two steps of Algorithm 1 (for crash-point tests).
@@ -44,23 +51,59 @@ pub type RingError = virtio_queue::Error;
 pub struct JournaledQueue {
     pub queue: Queue,
     pub journal: Option<Journal>,
+    /// Used elements added since the last [`JournaledQueue::needs_notification`].
+    pub num_added: u16,
 }
 
+/// Used ring header (flags, idx) and element sizes.
+const USED_HEADER: u64 = 4;
+const USED_ELEM: u64 = 8;
+/// Avail ring header (flags, idx) and element sizes.
+const AVAIL_HEADER: u64 = 4;
+const AVAIL_ELEM: u64 = 2;
+
 impl JournaledQueue {
-    /// Takes the next available request (steps 1–7). The chain is returned after the request
-    /// is recorded INFLIGHT, so there is no window where it is taken but not recorded.
-    pub fn pop<'m>(
+    /// A queue (and journal) with nothing added since the last notification check.
+    pub fn new(queue: Queue, journal: Option<Journal>) -> Self {
+        JournaledQueue {
+            queue,
+            journal,
+            num_added: 0,
+        }
+    }
+
+    /// Takes the head of the next available request (steps 1–7), recorded INFLIGHT before it
+    /// is returned, so there is no window where it is taken but not recorded. Walk its chain
+    /// with [`ChainWalker`].
+    pub fn pop(
         &mut self,
-        mem: &'m GuestMemory,
+        mem: &HostMap,
         hook: &mut impl FnMut(Step),
-    ) -> Result<Option<DescriptorChain<&'m GuestMemory>>, RingError> {
-        let chain = match self.queue.iter(mem)?.next() {
-            Some(c) => c,
-            None => return Ok(None),
-        };
+    ) -> Result<Option<u16>, RingError> {
+        let q = &mut self.queue;
+        let size = q.size();
+        let next = q.next_avail();
+        let avail = q.avail_ring();
+        let idx = mem
+            .read_u16(avail + 2)
+            .ok_or(RingError::InvalidAvailRingIndex)?;
+        if idx == next {
+            return Ok(None);
+        }
+        if idx.wrapping_sub(next) > size {
+            // The guest published more requests than the ring holds.
+            return Err(RingError::InvalidAvailRingIndex);
+        }
+        // The ring slot and the descriptors are read after the index that published them.
+        fence(Ordering::Acquire);
+        let slot = avail + AVAIL_HEADER + AVAIL_ELEM * (next % size) as u64;
+        let head = mem.read_u16(slot).ok_or(RingError::InvalidAvailRingIndex)?;
+        if head >= size {
+            return Err(RingError::InvalidDescriptorIndex);
+        }
+        q.set_next_avail(next.wrapping_add(1));
         hook(Step::Popped);
         if let Some(j) = &self.journal {
-            let head = chain.head_index();
             j.take_begin(head);
             hook(Step::TakeBegun);
             j.take_mark_inflight(head);
@@ -68,31 +111,76 @@ impl JournaledQueue {
             j.take_finish();
             hook(Step::TakeFinished);
         }
-        Ok(Some(chain))
+        Ok(Some(head))
+    }
+
+    /// The descriptor chain of a taken head.
+    pub fn chain<'m>(&self, mem: &'m HostMap, head: u16) -> ChainWalker<'m> {
+        ChainWalker::new(mem, self.queue.desc_table(), self.queue.size(), head)
     }
 
     /// Completes `head` to the guest (steps 10–14). The status byte and data must already be
     /// in guest memory.
     pub fn complete(
         &mut self,
-        mem: &GuestMemory,
+        mem: &HostMap,
         head: u16,
         len: u32,
         hook: &mut impl FnMut(Step),
     ) -> Result<(), RingError> {
+        let size = self.queue.size();
+        if head >= size {
+            return Err(RingError::InvalidDescriptorIndex);
+        }
         if let Some(j) = &self.journal {
             j.complete_begin();
             hook(Step::CompleteBegun);
             j.complete_mark_done(head);
             hook(Step::MarkedDone);
         }
-        self.queue.add_used(mem, head, len)?;
+        // Steps 12-13: the element, then (released after it) the index that publishes it.
+        let used = self.queue.used_ring();
+        let next = self.queue.next_used();
+        let mut elem = [0u8; USED_ELEM as usize];
+        elem[..4].copy_from_slice(&(head as u32).to_le_bytes());
+        elem[4..].copy_from_slice(&len.to_le_bytes());
+        if !mem.write(used + USED_HEADER + USED_ELEM * (next % size) as u64, &elem) {
+            return Err(RingError::InvalidDescriptorIndex);
+        }
+        let next = next.wrapping_add(1);
+        fence(Ordering::Release);
+        if !mem.write_u16(used + 2, next) {
+            return Err(RingError::InvalidDescriptorIndex);
+        }
+        self.queue.set_next_used(next);
+        self.num_added = self.num_added.wrapping_add(1);
         hook(Step::UsedAdded);
         if let Some(j) = &self.journal {
             j.complete_mark_none(head);
             hook(Step::MarkedNone);
         }
         Ok(())
+    }
+
+    /// Whether the guest wants an interrupt for what was added since the last call
+    /// (VIRTIO_F_EVENT_IDX: only when the used index passed its `used_event`; otherwise
+    /// always), as virtio-queue decides it.
+    pub fn needs_notification(&mut self, mem: &HostMap) -> bool {
+        // The used ring writes before the read of the guest's event index.
+        fence(Ordering::SeqCst);
+        let added = std::mem::take(&mut self.num_added);
+        if !self.queue.event_idx_enabled() {
+            return true;
+        }
+        let size = self.queue.size() as u64;
+        let Some(used_event) =
+            mem.read_u16(self.queue.avail_ring() + AVAIL_HEADER + AVAIL_ELEM * size)
+        else {
+            return true;
+        };
+        let used = self.queue.next_used();
+        let old = used.wrapping_sub(added);
+        used.wrapping_sub(used_event).wrapping_sub(1) < used.wrapping_sub(old)
     }
 }
 
@@ -187,12 +275,13 @@ pub fn ring_indices(q: &Queue, mem: &GuestMemory) -> Result<(u16, u16), RingErro
     ))
 }
 
-/// Walks the descriptor chain starting at `head` (for resubmitting a journaled request whose
-/// avail ring slot may since have been reused). Bounded like virtio-queue's own iterator:
-/// at most `queue_size` descriptors per table, one level of indirection.
+/// Walks the descriptor chain starting at `head`: for every request taken, and for
+/// resubmitting a journaled request whose avail ring slot may since have been reused. Bounded
+/// like virtio-queue's own iterator: at most `queue_size` descriptors per table, one level of
+/// indirection; it ends at the first descriptor that cannot be read.
 pub struct ChainWalker<'m> {
-    mem: &'m GuestMemory,
-    table: GuestAddress,
+    mem: &'m HostMap,
+    table: u64,
     table_len: u16,
     next: Option<u16>,
     ttl: u16,
@@ -201,7 +290,7 @@ pub struct ChainWalker<'m> {
 
 impl<'m> ChainWalker<'m> {
     /// A walker over the chain at `head` of the descriptor table at `desc_table`.
-    pub fn new(mem: &'m GuestMemory, desc_table: GuestAddress, queue_size: u16, head: u16) -> Self {
+    pub fn new(mem: &'m HostMap, desc_table: u64, queue_size: u16, head: u16) -> Self {
         ChainWalker {
             mem,
             table: desc_table,
@@ -223,7 +312,16 @@ impl Iterator for ChainWalker<'_> {
         }
         self.ttl -= 1;
         let addr = self.table.checked_add(i as u64 * 16)?;
-        let d: Descriptor = self.mem.read_obj(addr).ok()?;
+        let mut raw = [0u8; 16];
+        if !self.mem.read(addr, &mut raw) {
+            return None;
+        }
+        let d = Descriptor::new(
+            u64::from_le_bytes(raw[0..8].try_into().expect("8 bytes")),
+            u32::from_le_bytes(raw[8..12].try_into().expect("4 bytes")),
+            u16::from_le_bytes(raw[12..14].try_into().expect("2 bytes")),
+            u16::from_le_bytes(raw[14..16].try_into().expect("2 bytes")),
+        );
         if d.refers_to_indirect_table() {
             if self.indirect_done
                 || !d.len().is_multiple_of(16)
@@ -233,7 +331,7 @@ impl Iterator for ChainWalker<'_> {
                 return None;
             }
             self.indirect_done = true;
-            self.table = d.addr();
+            self.table = d.addr().0;
             self.table_len = (d.len() / 16) as u16;
             self.ttl = self.table_len;
             self.next = Some(0);

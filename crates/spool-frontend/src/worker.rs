@@ -15,18 +15,20 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use arc_swap::Cache;
 use arc_swap::{ArcSwap, ArcSwapOption};
 use smallvec::SmallVec;
 use spool_devices::{DeviceIo, DeviceQueue, ErrorClass, ErrorReport, HealthState, IoVec, Signal};
 use spool_pool::VolumeLayout;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
+use vm_memory::GuestAddress;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::request::{self, GuestMemory, Limits, Op, Request, ID_LEN, SECTOR};
-use crate::vring::{ChainWalker, JournaledQueue};
+use crate::hostmem::HostMap;
+use crate::request::{self, GuestMemory, IoVecs, Limits, Op, Request, ID_LEN, SECTOR};
+use crate::vring::JournaledQueue;
 use spool_journal::Journal;
 
 /// What a worker needs to start.
@@ -37,7 +39,7 @@ pub struct WorkerSpec {
     pub journal: Option<Journal>,
     /// Heads the journal says were taken and never completed: resubmitted first.
     pub resubmit: Vec<u16>,
-    pub mem: GuestMemoryAtomic<GuestMemory>,
+    pub mem: Arc<ArcSwap<GuestMemory>>,
     pub kick: File,
     pub call: Arc<ArcSwapOption<File>>,
     pub layout: Arc<ArcSwap<VolumeLayout>>,
@@ -122,8 +124,9 @@ struct Inflight {
     sweep: u32,
     /// Device pieces (device index, device offset, length, write), for error reports.
     pieces: SmallVec<[(u16, u64, u64, bool); 2]>,
-    /// Per-device-piece iovec arrays; the device holds raw pointers into them.
-    parts: Vec<Vec<IoVec>>,
+    /// Per-device-piece iovec arrays; the device holds raw pointers into them (so the value
+    /// must not move while pieces are in flight: it lives in its slot until completion).
+    parts: SmallVec<[IoVecs; 1]>,
     /// Keeps the guest mapping alive while the device may write into it.
     _mem: Arc<GuestMemory>,
 }
@@ -144,12 +147,18 @@ pub struct QueueWorker {
     index: u16,
     volume: String,
     vq: JournaledQueue,
+    /// Host addresses of `host_of`, the guest memory map the worker last loaded.
+    host: HostMap,
+    host_of: Option<Arc<GuestMemory>>,
     resubmit: Vec<u16>,
     reset: Arc<AtomicBool>,
-    mem: GuestMemoryAtomic<GuestMemory>,
+    /// The frontend's current memory map (one atomic load to check per round).
+    mem: Cache<Arc<ArcSwap<GuestMemory>>, Arc<GuestMemory>>,
     kick: File,
     call: Arc<ArcSwapOption<File>>,
     layout_src: Arc<ArcSwap<VolumeLayout>>,
+    /// `layout_src` as checked every round (one atomic load).
+    layout_now: Cache<Arc<ArcSwap<VolumeLayout>>, Arc<VolumeLayout>>,
     layout: Arc<VolumeLayout>,
     devices: Vec<Box<dyn DeviceQueue>>,
     slots: Vec<Option<Inflight>>,
@@ -207,15 +216,15 @@ impl QueueWorker {
         let mut w = QueueWorker {
             index: spec.index,
             volume: spec.volume,
-            vq: JournaledQueue {
-                queue: spec.queue,
-                journal: spec.journal,
-            },
+            vq: JournaledQueue::new(spec.queue, spec.journal),
+            host: HostMap::default(),
+            host_of: None,
             resubmit: spec.resubmit,
             reset,
-            mem: spec.mem,
+            mem: Cache::new(spec.mem),
             kick: spec.kick,
             call: spec.call,
+            layout_now: Cache::new(spec.layout.clone()),
             layout_src: spec.layout,
             layout,
             devices: Vec::new(),
@@ -266,10 +275,11 @@ impl QueueWorker {
     }
 
     fn refresh_layout(&mut self) {
-        let cur = self.layout_src.load();
-        if Arc::ptr_eq(&cur, &self.layout) {
+        let cur = self.layout_now.load();
+        if Arc::ptr_eq(cur, &self.layout) {
             return;
         }
+        let cur = cur.clone();
         // A device replaced under an existing index: its queue (and whatever is in flight on
         // the old device) must go; the reset path reopens every queue on the new layout.
         let replaced = self
@@ -284,7 +294,7 @@ impl QueueWorker {
             return;
         }
         {
-            let new = arc_swap::Guard::into_inner(cur);
+            let new = cur;
             self.limits.capacity_sectors = new.size / SECTOR;
             self.layout = new;
             if let Err(e) = self.open_device_queues() {
@@ -305,7 +315,7 @@ impl QueueWorker {
             let _ = (&**call).write(&1u64.to_ne_bytes());
         }
         if !self.resubmit.is_empty() {
-            let mem = self.mem.memory().into_inner();
+            let mem = self.mem.load().clone();
             let heads = std::mem::take(&mut self.resubmit);
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
             for head in heads {
@@ -320,7 +330,7 @@ impl QueueWorker {
                 self.reset_devices();
             }
             self.refresh_layout();
-            let mem = self.mem.memory().into_inner();
+            let mem = self.mem.load().clone();
             self.check_health(&mem);
             self.rounds = self.rounds.wrapping_add(1);
             if self.rounds.is_multiple_of(1024) {
@@ -433,7 +443,7 @@ impl QueueWorker {
             d.abort();
         }
         while self.in_flight > 0 && Instant::now() < deadline {
-            let mem = self.mem.memory().into_inner();
+            let mem = self.mem.load().clone();
             for d in 0..self.devices.len() {
                 let _ = self.devices[d].kick();
             }
@@ -459,23 +469,33 @@ impl QueueWorker {
         if self.broken {
             return false;
         }
+        self.refresh_host(mem);
         let mut any = false;
         loop {
             // Algorithm 1, steps 1-7: the request is journaled INFLIGHT before we see it.
-            let chain = match self.vq.pop(mem, &mut |_| {}) {
-                Ok(c) => c,
+            let head = match self.vq.pop(&self.host, &mut |_| {}) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
                 Err(e) => {
                     self.fail_queue(&e.to_string());
                     return any;
                 }
             };
-            let Some(chain) = chain else { break };
             any = true;
-            let head = chain.head_index();
-            let parsed = request::parse(head, chain, mem, &self.limits);
+            let chain = self.vq.chain(&self.host, head);
+            let parsed = request::parse(head, chain, &self.host, &self.limits);
             self.dispatch(parsed, mem);
         }
         any
+    }
+
+    /// Rebuilds the host map when the frontend's memory table changed.
+    #[inline]
+    fn refresh_host(&mut self, mem: &Arc<GuestMemory>) {
+        if !self.host_of.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
+            self.host = HostMap::new(mem);
+            self.host_of = Some(mem.clone());
+        }
     }
 
     /// Submits a parsed request, or completes a rejected one with its error status.
@@ -485,7 +505,8 @@ impl QueueWorker {
             Err(rej) => {
                 tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason, "request rejected");
                 if let Some(a) = rej.status_addr {
-                    let _ = mem.write_obj(rej.status, a);
+                    self.refresh_host(mem);
+                    self.host.write(a.0, &[rej.status]);
                 }
                 self.complete_used(mem, rej.head, 1);
             }
@@ -561,9 +582,9 @@ impl QueueWorker {
 
     /// Re-parses a journaled request from its descriptor chain and submits it again.
     fn resubmit_head(&mut self, head: u16, mem: &Arc<GuestMemory>) {
-        let q = &self.vq.queue;
-        let walker = ChainWalker::new(mem, GuestAddress(q.desc_table()), q.size(), head);
-        let parsed = request::parse(head, walker, mem, &self.limits);
+        self.refresh_host(mem);
+        let walker = self.vq.chain(&self.host, head);
+        let parsed = request::parse(head, walker, &self.host, &self.limits);
         self.dispatch(parsed, mem);
     }
 
@@ -618,16 +639,17 @@ impl QueueWorker {
         if let Err(e) = self.open_device_queues() {
             tracing::error!(volume = %self.volume, error = %e, "cannot reopen device queues after reset");
         }
-        let mem = self.mem.memory().into_inner();
+        let mem = self.mem.load().clone();
         tracing::info!(volume = %self.volume, queue = self.index, resubmitted = heads.len(), "device reset: resubmitting in-flight requests");
         for h in heads {
             self.resubmit_head(h, &mem);
         }
     }
 
-    fn complete_used(&mut self, mem: &GuestMemory, head: u16, len: u32) {
+    fn complete_used(&mut self, mem: &Arc<GuestMemory>, head: u16, len: u32) {
         // Algorithm 1, steps 10-14.
-        if let Err(e) = self.vq.complete(mem, head, len, &mut |_| {}) {
+        self.refresh_host(mem);
+        if let Err(e) = self.vq.complete(&self.host, head, len, &mut |_| {}) {
             self.fail_queue(&e.to_string());
         }
         self.need_notify = true;
@@ -656,7 +678,7 @@ impl QueueWorker {
             timed_out: false,
             sweep: 0,
             pieces: SmallVec::new(),
-            parts: Vec::new(),
+            parts: SmallVec::new(),
             _mem: mem.clone(),
         };
         let mut ios: SmallVec<[(usize, DeviceIo); 4]> = SmallVec::new();
@@ -679,8 +701,10 @@ impl QueueWorker {
                     }
                 }
                 for (i, &(d, off, len, _)) in pieces.iter().enumerate() {
-                    let iov = inf.parts[i].as_ptr();
-                    let iovcnt = inf.parts[i].len() as u32;
+                    // The arrays are pointed at once the request sits in its slot (below);
+                    // until then `iovcnt` says which part.
+                    let iov = std::ptr::null();
+                    let iovcnt = i as u32;
                     ios.push((
                         d,
                         if write {
@@ -769,7 +793,8 @@ impl QueueWorker {
             }
         }
         if inf.pending == 0 {
-            let _ = mem.write_obj(inf.status_code, inf.status);
+            self.refresh_host(mem);
+            self.host.write(inf.status.0, &[inf.status_code]);
             self.complete_used(mem, head, inf.used_len);
             return;
         }
@@ -787,16 +812,28 @@ impl QueueWorker {
         inf.sweep = self.sweep;
         self.slots[slot] = Some(inf);
         self.in_flight += 1;
-        for (d, io) in ios {
-            // SAFETY: the iovec arrays live in `self.slots[slot].parts` (their heap buffers do
-            // not move) and point into the guest mapping that the slot keeps alive; the slot
-            // is only cleared once every piece of this request has been reaped.
+        let Some(inf) = self.slots[slot].as_ref() else {
+            return;
+        };
+        for (d, mut io) in ios {
+            if let DeviceIo::Read { iov, iovcnt, .. } | DeviceIo::Write { iov, iovcnt, .. } =
+                &mut io
+            {
+                let part = &inf.parts[*iovcnt as usize];
+                *iov = part.as_ptr();
+                *iovcnt = part.len() as u32;
+            }
+            // SAFETY: the iovec arrays live in `self.slots[slot].parts`, inline or on the heap,
+            // and the slot does not move (`slots` never grows) or change until it is cleared,
+            // which happens only once every piece of this request has been reaped (or the
+            // device queue is gone); they point into the guest mapping the slot keeps alive.
             unsafe { self.devices[d].submit(io, head as u64) };
         }
     }
 
     /// Reaps device completions; completes finished requests to the guest.
-    fn reap(&mut self, mem: &GuestMemory) -> bool {
+    fn reap(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        self.refresh_host(mem);
         let mut finished: SmallVec<[u16; 32]> = SmallVec::new();
         let mut any = false;
         for d in 0..self.devices.len() {
@@ -851,7 +888,7 @@ impl QueueWorker {
                         continue;
                     }
                     tracing::error!(volume = %self.volume, head, retries = self.retries[h], "request keeps failing after device resets; failing it");
-                    let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, inf.status);
+                    self.host.write(inf.status.0, &[VIRTIO_BLK_S_IOERR as u8]);
                 } else if inf.cancelled && inf.status_code == VIRTIO_BLK_S_OK as u8 {
                     // Our own cancellation is no failure of the request: no retry counted.
                     // Held requests wait for a health change; these would wait forever if
@@ -860,7 +897,7 @@ impl QueueWorker {
                     self.cancelled.push(head);
                     continue;
                 } else {
-                    let _ = mem.write_obj(inf.status_code, inf.status);
+                    self.host.write(inf.status.0, &[inf.status_code]);
                 }
                 self.retries[h] = 0;
                 self.complete_used(mem, head, inf.used_len);
@@ -869,14 +906,15 @@ impl QueueWorker {
         any
     }
 
-    fn notify(&mut self, mem: &GuestMemory) {
+    fn notify(&mut self, mem: &Arc<GuestMemory>) {
         if !self.need_notify {
             return;
         }
         self.need_notify = false;
-        match self.vq.queue.needs_notification(mem) {
-            Ok(false) => {}
-            Ok(true) | Err(_) => {
+        self.refresh_host(mem);
+        match self.vq.needs_notification(&self.host) {
+            false => {}
+            true => {
                 if let Some(call) = self.call.load().as_ref() {
                     let _ = (&**call).write(&1u64.to_ne_bytes());
                 }
@@ -886,8 +924,8 @@ impl QueueWorker {
 }
 
 /// The iovecs covering `[at, at + len)` of the data described by `iov`.
-fn slice_iov(iov: &[IoVec], at: u64, len: u64) -> Vec<IoVec> {
-    let mut out = Vec::new();
+fn slice_iov(iov: &[IoVec], at: u64, len: u64) -> IoVecs {
+    let mut out = IoVecs::new();
     let mut pos = 0u64;
     let end = at + len;
     for v in iov {

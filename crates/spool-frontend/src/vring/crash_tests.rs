@@ -172,10 +172,7 @@ fn start(
     };
     q.set_next_used(used_idx);
     Backend {
-        jq: JournaledQueue {
-            queue: q,
-            journal: j,
-        },
+        jq: JournaledQueue::new(q, j),
         device,
     }
 }
@@ -208,12 +205,13 @@ fn run(journal: bool, crash_at: Vec<usize>) -> (Result<(), String>, usize) {
                     backend.as_mut().unwrap()
                 }
             };
-            while let Some(chain) = b.jq.pop(&mem, &mut |_| c.tick()).unwrap() {
-                b.device.push(chain.head_index());
+            let host = crate::hostmem::HostMap::new(&mem);
+            while let Some(head) = b.jq.pop(&host, &mut |_| c.tick()).unwrap() {
+                b.device.push(head);
             }
             for _ in 0..2 {
                 if let Some(h) = b.device.pop() {
-                    b.jq.complete(&mem, h, 1, &mut |_| c.tick()).unwrap();
+                    b.jq.complete(&host, h, 1, &mut |_| c.tick()).unwrap();
                 }
             }
         }));

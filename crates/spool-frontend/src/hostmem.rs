@@ -1,0 +1,218 @@
+//! Guest-physical to host address translation for the request path.
+//!
+//! A [`HostMap`] is a flat copy of one guest memory map's regions (guest address, length,
+//! host address), built once per memory table and used for every ring access, descriptor,
+//! request header and status byte. vm-memory's generic accessors (region lookup through the
+//! backend trait, slice iterators, bounds-checked volatile slices) cost about half of the
+//! request path's instructions (callgrind, `docs/benchmarks/request-path.md`); a guest has a
+//! handful of regions, so a linear scan with the last hit tried first is cheaper.
+//!
+//! It owns nothing: the host addresses are valid while the [`GuestMemory`] it was built from
+//! is alive, which its users guarantee by holding that `Arc`. It knows nothing of virtio.
+
+use smallvec::SmallVec;
+use std::cell::Cell;
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+
+use crate::request::GuestMemory;
+
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    gpa: u64,
+    len: u64,
+    host: usize,
+}
+
+/// The regions of one guest memory map, sorted by guest address.
+#[derive(Debug, Default)]
+pub struct HostMap {
+    regions: SmallVec<[Region; 4]>,
+    /// Index of the region the last lookup hit (tried first).
+    last: Cell<usize>,
+}
+
+impl HostMap {
+    /// Flattens `mem` (regions whose host address cannot be had are left out: every access
+    /// into them fails, as it would through vm-memory).
+    pub fn new(mem: &GuestMemory) -> HostMap {
+        let mut regions: SmallVec<[Region; 4]> = mem
+            .iter()
+            .filter_map(|r| {
+                let host = r.get_host_address(MemoryRegionAddress(0)).ok()? as usize;
+                Some(Region {
+                    gpa: r.start_addr().0,
+                    len: r.len(),
+                    host,
+                })
+            })
+            .collect();
+        regions.sort_by_key(|r| r.gpa);
+        HostMap {
+            regions,
+            last: Cell::new(0),
+        }
+    }
+
+    #[inline]
+    fn region_of(&self, gpa: u64) -> Option<&Region> {
+        let i = self.last.get();
+        if let Some(r) = self.regions.get(i) {
+            if gpa.wrapping_sub(r.gpa) < r.len {
+                return Some(r);
+            }
+        }
+        let i = self
+            .regions
+            .iter()
+            .position(|r| gpa.wrapping_sub(r.gpa) < r.len)?;
+        self.last.set(i);
+        Some(&self.regions[i])
+    }
+
+    /// Host address of `[gpa, gpa + len)` when all of it lies in one region (`len` may be 0).
+    #[inline]
+    pub fn host(&self, gpa: u64, len: u64) -> Option<usize> {
+        let r = self.region_of(gpa)?;
+        let off = gpa - r.gpa;
+        if len > r.len - off {
+            return None;
+        }
+        Some(r.host + off as usize)
+    }
+
+    /// Calls `f(host, len)` for each piece of `[gpa, gpa + len)`, split where it crosses from
+    /// one region into the next; false (after any calls) if part of it is not guest memory.
+    pub fn pieces(&self, gpa: u64, len: u64, mut f: impl FnMut(usize, usize)) -> bool {
+        let (mut at, mut left) = (gpa, len);
+        while left > 0 {
+            let Some(r) = self.region_of(at) else {
+                return false;
+            };
+            let off = at - r.gpa;
+            let n = left.min(r.len - off);
+            f(r.host + off as usize, n as usize);
+            left -= n;
+            let Some(next) = at.checked_add(n) else {
+                return left == 0;
+            };
+            at = next;
+        }
+        true
+    }
+
+    /// Whether all of `[gpa, gpa + len)` is guest memory (possibly over several regions).
+    pub fn contains(&self, gpa: u64, len: u64) -> bool {
+        self.host(gpa, len).is_some() || self.pieces(gpa, len, |_, _| {})
+    }
+
+    /// Copies guest memory at `gpa` into `buf`; false if part of it is not guest memory.
+    #[inline]
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> bool {
+        if let Some(h) = self.host(gpa, buf.len() as u64) {
+            // SAFETY: `h..h+len` lies inside a live region of the guest mapping (see `host`);
+            // copied without forming a reference to memory the guest may be writing.
+            unsafe { std::ptr::copy_nonoverlapping(h as *const u8, buf.as_mut_ptr(), buf.len()) };
+            return true;
+        }
+        let mut at = 0usize;
+        self.pieces(gpa, buf.len() as u64, |h, n| {
+            // SAFETY: `h..h+n` lies inside a region of the guest mapping, which the caller
+            // keeps alive (module doc); the guest may write it concurrently, so the bytes are
+            // copied without forming a reference to guest memory.
+            unsafe { std::ptr::copy_nonoverlapping(h as *const u8, buf.as_mut_ptr().add(at), n) };
+            at += n;
+        })
+    }
+
+    /// A little-endian u16 at `gpa`, read with one access when aligned (ring indices are:
+    /// virtio-queue's validity check requires aligned rings; the guest updates them
+    /// concurrently).
+    #[inline]
+    pub fn read_u16(&self, gpa: u64) -> Option<u16> {
+        let h = self.host(gpa, 2)?;
+        // SAFETY: two bytes of the guest mapping (see `host`), alive per the module contract;
+        // read as a value, never through a reference, since the guest may write them.
+        let v = unsafe {
+            if h % 2 == 0 {
+                std::ptr::read_volatile(h as *const u16)
+            } else {
+                std::ptr::read_unaligned(h as *const u16)
+            }
+        };
+        Some(u16::from_le(v))
+    }
+
+    /// Writes a little-endian u16 at `gpa`, with one access when aligned; false if not guest
+    /// memory.
+    #[inline]
+    pub fn write_u16(&self, gpa: u64, v: u16) -> bool {
+        let Some(h) = self.host(gpa, 2) else {
+            return false;
+        };
+        // SAFETY: as in `read_u16`; the guest reads this word concurrently.
+        unsafe {
+            if h % 2 == 0 {
+                std::ptr::write_volatile(h as *mut u16, v.to_le())
+            } else {
+                std::ptr::write_unaligned(h as *mut u16, v.to_le())
+            }
+        };
+        true
+    }
+
+    /// Writes `bytes` at `gpa` (within one region); false if not guest memory.
+    #[inline]
+    pub fn write(&self, gpa: u64, bytes: &[u8]) -> bool {
+        let Some(h) = self.host(gpa, bytes.len() as u64) else {
+            let mut at = 0usize;
+            return self.pieces(gpa, bytes.len() as u64, |h, n| {
+                // SAFETY: as below, for one piece.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr().add(at), h as *mut u8, n) };
+                at += n;
+            });
+        };
+        // SAFETY: `h..h+len` lies inside a live region of the guest mapping (see `host`); the
+        // guest may read it concurrently, so no reference to guest memory is formed.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h as *mut u8, bytes.len()) };
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestAddress};
+
+    #[test]
+    fn translates_reads_and_writes_across_regions() {
+        let mem = GuestMemory::from_ranges(&[
+            (GuestAddress(0), 0x1000),
+            (GuestAddress(0x1000), 0x1000),
+            (GuestAddress(0x10_0000), 0x1000),
+        ])
+        .unwrap();
+        let m = HostMap::new(&mem);
+        assert!(m.host(0x0ff8, 8).is_some());
+        assert!(m.host(0x0ffc, 8).is_none(), "crosses a region boundary");
+        assert!(m.contains(0x0ffc, 8), "adjacent regions together hold it");
+        assert!(!m.contains(0x1ffc, 8), "runs past the end of guest memory");
+        assert!(!m.contains(0x5000, 1));
+        assert!(m.host(u64::MAX, 1).is_none());
+        assert!(!m.contains(u64::MAX - 1, 4));
+        let data: Vec<u8> = (0..16).collect();
+        assert!(m.write(0x0ff8, &data));
+        let mut back = [0u8; 16];
+        mem.read_slice(&mut back, GuestAddress(0x0ff8)).unwrap();
+        assert_eq!(&back[..], &data[..]);
+        let mut again = [0u8; 16];
+        assert!(m.read(0x0ff8, &mut again));
+        assert_eq!(again, back);
+        assert!(m.write_u16(0x10_0002, 0xbeef));
+        assert_eq!(m.read_u16(0x10_0002), Some(0xbeef));
+        let v: u16 = mem.read_obj(GuestAddress(0x10_0002)).unwrap();
+        assert_eq!(v, 0xbeef);
+        assert_eq!(m.read_u16(0x10_0fff), None, "half outside");
+        let mut out = [0u8; 4];
+        assert!(!m.read(0x1ffe, &mut out));
+    }
+}
