@@ -12,6 +12,7 @@
 
 use smallvec::SmallVec;
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
 use crate::request::GuestMemory;
@@ -26,6 +27,9 @@ struct Region {
 /// The regions of one guest memory map, sorted by guest address.
 #[derive(Debug, Default)]
 pub struct HostMap {
+    /// Unique per map built (0: the empty default), so that users may cache addresses
+    /// translated through it and know when they are stale.
+    id: u64,
     regions: SmallVec<[Region; 4]>,
     /// Index of the region the last lookup hit (tried first).
     last: Cell<usize>,
@@ -47,10 +51,18 @@ impl HostMap {
             })
             .collect();
         regions.sort_by_key(|r| r.gpa);
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         HostMap {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             regions,
             last: Cell::new(0),
         }
+    }
+
+    /// This map's identity (see the field).
+    #[inline]
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     #[inline]
@@ -133,7 +145,7 @@ impl HostMap {
         // SAFETY: two bytes of the guest mapping (see `host`), alive per the module contract;
         // read as a value, never through a reference, since the guest may write them.
         let v = unsafe {
-            if h % 2 == 0 {
+            if h.is_multiple_of(2) {
                 std::ptr::read_volatile(h as *const u16)
             } else {
                 std::ptr::read_unaligned(h as *const u16)
@@ -151,7 +163,7 @@ impl HostMap {
         };
         // SAFETY: as in `read_u16`; the guest reads this word concurrently.
         unsafe {
-            if h % 2 == 0 {
+            if h.is_multiple_of(2) {
                 std::ptr::write_volatile(h as *mut u16, v.to_le())
             } else {
                 std::ptr::write_unaligned(h as *mut u16, v.to_le())

@@ -141,7 +141,7 @@ pub fn parse(
             addr: d.addr(),
             len: d.len() as u64,
             write: d.is_write_only(),
-            host: None,
+            host: mem.host(d.addr().0, d.len() as u64),
         });
     }
     let reject = |status_addr: Option<GuestAddress>, status: u32, reason: &'static str| Rejected {
@@ -155,7 +155,7 @@ pub fn parse(
     let status_addr = match segs.last() {
         Some(s) if s.write => {
             let a = s.addr.0.checked_add(s.len - 1).map(GuestAddress);
-            a.filter(|a| mem.host(a.0, 1).is_some())
+            a.filter(|a| s.host.is_some() || mem.host(a.0, 1).is_some())
         }
         _ => None,
     };
@@ -174,8 +174,7 @@ pub fn parse(
         ));
     };
     let ioerr = |reason: &'static str| reject(Some(status), VIRTIO_BLK_S_IOERR, reason);
-    for s in segs.iter_mut() {
-        s.host = mem.host(s.addr.0, s.len);
+    for s in &segs {
         if s.host.is_none() && !mem.contains(s.addr.0, s.len) {
             return Err(ioerr("buffer outside guest memory"));
         }
@@ -198,7 +197,12 @@ pub fn parse(
             return Err(ioerr("request header is device-writable"));
         }
         let n = (header.len() - got).min(s.len as usize);
-        if !mem.read(s.addr.0, &mut header[got..got + n]) {
+        if let Some(h) = s.host {
+            // SAFETY: `h` translates the whole segment (n <= its length) into the guest
+            // mapping `mem` describes, which the caller keeps alive; copied as bytes (the
+            // guest may be writing them).
+            unsafe { std::ptr::copy_nonoverlapping(h as *const u8, header[got..].as_mut_ptr(), n) };
+        } else if !mem.read(s.addr.0, &mut header[got..got + n]) {
             return Err(ioerr("request header unreadable"));
         }
         got += n;

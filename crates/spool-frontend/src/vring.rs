@@ -53,6 +53,35 @@ pub struct JournaledQueue {
     pub journal: Option<Journal>,
     /// Used elements added since the last [`JournaledQueue::needs_notification`].
     pub num_added: u16,
+    /// The rings' host addresses under the last host map used.
+    hosts: RingHosts,
+}
+
+/// Host addresses of the three rings under one [`HostMap`] (0 where a ring does not lie in
+/// one region: its accesses then go through the map). Valid while that map is: it is only
+/// used with the map whose id it records.
+#[derive(Debug, Default, Clone, Copy)]
+struct RingHosts {
+    map: u64,
+    desc: usize,
+    avail: usize,
+    used: usize,
+}
+
+/// Reads a little-endian u16 at host address `h` in one access when aligned.
+///
+/// # Safety
+/// `h..h + 2` must lie in live guest memory.
+#[inline]
+unsafe fn rd16(h: usize) -> u16 {
+    // SAFETY: per the contract; read as a value (the guest may be writing it).
+    u16::from_le(unsafe {
+        if h.is_multiple_of(2) {
+            std::ptr::read_volatile(h as *const u16)
+        } else {
+            std::ptr::read_unaligned(h as *const u16)
+        }
+    })
 }
 
 /// Used ring header (flags, idx) and element sizes.
@@ -69,7 +98,28 @@ impl JournaledQueue {
             queue,
             journal,
             num_added: 0,
+            hosts: RingHosts::default(),
         }
+    }
+
+    /// The rings' host addresses under `mem` (translated once per memory map).
+    #[inline]
+    fn hosts(&mut self, mem: &HostMap) -> RingHosts {
+        if self.hosts.map != mem.id() || mem.id() == 0 {
+            let size = self.queue.size() as u64;
+            let q = &self.queue;
+            self.hosts = RingHosts {
+                map: mem.id(),
+                desc: mem.host(q.desc_table(), 16 * size).unwrap_or(0),
+                avail: mem
+                    .host(q.avail_ring(), AVAIL_HEADER + AVAIL_ELEM * size + 2)
+                    .unwrap_or(0),
+                used: mem
+                    .host(q.used_ring(), USED_HEADER + USED_ELEM * size + 2)
+                    .unwrap_or(0),
+            };
+        }
+        self.hosts
     }
 
     /// Takes the head of the next available request (steps 1–7), recorded INFLIGHT before it
@@ -80,13 +130,18 @@ impl JournaledQueue {
         mem: &HostMap,
         hook: &mut impl FnMut(Step),
     ) -> Result<Option<u16>, RingError> {
+        let h = self.hosts(mem);
         let q = &mut self.queue;
         let size = q.size();
         let next = q.next_avail();
         let avail = q.avail_ring();
-        let idx = mem
-            .read_u16(avail + 2)
-            .ok_or(RingError::InvalidAvailRingIndex)?;
+        let idx = if h.avail != 0 {
+            // SAFETY: the avail ring lies in live guest memory (`hosts`).
+            unsafe { rd16(h.avail + 2) }
+        } else {
+            mem.read_u16(avail + 2)
+                .ok_or(RingError::InvalidAvailRingIndex)?
+        };
         if idx == next {
             return Ok(None);
         }
@@ -96,8 +151,14 @@ impl JournaledQueue {
         }
         // The ring slot and the descriptors are read after the index that published them.
         fence(Ordering::Acquire);
-        let slot = avail + AVAIL_HEADER + AVAIL_ELEM * (next % size) as u64;
-        let head = mem.read_u16(slot).ok_or(RingError::InvalidAvailRingIndex)?;
+        let slot = AVAIL_HEADER + AVAIL_ELEM * (next % size) as u64;
+        let head = if h.avail != 0 {
+            // SAFETY: as above; `slot` is inside the ring's `size` entries.
+            unsafe { rd16(h.avail + slot as usize) }
+        } else {
+            mem.read_u16(avail + slot)
+                .ok_or(RingError::InvalidAvailRingIndex)?
+        };
         if head >= size {
             return Err(RingError::InvalidDescriptorIndex);
         }
@@ -115,8 +176,11 @@ impl JournaledQueue {
     }
 
     /// The descriptor chain of a taken head.
-    pub fn chain<'m>(&self, mem: &'m HostMap, head: u16) -> ChainWalker<'m> {
-        ChainWalker::new(mem, self.queue.desc_table(), self.queue.size(), head)
+    pub fn chain<'m>(&mut self, mem: &'m HostMap, head: u16) -> ChainWalker<'m> {
+        let h = self.hosts(mem);
+        let mut w = ChainWalker::new(mem, self.queue.desc_table(), self.queue.size(), head);
+        w.table_host = h.desc;
+        w
     }
 
     /// Completes `head` to the guest (steps 10–14). The status byte and data must already be
@@ -139,18 +203,40 @@ impl JournaledQueue {
             hook(Step::MarkedDone);
         }
         // Steps 12-13: the element, then (released after it) the index that publishes it.
+        let h = self.hosts(mem);
         let used = self.queue.used_ring();
         let next = self.queue.next_used();
         let mut elem = [0u8; USED_ELEM as usize];
         elem[..4].copy_from_slice(&(head as u32).to_le_bytes());
         elem[4..].copy_from_slice(&len.to_le_bytes());
-        if !mem.write(used + USED_HEADER + USED_ELEM * (next % size) as u64, &elem) {
-            return Err(RingError::InvalidDescriptorIndex);
-        }
+        let at = USED_HEADER + USED_ELEM * (next % size) as u64;
         let next = next.wrapping_add(1);
-        fence(Ordering::Release);
-        if !mem.write_u16(used + 2, next) {
-            return Err(RingError::InvalidDescriptorIndex);
+        if h.used != 0 {
+            // SAFETY: the used ring lies in live guest memory (`hosts`) and `at` is one of its
+            // `size` elements; written as values, never through references (the guest reads
+            // them concurrently), the index with one aligned store after a release fence.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    elem.as_ptr(),
+                    (h.used + at as usize) as *mut u8,
+                    elem.len(),
+                );
+                fence(Ordering::Release);
+                let p = h.used + 2;
+                if p.is_multiple_of(2) {
+                    std::ptr::write_volatile(p as *mut u16, next.to_le());
+                } else {
+                    std::ptr::write_unaligned(p as *mut u16, next.to_le());
+                }
+            }
+        } else {
+            if !mem.write(used + at, &elem) {
+                return Err(RingError::InvalidDescriptorIndex);
+            }
+            fence(Ordering::Release);
+            if !mem.write_u16(used + 2, next) {
+                return Err(RingError::InvalidDescriptorIndex);
+            }
         }
         self.queue.set_next_used(next);
         self.num_added = self.num_added.wrapping_add(1);
@@ -172,11 +258,16 @@ impl JournaledQueue {
         if !self.queue.event_idx_enabled() {
             return true;
         }
-        let size = self.queue.size() as u64;
-        let Some(used_event) =
-            mem.read_u16(self.queue.avail_ring() + AVAIL_HEADER + AVAIL_ELEM * size)
-        else {
-            return true;
+        let h = self.hosts(mem);
+        let at = AVAIL_HEADER + AVAIL_ELEM * self.queue.size() as u64;
+        let used_event = if h.avail != 0 {
+            // SAFETY: the avail ring, used_event included, lies in live guest memory.
+            unsafe { rd16(h.avail + at as usize) }
+        } else {
+            match mem.read_u16(self.queue.avail_ring() + at) {
+                Some(v) => v,
+                None => return true,
+            }
         };
         let used = self.queue.next_used();
         let old = used.wrapping_sub(added);
@@ -282,6 +373,8 @@ pub fn ring_indices(q: &Queue, mem: &GuestMemory) -> Result<(u16, u16), RingErro
 pub struct ChainWalker<'m> {
     mem: &'m HostMap,
     table: u64,
+    /// Host address of the whole current table when known (0: read through `mem`).
+    table_host: usize,
     table_len: u16,
     next: Option<u16>,
     ttl: u16,
@@ -294,6 +387,7 @@ impl<'m> ChainWalker<'m> {
         ChainWalker {
             mem,
             table: desc_table,
+            table_host: 0,
             table_len: queue_size,
             next: (head < queue_size).then_some(head),
             ttl: queue_size,
@@ -311,10 +405,23 @@ impl Iterator for ChainWalker<'_> {
             return None;
         }
         self.ttl -= 1;
-        let addr = self.table.checked_add(i as u64 * 16)?;
         let mut raw = [0u8; 16];
-        if !self.mem.read(addr, &mut raw) {
-            return None;
+        if self.table_host != 0 {
+            // SAFETY: the table's `table_len` entries lie in live guest memory (`table_host`
+            // is only set for such a table) and i < table_len; copied as bytes, never
+            // through a reference (the guest may write the table concurrently).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (self.table_host + i as usize * 16) as *const u8,
+                    raw.as_mut_ptr(),
+                    16,
+                )
+            };
+        } else {
+            let addr = self.table.checked_add(i as u64 * 16)?;
+            if !self.mem.read(addr, &mut raw) {
+                return None;
+            }
         }
         let d = Descriptor::new(
             u64::from_le_bytes(raw[0..8].try_into().expect("8 bytes")),
@@ -332,6 +439,7 @@ impl Iterator for ChainWalker<'_> {
             }
             self.indirect_done = true;
             self.table = d.addr().0;
+            self.table_host = 0;
             self.table_len = (d.len() / 16) as u16;
             self.ttl = self.table_len;
             self.next = Some(0);
