@@ -2,8 +2,9 @@
 //! REM_MEM_REG), mapped once and published to the workers through an [`ArcSwap`] (workers
 //! read it through an `arc_swap::Cache`: one atomic load per poll round).
 //!
-//! Workers load the current map per round and keep the `Arc` of it in every in-flight request,
-//! so a region removed while I/O into it is in flight stays mapped until that I/O completes.
+//! Workers load the current map per round and keep every map they took requests under until
+//! those requests complete, so a region removed while I/O into it is in flight stays mapped
+//! until that I/O completes.
 
 use std::fs::File;
 use std::sync::Arc;

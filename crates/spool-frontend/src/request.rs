@@ -77,6 +77,9 @@ pub struct Request {
     pub len: u64,
     /// Where the status byte goes.
     pub status: GuestAddress,
+    /// Host address of the status byte in the mapping the parser was given (valid as long as
+    /// `iov`).
+    pub status_host: usize,
 }
 
 /// A chain the device refuses, answered with `status` when a status byte could be located.
@@ -152,12 +155,17 @@ pub fn parse(
     };
     // Status byte: the last byte of the last descriptor, which must be device-writable and
     // inside guest memory.
-    let status_addr = match segs.last() {
+    let (status_addr, status_host) = match segs.last() {
         Some(s) if s.write => {
-            let a = s.addr.0.checked_add(s.len - 1).map(GuestAddress);
-            a.filter(|a| s.host.is_some() || mem.host(a.0, 1).is_some())
+            let a = s.addr.0.checked_add(s.len - 1);
+            let h = match (a, s.host) {
+                (Some(_), Some(h)) => Some(h + (s.len - 1) as usize),
+                (Some(a), None) => mem.host(a, 1),
+                (None, _) => None,
+            };
+            (h.and(a).map(GuestAddress), h.unwrap_or(0))
         }
-        _ => None,
+        _ => (None, 0),
     };
     if truncated {
         return Err(reject(
@@ -324,6 +332,7 @@ pub fn parse(
         iov,
         len,
         status,
+        status_host,
     })
 }
 

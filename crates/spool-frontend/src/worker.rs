@@ -22,7 +22,6 @@ use spool_devices::{DeviceIo, DeviceQueue, ErrorClass, ErrorReport, HealthState,
 use spool_pool::VolumeLayout;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestAddress;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -109,7 +108,9 @@ impl Drop for WorkerHandle {
 ///
 /// Holds raw iovec pointers into guest memory, so it is not `Send` by default.
 struct Inflight {
-    status: GuestAddress,
+    /// Host address of the status byte (in the mapping the request was parsed in, which the
+    /// worker keeps alive until the request completes).
+    status: usize,
     used_len: u32,
     pending: u32,
     status_code: u8,
@@ -127,14 +128,24 @@ struct Inflight {
     /// Per-device-piece iovec arrays; the device holds raw pointers into them (so the value
     /// must not move while pieces are in flight: it lives in its slot until completion).
     parts: SmallVec<[IoVecs; 1]>,
-    /// Keeps the guest mapping alive while the device may write into it.
-    _mem: Arc<GuestMemory>,
 }
 
-// SAFETY: the raw pointers in `parts` point into the guest mapping held by `_mem` in the same
-// value; moving the value to another thread moves that ownership with it, and only the one
-// worker thread that owns the slot ever dereferences them (through the device queue).
+// SAFETY: the raw pointers in `parts` and `status` point into a guest mapping the worker
+// keeps alive while the request is in flight (`host_of`, then `retired_maps`); only the one
+// worker thread that owns the slot ever dereferences them (itself or through the device
+// queue), and the whole worker moves to its thread as one.
 unsafe impl Send for Inflight {}
+
+/// Writes a request's status byte.
+#[inline]
+fn write_status(at: usize, status: u8) {
+    if at != 0 {
+        // SAFETY: `at` is the status byte's host address inside a mapping the worker keeps
+        // alive while the request is in flight (see `Inflight`); written as a value (the
+        // guest may read it concurrently).
+        unsafe { std::ptr::write_volatile(at as *mut u8, status) };
+    }
+}
 
 const TOKEN_KICK: u64 = 0;
 const TOKEN_WAKE: u64 = 1;
@@ -150,6 +161,9 @@ pub struct QueueWorker {
     /// Host addresses of `host_of`, the guest memory map the worker last loaded.
     host: HostMap,
     host_of: Option<Arc<GuestMemory>>,
+    /// Earlier memory maps, kept mapped until the requests taken under them have completed
+    /// (devices and status bytes point into them).
+    retired_maps: Vec<Arc<GuestMemory>>,
     resubmit: Vec<u16>,
     reset: Arc<AtomicBool>,
     /// The frontend's current memory map (one atomic load to check per round).
@@ -219,6 +233,7 @@ impl QueueWorker {
             vq: JournaledQueue::new(spec.queue, spec.journal),
             host: HostMap::default(),
             host_of: None,
+            retired_maps: Vec::new(),
             resubmit: spec.resubmit,
             reset,
             mem: Cache::new(spec.mem),
@@ -494,7 +509,11 @@ impl QueueWorker {
     fn refresh_host(&mut self, mem: &Arc<GuestMemory>) {
         if !self.host_of.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
             self.host = HostMap::new(mem);
-            self.host_of = Some(mem.clone());
+            if let Some(old) = self.host_of.replace(mem.clone()) {
+                if self.in_flight > 0 {
+                    self.retired_maps.push(old);
+                }
+            }
         }
     }
 
@@ -669,7 +688,7 @@ impl QueueWorker {
             return;
         }
         let mut inf = Inflight {
-            status: req.status,
+            status: req.status_host,
             used_len: 1,
             pending: 0,
             status_code: VIRTIO_BLK_S_OK as u8,
@@ -679,7 +698,6 @@ impl QueueWorker {
             sweep: 0,
             pieces: SmallVec::new(),
             parts: SmallVec::new(),
-            _mem: mem.clone(),
         };
         let mut ios: SmallVec<[(usize, DeviceIo); 4]> = SmallVec::new();
         match &req.op {
@@ -794,7 +812,7 @@ impl QueueWorker {
         }
         if inf.pending == 0 {
             self.refresh_host(mem);
-            self.host.write(inf.status.0, &[inf.status_code]);
+            write_status(inf.status, inf.status_code);
             self.complete_used(mem, head, inf.used_len);
             return;
         }
@@ -888,7 +906,7 @@ impl QueueWorker {
                         continue;
                     }
                     tracing::error!(volume = %self.volume, head, retries = self.retries[h], "request keeps failing after device resets; failing it");
-                    self.host.write(inf.status.0, &[VIRTIO_BLK_S_IOERR as u8]);
+                    write_status(inf.status, VIRTIO_BLK_S_IOERR as u8);
                 } else if inf.cancelled && inf.status_code == VIRTIO_BLK_S_OK as u8 {
                     // Our own cancellation is no failure of the request: no retry counted.
                     // Held requests wait for a health change; these would wait forever if
@@ -897,11 +915,15 @@ impl QueueWorker {
                     self.cancelled.push(head);
                     continue;
                 } else {
-                    self.host.write(inf.status.0, &[inf.status_code]);
+                    write_status(inf.status, inf.status_code);
                 }
                 self.retries[h] = 0;
                 self.complete_used(mem, head, inf.used_len);
             }
+        }
+        if self.in_flight == 0 && !self.retired_maps.is_empty() {
+            // Nothing taken under an earlier memory map is in flight any more.
+            self.retired_maps.clear();
         }
         any
     }
