@@ -113,6 +113,40 @@ pub struct UringQueue {
     zero_ranges: HashMap<u64, (u64, u64)>,
 }
 
+/// Which of the queue's descriptors a request goes to.
+#[derive(Clone, Copy)]
+enum Which {
+    Buffered,
+    Direct,
+}
+
+/// Builds a read or write entry of the queue `q`, without an iovec array when there is a
+/// single buffer (the kernel then has none to copy in and check).
+///
+/// The files are deliberately not registered with the ring (`IORING_REGISTER_FILES`): a ring
+/// is torn down asynchronously after its process dies, and its registered files, with the
+/// device's lock, outlived a killed worker long enough for the next one to find the device
+/// "in use by another process" (test `data_survives_restart_and_kill`).
+macro_rules! rw_entry {
+    ($q:expr, $which:expr, $iov:expr, $iovcnt:expr, $offset:expr, $vec:ident, $one:ident) => {{
+        let fd = match $which {
+            Which::Buffered => $q.buffered,
+            Which::Direct => $q.direct.unwrap_or($q.buffered),
+        };
+        if $iovcnt == 1 {
+            // SAFETY: the caller of `submit` guarantees `iov` points to `iovcnt` valid iovecs.
+            let v = unsafe { &*$iov };
+            opcode::$one::new(types::Fd(fd), v.iov_base as _, v.iov_len as u32)
+                .offset($offset)
+                .build()
+        } else {
+            opcode::$vec::new(types::Fd(fd), $iov, $iovcnt)
+                .offset($offset)
+                .build()
+        }
+    }};
+}
+
 impl UringQueue {
     /// Creates a ring of `depth` entries over the given descriptors. The descriptors must
     /// outlive the queue (the owning device is kept alive by the caller).
@@ -122,6 +156,9 @@ impl UringQueue {
         align: u64,
         depth: u32,
     ) -> std::io::Result<Self> {
+        // No IORING_SETUP_COOP_TASKRUN: completions of punted requests must wake a worker
+        // that sleeps in epoll on the ring's eventfd, which cooperative task running does not
+        // promise; it measured no faster here either.
         let ring = IoUring::builder().build(depth.clamp(8, 4096))?;
         let event = completion_eventfd()?;
         ring.submitter().register_eventfd(event.as_raw_fd())?;
@@ -137,13 +174,13 @@ impl UringQueue {
         })
     }
 
-    fn pick_fd(&self, offset: u64, len: u64, iov: *const IoVec, iovcnt: u32) -> RawFd {
-        let Some(direct) = self.direct else {
-            return self.buffered;
-        };
+    fn pick_fd(&self, offset: u64, len: u64, iov: *const IoVec, iovcnt: u32) -> Which {
+        if self.direct.is_none() {
+            return Which::Buffered;
+        }
         let a = self.align;
         if !offset.is_multiple_of(a) || !len.is_multiple_of(a) {
-            return self.buffered;
+            return Which::Buffered;
         }
         // SAFETY: the caller of `submit` guarantees `iov` points to `iovcnt` valid iovecs.
         let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
@@ -151,9 +188,9 @@ impl UringQueue {
             .iter()
             .all(|v| (v.iov_base as u64).is_multiple_of(a) && (v.iov_len as u64).is_multiple_of(a))
         {
-            direct
+            Which::Direct
         } else {
-            self.buffered
+            Which::Buffered
         }
     }
 
@@ -196,11 +233,8 @@ impl DeviceQueue for UringQueue {
                 iov,
                 iovcnt,
             } => {
-                let fd = self.pick_fd(offset, len, iov, iovcnt);
-                opcode::Readv::new(types::Fd(fd), iov, iovcnt)
-                    .offset(offset)
-                    .build()
-                    .user_data(plain)
+                let which = self.pick_fd(offset, len, iov, iovcnt);
+                rw_entry!(self, which, iov, iovcnt, offset, Readv, Read).user_data(plain)
             }
             DeviceIo::Write {
                 offset,
@@ -208,11 +242,8 @@ impl DeviceQueue for UringQueue {
                 iov,
                 iovcnt,
             } => {
-                let fd = self.pick_fd(offset, len, iov, iovcnt);
-                opcode::Writev::new(types::Fd(fd), iov, iovcnt)
-                    .offset(offset)
-                    .build()
-                    .user_data(plain)
+                let which = self.pick_fd(offset, len, iov, iovcnt);
+                rw_entry!(self, which, iov, iovcnt, offset, Writev, Write).user_data(plain)
             }
             DeviceIo::Flush => opcode::Fsync::new(types::Fd(self.buffered))
                 .flags(types::FsyncFlags::DATASYNC)

@@ -103,22 +103,28 @@ impl JournaledQueue {
     }
 
     /// The rings' host addresses under `mem` (translated once per memory map).
-    #[inline]
+    #[inline(always)]
     fn hosts(&mut self, mem: &HostMap) -> RingHosts {
-        if self.hosts.map != mem.id() || mem.id() == 0 {
-            let size = self.queue.size() as u64;
-            let q = &self.queue;
-            self.hosts = RingHosts {
-                map: mem.id(),
-                desc: mem.host(q.desc_table(), 16 * size).unwrap_or(0),
-                avail: mem
-                    .host(q.avail_ring(), AVAIL_HEADER + AVAIL_ELEM * size + 2)
-                    .unwrap_or(0),
-                used: mem
-                    .host(q.used_ring(), USED_HEADER + USED_ELEM * size + 2)
-                    .unwrap_or(0),
-            };
+        if self.hosts.map == mem.id() && mem.id() != 0 {
+            return self.hosts;
         }
+        self.translate_rings(mem)
+    }
+
+    #[cold]
+    fn translate_rings(&mut self, mem: &HostMap) -> RingHosts {
+        let size = self.queue.size() as u64;
+        let q = &self.queue;
+        self.hosts = RingHosts {
+            map: mem.id(),
+            desc: mem.host(q.desc_table(), 16 * size).unwrap_or(0),
+            avail: mem
+                .host(q.avail_ring(), AVAIL_HEADER + AVAIL_ELEM * size + 2)
+                .unwrap_or(0),
+            used: mem
+                .host(q.used_ring(), USED_HEADER + USED_ELEM * size + 2)
+                .unwrap_or(0),
+        };
         self.hosts
     }
 
