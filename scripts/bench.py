@@ -379,6 +379,42 @@ def write_summary(doc, path):
                 "read a freshly filled or sparse image, so the disk rows are not like for like with fio.\n")
         f.write("\nBars to beat (issue 7, measured here earlier): SPDK null bdev 4.2 M IOPS / 1.0 µs; "
                 "SPDK AIO on tmpfs 0.52 M / 2.8 µs; qemu-storage-daemon tmpfs best 0.43 M / 4.4 µs.\n")
+        rows = targets(doc["table2"])
+        if rows:
+            f.write("\n## Targets (issue 7), from this run\n\n| target | measured | bar | met |\n|---|---|---|---|\n")
+            for what, got, bar, ok in rows:
+                f.write(f"| {what} | {got} | {bar} | {'yes' if ok else '**no**'} |\n")
+            f.write("\nWhere the server's time goes, and what was tried: [request-path.md](request-path.md).\n")
+
+
+def targets(res):
+    """Issue 7's targets against this run's numbers: (target, measured, bar, met)."""
+    out = []
+    null32 = find(res, "spoold null (untouched)", "4K randread QD32")
+    null1 = find(res, "spoold null (untouched)", "4K randread QD1")
+    if null32:
+        out.append(("null, untouched buffers: 4K randread QD32 IOPS", f"{null32['iops'] / 1e6:.2f} M",
+                    "SPDK null bdev 4.2 M", null32["iops"] >= 4.2e6))
+    if null1:
+        out.append(("null, untouched buffers: 4K randread QD1 mean latency", f"{null1['lat_mean_us']:.2f} µs",
+                    "SPDK null bdev 1.0 µs", null1["lat_mean_us"] <= 1.0))
+    t32 = find(res, "spoold tmpfs", "4K randread QD32")
+    t1 = find(res, "spoold tmpfs", "4K randread QD1")
+    q32 = [r for r in res if r["label"].startswith("qsd tmpfs") and r["case"] == "4K randread QD32"]
+    q1 = [r for r in res if r["label"].startswith("qsd tmpfs") and r["case"] == "4K randread QD1"]
+    if t32:
+        out.append(("tmpfs: 4K randread QD32 IOPS", f"{t32['iops'] / 1e6:.2f} M", "SPDK AIO 0.52 M",
+                    t32["iops"] >= 0.52e6))
+        if q32:
+            best = max(q32, key=lambda r: r["iops"])
+            out.append(("tmpfs: 4K randread QD32 vs qemu-storage-daemon's best setup",
+                        f"{t32['iops'] / best['iops']:.2f}×", f"1.2× {best['label']}",
+                        t32["iops"] >= 1.2 * best["iops"]))
+    if t1 and q1:
+        best = min(q1, key=lambda r: r["lat_mean_us"])
+        out.append(("tmpfs: 4K randread QD1 mean latency", f"{t1['lat_mean_us']:.2f} µs",
+                    f"{best['lat_mean_us']:.2f} µs ({best['label']})", t1["lat_mean_us"] <= best["lat_mean_us"]))
+    return out
 
 
 def plots(doc, prefix):
