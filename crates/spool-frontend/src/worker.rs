@@ -105,8 +105,6 @@ impl Drop for WorkerHandle {
 }
 
 /// A request between submission to the devices and completion to the guest.
-///
-/// Holds raw iovec pointers into guest memory, so it is not `Send` by default.
 struct Inflight {
     /// Host address of the status byte (in the mapping the request was parsed in, which the
     /// worker keeps alive until the request completes).
@@ -123,18 +121,26 @@ struct Inflight {
     timed_out: bool,
     /// The timeout sweep during which it was submitted.
     sweep: u32,
+}
+
+/// What a slot keeps beyond [`Inflight`], in storage reused from request to request (so a
+/// request is neither allocated nor moved as a whole on the path).
+///
+/// Holds raw iovec pointers into guest memory, so it is not `Send` by default.
+#[derive(Default)]
+struct SlotBufs {
     /// Device pieces (device index, device offset, length, write), for error reports.
     pieces: SmallVec<[(u16, u64, u64, bool); 2]>,
-    /// Per-device-piece iovec arrays; the device holds raw pointers into them (so the value
-    /// must not move while pieces are in flight: it lives in its slot until completion).
+    /// Per-device-piece iovec arrays; the device holds raw pointers into them, so they are
+    /// not touched until the slot's request has completed (`slot_bufs` never grows).
     parts: SmallVec<[IoVecs; 1]>,
 }
 
-// SAFETY: the raw pointers in `parts` and `status` point into a guest mapping the worker
-// keeps alive while the request is in flight (`host_of`, then `retired_maps`); only the one
-// worker thread that owns the slot ever dereferences them (itself or through the device
-// queue), and the whole worker moves to its thread as one.
-unsafe impl Send for Inflight {}
+// SAFETY: the iovec pointers in `parts` point into a guest mapping the worker keeps alive
+// while the slot's request is in flight (`host_of`, then `retired_maps`); only the one worker
+// thread that owns the slot ever dereferences them (through the device queue), and the whole
+// worker moves to its thread as one.
+unsafe impl Send for SlotBufs {}
 
 /// Writes a request's status byte.
 #[inline]
@@ -176,6 +182,8 @@ pub struct QueueWorker {
     layout: Arc<VolumeLayout>,
     devices: Vec<Box<dyn DeviceQueue>>,
     slots: Vec<Option<Inflight>>,
+    /// Per slot: its pieces and iovec arrays (see [`SlotBufs`]).
+    slot_bufs: Vec<SlotBufs>,
     in_flight: usize,
     limits: Limits,
     serial: [u8; ID_LEN],
@@ -244,6 +252,7 @@ impl QueueWorker {
             layout,
             devices: Vec::new(),
             slots: (0..size).map(|_| None).collect(),
+            slot_bufs: (0..size).map(|_| SlotBufs::default()).collect(),
             in_flight: 0,
             limits: spec.limits,
             serial: spec.serial,
@@ -578,12 +587,13 @@ impl QueueWorker {
         }
         self.last_sweep = now;
         self.sweep = self.sweep.wrapping_add(1);
-        for slot in self.slots.iter_mut().flatten() {
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(slot) = slot else { continue };
             if slot.timed_out || self.sweep.wrapping_sub(slot.sweep) <= TIMEOUT_SWEEPS {
                 continue;
             }
             slot.timed_out = true;
-            for &(d, offset, len, write) in &slot.pieces {
+            for &(d, offset, len, write) in &self.slot_bufs[i].pieces {
                 if let Some(dev) = self.layout.devices.get(d as usize) {
                     if self.devices[d as usize].in_flight() > 0 {
                         tracing::warn!(volume = %self.volume, queue = self.index, device = d, offset, "request timed out");
@@ -696,9 +706,10 @@ impl QueueWorker {
             cancelled: false,
             timed_out: false,
             sweep: 0,
-            pieces: SmallVec::new(),
-            parts: SmallVec::new(),
         };
+        let bufs = &mut self.slot_bufs[slot];
+        bufs.parts.clear();
+        bufs.pieces.clear();
         let mut ios: SmallVec<[(usize, DeviceIo); 4]> = SmallVec::new();
         match &req.op {
             Op::Read | Op::Write => {
@@ -712,10 +723,10 @@ impl QueueWorker {
                         pieces.push((d, off, len, at))
                     });
                 if pieces.len() == 1 {
-                    inf.parts.push(req.iov);
+                    bufs.parts.push(req.iov);
                 } else {
                     for &(_, _, len, at) in &pieces {
-                        inf.parts.push(slice_iov(&req.iov, at, len));
+                        bufs.parts.push(slice_iov(&req.iov, at, len));
                     }
                 }
                 for (i, &(d, off, len, _)) in pieces.iter().enumerate() {
@@ -825,26 +836,27 @@ impl QueueWorker {
                     (offset, len, true)
                 }
             };
-            inf.pieces.push((*d as u16, offset, len, write));
+            self.slot_bufs[slot]
+                .pieces
+                .push((*d as u16, offset, len, write));
         }
         inf.sweep = self.sweep;
         self.slots[slot] = Some(inf);
         self.in_flight += 1;
-        let Some(inf) = self.slots[slot].as_ref() else {
-            return;
-        };
+        let parts = &self.slot_bufs[slot].parts;
         for (d, mut io) in ios {
             if let DeviceIo::Read { iov, iovcnt, .. } | DeviceIo::Write { iov, iovcnt, .. } =
                 &mut io
             {
-                let part = &inf.parts[*iovcnt as usize];
+                let part = &parts[*iovcnt as usize];
                 *iov = part.as_ptr();
                 *iovcnt = part.len() as u32;
             }
-            // SAFETY: the iovec arrays live in `self.slots[slot].parts`, inline or on the heap,
-            // and the slot does not move (`slots` never grows) or change until it is cleared,
-            // which happens only once every piece of this request has been reaped (or the
-            // device queue is gone); they point into the guest mapping the slot keeps alive.
+            // SAFETY: the iovec arrays live in `self.slot_bufs[slot].parts`, inline or on the
+            // heap; `slot_bufs` never grows and a slot's buffers are only cleared when the
+            // slot is taken again, after every piece of this request has been reaped (or the
+            // device queue is gone); they point into guest memory the worker keeps mapped
+            // while the request is in flight (`retired_maps`).
             unsafe { self.devices[d].submit(io, head as u64) };
         }
     }
@@ -856,6 +868,7 @@ impl QueueWorker {
         let mut any = false;
         for d in 0..self.devices.len() {
             let slots = &mut self.slots;
+            let bufs = &self.slot_bufs;
             let volume = &self.volume;
             let health = self.layout.devices[d].health();
             let n = self.devices[d].reap(&mut |tag, res| {
@@ -868,7 +881,7 @@ impl QueueWorker {
                     let class = ErrorClass::of_errno(errno);
                     tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), "device I/O failed");
                     if errno != libc::ECANCELED {
-                        let &(_, offset, len, write) = inf
+                        let &(_, offset, len, write) = bufs[tag as usize]
                             .pieces
                             .iter()
                             .find(|p| p.0 as usize == d)
