@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use spool_frontend::hostmem::HostMap;
-use spool_frontend::request::{parse, GuestMemory, Limits, Op};
+use spool_frontend::request::{parse, parse_general, GuestMemory, Limits, Op};
 use spool_frontend::vring::JournaledQueue;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
@@ -49,6 +49,9 @@ fuzz_target!(|data: &[u8]| {
             _ => return,
         };
         let parsed = parse(head, vq.chain(&host, head), &host, &limits);
+        // The short path must say exactly what the general parser says.
+        let general = parse_general(head, vq.chain(&host, head), &host, &limits);
+        assert_eq!(format!("{parsed:?}"), format!("{general:?}"), "short and general paths differ");
         let _ = vq.complete(&host, head, 1, &mut |_| {});
         let _ = vq.needs_notification(&host);
         if let Ok(r) = parsed {
