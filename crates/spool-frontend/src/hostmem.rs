@@ -5,19 +5,19 @@
 //! request header and status byte. vm-memory's generic accessors (region lookup through the
 //! backend trait, slice iterators, bounds-checked volatile slices) cost about half of the
 //! request path's instructions (callgrind, `docs/benchmarks/request-path.md`); a guest has a
-//! handful of regions, so a linear scan with the last hit tried first is cheaper.
+//! handful of regions, so a linear scan behind a two-entry cache of the regions last hit is
+//! cheaper (a request's header and status usually lie in one region, its data in another).
 //!
 //! It owns nothing: the host addresses are valid while the [`GuestMemory`] it was built from
 //! is alive, which its users guarantee by holding that `Arc`. It knows nothing of virtio.
 
-use smallvec::SmallVec;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
 use crate::request::GuestMemory;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Region {
     gpa: u64,
     len: u64,
@@ -30,16 +30,17 @@ pub struct HostMap {
     /// Unique per map built (0: the empty default), so that users may cache addresses
     /// translated through it and know when they are stale.
     id: u64,
-    regions: SmallVec<[Region; 4]>,
-    /// Index of the region the last lookup hit (tried first).
-    last: Cell<usize>,
+    regions: Box<[Region]>,
+    /// Copies of the two regions most recently found by a scan, tried before scanning (an
+    /// empty default region matches nothing).
+    hot: [Cell<Region>; 2],
 }
 
 impl HostMap {
     /// Flattens `mem` (regions whose host address cannot be had are left out: every access
     /// into them fails, as it would through vm-memory).
     pub fn new(mem: &GuestMemory) -> HostMap {
-        let mut regions: SmallVec<[Region; 4]> = mem
+        let mut regions: Vec<Region> = mem
             .iter()
             .filter_map(|r| {
                 let host = r.get_host_address(MemoryRegionAddress(0)).ok()? as usize;
@@ -54,8 +55,8 @@ impl HostMap {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         HostMap {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            regions,
-            last: Cell::new(0),
+            regions: regions.into_boxed_slice(),
+            hot: Default::default(),
         }
     }
 
@@ -66,19 +67,26 @@ impl HostMap {
     }
 
     #[inline]
-    fn region_of(&self, gpa: u64) -> Option<&Region> {
-        let i = self.last.get();
-        if let Some(r) = self.regions.get(i) {
+    fn region_of(&self, gpa: u64) -> Option<Region> {
+        for h in &self.hot {
+            let r = h.get();
             if gpa.wrapping_sub(r.gpa) < r.len {
                 return Some(r);
             }
         }
-        let i = self
+        self.scan(gpa)
+    }
+
+    /// The region holding `gpa`, found by a scan; it becomes the hotter cached one.
+    #[inline(never)]
+    fn scan(&self, gpa: u64) -> Option<Region> {
+        let r = *self
             .regions
             .iter()
-            .position(|r| gpa.wrapping_sub(r.gpa) < r.len)?;
-        self.last.set(i);
-        Some(&self.regions[i])
+            .find(|r| gpa.wrapping_sub(r.gpa) < r.len)?;
+        self.hot[1].set(self.hot[0].get());
+        self.hot[0].set(r);
+        Some(r)
     }
 
     /// Host address of `[gpa, gpa + len)` when all of it lies in one region (`len` may be 0).

@@ -494,6 +494,7 @@ impl QueueWorker {
             return false;
         }
         self.refresh_host(mem);
+        self.vq.prefetch(&self.host);
         let mut any = false;
         loop {
             // Algorithm 1, steps 1-7: the request is journaled INFLIGHT before we see it.
@@ -676,9 +677,17 @@ impl QueueWorker {
     }
 
     fn complete_used(&mut self, mem: &Arc<GuestMemory>, head: u16, len: u32) {
-        // Algorithm 1, steps 10-14.
+        self.complete_used_batch(mem, &[(head, len)]);
+    }
+
+    /// Completes `(head, used length)` pairs to the guest with one used-index update.
+    fn complete_used_batch(&mut self, mem: &Arc<GuestMemory>, done: &[(u16, u32)]) {
+        if done.is_empty() {
+            return;
+        }
+        // Algorithm 1, steps 10-14, for the batch as a whole.
         self.refresh_host(mem);
-        if let Err(e) = self.vq.complete(&self.host, head, len, &mut |_| {}) {
+        if let Err(e) = self.vq.complete_batch(&self.host, done, &mut |_| {}) {
             self.fail_queue(&e.to_string());
         }
         self.need_notify = true;
@@ -696,6 +705,16 @@ impl QueueWorker {
             // it would corrupt the request in flight; leave it.
             tracing::warn!(volume = %self.volume, head, "guest reused a descriptor head that is still in flight; ignored");
             return;
+        }
+        if matches!(req.op, Op::Read | Op::Write) {
+            if let Some((d, off)) = self.layout.map_one(req.sector * SECTOR, req.len) {
+                if d < self.devices.len()
+                    && self.layout.devices[d].health().state() == HealthState::Healthy
+                {
+                    self.submit_one(req, d, off);
+                    return;
+                }
+            }
         }
         let mut inf = Inflight {
             status: req.status_host,
@@ -861,6 +880,57 @@ impl QueueWorker {
         }
     }
 
+    /// The common case of [`Self::submit`]: a read or write that lies on one healthy device
+    /// (one piece, no health hold, no error), without the general path's piece lists.
+    #[inline]
+    fn submit_one(&mut self, req: Request, d: usize, offset: u64) {
+        let head = req.head;
+        let slot = head as usize;
+        let write = req.op == Op::Write;
+        let len = req.len;
+        self.slots[slot] = Some(Inflight {
+            status: req.status_host,
+            used_len: if write {
+                1
+            } else {
+                (len as u32).saturating_add(1)
+            },
+            pending: 1,
+            status_code: VIRTIO_BLK_S_OK as u8,
+            held: false,
+            cancelled: false,
+            timed_out: false,
+            sweep: self.sweep,
+        });
+        self.in_flight += 1;
+        let bufs = &mut self.slot_bufs[slot];
+        bufs.pieces.clear();
+        bufs.pieces.push((d as u16, offset, len, write));
+        bufs.parts.clear();
+        bufs.parts.push(req.iov);
+        let part = &bufs.parts[0];
+        let (iov, iovcnt) = (part.as_ptr(), part.len() as u32);
+        let io = if write {
+            DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            }
+        } else {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            }
+        };
+        // SAFETY: as in `submit`: the iovec array lives in this slot's buffers, untouched
+        // until the request is reaped, and points into guest memory the worker keeps mapped
+        // while the request is in flight (`retired_maps`).
+        unsafe { self.devices[d].submit(io, head as u64) };
+    }
+
     /// Reaps device completions; completes finished requests to the guest.
     fn reap(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
@@ -908,6 +978,7 @@ impl QueueWorker {
             });
             any |= n > 0;
         }
+        let mut used: SmallVec<[(u16, u32); 32]> = SmallVec::new();
         for head in finished {
             if let Some(inf) = self.slots[head as usize].take() {
                 self.in_flight -= 1;
@@ -931,9 +1002,10 @@ impl QueueWorker {
                     write_status(inf.status, inf.status_code);
                 }
                 self.retries[h] = 0;
-                self.complete_used(mem, head, inf.used_len);
+                used.push((head, inf.used_len));
             }
         }
+        self.complete_used_batch(mem, &used);
         if self.in_flight == 0 && !self.retired_maps.is_empty() {
             // Nothing taken under an earlier memory map is in flight any more.
             self.retired_maps.clear();

@@ -433,9 +433,15 @@ impl Journal {
 
     /// Step 10: the journal's used index moves ahead of the ring's.
     pub fn complete_begin(&self) {
+        self.complete_begin_n(1)
+    }
+
+    /// Step 10 for a batch of `n` completions published by one used-index update: the
+    /// journal's used index moves to where the ring's will be once the batch is published.
+    pub fn complete_begin_n(&self, n: u16) {
         let u = self.used_atomic().load(Ordering::Relaxed);
         self.used_atomic()
-            .store(u.wrapping_add(1), Ordering::Relaxed);
+            .store(u.wrapping_add(n), Ordering::Relaxed);
         fence(Ordering::Release);
     }
 

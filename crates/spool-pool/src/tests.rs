@@ -95,6 +95,26 @@ fn map_splits_at_segment_boundaries() {
     assert_eq!(pieces[0].2 + pieces[1].2, 1024);
     assert_eq!(pieces[1].3, 512);
     assert_ne!(pieces[0].0, pieces[1].0);
+    // The one-segment shortcut refuses the range that spans two segments ...
+    assert_eq!(l.map_one((4 << 20) - 512, 1024), None);
+    // ... and agrees with `map` on every range inside one, up to the segment's last byte.
+    let size = l.size;
+    for (offset, len) in [
+        (0, 512),
+        ((4 << 20) - 1024, 512),
+        ((4 << 20) - 512, 512),
+        (4 << 20, 4096),
+        (size - 4096, 4096),
+    ] {
+        let mut one = Vec::new();
+        l.map(offset, len, |dev, off, n, _| one.push((dev, off, n)));
+        assert_eq!(one.len(), 1, "{offset} {len}");
+        assert_eq!(l.map_one(offset, len), Some((one[0].0, one[0].1)));
+    }
+    assert_eq!(
+        l.map_one(l.segments.last().map_or(0, |s| s.logical + s.len), 512),
+        None
+    );
 }
 
 #[test]

@@ -9,6 +9,9 @@
 //! told to resume at the ring's used index, as QEMU does after a backend death. What is
 //! simulated: the guest driver and the device (only these cannot exist in a unit test).
 //!
+//! The device completes either one request at a time or in batches published by one
+//! used-index update ([`JournaledQueue::complete_batch`], what the worker does).
+//!
 //! Every request must complete exactly once; a completion for a head that is not
 //! outstanding ("id N is not a head" in Linux) fails the test.
 
@@ -180,6 +183,15 @@ fn start(
 /// Runs the whole workload with crashes at the given step numbers; returns the guest's
 /// verdict (Ok when every request completed exactly once) and the number of steps taken.
 fn run(journal: bool, crash_at: Vec<usize>) -> (Result<(), String>, usize) {
+    run_completing(journal, crash_at, 1)
+}
+
+/// [`run`] with the device completing up to `batch` requests per used-index update.
+fn run_completing(
+    journal: bool,
+    crash_at: Vec<usize>,
+    batch: usize,
+) -> (Result<(), String>, usize) {
     let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let vol = Uuid::new_v4();
@@ -209,10 +221,17 @@ fn run(journal: bool, crash_at: Vec<usize>) -> (Result<(), String>, usize) {
             while let Some(head) = b.jq.pop(&host, &mut |_| c.tick()).unwrap() {
                 b.device.push(head);
             }
-            for _ in 0..2 {
-                if let Some(h) = b.device.pop() {
-                    b.jq.complete(&host, h, 1, &mut |_| c.tick()).unwrap();
+            if batch == 1 {
+                for _ in 0..2 {
+                    if let Some(h) = b.device.pop() {
+                        b.jq.complete(&host, h, 1, &mut |_| c.tick()).unwrap();
+                    }
                 }
+            } else {
+                let n = b.device.len().min(batch);
+                let done: Vec<(u16, u32)> = (0..n).map(|_| (b.device.pop().unwrap(), 1)).collect();
+                b.jq.complete_batch(&host, &done, &mut |_| c.tick())
+                    .unwrap();
             }
         }));
         if let Err(p) = res {
@@ -276,6 +295,34 @@ fn crash_again_during_recovery_and_after() {
         }
     }
     assert!(runs > 1000);
+}
+
+#[test]
+fn batched_completions_survive_a_crash_after_every_step() {
+    // Batches of up to 3 published by one used-index update: a crash between the journal's
+    // used index moving and the ring's must roll the whole batch back, one after it must
+    // roll the whole batch forward.
+    let (v, total) = run_completing(true, vec![], 3);
+    v.unwrap();
+    for k in 1..=total {
+        let (v, _) = run_completing(true, vec![k], 3);
+        if let Err(e) = v {
+            panic!("batched completions, crash after step {k} of {total}: {e}");
+        }
+    }
+}
+
+#[test]
+fn batched_completions_survive_a_second_crash_during_recovery() {
+    let (_, total) = run_completing(true, vec![], 3);
+    for k1 in (1..=total).step_by(5) {
+        for k2 in k1 + 1..=k1 + 30 {
+            let (v, _) = run_completing(true, vec![k1, k2], 3);
+            if let Err(e) = v {
+                panic!("batched completions, crashes after steps {k1} and {k2}: {e}");
+            }
+        }
+    }
 }
 
 #[test]
