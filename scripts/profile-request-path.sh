@@ -69,7 +69,7 @@ for key, what in [("QueueWorker::run", "whole worker loop, idle rounds included"
                   ("request::parse", "descriptor walk and validation"),
                   ("QueueWorker::dispatch", "layout, health gate, device submit"),
                   ("QueueWorker::reap", "device completions (all polls)"),
-                  ("QueueWorker::complete_used", "status, journal, used ring")]:
+                  ("JournaledQueue::complete_batch", "journal, used ring (batches)")]:
     v = max((v for fn, v in incl.items() if fn.endswith(key)), default=0)
     print(f"  {key:28} {v / reqs:7.0f} instructions/request  ({what})")
 EOP

@@ -97,8 +97,11 @@ const USED_ELEM: u64 = 8;
 const AVAIL_HEADER: u64 = 4;
 const AVAIL_ELEM: u64 = 2;
 const VIRTQ_DESC_F_NEXT: u16 = 1;
-/// How many published requests [`JournaledQueue::prefetch`] looks ahead at.
-pub const PREFETCH_MAX: usize = 64;
+/// How far ahead of the request being taken its descriptor entry is prefetched.
+pub const PREFETCH_DESC: u16 = 8;
+/// How far ahead the header and next descriptor are (their addresses are read from the
+/// descriptor entry prefetched earlier).
+pub const PREFETCH_DATA: u16 = 4;
 
 /// Asks the CPU to bring the cache line holding `addr` closer (a hint; no effect on memory).
 #[inline(always)]
@@ -153,13 +156,17 @@ impl JournaledQueue {
         self.hosts
     }
 
-    /// Warms the cache for up to [`PREFETCH_MAX`] requests the guest has published but not
-    /// yet taken: their descriptor-table entries, then the line each head descriptor points
-    /// at (the request header, or an indirect table) and the head's next descriptor. These
-    /// lines were last written by the guest's CPU; fetching them all at once overlaps the
-    /// misses that [`Self::pop`] and the walker would otherwise take one after another. A
-    /// hint only: nothing read here is trusted or kept (everything is read again, checked,
-    /// when taken), and a prefetch never faults, whatever the address.
+    /// Reads the avail index (once per batch: `pop` takes the published requests without
+    /// reading it again) and warms the cache for the first requests it publishes; call
+    /// [`Self::prefetch_ahead`] before taking each request to keep warming ahead of it.
+    ///
+    /// The descriptor entries and the request headers were last written by the guest's CPU:
+    /// fetched one after another as each request is taken, their misses add up; asked for a
+    /// few requests ahead (the descriptor entry [`PREFETCH_DESC`] requests ahead, then the
+    /// line the head descriptor points at — the header, or an indirect table — and the next
+    /// descriptor [`PREFETCH_DATA`] ahead), they overlap. A hint only: nothing read here is
+    /// trusted or kept (everything is read again, and checked, when taken), and a prefetch
+    /// never faults, whatever the address.
     pub fn prefetch(&mut self, mem: &HostMap) {
         let h = self.hosts(mem);
         if h.avail == 0 || h.desc == 0 {
@@ -169,47 +176,75 @@ impl JournaledQueue {
         let next = self.queue.next_avail();
         // SAFETY: the avail ring lies in live guest memory (`hosts`).
         let idx = unsafe { rd16(h.avail + 2) };
-        let ahead = idx.wrapping_sub(next);
-        if ahead > size {
+        if idx.wrapping_sub(next) > size {
             return; // pop reports the bad index
         }
         (self.shadow_from, self.shadow_avail) = (next, idx);
         // The ring slots are read after the index that published them (and `pop` relies on
         // this fence for the slots up to `shadow_avail`).
         fence(Ordering::Acquire);
-        let n = ahead.min(PREFETCH_MAX as u16);
-        if n < 2 {
+        for k in 0..PREFETCH_DESC {
+            self.prefetch_desc(h, k);
+        }
+        for k in 0..PREFETCH_DATA {
+            self.prefetch_data(h, mem, k);
+        }
+    }
+
+    /// Keeps [`Self::prefetch`]'s warming ahead of the request about to be taken.
+    #[inline]
+    pub fn prefetch_ahead(&mut self, mem: &HostMap) {
+        let h = self.hosts(mem);
+        if h.avail == 0 || h.desc == 0 {
             return;
         }
-        let mut heads = [0u16; PREFETCH_MAX];
-        for (k, head) in heads.iter_mut().enumerate().take(n as usize) {
-            let slot = AVAIL_HEADER + AVAIL_ELEM * (next.wrapping_add(k as u16) % size) as u64;
-            // SAFETY: `slot` is inside the avail ring's `size` entries (see above).
-            *head = unsafe { rd16(h.avail + slot as usize) };
-            if *head < size {
-                prefetch(h.desc + *head as usize * 16);
-            }
+        self.prefetch_desc(h, PREFETCH_DESC);
+        self.prefetch_data(h, mem, PREFETCH_DATA);
+    }
+
+    /// The head of the request `k` places after the next one to take, when it is published
+    /// (as far as the last avail index read says).
+    #[inline]
+    fn published_head(&self, h: RingHosts, k: u16) -> Option<u16> {
+        let size = self.queue.size();
+        let at = self.queue.next_avail().wrapping_add(k);
+        if at.wrapping_sub(self.shadow_from) >= self.shadow_avail.wrapping_sub(self.shadow_from) {
+            return None;
         }
-        for &head in &heads[..n as usize] {
-            if head >= size {
-                continue;
-            }
-            let d = h.desc + head as usize * 16;
-            // SAFETY: entry `head` of the descriptor table, which lies in live guest memory
-            // (`hosts`); read as values (the guest may be writing them).
-            let (addr, flags, next_desc) = unsafe {
-                (
-                    u64::from_le(std::ptr::read_unaligned(d as *const u64)),
-                    u16::from_le(std::ptr::read_unaligned((d + 12) as *const u16)),
-                    u16::from_le(std::ptr::read_unaligned((d + 14) as *const u16)),
-                )
-            };
-            if let Some(at) = mem.host(addr, 1) {
-                prefetch(at);
-            }
-            if flags & VIRTQ_DESC_F_NEXT != 0 && next_desc < size {
-                prefetch(h.desc + next_desc as usize * 16);
-            }
+        let slot = AVAIL_HEADER + AVAIL_ELEM * (at % size) as u64;
+        // SAFETY: `slot` is inside the avail ring's `size` entries, which lie in live guest
+        // memory (`hosts`).
+        let head = unsafe { rd16(h.avail + slot as usize) };
+        (head < size).then_some(head)
+    }
+
+    #[inline]
+    fn prefetch_desc(&self, h: RingHosts, k: u16) {
+        if let Some(head) = self.published_head(h, k) {
+            prefetch(h.desc + head as usize * 16);
+        }
+    }
+
+    #[inline]
+    fn prefetch_data(&self, h: RingHosts, mem: &HostMap, k: u16) {
+        let Some(head) = self.published_head(h, k) else {
+            return;
+        };
+        let d = h.desc + head as usize * 16;
+        // SAFETY: entry `head` (< size) of the descriptor table, which lies in live guest
+        // memory (`hosts`); read as values (the guest may be writing them).
+        let (addr, flags, next_desc) = unsafe {
+            (
+                u64::from_le(std::ptr::read_unaligned(d as *const u64)),
+                u16::from_le(std::ptr::read_unaligned((d + 12) as *const u16)),
+                u16::from_le(std::ptr::read_unaligned((d + 14) as *const u16)),
+            )
+        };
+        if let Some(at) = mem.host(addr, 1) {
+            prefetch(at);
+        }
+        if flags & VIRTQ_DESC_F_NEXT != 0 && next_desc < self.queue.size() {
+            prefetch(h.desc + next_desc as usize * 16);
         }
     }
 

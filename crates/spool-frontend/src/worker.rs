@@ -497,6 +497,7 @@ impl QueueWorker {
         self.vq.prefetch(&self.host);
         let mut any = false;
         loop {
+            self.vq.prefetch_ahead(&self.host);
             // Algorithm 1, steps 1-7: the request is journaled INFLIGHT before we see it.
             let head = match self.vq.pop(&self.host, &mut |_| {}) {
                 Ok(Some(h)) => h,
