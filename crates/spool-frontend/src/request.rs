@@ -192,19 +192,27 @@ fn parse_common(head: u16, d: &[Descriptor], mem: &HostMap, limits: &Limits) -> 
     if write && limits.read_only {
         return None;
     }
-    let mut iov = IoVecs::new();
+    // Filled in place (at most FAST_DESCS - 2 data descriptors: they fit inline).
+    let mut bufs = [IoVec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; 4];
+    if data.len() > bufs.len() {
+        return None;
+    }
     let mut len = 0u64;
-    for x in data {
+    for (x, b) in data.iter().zip(bufs.iter_mut()) {
         if x.len() == 0 || x.is_write_only() == write {
             return None;
         }
         let host = mem.host(x.addr().0, x.len() as u64)?;
-        iov.push(IoVec {
+        *b = IoVec {
             iov_base: host as *mut libc::c_void,
             iov_len: x.len() as usize,
-        });
+        };
         len += x.len() as u64;
     }
+    let iov = IoVecs::from_buf_and_len(bufs, data.len());
     if !len.is_multiple_of(SECTOR) || len > limits.max_data {
         return None;
     }

@@ -131,12 +131,16 @@ struct Inflight {
 struct SlotBufs {
     /// Device pieces (device index, device offset, length, write), for error reports.
     pieces: SmallVec<[(u16, u64, u64, bool); 2]>,
-    /// Per-device-piece iovec arrays; the device holds raw pointers into them, so they are
-    /// not touched until the slot's request has completed (`slot_bufs` never grows).
+    /// The iovec array of a read or write submitted as one piece (`submit_one`, the common
+    /// case: the request's own array, moved in whole).
+    iov: IoVecs,
+    /// Per-device-piece iovec arrays of any other request (`submit`). The device holds raw
+    /// pointers into `iov` or `parts`, so neither is touched until the slot's request has
+    /// completed (`slot_bufs` never grows).
     parts: SmallVec<[IoVecs; 1]>,
 }
 
-// SAFETY: the iovec pointers in `parts` point into a guest mapping the worker keeps alive
+// SAFETY: the iovec pointers in `iov` and `parts` point into a guest mapping the worker keeps alive
 // while the slot's request is in flight (`host_of`, then `retired_maps`); only the one worker
 // thread that owns the slot ever dereferences them (through the device queue), and the whole
 // worker moves to its thread as one.
@@ -531,7 +535,10 @@ impl QueueWorker {
     /// Submits a parsed request, or completes a rejected one with its error status.
     fn dispatch(&mut self, parsed: Result<Request, request::Rejected>, mem: &Arc<GuestMemory>) {
         match parsed {
-            Ok(req) => self.submit(req, mem),
+            Ok(req) => match self.one_piece(&req) {
+                Some((d, offset)) => self.submit_one(req, d, offset),
+                None => self.submit(req, mem),
+            },
             Err(rej) => {
                 tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason, "request rejected");
                 if let Some(a) = rej.status_addr {
@@ -707,16 +714,6 @@ impl QueueWorker {
             tracing::warn!(volume = %self.volume, head, "guest reused a descriptor head that is still in flight; ignored");
             return;
         }
-        if matches!(req.op, Op::Read | Op::Write) {
-            if let Some((d, off)) = self.layout.map_one(req.sector * SECTOR, req.len) {
-                if d < self.devices.len()
-                    && self.layout.devices[d].health().state() == HealthState::Healthy
-                {
-                    self.submit_one(req, d, off);
-                    return;
-                }
-            }
-        }
         let mut inf = Inflight {
             status: req.status_host,
             used_len: 1,
@@ -881,6 +878,23 @@ impl QueueWorker {
         }
     }
 
+    /// Where a read or write goes when it can take [`Self::submit_one`]: one healthy device
+    /// with an open queue holds all of it, and its head is free.
+    #[inline]
+    fn one_piece(&self, req: &Request) -> Option<(usize, u64)> {
+        if !matches!(req.op, Op::Read | Op::Write)
+            || self
+                .slots
+                .get(req.head as usize)
+                .is_none_or(|s| s.is_some())
+        {
+            return None;
+        }
+        let (d, offset) = self.layout.map_one(req.sector * SECTOR, req.len)?;
+        (d < self.devices.len() && self.layout.devices[d].health().state() == HealthState::Healthy)
+            .then_some((d, offset))
+    }
+
     /// The common case of [`Self::submit`]: a read or write that lies on one healthy device
     /// (one piece, no health hold, no error), without the general path's piece lists.
     #[inline]
@@ -907,10 +921,8 @@ impl QueueWorker {
         let bufs = &mut self.slot_bufs[slot];
         bufs.pieces.clear();
         bufs.pieces.push((d as u16, offset, len, write));
-        bufs.parts.clear();
-        bufs.parts.push(req.iov);
-        let part = &bufs.parts[0];
-        let (iov, iovcnt) = (part.as_ptr(), part.len() as u32);
+        bufs.iov = req.iov;
+        let (iov, iovcnt) = (bufs.iov.as_ptr(), bufs.iov.len() as u32);
         let io = if write {
             DeviceIo::Write {
                 offset,
