@@ -7,7 +7,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-runtime=4; rounds=5
+runtime=4; rounds=7
 [[ "${1:-}" == "--quick" ]] && { runtime=0.5; rounds=1; }
 cargo build --release -q --bin spoold --bin spool-bench
 work=$(mktemp -d /dev/shm/spool-bench.XXXXXX)

@@ -345,6 +345,7 @@ impl Journal {
         Ok(())
     }
 
+    #[inline]
     fn atomic_at<T>(&self, off: usize) -> &T {
         // Offsets are the constant header fields or a slot index masked by the queue size, and
         // the mapping is at least `size_for(queue_size)` bytes (checked at open and at every
@@ -357,14 +358,17 @@ impl Journal {
         unsafe { &*(self.ptr.add(off) as *const T) }
     }
 
+    #[inline]
     fn aux_atomic(&self) -> &AtomicU64 {
         self.atomic_at(AUX_OFF)
     }
 
+    #[inline]
     fn used_atomic(&self) -> &AtomicU16 {
         self.atomic_at(USED_OFF)
     }
 
+    #[inline]
     fn slot(&self, head: u16) -> &AtomicU32 {
         // queue_size is a power of two (validated), so the mask keeps every head in range.
         self.atomic_at(SLOTS_OFF + 4 * (head as usize & (self.queue_size as usize - 1)))
@@ -404,6 +408,7 @@ impl Journal {
 
     /// Steps 2–5: one 64-bit store of {START, last_avail + 1, head}. From here on the
     /// request cannot be lost: recovery finishes the transaction.
+    #[inline]
     pub fn take_begin(&self, head: u16) {
         let (_, last, _) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
         self.aux_atomic().store(
@@ -414,6 +419,7 @@ impl Journal {
     }
 
     /// Step 6: the request is INFLIGHT (with the avail index it was taken at, for ordering).
+    #[inline]
     pub fn take_mark_inflight(&self, head: u16) {
         let (_, last, _) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
         self.slot(head).store(
@@ -424,6 +430,7 @@ impl Journal {
     }
 
     /// Step 7: the transaction is FINISHED.
+    #[inline]
     pub fn take_finish(&self) {
         let (_, last, head) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
         self.aux_atomic()
@@ -432,12 +439,14 @@ impl Journal {
     }
 
     /// Step 10: the journal's used index moves ahead of the ring's.
+    #[inline]
     pub fn complete_begin(&self) {
         self.complete_begin_n(1)
     }
 
     /// Step 10 for a batch of `n` completions published by one used-index update: the
     /// journal's used index moves to where the ring's will be once the batch is published.
+    #[inline]
     pub fn complete_begin_n(&self, n: u16) {
         let u = self.used_atomic().load(Ordering::Relaxed);
         self.used_atomic()
@@ -446,6 +455,7 @@ impl Journal {
     }
 
     /// Step 11: the request is DONE (its completion is about to be put in the used ring).
+    #[inline]
     pub fn complete_mark_done(&self, head: u16) {
         let s = self.slot(head);
         s.store(
@@ -456,6 +466,7 @@ impl Journal {
     }
 
     /// Step 14: the completion reached the used ring; the head is free.
+    #[inline]
     pub fn complete_mark_none(&self, head: u16) {
         self.slot(head).store(0, Ordering::Relaxed);
         fence(Ordering::Release);
