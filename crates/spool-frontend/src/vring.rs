@@ -103,6 +103,14 @@ pub const PREFETCH_DESC: u16 = 8;
 /// descriptor entry prefetched earlier).
 pub const PREFETCH_DATA: u16 = 4;
 
+/// Position of free-running ring index `idx` in a ring of `size` entries. A split ring's size
+/// is a power of two (virtio-queue refuses any other), so this is a mask, not a division.
+#[inline(always)]
+fn ring_pos(idx: u16, size: u16) -> u64 {
+    debug_assert!(size.is_power_of_two());
+    (idx & size.wrapping_sub(1)) as u64
+}
+
 /// Asks the CPU to bring the cache line holding `addr` closer (a hint; no effect on memory).
 #[inline(always)]
 fn prefetch(addr: usize) {
@@ -211,7 +219,7 @@ impl JournaledQueue {
         if at.wrapping_sub(self.shadow_from) >= self.shadow_avail.wrapping_sub(self.shadow_from) {
             return None;
         }
-        let slot = AVAIL_HEADER + AVAIL_ELEM * (at % size) as u64;
+        let slot = AVAIL_HEADER + AVAIL_ELEM * ring_pos(at, size);
         // SAFETY: `slot` is inside the avail ring's `size` entries, which lie in live guest
         // memory (`hosts`).
         let head = unsafe { rd16(h.avail + slot as usize) };
@@ -282,7 +290,7 @@ impl JournaledQueue {
             // The ring slot and the descriptors are read after the index that published them.
             fence(Ordering::Acquire);
         }
-        let slot = AVAIL_HEADER + AVAIL_ELEM * (next % size) as u64;
+        let slot = AVAIL_HEADER + AVAIL_ELEM * ring_pos(next, size);
         let head = if h.avail != 0 {
             // SAFETY: as above; `slot` is inside the ring's `size` entries.
             unsafe { rd16(h.avail + slot as usize) }
@@ -365,7 +373,7 @@ impl JournaledQueue {
             let mut elem = [0u8; USED_ELEM as usize];
             elem[..4].copy_from_slice(&(head as u32).to_le_bytes());
             elem[4..].copy_from_slice(&len.to_le_bytes());
-            let at = USED_HEADER + USED_ELEM * (first.wrapping_add(i as u16) % size) as u64;
+            let at = USED_HEADER + USED_ELEM * ring_pos(first.wrapping_add(i as u16), size);
             if h.used != 0 {
                 // SAFETY: the used ring lies in live guest memory (`hosts`) and `at` is one of
                 // its `size` elements; written as values, never through references (the
