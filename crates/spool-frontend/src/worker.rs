@@ -140,10 +140,10 @@ struct SlotBufs {
     parts: SmallVec<[IoVecs; 1]>,
 }
 
-// SAFETY: the iovec pointers in `iov` and `parts` point into a guest mapping the worker keeps alive
-// while the slot's request is in flight (`host_of`, then `retired_maps`); only the one worker
-// thread that owns the slot ever dereferences them (through the device queue), and the whole
-// worker moves to its thread as one.
+// SAFETY: the iovec pointers in `iov` and `parts` point into a guest mapping the worker keeps
+// alive while the slot's request is in flight (`host_of`, then `retired_maps`); only the one
+// worker thread that owns the slot ever dereferences them (through the device queue), and the
+// whole worker moves to its thread as one.
 unsafe impl Send for SlotBufs {}
 
 /// Writes a request's status byte.
