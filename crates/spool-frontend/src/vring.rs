@@ -3,9 +3,9 @@
 //!
 //! Steps (paper numbering): 1 pop a head from the avail ring; 2–5 one 64-bit store of
 //! {START, last_avail+1, head}; 6 head INFLIGHT; 7 FINISHED; 8 submit (the worker); 9 the
-//! device completes (the worker); then for a batch of n completions: 10 journal used index
-//! + n; 11 each head DONE; 12–13 the used elements, then one used index store publishing them
-//! all; 14 each head NONE. With the journal switched off (Spool-NoJ, for the overhead
+//! device completes (the worker); then for a batch of n completions: 10 the journal's used
+//! index moves by n; 11 each head DONE; 12–13 the used elements, then one used index store
+//! publishing them all; 14 each head NONE. With the journal switched off (Spool-NoJ, for the overhead
 //! benchmark) only the ring operations remain.
 //!
 //! The split ring itself is read and written here, through a [`HostMap`], rather than through
