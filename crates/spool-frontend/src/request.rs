@@ -192,7 +192,7 @@ fn parse_common(head: u16, d: &[Descriptor], mem: &HostMap, limits: &Limits) -> 
     if write && limits.read_only {
         return None;
     }
-    // Filled in place (at most FAST_DESCS - 2 data descriptors: they fit inline).
+    // Filled in place, inline (a longer chain takes the general path).
     let mut bufs = [IoVec {
         iov_base: std::ptr::null_mut(),
         iov_len: 0,

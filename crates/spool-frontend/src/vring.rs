@@ -5,8 +5,8 @@
 //! {START, last_avail+1, head}; 6 head INFLIGHT; 7 FINISHED; 8 submit (the worker); 9 the
 //! device completes (the worker); then for a batch of n completions: 10 the journal's used
 //! index moves by n; 11 each head DONE; 12–13 the used elements, then one used index store
-//! publishing them all; 14 each head NONE. With the journal switched off (Spool-NoJ, for the overhead
-//! benchmark) only the ring operations remain.
+//! publishing them all; 14 each head NONE. With the journal switched off (Spool-NoJ, for the
+//! overhead benchmark) only the ring operations remain.
 //!
 //! The split ring itself is read and written here, through a [`HostMap`], rather than through
 //! virtio-queue's iterators and `add_used`: those go through vm-memory's generic accessors
@@ -18,6 +18,7 @@
 use std::sync::atomic::{fence, Ordering};
 
 use spool_journal::{Journal, RingAddrs};
+use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 
@@ -97,7 +98,6 @@ const USED_ELEM: u64 = 8;
 /// Avail ring header (flags, idx) and element sizes.
 const AVAIL_HEADER: u64 = 4;
 const AVAIL_ELEM: u64 = 2;
-const VIRTQ_DESC_F_NEXT: u16 = 1;
 /// How far ahead of the request being taken its descriptor entry is prefetched.
 pub const PREFETCH_DESC: u16 = 8;
 /// How far ahead the header and next descriptor are (their addresses are read from the
@@ -181,23 +181,41 @@ impl JournaledQueue {
         if h.avail == 0 || h.desc == 0 {
             return;
         }
-        let size = self.queue.size();
-        let next = self.queue.next_avail();
-        // SAFETY: the avail ring lies in live guest memory (`hosts`).
-        let idx = unsafe { rd16(h.avail + 2) };
-        if idx.wrapping_sub(next) > size {
-            return; // pop reports the bad index
+        if !matches!(self.read_avail_idx(h, mem), Ok(true)) {
+            return; // nothing new, or a bad index `pop` reports
         }
-        (self.shadow_from, self.shadow_avail) = (next, idx);
-        // The ring slots are read after the index that published them (and `pop` relies on
-        // this fence for the slots up to `shadow_avail`).
-        fence(Ordering::Acquire);
         for k in 0..PREFETCH_DESC {
             self.prefetch_desc(h, k);
         }
         for k in 0..PREFETCH_DATA {
             self.prefetch_data(h, mem, k);
         }
+    }
+
+    /// Reads the avail index; when it publishes requests not yet taken, they become the
+    /// window `pop` takes from without reading the index again (true). An index further
+    /// ahead than the ring holds is an error.
+    fn read_avail_idx(&mut self, h: RingHosts, mem: &HostMap) -> Result<bool, RingError> {
+        let size = self.queue.size();
+        let next = self.queue.next_avail();
+        let idx = if h.avail != 0 {
+            // SAFETY: the avail ring lies in live guest memory (`hosts`).
+            unsafe { rd16(h.avail + 2) }
+        } else {
+            mem.read_u16(self.queue.avail_ring() + 2)
+                .ok_or(RingError::InvalidAvailRingIndex)?
+        };
+        if idx == next {
+            return Ok(false);
+        }
+        if idx.wrapping_sub(next) > size {
+            // The guest published more requests than the ring holds.
+            return Err(RingError::InvalidAvailRingIndex);
+        }
+        (self.shadow_from, self.shadow_avail) = (next, idx);
+        // The ring slots and the descriptors are read after the index that published them.
+        fence(Ordering::Acquire);
+        Ok(true)
     }
 
     /// Keeps [`Self::prefetch`]'s warming ahead of the request about to be taken.
@@ -252,7 +270,7 @@ impl JournaledQueue {
         if let Some(at) = mem.host(addr, 1) {
             prefetch(at);
         }
-        if flags & VIRTQ_DESC_F_NEXT != 0 && next_desc < self.queue.size() {
+        if flags & VRING_DESC_F_NEXT as u16 != 0 && next_desc < self.queue.size() {
             prefetch(h.desc + next_desc as usize * 16);
         }
     }
@@ -266,34 +284,19 @@ impl JournaledQueue {
         hook: &mut impl FnMut(Step),
     ) -> Result<Option<u16>, RingError> {
         let h = self.hosts(mem);
-        let q = &mut self.queue;
-        let size = q.size();
-        let next = q.next_avail();
-        let avail = q.avail_ring();
+        let next = self.queue.next_avail();
         let published =
             next.wrapping_sub(self.shadow_from) < self.shadow_avail.wrapping_sub(self.shadow_from);
-        if !published {
-            let idx = if h.avail != 0 {
-                // SAFETY: the avail ring lies in live guest memory (`hosts`).
-                unsafe { rd16(h.avail + 2) }
-            } else {
-                mem.read_u16(avail + 2)
-                    .ok_or(RingError::InvalidAvailRingIndex)?
-            };
-            if idx == next {
-                return Ok(None);
-            }
-            if idx.wrapping_sub(next) > size {
-                // The guest published more requests than the ring holds.
-                return Err(RingError::InvalidAvailRingIndex);
-            }
-            (self.shadow_from, self.shadow_avail) = (next, idx);
-            // The ring slot and the descriptors are read after the index that published them.
-            fence(Ordering::Acquire);
+        if !published && !self.read_avail_idx(h, mem)? {
+            return Ok(None);
         }
+        let q = &mut self.queue;
+        let size = q.size();
+        let avail = q.avail_ring();
         let slot = AVAIL_HEADER + AVAIL_ELEM * ring_pos(next, size);
         let head = if h.avail != 0 {
-            // SAFETY: as above; `slot` is inside the ring's `size` entries.
+            // SAFETY: the avail ring lies in live guest memory (`hosts`) and `slot` is inside
+            // its `size` entries.
             unsafe { rd16(h.avail + slot as usize) }
         } else {
             mem.read_u16(avail + slot)

@@ -186,25 +186,27 @@ pub struct VolumeLayout {
 }
 
 impl VolumeLayout {
-    /// Splits the volume range `[offset, offset + len)` into device pieces:
-    /// `f(device index, device offset, piece length, offset within the range)`.
-    /// The caller has checked the range against `size`.
+    /// Index of the segment holding volume byte `offset` (`segments.len()` past the end).
+    #[inline]
+    fn segment_at(&self, offset: u64) -> usize {
+        self.segments
+            .partition_point(|s| s.logical + s.len <= offset)
+    }
+
     /// The device and device offset of `[offset, offset + len)` when it lies within one
     /// segment (the common case); `None` when it spans segments or lies outside them.
     #[inline]
     pub fn map_one(&self, offset: u64, len: u64) -> Option<(usize, u64)> {
-        let i = self
-            .segments
-            .partition_point(|s| s.logical + s.len <= offset);
-        let s = self.segments.get(i)?;
+        let s = self.segments.get(self.segment_at(offset))?;
         let within = offset.checked_sub(s.logical)?;
         (s.len - within >= len).then_some((s.device, s.offset + within))
     }
 
+    /// Splits the volume range `[offset, offset + len)` into device pieces:
+    /// `f(device index, device offset, piece length, offset within the range)`.
+    /// The caller has checked the range against `size`.
     pub fn map(&self, offset: u64, len: u64, mut f: impl FnMut(usize, u64, u64, u64)) {
-        let mut i = self
-            .segments
-            .partition_point(|s| s.logical + s.len <= offset);
+        let mut i = self.segment_at(offset);
         let mut done = 0;
         while done < len && i < self.segments.len() {
             let s = &self.segments[i];
