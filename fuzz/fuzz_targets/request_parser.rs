@@ -85,6 +85,7 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+    vq.finish_takes(&mut |_| {});
     let _ = vq.complete_batch(&host, &done, &mut |_| {});
     let _ = vq.needs_notification(&host);
 });

@@ -1,11 +1,14 @@
 //! Cost of the journal on the request path, for `valgrind --tool=callgrind` (instruction
 //! counts are repeatable where wall-clock time on a shared machine is not).
 //!
-//! Runs N requests through the production path minus the device: take from a real virtqueue
-//! in guest memory (Algorithm 1 steps 1-7), parse, write the status, complete (steps 10-14).
+//! Runs N requests through the production path minus the device, in rounds of BATCH requests
+//! (one by default) as a worker's poll round does: the guest offers BATCH requests, they are taken from a
+//! real virtqueue in guest memory (Algorithm 1 steps 1-6, then step 7 once for the round),
+//! parsed, their status written, and completed as one batch (steps 10-14). BATCH 1 is a QD1
+//! workload; at QD32 a poll round takes and completes several requests at once.
 //!     cargo build --release --example journal_cost
-//!     valgrind --tool=callgrind target/release/examples/journal_cost journal 200000
-//!     valgrind --tool=callgrind target/release/examples/journal_cost nojournal 200000
+//!     valgrind --tool=callgrind target/release/examples/journal_cost journal 200000 [BATCH]
+//!     valgrind --tool=callgrind target/release/examples/journal_cost nojournal 200000 [BATCH]
 
 use spool_frontend::hostmem::HostMap;
 use spool_frontend::request::{parse, GuestMemory, Limits};
@@ -25,6 +28,11 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let journal = args.next().as_deref() != Some("nojournal");
     let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let batch: u64 = args
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1)
+        .clamp(1, QSIZE as u64 / 3);
     let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap();
     // 3-descriptor requests (header, 4 KiB data, status), as libblkio builds them.
     for h in 0..QSIZE / 3 {
@@ -81,22 +89,35 @@ fn main() {
     };
     let start = std::time::Instant::now();
     let mut avail: u16 = 0;
-    for i in 0..n {
-        // The guest offers request i (head cycles through the prepared chains).
-        let head = 3 * (i % (QSIZE as u64 / 3)) as u16;
-        mem.write_obj(head, GuestAddress(AVAIL + 4 + 2 * (avail % QSIZE) as u64))
-            .unwrap();
-        avail = avail.wrapping_add(1);
+    let mut done = Vec::with_capacity(batch as usize);
+    for round in 0..n / batch {
+        // The guest offers a round of requests (heads cycle through the prepared chains).
+        for k in 0..batch {
+            let i = round * batch + k;
+            let head = 3 * (i % (QSIZE as u64 / 3)) as u16;
+            mem.write_obj(head, GuestAddress(AVAIL + 4 + 2 * (avail % QSIZE) as u64))
+                .unwrap();
+            avail = avail.wrapping_add(1);
+        }
         mem.write_obj(avail, GuestAddress(AVAIL + 2)).unwrap();
-        let h = vq.pop(&host, &mut |_| {}).unwrap().expect("a request");
-        let req = parse(h, vq.chain(&host, h), &host, &limits).unwrap();
-        host.write(req.status.0, &[0u8]);
-        vq.complete(&host, h, 4097, &mut |_| {}).unwrap();
+        while let Some(h) = vq.pop(&host, &mut |_| {}).unwrap() {
+            let req = parse(h, vq.chain(&host, h), &host, &limits).unwrap();
+            host.write(req.status.0, &[0u8]);
+            done.push((h, 4097));
+        }
+        vq.finish_takes(&mut |_| {});
+        assert_eq!(
+            done.len() as u64,
+            batch,
+            "a round takes what the guest offered"
+        );
+        vq.complete_batch(&host, &done, &mut |_| {}).unwrap();
+        done.clear();
     }
     let el = start.elapsed();
     println!(
-        "{} requests, journal {}: {:.1} ns per request",
-        n,
+        "{} requests in rounds of {batch}, journal {}: {:.1} ns per request",
+        n / batch * batch,
         if journal { "on" } else { "off" },
         el.as_nanos() as f64 / n as f64
     );

@@ -2,7 +2,8 @@
 //! around the ring operations, and the start-up decision of where a queue resumes.
 //!
 //! Steps (paper numbering): 1 pop a head from the avail ring; 2–5 one 64-bit store of
-//! {START, last_avail+1, head}; 6 head INFLIGHT; 7 FINISHED; 8 submit (the worker); 9 the
+//! {START, last_avail+1, head}; 6 head INFLIGHT; 7 FINISHED, once for a poll round's batch
+//! of takes (each take's START also finishes the one before); 8 submit (the worker); 9 the
 //! device completes (the worker); then for a batch of n completions: 10 the journal's used
 //! index moves by n; 11 each head DONE; 12–13 the used elements, then one used index store
 //! publishing them all; 14 each head NONE. With the journal switched off (Spool-NoJ, for the
@@ -34,7 +35,7 @@ pub enum Step {
     TakeBegun,
     /// 6: head INFLIGHT.
     MarkedInflight,
-    /// 7: transaction FINISHED.
+    /// 7: transaction FINISHED (once per batch of takes: [`JournaledQueue::finish_takes`]).
     TakeFinished,
     /// 10: journal used index incremented.
     CompleteBegun,
@@ -63,6 +64,8 @@ pub struct JournaledQueue {
     /// outside that window (set from outside, as on a restart).
     shadow_avail: u16,
     shadow_from: u16,
+    /// A take's transaction is open in the journal (steps 2–6 done, step 7 not yet).
+    take_open: bool,
 }
 
 /// Host addresses of the three rings under one [`HostMap`] (0 where a ring does not lie in
@@ -135,6 +138,7 @@ impl JournaledQueue {
             num_added: 0,
             shadow_avail: 0,
             shadow_from: 0,
+            take_open: false,
             hosts: RingHosts::default(),
         }
     }
@@ -275,9 +279,10 @@ impl JournaledQueue {
         }
     }
 
-    /// Takes the head of the next available request (steps 1–7), recorded INFLIGHT before it
+    /// Takes the head of the next available request (steps 1–6), recorded INFLIGHT before it
     /// is returned, so there is no window where it is taken but not recorded. Walk its chain
-    /// with [`ChainWalker`].
+    /// with [`ChainWalker`]. Step 7 follows for the whole batch of takes
+    /// ([`JournaledQueue::finish_takes`]).
     pub fn pop(
         &mut self,
         mem: &HostMap,
@@ -308,14 +313,28 @@ impl JournaledQueue {
         q.set_next_avail(next.wrapping_add(1));
         hook(Step::Popped);
         if let Some(j) = &self.journal {
-            j.take_begin(head);
+            j.take_begin(head, next);
             hook(Step::TakeBegun);
-            j.take_mark_inflight(head);
+            j.take_mark_inflight(head, next);
             hook(Step::MarkedInflight);
-            j.take_finish();
-            hook(Step::TakeFinished);
+            self.take_open = true;
         }
         Ok(Some(head))
+    }
+
+    /// Step 7 for the takes since the last call: each take's step 2–5 store already finished
+    /// the one before it, so one FINISHED store covers a batch of takes
+    /// ([`Journal::take_finish`]). Call it after a poll round's takes; completions call it
+    /// themselves before their first step, as a completed head must not stay named by an
+    /// open transaction.
+    #[inline]
+    pub fn finish_takes(&mut self, hook: &mut impl FnMut(Step)) {
+        if std::mem::take(&mut self.take_open) {
+            if let Some(j) = &self.journal {
+                j.take_finish();
+                hook(Step::TakeFinished);
+            }
+        }
     }
 
     /// The descriptor chain of a taken head.
@@ -360,6 +379,7 @@ impl JournaledQueue {
             return Err(RingError::InvalidDescriptorIndex);
         }
         let n = done.len() as u16;
+        self.finish_takes(hook);
         if let Some(j) = &self.journal {
             j.complete_begin_n(n);
             hook(Step::CompleteBegun);

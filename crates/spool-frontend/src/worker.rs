@@ -497,12 +497,21 @@ impl QueueWorker {
         if self.broken {
             return false;
         }
+        let any = self.take_and_submit(mem);
+        // Algorithm 1 step 7, once for the round's batch of takes.
+        self.vq.finish_takes(&mut |_| {});
+        any
+    }
+
+    /// [`Self::poll_avail`] up to step 7.
+    #[inline]
+    fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
         self.vq.prefetch(&self.host);
         let mut any = false;
         loop {
             self.vq.prefetch_ahead(&self.host);
-            // Algorithm 1, steps 1-7: the request is journaled INFLIGHT before we see it.
+            // Algorithm 1, steps 1-6: the request is journaled INFLIGHT before we see it.
             let head = match self.vq.pop(&self.host, &mut |_| {}) {
                 Ok(Some(h)) => h,
                 Ok(None) => break,

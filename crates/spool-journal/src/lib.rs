@@ -406,30 +406,37 @@ impl Journal {
 
     // ---- Algorithm 1 -------------------------------------------------------------------
 
-    /// Steps 2–5: one 64-bit store of {START, last_avail + 1, head}. From here on the
-    /// request cannot be lost: recovery finishes the transaction.
+    /// Steps 2–5: one 64-bit store of {START, taken_at + 1, head}, where `taken_at` is the
+    /// avail index the head was read at (the journal's `last_avail`). From here on the request
+    /// cannot be lost: recovery finishes the transaction. The store replaces the whole `aux`
+    /// word, so it also finishes the previous take's transaction (whose head is INFLIGHT by
+    /// then): see [`Journal::take_finish`].
     #[inline]
-    pub fn take_begin(&self, head: u16) {
-        let (_, last, _) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
+    pub fn take_begin(&self, head: u16, taken_at: u16) {
         self.aux_atomic().store(
-            pack_aux(AUX_START, last.wrapping_add(1), head),
+            pack_aux(AUX_START, taken_at.wrapping_add(1), head),
             Ordering::Relaxed,
         );
         fence(Ordering::Release);
     }
 
-    /// Step 6: the request is INFLIGHT (with the avail index it was taken at, for ordering).
+    /// Step 6: the request is INFLIGHT, with the avail index it was taken at (recovery
+    /// resubmits oldest first).
     #[inline]
-    pub fn take_mark_inflight(&self, head: u16) {
-        let (_, last, _) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
+    pub fn take_mark_inflight(&self, head: u16, taken_at: u16) {
         self.slot(head).store(
-            ReqState::Inflight as u32 | ((last.wrapping_sub(1) as u32) << 16),
+            ReqState::Inflight as u32 | ((taken_at as u32) << 16),
             Ordering::Relaxed,
         );
         fence(Ordering::Release);
     }
 
-    /// Step 7: the transaction is FINISHED.
+    /// Step 7: the transaction is FINISHED. Needed once per batch of takes, not per take: the
+    /// next take's step 2–5 store finishes the previous transaction as well (a START naming
+    /// a head that is already INFLIGHT is finished by recovery without effect). What step 7
+    /// must precede is the completion of the head the `aux` word names: with START still
+    /// naming it, recovery would mark that head INFLIGHT again after its completion reached
+    /// the guest, and complete it twice.
     #[inline]
     pub fn take_finish(&self) {
         let (_, last, head) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));

@@ -7,6 +7,13 @@ fn dir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
 
+/// Steps 2–6 of one take at the journal's next avail index (step 7 is the caller's).
+fn take(j: &Journal, head: u16) {
+    let at = j.last_avail();
+    j.take_begin(head, at);
+    j.take_mark_inflight(head, at);
+}
+
 #[test]
 fn create_then_reopen_keeps_state() {
     let d = dir();
@@ -25,8 +32,7 @@ fn create_then_reopen_keeps_state() {
             5,
         )
         .unwrap();
-        j.take_begin(3);
-        j.take_mark_inflight(3);
+        take(&j, 3);
         j.take_finish();
     }
     let (j, existed) = Journal::open_or_create(d.path(), v, 0, 8).unwrap();
@@ -51,12 +57,11 @@ fn recovery_finishes_start_and_orders_by_avail() {
     j.new_generation(8, RingAddrs::default(), 65534, 65534)
         .unwrap();
     for h in [5u16, 2, 7] {
-        j.take_begin(h);
-        j.take_mark_inflight(h);
+        take(&j, h);
         j.take_finish();
     }
     // Crash between steps 5 and 6 for head 4 (index wraps past 65535 on the way).
-    j.take_begin(4);
+    j.take_begin(4, j.last_avail());
     let r = j.recover(65534, &mut |_| {});
     assert!(r.finished_start);
     assert_eq!(r.last_avail, 65534u16.wrapping_add(4));
@@ -64,12 +69,31 @@ fn recovery_finishes_start_and_orders_by_avail() {
 }
 
 #[test]
+fn a_batch_of_takes_needs_one_finish() {
+    // Step 7 once per batch: each take's START replaces the previous one, so a crash
+    // anywhere in the batch leaves every taken head INFLIGHT exactly once, and nothing more.
+    let d = dir();
+    let (mut j, _) = Journal::open_or_create(d.path(), Uuid::new_v4(), 0, 8).unwrap();
+    j.new_generation(8, RingAddrs::default(), 10, 10).unwrap();
+    for h in [6u16, 0, 3] {
+        take(&j, h);
+    }
+    // Crash before the batch's step 7: the last START is finished without effect.
+    let r = j.recover(10, &mut |_| {});
+    assert!(r.finished_start);
+    assert_eq!((r.last_avail, r.inflight.clone()), (13, vec![6, 0, 3]));
+    // Recovery left the journal finished: a second recovery sees the same requests.
+    let r = j.recover(10, &mut |_| {});
+    assert!(!r.finished_start);
+    assert_eq!((r.last_avail, r.inflight), (13, vec![6, 0, 3]));
+}
+
+#[test]
 fn done_rolls_back_or_forward_by_used_index() {
     let d = dir();
     let (mut j, _) = Journal::open_or_create(d.path(), Uuid::new_v4(), 0, 8).unwrap();
     j.new_generation(8, RingAddrs::default(), 0, 0).unwrap();
-    j.take_begin(1);
-    j.take_mark_inflight(1);
+    take(&j, 1);
     j.take_finish();
     j.complete_begin();
     j.complete_mark_done(1);
@@ -132,8 +156,7 @@ fn new_generation_with_a_new_queue_size_drops_old_state() {
     let d = dir();
     let v = Uuid::new_v4();
     let (mut j, _) = Journal::open_or_create(d.path(), v, 0, 8).unwrap();
-    j.take_begin(3);
-    j.take_mark_inflight(3);
+    take(&j, 3);
     let g = j.header().generation;
     j.new_generation(256, RingAddrs::default(), 0, 0).unwrap();
     assert_eq!(j.queue_size(), 256);
