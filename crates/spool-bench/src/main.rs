@@ -4,6 +4,8 @@
 //! One thread per queue, each keeping `iodepth` requests in flight; reports IOPS, MiB/s,
 //! latency (mean, p50, p99, p99.9) and, with `--server-pid`, the server's CPU time per I/O.
 
+mod ab;
+
 use std::mem::MaybeUninit;
 use std::time::{Duration, Instant};
 
@@ -96,6 +98,16 @@ struct Args {
     /// Issue a flush after every N writes on each queue (like fio's fsync=N).
     #[arg(long, default_value_t = 0)]
     fsync: u32,
+    /// A/B mode: a second vhost-user-blk socket (B; --socket is A). One client thread
+    /// switches between the two every --slice-ms for --runtime seconds (ABBA order) and
+    /// reports A/B ratios of IOPS and mean latency, median over the pairs of slices with a
+    /// bootstrap 95% interval: small differences between two servers, which separate runs on
+    /// a shared machine cannot show. One queue; read, write, randread, randwrite or randrw.
+    #[arg(long, value_name = "SOCKET")]
+    compare: Option<String>,
+    /// Length of one A/B slice in milliseconds (the first fifth is not counted).
+    #[arg(long, default_value_t = 100)]
+    slice_ms: u64,
 }
 
 /// The 8-byte word of the `--verify` pattern at byte offset `off` (a multiple of 8).
@@ -148,7 +160,7 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
@@ -496,6 +508,9 @@ fn main() -> std::process::ExitCode {
         eprintln!("spool-bench: error: iodepth, queues and iovecs must be >= 1, bs a multiple of 512, iovecs at most bs");
         return std::process::ExitCode::FAILURE;
     }
+    if let Some(b) = &args.compare {
+        return compare(&args, b);
+    }
     match run(&args) {
         Ok(r) => {
             if args.json {
@@ -520,6 +535,66 @@ fn main() -> std::process::ExitCode {
                 );
             }
             if r.errors > 0 || r.mismatches > 0 {
+                return std::process::ExitCode::FAILURE;
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("spool-bench: error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--compare`: the A/B mode ([`ab`]).
+fn compare(args: &Args, b: &str) -> std::process::ExitCode {
+    let unsupported = [
+        (args.queues != 1, "--queues other than 1"),
+        (args.verify, "--verify"),
+        (args.fill, "--fill"),
+        (args.timeline.is_some(), "--timeline"),
+        (args.iovecs != 1, "--iovecs"),
+        (args.fsync != 0, "--fsync"),
+        (matches!(args.rw, Rw::Trim | Rw::Zero), "--rw trim/zero"),
+        (args.slice_ms < 10, "--slice-ms below 10"),
+        (
+            args.socket == b,
+            "the same socket twice (a server serves a volume to one client)",
+        ),
+    ];
+    if let Some((_, what)) = unsupported.iter().find(|(bad, _)| *bad) {
+        eprintln!("spool-bench: error: --compare does not support {what}");
+        return std::process::ExitCode::FAILURE;
+    }
+    match ab::run_ab(args, b) {
+        Ok(r) => {
+            if args.json {
+                println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            } else {
+                println!(
+                    "{} {:?} bs={} qd={}: {} pairs of {} ms slices\n  A {}: {:.0} IOPS, mean {:.2} us\n  B {}: {:.0} IOPS, mean {:.2} us\n  A/B IOPS {:.4} [{:.4}, {:.4}], A/B latency {:.4} [{:.4}, {:.4}] (median, 95% interval)",
+                    r.label,
+                    r.rw,
+                    r.bs,
+                    r.iodepth,
+                    r.pairs,
+                    r.slice_ms,
+                    r.a,
+                    r.a_iops,
+                    r.a_lat_mean_us,
+                    r.b,
+                    r.b_iops,
+                    r.b_lat_mean_us,
+                    r.iops_ratio.median,
+                    r.iops_ratio.low,
+                    r.iops_ratio.high,
+                    r.lat_ratio.median,
+                    r.lat_ratio.low,
+                    r.lat_ratio.high,
+                );
+            }
+            if r.errors > 0 {
+                eprintln!("spool-bench: {} requests failed", r.errors);
                 return std::process::ExitCode::FAILURE;
             }
             std::process::ExitCode::SUCCESS
