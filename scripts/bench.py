@@ -458,7 +458,7 @@ def journal_targets():
         return []
     loss = max(rows, key=lambda r: r["iops_loss_pct"])
     lat = max(rows, key=lambda r: r["lat_increase_pct"])
-    src = f"median of {j.get('pairs')} paired runs, worst case, journal-overhead.md"
+    src = f"A/B, median of {j.get('pairs')} pairs of slices, worst case, journal-overhead.md"
 
     def ci(v):
         return f"[{v[0]:+.1f}, {v[1]:+.1f}]"
