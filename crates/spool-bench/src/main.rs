@@ -5,6 +5,7 @@
 //! latency (mean, p50, p99, p99.9) and, with `--server-pid`, the server's CPU time per I/O.
 
 mod ab;
+mod hist;
 
 use std::mem::MaybeUninit;
 use std::time::{Duration, Instant};
@@ -206,7 +207,7 @@ fn run(args: &Args) -> Result<Report, String> {
     let start = Instant::now();
     let warm = Duration::from_secs_f64(args.warmup);
     let stop = warm + Duration::from_secs_f64(args.runtime);
-    type PerQueue = (u64, u64, Vec<u32>, Option<Vec<[u32; 2]>>, u64);
+    type PerQueue = (u64, u64, hist::LatHist, Option<Vec<[u32; 2]>>, u64);
     let warm = if args.fill { Duration::ZERO } else { warm };
     let results: Vec<PerQueue> = std::thread::scope(|s| {
         let handles: Vec<_> = queues
@@ -227,7 +228,7 @@ fn run(args: &Args) -> Result<Report, String> {
                     let mut mismatches = 0u64;
                     let mut in_flight = 0usize;
                     let mut issued = vec![Instant::now(); args.iodepth];
-                    let mut lats: Vec<u32> = Vec::with_capacity(1 << 20);
+                    let mut lats = hist::LatHist::default();
                     // Per millisecond: [successful, failed] completions.
                     let mut timeline: Option<Vec<[u32; 2]>> = args
                         .timeline
@@ -378,9 +379,7 @@ fn run(args: &Args) -> Result<Report, String> {
                                 if c.ret != 0 {
                                     errors += 1;
                                 }
-                                lats.push(
-                                    (now - issued[slot]).as_nanos().min(u32::MAX as u128) as u32
-                                );
+                                lats.record((now - issued[slot]).as_nanos() as u64);
                             }
                             if since < stop || args.fill {
                                 issued[slot] = Instant::now();
@@ -449,20 +448,12 @@ fn run(args: &Args) -> Result<Report, String> {
             .collect();
         std::fs::write(path, csv).map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    let mut lats: Vec<u32> = results.into_iter().flat_map(|r| r.2).collect();
-    lats.sort_unstable();
-    let pct = |p: f64| {
-        if lats.is_empty() {
-            0.0
-        } else {
-            lats[((lats.len() as f64 * p) as usize).min(lats.len() - 1)] as f64 / 1000.0
-        }
-    };
-    let mean = if lats.is_empty() {
-        0.0
-    } else {
-        lats.iter().map(|&x| x as f64).sum::<f64>() / lats.len() as f64 / 1000.0
-    };
+    let mut lats = hist::LatHist::default();
+    for r in &results {
+        lats.merge(&r.2);
+    }
+    let pct = |p: f64| lats.quantile_ns(p) as f64 / 1000.0;
+    let mean = lats.mean_ns() / 1000.0;
     // SAFETY: sysconf takes no pointers.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let total_secs = start.elapsed().as_secs_f64();
@@ -489,7 +480,7 @@ fn run(args: &Args) -> Result<Report, String> {
         lat_p50_us: pct(0.50),
         lat_p99_us: pct(0.99),
         lat_p999_us: pct(0.999),
-        lat_max_us: lats.last().map(|&x| x as f64 / 1000.0).unwrap_or(0.0),
+        lat_max_us: lats.max_ns() as f64 / 1000.0,
         errors,
         mismatches,
         server_cpu_us_per_io,
