@@ -126,7 +126,8 @@ impl Daemon {
         mkdir_private(&cfg.socket_dir)?;
         match &cfg.journal_dir {
             Some(dir) => {
-                mkdir_private(dir)?;
+                // Not merely created: a directory another local user made first is refused.
+                spool_journal::ensure_private_dir(dir).map_err(|e| e.to_string())?;
                 if !on_tmpfs(dir) {
                     tracing::warn!(dir = %dir.display(), "journal directory is not on tmpfs: page writeback of the shared journal pages will stall I/O for milliseconds (use /dev/shm)");
                 }

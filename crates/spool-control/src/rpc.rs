@@ -144,8 +144,21 @@ fn bind(path: &Path) -> std::io::Result<UnixListener> {
         }
         std::fs::remove_file(path)?;
     }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    // The socket must never exist at `path` with a looser mode, not even between bind and
+    // chmod (a local user could connect in that window and keep the connection): it is bound
+    // inside a fresh private directory next to `path`, tightened there, and renamed into place.
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let staging = tempfile::Builder::new()
+        .prefix(".spoold-rpc-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(parent)?;
+    let tmp = staging.path().join("sock");
+    let listener = UnixListener::bind(&tmp)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::rename(&tmp, path)?;
     Ok(listener)
 }
 

@@ -1,5 +1,7 @@
-//! One vhost-user listening socket per volume; connections are served one at a time, and the
-//! socket keeps accepting after a client disconnects (a VM can reboot or reconnect).
+//! One vhost-user listening socket per volume, serving one frontend at a time: a second
+//! connection while one is served is closed at once and logged (the connected VM notices
+//! nothing), and the socket accepts the next frontend after the current one disconnects (a
+//! VM can reboot or reconnect).
 //!
 //! With a [`StateStore`] (the keeper), the listening socket, the live connection and the
 //! session state are deposited after every vhost-user message, so a new process can continue
@@ -19,6 +21,7 @@ use vhost::vhost_user::{BackendReqHandler, Error as VhostError, VhostUserVirtioF
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::ratelimit::{self, LogLimit, Verdict};
 use crate::session::{RestoreClock, Session, SessionState};
 use crate::{StateStore, VolumeContext};
 
@@ -291,8 +294,9 @@ impl Serve {
         self.mode.load(Ordering::Acquire) == RUN
     }
 
-    /// Waits for `token`'s descriptor; false when woken to stop.
-    fn wait(&self) -> Option<u64> {
+    /// Waits until a descriptor is ready; returns which (`Ready::listen`, `Ready::conn`), or
+    /// None when woken to stop.
+    fn wait(&self) -> Option<Ready> {
         let mut ev = [EpollEvent::default(); 4];
         loop {
             match self.epoll.wait(-1, &mut ev) {
@@ -300,8 +304,12 @@ impl Serve {
                     if ev[..n].iter().any(|e| e.data() == TOKEN_WAKE) {
                         return None;
                     }
-                    if let Some(e) = ev[..n].first() {
-                        return Some(e.data());
+                    let r = Ready {
+                        listen: ev[..n].iter().any(|e| e.data() == TOKEN_LISTEN),
+                        conn: ev[..n].iter().any(|e| e.data() == TOKEN_CONN),
+                    };
+                    if r.listen || r.conn {
+                        return Some(r);
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -314,18 +322,8 @@ impl Serve {
     }
 
     fn run(self, listener: UnixListener, kept: Option<Kept>) {
-        if let Some((conn, session, handler)) = kept {
-            self.serve_connection(conn, session, handler);
-        }
-        self.accept_loop(&listener);
-        if self.mode.load(Ordering::Acquire) == SHUTDOWN {
-            if let Some(store) = &self.store {
-                store.remove(&format!("vol/{}/", self.ctx.uuid()));
-            }
-        }
-    }
-
-    fn accept_loop(&self, listener: &UnixListener) {
+        // The listening socket is watched from the start, also while a kept connection is
+        // served: a second frontend is refused at once instead of waiting in the backlog.
         if self
             .epoll
             .ctl(
@@ -335,10 +333,36 @@ impl Serve {
             )
             .is_err()
         {
+            tracing::error!(volume = %self.ctx.name(), "cannot watch the listening socket");
             return;
         }
+        if let Some((conn, session, handler)) = kept {
+            self.serve_connection(&listener, conn, session, handler);
+        }
+        self.accept_loop(&listener);
+        if self.mode.load(Ordering::Acquire) == SHUTDOWN {
+            if let Some(store) = &self.store {
+                store.remove(&format!("vol/{}/", self.ctx.uuid()));
+            }
+        }
+    }
+
+    /// A second frontend while one is connected: closed at once and logged (rate-limited).
+    /// The connected VM keeps the volume and notices nothing; letting the newcomer in would
+    /// hand it another tenant's disk.
+    fn refuse(&self, listener: &UnixListener, log: &mut LogLimit) {
+        if let Ok((s, _)) = listener.accept() {
+            let peer = peer_pid(&s);
+            if let Verdict::Log { suppressed } = log.check() {
+                tracing::warn!(volume = %self.ctx.name(), peer_pid = peer, suppressed, "refused a second vhost-user connection: the volume is in use by another frontend");
+            }
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn accept_loop(&self, listener: &UnixListener) {
         while self.running() {
-            if self.wait() != Some(TOKEN_LISTEN) {
+            if !self.wait().is_some_and(|r| r.listen) {
                 break;
             }
             let stream = match listener.accept() {
@@ -358,9 +382,37 @@ impl Serve {
                 }
             };
             self.save(&session, &stream);
-            self.serve_connection(stream, session, handler);
+            self.serve_connection(listener, stream, session, handler);
         }
     }
+}
+
+/// Which of the serving thread's descriptors are ready.
+#[derive(Clone, Copy)]
+struct Ready {
+    listen: bool,
+    conn: bool,
+}
+
+/// The process id of a Unix socket's peer, for log lines (None if the kernel cannot say).
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a `ucred` we own; `len` says its size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(cred.pid)
 }
 
 type Kept = (
@@ -401,10 +453,12 @@ fn restore_connection(
 impl Serve {
     fn serve_connection(
         &self,
+        listener: &UnixListener,
         stream: UnixStream,
         session: Arc<Mutex<Session>>,
         mut handler: BackendReqHandler<Mutex<Session>>,
     ) {
+        let mut refused_log = ratelimit::guest_warning();
         self.connected.store(true, Ordering::Release);
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(session.clone());
         let added = self.epoll.ctl(
@@ -413,19 +467,23 @@ impl Serve {
             EpollEvent::new(EventSet::IN, TOKEN_CONN),
         );
         while added.is_ok() && self.running() {
-            if self.wait() != Some(TOKEN_CONN) {
-                break;
+            let Some(ready) = self.wait() else { break };
+            // The connection first: if it just ended, a waiting newcomer is the next client.
+            if ready.conn {
+                match handler.handle_request() {
+                    Ok(()) => self.save(&session, &stream),
+                    Err(VhostError::Disconnected) | Err(VhostError::PartialMessage) => {
+                        tracing::info!(volume = %self.ctx.name(), "frontend disconnected");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume = %self.ctx.name(), error = %e, "closing vhost-user connection after a bad message");
+                        break;
+                    }
+                }
             }
-            match handler.handle_request() {
-                Ok(()) => self.save(&session, &stream),
-                Err(VhostError::Disconnected) | Err(VhostError::PartialMessage) => {
-                    tracing::info!(volume = %self.ctx.name(), "frontend disconnected");
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!(volume = %self.ctx.name(), error = %e, "closing vhost-user connection after a bad message");
-                    break;
-                }
+            if ready.listen {
+                self.refuse(listener, &mut refused_log);
             }
         }
         let _ = self.epoll.ctl(

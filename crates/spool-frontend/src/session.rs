@@ -289,6 +289,22 @@ impl Session {
         if !v.started || !v.enabled || v.worker.is_some() {
             return Ok(());
         }
+        // The ring's size must be known (SET_VRING_NUM) before anything of the ring is used:
+        // the journal and the worker's in-flight table are sized by it, and head indices are
+        // masked with it.
+        if v.size == 0 || v.size > MAX_QUEUE_SIZE || !v.size.is_power_of_two() {
+            return Err(invalid(
+                &format!(
+                    "queue {index}: cannot start without a valid size (SET_VRING_NUM {} )",
+                    if v.size == 0 {
+                        "was never sent".to_string()
+                    } else {
+                        format!("gave {}", v.size)
+                    }
+                ),
+                &ctx,
+            ));
+        }
         let tr = |a: u64, what: &str| {
             self.mem.vva_to_gpa(a).ok_or_else(|| {
                 invalid(

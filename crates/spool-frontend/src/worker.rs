@@ -26,6 +26,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::hostmem::HostMap;
+use crate::ratelimit::{self, LogLimit, Verdict};
 use crate::request::{self, GuestMemory, IoVecs, Limits, Op, Request, ID_LEN, SECTOR};
 use crate::vring::JournaledQueue;
 use spool_journal::Journal;
@@ -213,6 +214,9 @@ pub struct QueueWorker {
     sweep: u32,
     last_sweep: Instant,
     rounds: u32,
+    /// Guest-triggered warnings, rate-limited per worker (a guest must not flood the log).
+    dup_log: LogLimit,
+    io_err_log: LogLimit,
 }
 
 /// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
@@ -276,6 +280,8 @@ impl QueueWorker {
             sweep: 0,
             last_sweep: Instant::now(),
             rounds: 0,
+            dup_log: ratelimit::guest_warning(),
+            io_err_log: ratelimit::guest_warning(),
         };
         w.open_device_queues()?;
         Ok(w)
@@ -543,6 +549,20 @@ impl QueueWorker {
 
     /// Submits a parsed request, or completes a rejected one with its error status.
     fn dispatch(&mut self, parsed: Result<Request, request::Rejected>, mem: &Arc<GuestMemory>) {
+        let head = match &parsed {
+            Ok(r) => r.head,
+            Err(r) => r.head,
+        };
+        if self.head_busy(head) {
+            // A head the guest has not got back yet, offered again: a driver bug or a hostile
+            // guest. Completing it (even with an error status) would complete the request in
+            // flight a second time and mark it NONE in the journal while its I/O runs; the
+            // re-posted copy is dropped and the original completes once, as it would have.
+            if let Verdict::Log { suppressed } = self.dup_log.check() {
+                tracing::warn!(volume = %self.volume, queue = self.index, head, suppressed, "guest re-posted a descriptor head that is still in flight; ignored");
+            }
+            return;
+        }
         match parsed {
             Ok(req) => match self.one_piece(&req) {
                 Some((d, offset)) => self.submit_one(req, d, offset),
@@ -557,6 +577,15 @@ impl QueueWorker {
                 self.complete_used(mem, rej.head, 1);
             }
         }
+    }
+
+    /// Whether `head` is still the worker's: in flight, held for a resetting device, or
+    /// cancelled and waiting to be submitted again (or out of range of the in-flight table).
+    #[inline]
+    fn head_busy(&self, head: u16) -> bool {
+        self.slots.get(head as usize).is_none_or(|s| s.is_some())
+            || (!self.held.is_empty() && self.held.contains(&head))
+            || (!self.cancelled.is_empty() && self.cancelled.contains(&head))
     }
 
     /// Acts on device health changes: a device that started resetting has its hung commands
@@ -717,12 +746,6 @@ impl QueueWorker {
     fn submit(&mut self, req: Request, mem: &Arc<GuestMemory>) {
         let head = req.head;
         let slot = head as usize;
-        if self.slots.get(slot).is_none_or(|s| s.is_some()) {
-            // A head the guest has not got back yet, offered again: a driver bug. Completing
-            // it would corrupt the request in flight; leave it.
-            tracing::warn!(volume = %self.volume, head, "guest reused a descriptor head that is still in flight; ignored");
-            return;
-        }
         let mut inf = Inflight {
             status: req.status_host,
             used_len: 1,
@@ -962,6 +985,7 @@ impl QueueWorker {
             let slots = &mut self.slots;
             let bufs = &self.slot_bufs;
             let volume = &self.volume;
+            let io_err_log = &mut self.io_err_log;
             let health = self.layout.devices[d].health();
             let n = self.devices[d].reap(&mut |tag, res| {
                 let Some(Some(inf)) = slots.get_mut(tag as usize) else {
@@ -971,7 +995,9 @@ impl QueueWorker {
                 if res < 0 {
                     let errno = -res;
                     let class = ErrorClass::of_errno(errno);
-                    tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), "device I/O failed");
+                    if let Verdict::Log { suppressed } = io_err_log.check() {
+                        tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), suppressed, "device I/O failed");
+                    }
                     if errno != libc::ECANCELED {
                         let &(_, offset, len, write) = bufs[tag as usize]
                             .pieces

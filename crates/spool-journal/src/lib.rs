@@ -68,6 +68,12 @@ pub enum Error {
     },
     #[error("journal {path} is damaged: {why}; refusing to replay it. Delete it to start the queue without it (requests it may describe are then lost)")]
     Corrupt { path: String, why: String },
+    #[error("journal {path}: queue size {queue_size} is not a power of two between 1 and 32768")]
+    QueueSize { path: String, queue_size: u16 },
+    #[error(
+        "{path}: {why}; refusing to use it (journals must live where only spoold's user can write)"
+    )]
+    NotPrivate { path: String, why: String },
 }
 
 /// Result type of the journal layer.
@@ -147,6 +153,135 @@ pub fn remove_volume_journals(dir: &Path, volume: Uuid) {
     }
 }
 
+/// Makes sure `dir` is a directory only spoold's user can write: creates it (mode 0700) when
+/// missing; refuses a symlink, a non-directory, a directory owned by another user or one that
+/// group or others may write (a local user who created it first could plant symlinks, forge
+/// journals for recovery to replay, or truncate live ones). A private directory of our own
+/// with looser read bits is tightened to 0700.
+pub fn ensure_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let bad = |why: String| Error::NotPrivate {
+        path: dir.display().to_string(),
+        why,
+    };
+    let io = |e| Error::Io {
+        path: dir.display().to_string(),
+        source: e,
+    };
+    if std::fs::symlink_metadata(dir).is_err() {
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(io)?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(io)?;
+    if m.file_type().is_symlink() {
+        return Err(bad("is a symbolic link".into()));
+    }
+    if !m.is_dir() {
+        return Err(bad("is not a directory".into()));
+    }
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    if m.uid() != me {
+        return Err(bad(format!(
+            "is owned by uid {}, not by spoold's uid {me} (another user may have created it \
+             first; remove it and spoold creates it itself)",
+            m.uid()
+        )));
+    }
+    if m.mode() & 0o022 != 0 {
+        return Err(bad(format!(
+            "is writable by group or others (mode {:o}); make it 0700",
+            m.mode() & 0o7777
+        )));
+    }
+    if m.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Opens a journal file without following symlinks: an existing one must be a regular file
+/// of spoold's user with one link and no access for others; a new one is created exclusively
+/// (mode 0600), so nothing planted in its place is ever written through.
+fn open_private(path: &Path) -> Result<File> {
+    use std::os::unix::fs::MetadataExt;
+    let io = |e| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    };
+    let open = |create: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        if create {
+            o.create_new(true).mode(0o600);
+        }
+        o.open(path)
+    };
+    let file = match open(false) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match open(true) {
+            Ok(f) => f,
+            // Created by someone else between the two opens: check that one.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => open(false).map_err(io)?,
+            Err(e) => return Err(io(e)),
+        },
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(Error::NotPrivate {
+                path: path.display().to_string(),
+                why: "is a symbolic link".into(),
+            })
+        }
+        Err(e) => return Err(io(e)),
+    };
+    let m = file.metadata().map_err(io)?;
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    let why = if !m.is_file() {
+        Some("is not a regular file".to_string())
+    } else if m.uid() != me {
+        Some(format!(
+            "is owned by uid {}, not spoold's uid {me}",
+            m.uid()
+        ))
+    } else if m.nlink() != 1 {
+        Some(format!("has {} hard links", m.nlink()))
+    } else if m.mode() & 0o077 != 0 {
+        Some(format!(
+            "is accessible by group or others (mode {:o})",
+            m.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(Error::NotPrivate {
+            path: path.display().to_string(),
+            why,
+        }),
+        None => Ok(file),
+    }
+}
+
+/// A journal's slots are indexed by head masked with `queue_size - 1`: only a power of two
+/// keeps every head inside the mapping.
+fn check_queue_size(path: &Path, queue_size: u16) -> Result<()> {
+    if queue_size == 0 || !queue_size.is_power_of_two() {
+        return Err(Error::QueueSize {
+            path: path.display().to_string(),
+            queue_size,
+        });
+    }
+    Ok(())
+}
+
 fn size_for(queue_size: u16) -> usize {
     SLOTS_OFF + 4 * queue_size as usize
 }
@@ -161,19 +296,13 @@ impl Journal {
         queue_size: u16,
     ) -> Result<(Journal, bool)> {
         let path = journal_path(dir, volume, queue);
+        check_queue_size(&path, queue_size)?;
         let io = |e| Error::Io {
             path: path.display().to_string(),
             source: e,
         };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io)?;
+        ensure_private_dir(dir)?;
+        let file = open_private(&path)?;
         let existing = file.metadata().map_err(io)?.len();
         let j = if existing == 0 {
             let len = size_for(queue_size);
@@ -310,6 +439,7 @@ impl Journal {
         last_avail: u16,
         used_idx: u16,
     ) -> Result<()> {
+        check_queue_size(&self.path, queue_size)?;
         let mut h = self.header();
         if queue_size != self.queue_size {
             let len = size_for(queue_size);

@@ -168,3 +168,118 @@ fn new_generation_with_a_new_queue_size_drops_old_state() {
     remove_volume_journals(d.path(), v);
     assert!(!journal_path(d.path(), v, 0).exists());
 }
+
+#[test]
+fn a_queue_size_that_is_not_a_power_of_two_is_refused() {
+    // Size 0 used to create a 144-byte journal whose mask `0 - 1` let heads index ~128 KiB
+    // past the mapping (issue 15, finding 1).
+    let d = dir();
+    let v = Uuid::new_v4();
+    for qs in [0u16, 3, 100] {
+        match Journal::open_or_create(d.path(), v, 0, qs) {
+            Err(Error::QueueSize { queue_size, .. }) => assert_eq!(queue_size, qs),
+            Err(e) => panic!("size {qs}: wrong error {e}"),
+            Ok(_) => panic!("size {qs} accepted"),
+        }
+    }
+    // Nothing was left behind to block the queue for the next client.
+    assert!(!journal_path(d.path(), v, 0).exists());
+    let (mut j, _) = Journal::open_or_create(d.path(), v, 0, 8).unwrap();
+    assert!(matches!(
+        j.new_generation(0, RingAddrs::default(), 0, 0),
+        Err(Error::QueueSize { .. })
+    ));
+    assert_eq!(j.queue_size(), 8);
+}
+
+#[test]
+fn a_symlink_in_place_of_a_journal_is_not_followed() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = dir();
+    let v = Uuid::new_v4();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let target = elsewhere.path().join("victim");
+    std::fs::write(&target, b"precious").unwrap();
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink(&target, journal_path(d.path(), v, 0)).unwrap();
+    let e = Journal::open_or_create(d.path(), v, 0, 8)
+        .err()
+        .expect("refused");
+    assert!(matches!(e, Error::NotPrivate { .. }), "{e}");
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+    // A dangling symlink (O_CREAT would have created the target) is refused as well.
+    let v2 = Uuid::new_v4();
+    let planted = elsewhere.path().join("planted");
+    std::os::unix::fs::symlink(&planted, journal_path(d.path(), v2, 0)).unwrap();
+    assert!(Journal::open_or_create(d.path(), v2, 0, 8).is_err());
+    assert!(!planted.exists());
+}
+
+#[test]
+fn a_hard_linked_or_shared_journal_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = dir();
+    let v = Uuid::new_v4();
+    drop(Journal::open_or_create(d.path(), v, 0, 8).unwrap());
+    let p = journal_path(d.path(), v, 0);
+    let link = d.path().join("second-name");
+    std::fs::hard_link(&p, &link).unwrap();
+    let e = Journal::open_or_create(d.path(), v, 0, 8)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("hard links"), "{e}");
+    std::fs::remove_file(&link).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let e = Journal::open_or_create(d.path(), v, 0, 8)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("group or others"), "{e}");
+}
+
+#[test]
+fn a_journal_directory_others_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = dir();
+    let jd = d.path().join("journals");
+    // Created by us when missing, private.
+    ensure_private_dir(&jd).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&jd).unwrap().mode() & 0o777, 0o700);
+    std::fs::set_permissions(&jd, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let e = Journal::open_or_create(&jd, Uuid::new_v4(), 0, 8)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("writable by group or others"), "{e}");
+    // A symlink to a private directory is refused too.
+    std::fs::set_permissions(&jd, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let link = d.path().join("link");
+    std::os::unix::fs::symlink(&jd, &link).unwrap();
+    assert!(ensure_private_dir(&link)
+        .unwrap_err()
+        .to_string()
+        .contains("symbolic link"));
+}
+
+#[test]
+fn a_journal_directory_of_another_user_is_refused() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to give a directory to another user");
+        return;
+    }
+    let d = dir();
+    let jd = d.path().join("taken");
+    std::fs::create_dir(&jd).unwrap();
+    // What user nobody could do in /dev/shm before spoold first ran.
+    std::os::unix::fs::chown(&jd, Some(65534), Some(65534)).unwrap();
+    let e = Journal::open_or_create(&jd, Uuid::new_v4(), 0, 8)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+    assert_eq!(
+        std::fs::read_dir(&jd).unwrap().count(),
+        0,
+        "nothing created"
+    );
+}

@@ -366,3 +366,4 @@ pub fn write_rounds_until(c: &mut Client_, done: &dyn Fn() -> bool, min_rounds: 
     }
     round
 }
+pub mod raw;

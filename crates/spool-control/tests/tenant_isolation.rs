@@ -1,0 +1,180 @@
+//! Tenant isolation at the trust boundary (issue 15): a frontend (or a guest behind it) that
+//! misbehaves on purpose, driven through the real socket with a hand-built vhost-user client
+//! (`common::raw`), must not crash spoold, reach another volume, or disturb the connected VM;
+//! each test names the finding it covers and fails on the code before the fix.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+use common::raw::{GuestMem, RawFrontend, Ring, T_OUT};
+use common::{connect, pattern, Spoold};
+use serde_json::json;
+
+const CFG: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "victim"
+size = "8M"
+num_queues = 1
+[[volumes]]
+name = "target"
+size = "8M"
+num_queues = 1
+[health]
+io_timeout_ms = 1000
+reset_timeout_ms = 5000
+poll_interval_ms = 50
+"#;
+
+/// The victim volume still reads back what was written before the attack.
+fn victim_ok(d: &mut Spoold, victim: &mut common::Client_, what: &str) {
+    assert!(d.running(), "{what}: spoold died\n{}", d.log());
+    let (r, data) = victim.read_sync(0, 0, 4096);
+    assert_eq!(r, 0, "{what}");
+    assert!(data == pattern(1, 0, 4096), "{what}: victim data changed");
+}
+
+/// Finding 1: a queue started without SET_VRING_NUM used to run with size 32768 against a
+/// journal of size 0, whose mask let the guest aim journal stores past the mapping; and the
+/// 144-byte journal it left blocked the queue for every later client.
+#[test]
+fn a_queue_without_a_size_is_refused_and_blocks_nobody() {
+    let mut d = Spoold::start(CFG);
+    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
+    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+
+    let mem = GuestMem::new(1 << 20);
+    let ring = Ring::new(256);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, false);
+    assert!(
+        fe.closed(),
+        "a queue without SET_VRING_NUM was started\n{}",
+        d.log()
+    );
+    assert!(
+        d.log().contains("SET_VRING_NUM was never sent"),
+        "{}",
+        d.log()
+    );
+    // No journal of a zero-sized queue is left behind.
+    for e in std::fs::read_dir(d.dir.path().join("journal")).unwrap() {
+        let e = e.unwrap();
+        let len = e.metadata().unwrap().len();
+        assert!(len >= 148, "{:?} is {len} bytes", e.path());
+    }
+    victim_ok(&mut d, &mut victim, "no SET_VRING_NUM");
+    // The same queue serves a well-behaved client afterwards.
+    let mut c = connect(&d.socket("target"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 8192, &pattern(2, 8192, 4096)), 0);
+    let (r, data) = c.read_sync(0, 8192, 4096);
+    assert_eq!(r, 0);
+    assert!(data == pattern(2, 8192, 4096));
+}
+
+/// Finding 11: one frontend per volume. A second connection used to take the volume over
+/// (the first client's connection was closed without a log line and its I/O never
+/// completed).
+#[test]
+fn a_second_frontend_is_refused_and_the_first_keeps_its_volume() {
+    let mut d = Spoold::start(CFG);
+    let mut vm = connect(&d.socket("target"), 1, false).unwrap();
+    assert_eq!(vm.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    for attempt in 0..3 {
+        let mut intruder = RawFrontend::connect(&d.socket("target"));
+        assert!(
+            intruder.closed(),
+            "attempt {attempt}: a second frontend was served\n{}",
+            d.log()
+        );
+        // A real libblkio client is refused as well.
+        assert!(connect(&d.socket("target"), 1, false).is_err());
+        // The connected VM notices nothing.
+        assert_eq!(
+            vm.write_sync(0, 4096 * (attempt + 1), &pattern(9, 0, 4096)),
+            0
+        );
+        victim_ok(&mut d, &mut vm, "second frontend");
+    }
+    assert!(
+        d.log().contains("refused a second vhost-user connection"),
+        "{}",
+        d.log()
+    );
+    // After the VM disconnects the volume takes the next frontend.
+    drop(vm);
+    let mut next = None;
+    for _ in 0..100 {
+        if let Ok(c) = connect(&d.socket("target"), 1, false) {
+            next = Some(c);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut next = next.expect("the volume takes a new frontend after the first left");
+    let (r, data) = next.read_sync(0, 0, 4096);
+    assert_eq!(r, 0);
+    assert!(data == pattern(1, 0, 4096));
+}
+
+/// Finding 9: a head re-posted while it is in flight (here: held by a hung device command)
+/// must not be completed: neither the re-posted copy as a separate request nor, when the copy
+/// is rejected, with an error status. The original completes exactly once, successfully.
+#[test]
+fn a_reposted_head_in_flight_is_never_completed_twice() {
+    let d = Spoold::start(CFG);
+    let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
+    let dev = vol["devices"][0].as_str().unwrap().to_string();
+    let mem = GuestMem::new(1 << 20);
+    let mut ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, true);
+    fe.sync().unwrap();
+
+    // Case A: the same request offered twice; case B: the copy is malformed (rejected).
+    for (case, head, slot) in [("same copy", 0u16, 0u64), ("rejected copy", 3, 1)] {
+        d.rpc(
+            "device_inject",
+            json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
+        )
+        .unwrap();
+        ring.prepare(&mem, head, slot, T_OUT, 64 * slot, 4096);
+        mem.fill(common::raw::DATA + slot * 4096, &pattern(7 + slot, 0, 4096));
+        ring.post(&mem, head);
+        // Let it reach the (hung) device, then offer the head again.
+        std::thread::sleep(Duration::from_millis(200));
+        let hdr = common::raw::HDR + slot * 32;
+        if case == "rejected copy" {
+            mem.write(hdr, 0xdeadu32); // an unsupported request type
+        }
+        ring.post(&mem, head);
+        let early = ring.wait_used(&mem, 1, Duration::from_millis(500));
+        assert!(
+            early.is_empty(),
+            "{case}: head {head} completed while its write hangs: {early:?}\n{}",
+            d.log()
+        );
+        if case == "rejected copy" {
+            mem.write(hdr, T_OUT); // the resubmission after the reset parses it again
+        }
+        // The monitor times the hung command out, resets the device and the worker
+        // resubmits the request: exactly one completion, successful.
+        let done = ring.wait_used(&mem, 1, Duration::from_secs(15));
+        assert_eq!(done.len(), 1, "{case}: {done:?}\n{}", d.log());
+        assert_eq!(done[0].0, head as u32, "{case}");
+        assert_eq!(ring.status(&mem, slot), 0, "{case}: status");
+        let more = ring.wait_used(&mem, 1, Duration::from_millis(700));
+        assert!(more.is_empty(), "{case}: completed twice: {more:?}");
+    }
+    assert!(
+        d.log().contains("re-posted a descriptor head"),
+        "{}",
+        d.log()
+    );
+    drop(fe);
+    let _ = mem.fd.as_raw_fd();
+}
