@@ -109,8 +109,11 @@ pub struct UringQueue {
     overflow: VecDeque<squeue::Entry>,
     in_flight: usize,
     event: std::fs::File,
-    /// Write-zeroes ranges in flight, so an EOPNOTSUPP can fall back to punching a hole.
-    zero_ranges: HashMap<u64, (u64, u64)>,
+    /// Write-zeroes commands in flight, by their own id (not the caller's tag: one request
+    /// may zero several ranges under one tag), so an EOPNOTSUPP can fall back to punching
+    /// exactly that command's range: id -> (tag, offset, len).
+    zero_ranges: HashMap<u64, (u64, u64, u64)>,
+    next_zero_id: u64,
 }
 
 /// Which of the queue's descriptors a request goes to.
@@ -171,6 +174,7 @@ impl UringQueue {
             in_flight: 0,
             event,
             zero_ranges: HashMap::new(),
+            next_zero_id: 0,
         })
     }
 
@@ -256,12 +260,14 @@ impl DeviceQueue for UringQueue {
                 tag | (KIND_DISCARD << KIND_SHIFT),
             ),
             DeviceIo::WriteZeroes { offset, len } => {
-                self.zero_ranges.insert(tag, (offset, len));
+                let id = self.next_zero_id;
+                self.next_zero_id = (id + 1) & ((1 << KIND_SHIFT) - 1);
+                self.zero_ranges.insert(id, (tag, offset, len));
                 self.fallocate(
                     offset,
                     len,
                     libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                    tag | (KIND_ZERO_RANGE << KIND_SHIFT),
+                    id | (KIND_ZERO_RANGE << KIND_SHIFT),
                 )
             }
         };
@@ -297,26 +303,29 @@ impl DeviceQueue for UringQueue {
         let fd = self.buffered;
         for cqe in self.ring.completion() {
             let ud = cqe.user_data();
-            let tag = ud & ((1 << KIND_SHIFT) - 1);
+            let mut tag = ud & ((1 << KIND_SHIFT) - 1);
             let kind = ud >> KIND_SHIFT;
             let mut res = cqe.result();
             match kind {
                 KIND_ZERO_RANGE => {
-                    let range = self.zero_ranges.remove(&tag);
+                    let Some((t, offset, len)) = self.zero_ranges.remove(&tag) else {
+                        // Every write-zeroes command is recorded at submit; not reached.
+                        self.in_flight -= 1;
+                        continue;
+                    };
+                    tag = t;
                     if res == -libc::EOPNOTSUPP || res == -libc::EINVAL {
                         // tmpfs and some block devices lack ZERO_RANGE; a punched hole reads
                         // back as zeroes on files, and as zeroes on block devices too (the
                         // kernel zeroes or unmaps with zeroing guaranteed).
-                        if let Some((offset, len)) = range {
-                            retry.push(fallocate_entry(
-                                fd,
-                                offset,
-                                len,
-                                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                                tag | (KIND_PLAIN << KIND_SHIFT),
-                            ));
-                            continue;
-                        }
+                        retry.push(fallocate_entry(
+                            fd,
+                            offset,
+                            len,
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            tag | (KIND_PLAIN << KIND_SHIFT),
+                        ));
+                        continue;
                     }
                 }
                 KIND_DISCARD if res == -libc::EOPNOTSUPP => res = 0, // discard is advisory
@@ -379,6 +388,38 @@ mod tests {
         exercise(disk.path(), false);
         let shm = tempfile::tempdir_in("/dev/shm").unwrap();
         exercise(shm.path(), true);
+    }
+
+    #[test]
+    fn multi_range_write_zeroes_falls_back_on_each_range() {
+        // tmpfs has no FALLOC_FL_ZERO_RANGE: each range falls back to a punched hole. One
+        // request's ranges share a tag; the fallback used to punch only the last one and
+        // fail the others (issue 15, finding 10).
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = shm.path().join("d");
+        std::fs::write(&path, vec![0xaau8; 1 << 20]).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut q = UringQueue::new(f.as_raw_fd(), None, 512, 8).unwrap();
+        let ranges = [(0u64, 4096u64), (65536, 8192), (262144, 4096)];
+        for &(offset, len) in &ranges {
+            // SAFETY: no memory is referenced.
+            unsafe { q.submit(DeviceIo::WriteZeroes { offset, len }, 7) };
+        }
+        let r = wait_all(&mut q);
+        assert_eq!(r, vec![(7, 0); 3], "every range completes, successfully");
+        let back = std::fs::read(&path).unwrap();
+        for &(offset, len) in &ranges {
+            let s = &back[offset as usize..(offset + len) as usize];
+            assert!(s.iter().all(|&b| b == 0), "range at {offset} not zeroed");
+        }
+        assert_eq!(back[4096], 0xaa, "nothing else zeroed");
+        assert_eq!(back[65536 + 8192], 0xaa, "nothing else zeroed");
+        drop(q);
+        drop(f);
     }
 
     fn exercise(dir: &std::path::Path, expect_inline: bool) {
