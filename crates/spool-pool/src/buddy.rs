@@ -20,11 +20,16 @@ pub struct Buddy {
 
 impl Buddy {
     /// Manages `[base, base + len)` in blocks of at least `min` bytes (a power of two).
-    pub fn new(base: u64, len: u64, min: u64) -> Self {
-        assert!(
-            min.is_power_of_two(),
-            "minimum extent must be a power of two"
-        );
+    /// Fails when `min` is not a power of two or the area does not fit in 64 bits.
+    pub fn new(base: u64, len: u64, min: u64) -> Result<Self, String> {
+        if !min.is_power_of_two() {
+            return Err(format!("minimum extent {min} is not a power of two"));
+        }
+        if base.checked_add(len).is_none() {
+            return Err(format!(
+                "area of {len} bytes at {base} ends beyond 2^64 bytes"
+            ));
+        }
         let mut top = Vec::new();
         let mut off = 0u64;
         let mut remaining = len - len % min;
@@ -39,12 +44,12 @@ impl Buddy {
         for &(off, order) in &top {
             free[order as usize].insert(off);
         }
-        Buddy {
+        Ok(Buddy {
             base,
             min,
             top,
             free,
-        }
+        })
     }
 
     /// Minimum block size in bytes.
@@ -99,10 +104,14 @@ impl Buddy {
     /// Marks the block at absolute `offset` of `order` allocated (rebuilding from metadata).
     /// Fails if any part of it is not free (overlapping or out-of-range metadata).
     pub fn alloc_at(&mut self, offset: u64, order: u32) -> Result<(), String> {
-        let size = self
-            .min
-            .checked_shl(order)
-            .ok_or_else(|| format!("order {order} too large"))?;
+        // Orders above the largest top block cannot fit; this also keeps `min << order`
+        // from shifting bits out (to zero, for a division below).
+        if order > self.max_order() {
+            return Err(format!(
+                "extent at {offset} (order {order}) is larger than any block of the device"
+            ));
+        }
+        let size = self.min << order;
         let rel = offset
             .checked_sub(self.base)
             .filter(|r| r % size == 0)
@@ -134,9 +143,19 @@ impl Buddy {
 
     /// Frees the block at absolute `offset` of `order`, merging with free buddies.
     pub fn free(&mut self, offset: u64, order: u32) {
-        let mut rel = offset - self.base;
+        // Only blocks this allocator handed out (or `alloc_at` accepted) come back here; an
+        // impossible one is a bug, ignored in release builds rather than corrupting the lists.
+        let top_order = offset
+            .checked_sub(self.base)
+            .and_then(|rel| Some((rel, self.top_order(rel)?)));
+        let Some((mut rel, top_order)) = top_order.filter(|&(_, t)| order <= t) else {
+            debug_assert!(
+                false,
+                "free of a block never allocated: {offset} order {order}"
+            );
+            return;
+        };
         let mut o = order;
-        let top_order = self.top_order(rel);
         while o < top_order {
             let buddy = rel ^ (self.min << o);
             if !self.free[o as usize].remove(&buddy) {
@@ -149,9 +168,9 @@ impl Buddy {
         debug_assert!(fresh, "double free at {offset}");
     }
 
-    fn top_order(&self, rel: u64) -> u32 {
+    fn top_order(&self, rel: u64) -> Option<u32> {
         let i = self.top.partition_point(|&(off, _)| off <= rel);
-        self.top[i - 1].1
+        Some(self.top.get(i.checked_sub(1)?)?.1)
     }
 
     /// Free blocks as (absolute offset, order), for tests and diagnostics.
@@ -175,7 +194,7 @@ mod tests {
 
     #[test]
     fn tiles_non_power_of_two_areas() {
-        let b = Buddy::new(1 << 20, 7 << 20, 1 << 20);
+        let b = Buddy::new(1 << 20, 7 << 20, 1 << 20).unwrap();
         assert_eq!(
             b.free_blocks(),
             vec![(1 << 20, 2), (5 << 20, 1), (7 << 20, 0)]
@@ -185,7 +204,7 @@ mod tests {
 
     #[test]
     fn split_and_merge() {
-        let mut b = Buddy::new(0, 8, 1);
+        let mut b = Buddy::new(0, 8, 1).unwrap();
         let a = b.alloc(0).unwrap();
         let c = b.alloc(1).unwrap();
         assert_eq!((a, c), (0, 2));
@@ -197,7 +216,7 @@ mod tests {
 
     #[test]
     fn alloc_at_rejects_overlap_and_misalignment() {
-        let mut b = Buddy::new(0, 16, 1);
+        let mut b = Buddy::new(0, 16, 1).unwrap();
         b.alloc_at(4, 2).unwrap();
         assert!(b.alloc_at(5, 0).is_err());
         assert!(b.alloc_at(6, 2).is_err());
@@ -205,6 +224,20 @@ mod tests {
         b.alloc_at(8, 3).unwrap();
         b.alloc_at(8, 2).unwrap_err();
         assert_eq!(b.free_blocks(), vec![(0, 2)]);
+    }
+
+    #[test]
+    fn impossible_geometry_is_an_error_not_a_panic() {
+        for min in [0, 3, 3 << 19] {
+            assert!(Buddy::new(1 << 20, 8 << 20, min).is_err(), "min {min}");
+        }
+        assert!(Buddy::new(u64::MAX - 10, 1 << 20, 1 << 20).is_err());
+        let mut b = Buddy::new(1 << 20, 8 << 20, 1 << 20).unwrap();
+        // 1 MiB << 44 wraps to 0: this divided by zero.
+        for order in [4, 44, 63, 64, u32::MAX] {
+            assert!(b.alloc_at(1 << 20, order).is_err(), "order {order}");
+        }
+        assert_eq!(b.free_bytes(), 8 << 20);
     }
 
     #[derive(Debug, Clone)]
@@ -231,7 +264,7 @@ mod tests {
         fn no_overlap_no_leak_full_coalescing(len_units in 1u64..100, ops in ops()) {
             let min = 4096u64;
             let base = 1 << 20;
-            let mut b = Buddy::new(base, len_units * min, min);
+            let mut b = Buddy::new(base, len_units * min, min).unwrap();
             let initial = b.free_blocks();
             let total = b.total();
             let mut live: Vec<(u64, u32)> = Vec::new();
@@ -261,7 +294,7 @@ mod tests {
                 prop_assert_eq!(used + b.free_bytes(), total);
             }
             // Rebuilding from the live set gives the same free space (what the pool does at start).
-            let mut rebuilt = Buddy::new(base, len_units * min, min);
+            let mut rebuilt = Buddy::new(base, len_units * min, min).unwrap();
             for &(off, o) in &live {
                 rebuilt.alloc_at(off, o).unwrap();
             }

@@ -19,7 +19,8 @@ use uuid::Uuid;
 
 use buddy::Buddy;
 use metadata::{
-    DeviceEntry, DeviceState, ExtentEntry, PoolTable, Record, VolumeEntry, METADATA_AREA,
+    DeviceEntry, DeviceState, ExtentEntry, PoolTable, Record, VolumeEntry, MAX_QUEUES,
+    METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
 };
 use spool_devices::{FileDevice, OpenOptions};
 
@@ -95,12 +96,28 @@ fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
     })
 }
 
+/// The buddy allocator of a device's data area.
+fn new_buddy(dev: &FileDevice, min_extent: u64) -> Result<Buddy> {
+    let path = dev.path().display().to_string();
+    let need = METADATA_AREA.saturating_add(min_extent);
+    let len = dev
+        .size()
+        .checked_sub(METADATA_AREA)
+        .filter(|_| dev.size() >= need)
+        .ok_or(Error::TooSmall {
+            path: path.clone(),
+            size: dev.size(),
+            need,
+        })?;
+    Buddy::new(METADATA_AREA, len, min_extent).map_err(|why| Error::Corrupt { path, why })
+}
+
 /// How to assemble a pool.
 #[derive(Debug, Clone)]
 pub struct PoolOptions {
     /// Name given to a new pool.
     pub name: String,
-    /// Minimum extent (buddy block) size for a new pool; a power of two, at least 64 KiB.
+    /// Minimum extent (buddy block) size for a new pool; a power of two from 64 KiB to 1 TiB.
     pub min_extent: u64,
     /// Reformat devices with foreign, corrupt or unknown metadata.
     pub force: bool,
@@ -263,19 +280,7 @@ pub struct PoolInfo {
 }
 
 fn valid_name(name: &str) -> Result<()> {
-    if name.is_empty()
-        || name.len() > 64
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        || name.starts_with('.')
-        || Uuid::parse_str(name).is_ok()
-    {
-        return Err(Error::InvalidArgument(format!(
-            "volume name '{name}' must be 1-64 characters of A-Z a-z 0-9 . _ -, not start with '.', and not look like a UUID"
-        )));
-    }
-    Ok(())
+    metadata::check_volume_name(name).map_err(Error::InvalidArgument)
 }
 
 impl Pool {
@@ -283,9 +288,11 @@ impl Pool {
     /// (wherever their paths are now), blank devices join, anything else is refused unless
     /// `opts.force`.
     pub fn open(specs: &[DeviceSpec], opts: PoolOptions) -> Result<Pool> {
-        if !opts.min_extent.is_power_of_two() || opts.min_extent < 64 * 1024 {
+        if !opts.min_extent.is_power_of_two()
+            || !(MIN_EXTENT_MIN..=MIN_EXTENT_MAX).contains(&opts.min_extent)
+        {
             return Err(Error::InvalidArgument(format!(
-                "minimum extent {} must be a power of two of at least 64 KiB",
+                "minimum extent {} must be a power of two from 64 KiB to 1 TiB",
                 opts.min_extent
             )));
         }
@@ -394,7 +401,8 @@ impl Pool {
                 let path = p;
                 Ok(match state {
                     DeviceState::Member(r, note) if r.table.pool_uuid == pool_uuid => {
-                        if !table.devices.iter().any(|d| d.uuid == r.device_uuid) {
+                        let Some(i) = table.devices.iter().position(|d| d.uuid == r.device_uuid)
+                        else {
                             if !opts.force {
                                 return Err(Error::Corrupt {
                                     path,
@@ -405,18 +413,50 @@ impl Pool {
                                 });
                             }
                             needs_write = true;
-                            Self::join(&mut table, &dev, opts.force)?
-                        } else {
-                            if let Some(n) = note {
-                                tracing::warn!(%path, "{n}");
-                                needs_write = true;
-                            }
-                            if r.generation != generation {
-                                tracing::info!(%path, device_generation = r.generation, generation, "device metadata is stale, rewriting");
-                                needs_write = true;
-                            }
-                            r.device_uuid
+                            return Self::join(&mut table, &dev, opts.force);
+                        };
+                        // The table was validated when it was read; the device itself must
+                        // still hold the metadata area, an extent, and everything the table
+                        // placed on it. A device that shrank (or is a different, smaller one
+                        // carrying a copy of the metadata) is left out; one that grew keeps
+                        // its extents, and the table learns its size.
+                        let need = METADATA_AREA + table.min_extent;
+                        let entry = &mut table.devices[i];
+                        if dev.size() < need {
+                            return Err(Error::Corrupt {
+                                path,
+                                why: format!(
+                                    "device {} is {} bytes, smaller than the metadata area plus one extent ({need}); its volumes stay offline",
+                                    r.device_uuid,
+                                    dev.size()
+                                ),
+                            });
                         }
+                        if dev.size() < entry.size {
+                            return Err(Error::Corrupt {
+                                path,
+                                why: format!(
+                                    "device {} is {} bytes, smaller than the {} bytes the pool table records for it (it shrank, or is not the device it claims to be); its volumes stay offline",
+                                    r.device_uuid,
+                                    dev.size(),
+                                    entry.size
+                                ),
+                            });
+                        }
+                        if dev.size() > entry.size {
+                            tracing::info!(%path, old_size = entry.size, new_size = dev.size(), "device grew");
+                            entry.size = dev.size();
+                            needs_write = true;
+                        }
+                        if let Some(n) = note {
+                            tracing::warn!(%path, "{n}");
+                            needs_write = true;
+                        }
+                        if r.generation != generation {
+                            tracing::info!(%path, device_generation = r.generation, generation, "device metadata is stale, rewriting");
+                            needs_write = true;
+                        }
+                        r.device_uuid
                     }
                     DeviceState::Member(r, _) => {
                         if !opts.force {
@@ -470,7 +510,7 @@ impl Pool {
                     needs_write = true;
                 }
             }
-            let buddy = Buddy::new(METADATA_AREA, dev.size() - METADATA_AREA, table.min_extent);
+            let buddy = new_buddy(&dev, table.min_extent)?;
             members.push(Member {
                 uuid,
                 dev: Arc::new(dev),
@@ -509,7 +549,7 @@ impl Pool {
     }
 
     fn join(table: &mut PoolTable, dev: &FileDevice, force: bool) -> Result<Uuid> {
-        let need = METADATA_AREA + table.min_extent;
+        let need = METADATA_AREA.saturating_add(table.min_extent);
         if dev.size() < need {
             return Err(Error::TooSmall {
                 path: dev.path().display().to_string(),
@@ -537,7 +577,11 @@ impl Pool {
         if !self.members.iter().any(|m| !m.isolated()) {
             return Err(Error::NoDevices);
         }
-        let generation = self.generation + 1;
+        let generation = self
+            .generation
+            .checked_add(1)
+            .filter(|&g| g < u64::MAX)
+            .ok_or_else(|| Error::Metadata("the pool's generation counter is exhausted".into()))?;
         for m in self.members.iter().filter(|m| !m.isolated()) {
             metadata::write_record(
                 &m.dev,
@@ -586,7 +630,7 @@ impl Pool {
         }
         let mut table = self.table.clone();
         let uuid = Self::join(&mut table, &dev, force)?;
-        let buddy = Buddy::new(METADATA_AREA, dev.size() - METADATA_AREA, table.min_extent);
+        let buddy = new_buddy(&dev, table.min_extent)?;
         self.members.push(Member {
             uuid,
             dev: Arc::new(dev),
@@ -778,8 +822,33 @@ impl Pool {
         Ok(())
     }
 
-    fn round_up(&self, size: u64) -> u64 {
-        size.div_ceil(self.table.min_extent) * self.table.min_extent
+    /// `size` rounded up to whole minimum extents; sizes so large that this overflows (near
+    /// 2^64) are refused rather than wrapping to zero extents.
+    fn round_up(&self, size: u64) -> Result<u64> {
+        size.checked_next_multiple_of(self.table.min_extent)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "volume size {size} is too large (it does not fit in 64 bits once rounded up to the minimum extent {})",
+                    self.table.min_extent
+                ))
+            })
+    }
+
+    /// Refuses at once an allocation of `bytes` larger than all free space together (the
+    /// allocator would find out too, one block split at a time).
+    fn check_space(&self, bytes: u64) -> Result<()> {
+        let free = self
+            .members
+            .iter()
+            .filter(|m| !m.isolated())
+            .fold(0u64, |a, m| a.saturating_add(m.buddy.free_bytes()));
+        if bytes > free {
+            return Err(Error::NoSpace {
+                requested: bytes,
+                available: free,
+            });
+        }
+        Ok(())
     }
 
     /// Creates a volume.
@@ -792,9 +861,9 @@ impl Pool {
     ) -> Result<VolumeInfo> {
         valid_name(name)?;
         Self::check_size(size)?;
-        if !(1..=64).contains(&num_queues) {
+        if !(1..=MAX_QUEUES).contains(&num_queues) {
             return Err(Error::InvalidArgument(format!(
-                "num_queues {num_queues} must be between 1 and 64"
+                "num_queues {num_queues} must be between 1 and {MAX_QUEUES}"
             )));
         }
         if self.table.volumes.iter().any(|v| v.name == name) {
@@ -803,7 +872,9 @@ impl Pool {
         if self.members.is_empty() {
             return Err(Error::NoDevices);
         }
-        let extents = self.allocate(self.round_up(size))?;
+        let bytes = self.round_up(size)?;
+        self.check_space(bytes)?;
+        let extents = self.allocate(bytes)?;
         if let Err(e) = self.scrub(&extents) {
             self.release(&extents);
             return Err(e);
@@ -849,9 +920,10 @@ impl Pool {
                 old.name, old.size
             )));
         }
-        let have = self.round_up(old.size);
-        let need = self.round_up(new_size);
+        let have = self.round_up(old.size)?;
+        let need = self.round_up(new_size)?;
         let extents = if need > have {
+            self.check_space(need - have)?;
             self.allocate(need - have)?
         } else {
             vec![]
@@ -987,7 +1059,7 @@ impl Pool {
         }
         let mut table = self.table.clone();
         let new = Self::join(&mut table, &dev, force)?;
-        let mut buddy = Buddy::new(METADATA_AREA, dev.size() - METADATA_AREA, table.min_extent);
+        let mut buddy = new_buddy(&dev, table.min_extent)?;
         let mut moved = 0;
         let mut volumes = Vec::new();
         for v in &mut table.volumes {

@@ -5,6 +5,8 @@
 //! to slot `generation % 2`; a torn write therefore damages at most the newer copy and the
 //! older one is still valid. The layout is documented in `docs/metadata-format.md`.
 
+use std::collections::{HashMap, HashSet};
+
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -20,6 +22,49 @@ pub const SLOT_SIZE: u64 = 512 * 1024;
 pub const METADATA_AREA: u64 = 2 * SLOT_SIZE;
 /// Fixed header size in bytes.
 pub const HEADER_SIZE: usize = 72;
+/// Smallest minimum extent (buddy block) size a pool may have.
+pub const MIN_EXTENT_MIN: u64 = 64 * 1024;
+/// Largest minimum extent size a pool may have (1 TiB: far beyond any sensible choice, and
+/// small enough that `METADATA_AREA + min_extent` and friends cannot overflow).
+pub const MIN_EXTENT_MAX: u64 = 1 << 40;
+/// Most virtqueues a volume may have.
+pub const MAX_QUEUES: u16 = 64;
+/// Longest volume name in bytes.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// Checks a volume name: 1-64 characters of `A-Z a-z 0-9 . _ -`, not starting with `.`, not
+/// parsing as a UUID (volumes are looked up by name or UUID). Names end up in socket paths,
+/// so this is also what keeps a damaged table from naming a path outside the state directory.
+pub fn check_volume_name(name: &str) -> Result<(), String> {
+    if name.is_empty()
+        || name.len() > MAX_NAME_LEN
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        || name.starts_with('.')
+        || Uuid::parse_str(name).is_ok()
+    {
+        return Err(format!(
+            "volume name '{}' must be 1-{MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ -, not start with '.', and not look like a UUID",
+            printable(name)
+        ));
+    }
+    Ok(())
+}
+
+/// `name` shortened and escaped for an error message.
+fn printable(name: &str) -> String {
+    let mut s: String = name.chars().take(MAX_NAME_LEN).collect();
+    if s.len() < name.len() {
+        s.push('…');
+    }
+    s.escape_debug().to_string()
+}
+
+/// Bytes of a block of `order` when its size `min << order` fits in 64 bits.
+pub fn block_size(min: u64, order: u32) -> Option<u64> {
+    (min != 0 && order < 64 && order <= min.leading_zeros()).then(|| min << order)
+}
 
 /// The pool table, identical on every member device of a given generation.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -51,6 +96,124 @@ pub struct VolumeEntry {
     pub num_queues: u16,
     /// Extents in logical order.
     pub extents: Vec<ExtentEntry>,
+}
+
+impl PoolTable {
+    /// Checks every field that sizes, offsets or names anything, so that a table with valid
+    /// checksums but impossible contents (a bug, a bit flip before the checksum was taken,
+    /// a hand-edited or hostile device) is refused instead of panicking, overflowing or
+    /// silently dropping data. Says which device, volume and field is wrong, and why.
+    ///
+    /// Checked: `min_extent` is a power of two in `MIN_EXTENT_MIN..=MIN_EXTENT_MAX`; device
+    /// UUIDs are unique and every device holds the metadata area plus one extent; volume
+    /// names are valid and unique, volume UUIDs unique, sizes positive multiples of 512,
+    /// `num_queues` in `1..=MAX_QUEUES`; every extent is on a listed device, its block size
+    /// fits in 64 bits, it lies in the data area, aligned to its block size relative to the
+    /// data area, within the device's recorded size, and overlaps no other extent; and the
+    /// extents of each volume add up to exactly its size rounded up to `min_extent`.
+    pub fn validate(&self) -> Result<(), String> {
+        let min = self.min_extent;
+        if !min.is_power_of_two() || !(MIN_EXTENT_MIN..=MIN_EXTENT_MAX).contains(&min) {
+            return Err(format!(
+                "min_extent {min} is not a power of two between {MIN_EXTENT_MIN} and {MIN_EXTENT_MAX}"
+            ));
+        }
+        // Cannot overflow: min <= MIN_EXTENT_MAX.
+        let need = METADATA_AREA + min;
+        let mut devices: HashMap<Uuid, u64> = HashMap::with_capacity(self.devices.len());
+        for d in &self.devices {
+            if d.size < need {
+                return Err(format!(
+                    "device {}: size {} is smaller than the metadata area plus one extent ({need})",
+                    d.uuid, d.size
+                ));
+            }
+            if devices.insert(d.uuid, d.size).is_some() {
+                return Err(format!("duplicate device {} in the device table", d.uuid));
+            }
+        }
+        let mut names = HashSet::with_capacity(self.volumes.len());
+        let mut uuids = HashSet::with_capacity(self.volumes.len());
+        // (device, start, end, volume index) of every extent, for the overlap check.
+        let mut used: Vec<(Uuid, u64, u64, usize)> = Vec::new();
+        for (vi, v) in self.volumes.iter().enumerate() {
+            check_volume_name(&v.name).map_err(|e| format!("volume {}: {e}", v.uuid))?;
+            let what = format!("volume '{}'", v.name);
+            if !names.insert(v.name.as_str()) {
+                return Err(format!("duplicate volume name '{}'", v.name));
+            }
+            if !uuids.insert(v.uuid) {
+                return Err(format!("{what}: duplicate volume UUID {}", v.uuid));
+            }
+            if v.size == 0 || !v.size.is_multiple_of(512) {
+                return Err(format!(
+                    "{what}: size {} is not a positive multiple of 512",
+                    v.size
+                ));
+            }
+            if !(1..=MAX_QUEUES).contains(&v.num_queues) {
+                return Err(format!(
+                    "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
+                    v.num_queues
+                ));
+            }
+            let mut allocated = 0u64;
+            for (i, e) in v.extents.iter().enumerate() {
+                let dev_size = *devices.get(&e.device).ok_or_else(|| {
+                    format!("{what}: extent {i} is on unknown device {}", e.device)
+                })?;
+                let block = block_size(min, e.order).ok_or_else(|| {
+                    format!(
+                        "{what}: extent {i} has order {}: a block of {min} << {} bytes does not fit in 64 bits",
+                        e.order, e.order
+                    )
+                })?;
+                let rel = e.offset.checked_sub(METADATA_AREA).ok_or_else(|| {
+                    format!(
+                        "{what}: extent {i} at {} lies in the metadata area (data starts at {METADATA_AREA})",
+                        e.offset
+                    )
+                })?;
+                if !rel.is_multiple_of(block) {
+                    return Err(format!(
+                        "{what}: extent {i} at {} is not aligned to its block size {block}",
+                        e.offset
+                    ));
+                }
+                let end = e
+                    .offset
+                    .checked_add(block)
+                    .filter(|&end| end <= dev_size)
+                    .ok_or_else(|| {
+                        format!(
+                            "{what}: extent {i} at {} ({block} bytes) reaches beyond the end of device {} ({dev_size} bytes)",
+                            e.offset, e.device
+                        )
+                    })?;
+                allocated = allocated
+                    .checked_add(block)
+                    .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
+                used.push((e.device, e.offset, end, vi));
+            }
+            if v.size.checked_next_multiple_of(min) != Some(allocated) {
+                return Err(format!(
+                    "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
+                    v.size
+                ));
+            }
+        }
+        used.sort_unstable();
+        for w in used.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if a.0 == b.0 && b.1 < a.2 {
+                return Err(format!(
+                    "extents of volume '{}' and volume '{}' overlap on device {} at {}",
+                    self.volumes[a.3].name, self.volumes[b.3].name, a.0, b.1
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One buddy block of a volume.
@@ -142,10 +305,18 @@ pub fn decode(
     if version > FORMAT_VERSION {
         return SlotState::Unsupported(version);
     }
+    if version == 0 {
+        return SlotState::Corrupt("format version 0 does not exist".into());
+    }
     if u32_at(12) as usize != HEADER_SIZE {
         return SlotState::Corrupt(format!("header size {} unexpected", u32_at(12)));
     }
     let generation = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
+    // Generation 0 is never written (the first commit is 1), and after u64::MAX nothing could
+    // ever be committed again.
+    if generation == 0 || generation == u64::MAX {
+        return SlotState::Corrupt(format!("generation {generation} is out of range"));
+    }
     let len = u32_at(24) as usize;
     if len > SLOT_SIZE as usize - HEADER_SIZE {
         return SlotState::Corrupt(format!("payload length {len} exceeds the slot"));
@@ -164,6 +335,9 @@ pub fn decode(
     let pool_uuid = Uuid::from_slice(&header[32..48]).expect("16 bytes");
     if table.pool_uuid != pool_uuid {
         return SlotState::Corrupt("pool UUID in header and table differ".into());
+    }
+    if let Err(why) = table.validate() {
+        return SlotState::Corrupt(format!("pool table is invalid: {why}"));
     }
     SlotState::Valid(Record {
         generation,
@@ -222,8 +396,15 @@ pub fn read_device(dev: &FileDevice) -> DeviceState {
     DeviceState::Blank
 }
 
-/// Writes `rec` durably into slot `rec.generation % 2`.
+/// Writes `rec` durably into slot `rec.generation % 2`. Refuses a table that [`decode`] would
+/// refuse (a bug must not write a pool that no longer opens).
 pub fn write_record(dev: &FileDevice, rec: &Record) -> Result<(), String> {
+    rec.table
+        .validate()
+        .map_err(|e| format!("refusing to write an invalid pool table: {e}"))?;
+    if rec.generation == 0 || rec.generation == u64::MAX {
+        return Err(format!("generation {} is out of range", rec.generation));
+    }
     let img = encode(rec)?;
     dev.write_at_durable(&img, (rec.generation % 2) * SLOT_SIZE)
         .map_err(|e| e.to_string())
@@ -245,11 +426,16 @@ mod tests {
     use spool_devices::OpenOptions;
 
     fn table() -> PoolTable {
+        let device = Uuid::new_v4();
         PoolTable {
             name: "p".into(),
             pool_uuid: Uuid::new_v4(),
             min_extent: 1 << 20,
-            devices: vec![],
+            devices: vec![DeviceEntry {
+                uuid: device,
+                size: 4 << 20,
+                last_path: "/dev/null".into(),
+            }],
             volumes: vec![VolumeEntry {
                 uuid: Uuid::new_v4(),
                 name: "v".into(),
@@ -257,7 +443,7 @@ mod tests {
                 read_only: false,
                 num_queues: 1,
                 extents: vec![ExtentEntry {
-                    device: Uuid::new_v4(),
+                    device,
                     offset: METADATA_AREA,
                     order: 0,
                 }],
@@ -359,9 +545,306 @@ mod tests {
         assert_eq!(read_device(&dev), DeviceState::Unsupported(2));
     }
 
+    /// Two devices (9 MiB each, 1 MiB extents); volume "a" holds 3 MiB on the first (an
+    /// order-1 and an order-0 extent), volume "b" 2 MiB on the second.
+    fn two_device_table() -> PoolTable {
+        let d = [Uuid::from_u128(1), Uuid::from_u128(2)];
+        let dev = |uuid| DeviceEntry {
+            uuid,
+            size: 9 << 20,
+            last_path: String::new(),
+        };
+        let ext = |device, offset, order| ExtentEntry {
+            device,
+            offset,
+            order,
+        };
+        PoolTable {
+            name: "p".into(),
+            pool_uuid: Uuid::from_u128(9),
+            min_extent: 1 << 20,
+            devices: vec![dev(d[0]), dev(d[1])],
+            volumes: vec![
+                VolumeEntry {
+                    uuid: Uuid::from_u128(10),
+                    name: "a".into(),
+                    size: 3 << 20,
+                    read_only: false,
+                    num_queues: 1,
+                    extents: vec![
+                        ext(d[0], METADATA_AREA, 1),
+                        ext(d[0], METADATA_AREA + (2 << 20), 0),
+                    ],
+                },
+                VolumeEntry {
+                    uuid: Uuid::from_u128(11),
+                    name: "b".into(),
+                    size: (1 << 20) + 512,
+                    read_only: true,
+                    num_queues: 4,
+                    extents: vec![ext(d[1], METADATA_AREA, 1)],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        assert_eq!(two_device_table().validate(), Ok(()));
+        type Case = (fn(&mut PoolTable), &'static str);
+        let cases: Vec<Case> = vec![
+            (|t| t.min_extent = 0, "min_extent 0"),
+            (|t| t.min_extent = 3 << 19, "min_extent"),
+            (|t| t.min_extent = 1 << 41, "min_extent"),
+            (
+                |t| t.devices[1].size = SLOT_SIZE,
+                "smaller than the metadata area",
+            ),
+            (
+                |t| t.devices[1].uuid = t.devices[0].uuid,
+                "duplicate device",
+            ),
+            (
+                |t| t.volumes[0].extents[1].order = 44,
+                "volume 'a': extent 1 has order 44",
+            ),
+            (|t| t.volumes[0].extents[1].offset = 4096, "metadata area"),
+            (|t| t.volumes[0].extents[0].offset += 1 << 20, "not aligned"),
+            (
+                |t| t.volumes[1].extents[0].offset = 9 << 20,
+                "beyond the end",
+            ),
+            (
+                |t| t.volumes[1].extents[0].device = Uuid::nil(),
+                "unknown device",
+            ),
+            (
+                |t| t.volumes[1].extents[0].device = t.devices[0].uuid,
+                "overlap",
+            ),
+            (
+                |t| t.volumes[0].size = 5 << 20,
+                "does not match its extents",
+            ),
+            (
+                |t| t.volumes[0].size = 2 << 20,
+                "does not match its extents",
+            ),
+            (
+                |t| t.volumes[0].size = u64::MAX - 511,
+                "does not match its extents",
+            ),
+            (|t| t.volumes[0].size = 100, "multiple of 512"),
+            (|t| t.volumes[0].num_queues = 0, "num_queues"),
+            (
+                |t| t.volumes[1].name = "a".into(),
+                "duplicate volume name 'a'",
+            ),
+            (
+                |t| t.volumes[1].uuid = t.volumes[0].uuid,
+                "duplicate volume UUID",
+            ),
+            (|t| t.volumes[1].name = "x/../y".into(), "volume name"),
+        ];
+        for (mutate, expect) in cases {
+            let mut t = two_device_table();
+            mutate(&mut t);
+            let why = t.validate().expect_err(expect);
+            assert!(why.contains(expect), "{why} (expected '{expect}')");
+        }
+    }
+
+    #[test]
+    fn invalid_tables_are_neither_written_nor_read() {
+        let (_d, dev) = dev();
+        let mut t = table();
+        t.volumes[0].size = 8 << 20;
+        let rec = Record {
+            generation: 1,
+            device_uuid: Uuid::new_v4(),
+            table: t,
+        };
+        let e = write_record(&dev, &rec).unwrap_err();
+        assert!(e.contains("does not match its extents"), "{e}");
+        assert_eq!(read_device(&dev), DeviceState::Blank, "nothing was written");
+        // Written anyway (valid checksums): read as corrupt, saying why.
+        dev.write_at_durable(&encode(&rec).unwrap(), SLOT_SIZE)
+            .unwrap();
+        match read_device(&dev) {
+            DeviceState::Corrupt(why) => assert!(why.contains("volume 'v'"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        MinExtent(u64),
+        DeviceSize(usize, u64),
+        DeviceUuid(usize, u128),
+        VolumeSize(usize, u64),
+        Queues(usize, u16),
+        Name(usize, &'static str),
+        VolumeUuid(usize, u128),
+        ExtentDevice(usize, usize, u128),
+        ExtentOffset(usize, usize, u64),
+        ExtentOrder(usize, usize, u32),
+        DropExtent(usize, usize),
+        CopyExtent(usize, usize, usize),
+    }
+
+    fn interesting_u64() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(0u64),
+            Just(512),
+            Just(1 << 16),
+            Just(1 << 20),
+            Just(3 << 19),
+            Just(1 << 40),
+            Just(1 << 63),
+            Just(u64::MAX),
+            Just(u64::MAX - 511),
+            (0u64..20).prop_map(|k| METADATA_AREA + (k << 19)),
+            (0u64..40).prop_map(|k| k << 19),
+            any::<u64>(),
+        ]
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        use Mutation::*;
+        let i = || 0usize..3;
+        let u = || 0u128..4;
+        prop_oneof![
+            interesting_u64().prop_map(MinExtent),
+            (i(), interesting_u64()).prop_map(|(a, b)| DeviceSize(a, b)),
+            (i(), u()).prop_map(|(a, b)| DeviceUuid(a, b)),
+            (i(), interesting_u64()).prop_map(|(a, b)| VolumeSize(a, b)),
+            (
+                i(),
+                prop_oneof![Just(0u16), Just(1), Just(64), Just(65), any::<u16>()]
+            )
+                .prop_map(|(a, b)| Queues(a, b)),
+            (
+                i(),
+                prop_oneof![Just("a"), Just("b"), Just(""), Just("../x")]
+            )
+                .prop_map(|(a, b)| Name(a, b)),
+            (i(), 9u128..12).prop_map(|(a, b)| VolumeUuid(a, b)),
+            (i(), i(), u()).prop_map(|(a, b, c)| ExtentDevice(a, b, c)),
+            (i(), i(), interesting_u64()).prop_map(|(a, b, c)| ExtentOffset(a, b, c)),
+            (
+                i(),
+                i(),
+                prop_oneof![
+                    0u32..4,
+                    Just(20),
+                    Just(43),
+                    Just(44),
+                    Just(63),
+                    Just(64),
+                    any::<u32>()
+                ]
+            )
+                .prop_map(|(a, b, c)| ExtentOrder(a, b, c)),
+            (i(), i()).prop_map(|(a, b)| DropExtent(a, b)),
+            (i(), i(), i()).prop_map(|(a, b, c)| CopyExtent(a, b, c)),
+        ]
+    }
+
+    fn extent(t: &mut PoolTable, i: usize, j: usize) -> Option<&mut ExtentEntry> {
+        let nv = t.volumes.len();
+        let e = &mut t.volumes[i % nv].extents;
+        let n = e.len().max(1);
+        e.get_mut(j % n)
+    }
+
+    fn apply(t: &mut PoolTable, m: &Mutation) {
+        use Mutation::*;
+        let nv = t.volumes.len();
+        let nd = t.devices.len();
+        match *m {
+            MinExtent(v) => t.min_extent = v,
+            DeviceSize(d, v) => t.devices[d % nd].size = v,
+            DeviceUuid(d, v) => t.devices[d % nd].uuid = Uuid::from_u128(v),
+            VolumeSize(i, v) => t.volumes[i % nv].size = v,
+            Queues(i, v) => t.volumes[i % nv].num_queues = v,
+            Name(i, v) => t.volumes[i % nv].name = v.into(),
+            VolumeUuid(i, v) => t.volumes[i % nv].uuid = Uuid::from_u128(v),
+            ExtentDevice(i, j, v) => {
+                if let Some(e) = extent(t, i, j) {
+                    e.device = Uuid::from_u128(v);
+                }
+            }
+            ExtentOffset(i, j, v) => {
+                if let Some(e) = extent(t, i, j) {
+                    e.offset = v;
+                }
+            }
+            ExtentOrder(i, j, v) => {
+                if let Some(e) = extent(t, i, j) {
+                    e.order = v;
+                }
+            }
+            DropExtent(i, j) => {
+                let e = &mut t.volumes[i % nv].extents;
+                if !e.is_empty() {
+                    let n = e.len();
+                    e.remove(j % n);
+                }
+            }
+            CopyExtent(i, j, k) => {
+                let Some(&x) = t.volumes[i % nv]
+                    .extents
+                    .get(j % t.volumes[i % nv].extents.len().max(1))
+                else {
+                    return;
+                };
+                t.volumes[k % nv].extents.push(x);
+            }
+        }
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever a valid-checksum table says, decoding never panics, and a table that
+        /// passes validation is safe to use: every device's allocator can be rebuilt from it
+        /// (no extent overlaps, lies outside its device or is misaligned) and every volume's
+        /// extents cover exactly its size rounded up to the minimum extent.
+        #[test]
+        fn validated_tables_are_safe_to_use(
+            muts in prop::collection::vec(mutation(), 0..4),
+            generation in prop_oneof![Just(0u64), Just(1), Just(u64::MAX), any::<u64>()],
+        ) {
+            let mut t = two_device_table();
+            for m in &muts {
+                apply(&mut t, m);
+            }
+            let img = encode(&Record { generation, device_uuid: Uuid::from_u128(1), table: t.clone() })
+                .unwrap();
+            let st = decode(&img[..HEADER_SIZE], |len| Ok(img[HEADER_SIZE..HEADER_SIZE + len].to_vec()));
+            let valid = t.validate().is_ok() && generation != 0 && generation != u64::MAX;
+            prop_assert_eq!(matches!(st, SlotState::Valid(_)), valid, "{:?}", st);
+            if let SlotState::Valid(r) = st {
+                let t = r.table;
+                for d in &t.devices {
+                    let mut b = crate::buddy::Buddy::new(METADATA_AREA, d.size - METADATA_AREA, t.min_extent)
+                        .unwrap();
+                    for v in &t.volumes {
+                        for e in v.extents.iter().filter(|e| e.device == d.uuid) {
+                            prop_assert!(b.alloc_at(e.offset, e.order).is_ok(), "{:?} {:?}", e, t);
+                        }
+                    }
+                }
+                for v in &t.volumes {
+                    let sum: u64 = v.extents.iter().map(|e| t.min_extent << e.order).sum();
+                    prop_assert_eq!(sum, v.size.div_ceil(t.min_extent) * t.min_extent);
+                }
+            }
+        }
+    }
+
     #[test]
     fn decode_never_panics_on_garbage() {
-        use proptest::prelude::*;
         proptest!(|(bytes in prop::collection::vec(any::<u8>(), 0..200), len in 0usize..100)| {
             let _ = decode(&bytes, |_| Ok(vec![0u8; len]));
         });

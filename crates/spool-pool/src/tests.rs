@@ -307,3 +307,28 @@ fn devices_added_at_run_time_are_found_again_without_being_configured() {
     assert!(info.devices.iter().all(|x| x.present), "{:?}", info.devices);
     assert!(p.volumes()[0].online);
 }
+
+#[test]
+fn a_device_that_grew_keeps_its_extents_and_the_table_learns_its_size() {
+    let d = tempfile::tempdir().unwrap();
+    let s = [spec(d.path(), "a", 5)];
+    {
+        let mut p = Pool::open(&s, opts()).unwrap();
+        p.create_volume("v", 4 << 20, false, 1).unwrap();
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.path().join("a"))
+        .unwrap()
+        .set_len(9 << 20)
+        .unwrap();
+    {
+        let mut p = Pool::open(&s, opts()).unwrap();
+        assert_eq!(p.info().devices[0].size, 9 << 20);
+        // The new space is used, and the table written with it opens again.
+        p.create_volume("w", 4 << 20, false, 1).unwrap();
+    }
+    let p = Pool::open(&s, opts()).unwrap();
+    assert_eq!(p.volumes().len(), 2);
+    assert_eq!(p.info().free, 0);
+}

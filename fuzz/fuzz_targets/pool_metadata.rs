@@ -1,0 +1,175 @@
+//! Fuzzes pool metadata decoding and validation (`spool_pool::metadata::decode`), past the
+//! checksums: a slot image is built around the input with valid header and payload CRCs (and
+//! the payload's own pool UUID in the header), so whatever the pool table says reaches field
+//! validation. It must never panic, and whatever it accepts must be safe to use: every
+//! device's allocator rebuilds from the table (no extent overlaps, lies outside its device or
+//! is misaligned), every volume's extents cover exactly its size rounded up to the minimum
+//! extent, and the record survives an encode/decode round trip unchanged.
+//!
+//! The first input byte selects the mode: even = the rest is a raw slot image (header checks
+//! included), odd with bit 1 clear = the rest is the payload (JSON), odd with bit 1 set = the
+//! rest drives a generator of structurally plausible tables (reaching deep validation without
+//! a corpus).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use spool_pool::buddy::Buddy;
+use spool_pool::metadata::{
+    decode, encode, DeviceEntry, ExtentEntry, PoolTable, Record, SlotState, VolumeEntry,
+    FORMAT_VERSION, HEADER_SIZE, MAGIC, METADATA_AREA, SLOT_SIZE,
+};
+use uuid::Uuid;
+
+/// A slot image with valid checksums around `payload`.
+fn slot(generation: u64, payload: &[u8]) -> Vec<u8> {
+    let payload = &payload[..payload.len().min(SLOT_SIZE as usize - HEADER_SIZE)];
+    let pool = serde_json::from_slice::<PoolTable>(payload)
+        .map(|t| t.pool_uuid)
+        .unwrap_or_default();
+    let mut b = vec![0u8; HEADER_SIZE + payload.len()];
+    b[0..8].copy_from_slice(&MAGIC);
+    b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b[12..16].copy_from_slice(&(HEADER_SIZE as u32).to_le_bytes());
+    b[16..24].copy_from_slice(&generation.to_le_bytes());
+    b[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    b[28..32].copy_from_slice(&crc32c(payload).to_le_bytes());
+    b[32..48].copy_from_slice(pool.as_bytes());
+    b[48..64].copy_from_slice(Uuid::from_u128(1).as_bytes());
+    let h = crc32c(&b[0..64]);
+    b[64..68].copy_from_slice(&h.to_le_bytes());
+    b[HEADER_SIZE..].copy_from_slice(payload);
+    b
+}
+
+/// CRC32C (Castagnoli), bitwise: the fuzz crate does not depend on the crc32c crate.
+fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0x82f6_3b78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// Reads the input as a stream of choices (zeroes once it runs out).
+struct Bytes<'a>(&'a [u8]);
+
+impl Bytes<'_> {
+    fn u8(&mut self) -> u8 {
+        let (b, rest) = self.0.split_first().map_or((0, &[][..]), |(b, r)| (*b, r));
+        self.0 = rest;
+        b
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(std::array::from_fn(|_| self.u8()))
+    }
+    /// Mostly plausible sizes and offsets (multiples of 512 KiB past the metadata area),
+    /// sometimes anything.
+    fn offset(&mut self) -> u64 {
+        match self.u8() % 4 {
+            0 => self.u64(),
+            1 => (self.u8() as u64) << 9,
+            _ => METADATA_AREA + ((self.u8() as u64) << 19),
+        }
+    }
+}
+
+fn generated(b: &mut Bytes) -> PoolTable {
+    let min_extent = match b.u8() % 8 {
+        0 => b.u64(),
+        1 => 1 << (b.u8() % 64),
+        2 | 3 => 1 << 19,
+        _ => 1 << 20,
+    };
+    let devices = (0..b.u8() % 4)
+        .map(|_| DeviceEntry {
+            uuid: Uuid::from_u128(1 + (b.u8() % 4) as u128),
+            size: b.offset(),
+            last_path: String::new(),
+        })
+        .collect();
+    let volumes = (0..b.u8() % 4)
+        .map(|_| VolumeEntry {
+            uuid: Uuid::from_u128(100 + (b.u8() % 4) as u128),
+            name: ["a", "b", "c", "../x"][(b.u8() % 4) as usize].into(),
+            size: b.offset().wrapping_sub(METADATA_AREA),
+            read_only: false,
+            num_queues: b.u8() as u16 % 70,
+            extents: (0..b.u8() % 5)
+                .map(|_| ExtentEntry {
+                    device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
+                    offset: b.offset(),
+                    order: match b.u8() {
+                        x @ 0..=200 => (x % 5) as u32,
+                        _ => b.u8() as u32,
+                    },
+                })
+                .collect(),
+        })
+        .collect();
+    PoolTable {
+        name: "p".into(),
+        pool_uuid: Uuid::from_u128(9),
+        min_extent,
+        devices,
+        volumes,
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let img = if mode & 1 == 0 {
+        rest.to_vec()
+    } else if mode & 2 == 0 {
+        slot(1 + (mode >> 2) as u64, rest)
+    } else {
+        let t = generated(&mut Bytes(rest));
+        slot(1, &serde_json::to_vec(&t).unwrap())
+    };
+    let st = decode(&img[..img.len().min(HEADER_SIZE)], |len| {
+        img.get(HEADER_SIZE..HEADER_SIZE + len)
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| "short payload".to_string())
+    });
+    let SlotState::Valid(r) = st else {
+        return;
+    };
+    let t = &r.table;
+    for d in &t.devices {
+        let mut buddy = Buddy::new(METADATA_AREA, d.size - METADATA_AREA, t.min_extent)
+            .expect("a validated device has a valid allocator");
+        for v in &t.volumes {
+            for e in v.extents.iter().filter(|e| e.device == d.uuid) {
+                buddy
+                    .alloc_at(e.offset, e.order)
+                    .expect("a validated extent rebuilds into the allocator");
+            }
+        }
+    }
+    for v in &t.volumes {
+        let sum = v.extents.iter().try_fold(0u64, |a, e| {
+            a.checked_add(t.min_extent.checked_shl(e.order)?)
+        });
+        assert_eq!(sum, v.size.checked_next_multiple_of(t.min_extent));
+    }
+    let again = encode(&Record {
+        generation: r.generation,
+        device_uuid: r.device_uuid,
+        table: r.table.clone(),
+    })
+    .expect("a decoded table encodes");
+    match decode(&again[..HEADER_SIZE], |len| {
+        Ok(again[HEADER_SIZE..HEADER_SIZE + len].to_vec())
+    }) {
+        SlotState::Valid(r2) => assert_eq!(r2, r),
+        other => panic!("round trip: {other:?}"),
+    }
+});
