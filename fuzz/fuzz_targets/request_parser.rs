@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     q.set_used_ring_address(Some(used as u32), Some(0));
     q.set_event_idx(data[7] & 1 != 0);
     q.set_ready(true);
-    if !q.is_valid(&mem) {
+    if !q.is_valid(mem.map()) {
         return;
     }
     let limits = Limits {

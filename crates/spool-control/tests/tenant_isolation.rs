@@ -178,3 +178,71 @@ fn a_reposted_head_in_flight_is_never_completed_twice() {
     drop(fe);
     let _ = mem.fd.as_raw_fd();
 }
+
+/// Finding 2a: a region whose `mmap_offset + size` lies past the end of its memfd faulted
+/// (SIGBUS) on first access and killed the worker process, every tenant with it. It is
+/// refused at SET_MEM_TABLE now.
+#[test]
+fn a_memory_region_past_the_end_of_its_file_is_refused() {
+    let mut d = Spoold::start(CFG);
+    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
+    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    let worker = d.worker_pid();
+
+    // Only the descriptor table's page exists; the region claims 1 MiB.
+    let mem = GuestMem::new(1 << 20);
+    // SAFETY: shrinking our own memfd; we touch only its first page from here on.
+    assert_eq!(unsafe { libc::ftruncate(mem.fd.as_raw_fd(), 4096) }, 0);
+    let ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, true);
+    assert!(fe.closed(), "region past its file accepted\n{}", d.log());
+    assert!(d.log().contains("past the end of its file"), "{}", d.log());
+    assert_eq!(d.worker_pid(), worker, "the worker died\n{}", d.log());
+    victim_ok(&mut d, &mut victim, "region past the end");
+}
+
+/// Finding 2b: a memfd truncated after SET_MEM_TABLE faults under the worker; the fault must
+/// end that session only (the handler recognises guest mappings), not kill the process and
+/// then every restarted worker that replays the journaled request.
+#[test]
+fn guest_memory_truncated_under_a_worker_fails_that_session_only() {
+    let mut d = Spoold::start(CFG);
+    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
+    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    let worker = d.worker_pid();
+
+    let mem = GuestMem::new(1 << 20);
+    let mut ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, true);
+    fe.sync().unwrap();
+    // One request works.
+    ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
+    ring.post(&mem, 0);
+    assert_eq!(ring.wait_used(&mem, 1, Duration::from_secs(10)).len(), 1);
+    assert_eq!(ring.status(&mem, 0), 0);
+    // The next request's header and data lie in pages the frontend then cuts off (the
+    // rings stay: we must still be able to post it ourselves).
+    ring.prepare(&mem, 3, 1, T_OUT, 8, 4096);
+    // SAFETY: shrinking our own memfd; we touch nothing past 0x8000 from here on.
+    assert_eq!(
+        unsafe { libc::ftruncate(mem.fd.as_raw_fd(), common::raw::HDR as i64) },
+        0
+    );
+    ring.post(&mem, 3);
+    assert!(
+        fe.closed(),
+        "session not ended after its memory faulted\n{}",
+        d.log()
+    );
+    assert!(d.log().contains("memory faulted"), "{}", d.log());
+    assert_eq!(d.worker_pid(), worker, "the worker died\n{}", d.log());
+    victim_ok(&mut d, &mut victim, "truncated memfd");
+    // The volume serves the next (well-behaved) frontend.
+    let mut c = connect(&d.socket("target"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 8192, &pattern(3, 8192, 4096)), 0);
+    let (r, data) = c.read_sync(0, 8192, 4096);
+    assert_eq!(r, 0);
+    assert!(data == pattern(3, 8192, 4096));
+}

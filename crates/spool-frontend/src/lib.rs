@@ -86,6 +86,42 @@ pub struct VolumeContext {
     name: String,
     layout: Arc<ArcSwap<VolumeLayout>>,
     settings: FrontendSettings,
+    fault: Arc<SessionFault>,
+}
+
+/// How a worker tells the volume's serving thread that the session must end: the frontend's
+/// memory faulted under it (a truncated memfd). The serving thread watches the eventfd and
+/// closes that connection only.
+#[derive(Debug)]
+pub struct SessionFault {
+    efd: Option<vmm_sys_util::eventfd::EventFd>,
+}
+
+impl SessionFault {
+    fn new() -> Self {
+        SessionFault {
+            efd: vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).ok(),
+        }
+    }
+
+    /// Asks the serving thread to close the connection.
+    pub fn raise(&self) {
+        if let Some(e) = &self.efd {
+            let _ = e.write(1);
+        }
+    }
+
+    /// Whether it was raised since the last call (clears it).
+    pub fn take(&self) -> bool {
+        self.efd.as_ref().is_some_and(|e| e.read().is_ok())
+    }
+
+    /// The eventfd to watch (None if it could not be created: faults then only stop the
+    /// queue, and the connection stays open until the frontend closes it).
+    pub fn fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.efd.as_ref().map(|e| e.as_raw_fd())
+    }
 }
 
 impl VolumeContext {
@@ -95,6 +131,7 @@ impl VolumeContext {
             name: layout.name.clone(),
             layout: Arc::new(ArcSwap::from_pointee(layout)),
             settings,
+            fault: Arc::new(SessionFault::new()),
         })
     }
 
@@ -135,6 +172,11 @@ impl VolumeContext {
     /// Data-path settings.
     pub fn settings(&self) -> &FrontendSettings {
         &self.settings
+    }
+
+    /// The signal that ends the current session after a fault in its memory.
+    pub fn fault(&self) -> &Arc<SessionFault> {
+        &self.fault
     }
 }
 

@@ -7,16 +7,62 @@
 //! until that I/O completes.
 
 use std::fs::File;
+use std::ops::Deref;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use spool_sigbus::Watch;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
-use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap};
+use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
-use crate::request::GuestMemory;
+/// Most memory slots we accept (GET_MAX_MEM_SLOTS). Every region's descriptor must fit in
+/// the one keeper message that carries a session across a restart, next to the connection
+/// and three eventfds per queue (see `spool_keeper::MAX_FDS`); QEMU needs a handful of slots
+/// (8 to 32 with memory hot-plug), libblkio one per buffer region.
+pub const MAX_MEM_SLOTS: u64 = 64;
 
-/// Most memory slots we accept (GET_MAX_MEM_SLOTS).
-pub const MAX_MEM_SLOTS: u64 = 509;
+/// Guest memory as the workers see it: the vm-memory map plus the mappings it points into,
+/// which stay mapped (and registered for DMA, and watched for SIGBUS) as long as any map
+/// that refers to them is alive: a worker keeps the maps it took requests under until those
+/// requests complete.
+#[derive(Default)]
+pub struct GuestMemory {
+    mem: GuestMemoryMmap<()>,
+    owned: Vec<Arc<OwnedMapping>>,
+}
+
+impl Deref for GuestMemory {
+    type Target = GuestMemoryMmap<()>;
+    fn deref(&self) -> &Self::Target {
+        &self.mem
+    }
+}
+
+impl GuestMemory {
+    /// Anonymous guest memory at the given ranges (tests and fuzzers).
+    pub fn from_ranges(
+        ranges: &[(GuestAddress, usize)],
+    ) -> Result<Self, vm_memory::mmap::FromRangesError> {
+        Ok(GuestMemory {
+            mem: GuestMemoryMmap::from_ranges(ranges)?,
+            owned: Vec::new(),
+        })
+    }
+
+    /// The vm-memory map (for the `vm_memory::GuestMemory` trait's generic users).
+    pub fn map(&self) -> &GuestMemoryMmap<()> {
+        &self.mem
+    }
+
+    /// Whether any of the frontend's regions in this map faulted (its memfd was truncated or
+    /// otherwise pulled away): the session must be failed; the region now reads zeroes.
+    pub fn faulted(&self) -> bool {
+        self.owned
+            .iter()
+            .any(|m| m.watch.as_ref().is_some_and(Watch::faulted))
+    }
+}
 
 #[derive(Debug, Clone)]
 struct Mapping {
@@ -27,13 +73,35 @@ struct Mapping {
     /// Offset of the region in its file.
     offset: u64,
     region: Arc<GuestRegionMmap<()>>,
-    /// Keeps the region mapped for device DMA (zero-copy NVMe) while the table holds it.
-    _dma: Arc<DmaRegistration>,
+    owned: Arc<OwnedMapping>,
 }
 
-/// The region's registration for device DMA, undone when the table lets go of the region. A
-/// command still in flight into a region the frontend removed then fails on the IOMMU
-/// instead of touching memory that is no longer the guest's.
+/// One frontend region mapped by us. Undone in order when the last map referring to it is
+/// dropped: the DMA registration first (no device can be handed its IOVA any more), then the
+/// SIGBUS watch, then the mapping itself, so no I/O still in flight into it loses its memory
+/// and no reused address is ever covered or handed to a device by mistake.
+#[derive(Debug)]
+struct OwnedMapping {
+    addr: usize,
+    len: usize,
+    file: File,
+    watch: Option<Watch>,
+    dma: Option<DmaRegistration>,
+}
+
+impl Drop for OwnedMapping {
+    fn drop(&mut self) {
+        drop(self.dma.take());
+        drop(self.watch.take());
+        // SAFETY: our own mapping of `len` bytes at `addr` (made in `map`); no map refers to
+        // it any more (this is the last reference), so nothing reads or writes it.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// The region's registration for device DMA, undone when the region is unmapped. A command
+/// still in flight into a region the frontend removed keeps it mapped and registered until
+/// the command completed.
 #[derive(Debug)]
 struct DmaRegistration {
     addr: u64,
@@ -41,10 +109,7 @@ struct DmaRegistration {
 }
 
 impl DmaRegistration {
-    fn new(region: &GuestRegionMmap<()>) -> Self {
-        use vm_memory::GuestMemoryRegion;
-        let addr = region.as_ptr() as u64;
-        let len = region.len();
+    fn new(addr: u64, len: u64) -> Self {
         if let Err(e) = spool_devices::register_dma_memory(addr, len) {
             // Not fatal: NVMe requests into this region fall back to bounce buffers.
             tracing::warn!(error = %e, "guest memory cannot be mapped for device DMA; NVMe I/O will copy");
@@ -87,36 +152,101 @@ pub enum MemoryError {
     NotFound(u64),
 }
 
-fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
-    let size = usize::try_from(r.memory_size).map_err(|_| MemoryError::Map {
-        gpa: r.guest_phys_addr,
-        size: r.memory_size,
-        why: "size too large".into(),
-    })?;
-    if size == 0 || r.guest_phys_addr.checked_add(r.memory_size).is_none() {
-        return Err(MemoryError::Map {
-            gpa: r.guest_phys_addr,
-            size: r.memory_size,
-            why: "empty or wrapping region".into(),
-        });
+/// Checks that `file` really holds `[offset, offset+size)`: a shared mapping past the end of
+/// its file raises SIGBUS on first access. A file sealed against shrinking (QEMU's memfd
+/// backend seals by default) cannot be cut short later either; any other can, which the
+/// SIGBUS watch on the mapping covers.
+fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
+    use std::os::unix::fs::FileTypeExt;
+    let m = file
+        .metadata()
+        .map_err(|e| format!("cannot stat its descriptor: {e}"))?;
+    let t = m.file_type();
+    if !(t.is_file() || t.is_block_device()) {
+        return Err("its descriptor is not a regular file or memfd".into());
     }
-    let region = GuestRegionMmap::from_range(
-        GuestAddress(r.guest_phys_addr),
-        size,
-        Some(FileOffset::new(file, r.mmap_offset)),
-    )
-    .map_err(|e| MemoryError::Map {
+    let end = offset
+        .checked_add(size)
+        .ok_or("mmap_offset + size overflows")?;
+    if t.is_file() && m.len() < end {
+        return Err(format!(
+            "mmap_offset {offset:#x} + size {size:#x} lies past the end of its file ({:#x} bytes)",
+            m.len()
+        ));
+    }
+    if !offset.is_multiple_of(page_size()) {
+        return Err(format!("mmap_offset {offset:#x} is not page-aligned"));
+    }
+    Ok(())
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
+    let err = |why: String| MemoryError::Map {
         gpa: r.guest_phys_addr,
         size: r.memory_size,
-        why: e.to_string(),
-    })?;
+        why,
+    };
+    let size = usize::try_from(r.memory_size).map_err(|_| err("size too large".into()))?;
+    if size == 0 || r.guest_phys_addr.checked_add(r.memory_size).is_none() {
+        return Err(err("empty or wrapping region".into()));
+    }
+    check_backing(&file, r.mmap_offset, r.memory_size).map_err(err)?;
+    let offset =
+        libc::off_t::try_from(r.mmap_offset).map_err(|_| err("offset too large".into()))?;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    let flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
+    // SAFETY: a new shared mapping of `size` bytes of the frontend's file at a checked
+    // offset (the file holds that range, checked above); the kernel picks the address.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            prot,
+            flags,
+            file.as_raw_fd(),
+            offset,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(err(std::io::Error::last_os_error().to_string()));
+    }
+    let watch = Watch::new(addr as usize, size, 0);
+    if !watch.is_watched() {
+        tracing::warn!(
+            gpa = { r.guest_phys_addr },
+            "no SIGBUS watch slot left for guest memory: a truncated memfd would kill the process"
+        );
+    }
+    let owned = Arc::new(OwnedMapping {
+        addr: addr as usize,
+        len: size,
+        file,
+        watch: Some(watch),
+        dma: Some(DmaRegistration::new(addr as u64, size as u64)),
+    });
+    // SAFETY: `addr..addr+size` is the mapping made above with these prot and flags; it stays
+    // mapped while `owned` lives, and every map that refers to the region holds `owned`.
+    let raw = unsafe { MmapRegion::<()>::build_raw(addr.cast(), size, prot, flags) }
+        .map_err(|e| err(e.to_string()))?;
+    let region = GuestRegionMmap::new(raw, GuestAddress(r.guest_phys_addr))
+        .ok_or_else(|| err("region wraps the guest address space".into()))?;
     Ok(Mapping {
         gpa: r.guest_phys_addr,
         size: r.memory_size,
         vva: r.user_addr,
         offset: r.mmap_offset,
-        _dma: Arc::new(DmaRegistration::new(&region)),
         region: Arc::new(region),
+        owned,
     })
 }
 
@@ -127,9 +257,11 @@ impl MemoryTable {
     }
 
     fn publish(&mut self, maps: Vec<Mapping>) -> Result<(), MemoryError> {
-        let mem = GuestMemory::from_arc_regions(maps.iter().map(|m| m.region.clone()).collect())
-            .map_err(|e| MemoryError::Layout(e.to_string()))?;
-        self.shared.store(Arc::new(mem));
+        let mem =
+            GuestMemoryMmap::from_arc_regions(maps.iter().map(|m| m.region.clone()).collect())
+                .map_err(|e| MemoryError::Layout(e.to_string()))?;
+        let owned = maps.iter().map(|m| m.owned.clone()).collect();
+        self.shared.store(Arc::new(GuestMemory { mem, owned }));
         self.maps = maps;
         Ok(())
     }
@@ -185,15 +317,13 @@ impl MemoryTable {
     /// The table as the frontend sent it, with each region's file (for the keeper: a restarted
     /// process maps the same files again).
     pub fn regions(&self) -> Vec<(VhostUserMemoryRegion, std::os::fd::RawFd)> {
-        use std::os::fd::AsRawFd;
         self.maps
             .iter()
-            .filter_map(|m| {
-                let fd = m.region.file_offset()?.file().as_raw_fd();
-                Some((
+            .map(|m| {
+                (
                     VhostUserMemoryRegion::new(m.gpa, m.size, m.vva, m.offset),
-                    fd,
-                ))
+                    m.owned.file.as_raw_fd(),
+                )
             })
             .collect()
     }

@@ -12,12 +12,12 @@ use smallvec::SmallVec;
 use spool_devices::IoVec;
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
 
 use crate::hostmem::HostMap;
 
 /// Guest memory as the frontend maps it.
-pub type GuestMemory = GuestMemoryMmap<()>;
+pub use crate::memory::GuestMemory;
 
 /// A request's data buffers: up to four without a heap allocation (libblkio and Linux use
 /// one per page or per contiguous run).
@@ -483,7 +483,7 @@ mod tests {
         descs: &[RawDescriptor],
         limits: &Limits,
     ) -> Result<Request, Rejected> {
-        let q = MockSplitQueue::new(mem, 16);
+        let q = MockSplitQueue::new(mem.map(), 16);
         let n = descs.len();
         let chained: Vec<RawDescriptor> = descs
             .iter()
@@ -500,7 +500,7 @@ mod tests {
             .collect();
         q.add_desc_chains(&chained, 0).unwrap();
         let mut queue: Queue = q.create_queue().unwrap();
-        let chain = queue.iter(mem).unwrap().next().unwrap();
+        let chain = queue.iter(mem.map()).unwrap().next().unwrap();
         let head = chain.head_index();
         parse(head, chain, &HostMap::new(mem), limits)
     }
@@ -760,7 +760,7 @@ mod tests {
     fn looping_chain_is_bounded_and_rejected() {
         let m = mem();
         header(&m, 0x1000, VIRTIO_BLK_T_IN, 0);
-        let q = MockSplitQueue::new(&m, 4);
+        let q = MockSplitQueue::new(m.map(), 4);
         // 0 -> 1 -> 0 -> ... never ends.
         let descs = [
             RawDescriptor::from(Descriptor::new(0x1000, 16, VRING_DESC_F_NEXT as u16, 1)),
@@ -777,7 +777,7 @@ mod tests {
         q.avail().ring().ref_at(0).unwrap().store(0u16.to_le());
         q.avail().idx().store(1u16.to_le());
         let mut queue: Queue = q.create_queue().unwrap();
-        let chain = queue.iter(&m).unwrap().next().unwrap();
+        let chain = queue.iter(m.map()).unwrap().next().unwrap();
         let e = parse(chain.head_index(), chain, &HostMap::new(&m), &limits()).unwrap_err();
         assert!(e.reason.contains("loops"), "{e:?}");
     }

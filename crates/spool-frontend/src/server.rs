@@ -32,6 +32,7 @@ const DETACH: u8 = 2;
 const TOKEN_WAKE: u64 = 0;
 const TOKEN_LISTEN: u64 = 1;
 const TOKEN_CONN: u64 = 2;
+const TOKEN_FAULT: u64 = 3;
 
 /// Keeper key of a volume's listening socket.
 pub fn listen_key(volume: uuid::Uuid) -> String {
@@ -121,6 +122,13 @@ impl VolumeServer {
             wake.as_raw_fd(),
             EpollEvent::new(EventSet::IN, TOKEN_WAKE),
         )?;
+        if let Some(fd) = ctx.fault().fd() {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, TOKEN_FAULT),
+            )?;
+        }
         let mode = Arc::new(AtomicU8::new(RUN));
         let connected = Arc::new(AtomicBool::new(false));
         let session: SessionSlot = Arc::new(Mutex::new(None));
@@ -307,8 +315,10 @@ impl Serve {
                     let r = Ready {
                         listen: ev[..n].iter().any(|e| e.data() == TOKEN_LISTEN),
                         conn: ev[..n].iter().any(|e| e.data() == TOKEN_CONN),
+                        fault: ev[..n].iter().any(|e| e.data() == TOKEN_FAULT)
+                            && self.ctx.fault().take(),
                     };
-                    if r.listen || r.conn {
+                    if r.listen || r.conn || r.fault {
                         return Some(r);
                     }
                 }
@@ -362,8 +372,9 @@ impl Serve {
 
     fn accept_loop(&self, listener: &UnixListener) {
         while self.running() {
-            if !self.wait().is_some_and(|r| r.listen) {
-                break;
+            let Some(ready) = self.wait() else { break };
+            if !ready.listen {
+                continue; // a late fault signal of the session that already ended
             }
             let stream = match listener.accept() {
                 Ok((s, _)) => s,
@@ -392,6 +403,8 @@ impl Serve {
 struct Ready {
     listen: bool,
     conn: bool,
+    /// A worker found the session's memory faulted.
+    fault: bool,
 }
 
 /// The process id of a Unix socket's peer, for log lines (None if the kernel cannot say).
@@ -468,6 +481,10 @@ impl Serve {
         );
         while added.is_ok() && self.running() {
             let Some(ready) = self.wait() else { break };
+            if ready.fault {
+                tracing::error!(volume = %self.ctx.name(), "closing the vhost-user connection: the frontend's memory faulted under a worker (its memfd was truncated?); other volumes are unaffected");
+                break;
+            }
             // The connection first: if it just ended, a waiting newcomer is the next client.
             if ready.conn {
                 match handler.handle_request() {

@@ -327,7 +327,7 @@ impl Session {
         q.set_ready(true);
         let mem = self.mem.shared();
         let guard = mem.load_full();
-        if !q.is_valid(&*guard) {
+        if !q.is_valid(guard.map()) {
             return Err(invalid(
                 &format!("queue {index}: size {} or ring addresses invalid", v.size),
                 &ctx,
@@ -336,6 +336,12 @@ impl Session {
         // The used index the guest sees is authoritative for where completions continue.
         let (avail_idx, used_idx) =
             ring_indices(&q, &guard).map_err(|_| invalid("rings unreadable", &ctx))?;
+        if guard.faulted() {
+            return Err(invalid(
+                &format!("queue {index}: guest memory faulted (its file was truncated?)"),
+                &ctx,
+            ));
+        }
         q.set_next_used(used_idx);
         drop(guard);
         // The journal, not SET_VRING_BASE, decides where the queue resumes (Algorithm 2).
@@ -415,6 +421,7 @@ impl Session {
             io_timeout: ctx.settings().io_timeout,
             request_retries: ctx.settings().request_retries,
             volume: ctx.name().to_string(),
+            fault: ctx.fault().clone(),
         };
         let w = WorkerHandle::spawn(spec)
             .map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;

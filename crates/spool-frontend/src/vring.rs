@@ -555,8 +555,8 @@ pub fn resume(
 /// Reads the avail and used indices of a ring.
 pub fn ring_indices(q: &Queue, mem: &GuestMemory) -> Result<(u16, u16), RingError> {
     Ok((
-        q.avail_idx(mem, Ordering::Acquire)?.0,
-        q.used_idx(mem, Ordering::Acquire)?.0,
+        q.avail_idx(mem.map(), Ordering::Acquire)?.0,
+        q.used_idx(mem.map(), Ordering::Acquire)?.0,
     ))
 }
 

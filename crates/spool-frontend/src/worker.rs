@@ -49,6 +49,8 @@ pub struct WorkerSpec {
     pub io_timeout: Duration,
     pub request_retries: u32,
     pub volume: String,
+    /// Raised when the frontend's memory faulted under this worker: the session must end.
+    pub fault: Arc<crate::SessionFault>,
 }
 
 /// Handle to a running worker.
@@ -217,6 +219,9 @@ pub struct QueueWorker {
     /// Guest-triggered warnings, rate-limited per worker (a guest must not flood the log).
     dup_log: LogLimit,
     io_err_log: LogLimit,
+    /// `spool_sigbus::faults()` when last checked, and where to report a fault of ours.
+    seen_faults: u64,
+    fault: Arc<crate::SessionFault>,
 }
 
 /// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
@@ -282,6 +287,8 @@ impl QueueWorker {
             rounds: 0,
             dup_log: ratelimit::guest_warning(),
             io_err_log: ratelimit::guest_warning(),
+            seen_faults: spool_sigbus::faults(),
+            fault: spec.fault,
         };
         w.open_device_queues()?;
         Ok(w)
@@ -365,6 +372,7 @@ impl QueueWorker {
             }
             self.refresh_layout();
             let mem = self.mem.load().clone();
+            self.check_memory_faults(&mem);
             self.check_health(&mem);
             self.rounds = self.rounds.wrapping_add(1);
             if self.rounds.is_multiple_of(1024) {
@@ -403,7 +411,7 @@ impl QueueWorker {
                 continue;
             }
             // Event-driven mode: ask the guest and the devices to wake us, re-check, sleep.
-            match self.vq.queue.enable_notification(&*mem) {
+            match self.vq.queue.enable_notification(mem.map()) {
                 Ok(true) => continue,
                 Ok(false) => {}
                 Err(e) => {
@@ -453,7 +461,7 @@ impl QueueWorker {
                 }
             }
             if !self.broken {
-                let _ = self.vq.queue.disable_notification(&*mem);
+                let _ = self.vq.queue.disable_notification(mem.map());
             }
             self.set_device_events(false);
             last_work = Instant::now();
@@ -488,6 +496,23 @@ impl QueueWorker {
         }
         if self.in_flight > 0 {
             tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
+        }
+    }
+
+    /// A fault in guest memory (the frontend truncated its memfd under us) was survived by
+    /// the SIGBUS handler, which put zeroes where the region was: this session's memory is
+    /// gone, so its queue stops and the session is ended. One relaxed load per round when no
+    /// fault happened anywhere in the process.
+    #[inline]
+    fn check_memory_faults(&mut self, mem: &Arc<GuestMemory>) {
+        let now = spool_sigbus::faults();
+        if now == self.seen_faults {
+            return;
+        }
+        self.seen_faults = now;
+        if mem.faulted() || self.retired_maps.iter().any(|m| m.faulted()) {
+            self.fail_queue("the frontend's memory faulted (its file was truncated?)");
+            self.fault.raise();
         }
     }
 

@@ -173,9 +173,17 @@ impl RawFrontend {
         Ok(u64::from_le_bytes(body[..8].try_into().unwrap()))
     }
 
-    /// Whether spoold closed the connection (within 10 s).
+    /// Whether spoold closes the connection within 5 s (asked with GET_FEATURES every 50 ms:
+    /// a close may follow a worker's finding, after the messages sent so far were answered).
     pub fn closed(&mut self) -> bool {
-        self.sync().is_err()
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if self.sync().is_err() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
     }
 
     pub fn set_mem_table(&mut self, regions: &[(u64, u64, u64, u64)], fds: &[RawFd]) {

@@ -1,0 +1,253 @@
+//! SIGBUS safety for shared mappings whose backing another party controls: guest memory (a
+//! frontend can truncate the memfd it gave us) and device BARs (a device can go away).
+//!
+//! Owns: the process's one SIGBUS handler and the table of watched mappings. A load or store
+//! to a watched mapping that faults does not kill the process (and every tenant with it): the
+//! handler maps anonymous memory filled with the mapping's fill byte over the whole mapping
+//! (0x00 for guest memory, 0xff for a BAR: a gone PCIe device reads all ones), flags the
+//! watch and returns, so the access is retried on the dummy memory. The owner polls
+//! [`Watch::faulted`] (or the cheap process-wide [`faults`] counter first) and fails only what
+//! depended on that mapping. A fault anywhere else is not ours: the default action is
+//! restored and the access faults again, as without this crate.
+//!
+//! Must not know: what the mappings are (guests, devices, sessions); that is the owner's.
+//!
+//! The handler only reads atomics, calls mmap and writes memory it just mapped, which is
+//! async-signal-safe in practice on Linux. An owner must drop its [`Watch`] (or call
+//! [`unwatch`]) before it unmaps the range, so the handler never covers an address that has
+//! been reused for something else.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Once;
+
+/// Watched mappings at most (guest regions of every session plus BARs). A mapping that finds
+/// no free slot is not watched: a fault on it is fatal, as without this crate.
+pub const SLOTS: usize = 4096;
+
+struct Slot {
+    start: AtomicUsize,
+    len: AtomicUsize,
+    fill: AtomicU8,
+    faulted: AtomicBool,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY: Slot = Slot {
+    start: AtomicUsize::new(0),
+    len: AtomicUsize::new(0),
+    fill: AtomicU8::new(0),
+    faulted: AtomicBool::new(false),
+};
+static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
+/// One past the highest slot ever used: the handler scans no further.
+static HIGH: AtomicUsize = AtomicUsize::new(0);
+/// Faults handled so far, process-wide.
+static FAULTS: AtomicU64 = AtomicU64::new(0);
+static INSTALL: Once = Once::new();
+
+/// Maps anonymous memory filled with `fill` over `[start, start+len)`; true on success.
+///
+/// # Safety
+/// `[start, start+len)` must be a mapping of this process that the caller owns and that
+/// nothing unmaps concurrently; whatever referenced its old contents now sees `fill` bytes.
+pub unsafe fn cover(start: usize, len: usize, fill: u8) -> bool {
+    // SAFETY: replaces the caller-owned mapping in place (MAP_FIXED), per the contract.
+    let p = unsafe {
+        libc::mmap(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return false;
+    }
+    if fill != 0 {
+        // SAFETY: the fresh anonymous mapping is `len` writable bytes.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), fill, len) };
+    }
+    true
+}
+
+extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    let high = HIGH.load(Ordering::Acquire).min(SLOTS);
+    for s in TABLE[..high].iter() {
+        let start = s.start.load(Ordering::Acquire);
+        let len = s.len.load(Ordering::Acquire);
+        if start != 0 && start != usize::MAX && addr >= start && addr - start < len {
+            // SAFETY: the slot describes a live watched mapping (owners clear the slot
+            // before they unmap), which the handler may replace as the owner agreed.
+            if unsafe { cover(start, len, s.fill.load(Ordering::Acquire)) } {
+                s.faulted.store(true, Ordering::Release);
+                FAULTS.fetch_add(1, Ordering::AcqRel);
+                return;
+            }
+        }
+    }
+    // Not a watched mapping (or the cover failed): the default action happens on the
+    // re-executed access.
+    // SAFETY: resetting a signal disposition; no memory is involved.
+    unsafe { libc::signal(sig, libc::SIG_DFL) };
+}
+
+fn install() {
+    INSTALL.call_once(|| {
+        // SAFETY: a zeroed sigaction is valid; we fill handler, flags and an empty mask.
+        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+        sa.sa_sigaction = on_sigbus as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+        // SAFETY: sigemptyset writes the mask inside our struct; sigaction reads it.
+        unsafe {
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) != 0 {
+                eprintln!(
+                    "spoold: cannot install the SIGBUS handler: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    });
+}
+
+/// Watches `[start, start+len)`; a fault in it is covered with `fill` bytes. Returns the
+/// slot, or None when every slot is taken (then a fault on it is fatal).
+pub fn watch(start: usize, len: usize, fill: u8) -> Option<usize> {
+    if start == 0 || len == 0 {
+        return None;
+    }
+    install();
+    for (i, s) in TABLE.iter().enumerate() {
+        if s.start
+            .compare_exchange(0, usize::MAX, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            s.len.store(len, Ordering::Release);
+            s.fill.store(fill, Ordering::Release);
+            s.faulted.store(false, Ordering::Release);
+            s.start.store(start, Ordering::Release);
+            HIGH.fetch_max(i + 1, Ordering::AcqRel);
+            return Some(i);
+        }
+    }
+    None
+}
+
+/// Whether the mapping in `slot` faulted (and is now covered by dummy memory).
+pub fn faulted(slot: usize) -> bool {
+    TABLE
+        .get(slot)
+        .is_some_and(|s| s.faulted.load(Ordering::Acquire))
+}
+
+/// Stops watching `slot` (before the mapping is unmapped).
+pub fn unwatch(slot: usize) {
+    if let Some(s) = TABLE.get(slot) {
+        s.start.store(0, Ordering::Release);
+    }
+}
+
+/// Faults handled so far in this process: one relaxed load tells a poller whether any
+/// watched mapping faulted since it last looked.
+#[inline]
+pub fn faults() -> u64 {
+    FAULTS.load(Ordering::Relaxed)
+}
+
+/// A watched mapping, unwatched on drop (drop it before unmapping).
+#[derive(Debug)]
+pub struct Watch {
+    slot: Option<usize>,
+}
+
+impl Watch {
+    /// Watches `[start, start+len)` with `fill` as the cover byte. A watch that found no
+    /// slot is inert (`is_watched` is false).
+    pub fn new(start: usize, len: usize, fill: u8) -> Watch {
+        Watch {
+            slot: watch(start, len, fill),
+        }
+    }
+
+    /// Whether a fault on the mapping is survived.
+    pub fn is_watched(&self) -> bool {
+        self.slot.is_some()
+    }
+
+    /// Whether the mapping faulted (its contents are now dummy memory).
+    pub fn faulted(&self) -> bool {
+        self.slot.is_some_and(faulted)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(s) = self.slot {
+            unwatch(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real SIGBUS: a shared mapping of a memfd beyond its end faults on access (as a BAR
+    /// does when its device is gone, and guest memory does when the frontend truncates it).
+    fn beyond_end(pages: usize) -> (libc::c_int, *mut libc::c_void) {
+        // SAFETY: memfd_create with a static name; checked.
+        let fd = unsafe { libc::memfd_create(c"spool-sigbus-test".as_ptr(), 0) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh shared mapping of an empty file (accesses fault).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096 * pages,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        (fd, p)
+    }
+
+    #[test]
+    fn a_fault_on_a_watched_mapping_is_survived_with_its_fill() {
+        for fill in [0xffu8, 0x00] {
+            let (fd, p) = beyond_end(2);
+            let before = faults();
+            let w = Watch::new(p as usize, 8192, fill);
+            assert!(w.is_watched());
+            // SAFETY: reading the watched mapping: SIGBUS, handled by covering it.
+            let v = unsafe { p.cast::<u32>().add(1).read_volatile() };
+            assert_eq!(v, u32::from_ne_bytes([fill; 4]));
+            assert!(w.faulted());
+            assert!(faults() > before);
+            // Writes go to the dummy memory now.
+            // SAFETY: the dummy mapping is writable.
+            unsafe { p.cast::<u32>().write_volatile(7) };
+            drop(w);
+            // SAFETY: unmapping the test mapping; closing the test memfd.
+            unsafe {
+                libc::munmap(p, 8192);
+                libc::close(fd);
+            }
+        }
+    }
+
+    #[test]
+    fn slots_are_reused_after_unwatch() {
+        let a = Watch::new(0x1000, 4096, 0);
+        let slot = a.slot.unwrap();
+        drop(a);
+        let b = Watch::new(0x2000, 4096, 0);
+        assert_eq!(b.slot, Some(slot));
+        assert!(!Watch::new(0, 4096, 0).is_watched());
+    }
+}
