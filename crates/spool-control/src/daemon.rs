@@ -56,15 +56,11 @@ impl Keeping {
 struct KeeperStore(Arc<KeeperLink>);
 
 impl StateStore for KeeperStore {
-    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) {
-        if let Err(e) = self.0.put(key, value, fds) {
-            tracing::error!(key, "cannot deposit state with the keeper: {e}; a crash now would make this frontend reconnect");
-        }
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) -> Result<(), String> {
+        self.0.put(key, value, fds).map_err(|e| e.to_string())
     }
-    fn remove(&self, prefix: &str) {
-        if let Err(e) = self.0.remove(prefix) {
-            tracing::error!(prefix, "keeper: {e}");
-        }
+    fn remove(&self, prefix: &str) -> Result<(), String> {
+        self.0.remove(prefix).map_err(|e| e.to_string())
     }
 }
 
@@ -252,6 +248,7 @@ impl Daemon {
                 journal_dir: cfg.journal_dir.clone(),
                 io_timeout: Duration::from_millis(h.io_timeout_ms),
                 request_retries: h.request_retries,
+                state_fd_limit: spool_keeper::proto::MAX_FDS,
             },
             monitor,
             spares_used: Mutex::new(Vec::new()),
@@ -264,11 +261,13 @@ impl Daemon {
             phases: Mutex::new(vec![Phase::new("open devices", open_devices)]),
         });
         if let Some(s) = &d.store {
-            s.put(
+            if let Err(e) = s.put(
                 FORMAT_KEY,
                 json!({"session": spool_frontend::SESSION_STATE_FORMAT}).to_string(),
                 &[],
-            );
+            ) {
+                tracing::error!("cannot deposit the state format with the keeper: {e}");
+            }
         }
         {
             let mut pool = d.pool();
@@ -318,7 +317,9 @@ impl Daemon {
             for key in left.into_iter().filter(|k| k.starts_with("vol/")) {
                 tracing::warn!(key = %key, "kept state of a volume that is not served; releasing it");
                 let _ = k.take(&key);
-                s.remove(&key);
+                if let Err(e) = s.remove(&key) {
+                    tracing::error!(key = %key, "keeper: {e}");
+                }
             }
         }
         d.start_spare_watcher();
@@ -414,7 +415,9 @@ impl Daemon {
     pub fn keep_rpc_listener(&self, l: &std::os::unix::net::UnixListener) {
         if let Some(s) = &self.store {
             use std::os::fd::AsRawFd;
-            s.put(RPC_LISTEN_KEY, "{}".into(), &[l.as_raw_fd()]);
+            if let Err(e) = s.put(RPC_LISTEN_KEY, "{}".into(), &[l.as_raw_fd()]) {
+                tracing::error!("cannot deposit the RPC socket with the keeper: {e}");
+            }
         }
     }
 

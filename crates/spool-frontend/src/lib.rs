@@ -31,10 +31,11 @@ pub use session::{RestoreClock, Session, SessionState, MAX_QUEUE_SIZE, SESSION_S
 /// Where a server deposits what must outlive this process (the keeper, in spoold): named
 /// values with descriptors. The store gets its own copies of the descriptors.
 pub trait StateStore: Send + Sync {
-    /// Stores (replaces) `key`.
-    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]);
+    /// Stores (replaces) `key`. An error means the store still holds the previous value
+    /// (or none): the caller must not rely on it.
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) -> Result<(), String>;
     /// Forgets every key starting with `prefix`.
-    fn remove(&self, prefix: &str);
+    fn remove(&self, prefix: &str) -> Result<(), String>;
 }
 
 static RESTORE_CLOCK: std::sync::Mutex<RestoreClock> = std::sync::Mutex::new(RestoreClock {
@@ -67,6 +68,9 @@ pub struct FrontendSettings {
     pub io_timeout: Duration,
     /// How often one request is resubmitted after path errors before it fails on its own.
     pub request_retries: u32,
+    /// Most descriptors one [`StateStore::put`] carries (the keeper's per-message limit):
+    /// bounds the memory slots a session is offered.
+    pub state_fd_limit: usize,
 }
 
 impl Default for FrontendSettings {
@@ -76,6 +80,7 @@ impl Default for FrontendSettings {
             journal_dir: Some(PathBuf::from("/dev/shm/spool")),
             io_timeout: Duration::from_secs(30),
             request_retries: 3,
+            state_fd_limit: 250,
         }
     }
 }

@@ -16,10 +16,10 @@ use spool_sigbus::Watch;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
-/// Most memory slots we accept (GET_MAX_MEM_SLOTS). Every region's descriptor must fit in
-/// the one keeper message that carries a session across a restart, next to the connection
-/// and three eventfds per queue (see `spool_keeper::MAX_FDS`); QEMU needs a handful of slots
-/// (8 to 32 with memory hot-plug), libblkio one per buffer region.
+/// Most memory slots we ever accept (GET_MAX_MEM_SLOTS): QEMU needs a handful (8 to 32 with
+/// memory hot-plug), libblkio one per buffer region. A session may be given fewer (see
+/// `Session::max_mem_slots`): every region's descriptor must fit in the one state deposit
+/// that carries the session across a restart.
 pub const MAX_MEM_SLOTS: u64 = 64;
 
 /// Guest memory as the workers see it: the vm-memory map plus the mappings it points into,
@@ -128,14 +128,13 @@ impl Drop for DmaRegistration {
 pub struct MemoryTable {
     maps: Vec<Mapping>,
     shared: Arc<ArcSwap<GuestMemory>>,
+    /// Most regions this table holds.
+    limit: u64,
 }
 
 impl Default for MemoryTable {
     fn default() -> Self {
-        MemoryTable {
-            maps: Vec::new(),
-            shared: Arc::new(ArcSwap::from_pointee(GuestMemory::default())),
-        }
+        Self::with_limit(MAX_MEM_SLOTS)
     }
 }
 
@@ -146,8 +145,10 @@ pub enum MemoryError {
     Map { gpa: u64, size: u64, why: String },
     #[error("memory regions overlap or are invalid: {0}")]
     Layout(String),
-    #[error("too many memory regions (at most {MAX_MEM_SLOTS})")]
-    TooMany,
+    #[error("too many memory regions (at most {0} for this session)")]
+    TooMany(u64),
+    #[error("{regions} memory regions but {files} file descriptors")]
+    Descriptors { regions: usize, files: usize },
     #[error("no memory region at gpa={0:#x} to remove")]
     NotFound(u64),
 }
@@ -251,6 +252,20 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
 }
 
 impl MemoryTable {
+    /// An empty table holding at most `limit` regions (capped at [`MAX_MEM_SLOTS`]).
+    pub fn with_limit(limit: u64) -> Self {
+        MemoryTable {
+            maps: Vec::new(),
+            shared: Arc::new(ArcSwap::from_pointee(GuestMemory::default())),
+            limit: limit.min(MAX_MEM_SLOTS),
+        }
+    }
+
+    /// Most regions this table holds (GET_MAX_MEM_SLOTS).
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
     /// The map workers read.
     pub fn shared(&self) -> Arc<ArcSwap<GuestMemory>> {
         self.shared.clone()
@@ -272,8 +287,14 @@ impl MemoryTable {
         regions: &[VhostUserMemoryRegion],
         files: Vec<File>,
     ) -> Result<(), MemoryError> {
-        if regions.len() as u64 > MAX_MEM_SLOTS || regions.len() != files.len() {
-            return Err(MemoryError::TooMany);
+        if regions.len() as u64 > self.limit {
+            return Err(MemoryError::TooMany(self.limit));
+        }
+        if regions.len() != files.len() {
+            return Err(MemoryError::Descriptors {
+                regions: regions.len(),
+                files: files.len(),
+            });
         }
         let mut maps = regions
             .iter()
@@ -286,8 +307,8 @@ impl MemoryTable {
 
     /// Adds one region (ADD_MEM_REG).
     pub fn add(&mut self, r: &VhostUserMemoryRegion, file: File) -> Result<(), MemoryError> {
-        if self.maps.len() as u64 >= MAX_MEM_SLOTS {
-            return Err(MemoryError::TooMany);
+        if self.maps.len() as u64 >= self.limit {
+            return Err(MemoryError::TooMany(self.limit));
         }
         let mut maps = self.maps.clone();
         maps.push(map(r, file)?);

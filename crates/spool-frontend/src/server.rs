@@ -109,11 +109,13 @@ impl VolumeServer {
             None => bind(path)?,
         };
         if let Some(s) = &store {
-            s.put(
+            if let Err(e) = s.put(
                 &listen_key(ctx.uuid()),
                 format!("{{\"path\":{:?}}}", path.display().to_string()),
                 &[listener.as_raw_fd()],
-            );
+            ) {
+                tracing::error!(volume = %ctx.name(), "cannot deposit the listening socket: {e}; a crash now makes frontends reconnect");
+            }
         }
         let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
         let epoll = Epoll::new()?;
@@ -279,22 +281,43 @@ fn continue_connection(
 }
 
 impl Serve {
-    fn save(&self, session: &Mutex<Session>, conn: &UnixStream) {
-        let Some(store) = &self.store else { return };
-        let Ok(s) = session.lock() else { return };
+    /// Deposits the session's state. A deposit that fails leaves the store with the state
+    /// of an earlier message (an old memory table, say), which a restarted process must never
+    /// continue: the kept session is withdrawn instead (a crash then makes the frontend
+    /// reconnect). [`Deposit::Failed`] when even that failed: the connection must end.
+    fn save(&self, session: &Mutex<Session>, conn: &UnixStream) -> Deposit {
+        let Some(store) = &self.store else {
+            return Deposit::Kept;
+        };
+        let Ok(s) = session.lock() else {
+            return Deposit::Failed;
+        };
         let (st, mut fds) = s.snapshot();
+        drop(s);
         fds[st.conn] = conn.as_raw_fd();
-        match serde_json::to_string(&st) {
-            Ok(json) => store.put(&session_key(self.ctx.uuid()), json, &fds),
-            Err(e) => {
-                tracing::error!(volume = %self.ctx.name(), "cannot encode session state: {e}")
+        let put = serde_json::to_string(&st)
+            .map_err(|e| format!("cannot encode session state: {e}"))
+            .and_then(|json| store.put(&session_key(self.ctx.uuid()), json, &fds));
+        let Err(e) = put else {
+            return Deposit::Kept;
+        };
+        match store.remove(&session_key(self.ctx.uuid())) {
+            Ok(()) => {
+                tracing::error!(volume = %self.ctx.name(), "cannot deposit session state: {e}; withdrew the kept session (a crash now makes this frontend reconnect)");
+                Deposit::Withdrawn
+            }
+            Err(e2) => {
+                tracing::error!(volume = %self.ctx.name(), "cannot deposit session state: {e}, nor withdraw the stale one: {e2}; closing the connection");
+                Deposit::Failed
             }
         }
     }
 
     fn forget(&self) {
         if let Some(store) = &self.store {
-            store.remove(&session_key(self.ctx.uuid()));
+            if let Err(e) = store.remove(&session_key(self.ctx.uuid())) {
+                tracing::error!(volume = %self.ctx.name(), "keeper: {e}");
+            }
         }
     }
 
@@ -352,7 +375,9 @@ impl Serve {
         self.accept_loop(&listener);
         if self.mode.load(Ordering::Acquire) == SHUTDOWN {
             if let Some(store) = &self.store {
-                store.remove(&format!("vol/{}/", self.ctx.uuid()));
+                if let Err(e) = store.remove(&format!("vol/{}/", self.ctx.uuid())) {
+                    tracing::error!(volume = %self.ctx.name(), "keeper: {e}");
+                }
             }
         }
     }
@@ -392,10 +417,23 @@ impl Serve {
                     continue;
                 }
             };
-            self.save(&session, &stream);
+            if self.save(&session, &stream) == Deposit::Failed {
+                continue; // the connection is closed: a stale session must not be continued
+            }
             self.serve_connection(listener, stream, session, handler);
         }
     }
+}
+
+/// What became of a session state deposit.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Deposit {
+    /// The store holds the current state.
+    Kept,
+    /// The store holds no state for the session (a crash makes the frontend reconnect).
+    Withdrawn,
+    /// The store may hold stale state.
+    Failed,
 }
 
 /// Which of the serving thread's descriptors are ready.
@@ -488,7 +526,11 @@ impl Serve {
             // The connection first: if it just ended, a waiting newcomer is the next client.
             if ready.conn {
                 match handler.handle_request() {
-                    Ok(()) => self.save(&session, &stream),
+                    Ok(()) => {
+                        if self.save(&session, &stream) == Deposit::Failed {
+                            break;
+                        }
+                    }
                     Err(VhostError::Disconnected) | Err(VhostError::PartialMessage) => {
                         tracing::info!(volume = %self.ctx.name(), "frontend disconnected");
                         break;
@@ -513,10 +555,9 @@ impl Serve {
         if let Ok(mut s) = session.lock() {
             s.stop_all();
         }
-        if detach {
-            // Queues are drained and stopped: their resume points go to the keeper, and the
+        if detach && self.save(&session, &stream) == Deposit::Kept {
+            // Queues are drained and stopped: their resume points went to the keeper, and the
             // connection stays open there for the next process.
-            self.save(&session, &stream);
         } else {
             self.forget();
             let _ = stream.shutdown(std::net::Shutdown::Both);

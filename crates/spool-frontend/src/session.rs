@@ -20,7 +20,7 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 
 use crate::blk_config;
-use crate::memory::{MemoryTable, MAX_MEM_SLOTS};
+use crate::memory::MemoryTable;
 use crate::request::{Limits, SECTOR};
 use crate::vring::{resume, ring_indices, RingView};
 use crate::worker::{WorkerHandle, WorkerSpec};
@@ -107,11 +107,15 @@ impl Session {
     /// A fresh session for a new connection.
     pub fn new(ctx: Arc<VolumeContext>) -> Self {
         let n = ctx.num_queues() as usize;
+        // The state deposit carries the connection, three eventfds per queue and one
+        // descriptor per region in one message: advertise only slots that fit, so a session
+        // is never kept with a stale memory table.
+        let fit = (ctx.settings().state_fd_limit as u64).saturating_sub(1 + 3 * n as u64);
         Session {
+            mem: MemoryTable::with_limit(fit),
             ctx,
             acked_features: 0,
             acked_protocol: 0,
-            mem: MemoryTable::default(),
             vrings: (0..n).map(|_| Vring::default()).collect(),
         }
     }
@@ -661,7 +665,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_max_mem_slots(&mut self) -> VhostResult<u64> {
-        Ok(MAX_MEM_SLOTS)
+        Ok(self.mem.limit())
     }
 
     fn add_mem_region(

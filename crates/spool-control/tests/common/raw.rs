@@ -21,9 +21,13 @@ pub const SET_VRING_BASE: u32 = 10;
 pub const GET_VRING_BASE: u32 = 11;
 pub const SET_VRING_KICK: u32 = 12;
 pub const SET_VRING_CALL: u32 = 13;
+pub const SET_VRING_ERR: u32 = 14;
 pub const SET_VRING_ENABLE: u32 = 18;
 pub const GET_MAX_MEM_SLOTS: u32 = 36;
 pub const ADD_MEM_REG: u32 = 37;
+pub const REM_MEM_REG: u32 = 38;
+pub const GET_PROTOCOL_FEATURES: u32 = 15;
+pub const SET_PROTOCOL_FEATURES: u32 = 16;
 
 /// virtio-blk request types.
 pub const T_IN: u32 = 0;
@@ -118,9 +122,43 @@ impl RawFrontend {
     /// Sends one message (version 1, no flags) with `fds` attached. Errors when the
     /// connection is closed.
     pub fn send(&mut self, code: u32, payload: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+        self.send_flags(code, 1, payload, fds)
+    }
+
+    /// Reads one reply and returns its body.
+    pub fn reply(&mut self) -> std::io::Result<Vec<u8>> {
+        let mut hdr = [0u8; 12];
+        self.sock.read_exact(&mut hdr)?;
+        let len = u32::from_le_bytes(hdr[8..12].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len];
+        self.sock.read_exact(&mut body)?;
+        Ok(body)
+    }
+
+    /// A message that has a reply (GET_*): the reply's u64.
+    pub fn ask(&mut self, code: u32, payload: &[u8]) -> std::io::Result<u64> {
+        self.send(code, payload, &[])?;
+        let b = self.reply()?;
+        Ok(u64::from_le_bytes(b[..8].try_into().unwrap()))
+    }
+
+    /// A message sent with NEED_REPLY (REPLY_ACK negotiated): the ack (0 = success).
+    pub fn ask_ack(&mut self, code: u32, payload: &[u8], fds: &[RawFd]) -> std::io::Result<u64> {
+        self.send_flags(code, 1 | 0x8, payload, fds)?;
+        let b = self.reply()?;
+        Ok(u64::from_le_bytes(b[..8].try_into().unwrap()))
+    }
+
+    fn send_flags(
+        &mut self,
+        code: u32,
+        flags: u32,
+        payload: &[u8],
+        fds: &[RawFd],
+    ) -> std::io::Result<()> {
         let mut m = Vec::with_capacity(12 + payload.len());
         m.extend_from_slice(&code.to_le_bytes());
-        m.extend_from_slice(&1u32.to_le_bytes());
+        m.extend_from_slice(&flags.to_le_bytes());
         m.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         m.extend_from_slice(payload);
         if fds.is_empty() {
@@ -164,13 +202,7 @@ impl RawFrontend {
     /// Sends a GET_FEATURES and waits for its reply: a sync point (every earlier message has
     /// been handled). Err when spoold closed the connection instead.
     pub fn sync(&mut self) -> std::io::Result<u64> {
-        self.send(GET_FEATURES, &[], &[])?;
-        let mut hdr = [0u8; 12];
-        self.sock.read_exact(&mut hdr)?;
-        let len = u32::from_le_bytes(hdr[8..12].try_into().unwrap()) as usize;
-        let mut body = vec![0u8; len];
-        self.sock.read_exact(&mut body)?;
-        Ok(u64::from_le_bytes(body[..8].try_into().unwrap()))
+        self.ask(GET_FEATURES, &[])
     }
 
     /// Whether spoold closes the connection within 5 s (asked with GET_FEATURES every 50 ms:
