@@ -241,9 +241,7 @@ fn take_over_all() {
         out.insert(bdf, p);
     }
     if container.restored {
-        container.unmap_range(crate::dma::IOVA_BASE, crate::dma::IOVA_END);
-        let _g = crate::dma::mapping_lock();
-        if let Err(e) = crate::dma::map_all(&container) {
+        if let Err(e) = crate::dma::remap_all_after_takeover(&container) {
             tracing::error!(error = %e, "cannot map registered memory after the takeover");
         }
     }

@@ -132,10 +132,12 @@ impl Container {
 
     /// Unmaps every mapping inside `[from, to)` (a previous worker's, after a takeover).
     pub(crate) fn unmap_range(&self, from: u64, to: u64) {
-        self.unmap_dma(from, to - from)
+        self.unmap_dma(from, to - from);
     }
 
-    pub(crate) fn unmap_dma(&self, iova: u64, size: u64) {
+    /// Unmaps `[iova, iova+size)`; false (and logged) if the IOMMU refused, in which case
+    /// the range may still be mapped and its IOVAs must not be reused.
+    pub(crate) fn unmap_dma(&self, iova: u64, size: u64) -> bool {
         let mut m = b::vfio_iommu_type1_dma_unmap {
             argsz: std::mem::size_of::<b::vfio_iommu_type1_dma_unmap>() as u32,
             flags: 0,
@@ -144,11 +146,14 @@ impl Container {
             data: Default::default(),
         };
         // SAFETY: the kernel reads and updates the struct we pass (on our stack).
-        if unsafe { libc::ioctl(self.file.as_raw_fd(), IOMMU_UNMAP_DMA as _, &mut m) } != 0
-            && std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT)
-        {
-            tracing::warn!(iova, size, error = %std::io::Error::last_os_error(), "VFIO_IOMMU_UNMAP_DMA failed");
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), IOMMU_UNMAP_DMA as _, &mut m) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                tracing::warn!(iova, size, error = %e, "VFIO_IOMMU_UNMAP_DMA failed");
+                return false;
+            }
         }
+        true
     }
 
     /// Attaches the IOMMU group `n`; the first group also picks the IOMMU type.
