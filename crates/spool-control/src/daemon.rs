@@ -35,6 +35,10 @@ pub struct Daemon {
     /// Spares already tried (each is used once).
     spares_used: Mutex<Vec<PathBuf>>,
     stopping: std::sync::atomic::AtomicBool,
+    /// Volumes stopped with device commands that never completed (count per volume): their
+    /// extents stay allocated for the life of this process, so a late write cannot land in
+    /// another volume's data.
+    quarantined: Mutex<BTreeMap<Uuid, u64>>,
 }
 
 /// The worker's keeper: where state is deposited, and what the previous worker left.
@@ -252,6 +256,7 @@ impl Daemon {
             },
             monitor,
             spares_used: Mutex::new(Vec::new()),
+            quarantined: Mutex::new(BTreeMap::new()),
             stopping: std::sync::atomic::AtomicBool::new(false),
             cfg,
             pool: Mutex::new(pool),
@@ -447,7 +452,19 @@ impl Daemon {
         let mut j = serde_json::to_value(v).unwrap_or(Value::Null);
         j["socket"] = json!(s.map(|s| s.path().display().to_string()));
         j["connected"] = json!(s.is_some_and(|s| s.connected()));
+        if let Some(n) = self.quarantined_io(v.uuid) {
+            j["quarantined_io"] = json!(n);
+        }
         j
+    }
+
+    /// Device commands of a stopped volume that never completed, if any.
+    fn quarantined_io(&self, volume: Uuid) -> Option<u64> {
+        self.quarantined
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&volume)
+            .copied()
     }
 
     /// `daemon_upgrade`: asks the keeper to replace this worker with `binary` (default: the
@@ -613,6 +630,15 @@ impl Daemon {
                 }
                 let p: P = params_of(params)?;
                 let v = self.pool().volume(&p.id).map_err(RpcError::app)?;
+                let stuck = |n: u64| {
+                    RpcError::app(format!(
+                        "volume '{}' is stopped, but {n} device command(s) into it never completed (a hung device): its extents stay allocated until spoold restarts, so a late write cannot land in another volume; delete it again after a restart",
+                        v.name
+                    ))
+                };
+                if let Some(n) = self.quarantined_io(v.uuid) {
+                    return Err(stuck(n));
+                }
                 let server = self.servers().remove(&v.uuid);
                 if let Some(s) = server {
                     if s.connected() && !p.force {
@@ -622,7 +648,17 @@ impl Daemon {
                             v.name
                         )));
                     }
+                    let ctx = s.context().clone();
                     s.shutdown();
+                    let n = ctx.abandoned_io();
+                    if n > 0 {
+                        self.quarantined
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(v.uuid, n);
+                        tracing::error!(volume = %v.name, commands = n, "volume stopped with device commands that never completed; its extents are quarantined until restart");
+                        return Err(stuck(n));
+                    }
                 }
                 let v = self
                     .pool()

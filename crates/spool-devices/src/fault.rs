@@ -33,6 +33,10 @@ pub enum FaultEffect {
     Errno(i32),
     /// Never completes until the queue is aborted (a hung command).
     Hang,
+    /// Never completes, not even when the queue is aborted: a controller that lost the
+    /// command and may still carry it out at any time (what a reset is not guaranteed to
+    /// fence). Simulated: the command is held and never reaches the device.
+    Stuck,
 }
 
 /// One injection rule.
@@ -190,7 +194,7 @@ impl FaultSet {
             .find(|a| a.rule.fails_probe)
             .map(|a| match a.rule.effect {
                 FaultEffect::Errno(e) => e,
-                FaultEffect::Hang => libc::ETIMEDOUT,
+                FaultEffect::Hang | FaultEffect::Stuck => libc::ETIMEDOUT,
             })
     }
 }
@@ -201,6 +205,7 @@ pub struct FaultyQueue<Q> {
     faults: std::sync::Arc<FaultSet>,
     done: VecDeque<(u64, i32)>,
     hung: Vec<u64>,
+    stuck: Vec<u64>,
 }
 
 impl<Q: DeviceQueue> FaultyQueue<Q> {
@@ -211,6 +216,7 @@ impl<Q: DeviceQueue> FaultyQueue<Q> {
             faults,
             done: VecDeque::new(),
             hung: Vec::new(),
+            stuck: Vec::new(),
         }
     }
 }
@@ -233,6 +239,7 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
             }
             Some(FaultEffect::Errno(e)) => self.done.push_back((tag, -e)),
             Some(FaultEffect::Hang) => self.hung.push(tag),
+            Some(FaultEffect::Stuck) => self.stuck.push(tag),
         }
     }
 
@@ -261,7 +268,7 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
     }
 
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.done.len() + self.hung.len()
+        self.inner.in_flight() + self.done.len() + self.hung.len() + self.stuck.len()
     }
 
     fn abort(&mut self) -> usize {

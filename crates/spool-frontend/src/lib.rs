@@ -92,6 +92,7 @@ pub struct VolumeContext {
     layout: Arc<ArcSwap<VolumeLayout>>,
     settings: FrontendSettings,
     fault: Arc<SessionFault>,
+    abandoned: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// How a worker tells the volume's serving thread that the session must end: the frontend's
@@ -137,6 +138,7 @@ impl VolumeContext {
             layout: Arc::new(ArcSwap::from_pointee(layout)),
             settings,
             fault: Arc::new(SessionFault::new()),
+            abandoned: Arc::default(),
         })
     }
 
@@ -177,6 +179,17 @@ impl VolumeContext {
     /// Data-path settings.
     pub fn settings(&self) -> &FrontendSettings {
         &self.settings
+    }
+
+    /// Device commands of this volume that never completed and were quarantined: while any
+    /// exist, the volume's extents must not be given to another volume (a late write would
+    /// land in its data).
+    pub fn abandoned_io(&self) -> u64 {
+        self.abandoned.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(crate) fn abandoned_counter(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.abandoned.clone()
     }
 
     /// The signal that ends the current session after a fault in its memory.

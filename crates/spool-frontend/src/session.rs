@@ -426,6 +426,7 @@ impl Session {
             request_retries: ctx.settings().request_retries,
             volume: ctx.name().to_string(),
             fault: ctx.fault().clone(),
+            abandoned: ctx.abandoned_counter(),
         };
         let w = WorkerHandle::spawn(spec)
             .map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;

@@ -10,7 +10,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -51,6 +51,8 @@ pub struct WorkerSpec {
     pub volume: String,
     /// Raised when the frontend's memory faulted under this worker: the session must end.
     pub fault: Arc<crate::SessionFault>,
+    /// Counts device commands this worker gave up on and quarantined (see `quarantine_stuck`).
+    pub abandoned: Arc<AtomicU64>,
 }
 
 /// Handle to a running worker.
@@ -222,6 +224,7 @@ pub struct QueueWorker {
     /// `spool_sigbus::faults()` when last checked, and where to report a fault of ours.
     seen_faults: u64,
     fault: Arc<crate::SessionFault>,
+    abandoned: Arc<AtomicU64>,
 }
 
 /// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
@@ -289,6 +292,7 @@ impl QueueWorker {
             io_err_log: ratelimit::guest_warning(),
             seen_faults: spool_sigbus::faults(),
             fault: spec.fault,
+            abandoned: spec.abandoned,
         };
         w.open_device_queues()?;
         Ok(w)
@@ -496,7 +500,49 @@ impl QueueWorker {
         }
         if self.in_flight > 0 {
             tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
+            self.quarantine_stuck();
         }
+    }
+
+    /// Device commands that did not complete even after an abort and a wait may still be
+    /// carried out by the device at any time. Their device queues and every guest memory map
+    /// they may read or write are kept alive for the life of the process (never unmapped, so
+    /// a late completion lands in memory that is still this guest's, never in a reused
+    /// address), and the volume is told, so its extents are not handed to anyone else.
+    fn quarantine_stuck(&mut self) {
+        let mut stuck = 0;
+        let mut d = 0;
+        while d < self.devices.len() {
+            let n = self.devices[d].in_flight();
+            if n == 0 {
+                d += 1;
+                continue;
+            }
+            stuck += n;
+            let q = self.devices.remove(d);
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                q.completion_fd(),
+                EpollEvent::default(),
+            );
+            // Deliberately leaked: dropping it would close the queue under the device.
+            std::mem::forget(q);
+        }
+        if stuck == 0 {
+            return;
+        }
+        let current = self.mem.load().clone();
+        for m in self
+            .retired_maps
+            .drain(..)
+            .chain(self.host_of.clone())
+            .chain(std::iter::once(current))
+        {
+            // Deliberately leaked: keeps the regions mapped (and registered for DMA).
+            std::mem::forget(m);
+        }
+        self.abandoned.fetch_add(stuck as u64, Ordering::AcqRel);
+        tracing::error!(volume = %self.volume, queue = self.index, commands = stuck, "device commands never completed: their queue and guest memory are quarantined for the life of the process; the volume's extents stay allocated");
     }
 
     /// A fault in guest memory (the frontend truncated its memfd under us) was survived by
@@ -720,6 +766,7 @@ impl QueueWorker {
                 }
             }
         }
+        self.quarantine_stuck();
         for s in &mut self.slots {
             *s = None;
         }

@@ -70,6 +70,7 @@ fn rule_json(id: u64, r: &FaultRule, hits: u64, remaining: Option<u64>) -> Value
         "effect": match r.effect {
             FaultEffect::Errno(e) => format!("errno {e} ({})", std::io::Error::from_raw_os_error(e)),
             FaultEffect::Hang => "hang".into(),
+            FaultEffect::Stuck => "stuck".into(),
         },
         "op": match r.ops { FaultOps::Read => "read", FaultOps::Write => "write", FaultOps::Any => "any" },
         "offset": r.offset,
@@ -294,6 +295,7 @@ impl Daemon {
                     "transient" => (FaultEffect::Errno(libc::EIO), 1, false),
                     "link-down" => (FaultEffect::Errno(libc::EIO), 0, true),
                     "timeout" => (FaultEffect::Hang, 1, false),
+                    "stuck" => (FaultEffect::Stuck, 1, false),
                     "removed" => (FaultEffect::Errno(libc::ENODEV), 0, true),
                     "errno" => {
                         let e = p.errno.as_ref().ok_or_else(|| {
@@ -303,7 +305,7 @@ impl Daemon {
                     }
                     k => {
                         return Err(RpcError::invalid_params(format!(
-                            "kind '{k}' must be one of media, transient, link-down, timeout, removed, errno, smart"
+                            "kind '{k}' must be one of media, transient, link-down, timeout, stuck, removed, errno, smart"
                         )))
                     }
                 };
