@@ -398,3 +398,41 @@ fn a_volume_with_a_stuck_write_keeps_its_extents_when_deleted() {
     d.rpc("volume_delete", json!({"id": "target", "force": true}))
         .unwrap();
 }
+
+/// Finding 3 through the real daemon: a journal directory that another local user created
+/// first (it lives in world-writable /dev/shm and is emptied at every boot) is refused at
+/// start, with the reason, and nothing is written into it. On b20ede9 spoold took it and
+/// wrote its journals through whatever that user planted there.
+#[test]
+fn spoold_refuses_a_journal_directory_another_user_created() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to create a directory owned by another user");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let jd = dir.path().join("journal");
+    std::fs::create_dir(&jd).unwrap();
+    std::os::unix::fs::chown(&jd, Some(65534), Some(65534)).unwrap(); // user nobody
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{}\"\n[journal]\ndir = \"{}\"\n[[devices]]\npath = \"{}\"\ncreate_size = \"40M\"\n[[volumes]]\nname = \"v\"\nsize = \"8M\"\n",
+            dir.path().join("state").display(),
+            jd.display(),
+            dir.path().join("d0.img").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spoold"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--no-keeper")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "spoold started: {err}");
+    assert!(err.contains("owned by uid 65534"), "{err}");
+    assert_eq!(std::fs::read_dir(&jd).unwrap().count(), 0);
+}
