@@ -405,7 +405,8 @@ impl FileDevice {
             }
             return self.write_at_durable(&vec![0u8; len as usize], offset);
         }
-        // SAFETY: fallocate on a descriptor we own; no memory is involved.
+        // SAFETY: fallocate on a descriptor we own takes integers only (`check_range` bounded
+        // the range above); no memory is involved.
         let r = unsafe {
             libc::fallocate(
                 self.buffered.as_raw_fd(),

@@ -44,7 +44,8 @@ impl InlineQueue {
     }
 
     fn fallocate(&self, mode: i32, offset: u64, len: u64) -> i32 {
-        // SAFETY: fallocate on a descriptor we were given; no memory is involved.
+        // SAFETY: fallocate takes integers only (offsets come from `VolumeLayout::map` of a
+        // range `check_range` bounded); no memory is involved.
         let r =
             unsafe { libc::fallocate(self.fd, mode, offset as libc::off_t, len as libc::off_t) };
         Self::result(r as isize)
@@ -60,7 +61,8 @@ impl DeviceQueue for InlineQueue {
                 iovcnt,
                 ..
             } => {
-                // SAFETY: the caller guarantees the iovecs and their buffers are valid.
+                // SAFETY: `iovcnt` valid iovecs over writable buffers (`submit` contract; the
+                // worker's lie in guest regions, `HostMap`); the kernel writes only into them.
                 Self::result(unsafe {
                     libc::preadv(self.fd, iov, iovcnt as i32, offset as libc::off_t)
                 })
@@ -71,7 +73,7 @@ impl DeviceQueue for InlineQueue {
                 iovcnt,
                 ..
             } => {
-                // SAFETY: as above.
+                // SAFETY: as above; the kernel only reads the buffers.
                 Self::result(unsafe {
                     libc::pwritev(self.fd, iov, iovcnt as i32, offset as libc::off_t)
                 })

@@ -46,9 +46,11 @@ impl DeviceQueue for NullQueue {
                 len, iov, iovcnt, ..
             } => {
                 if self.reads == NullReads::Zero {
-                    // SAFETY: the caller guarantees `iovcnt` valid iovecs over writable buffers.
+                    // SAFETY: `iovcnt` valid iovecs (the `submit` contract; the worker's come
+                    // from `HostMap::host`/`pieces`, each inside one guest region).
                     for v in unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) } {
-                        // SAFETY: as above, each buffer is `iov_len` writable bytes.
+                        // SAFETY: each buffer is `iov_len` writable bytes (`submit` contract);
+                        // written as bytes, never through a reference to guest memory.
                         unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
                     }
                 }

@@ -77,8 +77,9 @@ pub struct NvmeQueue {
 /// How long a queue without a queue pair waits before asking the controller again.
 const QP_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
-// SAFETY: raw pointers held in `Bounce` are the caller's iovecs, which the `submit` contract
-// keeps valid until completion; the queue is used by one worker thread at a time.
+// SAFETY: raw pointers held in `Bounce` and `backlog` are the caller's iovecs, which the
+// `submit` contract keeps valid until completion; the queue is used by one worker thread at a
+// time (the worker owning it moves to its thread as a whole).
 unsafe impl Send for NvmeQueue {}
 
 impl NvmeQueue {
@@ -222,7 +223,8 @@ impl NvmeQueue {
                     self.done.push_back((tag, -libc::EINVAL));
                     return true;
                 }
-                // SAFETY: the caller guarantees `iovcnt` valid iovecs.
+                // SAFETY: `iovcnt` valid iovecs (the `submit` contract, passed on by `submit` and
+                // `kick`); the worker's each lie in one guest region (`HostMap`).
                 let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
                 self.segs.clear();
                 let mut zero_copy = true;
@@ -256,8 +258,8 @@ impl NvmeQueue {
                         let mut at = 0usize;
                         for v in iovs {
                             let n = v.iov_len.min(len as usize - at);
-                            // SAFETY: each iovec is `iov_len` readable bytes (caller's guarantee);
-                            // the bounce buffer holds `len` bytes.
+                            // SAFETY: each iovec is `iov_len` readable bytes (`submit` contract);
+                            // `n <= len - at` keeps the copy inside the `len`-byte bounce buffer.
                             unsafe {
                                 std::ptr::copy_nonoverlapping(
                                     v.iov_base.cast::<u8>(),
@@ -409,13 +411,15 @@ impl NvmeQueue {
         };
         if let Some(b) = r.bounce.take() {
             if b.read && result >= 0 {
-                // SAFETY: the submit contract keeps the iovecs valid and writable until this
-                // completion is reaped; the bounce buffer holds `len` bytes the device wrote.
+                // SAFETY: `tag`'s completion is not handed to the caller yet (queued on `done`
+                // below), so the `submit` contract still keeps the array and buffers valid
+                // (queues forgotten by `quarantine_stuck` never get here); bounce >= `r.len`.
                 let iovs = unsafe { std::slice::from_raw_parts(b.iov, b.iovcnt as usize) };
                 let mut at = 0usize;
                 for v in iovs {
                     let n = v.iov_len.min(r.len as usize - at);
-                    // SAFETY: as above.
+                    // SAFETY: as above; `n <= r.len - at` stays inside the bounce buffer and
+                    // `n <= v.iov_len` inside the iovec's buffer.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             b.buf.as_ptr().add(at),

@@ -137,7 +137,8 @@ macro_rules! rw_entry {
             Which::Direct => $q.direct.unwrap_or($q.buffered),
         };
         if $iovcnt == 1 {
-            // SAFETY: the caller of `submit` guarantees `iov` points to `iovcnt` valid iovecs.
+            // SAFETY: `iovcnt == 1` valid iovec (the `submit` contract); the iovec array is our
+            // caller's memory, not the guest's, so a shared reference to it is fine.
             let v = unsafe { &*$iov };
             opcode::$one::new(types::Fd(fd), v.iov_base as _, v.iov_len as u32)
                 .offset($offset)
@@ -186,7 +187,8 @@ impl UringQueue {
         if !offset.is_multiple_of(a) || !len.is_multiple_of(a) {
             return Which::Buffered;
         }
-        // SAFETY: the caller of `submit` guarantees `iov` points to `iovcnt` valid iovecs.
+        // SAFETY: `iovcnt` valid iovecs (the `submit` contract); the array is the worker's
+        // (`SlotBufs`), not guest memory, and is not written while this borrow lives.
         let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
         if iovs
             .iter()
@@ -205,7 +207,7 @@ impl UringQueue {
             return;
         }
         // SAFETY: every entry built by this queue references memory the submit() caller keeps
-        // alive until completion (see the trait's contract) or no memory at all.
+        // alive until its completion is reaped (the trait's contract) or no memory at all.
         if unsafe { self.ring.submission().push(&e) }.is_err() {
             self.overflow.push_back(e);
         }

@@ -129,16 +129,17 @@ impl HostMap {
     #[inline]
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> bool {
         if let Some(h) = self.host(gpa, buf.len() as u64) {
-            // SAFETY: `h..h+len` lies inside a live region of the guest mapping (see `host`);
-            // copied without forming a reference to memory the guest may be writing.
+            // SAFETY: `h..h+buf.len()` lies inside one region (`host` refuses a range that
+            // crosses a region's end), mapped while the caller holds the `GuestMemory` (module
+            // doc); copied as bytes, never through a reference (the guest may be writing).
             unsafe { std::ptr::copy_nonoverlapping(h as *const u8, buf.as_mut_ptr(), buf.len()) };
             return true;
         }
         let mut at = 0usize;
         self.pieces(gpa, buf.len() as u64, |h, n| {
-            // SAFETY: `h..h+n` lies inside a region of the guest mapping, which the caller
-            // keeps alive (module doc); the guest may write it concurrently, so the bytes are
-            // copied without forming a reference to guest memory.
+            // SAFETY: `pieces` hands out `h..h+n` inside one region (`n <= r.len - off`) and
+            // the pieces sum to at most `buf.len()`, so `at + n <= buf.len()`; mapped per the
+            // module doc; copied as bytes (the guest may write them concurrently).
             unsafe { std::ptr::copy_nonoverlapping(h as *const u8, buf.as_mut_ptr().add(at), n) };
             at += n;
         })
@@ -150,8 +151,8 @@ impl HostMap {
     #[inline]
     pub fn read_u16(&self, gpa: u64) -> Option<u16> {
         let h = self.host(gpa, 2)?;
-        // SAFETY: two bytes of the guest mapping (see `host`), alive per the module contract;
-        // read as a value, never through a reference, since the guest may write them.
+        // SAFETY: `h..h+2` lies inside one region (`host(gpa, 2)`), mapped per the module
+        // doc; read once as a value, never through a reference (the guest may write it).
         let v = unsafe {
             if h.is_multiple_of(2) {
                 std::ptr::read_volatile(h as *const u16)
@@ -169,7 +170,8 @@ impl HostMap {
         let Some(h) = self.host(gpa, 2) else {
             return false;
         };
-        // SAFETY: as in `read_u16`; the guest reads this word concurrently.
+        // SAFETY: `h..h+2` lies inside one region (`host(gpa, 2)`), mapped per the module
+        // doc; written as a value (the guest reads this word concurrently).
         unsafe {
             if h.is_multiple_of(2) {
                 std::ptr::write_volatile(h as *mut u16, v.to_le())
@@ -186,13 +188,14 @@ impl HostMap {
         let Some(h) = self.host(gpa, bytes.len() as u64) else {
             let mut at = 0usize;
             return self.pieces(gpa, bytes.len() as u64, |h, n| {
-                // SAFETY: as below, for one piece.
+                // SAFETY: `pieces` hands out `h..h+n` inside one region and the pieces sum to
+                // at most `bytes.len()`, so `at + n <= bytes.len()`; written as bytes.
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr().add(at), h as *mut u8, n) };
                 at += n;
             });
         };
-        // SAFETY: `h..h+len` lies inside a live region of the guest mapping (see `host`); the
-        // guest may read it concurrently, so no reference to guest memory is formed.
+        // SAFETY: `h..h+bytes.len()` lies inside one region (`host` refuses a range crossing a
+        // region's end), mapped per the module doc; no reference to guest memory is formed.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h as *mut u8, bytes.len()) };
         true
     }

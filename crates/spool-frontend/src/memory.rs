@@ -93,8 +93,9 @@ impl Drop for OwnedMapping {
     fn drop(&mut self) {
         drop(self.dma.take());
         drop(self.watch.take());
-        // SAFETY: our own mapping of `len` bytes at `addr` (made in `map`); no map refers to
-        // it any more (this is the last reference), so nothing reads or writes it.
+        // SAFETY: our own mapping of `len` bytes at `addr` (made in `map`; `build_raw` regions
+        // never unmap it). This is the last `Arc`: every `GuestMemory` (so every `HostMap`
+        // user and in-flight request, `retired_maps`) holds one; DMA and watch are gone.
         unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
     }
 }
@@ -182,7 +183,7 @@ fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
 }
 
 fn page_size() -> u64 {
-    // SAFETY: sysconf has no memory effects.
+    // SAFETY: sysconf takes and returns integers only.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
         p as u64
@@ -206,8 +207,10 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
         libc::off_t::try_from(r.mmap_offset).map_err(|_| err("offset too large".into()))?;
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     let flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
-    // SAFETY: a new shared mapping of `size` bytes of the frontend's file at a checked
-    // offset (the file holds that range, checked above); the kernel picks the address.
+    // SAFETY: the kernel picks the address, so nothing is replaced. The frontend chooses fd,
+    // offset and size: `check_backing` saw a regular file holding the range, or a block
+    // device (not size-checked); a shorter or later-truncated backing raises SIGBUS on
+    // access, which the `Watch` below turns into zero pages (fatal if no slot was free).
     let addr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -235,8 +238,9 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
         watch: Some(watch),
         dma: Some(DmaRegistration::new(addr as u64, size as u64)),
     });
-    // SAFETY: `addr..addr+size` is the mapping made above with these prot and flags; it stays
-    // mapped while `owned` lives, and every map that refers to the region holds `owned`.
+    // SAFETY: `addr..addr+size` is the mapping made above with these prot and flags (not
+    // owned by the region: `OwnedMapping` unmaps it); it stays mapped while `owned` lives,
+    // and every `GuestMemory` holding this region holds `owned` too (`publish`).
     let raw = unsafe { MmapRegion::<()>::build_raw(addr.cast(), size, prot, flags) }
         .map_err(|e| err(e.to_string()))?;
     let region = GuestRegionMmap::new(raw, GuestAddress(r.guest_phys_addr))

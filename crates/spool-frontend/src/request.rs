@@ -179,8 +179,9 @@ fn parse_common(head: u16, d: &[Descriptor], mem: &HostMap, limits: &Limits) -> 
     let status_host = mem.host(s.addr().0, 1)?;
     let hh = mem.host(h.addr().0, HEADER_LEN)?;
     let mut header = [0u8; HEADER_LEN as usize];
-    // SAFETY: `hh` translates the 16 header bytes into the guest mapping `mem` describes,
-    // which the caller keeps alive; copied as bytes (the guest may be writing them).
+    // SAFETY: `hh..hh+16` lies inside one region (`HostMap::host(h.addr(), HEADER_LEN)`),
+    // mapped while the caller holds the map's `GuestMemory`; `h` is a copy `ChainWalker`
+    // read once, and the bytes are copied once here (the guest may be rewriting them).
     unsafe { std::ptr::copy_nonoverlapping(hh as *const u8, header.as_mut_ptr(), header.len()) };
     let ty = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
     let sector = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
@@ -309,9 +310,9 @@ pub fn parse_general(
         }
         let n = (header.len() - got).min(s.len as usize);
         if let Some(h) = s.host {
-            // SAFETY: `h` translates the whole segment (n <= its length) into the guest
-            // mapping `mem` describes, which the caller keeps alive; copied as bytes (the
-            // guest may be writing them).
+            // SAFETY: `s.host` was `HostMap::host(addr, len)` of the whole segment and moves
+            // in step with `s.len`, so `h..h+n` (n <= s.len) lies in one region, mapped while
+            // the caller holds the map; copied once as bytes (the guest may rewrite them).
             unsafe { std::ptr::copy_nonoverlapping(h as *const u8, header[got..].as_mut_ptr(), n) };
         } else if !mem.read(s.addr.0, &mut header[got..got + n]) {
             return Err(ioerr("request header unreadable"));

@@ -268,9 +268,9 @@ fn continue_connection(
     let handler_fd: RawFd = a.as_raw_fd();
     let mut handler = BackendReqHandler::from_stream(a, session);
     prime(&mut handler, &mut b, acked, acked_protocol)?;
-    // SAFETY: dup2 makes the handler's own descriptor number refer to the kept connection; the
-    // number stays owned (and later closed) by the handler's socket, `conn` keeps its own.
-    // No memory is involved; the priming pair's end is closed by dup2.
+    // SAFETY: dup2 takes integers only. `handler_fd` is open and owned by the handler's socket
+    // (moved into `handler`, alive here): the number stays owned and later closed by it, now
+    // naming the kept connection; `conn` keeps its own. The priming end is closed by dup2.
     if unsafe { libc::dup2(conn.as_raw_fd(), handler_fd) } < 0 {
         return Err(format!(
             "cannot adopt the kept connection: {}",
@@ -453,7 +453,8 @@ fn peer_pid(s: &UnixStream) -> Option<i32> {
         gid: 0,
     };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED fills a `ucred` we own; `len` says its size.
+    // SAFETY: SO_PEERCRED writes at most `len` (= size_of::<ucred>) bytes into `cred` on our
+    // stack; the peer only chooses the values, which are only logged.
     let r = unsafe {
         libc::getsockopt(
             s.as_raw_fd(),
@@ -487,8 +488,8 @@ fn restore_connection(
             .get_mut(st.conn)
             .and_then(Option::take)
             .ok_or("kept connection descriptor missing")?;
-        // SAFETY: the keeper gave us this descriptor as the volume's connected socket; we own
-        // it from here on (the File is consumed).
+        // SAFETY: `into_raw_fd` consumes the keeper-supplied `File`, so the descriptor keeps
+        // exactly one owner; one that is not a socket only makes the socket calls fail.
         let conn =
             unsafe { UnixStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(conn_file)) };
         let mut clock = RestoreClock::default();

@@ -70,7 +70,9 @@ pub struct JournaledQueue {
 
 /// Host addresses of the three rings under one [`HostMap`] (0 where a ring does not lie in
 /// one region: its accesses then go through the map). Valid while that map is: it is only
-/// used with the map whose id it records.
+/// used with the map whose id it records. Keyed by map id alone because a queue's size and
+/// ring addresses never change for a `JournaledQueue` (`Session::maybe_start` builds a new
+/// one; the size is checked there to be a power of two <= 32768).
 #[derive(Debug, Default, Clone, Copy)]
 struct RingHosts {
     map: u64,
@@ -85,7 +87,8 @@ struct RingHosts {
 /// `h..h + 2` must lie in live guest memory.
 #[inline]
 unsafe fn rd16(h: usize) -> u16 {
-    // SAFETY: per the contract; read as a value (the guest may be writing it).
+    // SAFETY: `h..h+2` is mapped per the contract; read once as a value, never through a
+    // reference (the guest may be writing it).
     u16::from_le(unsafe {
         if h.is_multiple_of(2) {
             std::ptr::read_volatile(h as *const u16)
@@ -203,7 +206,8 @@ impl JournaledQueue {
         let size = self.queue.size();
         let next = self.queue.next_avail();
         let idx = if h.avail != 0 {
-            // SAFETY: the avail ring lies in live guest memory (`hosts`).
+            // SAFETY: `h.avail != 0`: `translate_rings` found the avail ring's `4 + 2*size + 2`
+            // bytes in one region of `mem` (`HostMap::host`); the index is at +2.
             unsafe { rd16(h.avail + 2) }
         } else {
             mem.read_u16(self.queue.avail_ring() + 2)
@@ -243,8 +247,8 @@ impl JournaledQueue {
             return None;
         }
         let slot = AVAIL_HEADER + AVAIL_ELEM * ring_pos(at, size);
-        // SAFETY: `slot` is inside the avail ring's `size` entries, which lie in live guest
-        // memory (`hosts`).
+        // SAFETY: `ring_pos` masks with `size - 1`, so `slot + 2 <= 4 + 2*size`, inside the
+        // avail ring `translate_rings` found in one region (callers return on `h.avail == 0`).
         let head = unsafe { rd16(h.avail + slot as usize) };
         (head < size).then_some(head)
     }
@@ -262,8 +266,9 @@ impl JournaledQueue {
             return;
         };
         let d = h.desc + head as usize * 16;
-        // SAFETY: entry `head` (< size) of the descriptor table, which lies in live guest
-        // memory (`hosts`); read as values (the guest may be writing them).
+        // SAFETY: `head < size` (`published_head`), so `d..d+16` is inside the `16*size` bytes
+        // `translate_rings` found in one region (callers return on `h.desc == 0`); read as
+        // values, and only used as prefetch hints (which never fault).
         let (addr, flags, next_desc) = unsafe {
             (
                 u64::from_le(std::ptr::read_unaligned(d as *const u64)),
@@ -300,8 +305,9 @@ impl JournaledQueue {
         let avail = q.avail_ring();
         let slot = AVAIL_HEADER + AVAIL_ELEM * ring_pos(next, size);
         let head = if h.avail != 0 {
-            // SAFETY: the avail ring lies in live guest memory (`hosts`) and `slot` is inside
-            // its `size` entries.
+            // SAFETY: `h.avail != 0`: the avail ring's `4 + 2*size + 2` bytes lie in one region
+            // (`translate_rings`) and `slot + 2 <= 4 + 2*size` (`ring_pos` masks). Read once
+            // into `head`, which is checked `< size` below before any use.
             unsafe { rd16(h.avail + slot as usize) }
         } else {
             mem.read_u16(avail + slot)
@@ -399,9 +405,9 @@ impl JournaledQueue {
             elem[4..].copy_from_slice(&len.to_le_bytes());
             let at = USED_HEADER + USED_ELEM * ring_pos(first.wrapping_add(i as u16), size);
             if h.used != 0 {
-                // SAFETY: the used ring lies in live guest memory (`hosts`) and `at` is one of
-                // its `size` elements; written as values, never through references (the
-                // guest reads them concurrently).
+                // SAFETY: `h.used != 0`: the used ring's `4 + 8*size + 2` bytes lie in one
+                // region (`translate_rings`) and `at + 8 <= 4 + 8*size` (`ring_pos` masks);
+                // written as bytes, never through references (the guest reads them).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         elem.as_ptr(),
@@ -415,8 +421,8 @@ impl JournaledQueue {
         }
         fence(Ordering::Release);
         if h.used != 0 {
-            // SAFETY: as above; the index is written with one aligned store (the guest reads
-            // it concurrently).
+            // SAFETY: `h.used + 2..+4` is inside the used ring `translate_rings` found in one
+            // region; one aligned store where possible (the guest reads it concurrently).
             unsafe {
                 let p = h.used + 2;
                 if p.is_multiple_of(2) {
@@ -453,7 +459,8 @@ impl JournaledQueue {
         let h = self.hosts(mem);
         let at = AVAIL_HEADER + AVAIL_ELEM * self.queue.size() as u64;
         let used_event = if h.avail != 0 {
-            // SAFETY: the avail ring, used_event included, lies in live guest memory.
+            // SAFETY: `h.avail != 0`: `used_event` at `4 + 2*size` is inside the `4 + 2*size
+            // + 2` bytes `translate_rings` found in one region; read once as a value.
             unsafe { rd16(h.avail + at as usize) }
         } else {
             match mem.read_u16(self.queue.avail_ring() + at) {
@@ -596,9 +603,9 @@ impl ChainWalker<'_> {
     fn read(&self, i: u16) -> Option<Descriptor> {
         let mut raw = [0u8; 16];
         if self.table_host != 0 {
-            // SAFETY: the table's `table_len` entries lie in live guest memory (`table_host`
-            // is only set for such a table) and i < table_len; copied as bytes, never
-            // through a reference (the guest may write the table concurrently).
+            // SAFETY: `i < table_len` (`next`), and `table_host` is only nonzero for a table
+            // of `table_len` entries in one region (`HostMap::host(table, 16 * table_len)` in
+            // `translate_rings` or `enter_indirect`); copied once (the guest may rewrite it).
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     (self.table_host + i as usize * 16) as *const u8,

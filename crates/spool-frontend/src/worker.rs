@@ -148,16 +148,16 @@ struct SlotBufs {
 // SAFETY: the iovec pointers in `iov` and `parts` point into a guest mapping the worker keeps
 // alive while the slot's request is in flight (`host_of`, then `retired_maps`); only the one
 // worker thread that owns the slot ever dereferences them (through the device queue), and the
-// whole worker moves to its thread as one.
+// whole worker moves to its thread as one. Guest memory behind them is shared, never `&`'d.
 unsafe impl Send for SlotBufs {}
 
 /// Writes a request's status byte.
 #[inline]
 fn write_status(at: usize, status: u8) {
     if at != 0 {
-        // SAFETY: `at` is the status byte's host address inside a mapping the worker keeps
-        // alive while the request is in flight (see `Inflight`); written as a value (the
-        // guest may read it concurrently).
+        // SAFETY: `at` is a request's `status_host`, one byte `HostMap::host` found in a
+        // region when it was parsed; that map stays `host_of` or in `retired_maps` until the
+        // request completes (`refresh_host`). Written as a value (the guest may read it).
         unsafe { std::ptr::write_volatile(at as *mut u8, status) };
     }
 }
@@ -885,9 +885,9 @@ impl QueueWorker {
                 let mut written = 0u32;
                 for v in &req.iov {
                     let n = v.iov_len.min(left.len());
-                    // SAFETY: `v` was produced by the parser from a vm-memory slice inside the
-                    // guest mapping `mem`, which is alive here; n <= v.iov_len. The guest may
-                    // race on these bytes, which only affects what it reads back.
+                    // SAFETY: `v` comes from `host_iovecs` (each iovec inside one region, by
+                    // `HostMap::host`/`pieces`) of `host_of`, which is `mem` here (refreshed
+                    // by the caller); n <= v.iov_len. A guest race only changes what it reads.
                     unsafe {
                         std::ptr::copy_nonoverlapping(left.as_ptr(), v.iov_base.cast::<u8>(), n)
                     };
@@ -973,11 +973,10 @@ impl QueueWorker {
                 *iov = part.as_ptr();
                 *iovcnt = part.len() as u32;
             }
-            // SAFETY: the iovec arrays live in `self.slot_bufs[slot].parts`, inline or on the
-            // heap; `slot_bufs` never grows and a slot's buffers are only cleared when the
-            // slot is taken again, after every piece of this request has been reaped (or the
-            // device queue is gone); they point into guest memory the worker keeps mapped
-            // while the request is in flight (`retired_maps`).
+            // SAFETY: the arrays live in `slot_bufs[slot].parts` (never grown), refilled only
+            // for a head `dispatch` found free (`head_busy`: none of its pieces is in a
+            // device); each iovec lies in one region of `host_of` (`host_iovecs`; `slice_iov`
+            // stays inside), which stays mapped until completion (`retired_maps`).
             unsafe { self.devices[d].submit(io, head as u64) };
         }
     }
@@ -1042,9 +1041,9 @@ impl QueueWorker {
                 iovcnt,
             }
         };
-        // SAFETY: as in `submit`: the iovec array lives in this slot's buffers, untouched
-        // until the request is reaped, and points into guest memory the worker keeps mapped
-        // while the request is in flight (`retired_maps`).
+        // SAFETY: as in `submit`: the array lives in this slot's buffers, refilled only for
+        // a free head (`one_piece` and `head_busy`), untouched until reaped; each iovec lies
+        // in one region of `host_of` (`host_iovecs`), mapped until completion.
         unsafe { self.devices[d].submit(io, head as u64) };
     }
 

@@ -132,8 +132,9 @@ pub struct Journal {
     _file: File,
 }
 
-// SAFETY: the mapping is plain shared memory accessed only through atomics (and, for the
-// static header, only by the owner before any other thread sees the journal).
+// SAFETY: the mapping is owned by this value (unmapped only with `&mut self`) and holds no
+// thread-bound state; it is accessed through atomics, and the static header only through
+// `&mut self` or before any other thread sees the journal.
 unsafe impl Send for Journal {}
 
 /// File name of a queue's journal.
@@ -353,7 +354,9 @@ impl Journal {
 
     fn bytes(&self, off: usize, n: usize) -> &[u8] {
         assert!(off + n <= self.len);
-        // SAFETY: within the mapping; the static header is only written by the owner.
+        // SAFETY: `off + n <= self.len` (asserted) and `self.len` bytes are mapped. The file is
+        // private (`open_private`: our uid, 0600, one link, 0700 dir), so the static header
+        // changes only through `&mut self` methods of this process while the borrow lives.
         unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) }
     }
 
@@ -425,7 +428,8 @@ impl Journal {
         b[64..72].copy_from_slice(&h.rings.used.to_le_bytes());
         let crc = crc32c::crc32c(&b[0..STATIC_LEN]);
         b[72..76].copy_from_slice(&crc.to_le_bytes());
-        // SAFETY: within the mapping; `&mut self` means no worker uses the journal now.
+        // SAFETY: HEADER_LEN (128) < SLOTS_OFF <= self.len (`size_for`; the size check in
+        // `open_or_create`); `&mut self` means no reference into the mapping is alive.
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.ptr, HEADER_LEN) };
         fence(Ordering::Release);
     }
@@ -447,8 +451,9 @@ impl Journal {
                 path: self.path.display().to_string(),
                 source: e,
             };
-            // SAFETY: unmapping our own mapping; `&mut self` guarantees no reference into it
-            // is alive.
+            // SAFETY: our own mapping of `self.len` bytes (`map_raw`); `&mut self` guarantees no
+            // reference into it is alive. Should `set_len`/`map_raw` below fail, `len` stays 0
+            // and `ptr` dangles: callers must drop the journal on error (`resume` callers do).
             unsafe { libc::munmap(self.ptr.cast(), self.len) };
             self.len = 0;
             self._file.set_len(len as u64).map_err(io)?;
@@ -458,7 +463,7 @@ impl Journal {
         }
         // Invalidate the old static part first, so a crash in the middle leaves a journal
         // that fails validation rather than a mix of two generations.
-        // SAFETY: within the mapping, owner-only.
+        // SAFETY: byte 72 < HEADER_LEN <= self.len (see `write_header`); `&mut self`.
         unsafe { *self.ptr.add(72) ^= 0xff };
         fence(Ordering::Release);
         for i in 0..queue_size {
@@ -482,9 +487,9 @@ impl Journal {
         // new generation), so this only guards against a bug in this file.
         debug_assert!(off + std::mem::size_of::<T>() <= self.len);
         debug_assert!(off.is_multiple_of(std::mem::align_of::<T>()));
-        // SAFETY: in bounds and aligned (see above; the mapping is page-aligned); the memory is
-        // shared with other processes, which is what atomics are for; the reference lives no
-        // longer than `self` (the mapping).
+        // SAFETY: in bounds and aligned (see above; the mapping is page-aligned; `slot` masks by
+        // `queue_size`, a power of two with `size_for(queue_size) <= len`: `check_queue_size`,
+        // `validated`); shared with other processes, hence atomics; borrows `self`.
         unsafe { &*(self.ptr.add(off) as *const T) }
     }
 
@@ -681,7 +686,8 @@ impl Journal {
 impl Drop for Journal {
     fn drop(&mut self) {
         if self.len > 0 {
-            // SAFETY: unmapping our own mapping; all references into it borrow `self`.
+            // SAFETY: `len > 0`: `ptr..ptr+len` is our mapping from `map_raw` (after a failed
+            // `new_generation`, `len` is 0 and nothing is unmapped); references borrow `self`.
             unsafe { libc::munmap(self.ptr.cast(), self.len) };
         }
     }
@@ -689,8 +695,9 @@ impl Drop for Journal {
 
 fn map_raw(file: &File, len: usize) -> std::io::Result<*mut u8> {
     use std::os::fd::AsRawFd;
-    // SAFETY: maps `len` bytes of a file that is at least that long; MAP_SHARED so the
-    // contents outlive this process. The pointer is only used within [ptr, ptr+len).
+    // SAFETY: a new mapping at a kernel-chosen address replaces nothing. `len` is the file's
+    // length (`open_or_create` reads it, or `set_len` just set it); the file is spoold's own
+    // (`open_private`), so no other user can shrink it under us (SIGBUS).
     let ptr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),

@@ -190,8 +190,9 @@ impl Channel {
                 format!("{CHANNEL_ENV}={fd} is not a keeper channel"),
             )));
         }
-        // SAFETY: the keeper passed us this descriptor for our exclusive use; we checked it is
-        // a seqpacket socket. Mark it close-on-exec so nothing we spawn inherits it.
+        // SAFETY: the keeper put our channel on this number (`spawn`'s pre_exec) for our
+        // exclusive use; we checked it is a seqpacket socket, and `from_env` runs once per
+        // process (spoold's `KeeperLink::from_env`), so it gets one owner. Close-on-exec.
         unsafe {
             libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             Some(Ok(Channel(UnixDatagram::from_raw_fd(fd))))
@@ -248,8 +249,8 @@ impl Channel {
         let files: Vec<File> = raw[..nfds]
             .iter()
             .map(|&fd| {
-                // SAFETY: recvmsg installed these descriptors for us; we are their only owner.
-                // They must not leak into processes we spawn.
+                // SAFETY: recvmsg installed these `nfds <= MAX_FDS` descriptors for us; we are
+                // their only owner. Marked close-on-exec (not atomic with recvmsg).
                 unsafe {
                     libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
                     File::from_raw_fd(fd)

@@ -364,7 +364,8 @@ impl Keeper {
                         "worker {pid} speaks keeper protocol {protocol}, this keeper {PROTOCOL_VERSION}"
                     );
                     tracing::error!("keeper: {why}");
-                    // SAFETY: kill(2) on a child we started; no memory involved.
+                    // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+                    // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
                     unsafe { libc::kill(c.pid as libc::pid_t, libc::SIGKILL) };
                     c.failed = Some(why);
                     return;
@@ -569,7 +570,8 @@ impl Keeper {
     /// Ends an upgrade before the old worker stopped: kill the candidate, answer the RPC.
     fn abort_candidate(&mut self, why: &str) {
         if let Some(c) = self.cand.take() {
-            // SAFETY: kill(2) on a child we started; no memory involved.
+            // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+            // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
             unsafe { libc::kill(c.pid as libc::pid_t, libc::SIGKILL) };
             self.retiring.push(c.id);
         }
@@ -637,7 +639,8 @@ impl Keeper {
     fn rollback(&mut self, why: &str) {
         let Some(u) = self.up.take() else { return };
         if let Some(c) = self.cand.take() {
-            // SAFETY: kill(2) on a child we started; no memory involved.
+            // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+            // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
             unsafe { libc::kill(c.pid as libc::pid_t, libc::SIGKILL) };
             self.retiring.push(c.id);
         }
@@ -869,7 +872,8 @@ impl Keeper {
                         pid = w.pid,
                         "keeper: worker did not stop in 30 s; killing it"
                     );
-                    // SAFETY: kill(2) on a child we started; no memory involved.
+                    // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+                    // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
                     unsafe { libc::kill(w.pid as libc::pid_t, libc::SIGKILL) };
                 }
                 return Some(ExitCode::FAILURE);
@@ -878,7 +882,8 @@ impl Keeper {
         if let Some(w) = &self.worker {
             if w.hello.is_none() && w.spawned.elapsed() > timeout {
                 tracing::error!(pid = w.pid, "keeper: worker did not report in; killing it");
-                // SAFETY: kill(2) on a child we started; no memory involved.
+                // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+                // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
                 unsafe { libc::kill(w.pid as libc::pid_t, libc::SIGKILL) };
             }
         }
@@ -903,7 +908,8 @@ impl Keeper {
             Some(1) => {
                 if let Some(w) = &self.worker {
                     tracing::error!(pid = w.pid, "keeper: old worker did not stop within {timeout:?}; killing it (the journal covers its in-flight I/O)");
-                    // SAFETY: kill(2) on a child we started; no memory involved.
+                    // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+                    // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
                     unsafe { libc::kill(w.pid as libc::pid_t, libc::SIGKILL) };
                 }
                 if let Some(u) = self.up.as_mut() {
@@ -912,7 +918,8 @@ impl Keeper {
             }
             Some(2) => {
                 if let Some(c) = &self.cand {
-                    // SAFETY: kill(2) on a child we started; no memory involved.
+                    // SAFETY: kill(2) takes integers only. Our child, though its pid may be stale:
+                    // its rx thread reaps it before `Ev::Exited` reaches this loop (see `spawn`).
                     unsafe { libc::kill(c.pid as libc::pid_t, libc::SIGKILL) };
                 }
                 if let Some(u) = self.up.as_mut() {

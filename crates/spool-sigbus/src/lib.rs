@@ -80,8 +80,9 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut
         let start = s.start.load(Ordering::Acquire);
         let len = s.len.load(Ordering::Acquire);
         if start != 0 && start != usize::MAX && addr >= start && addr - start < len {
-            // SAFETY: the slot describes a live watched mapping (owners clear the slot
-            // before they unmap), which the handler may replace as the owner agreed.
+            // SAFETY: `start` is loaded (Acquire) before `len`, which `watch` stores before
+            // `start`, so both are one watch's; owners clear the slot before unmapping and
+            // touch nothing there meanwhile, so a fault here means it is still live.
             if unsafe { cover(start, len, s.fill.load(Ordering::Acquire)) } {
                 s.faulted.store(true, Ordering::Release);
                 FAULTS.fetch_add(1, Ordering::AcqRel);
