@@ -159,18 +159,16 @@ pub enum MemoryError {
 /// backend seals by default) cannot be cut short later either; any other can, which the
 /// SIGBUS watch on the mapping covers.
 fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
-    use std::os::unix::fs::FileTypeExt;
     let m = file
         .metadata()
         .map_err(|e| format!("cannot stat its descriptor: {e}"))?;
-    let t = m.file_type();
-    if !(t.is_file() || t.is_block_device()) {
+    if !m.file_type().is_file() {
         return Err("its descriptor is not a regular file or memfd".into());
     }
     let end = offset
         .checked_add(size)
         .ok_or("mmap_offset + size overflows")?;
-    if t.is_file() && m.len() < end {
+    if m.len() < end {
         return Err(format!(
             "mmap_offset {offset:#x} + size {size:#x} lies past the end of its file ({:#x} bytes)",
             m.len()
@@ -226,10 +224,13 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
     }
     let watch = Watch::new(addr as usize, size, 0);
     if !watch.is_watched() {
-        tracing::warn!(
-            gpa = { r.guest_phys_addr },
-            "no SIGBUS watch slot left for guest memory: a truncated memfd would kill the process"
-        );
+        // Mapped unwatched, a truncated file would kill the process: refused instead.
+        drop(watch);
+        // SAFETY: unmapping the mapping made just above, which nothing else refers to.
+        unsafe { libc::munmap(addr, size) };
+        return Err(err(
+            "no SIGBUS watch slot is left in this process (too many guest memory regions)".into(),
+        ));
     }
     let owned = Arc::new(OwnedMapping {
         addr: addr as usize,

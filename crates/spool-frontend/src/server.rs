@@ -521,7 +521,7 @@ impl Serve {
         while added.is_ok() && self.running() {
             let Some(ready) = self.wait() else { break };
             if ready.fault {
-                tracing::error!(volume = %self.ctx.name(), "closing the vhost-user connection: the frontend's memory faulted under a worker (its memfd was truncated?); other volumes are unaffected");
+                tracing::error!(volume = %self.ctx.name(), "closing the vhost-user connection: a worker cannot go on with the frontend's memory (see its error above); other volumes are unaffected");
                 break;
             }
             // The connection first: if it just ended, a waiting newcomer is the next client.

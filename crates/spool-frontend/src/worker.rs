@@ -165,6 +165,9 @@ fn write_status(at: usize, status: u8) {
 const TOKEN_KICK: u64 = 0;
 const TOKEN_WAKE: u64 = 1;
 const TOKEN_DEVICE: u64 = 2;
+/// Most earlier memory maps a worker keeps for requests still in flight under them (QEMU
+/// changes its table a few times at boot and on memory hot-plug, with little I/O in flight).
+const MAX_RETIRED_MAPS: usize = 16;
 /// How long the drain on stop waits for device completions before giving up.
 const STOP_DRAIN: Duration = Duration::from_secs(5);
 
@@ -557,7 +560,8 @@ impl QueueWorker {
         }
         self.seen_faults = now;
         if mem.faulted() || self.retired_maps.iter().any(|m| m.faulted()) {
-            self.fail_queue("the frontend's memory faulted (its file was truncated?)");
+            tracing::error!(volume = %self.volume, queue = self.index, "the frontend's memory faulted under the worker (its file was truncated?); ending the session");
+            self.fail_queue("guest memory faulted");
             self.fault.raise();
         }
     }
@@ -613,6 +617,13 @@ impl QueueWorker {
             if let Some(old) = self.host_of.replace(mem.clone()) {
                 if self.in_flight > 0 {
                     self.retired_maps.push(old);
+                    if self.retired_maps.len() > MAX_RETIRED_MAPS {
+                        // Each kept map holds mappings, DMA registrations and SIGBUS watch
+                        // slots: a frontend replacing its table over and over while requests
+                        // are in flight would exhaust them for every tenant.
+                        self.fail_queue("the frontend replaced its memory table too often while requests were in flight");
+                        self.fault.raise();
+                    }
                 }
             }
         }

@@ -22,7 +22,7 @@ use std::sync::Once;
 
 /// Watched mappings at most (guest regions of every session plus BARs). A mapping that finds
 /// no free slot is not watched: a fault on it is fatal, as without this crate.
-pub const SLOTS: usize = 4096;
+pub const SLOTS: usize = 16384;
 
 struct Slot {
     start: AtomicUsize,
