@@ -443,3 +443,48 @@ fn spoold_refuses_a_journal_directory_another_user_created() {
     assert!(err.contains("owned by uid 65534"), "{err}");
     assert_eq!(std::fs::read_dir(&jd).unwrap().count(), 0);
 }
+
+/// Review finding: a frontend replacing its memory table over and over while a request is in
+/// flight made the worker keep every table (mappings, DMA registrations, SIGBUS watch slots
+/// shared by all tenants). Past 16 kept tables the session is ended; the daemon lives on.
+#[test]
+fn a_frontend_churning_its_memory_table_under_io_is_disconnected() {
+    let mut d = Spoold::start(CFG);
+    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
+    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
+    let dev = vol["devices"][0].as_str().unwrap().to_string();
+    d.rpc(
+        "device_inject",
+        json!({"id": dev, "kind": "stuck", "op": "write", "count": 1}),
+    )
+    .unwrap();
+    let mem = GuestMem::new(1 << 20);
+    let mut ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, true);
+    fe.sync().unwrap();
+    ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
+    ring.post(&mem, 0); // stays in flight
+    std::thread::sleep(Duration::from_millis(100));
+    let mut closed = false;
+    for i in 0..40 {
+        fe.set_mem_table(
+            &[(0, mem.size as u64, common::raw::VVA, 0)],
+            &[mem.fd.as_raw_fd()],
+        );
+        ring.kick();
+        if fe.sync().is_err() {
+            closed = i > 16;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(closed || fe.closed(), "session kept\n{}", d.log());
+    assert!(
+        d.log().contains("replaced its memory table too often"),
+        "{}",
+        d.log()
+    );
+    victim_ok(&mut d, &mut victim, "memory table churn");
+}
