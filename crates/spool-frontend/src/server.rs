@@ -408,6 +408,10 @@ impl Serve {
                     continue;
                 }
             };
+            if let Err(e) = limit_message_time(&stream) {
+                tracing::warn!(volume = %self.ctx.name(), error = %e, "cannot set the connection's time limits");
+                continue;
+            }
             tracing::info!(volume = %self.ctx.name(), "frontend connected");
             let session = Arc::new(Mutex::new(Session::new(self.ctx.clone())));
             let handler = match stream.try_clone() {
@@ -443,6 +447,30 @@ struct Ready {
     conn: bool,
     /// A worker found the session's memory faulted.
     fault: bool,
+}
+
+/// How long one vhost-user message may take to arrive in full once its first bytes did (or
+/// a reply to be taken by the frontend). The serving thread reads a message with blocking
+/// calls: a frontend that sends a header and never the body it announced would otherwise
+/// hold the thread, and with it every stop and upgrade of the daemon, forever.
+const MESSAGE_TIME_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn limit_message_time(s: &UnixStream) -> std::io::Result<()> {
+    s.set_read_timeout(Some(MESSAGE_TIME_LIMIT))?;
+    s.set_write_timeout(Some(MESSAGE_TIME_LIMIT))
+}
+
+/// Whether the peer of `s` has closed its end (the connection is over, whatever it left
+/// unread).
+fn peer_closed(s: &UnixStream) -> bool {
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: poll reads and writes the one pollfd we own; a zero timeout never blocks.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
 /// The process id of a Unix socket's peer, for log lines (None if the kernel cannot say).
@@ -492,6 +520,7 @@ fn restore_connection(
         // exactly one owner; one that is not a socket only makes the socket calls fail.
         let conn =
             unsafe { UnixStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(conn_file)) };
+        limit_message_time(&conn).map_err(|e| format!("kept connection: {e}"))?;
         let mut clock = RestoreClock::default();
         let session = Session::restore(ctx.clone(), &st, &mut files, &mut clock)?;
         crate::restore_clock_add(clock);
@@ -543,6 +572,12 @@ impl Serve {
                 }
             }
             if ready.listen {
+                // A client that closed its connection and connected again at once is not a
+                // second frontend: its old connection's end may just not have been read yet.
+                if peer_closed(&stream) {
+                    tracing::info!(volume = %self.ctx.name(), "frontend disconnected");
+                    break;
+                }
                 self.refuse(listener, &mut refused_log);
             }
         }

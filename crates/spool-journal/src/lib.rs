@@ -473,7 +473,7 @@ impl Journal {
         self.aux_atomic()
             .store(pack_aux(AUX_FINISHED, last_avail, 0), Ordering::Relaxed);
         fence(Ordering::Release);
-        h.generation += 1;
+        h.generation = h.generation.wrapping_add(1);
         h.queue_size = queue_size;
         h.rings = rings;
         self.write_header(&h);

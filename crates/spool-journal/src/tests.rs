@@ -283,3 +283,17 @@ fn a_journal_directory_of_another_user_is_refused() {
         "nothing created"
     );
 }
+
+#[test]
+fn a_new_generation_after_the_last_one_wraps_instead_of_panicking() {
+    // Found by the journal fuzzer: a (checksummed) header at generation u64::MAX made the
+    // next new_generation overflow.
+    let d = dir();
+    let v = Uuid::new_v4();
+    let (mut j, _) = Journal::open_or_create(d.path(), v, 0, 8).unwrap();
+    let mut h = j.header();
+    h.generation = u64::MAX;
+    j.write_header(&h);
+    j.new_generation(8, RingAddrs::default(), 0, 0).unwrap();
+    assert_eq!(j.header().generation, 0);
+}
