@@ -152,6 +152,15 @@ struct SlotBufs {
 unsafe impl Send for SlotBufs {}
 
 /// Writes a request's status byte.
+/// Logs a failed device I/O, rate-limited (a guest can make every request fail).
+#[cold]
+#[inline(never)]
+fn note_io_error(log: &mut LogLimit, volume: &str, tag: u64, errno: i32, class: ErrorClass) {
+    if let Verdict::Log { suppressed } = log.check() {
+        tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), suppressed, "device I/O failed");
+    }
+}
+
 #[inline]
 fn write_status(at: usize, status: u8) {
     if at != 0 {
@@ -631,25 +640,21 @@ impl QueueWorker {
 
     /// Submits a parsed request, or completes a rejected one with its error status.
     fn dispatch(&mut self, parsed: Result<Request, request::Rejected>, mem: &Arc<GuestMemory>) {
-        let head = match &parsed {
-            Ok(r) => r.head,
-            Err(r) => r.head,
-        };
-        if self.head_busy(head) {
-            // A head the guest has not got back yet, offered again: a driver bug or a hostile
-            // guest. Completing it (even with an error status) would complete the request in
-            // flight a second time and mark it NONE in the journal while its I/O runs; the
-            // re-posted copy is dropped and the original completes once, as it would have.
-            if let Verdict::Log { suppressed } = self.dup_log.check() {
-                tracing::warn!(volume = %self.volume, queue = self.index, head, suppressed, "guest re-posted a descriptor head that is still in flight; ignored");
-            }
-            return;
-        }
+        // A head the guest has not got back yet, offered again (a driver bug or a hostile
+        // guest), is dropped: completing it, even with an error status, would complete the
+        // request in flight a second time and mark it NONE in the journal while its I/O runs.
+        // The original completes once, as it would have.
         match parsed {
-            Ok(req) => match self.one_piece(&req) {
-                Some((d, offset)) => self.submit_one(req, d, offset),
-                None => self.submit(req, mem),
-            },
+            Ok(req) => {
+                if self.head_busy(req.head) {
+                    return self.note_reposted(req.head);
+                }
+                match self.one_piece(&req) {
+                    Some((d, offset)) => self.submit_one(req, d, offset),
+                    None => self.submit(req, mem),
+                }
+            }
+            Err(rej) if self.head_busy(rej.head) => self.note_reposted(rej.head),
             Err(rej) => {
                 tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason, "request rejected");
                 if let Some(a) = rej.status_addr {
@@ -658,6 +663,14 @@ impl QueueWorker {
                 }
                 self.complete_used(mem, rej.head, 1);
             }
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn note_reposted(&mut self, head: u16) {
+        if let Verdict::Log { suppressed } = self.dup_log.check() {
+            tracing::warn!(volume = %self.volume, queue = self.index, head, suppressed, "guest re-posted a descriptor head that is still in flight; ignored");
         }
     }
 
@@ -1077,9 +1090,7 @@ impl QueueWorker {
                 if res < 0 {
                     let errno = -res;
                     let class = ErrorClass::of_errno(errno);
-                    if let Verdict::Log { suppressed } = io_err_log.check() {
-                        tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), suppressed, "device I/O failed");
-                    }
+                    note_io_error(io_err_log, volume, tag, errno, class);
                     if errno != libc::ECANCELED {
                         let &(_, offset, len, write) = bufs[tag as usize]
                             .pieces
