@@ -536,3 +536,48 @@ fn a_frontend_that_stalls_mid_message_cannot_block_the_daemon() {
     d.stop();
     drop(fe);
 }
+
+/// A request that crashes the worker (simulated: a fault rule armed from the environment in
+/// every worker aborts the process when the write reaches the device) was replayed by every
+/// restarted worker, which crashed again, until the keeper gave up and every volume went
+/// down. The worker that finds the previous one died of a fault replaying exactly these
+/// requests fails them with IOERR instead; other volumes keep serving throughout.
+#[test]
+fn a_request_that_crashes_the_worker_is_failed_not_replayed_forever() {
+    let mut d = Spoold::start_env(
+        CFG,
+        &[(spool_devices_crash_env(), "any")], // every write crashes the worker
+    );
+    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
+    let (r, _) = victim.read_sync(0, 0, 4096);
+    assert_eq!(r, 0);
+    let first = d.worker_pid();
+    let mem = GuestMem::new(1 << 20);
+    let mut ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, true);
+    fe.sync().unwrap();
+    ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
+    ring.post(&mem, 0);
+    // Worker 1 dies taking it, worker 2 dies replaying it, worker 3 fails it.
+    let done = ring.wait_used(&mem, 1, Duration::from_secs(30));
+    assert_eq!(done.len(), 1, "never completed\n{}", d.log());
+    assert_eq!(done[0].0, 0);
+    assert_eq!(ring.status(&mem, 0), 1, "status (IOERR expected)");
+    let log = d.log();
+    assert_eq!(log.matches("injected crash on a write").count(), 2, "{log}");
+    assert!(log.contains("failing them instead of replaying"), "{log}");
+    assert!(d.running(), "the keeper gave up\n{log}");
+    assert_ne!(d.worker_pid(), first);
+    // The same connection goes on, and so does the other volume.
+    fe.sync().unwrap();
+    let (r, _) = victim.read_sync(0, 0, 4096);
+    assert_eq!(r, 0);
+    assert!(ring
+        .wait_used(&mem, 1, Duration::from_millis(500))
+        .is_empty());
+}
+
+fn spool_devices_crash_env() -> &'static str {
+    "SPOOL_TEST_CRASH_ON_WRITE_AT"
+}

@@ -37,7 +37,17 @@ pub enum FaultEffect {
     /// command and may still carry it out at any time (what a reset is not guaranteed to
     /// fence). Simulated: the command is held and never reaches the device.
     Stuck,
+    /// Aborts the whole process when submitted: a request that crashes the worker (a bug
+    /// some request triggers). Armed only from the environment (see
+    /// [`FaultSet::for_device`]), so every restarted worker crashes on it again: what a
+    /// poison request does.
+    Crash,
 }
+
+/// Environment variable that arms a [`FaultEffect::Crash`] rule for writes covering this
+/// byte offset (or, with "any", for every write) of every device, in every worker process
+/// (tests of poison requests).
+pub const CRASH_ON_WRITE_ENV: &str = "SPOOL_TEST_CRASH_ON_WRITE_AT";
 
 /// One injection rule.
 #[derive(Debug, Clone)]
@@ -83,6 +93,30 @@ pub struct FaultSet {
 }
 
 impl FaultSet {
+    /// A device's fault set: empty, unless [`CRASH_ON_WRITE_ENV`] asks for a crash rule.
+    pub fn for_device() -> Self {
+        let f = FaultSet::default();
+        // A byte offset, or "any" (every write).
+        let at = std::env::var(CRASH_ON_WRITE_ENV)
+            .ok()
+            .and_then(|v| match v.as_str() {
+                "any" => Some((0, 0)),
+                v => v.parse::<u64>().ok().map(|o| (o, 1)),
+            });
+        if let Some((offset, len)) = at {
+            f.add(FaultRule {
+                effect: FaultEffect::Crash,
+                ops: FaultOps::Write,
+                offset,
+                len,
+                count: None,
+                duration: None,
+                fails_probe: false,
+            });
+        }
+        f
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Armed>> {
         self.rules.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -194,7 +228,7 @@ impl FaultSet {
             .find(|a| a.rule.fails_probe)
             .map(|a| match a.rule.effect {
                 FaultEffect::Errno(e) => e,
-                FaultEffect::Hang | FaultEffect::Stuck => libc::ETIMEDOUT,
+                FaultEffect::Hang | FaultEffect::Stuck | FaultEffect::Crash => libc::ETIMEDOUT,
             })
     }
 }
@@ -240,6 +274,10 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
             Some(FaultEffect::Errno(e)) => self.done.push_back((tag, -e)),
             Some(FaultEffect::Hang) => self.hung.push(tag),
             Some(FaultEffect::Stuck) => self.stuck.push(tag),
+            Some(FaultEffect::Crash) => {
+                eprintln!("spoold: injected crash on a write at {offset} ({CRASH_ON_WRITE_ENV})");
+                std::process::abort();
+            }
         }
     }
 

@@ -351,6 +351,8 @@ impl Session {
         // The journal, not SET_VRING_BASE, decides where the queue resumes (Algorithm 2).
         let mut next_avail = if restored { used_idx } else { v.base };
         let mut resubmit = Vec::new();
+        let mut poison = Vec::new();
+        let mut replay = None;
         let journal = match &ctx.settings().journal_dir {
             None => None,
             Some(dir) => {
@@ -391,6 +393,20 @@ impl Session {
                 }
                 next_avail = r.next_avail;
                 resubmit = r.resubmit;
+                if !resubmit.is_empty() {
+                    match j.begin_replay(&resubmit) {
+                        Ok((rec, crashed)) => {
+                            if crashed {
+                                tracing::error!(volume = %ctx.name(), queue = index, heads = ?resubmit, "the previous worker crashed replaying these requests: failing them instead of replaying them again");
+                                poison = std::mem::take(&mut resubmit);
+                            }
+                            replay = Some(rec);
+                        }
+                        Err(e) => {
+                            tracing::warn!(volume = %ctx.name(), queue = index, "{e}; replaying without a record (a request that crashes every worker would be replayed again)")
+                        }
+                    }
+                }
                 Some(j)
             }
         };
@@ -427,6 +443,8 @@ impl Session {
             volume: ctx.name().to_string(),
             fault: ctx.fault().clone(),
             abandoned: ctx.abandoned_counter(),
+            replay,
+            poison,
         };
         let w = WorkerHandle::spawn(spec)
             .map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;

@@ -30,6 +30,7 @@ use crate::ratelimit::{self, LogLimit, Verdict};
 use crate::request::{self, GuestMemory, IoVecs, Limits, Op, Request, ID_LEN, SECTOR};
 use crate::vring::JournaledQueue;
 use spool_journal::Journal;
+use spool_journal::ReplayRecord;
 
 /// What a worker needs to start.
 pub struct WorkerSpec {
@@ -53,6 +54,37 @@ pub struct WorkerSpec {
     pub fault: Arc<crate::SessionFault>,
     /// Counts device commands this worker gave up on and quarantined (see `quarantine_stuck`).
     pub abandoned: Arc<AtomicU64>,
+    /// The replay record of `resubmit` (see `spool_journal::ReplayRecord`).
+    pub replay: Option<ReplayRecord>,
+    /// Heads that crashed the previous process while it replayed them: failed, not replayed.
+    pub poison: Vec<u16>,
+}
+
+/// A replay in progress: the journal's record and its crash mark's registration, withdrawn
+/// before the record (and the mark's memory) goes away.
+struct ReplayGuard {
+    slot: Option<usize>,
+    _record: ReplayRecord,
+}
+
+impl ReplayGuard {
+    fn new(record: ReplayRecord) -> Self {
+        // SAFETY: the mark lives in the record's mapping, which `_record` keeps until this
+        // guard is dropped, after `Drop` withdrew the registration.
+        let slot = unsafe { spool_sigbus::mark_on_crash(record.crash_mark()) };
+        ReplayGuard {
+            slot,
+            _record: record,
+        }
+    }
+}
+
+impl Drop for ReplayGuard {
+    fn drop(&mut self) {
+        if let Some(s) = self.slot.take() {
+            spool_sigbus::unmark_on_crash(s);
+        }
+    }
 }
 
 /// Handle to a running worker.
@@ -237,6 +269,12 @@ pub struct QueueWorker {
     seen_faults: u64,
     fault: Arc<crate::SessionFault>,
     abandoned: Arc<AtomicU64>,
+    /// Heads resubmitted from the journal and not completed yet (`replaying`, by head), and
+    /// the record that says so should this process crash before they are.
+    replay: Option<ReplayGuard>,
+    replaying: Vec<bool>,
+    replay_left: usize,
+    poison: Vec<u16>,
 }
 
 /// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
@@ -305,6 +343,10 @@ impl QueueWorker {
             seen_faults: spool_sigbus::faults(),
             fault: spec.fault,
             abandoned: spec.abandoned,
+            replay: spec.replay.map(ReplayGuard::new),
+            replaying: vec![false; size],
+            replay_left: 0,
+            poison: spec.poison,
         };
         w.open_device_queues()?;
         Ok(w)
@@ -371,13 +413,30 @@ impl QueueWorker {
         if let Some(call) = self.call.load().as_ref() {
             let _ = (&**call).write(&1u64.to_ne_bytes());
         }
+        if !self.poison.is_empty() {
+            let mem = self.mem.load().clone();
+            for head in std::mem::take(&mut self.poison) {
+                self.fail_poisoned(head, &mem);
+            }
+        }
         if !self.resubmit.is_empty() {
             let mem = self.mem.load().clone();
             let heads = std::mem::take(&mut self.resubmit);
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
+            for &h in &heads {
+                if let Some(r) = self.replaying.get_mut(h as usize) {
+                    if !*r {
+                        *r = true;
+                        self.replay_left += 1;
+                    }
+                }
+            }
             for head in heads {
                 self.resubmit_head(head, &mem);
             }
+        }
+        if self.replay_left == 0 {
+            self.replay = None;
         }
         loop {
             if self.stop.load(Ordering::Acquire) {
@@ -818,6 +877,38 @@ impl QueueWorker {
         }
     }
 
+    /// Counts replayed heads completing; the replay record goes when the last one did.
+    #[cold]
+    fn replayed(&mut self, done: &[(u16, u32)]) {
+        for &(h, _) in done {
+            if let Some(r) = self.replaying.get_mut(h as usize).filter(|r| **r) {
+                *r = false;
+                self.replay_left -= 1;
+            }
+        }
+        if self.replay_left == 0 {
+            self.replay = None;
+        }
+    }
+
+    /// Completes a head that crashed the previous process while it replayed it, with IOERR,
+    /// without submitting it again (it would crash this process too).
+    #[cold]
+    fn fail_poisoned(&mut self, head: u16, mem: &Arc<GuestMemory>) {
+        tracing::error!(volume = %self.volume, queue = self.index, head, "request crashed the previous worker while it was replayed; failing it (IOERR) instead of replaying it again");
+        self.refresh_host(mem);
+        let chain = self.vq.chain(&self.host, head);
+        match request::parse(head, chain, &self.host, &self.limits) {
+            Ok(req) => write_status(req.status_host, VIRTIO_BLK_S_IOERR as u8),
+            Err(rej) => {
+                if let Some(a) = rej.status_addr {
+                    self.host.write(a.0, &[VIRTIO_BLK_S_IOERR as u8]);
+                }
+            }
+        }
+        self.complete_used(mem, head, 1);
+    }
+
     fn complete_used(&mut self, mem: &Arc<GuestMemory>, head: u16, len: u32) {
         self.complete_used_batch(mem, &[(head, len)]);
     }
@@ -826,6 +917,9 @@ impl QueueWorker {
     fn complete_used_batch(&mut self, mem: &Arc<GuestMemory>, done: &[(u16, u32)]) {
         if done.is_empty() {
             return;
+        }
+        if self.replay_left > 0 {
+            self.replayed(done);
         }
         // Algorithm 1, steps 10-14, for the batch as a whole.
         self.refresh_host(mem);

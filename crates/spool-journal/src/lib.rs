@@ -26,6 +26,9 @@ use std::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use uuid::Uuid;
 
+mod replay;
+pub use replay::ReplayRecord;
+
 /// Magic at offset 0.
 pub const MAGIC: [u8; 8] = *b"SPOOLJN\x01";
 /// Layout version written and understood by this build.

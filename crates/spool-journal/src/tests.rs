@@ -297,3 +297,31 @@ fn a_new_generation_after_the_last_one_wraps_instead_of_panicking() {
     j.new_generation(8, RingAddrs::default(), 0, 0).unwrap();
     assert_eq!(j.header().generation, 0);
 }
+
+#[test]
+fn a_replay_that_crashed_marks_its_heads_poison_for_the_next_process() {
+    let d = dir();
+    let (j, _) = Journal::open_or_create(d.path(), Uuid::new_v4(), 0, 8).unwrap();
+    // A replay that finished (the record dropped): nothing is poison.
+    let (rec, poison) = j.begin_replay(&[3, 1]).unwrap();
+    assert!(!poison);
+    drop(rec);
+    let (rec, poison) = j.begin_replay(&[1, 3]).unwrap();
+    assert!(!poison);
+    // The process is killed from outside (mark not set; the record stays behind).
+    std::mem::forget(rec);
+    let (rec, poison) = j.begin_replay(&[1, 3]).unwrap();
+    assert!(!poison, "being killed is no fault of the requests");
+    // It dies of a fault while replaying: the fatal-signal hook sets the mark.
+    // SAFETY: the record's mapping is alive (forgotten, never unmapped).
+    unsafe { *rec.crash_mark() = 1 };
+    std::mem::forget(rec);
+    let (rec, poison) = j.begin_replay(&[3, 1]).unwrap();
+    assert!(poison, "the same heads after a crash are poison");
+    // SAFETY: as above.
+    unsafe { *rec.crash_mark() = 1 };
+    std::mem::forget(rec);
+    // Other heads are not.
+    let (_rec, poison) = j.begin_replay(&[1, 3, 5]).unwrap();
+    assert!(!poison);
+}

@@ -10,6 +10,9 @@
 //! depended on that mapping. A fault anywhere else is not ours: the default action is
 //! restored and the access faults again, as without this crate.
 //!
+//! It also keeps crash marks (`mark_on_crash`): bytes of shared memory set when the process
+//! dies of a fault, so the next process can tell a crash from being killed.
+//!
 //! Must not know: what the mappings are (guests, devices, sessions); that is the owner's.
 //!
 //! The handler only reads atomics, calls mmap and writes memory it just mapped, which is
@@ -17,7 +20,7 @@
 //! [`unwatch`]) before it unmaps the range, so the handler never covers an address that has
 //! been reused for something else.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Once;
 
 /// Watched mappings at most (guest regions of every session plus BARs). A mapping that finds
@@ -90,10 +93,86 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut
             }
         }
     }
-    // Not a watched mapping (or the cover failed): the default action happens on the
-    // re-executed access.
+    // Not a watched mapping (or the cover failed): the process dies of it. The default
+    // action happens on the re-executed access.
+    set_crash_marks();
     // SAFETY: resetting a signal disposition; no memory is involved.
     unsafe { libc::signal(sig, libc::SIG_DFL) };
+}
+
+/// Crash marks: bytes (in shared memory that outlives the process) set to 1 when the process
+/// dies of a fault. A replayed request that kills the process leaves its mark for the next.
+const MARKS: usize = 1024;
+#[allow(clippy::declare_interior_mutable_const)]
+const NO_MARK: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static MARK_TABLE: [AtomicPtr<u8>; MARKS] = [NO_MARK; MARKS];
+static FATAL_INSTALL: Once = Once::new();
+
+fn set_crash_marks() {
+    for m in MARK_TABLE.iter() {
+        let p = m.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: a registered mark is a live byte of shared memory its owner keeps mapped
+            // until it withdraws the registration (`unmark_on_crash`) first.
+            unsafe { std::ptr::write_volatile(p, 1) };
+        }
+    }
+}
+
+extern "C" fn on_fatal(sig: libc::c_int) {
+    set_crash_marks();
+    // The default action (terminate, dump core) happens when the faulting instruction runs
+    // again, or when abort() raises again.
+    // SAFETY: resetting a signal disposition; no memory is involved.
+    unsafe { libc::signal(sig, libc::SIG_DFL) };
+}
+
+fn install_fatal() {
+    FATAL_INSTALL.call_once(|| {
+        install();
+        for sig in [libc::SIGSEGV, libc::SIGABRT, libc::SIGILL, libc::SIGFPE] {
+            // SAFETY: a zeroed sigaction is valid; we fill handler, flags and an empty mask.
+            let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+            sa.sa_sigaction = on_fatal as *const () as usize;
+            sa.sa_flags = libc::SA_ONSTACK;
+            // SAFETY: sigemptyset writes the mask inside our struct; sigaction reads it.
+            unsafe {
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+    });
+}
+
+/// Sets `*mark = 1` if the process dies of a fault (SIGSEGV, SIGBUS outside watched
+/// mappings, SIGABRT including panics that abort, SIGILL, SIGFPE); not on SIGKILL. Returns
+/// the registration, or None when the table is full.
+///
+/// # Safety
+/// `mark` must stay a valid, writable byte until [`unmark_on_crash`] is called with the
+/// returned slot.
+pub unsafe fn mark_on_crash(mark: *mut u8) -> Option<usize> {
+    install_fatal();
+    for (i, m) in MARK_TABLE.iter().enumerate() {
+        if m.compare_exchange(
+            std::ptr::null_mut(),
+            mark,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .is_ok()
+        {
+            return Some(i);
+        }
+    }
+    None
+}
+
+/// Withdraws a crash mark (before its memory goes away).
+pub fn unmark_on_crash(slot: usize) {
+    if let Some(m) = MARK_TABLE.get(slot) {
+        m.store(std::ptr::null_mut(), Ordering::Release);
+    }
 }
 
 fn install() {

@@ -71,6 +71,7 @@ fn rule_json(id: u64, r: &FaultRule, hits: u64, remaining: Option<u64>) -> Value
             FaultEffect::Errno(e) => format!("errno {e} ({})", std::io::Error::from_raw_os_error(e)),
             FaultEffect::Hang => "hang".into(),
             FaultEffect::Stuck => "stuck".into(),
+            FaultEffect::Crash => "crash".into(),
         },
         "op": match r.ops { FaultOps::Read => "read", FaultOps::Write => "write", FaultOps::Any => "any" },
         "offset": r.offset,

@@ -16,6 +16,8 @@ pub struct Spoold {
     pub config: PathBuf,
     child: Option<Child>,
     args: Vec<String>,
+    /// Extra environment of the spoold process (and so of every worker it starts).
+    pub envs: Vec<(String, String)>,
 }
 
 impl Spoold {
@@ -34,7 +36,24 @@ impl Spoold {
         Self::start_full(extra, true, args)
     }
 
+    /// With extra environment variables for spoold (and its workers).
+    pub fn start_env(extra: &str, envs: &[(&str, &str)]) -> Spoold {
+        let mut s = Self::prepare(extra, true, &[]);
+        s.envs = envs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        s.spawn();
+        s
+    }
+
     fn start_full(extra: &str, journal: bool, args: &[&str]) -> Spoold {
+        let mut s = Self::prepare(extra, journal, args);
+        s.spawn();
+        s
+    }
+
+    fn prepare(extra: &str, journal: bool, args: &[&str]) -> Spoold {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("spoold.toml");
         std::fs::write(
@@ -47,13 +66,13 @@ impl Spoold {
             ),
         )
         .unwrap();
-        let mut s = Spoold {
+        let s = Spoold {
             dir,
             config,
             child: None,
             args: args.iter().map(|a| a.to_string()).collect(),
+            envs: Vec::new(),
         };
-        s.spawn();
         s
     }
 
@@ -78,6 +97,7 @@ impl Spoold {
             .arg("--log-level")
             .arg("info")
             .args(&self.args)
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
