@@ -454,13 +454,20 @@ impl Journal {
                 path: self.path.display().to_string(),
                 source: e,
             };
-            // SAFETY: our own mapping of `self.len` bytes (`map_raw`); `&mut self` guarantees no
-            // reference into it is alive. Should `set_len`/`map_raw` below fail, `len` stays 0
-            // and `ptr` dangles: callers must drop the journal on error (`resume` callers do).
-            unsafe { libc::munmap(self.ptr.cast(), self.len) };
-            self.len = 0;
+            // The new mapping is made before the old one goes: on any failure the journal
+            // keeps its old size and mapping, and stays usable.
             self._file.set_len(len as u64).map_err(io)?;
-            self.ptr = map_raw(&self._file, len).map_err(io)?;
+            let ptr = match map_raw(&self._file, len) {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = self._file.set_len(self.len as u64);
+                    return Err(io(e));
+                }
+            };
+            // SAFETY: our own mapping of `self.len` bytes (`map_raw`); `&mut self` guarantees no
+            // reference into it is alive, and nothing reads it between the resize and here.
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+            self.ptr = ptr;
             self.len = len;
             self.queue_size = queue_size;
         }
