@@ -546,7 +546,7 @@ fn a_frontend_that_stalls_mid_message_cannot_block_the_daemon() {
 fn a_request_that_crashes_the_worker_is_failed_not_replayed_forever() {
     let mut d = Spoold::start_env(
         CFG,
-        &[(spool_devices_crash_env(), "any")], // every write crashes the worker
+        &[(spool_devices::CRASH_ON_WRITE_ENV, "any")], // every write crashes the worker
     );
     let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
     let (r, _) = victim.read_sync(0, 0, 4096);
@@ -576,8 +576,4 @@ fn a_request_that_crashes_the_worker_is_failed_not_replayed_forever() {
     assert!(ring
         .wait_used(&mem, 1, Duration::from_millis(500))
         .is_empty());
-}
-
-fn spool_devices_crash_env() -> &'static str {
-    "SPOOL_TEST_CRASH_ON_WRITE_AT"
 }

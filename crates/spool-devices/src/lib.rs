@@ -17,7 +17,9 @@ mod null;
 mod nvme;
 mod queue;
 
-pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue};
+pub use fault::{
+    FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue, CRASH_ON_WRITE_ENV,
+};
 pub use file::{DeviceKind, FileDevice, NvmeStatus, OpenOptions, Probe};
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
