@@ -30,6 +30,34 @@ reset_timeout_ms = 5000
 poll_interval_ms = 50
 "#;
 
+/// A client of the victim volume, with pattern 1 written at its start.
+fn victim_with_data(d: &Spoold) -> common::Client_ {
+    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
+    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    victim
+}
+
+/// A raw frontend on the target volume: 1 MiB of guest memory, queue 0 of size 16 running.
+fn raw_target(d: &Spoold) -> (GuestMem, Ring, RawFrontend) {
+    let mem = GuestMem::new(1 << 20);
+    let ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&d.socket("target"));
+    ring.setup(&mut fe, &mem, true);
+    fe.sync().unwrap();
+    (mem, ring, fe)
+}
+
+/// Arms one write fault of `kind` on the target volume's device.
+fn inject_write_fault(d: &Spoold, kind: &str) {
+    let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
+    let dev = vol["devices"][0].as_str().unwrap();
+    d.rpc(
+        "device_inject",
+        json!({"id": dev, "kind": kind, "op": "write", "count": 1}),
+    )
+    .unwrap();
+}
+
 /// The victim volume still reads back what was written before the attack.
 fn victim_ok(d: &mut Spoold, victim: &mut common::Client_, what: &str) {
     assert!(d.running(), "{what}: spoold died\n{}", d.log());
@@ -44,8 +72,7 @@ fn victim_ok(d: &mut Spoold, victim: &mut common::Client_, what: &str) {
 #[test]
 fn a_queue_without_a_size_is_refused_and_blocks_nobody() {
     let mut d = Spoold::start(CFG);
-    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
-    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    let mut victim = victim_with_data(&d);
 
     let mem = GuestMem::new(1 << 20);
     let ring = Ring::new(256);
@@ -127,21 +154,11 @@ fn a_second_frontend_is_refused_and_the_first_keeps_its_volume() {
 #[test]
 fn a_reposted_head_in_flight_is_never_completed_twice() {
     let d = Spoold::start(CFG);
-    let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
-    let dev = vol["devices"][0].as_str().unwrap().to_string();
-    let mem = GuestMem::new(1 << 20);
-    let mut ring = Ring::new(16);
-    let mut fe = RawFrontend::connect(&d.socket("target"));
-    ring.setup(&mut fe, &mem, true);
-    fe.sync().unwrap();
+    let (mem, mut ring, fe) = raw_target(&d);
 
     // Case A: the same request offered twice; case B: the copy is malformed (rejected).
     for (case, head, slot) in [("same copy", 0u16, 0u64), ("rejected copy", 3, 1)] {
-        d.rpc(
-            "device_inject",
-            json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
-        )
-        .unwrap();
+        inject_write_fault(&d, "timeout");
         ring.prepare(&mem, head, slot, T_OUT, 64 * slot, 4096);
         mem.fill(common::raw::DATA + slot * 4096, &pattern(7 + slot, 0, 4096));
         ring.post(&mem, head);
@@ -192,8 +209,7 @@ fn a_reposted_head_in_flight_is_never_completed_twice() {
 #[test]
 fn a_memory_region_past_the_end_of_its_file_is_refused() {
     let mut d = Spoold::start(CFG);
-    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
-    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    let mut victim = victim_with_data(&d);
     let worker = d.worker_pid();
 
     // Only the descriptor table's page exists; the region claims 1 MiB.
@@ -215,15 +231,10 @@ fn a_memory_region_past_the_end_of_its_file_is_refused() {
 #[test]
 fn guest_memory_truncated_under_a_worker_fails_that_session_only() {
     let mut d = Spoold::start(CFG);
-    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
-    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
+    let mut victim = victim_with_data(&d);
     let worker = d.worker_pid();
 
-    let mem = GuestMem::new(1 << 20);
-    let mut ring = Ring::new(16);
-    let mut fe = RawFrontend::connect(&d.socket("target"));
-    ring.setup(&mut fe, &mem, true);
-    fe.sync().unwrap();
+    let (mem, mut ring, mut fe) = raw_target(&d);
     // One request works.
     ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
     ring.post(&mem, 0);
@@ -364,21 +375,10 @@ fn every_memory_slot_offered_survives_a_worker_crash() {
 #[test]
 fn a_volume_with_a_stuck_write_keeps_its_extents_when_deleted() {
     let mut d = Spoold::start(CFG);
-    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
-    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
-    let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
-    let dev = vol["devices"][0].as_str().unwrap().to_string();
+    let mut victim = victim_with_data(&d);
     // A command the device never completes, not even when aborted.
-    d.rpc(
-        "device_inject",
-        json!({"id": dev, "kind": "stuck", "op": "write", "count": 1}),
-    )
-    .unwrap();
-    let mem = GuestMem::new(1 << 20);
-    let mut ring = Ring::new(16);
-    let mut fe = RawFrontend::connect(&d.socket("target"));
-    ring.setup(&mut fe, &mem, true);
-    fe.sync().unwrap();
+    inject_write_fault(&d, "stuck");
+    let (mem, mut ring, fe) = raw_target(&d);
     ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
     ring.post(&mem, 0);
     assert!(ring
@@ -450,20 +450,9 @@ fn spoold_refuses_a_journal_directory_another_user_created() {
 #[test]
 fn a_frontend_churning_its_memory_table_under_io_is_disconnected() {
     let mut d = Spoold::start(CFG);
-    let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
-    assert_eq!(victim.write_sync(0, 0, &pattern(1, 0, 4096)), 0);
-    let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
-    let dev = vol["devices"][0].as_str().unwrap().to_string();
-    d.rpc(
-        "device_inject",
-        json!({"id": dev, "kind": "stuck", "op": "write", "count": 1}),
-    )
-    .unwrap();
-    let mem = GuestMem::new(1 << 20);
-    let mut ring = Ring::new(16);
-    let mut fe = RawFrontend::connect(&d.socket("target"));
-    ring.setup(&mut fe, &mem, true);
-    fe.sync().unwrap();
+    let mut victim = victim_with_data(&d);
+    inject_write_fault(&d, "stuck");
+    let (mem, mut ring, mut fe) = raw_target(&d);
     ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
     ring.post(&mem, 0); // stays in flight
     std::thread::sleep(Duration::from_millis(100));
@@ -552,11 +541,7 @@ fn a_request_that_crashes_the_worker_is_failed_not_replayed_forever() {
     let (r, _) = victim.read_sync(0, 0, 4096);
     assert_eq!(r, 0);
     let first = d.worker_pid();
-    let mem = GuestMem::new(1 << 20);
-    let mut ring = Ring::new(16);
-    let mut fe = RawFrontend::connect(&d.socket("target"));
-    ring.setup(&mut fe, &mem, true);
-    fe.sync().unwrap();
+    let (mem, mut ring, mut fe) = raw_target(&d);
     ring.prepare(&mem, 0, 0, T_OUT, 0, 4096);
     ring.post(&mem, 0);
     // Worker 1 dies taking it, worker 2 dies replaying it, worker 3 fails it.
