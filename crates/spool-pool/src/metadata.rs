@@ -118,89 +118,25 @@ impl PoolTable {
                 "min_extent {min} is not a power of two between {MIN_EXTENT_MIN} and {MIN_EXTENT_MAX}"
             ));
         }
-        // Cannot overflow: min <= MIN_EXTENT_MAX.
-        let need = METADATA_AREA + min;
-        let mut devices: HashMap<Uuid, u64> = HashMap::with_capacity(self.devices.len());
-        for d in &self.devices {
-            if d.size < need {
-                return Err(format!(
-                    "device {}: size {} is smaller than the metadata area plus one extent ({need})",
-                    d.uuid, d.size
-                ));
-            }
-            if devices.insert(d.uuid, d.size).is_some() {
-                return Err(format!("duplicate device {} in the device table", d.uuid));
-            }
-        }
+        let devices = self.device_sizes()?;
         let mut names = HashSet::with_capacity(self.volumes.len());
         let mut uuids = HashSet::with_capacity(self.volumes.len());
         // (device, start, end, volume index) of every extent, for the overlap check.
         let mut used: Vec<(Uuid, u64, u64, usize)> = Vec::new();
         for (vi, v) in self.volumes.iter().enumerate() {
             check_volume_name(&v.name).map_err(|e| format!("volume {}: {e}", v.uuid))?;
-            let what = format!("volume '{}'", v.name);
             if !names.insert(v.name.as_str()) {
                 return Err(format!("duplicate volume name '{}'", v.name));
             }
             if !uuids.insert(v.uuid) {
-                return Err(format!("{what}: duplicate volume UUID {}", v.uuid));
-            }
-            if v.size == 0 || !v.size.is_multiple_of(512) {
                 return Err(format!(
-                    "{what}: size {} is not a positive multiple of 512",
-                    v.size
+                    "volume '{}': duplicate volume UUID {}",
+                    v.name, v.uuid
                 ));
             }
-            if !(1..=MAX_QUEUES).contains(&v.num_queues) {
-                return Err(format!(
-                    "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
-                    v.num_queues
-                ));
-            }
-            let mut allocated = 0u64;
-            for (i, e) in v.extents.iter().enumerate() {
-                let dev_size = *devices.get(&e.device).ok_or_else(|| {
-                    format!("{what}: extent {i} is on unknown device {}", e.device)
-                })?;
-                let block = block_size(min, e.order).ok_or_else(|| {
-                    format!(
-                        "{what}: extent {i} has order {}: a block of {min} << {} bytes does not fit in 64 bits",
-                        e.order, e.order
-                    )
-                })?;
-                let rel = e.offset.checked_sub(METADATA_AREA).ok_or_else(|| {
-                    format!(
-                        "{what}: extent {i} at {} lies in the metadata area (data starts at {METADATA_AREA})",
-                        e.offset
-                    )
-                })?;
-                if !rel.is_multiple_of(block) {
-                    return Err(format!(
-                        "{what}: extent {i} at {} is not aligned to its block size {block}",
-                        e.offset
-                    ));
-                }
-                let end = e
-                    .offset
-                    .checked_add(block)
-                    .filter(|&end| end <= dev_size)
-                    .ok_or_else(|| {
-                        format!(
-                            "{what}: extent {i} at {} ({block} bytes) reaches beyond the end of device {} ({dev_size} bytes)",
-                            e.offset, e.device
-                        )
-                    })?;
-                allocated = allocated
-                    .checked_add(block)
-                    .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
-                used.push((e.device, e.offset, end, vi));
-            }
-            if v.size.checked_next_multiple_of(min) != Some(allocated) {
-                return Err(format!(
-                    "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
-                    v.size
-                ));
-            }
+            self.validate_volume(v, &devices, |dev, start, end| {
+                used.push((dev, start, end, vi))
+            })?;
         }
         used.sort_unstable();
         for w in used.windows(2) {
@@ -214,6 +150,106 @@ impl PoolTable {
         }
         Ok(())
     }
+
+    /// The device table as UUID → size, each device big enough for the metadata area plus
+    /// one extent and listed once.
+    fn device_sizes(&self) -> Result<HashMap<Uuid, u64>, String> {
+        // Cannot overflow: the caller checked min_extent <= MIN_EXTENT_MAX.
+        let need = METADATA_AREA + self.min_extent;
+        let mut devices: HashMap<Uuid, u64> = HashMap::with_capacity(self.devices.len());
+        for d in &self.devices {
+            if d.size < need {
+                return Err(format!(
+                    "device {}: size {} is smaller than the metadata area plus one extent ({need})",
+                    d.uuid, d.size
+                ));
+            }
+            if devices.insert(d.uuid, d.size).is_some() {
+                return Err(format!("duplicate device {} in the device table", d.uuid));
+            }
+        }
+        Ok(devices)
+    }
+
+    /// One volume's own fields and extents; `extent(device, start, end)` is told where each
+    /// extent lies, for the overlap check across volumes.
+    fn validate_volume(
+        &self,
+        v: &VolumeEntry,
+        devices: &HashMap<Uuid, u64>,
+        mut extent: impl FnMut(Uuid, u64, u64),
+    ) -> Result<(), String> {
+        let min = self.min_extent;
+        let what = format!("volume '{}'", v.name);
+        if v.size == 0 || !v.size.is_multiple_of(512) {
+            return Err(format!(
+                "{what}: size {} is not a positive multiple of 512",
+                v.size
+            ));
+        }
+        if !(1..=MAX_QUEUES).contains(&v.num_queues) {
+            return Err(format!(
+                "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
+                v.num_queues
+            ));
+        }
+        let mut allocated = 0u64;
+        for (i, e) in v.extents.iter().enumerate() {
+            let (block, end) = validate_extent(min, e, devices)
+                .map_err(|why| format!("{what}: extent {i} {why}"))?;
+            allocated = allocated
+                .checked_add(block)
+                .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
+            extent(e.device, e.offset, end);
+        }
+        if v.size.checked_next_multiple_of(min) != Some(allocated) {
+            return Err(format!(
+                "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
+                v.size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One extent against the device table: returns its block size and end offset.
+fn validate_extent(
+    min: u64,
+    e: &ExtentEntry,
+    devices: &HashMap<Uuid, u64>,
+) -> Result<(u64, u64), String> {
+    let dev_size = *devices
+        .get(&e.device)
+        .ok_or_else(|| format!("is on unknown device {}", e.device))?;
+    let block = block_size(min, e.order).ok_or_else(|| {
+        format!(
+            "has order {}: a block of {min} << {} bytes does not fit in 64 bits",
+            e.order, e.order
+        )
+    })?;
+    let rel = e.offset.checked_sub(METADATA_AREA).ok_or_else(|| {
+        format!(
+            "at {} lies in the metadata area (data starts at {METADATA_AREA})",
+            e.offset
+        )
+    })?;
+    if !rel.is_multiple_of(block) {
+        return Err(format!(
+            "at {} is not aligned to its block size {block}",
+            e.offset
+        ));
+    }
+    let end = e
+        .offset
+        .checked_add(block)
+        .filter(|&end| end <= dev_size)
+        .ok_or_else(|| {
+            format!(
+                "at {} ({block} bytes) reaches beyond the end of device {} ({dev_size} bytes)",
+                e.offset, e.device
+            )
+        })?;
+    Ok((block, end))
 }
 
 /// One buddy block of a volume.

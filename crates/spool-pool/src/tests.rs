@@ -1,6 +1,7 @@
 //! Pool tests on real (temporary) files.
 
 use super::*;
+use metadata::METADATA_AREA;
 
 fn spec(dir: &Path, name: &str, mib: u64) -> DeviceSpec {
     DeviceSpec {

@@ -1,0 +1,159 @@
+//! What the control plane is told about the pool, its devices and volumes.
+//!
+//! Owns: the serialisable descriptions ([`PoolInfo`], [`DeviceInfo`], [`VolumeInfo`],
+//! [`LeftOut`], [`Replacement`]). Must not know: RPC, formatting for people.
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::metadata::VolumeEntry;
+use crate::{Pool, Result};
+
+/// What a device replacement did.
+#[derive(Debug, Clone, Serialize)]
+pub struct Replacement {
+    pub old: Uuid,
+    pub new: DeviceInfo,
+    /// Volumes whose extents moved to the new device (their data there reads as zeroes).
+    pub volumes: Vec<String>,
+    pub extents: usize,
+}
+
+/// A configured device the pool is running without.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeftOut {
+    pub path: String,
+    pub reason: String,
+}
+
+/// Public description of a device, for the control plane.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceInfo {
+    pub uuid: Uuid,
+    pub path: String,
+    pub size: u64,
+    pub free: u64,
+    pub present: bool,
+    pub direct_io: bool,
+}
+
+/// Public description of a volume, for the control plane.
+#[derive(Debug, Clone, Serialize)]
+pub struct VolumeInfo {
+    pub uuid: Uuid,
+    pub name: String,
+    pub size: u64,
+    pub allocated: u64,
+    pub read_only: bool,
+    pub num_queues: u16,
+    pub extents: usize,
+    pub devices: Vec<Uuid>,
+    /// False when one of its devices is missing.
+    pub online: bool,
+}
+
+/// Public description of the pool, for the control plane.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolInfo {
+    pub name: String,
+    pub uuid: Uuid,
+    pub generation: u64,
+    pub min_extent: u64,
+    pub size: u64,
+    pub free: u64,
+    pub devices: Vec<DeviceInfo>,
+    pub volumes: usize,
+    /// Configured devices the pool runs without (cannot be opened, unreadable, foreign,
+    /// replaced), untouched.
+    pub left_out: Vec<LeftOut>,
+}
+
+impl Pool {
+    pub(crate) fn device_info(&self, uuid: Uuid) -> DeviceInfo {
+        let entry = self.table.devices.iter().find(|d| d.uuid == uuid);
+        match self.members.iter().find(|m| m.uuid == uuid) {
+            Some(m) => DeviceInfo {
+                uuid,
+                path: m.dev.path().display().to_string(),
+                size: m.dev.size(),
+                free: m.buddy.free_bytes(),
+                present: true,
+                direct_io: m.dev.direct_align().is_some(),
+            },
+            None => DeviceInfo {
+                uuid,
+                path: entry.map(|e| e.last_path.clone()).unwrap_or_default(),
+                size: entry.map(|e| e.size).unwrap_or(0),
+                free: 0,
+                present: false,
+                direct_io: false,
+            },
+        }
+    }
+
+    /// Pool summary.
+    pub fn info(&self) -> PoolInfo {
+        let devices: Vec<_> = self
+            .table
+            .devices
+            .iter()
+            .map(|d| self.device_info(d.uuid))
+            .collect();
+        PoolInfo {
+            name: self.table.name.clone(),
+            uuid: self.table.pool_uuid,
+            generation: self.generation,
+            min_extent: self.table.min_extent,
+            size: self.members.iter().map(|m| m.buddy.total()).sum(),
+            free: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
+            devices,
+            volumes: self.table.volumes.len(),
+            left_out: self.left_out.clone(),
+        }
+    }
+
+    /// Devices of the pool.
+    pub fn devices(&self) -> Vec<DeviceInfo> {
+        self.info().devices
+    }
+
+    pub(crate) fn volume_info(&self, v: &VolumeEntry) -> VolumeInfo {
+        let mut devices: Vec<Uuid> = Vec::new();
+        for e in &v.extents {
+            if !devices.contains(&e.device) {
+                devices.push(e.device);
+            }
+        }
+        VolumeInfo {
+            uuid: v.uuid,
+            name: v.name.clone(),
+            size: v.size,
+            allocated: v
+                .extents
+                .iter()
+                .map(|e| self.table.min_extent << e.order)
+                .sum(),
+            read_only: v.read_only,
+            num_queues: v.num_queues,
+            extents: v.extents.len(),
+            online: devices
+                .iter()
+                .all(|d| self.members.iter().any(|m| m.uuid == *d)),
+            devices,
+        }
+    }
+
+    /// All volumes.
+    pub fn volumes(&self) -> Vec<VolumeInfo> {
+        self.table
+            .volumes
+            .iter()
+            .map(|v| self.volume_info(v))
+            .collect()
+    }
+
+    /// One volume, by name or UUID.
+    pub fn volume(&self, id: &str) -> Result<VolumeInfo> {
+        Ok(self.volume_info(&self.table.volumes[self.find(id)?]))
+    }
+}

@@ -1,0 +1,289 @@
+//! Pool membership: opening a configured device, a device joining the pool, added at run
+//! time or replacing another, and finding members by UUID or path.
+//!
+//! Owns: [`DeviceSpec`], the per-device [`Member`] (device handle + buddy allocator), and
+//! the rules for who may join (blank, or forced). Must not know: the data path, health
+//! policy (it only reads whether a device is isolated).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use uuid::Uuid;
+
+use crate::buddy::Buddy;
+use crate::metadata::{self, DeviceEntry, DeviceState, ExtentEntry, PoolTable, METADATA_AREA};
+use crate::{DeviceInfo, Error, Pool, Replacement, Result};
+use spool_devices::{FileDevice, OpenOptions};
+
+/// A device to assemble into the pool.
+#[derive(Debug, Clone)]
+pub struct DeviceSpec {
+    pub path: PathBuf,
+    /// Create a file of this size when the path does not exist (the size of a null device).
+    pub create_size: Option<u64>,
+    /// A null device (benchmarks only): `path` is its name, nothing is stored.
+    pub null: Option<spool_devices::NullReads>,
+}
+
+pub(crate) fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
+    Ok(match s.null {
+        Some(reads) => FileDevice::open_null(
+            &s.path.display().to_string(),
+            s.create_size.ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "null device {}: a size is required",
+                    s.path.display()
+                ))
+            })?,
+            reads,
+        )?,
+        None => FileDevice::open(
+            &s.path,
+            &OpenOptions {
+                create_size: s.create_size,
+                no_direct,
+            },
+        )?,
+    })
+}
+
+/// The buddy allocator of a device's data area.
+pub(crate) fn new_buddy(dev: &FileDevice, min_extent: u64) -> Result<Buddy> {
+    let path = dev.path().display().to_string();
+    let need = METADATA_AREA.saturating_add(min_extent);
+    let len = dev
+        .size()
+        .checked_sub(METADATA_AREA)
+        .filter(|_| dev.size() >= need)
+        .ok_or(Error::TooSmall {
+            path: path.clone(),
+            size: dev.size(),
+            need,
+        })?;
+    Buddy::new(METADATA_AREA, len, min_extent).map_err(|why| Error::Corrupt { path, why })
+}
+
+pub(crate) struct Member {
+    pub(crate) uuid: Uuid,
+    pub(crate) dev: Arc<FileDevice>,
+    pub(crate) buddy: Buddy,
+}
+
+impl Member {
+    /// Failed or removed (the health layer says so): no new extents, no metadata writes.
+    pub(crate) fn isolated(&self) -> bool {
+        self.dev.health().state().isolated()
+    }
+}
+
+impl Pool {
+    pub(crate) fn join(table: &mut PoolTable, dev: &FileDevice, force: bool) -> Result<Uuid> {
+        let need = METADATA_AREA.saturating_add(table.min_extent);
+        if dev.size() < need {
+            return Err(Error::TooSmall {
+                path: dev.path().display().to_string(),
+                size: dev.size(),
+                need,
+            });
+        }
+        if force {
+            metadata::wipe(dev).map_err(Error::Metadata)?;
+            tracing::warn!(path = %dev.path().display(), "reformatting device (--force)");
+        }
+        let uuid = Uuid::new_v4();
+        table.devices.push(DeviceEntry {
+            uuid,
+            size: dev.size(),
+            last_path: dev.path().display().to_string(),
+        });
+        tracing::info!(path = %dev.path().display(), device = %uuid, "device joins the pool");
+        Ok(uuid)
+    }
+
+    /// Adds a device to a running pool.
+    pub fn add_device(&mut self, spec: &DeviceSpec, force: bool) -> Result<DeviceInfo> {
+        let dev = open_spec(spec, self.opts.no_direct)?;
+        let path = dev.path().display().to_string();
+        match metadata::read_device(&dev) {
+            DeviceState::Blank => {}
+            DeviceState::Member(r, _) if !force => {
+                return Err(if r.table.pool_uuid == self.table.pool_uuid {
+                    Error::Duplicate {
+                        path,
+                        uuid: r.device_uuid,
+                    }
+                } else {
+                    Error::ForeignPool {
+                        path,
+                        found: r.table.pool_uuid,
+                        expected: self.table.pool_uuid,
+                    }
+                })
+            }
+            DeviceState::Corrupt(why) if !force => return Err(Error::Corrupt { path, why }),
+            DeviceState::Unsupported(version) if !force => {
+                return Err(Error::Unsupported {
+                    path,
+                    version,
+                    supported: metadata::FORMAT_VERSION,
+                })
+            }
+            _ => {}
+        }
+        let mut table = self.table.clone();
+        let uuid = Self::join(&mut table, &dev, force)?;
+        let buddy = new_buddy(&dev, table.min_extent)?;
+        self.members.push(Member {
+            uuid,
+            dev: Arc::new(dev),
+            buddy,
+        });
+        if let Err(e) = self.commit(table) {
+            self.members.pop();
+            return Err(e);
+        }
+        Ok(self.device_info(uuid))
+    }
+
+    /// Present devices with their handles (for the health monitor).
+    pub fn device_handles(&self) -> Vec<(Uuid, Arc<FileDevice>)> {
+        self.members
+            .iter()
+            .map(|m| (m.uuid, m.dev.clone()))
+            .collect()
+    }
+
+    /// The UUID of a device given by UUID or path.
+    pub fn device_uuid(&self, id: &str) -> Result<Uuid> {
+        let by_uuid = Uuid::parse_str(id).ok();
+        self.table
+            .devices
+            .iter()
+            .find(|d| Some(d.uuid) == by_uuid || d.last_path == id)
+            .map(|d| d.uuid)
+            .or_else(|| {
+                self.members
+                    .iter()
+                    .find(|m| m.dev.path() == Path::new(id))
+                    .map(|m| m.uuid)
+            })
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "no device '{id}' in the pool; `spoolctl device list` shows them"
+                ))
+            })
+    }
+
+    /// Replaces device `old` (failed, removed or missing) with a blank device: every extent
+    /// on `old` gets an extent of the same size on the new device, zeroed, and `old` leaves
+    /// the pool. The data that was on `old` is gone (no mirror yet): the volumes come back
+    /// online reading zeroes there. Refused while `old` is healthy and present, unless
+    /// `force` (an operator retiring a working device would want its data copied first).
+    pub fn replace_device(
+        &mut self,
+        old: &str,
+        spec: &DeviceSpec,
+        force: bool,
+    ) -> Result<Replacement> {
+        let old = self.device_uuid(old)?;
+        self.check_replaceable(old, force)?;
+        let dev = open_spec(spec, self.opts.no_direct)?;
+        let path = dev.path().display().to_string();
+        check_replacement_blank(&dev, old, force)?;
+        let mut table = self.table.clone();
+        let new = Self::join(&mut table, &dev, force)?;
+        let mut buddy = new_buddy(&dev, table.min_extent)?;
+        let (volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
+        table.devices.retain(|d| d.uuid != old);
+        for v in table.volumes.iter().filter(|v| volumes.contains(&v.name)) {
+            for e in v.extents.iter().filter(|e| e.device == new) {
+                dev.zero_range(e.offset, table.min_extent << e.order)?;
+            }
+        }
+        let removed = self
+            .members
+            .iter()
+            .position(|m| m.uuid == old)
+            .map(|i| self.members.remove(i));
+        self.members.push(Member {
+            uuid: new,
+            dev: Arc::new(dev),
+            buddy,
+        });
+        if let Err(e) = self.commit(table) {
+            self.members.pop();
+            if let Some(m) = removed {
+                self.members.push(m);
+            }
+            return Err(e);
+        }
+        tracing::warn!(old = %old, new = %new, %path, extents = moved, volumes = ?volumes, "device replaced; the volumes' data on the old device is lost");
+        Ok(Replacement {
+            old,
+            new: self.device_info(new),
+            volumes,
+            extents: moved,
+        })
+    }
+
+    /// A healthy, present device is replaced only when forced.
+    fn check_replaceable(&self, old: Uuid, force: bool) -> Result<()> {
+        if let Some(m) = self.members.iter().find(|m| m.uuid == old) {
+            if !m.isolated() && !force {
+                return Err(Error::InvalidArgument(format!(
+                    "device {old} ({}) is healthy; replacing it would discard the data of every volume on it. Pass force to do it anyway",
+                    m.dev.path().display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The replacement must be blank (or forced), and not the device it replaces.
+fn check_replacement_blank(dev: &FileDevice, old: Uuid, force: bool) -> Result<()> {
+    let path = dev.path().display().to_string();
+    match metadata::read_device(dev) {
+        DeviceState::Blank => Ok(()),
+        DeviceState::Member(r, _) if r.device_uuid == old => Err(Error::InvalidArgument(format!(
+            "{path} is the device being replaced"
+        ))),
+        _ if !force => Err(Error::InvalidArgument(format!(
+            "{path} is not blank (it has pool metadata or other data); pass force to reformat it"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Gives every extent on `old` an extent of the same order on `new` (allocated from
+/// `buddy`); returns the volumes touched and the number of extents moved.
+fn move_extents(
+    table: &mut PoolTable,
+    old: Uuid,
+    new: Uuid,
+    buddy: &mut Buddy,
+) -> Result<(Vec<String>, usize)> {
+    let min = table.min_extent;
+    let mut moved = 0;
+    let mut volumes = Vec::new();
+    for v in &mut table.volumes {
+        let mut touched = false;
+        for e in v.extents.iter_mut().filter(|e| e.device == old) {
+            let off = buddy.alloc(e.order).ok_or_else(|| Error::NoSpace {
+                requested: min << e.order,
+                available: buddy.free_bytes(),
+            })?;
+            *e = ExtentEntry {
+                device: new,
+                offset: off,
+                order: e.order,
+            };
+            moved += 1;
+            touched = true;
+        }
+        if touched {
+            volumes.push(v.name.clone());
+        }
+    }
+    Ok((volumes, moved))
+}

@@ -1,0 +1,221 @@
+//! Volumes: create, delete and grow, and the extent allocation behind them.
+//!
+//! Owns: the allocation policy (largest blocks first, each on the device with the most free
+//! space), scrubbing new extents (a volume never reads another tenant's old data) and the
+//! argument checks of the volume operations. Must not know: the data path, virtio.
+
+use uuid::Uuid;
+
+use crate::metadata::{self, ExtentEntry, VolumeEntry, MAX_QUEUES};
+use crate::{Error, Pool, Result, VolumeInfo};
+
+fn valid_name(name: &str) -> Result<()> {
+    metadata::check_volume_name(name).map_err(Error::InvalidArgument)
+}
+
+impl Pool {
+    /// Allocates extents covering `bytes` (a multiple of the minimum extent), largest blocks
+    /// first, each on the device with the most free space that has a block of that order.
+    fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
+        let min = self.table.min_extent;
+        let mut units = bytes / min;
+        let mut out: Vec<ExtentEntry> = Vec::new();
+        let mut pending: Vec<u32> = Vec::new();
+        while units > 0 {
+            let order = 63 - units.leading_zeros();
+            pending.push(order);
+            units -= 1 << order;
+        }
+        pending.reverse(); // pop() then takes the largest block first
+        while let Some(order) = pending.pop() {
+            let best = self
+                .members
+                .iter_mut()
+                .filter(|m| {
+                    !m.isolated() && m.buddy.largest_free_order().is_some_and(|l| l >= order)
+                })
+                .max_by_key(|m| m.buddy.free_bytes());
+            match best {
+                Some(m) => {
+                    let off = m.buddy.alloc(order).expect("checked largest free order");
+                    out.push(ExtentEntry {
+                        device: m.uuid,
+                        offset: off,
+                        order,
+                    });
+                }
+                None if order > 0 => {
+                    pending.push(order - 1);
+                    pending.push(order - 1);
+                }
+                None => {
+                    let available = self
+                        .members
+                        .iter()
+                        .map(|m| m.buddy.free_bytes())
+                        .sum::<u64>()
+                        + out.iter().map(|e| min << e.order).sum::<u64>();
+                    self.release(&out);
+                    return Err(Error::NoSpace {
+                        requested: bytes,
+                        available,
+                    });
+                }
+            }
+        }
+        // Largest extents first in the volume's address space.
+        out.sort_by_key(|e| std::cmp::Reverse(e.order));
+        Ok(out)
+    }
+
+    fn release(&mut self, extents: &[ExtentEntry]) {
+        for e in extents {
+            if let Some(m) = self.members.iter_mut().find(|m| m.uuid == e.device) {
+                m.buddy.free(e.offset, e.order);
+            }
+        }
+    }
+
+    /// Zeroes newly allocated extents so a volume never reads another tenant's old data.
+    fn scrub(&self, extents: &[ExtentEntry]) -> Result<()> {
+        for e in extents {
+            if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
+                m.dev
+                    .zero_range(e.offset, self.table.min_extent << e.order)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_size(size: u64) -> Result<()> {
+        if size == 0 || !size.is_multiple_of(512) {
+            return Err(Error::InvalidArgument(format!(
+                "volume size {size} must be a positive multiple of 512 bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `size` rounded up to whole minimum extents; sizes so large that this overflows (near
+    /// 2^64) are refused rather than wrapping to zero extents.
+    fn round_up(&self, size: u64) -> Result<u64> {
+        size.checked_next_multiple_of(self.table.min_extent)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "volume size {size} is too large (it does not fit in 64 bits once rounded up to the minimum extent {})",
+                    self.table.min_extent
+                ))
+            })
+    }
+
+    /// Refuses at once an allocation of `bytes` larger than all free space together (the
+    /// allocator would find out too, one block split at a time).
+    fn check_space(&self, bytes: u64) -> Result<()> {
+        let free = self
+            .members
+            .iter()
+            .filter(|m| !m.isolated())
+            .fold(0u64, |a, m| a.saturating_add(m.buddy.free_bytes()));
+        if bytes > free {
+            return Err(Error::NoSpace {
+                requested: bytes,
+                available: free,
+            });
+        }
+        Ok(())
+    }
+
+    /// Creates a volume.
+    pub fn create_volume(
+        &mut self,
+        name: &str,
+        size: u64,
+        read_only: bool,
+        num_queues: u16,
+    ) -> Result<VolumeInfo> {
+        valid_name(name)?;
+        Self::check_size(size)?;
+        if !(1..=MAX_QUEUES).contains(&num_queues) {
+            return Err(Error::InvalidArgument(format!(
+                "num_queues {num_queues} must be between 1 and {MAX_QUEUES}"
+            )));
+        }
+        if self.table.volumes.iter().any(|v| v.name == name) {
+            return Err(Error::VolumeExists(name.into()));
+        }
+        if self.members.is_empty() {
+            return Err(Error::NoDevices);
+        }
+        let bytes = self.round_up(size)?;
+        self.check_space(bytes)?;
+        let extents = self.allocate(bytes)?;
+        if let Err(e) = self.scrub(&extents) {
+            self.release(&extents);
+            return Err(e);
+        }
+        let v = VolumeEntry {
+            uuid: Uuid::new_v4(),
+            name: name.into(),
+            size,
+            read_only,
+            num_queues,
+            extents: extents.clone(),
+        };
+        let mut table = self.table.clone();
+        table.volumes.push(v.clone());
+        if let Err(e) = self.commit(table) {
+            self.release(&extents);
+            return Err(e);
+        }
+        tracing::info!(volume = %v.name, uuid = %v.uuid, size, extents = v.extents.len(), "volume created");
+        Ok(self.volume_info(&v))
+    }
+
+    /// Deletes a volume and frees its extents. The caller stops serving it first.
+    pub fn delete_volume(&mut self, id: &str) -> Result<VolumeInfo> {
+        let i = self.find(id)?;
+        let mut table = self.table.clone();
+        let v = table.volumes.remove(i);
+        let info = self.volume_info(&v);
+        self.commit(table)?;
+        self.release(&v.extents);
+        tracing::info!(volume = %v.name, uuid = %v.uuid, "volume deleted");
+        Ok(info)
+    }
+
+    /// Grows a volume to `new_size` bytes. Shrinking is refused (it would destroy data).
+    pub fn resize_volume(&mut self, id: &str, new_size: u64) -> Result<VolumeInfo> {
+        let i = self.find(id)?;
+        Self::check_size(new_size)?;
+        let old = self.table.volumes[i].clone();
+        if new_size < old.size {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is {} bytes; shrinking to {new_size} would destroy data and is not supported",
+                old.name, old.size
+            )));
+        }
+        let have = self.round_up(old.size)?;
+        let need = self.round_up(new_size)?;
+        let extents = if need > have {
+            self.check_space(need - have)?;
+            self.allocate(need - have)?
+        } else {
+            vec![]
+        };
+        if let Err(e) = self.scrub(&extents) {
+            self.release(&extents);
+            return Err(e);
+        }
+        let mut table = self.table.clone();
+        let v = &mut table.volumes[i];
+        v.size = new_size;
+        v.extents.extend(extents.iter().copied());
+        let v = v.clone();
+        if let Err(e) = self.commit(table) {
+            self.release(&extents);
+            return Err(e);
+        }
+        tracing::info!(volume = %v.name, old_size = old.size, new_size, "volume resized");
+        Ok(self.volume_info(&v))
+    }
+}
