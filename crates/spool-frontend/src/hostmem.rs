@@ -15,7 +15,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
-use crate::request::GuestMemory;
+use crate::memory::GuestMemory;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Region {

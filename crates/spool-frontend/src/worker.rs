@@ -715,10 +715,10 @@ impl QueueWorker {
             }
             Err(rej) if self.head_busy(rej.head) => self.note_reposted(rej.head),
             Err(rej) => {
-                tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason, "request rejected");
+                tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason(), "request rejected");
                 if let Some(a) = rej.status_addr {
                     self.refresh_host(mem);
-                    self.host.write(a.0, &[rej.status]);
+                    self.host.write(a.0, &[rej.status()]);
                 }
                 self.complete_used(mem, rej.head, 1);
             }
