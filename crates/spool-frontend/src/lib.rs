@@ -11,6 +11,7 @@
 pub mod blk_config;
 pub mod hostmem;
 pub mod memory;
+mod queue_start;
 pub mod ratelimit;
 pub mod request;
 mod server;

@@ -9,20 +9,25 @@
 //! anything the frontend can see (the graceful-upgrade path).
 
 use std::fs::File;
-use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use vhost::vhost_user::{BackendReqHandler, Error as VhostError, VhostUserVirtioFeatures};
+use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+mod kept;
+mod socket;
+
+use kept::{restore_connection, Kept};
+use socket::{bind, limit_message_time, peer_closed, peer_pid};
+
 use crate::ratelimit::{self, LogLimit, Verdict};
-use crate::session::{RestoreClock, Session, SessionState};
+use crate::session::Session;
 use crate::{StateStore, VolumeContext};
 
 const RUN: u8 = 0;
@@ -64,25 +69,6 @@ pub struct VolumeServer {
     connected: Arc<AtomicBool>,
     session: SessionSlot,
     thread: Option<JoinHandle<()>>,
-}
-
-fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-            std::fs::remove_file(path)?
-        }
-        Ok(_) => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                format!(
-                    "{} exists and is not a socket; refusing to replace it",
-                    path.display()
-                ),
-            ))
-        }
-        Err(_) => {}
-    }
-    UnixListener::bind(path)
 }
 
 /// Everything the serving thread owns.
@@ -221,63 +207,6 @@ impl Drop for VolumeServer {
     fn drop(&mut self) {
         self.stop(SHUTDOWN);
     }
-}
-
-/// Sends the raw vhost-user messages that bring a fresh request handler to the feature state
-/// the frontend negotiated with the previous process (the `vhost` crate keeps acked features
-/// and REPLY_ACK privately and has no way to set them).
-fn prime(
-    handler: &mut BackendReqHandler<Mutex<Session>>,
-    to_handler: &mut UnixStream,
-    acked: u64,
-    acked_protocol: u64,
-) -> Result<(), String> {
-    let mut send = |code: u32, body: Option<u64>| -> Result<(), String> {
-        let mut m = Vec::with_capacity(20);
-        m.extend_from_slice(&code.to_le_bytes());
-        m.extend_from_slice(&1u32.to_le_bytes()); // version 1, no flags
-        m.extend_from_slice(&(if body.is_some() { 8u32 } else { 0 }).to_le_bytes());
-        if let Some(b) = body {
-            m.extend_from_slice(&b.to_le_bytes());
-        }
-        to_handler.write_all(&m).map_err(|e| e.to_string())?;
-        handler
-            .handle_request()
-            .map_err(|e| format!("priming message {code}: {e}"))
-    };
-    const GET_FEATURES: u32 = 1;
-    const SET_FEATURES: u32 = 2;
-    const GET_PROTOCOL_FEATURES: u32 = 15;
-    const SET_PROTOCOL_FEATURES: u32 = 16;
-    send(GET_FEATURES, None)?;
-    send(SET_FEATURES, Some(acked))?;
-    if acked & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
-        send(GET_PROTOCOL_FEATURES, None)?;
-        send(SET_PROTOCOL_FEATURES, Some(acked_protocol))?;
-    }
-    Ok(())
-}
-
-/// A request handler for a kept connection, in the negotiated state.
-fn continue_connection(
-    session: Arc<Mutex<Session>>,
-    conn: &UnixStream,
-) -> Result<BackendReqHandler<Mutex<Session>>, String> {
-    let (acked, acked_protocol) = session.lock().map_err(|_| "session poisoned")?.acked();
-    let (a, mut b) = UnixStream::pair().map_err(|e| e.to_string())?;
-    let handler_fd: RawFd = a.as_raw_fd();
-    let mut handler = BackendReqHandler::from_stream(a, session);
-    prime(&mut handler, &mut b, acked, acked_protocol)?;
-    // SAFETY: dup2 takes integers only. `handler_fd` is open and owned by the handler's socket
-    // (moved into `handler`, alive here): the number stays owned and later closed by it, now
-    // naming the kept connection; `conn` keeps its own. The priming end is closed by dup2.
-    if unsafe { libc::dup2(conn.as_raw_fd(), handler_fd) } < 0 {
-        return Err(format!(
-            "cannot adopt the kept connection: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(handler)
 }
 
 impl Serve {
@@ -447,88 +376,6 @@ struct Ready {
     conn: bool,
     /// A worker found the session's memory faulted.
     fault: bool,
-}
-
-/// How long one vhost-user message may take to arrive in full once its first bytes did (or
-/// a reply to be taken by the frontend). The serving thread reads a message with blocking
-/// calls: a frontend that sends a header and never the body it announced would otherwise
-/// hold the thread, and with it every stop and upgrade of the daemon, forever.
-const MESSAGE_TIME_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-fn limit_message_time(s: &UnixStream) -> std::io::Result<()> {
-    s.set_read_timeout(Some(MESSAGE_TIME_LIMIT))?;
-    s.set_write_timeout(Some(MESSAGE_TIME_LIMIT))
-}
-
-/// Whether the peer of `s` has closed its end (the connection is over, whatever it left
-/// unread).
-fn peer_closed(s: &UnixStream) -> bool {
-    let mut p = libc::pollfd {
-        fd: s.as_raw_fd(),
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: poll reads and writes the one pollfd we own; a zero timeout never blocks.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
-}
-
-/// The process id of a Unix socket's peer, for log lines (None if the kernel cannot say).
-fn peer_pid(s: &UnixStream) -> Option<i32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes at most `len` (= size_of::<ucred>) bytes into `cred` on our
-    // stack; the peer only chooses the values, which are only logged.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred.pid)
-}
-
-type Kept = (
-    UnixStream,
-    Arc<Mutex<Session>>,
-    BackendReqHandler<Mutex<Session>>,
-);
-
-/// Continues a kept connection: session state back in place, queues recovered and running,
-/// a request handler primed to the negotiated features.
-fn restore_connection(
-    ctx: &Arc<VolumeContext>,
-    json: &str,
-    files: Vec<File>,
-) -> Result<Kept, String> {
-    {
-        let st: SessionState =
-            serde_json::from_str(json).map_err(|e| format!("kept session state: {e}"))?;
-        let mut files: Vec<Option<File>> = files.into_iter().map(Some).collect();
-        let conn_file = files
-            .get_mut(st.conn)
-            .and_then(Option::take)
-            .ok_or("kept connection descriptor missing")?;
-        // SAFETY: `into_raw_fd` consumes the keeper-supplied `File`, so the descriptor keeps
-        // exactly one owner; one that is not a socket only makes the socket calls fail.
-        let conn =
-            unsafe { UnixStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(conn_file)) };
-        limit_message_time(&conn).map_err(|e| format!("kept connection: {e}"))?;
-        let mut clock = RestoreClock::default();
-        let session = Session::restore(ctx.clone(), &st, &mut files, &mut clock)?;
-        crate::restore_clock_add(clock);
-        let session = Arc::new(Mutex::new(session));
-        let handler = continue_connection(session.clone(), &conn)?;
-        tracing::info!(volume = %ctx.name(), "continuing the kept vhost-user connection");
-        Ok((conn, session, handler))
-    }
 }
 
 impl Serve {

@@ -16,21 +16,18 @@ use vhost::vhost_user::{
 };
 use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::QueueT;
 
 use crate::blk_config;
 use crate::memory::MemoryTable;
-use crate::request::{Limits, SECTOR};
-use crate::vring::{resume, ring_indices, RingView};
-use crate::worker::{WorkerHandle, WorkerSpec};
+use crate::queue_start::{start_queue, QueueConfig, StartError};
+use crate::worker::WorkerHandle;
 use crate::VolumeContext;
-use spool_journal::{Journal, RingAddrs};
 
 mod kept;
 pub use kept::{RestoreClock, SessionState, SESSION_STATE_FORMAT};
 
-/// Largest virtqueue we accept (libblkio and QEMU use up to 1024; the spec allows 32768).
-pub const MAX_QUEUE_SIZE: u16 = 32768;
+pub use crate::queue_start::MAX_QUEUE_SIZE;
 
 #[derive(Default)]
 struct Vring {
@@ -120,170 +117,36 @@ impl Session {
     }
 
     fn maybe_start(&mut self, index: usize, restored: bool) -> VhostResult<()> {
-        let ctx = self.ctx.clone();
-        let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
         let v = &self.vrings[index];
         if !v.started || !v.enabled || v.worker.is_some() {
             return Ok(());
         }
-        // The ring's size must be known (SET_VRING_NUM) before anything of the ring is used:
-        // the journal and the worker's in-flight table are sized by it, and head indices are
-        // masked with it.
-        if v.size == 0 || v.size > MAX_QUEUE_SIZE || !v.size.is_power_of_two() {
-            return Err(invalid(
-                &format!(
-                    "queue {index}: cannot start without a valid size (SET_VRING_NUM {} )",
-                    if v.size == 0 {
-                        "was never sent".to_string()
-                    } else {
-                        format!("gave {}", v.size)
-                    }
-                ),
-                &ctx,
-            ));
-        }
-        let tr = |a: u64, what: &str| {
-            self.mem.vva_to_gpa(a).ok_or_else(|| {
-                invalid(
-                    &format!("queue {index}: {what} address {a:#x} is not in guest memory"),
-                    &ctx,
-                )
-            })
-        };
-        let (desc, avail, used) = (
-            tr(v.desc, "descriptor")?,
-            tr(v.avail, "avail")?,
-            tr(v.used, "used")?,
-        );
-        let mut q = Queue::new(MAX_QUEUE_SIZE).map_err(|_| VhostError::InvalidParam)?;
-        q.set_size(v.size);
-        q.set_desc_table_address(Some(desc.0 as u32), Some((desc.0 >> 32) as u32));
-        q.set_avail_ring_address(Some(avail.0 as u32), Some((avail.0 >> 32) as u32));
-        q.set_used_ring_address(Some(used.0 as u32), Some((used.0 >> 32) as u32));
-        q.set_event_idx(event_idx);
-        q.set_ready(true);
-        let mem = self.mem.shared();
-        let guard = mem.load_full();
-        if !q.is_valid(guard.map()) {
-            return Err(invalid(
-                &format!("queue {index}: size {} or ring addresses invalid", v.size),
-                &ctx,
-            ));
-        }
-        // The used index the guest sees is authoritative for where completions continue.
-        let (avail_idx, used_idx) =
-            ring_indices(&q, &guard).map_err(|_| invalid("rings unreadable", &ctx))?;
-        if guard.faulted() {
-            return Err(invalid(
-                &format!("queue {index}: guest memory faulted (its file was truncated?)"),
-                &ctx,
-            ));
-        }
-        q.set_next_used(used_idx);
-        drop(guard);
-        // The journal, not SET_VRING_BASE, decides where the queue resumes (Algorithm 2).
-        let mut next_avail = if restored { used_idx } else { v.base };
-        let mut resubmit = Vec::new();
-        let mut poison = Vec::new();
-        let mut replay = None;
-        let journal = match &ctx.settings().journal_dir {
-            None => None,
-            Some(dir) => {
-                let (mut j, _) = Journal::open_or_create(dir, ctx.uuid(), index as u16, v.size)
-                    .map_err(|e| {
-                        tracing::error!(volume = %ctx.name(), queue = index, "{e}");
-                        VhostError::InvalidParam
-                    })?;
-                let view = RingView {
-                    rings: RingAddrs {
-                        desc: desc.0,
-                        avail: avail.0,
-                        used: used.0,
-                    },
-                    size: v.size,
-                    avail_idx,
-                    used_idx,
-                };
-                // A restarted process has no SET_VRING_BASE: where the journal's ring is this
-                // ring, the journal knows the next avail index (even with nothing in flight).
-                let h = j.header();
-                let base = if restored && h.rings == view.rings && h.queue_size == v.size {
-                    j.last_avail()
-                } else if restored {
-                    used_idx
-                } else {
-                    v.base
-                };
-                let r = resume(&mut j, view, base, &mut |_| {}).map_err(|e| {
-                    tracing::error!(volume = %ctx.name(), queue = index, "{e}");
-                    VhostError::InvalidParam
-                })?;
-                if let Some(n) = &r.note {
-                    tracing::warn!(volume = %ctx.name(), queue = index, "{n}");
-                }
-                if r.recovered {
-                    tracing::info!(volume = %ctx.name(), queue = index, next_avail = r.next_avail, used_idx, inflight = r.resubmit.len(), "recovered queue from its journal");
-                }
-                next_avail = r.next_avail;
-                resubmit = r.resubmit;
-                if !resubmit.is_empty() {
-                    match j.begin_replay(&resubmit) {
-                        Ok((rec, crashed)) => {
-                            if crashed {
-                                tracing::error!(volume = %ctx.name(), queue = index, heads = ?resubmit, "the previous worker crashed replaying these requests: failing them instead of replaying them again");
-                                poison = std::mem::take(&mut resubmit);
-                            }
-                            replay = Some(rec);
-                        }
-                        Err(e) => {
-                            tracing::warn!(volume = %ctx.name(), queue = index, "{e}; replaying without a record (a request that crashes every worker would be replayed again)")
-                        }
-                    }
-                }
-                Some(j)
-            }
-        };
-        q.set_next_avail(next_avail);
-        let layout = ctx.layout();
-        let cur = layout.load();
-        let limits = Limits {
-            capacity_sectors: cur.size / SECTOR,
-            read_only: cur.read_only,
-            max_data: blk_config::SIZE_MAX as u64 * blk_config::SEG_MAX as u64,
-            max_discard_segs: blk_config::MAX_DISCARD_SEG,
-            max_discard_sectors: blk_config::MAX_DISCARD_SECTORS,
-        };
-        drop(cur);
-        let kick = v
-            .kick
-            .as_ref()
-            .and_then(|k| k.try_clone().ok())
-            .ok_or_else(|| invalid("kick fd missing", &ctx))?;
-        let spec = WorkerSpec {
+        let cfg = QueueConfig {
             index: index as u16,
-            queue: q,
-            journal,
-            resubmit,
-            mem,
-            kick,
+            size: v.size,
+            desc: v.desc,
+            avail: v.avail,
+            used: v.used,
+            base: v.base,
+            kick: v.kick.as_ref(),
             call: v.call.clone(),
-            layout,
-            limits,
-            serial: ctx.serial(),
-            poll_idle: ctx.settings().poll_idle,
-            io_timeout: ctx.settings().io_timeout,
-            request_retries: ctx.settings().request_retries,
-            volume: ctx.name().to_string(),
-            fault: ctx.fault().clone(),
-            abandoned: ctx.abandoned_counter(),
-            replay,
-            poison,
+            event_idx: self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0,
+            restored,
         };
-        let w = WorkerHandle::spawn(spec)
-            .map_err(|e| invalid(&format!("cannot start worker: {e}"), &ctx))?;
-        tracing::info!(volume = %ctx.name(), queue = index, size = v.size, next_avail, "queue started");
-        self.vrings[index].worker = Some(w);
-        Ok(())
+        let mem = &self.mem;
+        match start_queue(&self.ctx, cfg, mem.shared(), |a| {
+            mem.vva_to_gpa(a).map(|g| g.0)
+        }) {
+            Ok(w) => {
+                self.vrings[index].worker = Some(w);
+                Ok(())
+            }
+            Err(e @ StartError::Journal { .. }) => {
+                tracing::error!(volume = %self.ctx.name(), queue = index, "{e}");
+                Err(VhostError::InvalidParam)
+            }
+            Err(e) => Err(invalid(&e.to_string(), &self.ctx)),
+        }
     }
 
     fn reset(&mut self) {
