@@ -22,7 +22,7 @@ use metadata::{
     DeviceEntry, DeviceState, ExtentEntry, PoolTable, Record, VolumeEntry, MAX_QUEUES,
     METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
 };
-use spool_devices::{FileDevice, OpenOptions};
+use spool_devices::{Device, OpenOptions};
 
 /// Errors of the pool layer. Each says what was wrong and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -74,9 +74,15 @@ pub struct DeviceSpec {
     pub null: Option<spool_devices::NullReads>,
 }
 
-fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
+fn open_spec(s: &DeviceSpec, opts: &PoolOptions) -> Result<Device> {
+    let open = OpenOptions {
+        create_size: s.create_size,
+        no_direct: opts.no_direct,
+        no_nvme_sgl: !opts.nvme_sgl,
+        faults: opts.startup_faults.clone(),
+    };
     Ok(match s.null {
-        Some(reads) => FileDevice::open_null(
+        Some(reads) => Device::open_null(
             &s.path.display().to_string(),
             s.create_size.ok_or_else(|| {
                 Error::InvalidArgument(format!(
@@ -85,19 +91,14 @@ fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
                 ))
             })?,
             reads,
+            &open,
         )?,
-        None => FileDevice::open(
-            &s.path,
-            &OpenOptions {
-                create_size: s.create_size,
-                no_direct,
-            },
-        )?,
+        None => Device::open(&s.path, &open)?,
     })
 }
 
 /// The buddy allocator of a device's data area.
-fn new_buddy(dev: &FileDevice, min_extent: u64) -> Result<Buddy> {
+fn new_buddy(dev: &Device, min_extent: u64) -> Result<Buddy> {
     let path = dev.path().display().to_string();
     let need = METADATA_AREA.saturating_add(min_extent);
     let len = dev
@@ -123,6 +124,10 @@ pub struct PoolOptions {
     pub force: bool,
     /// Never use O_DIRECT.
     pub no_direct: bool,
+    /// NVMe queues may use SGLs (config `[io] nvme_sgl`, default on).
+    pub nvme_sgl: bool,
+    /// Fault rules armed on every device from the moment it opens (crash tests).
+    pub startup_faults: Vec<spool_devices::FaultRule>,
 }
 
 impl Default for PoolOptions {
@@ -132,13 +137,15 @@ impl Default for PoolOptions {
             min_extent: 4 << 20,
             force: false,
             no_direct: false,
+            nvme_sgl: true,
+            startup_faults: Vec::new(),
         }
     }
 }
 
 struct Member {
     uuid: Uuid,
-    dev: Arc<FileDevice>,
+    dev: Arc<Device>,
     buddy: Buddy,
 }
 
@@ -199,7 +206,7 @@ pub struct VolumeLayout {
     pub num_queues: u16,
     /// Ascending by `logical`, contiguous, covering at least `size`.
     pub segments: Vec<Segment>,
-    pub devices: Vec<Arc<FileDevice>>,
+    pub devices: Vec<Arc<Device>>,
 }
 
 impl VolumeLayout {
@@ -303,7 +310,7 @@ impl Pool {
             // A device that cannot be opened (pulled, hot-removed, failed) must not take the
             // volumes on the other devices down with it: it is left out, and the pool table
             // (read from the others) marks it missing, so only its volumes are offline.
-            match open_spec(s, opts.no_direct) {
+            match open_spec(s, &opts) {
                 Ok(dev) => {
                     let state = metadata::read_device(&dev);
                     opened.push((dev, state));
@@ -373,7 +380,7 @@ impl Pool {
                 create_size: None,
                 null: None,
             };
-            match open_spec(&spec, opts.no_direct) {
+            match open_spec(&spec, &opts) {
                 Ok(dev) => {
                     let state = metadata::read_device(&dev);
                     if matches!(&state, DeviceState::Member(r, _) if r.device_uuid == d.uuid) {
@@ -548,7 +555,7 @@ impl Pool {
         Ok(pool)
     }
 
-    fn join(table: &mut PoolTable, dev: &FileDevice, force: bool) -> Result<Uuid> {
+    fn join(table: &mut PoolTable, dev: &Device, force: bool) -> Result<Uuid> {
         let need = METADATA_AREA.saturating_add(table.min_extent);
         if dev.size() < need {
             return Err(Error::TooSmall {
@@ -600,7 +607,7 @@ impl Pool {
 
     /// Adds a device to a running pool.
     pub fn add_device(&mut self, spec: &DeviceSpec, force: bool) -> Result<DeviceInfo> {
-        let dev = open_spec(spec, self.opts.no_direct)?;
+        let dev = open_spec(spec, &self.opts)?;
         let path = dev.path().display().to_string();
         match metadata::read_device(&dev) {
             DeviceState::Blank => {}
@@ -948,7 +955,7 @@ impl Pool {
     /// The data-path view of a volume. Fails when one of its devices is missing.
     pub fn layout(&self, id: &str) -> Result<VolumeLayout> {
         let v = &self.table.volumes[self.find(id)?];
-        let mut devices: Vec<Arc<FileDevice>> = Vec::new();
+        let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();
         let mut segments: Vec<Segment> = Vec::new();
         let mut logical = 0;
@@ -993,7 +1000,7 @@ impl Pool {
     }
 
     /// Present devices with their handles (for the health monitor).
-    pub fn device_handles(&self) -> Vec<(Uuid, Arc<FileDevice>)> {
+    pub fn device_handles(&self) -> Vec<(Uuid, Arc<Device>)> {
         self.members
             .iter()
             .map(|m| (m.uuid, m.dev.clone()))
@@ -1041,7 +1048,7 @@ impl Pool {
                 )));
             }
         }
-        let dev = open_spec(spec, self.opts.no_direct)?;
+        let dev = open_spec(spec, &self.opts)?;
         let path = dev.path().display().to_string();
         match metadata::read_device(&dev) {
             DeviceState::Blank => {}

@@ -1,6 +1,10 @@
-//! A pool device on an NVMe namespace driven by Spool's userspace driver (`spool-nvme`).
+//! [`NvmeQueue`]: one worker's I/O queue pair on an NVMe namespace.
 //!
-//! [`NvmeQueue`] is one worker's I/O queue pair. Reads and writes point the controller
+//! Owns: the queue pair's lifetime (created lazily, recreated after a controller reset,
+//! deleted to abort what it holds), the request table, completions and bounce-buffer copy
+//! back. Building commands from a request is `commands.rs`.
+//!
+//!  Reads and writes point the controller
 //! straight at the caller's buffers when they lie in memory registered for DMA (guest
 //! memory, see [`crate::register_dma_memory`]) and the buffer list can be described by PRPs;
 //! otherwise (unregistered or oddly split memory) the data goes through a bounce buffer. A
@@ -11,26 +15,19 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use spool_nvme::spec::{io, Sqe};
-use spool_nvme::{prp, Controller, DmaBuf, QueuePair, PAGE};
+use spool_nvme::spec::Sqe;
+use spool_nvme::{Controller, DmaBuf, QueuePair, PAGE};
 
 use crate::queue::{DeviceIo, DeviceQueue, IoVec};
 
-/// See [`crate::set_nvme_sgl`].
-pub(crate) static SGL_ENABLED: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(true);
-
-/// SGL descriptors one list page holds.
-const SGL_PER_PAGE: usize = (PAGE / 16) as usize;
-
-struct Bounce {
-    buf: DmaBuf,
-    iov: *const IoVec,
-    iovcnt: u32,
-    read: bool,
+/// The bounce buffer of a request whose memory the controller cannot reach directly.
+pub(super) struct Bounce {
+    pub(super) buf: DmaBuf,
+    pub(super) iov: *const IoVec,
+    pub(super) iovcnt: u32,
+    pub(super) read: bool,
 }
 
 struct Request {
@@ -43,18 +40,18 @@ struct Request {
 
 /// One worker's queue pair on a controller's namespace 1.
 pub struct NvmeQueue {
-    ctrl: Arc<Controller>,
-    qp: Option<QueuePair>,
-    depth: u16,
-    lba: u64,
-    nsid: u32,
-    max_xfer: u64,
+    pub(super) ctrl: Arc<Controller>,
+    pub(super) qp: Option<QueuePair>,
+    pub(super) depth: u16,
+    pub(super) lba: u64,
+    pub(super) nsid: u32,
+    pub(super) max_xfer: u64,
     /// SGL support used by this queue (0 = none: PRPs and bounce buffers only).
-    sgl: u8,
+    pub(super) sgl: u8,
     /// Volatile write cache present (Flush means something).
-    write_cache: bool,
+    pub(super) write_cache: bool,
     /// Optional NVM commands (ONCS).
-    oncs: u16,
+    pub(super) oncs: u16,
     /// Requests whose last command completed in the current reap (reused buffer).
     finished: Vec<u32>,
     /// PRP list (or DSM range) page of each command identifier.
@@ -64,11 +61,11 @@ pub struct NvmeQueue {
     reqs: Vec<Request>,
     free_reqs: Vec<u32>,
     backlog: VecDeque<(DeviceIo, u64)>,
-    done: VecDeque<(u64, i32)>,
+    pub(super) done: VecDeque<(u64, i32)>,
     outstanding: usize,
-    segs: Vec<(u64, u64)>,
-    chunk: Vec<(u64, u64)>,
-    entries: Vec<u64>,
+    pub(super) segs: Vec<(u64, u64)>,
+    pub(super) chunk: Vec<(u64, u64)>,
+    pub(super) entries: Vec<u64>,
     event: File,
     /// When to try again to create a queue pair the controller refused.
     retry_at: Option<std::time::Instant>,
@@ -83,8 +80,9 @@ const QP_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 unsafe impl Send for NvmeQueue {}
 
 impl NvmeQueue {
-    /// Creates an I/O queue pair of `depth` entries on `ctrl`.
-    pub fn new(ctrl: Arc<Controller>, depth: u32) -> std::io::Result<NvmeQueue> {
+    /// Creates an I/O queue pair of `depth` entries on `ctrl`; `sgl` allows SGLs where the
+    /// controller has them (config `[io] nvme_sgl`).
+    pub fn new(ctrl: Arc<Controller>, depth: u32, sgl: bool) -> std::io::Result<NvmeQueue> {
         let err = |e: spool_nvme::Error| std::io::Error::from_raw_os_error(e.errno());
         // A controller that is gone still gets a queue (every request fails with ENODEV), so
         // volumes on other devices of the pool keep starting; one that refuses a queue pair
@@ -107,11 +105,7 @@ impl NvmeQueue {
             write_cache: ctrl.info().write_cache,
             oncs: ctrl.info().oncs,
             finished: Vec::new(),
-            sgl: if SGL_ENABLED.load(Ordering::Relaxed) {
-                ctrl.info().sgl
-            } else {
-                0
-            },
+            sgl: if sgl { ctrl.info().sgl } else { 0 },
             lba: ns.lba_size,
             nsid: ns.nsid,
             ctrl,
@@ -132,18 +126,13 @@ impl NvmeQueue {
         })
     }
 
-    fn commands_needed(&self, io: &DeviceIo) -> u64 {
-        match *io {
-            DeviceIo::Read { len, .. } | DeviceIo::Write { len, .. } => {
-                len.div_ceil(self.max_xfer).max(1)
-            }
-            DeviceIo::WriteZeroes { len, .. } => (len / self.lba).div_ceil(0x10000).max(1),
-            DeviceIo::Discard { len, .. } => (len / self.lba).div_ceil(0xffff_0000).max(1),
-            DeviceIo::Flush => 1,
-        }
-    }
-
-    fn new_request(&mut self, tag: u64, remaining: u32, len: u64, bounce: Option<Bounce>) -> u32 {
+    pub(super) fn new_request(
+        &mut self,
+        tag: u64,
+        remaining: u32,
+        len: u64,
+        bounce: Option<Bounce>,
+    ) -> u32 {
         let r = Request {
             tag,
             remaining,
@@ -164,7 +153,7 @@ impl NvmeQueue {
     }
 
     /// Pushes one command for request `req`; `prps` are its data entries (empty for none).
-    fn push(&mut self, mut sqe: Sqe, req: u32, with_list: impl FnOnce(&mut [u8])) {
+    pub(super) fn push(&mut self, mut sqe: Sqe, req: u32, with_list: impl FnOnce(&mut [u8])) {
         let qp = self.qp.as_mut().expect("checked by the caller");
         let cid = qp.peek_cid().expect("capacity checked by the caller");
         let list = &mut self.lists.bytes_mut()
@@ -180,225 +169,6 @@ impl NvmeQueue {
         debug_assert_eq!(got, cid);
         self.cids[cid as usize] = req;
         self.outstanding += 1;
-    }
-
-    /// Turns `io` into commands, or returns false when the queue lacks room for all of them.
-    ///
-    /// # Safety
-    /// As [`DeviceQueue::submit`].
-    unsafe fn try_submit(&mut self, io: DeviceIo, tag: u64) -> bool {
-        let Some(qp) = self.qp.as_ref() else {
-            let e = if self.ctrl.is_gone() {
-                libc::ENODEV
-            } else {
-                libc::EIO
-            };
-            self.done.push_back((tag, -e));
-            return true;
-        };
-        let need = self.commands_needed(&io);
-        if need > qp.free() as u64 {
-            if need >= self.depth as u64 {
-                // Can never fit: the request is larger than the whole queue can carry.
-                self.done.push_back((tag, -libc::EINVAL));
-                return true;
-            }
-            return false;
-        }
-        match io {
-            DeviceIo::Read {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            }
-            | DeviceIo::Write {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            } => {
-                let read = matches!(io, DeviceIo::Read { .. });
-                if len == 0 || offset % self.lba != 0 || len % self.lba != 0 {
-                    self.done.push_back((tag, -libc::EINVAL));
-                    return true;
-                }
-                // SAFETY: `iovcnt` valid iovecs (the `submit` contract, passed on by `submit` and
-                // `kick`); the worker's each lie in one guest region (`HostMap`).
-                let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
-                self.segs.clear();
-                let mut zero_copy = true;
-                for v in iovs.iter().filter(|v| v.iov_len > 0) {
-                    match spool_nvme::dma::translate(v.iov_base as u64, v.iov_len as u64) {
-                        Some(a) => self.segs.push((a, v.iov_len as u64)),
-                        None => {
-                            zero_copy = false;
-                            break;
-                        }
-                    }
-                }
-                let total: u64 = self.segs.iter().map(|s| s.1).sum();
-                let mut bounce = None;
-                let prp_ok = prp::describable(&self.segs);
-                // Scatter lists PRPs cannot describe go as an SGL when the controller has them.
-                let sgl = zero_copy
-                    && total == len
-                    && !prp_ok
-                    && prp::sgl_describable(&self.segs, self.sgl, SGL_PER_PAGE);
-                if !zero_copy || total != len || (!prp_ok && !sgl) {
-                    let buf = match DmaBuf::new(len as usize) {
-                        Ok(b) => b,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "no DMA memory for a bounce buffer");
-                            self.done.push_back((tag, -libc::ENOMEM));
-                            return true;
-                        }
-                    };
-                    if !read {
-                        let mut at = 0usize;
-                        for v in iovs {
-                            let n = v.iov_len.min(len as usize - at);
-                            // SAFETY: each iovec is `iov_len` readable bytes (`submit` contract);
-                            // `n <= len - at` keeps the copy inside the `len`-byte bounce buffer.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    v.iov_base.cast::<u8>(),
-                                    buf.as_ptr().add(at),
-                                    n,
-                                )
-                            };
-                            at += n;
-                            if at == len as usize {
-                                break;
-                            }
-                        }
-                    }
-                    self.segs.clear();
-                    self.segs.push((buf.iova(), len));
-                    self.ctrl.bounced_requests.fetch_add(1, Ordering::Relaxed);
-                    bounce = Some(Bounce {
-                        buf,
-                        iov,
-                        iovcnt,
-                        read,
-                    });
-                }
-                if bounce.is_none() {
-                    self.ctrl.zero_copy_requests.fetch_add(1, Ordering::Relaxed);
-                }
-                if sgl {
-                    self.ctrl.sgl_requests.fetch_add(1, Ordering::Relaxed);
-                }
-                let req = self.new_request(tag, need as u32, len, bounce);
-                let mut done = 0u64;
-                while done < len {
-                    let n = (len - done).min(self.max_xfer);
-                    self.chunk.clear();
-                    prp::slice(&self.segs, done, n, &mut self.chunk);
-                    let mut sqe = Sqe::new(if read { io::READ } else { io::WRITE }, self.nsid)
-                        .lba((offset + done) / self.lba, (n / self.lba) as u32);
-                    if sgl {
-                        let chunk = std::mem::take(&mut self.chunk);
-                        let (dptr, list) = prp::sgl(&chunk, u64::MAX);
-                        sqe.cdw0 |= spool_nvme::spec::PSDT_SGL;
-                        sqe.prp1 = dptr.0;
-                        sqe.prp2 = dptr.1;
-                        self.push(sqe, req, |page| {
-                            for (i, d) in list.iter().enumerate() {
-                                page[i * 16..i * 16 + 16].copy_from_slice(d);
-                            }
-                        });
-                        self.chunk = chunk;
-                        done += n;
-                        continue;
-                    }
-                    self.entries.clear();
-                    prp::entries(&self.chunk, &mut self.entries);
-                    let entries = std::mem::take(&mut self.entries);
-                    sqe.prp1 = entries[0];
-                    sqe.prp2 = match entries.len() {
-                        1 => 0,
-                        2 => entries[1],
-                        _ => u64::MAX,
-                    };
-                    self.push(sqe, req, |page| {
-                        if entries.len() > 2 {
-                            for (i, e) in entries[1..].iter().enumerate() {
-                                page[i * 8..i * 8 + 8].copy_from_slice(&e.to_le_bytes());
-                            }
-                        }
-                    });
-                    self.entries = entries;
-                    done += n;
-                }
-            }
-            DeviceIo::Flush => {
-                if !self.write_cache {
-                    self.done.push_back((tag, 0));
-                    return true;
-                }
-                let req = self.new_request(tag, 1, 0, None);
-                self.ctrl.flush_commands.fetch_add(1, Ordering::Relaxed);
-                self.push(Sqe::new(io::FLUSH, self.nsid), req, |_| {});
-            }
-            DeviceIo::WriteZeroes { offset, len } | DeviceIo::Discard { offset, len } => {
-                let zeroes = matches!(io, DeviceIo::WriteZeroes { .. });
-                if offset % self.lba != 0 || len % self.lba != 0 {
-                    self.done.push_back((tag, -libc::EINVAL));
-                    return true;
-                }
-                let supported = self.oncs & (1 << if zeroes { 3 } else { 2 }) != 0;
-                if !supported || len == 0 {
-                    // Discard is advisory; Write Zeroes without controller support is refused
-                    // so the caller writes zeroes itself.
-                    self.done.push_back((
-                        tag,
-                        if zeroes && len > 0 {
-                            -libc::EOPNOTSUPP
-                        } else {
-                            0
-                        },
-                    ));
-                    return true;
-                }
-                let per = if zeroes { 0x10000 } else { 0xffff_0000u64 };
-                let req = self.new_request(tag, need as u32, 0, None);
-                let mut blk = offset / self.lba;
-                let mut left = len / self.lba;
-                while left > 0 {
-                    let n = left.min(per);
-                    if zeroes {
-                        self.ctrl
-                            .write_zeroes_commands
-                            .fetch_add(1, Ordering::Relaxed);
-                        self.push(
-                            Sqe::new(io::WRITE_ZEROES, self.nsid).lba(blk, n as u32),
-                            req,
-                            |_| {},
-                        );
-                    } else {
-                        self.ctrl
-                            .deallocate_commands
-                            .fetch_add(1, Ordering::Relaxed);
-                        // One range: context attributes 0, length, starting LBA; AD (deallocate).
-                        let sqe = Sqe {
-                            prp1: u64::MAX,
-                            cdw10: 0,
-                            cdw11: 1 << 2,
-                            ..Sqe::new(io::DSM, self.nsid)
-                        };
-                        self.push(sqe, req, |page| {
-                            page[..4].copy_from_slice(&0u32.to_le_bytes());
-                            page[4..8].copy_from_slice(&(n as u32).to_le_bytes());
-                            page[8..16].copy_from_slice(&blk.to_le_bytes());
-                        });
-                    }
-                    blk += n;
-                    left -= n;
-                }
-            }
-        }
-        true
     }
 
     fn finish(&mut self, req: u32) {
