@@ -4,13 +4,15 @@
 //! deleted to abort what it holds), the request table, completions and bounce-buffer copy
 //! back. Building commands from a request is `commands.rs`.
 //!
-//!  Reads and writes point the controller
-//! straight at the caller's buffers when they lie in memory registered for DMA (guest
-//! memory, see [`crate::register_dma_memory`]) and the buffer list can be described by PRPs;
-//! otherwise (unregistered or oddly split memory) the data goes through a bounce buffer. A
-//! request larger than the controller's transfer limit becomes several commands that
-//! complete as one. Completions are polled: the queue reports itself as
-//! [`DeviceQueue::polled`], so the worker never sleeps while commands are outstanding.
+//! Reads and writes point the controller straight at the caller's buffers when they lie in
+//! memory registered for DMA (guest memory, see [`crate::register_dma_memory`]) and the
+//! buffer list can be described by PRPs (or an SGL); otherwise (unregistered or oddly split
+//! memory) the data goes through a bounce buffer. A request larger than the controller's
+//! transfer limit becomes several commands that complete as one. Completions are polled: the
+//! queue reports itself as [`DeviceQueue::polled`], so the worker never sleeps while
+//! commands are outstanding.
+//!
+//! Must not know: health cells and fault injection (the [`crate::Device`] wrapper).
 
 use std::collections::VecDeque;
 use std::fs::File;
