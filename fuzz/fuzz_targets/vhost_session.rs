@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use spool_devices::{FileDevice, OpenOptions};
+use spool_devices::{Device, OpenOptions};
 use spool_frontend::{
     listen_key, session_key, FrontendSettings, Restore, StateStore, VolumeContext, VolumeServer,
 };
@@ -91,7 +91,7 @@ struct Env {
     _dir: tempfile::TempDir,
     sock: PathBuf,
     journals: PathBuf,
-    device: Arc<FileDevice>,
+    device: Arc<Device>,
 }
 
 fn env() -> &'static Env {
@@ -112,11 +112,12 @@ fn env() -> &'static Env {
             .expect("tempdir");
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        let device = FileDevice::open(
+        let device = Device::open(
             &dir.path().join("device"),
             &OpenOptions {
                 create_size: Some(4 << 20),
                 no_direct: true,
+                ..Default::default()
             },
         )
         .expect("device");

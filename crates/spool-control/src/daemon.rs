@@ -149,7 +149,6 @@ impl Daemon {
             })
             .collect();
         let t_open = std::time::Instant::now();
-        spool_devices::set_nvme_sgl(cfg.nvme_sgl);
         if let Some(k) = &keeping {
             // NVMe controllers stay up across workers: the driver deposits its VFIO
             // descriptors and queue arenas with the keeper and takes over what the previous
@@ -170,6 +169,11 @@ impl Daemon {
                 min_extent: cfg.min_extent,
                 force,
                 no_direct: cfg.no_direct,
+                nvme_sgl: cfg.nvme_sgl,
+                // The crash-test hook, read once here (see `FaultRule::crash_on_write_from_env`).
+                startup_faults: spool_devices::FaultRule::crash_on_write_from_env()
+                    .into_iter()
+                    .collect(),
             },
         )
         .map_err(|e| e.to_string())?;

@@ -1,14 +1,18 @@
 //! Devices layer: the physical block devices a pool is built from.
 //!
-//! Owns: opening files and block devices (size, O_DIRECT probe, exclusive lock), synchronous
-//! metadata I/O, and the per-worker asynchronous [`DeviceQueue`] that moves data between a
-//! device and caller-supplied memory (io_uring for files and block devices, Spool's userspace
-//! driver for NVMe controllers), fault injection
-//! in front of every queue, and each device's health cell (the state the data path obeys).
+//! Owns: the [`PoolDevice`] trait and its backends, each in its own module (files and block
+//! devices: size, O_DIRECT probe, exclusive lock; NVMe controllers through Spool's userspace
+//! driver; the null device), synchronous metadata I/O, the per-worker asynchronous
+//! [`DeviceQueue`] that moves data between a device and caller-supplied memory (io_uring or
+//! inline for files, queue pairs for NVMe), and [`Device`], the wrapper that stacks fault
+//! injection in front of every queue and a health cell (the state the data path obeys) on
+//! any backend.
 //!
 //! Must not know: virtio, vhost-user, volumes, extents or pool metadata. Offsets here are
 //! device byte offsets; the pool maps volume offsets onto them.
 
+mod backend;
+mod device;
 mod fault;
 mod file;
 mod health;
@@ -17,14 +21,18 @@ mod null;
 mod nvme;
 mod queue;
 
+pub use backend::{
+    BackendInfo, ControllerStatus, ErrorLogRecord, OpenOptions, PoolDevice, Probe, SmartHealth,
+};
+pub use device::Device;
 pub use fault::{
     FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue, CRASH_ON_WRITE_ENV,
 };
-pub use file::{DeviceKind, FileDevice, NvmeStatus, OpenOptions, Probe};
+pub use file::FileBackend;
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
-pub use null::{NullQueue, NullReads};
-pub use nvme::NvmeQueue;
+pub use null::{NullBackend, NullQueue, NullReads};
+pub use nvme::NvmeBackend;
 /// Keeping NVMe controllers alive across worker restarts (the daemon wires its keeper in).
 pub use spool_nvme::handoff as nvme_handoff;
 
@@ -33,12 +41,6 @@ pub use spool_nvme::handoff as nvme_handoff;
 /// it). Harmless, and cheap, when no NVMe device is in use.
 pub fn register_dma_memory(addr: u64, len: u64) -> std::result::Result<(), String> {
     spool_nvme::register_memory(addr, len).map_err(|e| e.to_string())
-}
-
-/// Whether NVMe queues may use SGLs (config `[io] nvme_sgl`, default on); off, scatter lists
-/// PRPs cannot describe go through bounce buffers. Applies to queues opened afterwards.
-pub fn set_nvme_sgl(enabled: bool) {
-    nvme::SGL_ENABLED.store(enabled, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Undoes [`register_dma_memory`]; no request may still point into the range.
@@ -59,6 +61,8 @@ pub enum Error {
     },
     #[error("{path}: {msg}")]
     Invalid { path: String, msg: String },
+    #[error("{path}: {msg}")]
+    Controller { path: String, msg: String },
     #[error("{path}: device is in use by another process (it is locked); stop the other spoold or pick another device")]
     Busy { path: String },
 }

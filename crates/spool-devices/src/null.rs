@@ -3,13 +3,20 @@
 //!
 //! Reads either leave the guest's buffers untouched (SPDK's null bdev, qsd
 //! `read-zeroes=off`) or zero them (qsd `read-zeroes=on`): [`NullReads`] makes the choice
-//! explicit so benchmarks compare like with like.
+//! explicit so benchmarks compare like with like. Pool metadata written to a null device is
+//! kept in an anonymous memfd for the life of the process, so a pool on null devices opens.
+//!
+//! Must not know: health cells and fault injection (the [`crate::Device`] wrapper).
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
+use crate::backend::{check_range, check_size, BackendInfo, PoolDevice, Probe};
 use crate::queue::{DeviceIo, DeviceQueue};
+use crate::{Error, Result};
 
 /// What a null device does with read buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -79,4 +86,98 @@ impl DeviceQueue for NullQueue {
     fn in_flight(&self) -> usize {
         self.done.len()
     }
+}
+
+/// The null device as a pool backend: its queues store nothing; its metadata lives in a memfd.
+#[derive(Debug)]
+pub struct NullBackend {
+    path: PathBuf,
+    size: u64,
+    reads: NullReads,
+    metadata: File,
+}
+
+impl NullBackend {
+    /// A null device of `size` bytes named `name` (path `null:NAME`).
+    pub fn open(name: &str, size: u64, reads: NullReads) -> Result<Self> {
+        let path = PathBuf::from(format!("null:{name}"));
+        check_size(&path, size)?;
+        let metadata = memfd(&format!("spool-null-{name}"), &path)?;
+        metadata
+            .set_len(size)
+            .map_err(|e| Error::io(&path, "set size", e))?;
+        Ok(NullBackend {
+            path,
+            size,
+            reads,
+            metadata,
+        })
+    }
+}
+
+impl PoolDevice for NullBackend {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            backend: "null",
+            direct_align: None,
+            inline_io: false,
+        }
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_range(&self.path, self.size, offset, buf.len() as u64)?;
+        self.metadata
+            .read_exact_at(buf, offset)
+            .map_err(|e| Error::io(&self.path, "read", e))
+    }
+
+    fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
+        check_range(&self.path, self.size, offset, buf.len() as u64)?;
+        self.metadata
+            .write_all_at(buf, offset)
+            .map_err(|e| Error::io(&self.path, "write", e))?;
+        self.metadata
+            .sync_data()
+            .map_err(|e| Error::io(&self.path, "fdatasync", e))
+    }
+
+    fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(&self.path, self.size, offset, len)?;
+        crate::file::zero_file_range(&self.metadata, &self.path, offset, len)
+    }
+
+    fn open_queue(&self, _depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        Ok(Box::new(NullQueue::new(self.reads)?))
+    }
+
+    fn probe(&self) -> Probe {
+        Probe::Ok
+    }
+}
+
+/// A fresh anonymous memory file named `name` (`path` names the device in errors).
+fn memfd(name: &str, path: &Path) -> Result<File> {
+    let cname = std::ffi::CString::new(name).map_err(|_| Error::Invalid {
+        path: path.display().to_string(),
+        msg: "name contains a NUL byte".into(),
+    })?;
+    // SAFETY: memfd_create reads the NUL-terminated name we pass; the result is checked.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io(
+            path,
+            "memfd_create",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: `fd` is a fresh descriptor we exclusively own.
+    Ok(unsafe { File::from_raw_fd(fd) })
 }

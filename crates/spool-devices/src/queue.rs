@@ -75,6 +75,52 @@ pub trait DeviceQueue: Send {
     }
 }
 
+/// A boxed queue is a queue: what lets a wrapper (fault injection) stack on the queue of any
+/// backend, whose type it does not know.
+impl<Q: DeviceQueue + ?Sized> DeviceQueue for Box<Q> {
+    #[inline]
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        // SAFETY: the caller's guarantee is passed on unchanged.
+        unsafe { (**self).submit(io, tag) }
+    }
+
+    #[inline]
+    fn kick(&mut self) -> std::io::Result<()> {
+        (**self).kick()
+    }
+
+    #[inline]
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        (**self).reap(done)
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        (**self).completion_fd()
+    }
+
+    fn ack_completion_event(&self) {
+        (**self).ack_completion_event()
+    }
+
+    fn set_completion_events(&mut self, enabled: bool) {
+        (**self).set_completion_events(enabled)
+    }
+
+    #[inline]
+    fn polled(&self) -> bool {
+        (**self).polled()
+    }
+
+    #[inline]
+    fn in_flight(&self) -> usize {
+        (**self).in_flight()
+    }
+
+    fn abort(&mut self) -> usize {
+        (**self).abort()
+    }
+}
+
 /// Hands every completion already known (tag, result) to `done`; returns how many.
 pub(crate) fn drain_done(q: &mut VecDeque<(u64, i32)>, done: &mut dyn FnMut(u64, i32)) -> usize {
     let n = q.len();
@@ -370,7 +416,7 @@ impl DeviceQueue for UringQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FileDevice, OpenOptions};
+    use crate::{Device, OpenOptions};
 
     fn wait_all(q: &mut dyn DeviceQueue) -> Vec<(u64, i32)> {
         let mut out = Vec::new();
@@ -425,11 +471,11 @@ mod tests {
     }
 
     fn exercise(dir: &std::path::Path, expect_inline: bool) {
-        let dev = FileDevice::open(
+        let dev = Device::open(
             &dir.join("d"),
             &OpenOptions {
                 create_size: Some(1 << 20),
-                no_direct: false,
+                ..Default::default()
             },
         )
         .unwrap();

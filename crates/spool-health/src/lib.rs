@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use spool_devices::{ErrorClass, FileDevice, HealthState, Probe, Signal};
+use spool_devices::{Device, ErrorClass, HealthState, Probe, Signal};
 use uuid::Uuid;
 
 /// How the monitor decides. The defaults are safe for real devices.
@@ -116,7 +116,7 @@ pub struct DeviceReport {
 struct Watched {
     uuid: Uuid,
     path: String,
-    dev: Arc<FileDevice>,
+    dev: Arc<Device>,
     counters: Counters,
     reason: String,
     last_error: Option<String>,
@@ -219,7 +219,7 @@ impl Monitor {
     }
 
     /// Starts watching a device.
-    pub fn watch(&self, uuid: Uuid, dev: Arc<FileDevice>) {
+    pub fn watch(&self, uuid: Uuid, dev: Arc<Device>) {
         let mut inner = self.lock();
         inner.devices.retain(|w| w.uuid != uuid);
         let now = Instant::now();
@@ -240,7 +240,7 @@ impl Monitor {
     }
 
     /// `new` takes `old`'s place (the control plane has moved the extents).
-    pub fn replace(&self, old: Uuid, new: Uuid, dev: Arc<FileDevice>) {
+    pub fn replace(&self, old: Uuid, new: Uuid, dev: Arc<Device>) {
         let (path, old_path) = {
             let mut inner = self.lock();
             let old_path = inner

@@ -4,13 +4,14 @@
 use super::*;
 use spool_devices::{ErrorReport, FaultEffect, FaultOps, FaultRule, OpenOptions};
 
-fn device(dir: &tempfile::TempDir, name: &str) -> Arc<FileDevice> {
+fn device(dir: &tempfile::TempDir, name: &str) -> Arc<Device> {
     Arc::new(
-        FileDevice::open(
+        Device::open(
             &dir.path().join(name),
             &OpenOptions {
                 create_size: Some(8 << 20),
                 no_direct: true,
+                ..Default::default()
             },
         )
         .unwrap(),
@@ -52,7 +53,7 @@ fn wait_state(m: &Monitor, uuid: Uuid, want: &str) -> DeviceReport {
 }
 
 /// Feeds `report` to a fresh device and returns the state it settles in.
-fn row(report: Option<ErrorReport>, setup: impl Fn(&FileDevice), want: &str) -> DeviceReport {
+fn row(report: Option<ErrorReport>, setup: impl Fn(&Device), want: &str) -> DeviceReport {
     let dir = tempfile::tempdir().unwrap();
     let m = Monitor::start(policy());
     let dev = device(&dir, "d");
@@ -102,7 +103,7 @@ fn path_errors_and_timeouts_reset_and_come_back() {
 #[test]
 fn a_link_that_stays_down_past_the_reset_timeout_fails_the_device() {
     let link_down = |ms: u64| {
-        move |d: &FileDevice| {
+        move |d: &Device| {
             d.faults().add(FaultRule {
                 effect: FaultEffect::Errno(libc::EIO),
                 ops: FaultOps::Any,

@@ -18,10 +18,10 @@ use crate::metadata::{
     self, DeviceState, PoolTable, METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
 };
 use crate::{DeviceSpec, Error, LeftOut, Pool, PoolOptions, Result};
-use spool_devices::FileDevice;
+use spool_devices::Device;
 
 /// A device opened at start with what its metadata says.
-type Opened = (FileDevice, DeviceState);
+type Opened = (Device, DeviceState);
 
 impl Pool {
     /// Assembles a pool from devices: existing members are recognised by their metadata
@@ -29,9 +29,9 @@ impl Pool {
     /// `opts.force`.
     pub fn open(specs: &[DeviceSpec], opts: PoolOptions) -> Result<Pool> {
         check_min_extent(opts.min_extent)?;
-        let (mut opened, mut left_out) = open_configured(specs, opts.no_direct)?;
+        let (mut opened, mut left_out) = open_configured(specs, &opts)?;
         let (table, generation) = choose_table(&opened, &opts);
-        rediscover(&table, specs, opts.no_direct, &mut opened);
+        rediscover(&table, specs, &opts, &mut opened);
         let mut admission = Admission {
             table,
             pool_uuid: Uuid::nil(),
@@ -81,12 +81,15 @@ fn check_min_extent(min_extent: u64) -> Result<()> {
 /// (pulled, hot-removed, failed) must not take the volumes on the other devices down with
 /// it: it is left out, and the pool table (read from the others) marks it missing, so only
 /// its volumes are offline. Fails only when no device opens at all.
-fn open_configured(specs: &[DeviceSpec], no_direct: bool) -> Result<(Vec<Opened>, Vec<LeftOut>)> {
+fn open_configured(
+    specs: &[DeviceSpec],
+    opts: &PoolOptions,
+) -> Result<(Vec<Opened>, Vec<LeftOut>)> {
     let mut opened = Vec::new();
     let mut first_error = None;
     let mut left_out = Vec::new();
     for s in specs {
-        match open_spec(s, no_direct) {
+        match open_spec(s, opts) {
             Ok(dev) => {
                 let state = metadata::read_device(&dev);
                 opened.push((dev, state));
@@ -143,7 +146,12 @@ fn choose_table(opened: &[Opened], opts: &PoolOptions) -> (PoolTable, u64) {
 
 /// Devices that joined at run time (`device add`, `device replace`, spares) are not in the
 /// configuration: they are found again at the path the pool table last saw them.
-fn rediscover(table: &PoolTable, specs: &[DeviceSpec], no_direct: bool, opened: &mut Vec<Opened>) {
+fn rediscover(
+    table: &PoolTable,
+    specs: &[DeviceSpec],
+    opts: &PoolOptions,
+    opened: &mut Vec<Opened>,
+) {
     let have: HashSet<Uuid> = opened
         .iter()
         .filter_map(|(_, st)| match st {
@@ -162,7 +170,7 @@ fn rediscover(table: &PoolTable, specs: &[DeviceSpec], no_direct: bool, opened: 
             create_size: None,
             null: None,
         };
-        match open_spec(&spec, no_direct) {
+        match open_spec(&spec, opts) {
             Ok(dev) => {
                 let state = metadata::read_device(&dev);
                 if matches!(&state, DeviceState::Member(r, _) if r.device_uuid == d.uuid) {
@@ -198,7 +206,7 @@ impl Admission {
     /// at the wrong disk).
     fn admit(
         &mut self,
-        dev: FileDevice,
+        dev: Device,
         state: DeviceState,
         left_out: &mut Vec<LeftOut>,
     ) -> Result<()> {
@@ -237,7 +245,7 @@ impl Admission {
 
     /// What the device's metadata makes it: its UUID in the pool (joining it when blank, or
     /// when forced), or why it cannot be in it.
-    fn classify(&mut self, dev: &FileDevice, state: DeviceState, path: &str) -> Result<Uuid> {
+    fn classify(&mut self, dev: &Device, state: DeviceState, path: &str) -> Result<Uuid> {
         let path = path.to_string();
         match state {
             DeviceState::Member(r, note) if r.table.pool_uuid == self.pool_uuid => {
@@ -299,7 +307,7 @@ impl Admission {
     /// the table placed on it. A device that shrank (or is a different, smaller one carrying
     /// a copy of the metadata) is left out; one that grew keeps its extents, and the table
     /// learns its size.
-    fn check_member(&mut self, dev: &FileDevice, i: usize, path: &str) -> Result<()> {
+    fn check_member(&mut self, dev: &Device, i: usize, path: &str) -> Result<()> {
         let need = METADATA_AREA + self.table.min_extent;
         let entry = &mut self.table.devices[i];
         if dev.size() < need {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use crate::{Error, Pool, Result};
-use spool_devices::FileDevice;
+use spool_devices::Device;
 
 /// One piece of a volume's address space mapped onto a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +33,7 @@ pub struct VolumeLayout {
     pub num_queues: u16,
     /// Ascending by `logical`, contiguous, covering at least `size`.
     pub segments: Vec<Segment>,
-    pub devices: Vec<Arc<FileDevice>>,
+    pub devices: Vec<Arc<Device>>,
 }
 
 impl VolumeLayout {
@@ -75,7 +75,7 @@ impl Pool {
     /// The data-path view of a volume. Fails when one of its devices is missing.
     pub fn layout(&self, id: &str) -> Result<VolumeLayout> {
         let v = &self.table.volumes[self.find(id)?];
-        let mut devices: Vec<Arc<FileDevice>> = Vec::new();
+        let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();
         let mut segments: Vec<Segment> = Vec::new();
         let mut logical = 0;

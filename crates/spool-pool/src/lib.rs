@@ -77,6 +77,10 @@ pub struct PoolOptions {
     pub force: bool,
     /// Never use O_DIRECT.
     pub no_direct: bool,
+    /// NVMe queues may use SGLs (config `[io] nvme_sgl`, default on).
+    pub nvme_sgl: bool,
+    /// Fault rules armed on every device from the moment it opens (crash tests).
+    pub startup_faults: Vec<spool_devices::FaultRule>,
 }
 
 impl Default for PoolOptions {
@@ -86,6 +90,8 @@ impl Default for PoolOptions {
             min_extent: 4 << 20,
             force: false,
             no_direct: false,
+            nvme_sgl: true,
+            startup_faults: Vec::new(),
         }
     }
 }

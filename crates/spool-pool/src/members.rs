@@ -12,8 +12,8 @@ use uuid::Uuid;
 
 use crate::buddy::Buddy;
 use crate::metadata::{self, DeviceEntry, DeviceState, ExtentEntry, PoolTable, METADATA_AREA};
-use crate::{DeviceInfo, Error, Pool, Replacement, Result};
-use spool_devices::{FileDevice, OpenOptions};
+use crate::{DeviceInfo, Error, Pool, PoolOptions, Replacement, Result};
+use spool_devices::{Device, OpenOptions};
 
 /// A device to assemble into the pool.
 #[derive(Debug, Clone)]
@@ -25,9 +25,15 @@ pub struct DeviceSpec {
     pub null: Option<spool_devices::NullReads>,
 }
 
-pub(crate) fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
+pub(crate) fn open_spec(s: &DeviceSpec, opts: &PoolOptions) -> Result<Device> {
+    let open = OpenOptions {
+        create_size: s.create_size,
+        no_direct: opts.no_direct,
+        no_nvme_sgl: !opts.nvme_sgl,
+        faults: opts.startup_faults.clone(),
+    };
     Ok(match s.null {
-        Some(reads) => FileDevice::open_null(
+        Some(reads) => Device::open_null(
             &s.path.display().to_string(),
             s.create_size.ok_or_else(|| {
                 Error::InvalidArgument(format!(
@@ -36,19 +42,14 @@ pub(crate) fn open_spec(s: &DeviceSpec, no_direct: bool) -> Result<FileDevice> {
                 ))
             })?,
             reads,
+            &open,
         )?,
-        None => FileDevice::open(
-            &s.path,
-            &OpenOptions {
-                create_size: s.create_size,
-                no_direct,
-            },
-        )?,
+        None => Device::open(&s.path, &open)?,
     })
 }
 
 /// The buddy allocator of a device's data area.
-pub(crate) fn new_buddy(dev: &FileDevice, min_extent: u64) -> Result<Buddy> {
+pub(crate) fn new_buddy(dev: &Device, min_extent: u64) -> Result<Buddy> {
     let path = dev.path().display().to_string();
     let need = METADATA_AREA.saturating_add(min_extent);
     let len = dev
@@ -65,7 +66,7 @@ pub(crate) fn new_buddy(dev: &FileDevice, min_extent: u64) -> Result<Buddy> {
 
 pub(crate) struct Member {
     pub(crate) uuid: Uuid,
-    pub(crate) dev: Arc<FileDevice>,
+    pub(crate) dev: Arc<Device>,
     pub(crate) buddy: Buddy,
 }
 
@@ -77,7 +78,7 @@ impl Member {
 }
 
 impl Pool {
-    pub(crate) fn join(table: &mut PoolTable, dev: &FileDevice, force: bool) -> Result<Uuid> {
+    pub(crate) fn join(table: &mut PoolTable, dev: &Device, force: bool) -> Result<Uuid> {
         let need = METADATA_AREA.saturating_add(table.min_extent);
         if dev.size() < need {
             return Err(Error::TooSmall {
@@ -102,7 +103,7 @@ impl Pool {
 
     /// Adds a device to a running pool.
     pub fn add_device(&mut self, spec: &DeviceSpec, force: bool) -> Result<DeviceInfo> {
-        let dev = open_spec(spec, self.opts.no_direct)?;
+        let dev = open_spec(spec, &self.opts)?;
         let path = dev.path().display().to_string();
         match metadata::read_device(&dev) {
             DeviceState::Blank => {}
@@ -146,7 +147,7 @@ impl Pool {
     }
 
     /// Present devices with their handles (for the health monitor).
-    pub fn device_handles(&self) -> Vec<(Uuid, Arc<FileDevice>)> {
+    pub fn device_handles(&self) -> Vec<(Uuid, Arc<Device>)> {
         self.members
             .iter()
             .map(|m| (m.uuid, m.dev.clone()))
@@ -187,7 +188,7 @@ impl Pool {
     ) -> Result<Replacement> {
         let old = self.device_uuid(old)?;
         self.check_replaceable(old, force)?;
-        let dev = open_spec(spec, self.opts.no_direct)?;
+        let dev = open_spec(spec, &self.opts)?;
         let path = dev.path().display().to_string();
         check_replacement_blank(&dev, old, force)?;
         let mut table = self.table.clone();
@@ -241,7 +242,7 @@ impl Pool {
 }
 
 /// The replacement must be blank (or forced), and not the device it replaces.
-fn check_replacement_blank(dev: &FileDevice, old: Uuid, force: bool) -> Result<()> {
+fn check_replacement_blank(dev: &Device, old: Uuid, force: bool) -> Result<()> {
     let path = dev.path().display().to_string();
     match metadata::read_device(dev) {
         DeviceState::Blank => Ok(()),

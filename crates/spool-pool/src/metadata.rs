@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use spool_devices::FileDevice;
+use spool_devices::Device;
 
 /// First bytes of every metadata record.
 pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
@@ -383,7 +383,7 @@ pub fn decode(
 }
 
 /// Reads one slot of a device.
-pub fn read_slot(dev: &FileDevice, slot: u64) -> SlotState {
+pub fn read_slot(dev: &Device, slot: u64) -> SlotState {
     let base = slot * SLOT_SIZE;
     let mut header = [0u8; HEADER_SIZE];
     if let Err(e) = dev.read_at(&mut header, base) {
@@ -398,7 +398,7 @@ pub fn read_slot(dev: &FileDevice, slot: u64) -> SlotState {
 }
 
 /// Reads both slots and decides what the device holds.
-pub fn read_device(dev: &FileDevice) -> DeviceState {
+pub fn read_device(dev: &Device) -> DeviceState {
     let slots = [read_slot(dev, 0), read_slot(dev, 1)];
     let mut best: Option<&Record> = None;
     for s in &slots {
@@ -434,7 +434,7 @@ pub fn read_device(dev: &FileDevice) -> DeviceState {
 
 /// Writes `rec` durably into slot `rec.generation % 2`. Refuses a table that [`decode`] would
 /// refuse (a bug must not write a pool that no longer opens).
-pub fn write_record(dev: &FileDevice, rec: &Record) -> Result<(), String> {
+pub fn write_record(dev: &Device, rec: &Record) -> Result<(), String> {
     rec.table
         .validate()
         .map_err(|e| format!("refusing to write an invalid pool table: {e}"))?;
@@ -447,7 +447,7 @@ pub fn write_record(dev: &FileDevice, rec: &Record) -> Result<(), String> {
 }
 
 /// Erases both slots (used by `--force` before reformatting a device).
-pub fn wipe(dev: &FileDevice) -> Result<(), String> {
+pub fn wipe(dev: &Device) -> Result<(), String> {
     let zero = vec![0u8; HEADER_SIZE];
     for slot in 0..2 {
         dev.write_at_durable(&zero, slot * SLOT_SIZE)
@@ -487,13 +487,14 @@ mod tests {
         }
     }
 
-    fn dev() -> (tempfile::TempDir, FileDevice) {
+    fn dev() -> (tempfile::TempDir, Device) {
         let d = tempfile::tempdir().unwrap();
-        let f = FileDevice::open(
+        let f = Device::open(
             &d.path().join("dev"),
             &OpenOptions {
                 create_size: Some(4 << 20),
                 no_direct: true,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -236,7 +236,7 @@ impl Daemon {
                     let nvme = handles
                         .iter()
                         .find(|(u, _)| *u == r.device)
-                        .and_then(|(_, d)| d.nvme_status());
+                        .and_then(|(_, d)| d.controller_status());
                     if let (Some(n), Some(obj)) = (nvme, v.as_object_mut()) {
                         obj.insert("nvme".into(), nvme_json(&n));
                     }
@@ -413,7 +413,7 @@ impl Daemon {
         })
     }
 
-    fn device_handle(&self, uuid: uuid::Uuid) -> Result<Arc<spool_devices::FileDevice>, RpcError> {
+    fn device_handle(&self, uuid: uuid::Uuid) -> Result<Arc<spool_devices::Device>, RpcError> {
         self.pool()
             .device_handles()
             .into_iter()
@@ -424,7 +424,7 @@ impl Daemon {
 }
 
 /// The NVMe part of a device's health report.
-fn nvme_json(n: &spool_devices::NvmeStatus) -> Value {
+fn nvme_json(n: &spool_devices::ControllerStatus) -> Value {
     serde_json::json!({
         "pci": n.pci,
         "model": n.model,
