@@ -486,7 +486,7 @@ impl QueueWorker {
                 continue;
             }
             // Event-driven mode: ask the guest and the devices to wake us, re-check, sleep.
-            match self.vq.queue.enable_notification(mem.map()) {
+            match self.vq.enable_notification(&mem) {
                 Ok(true) => continue,
                 Ok(false) => {}
                 Err(e) => {
@@ -536,14 +536,14 @@ impl QueueWorker {
                 }
             }
             if !self.broken {
-                let _ = self.vq.queue.disable_notification(mem.map());
+                let _ = self.vq.disable_notification(&mem);
             }
             self.set_device_events(false);
             last_work = Instant::now();
         }
         self.drain();
-        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.queue.next_avail(), "worker stopped");
-        self.vq.queue
+        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
+        self.vq.into_queue()
     }
 
     fn set_device_events(&mut self, enabled: bool) {
@@ -828,10 +828,8 @@ impl QueueWorker {
         }
         let mut held = std::mem::take(&mut self.held);
         held.append(&mut self.cancelled);
-        let heads: Vec<u16> = match &self.vq.journal {
-            Some(j) => (0..self.vq.queue.size())
-                .filter(|&h| j.state(h) == spool_journal::ReqState::Inflight)
-                .collect(),
+        let heads: Vec<u16> = match self.vq.journaled_inflight() {
+            Some(heads) => heads,
             None => (0..self.slots.len() as u16)
                 .filter(|&h| self.slots[h as usize].is_some())
                 .chain(held)
