@@ -58,7 +58,7 @@ impl QueueWorker {
 
     /// The checks at the start of each round; returns the memory map to use for it.
     #[inline]
-    fn begin_round(&mut self) -> Arc<GuestMemory> {
+    pub(super) fn begin_round(&mut self) -> Arc<GuestMemory> {
         if self.reset.swap(false, Ordering::AcqRel) {
             self.reset_devices();
         }
