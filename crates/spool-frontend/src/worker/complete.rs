@@ -69,6 +69,7 @@ impl QueueWorker {
         any
     }
 
+    #[inline]
     pub(super) fn complete_used(&mut self, mem: &Arc<GuestMemory>, head: u16, len: u32) {
         self.complete_used_batch(mem, &[(head, len)]);
     }

@@ -338,6 +338,9 @@ impl QueueWorker {
         }
     }
 
+    /// Follows the volume's layout: a grown volume's new devices get queues; a device
+    /// replaced under an existing index resets every queue. One atomic load when unchanged.
+    #[inline]
     fn refresh_layout(&mut self) {
         let cur = self.layout_now.load();
         if Arc::ptr_eq(cur, &self.layout) {
@@ -365,6 +368,7 @@ impl QueueWorker {
     }
 
     /// Tells the guest to look at the used ring (one interrupt on its call eventfd).
+    #[inline]
     fn signal_guest(&self) {
         if let Some(call) = self.call.load().as_ref() {
             let _ = (&**call).write(&1u64.to_ne_bytes());

@@ -235,8 +235,10 @@ impl Harness {
         let head = 3 * k;
         let buf = 0x10_0000 + k as u64 * 0x1000;
         let m = &self.mem;
-        m.write_obj(VIRTIO_BLK_T_IN.to_le(), GuestAddress(buf)).unwrap();
-        m.write_obj((k as u64).to_le(), GuestAddress(buf + 8)).unwrap();
+        m.write_obj(VIRTIO_BLK_T_IN.to_le(), GuestAddress(buf))
+            .unwrap();
+        m.write_obj((k as u64).to_le(), GuestAddress(buf + 8))
+            .unwrap();
         m.write_obj(UNWRITTEN, GuestAddress(buf + 0x800)).unwrap();
         let (next, write) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
         let chain = [
