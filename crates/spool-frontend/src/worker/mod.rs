@@ -9,7 +9,7 @@
 //!
 //! Layout, one job per file, all of them `impl QueueWorker`:
 //! - `run`: the poll loop, sleeping in epoll, guest notifications, memory-map changes;
-//! - `slots`: the in-flight table's entries ([`slots::Inflight`], [`slots::SlotBufs`]);
+//! - `slots`: the in-flight table's entries (`Inflight`, `SlotBufs`);
 //! - `dispatch`: a taken request to device pieces (splitting across devices, slicing
 //!   iovecs), the health gate, submission;
 //! - `complete`: reaping device completions and completing requests to the guest;
@@ -146,7 +146,11 @@ const TOKEN_DEVICE: u64 = 2;
 const MAX_RETIRED_MAPS: usize = 16;
 /// How long the drain on stop (and on a device reset) waits for device completions before
 /// giving up.
+#[cfg(not(test))]
 const STOP_DRAIN: Duration = Duration::from_secs(5);
+/// Short in unit tests, whose scripted commands that never complete would wait it out.
+#[cfg(test)]
+const STOP_DRAIN: Duration = Duration::from_millis(20);
 /// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
 /// `TIMEOUT_SWEEPS` sweeps has been in flight for at least `io_timeout`.
 const TIMEOUT_SWEEPS: u32 = 4;

@@ -519,3 +519,39 @@ fn stop_completes_what_the_devices_finish_and_leaves_the_rest_in_the_journal() {
     assert_eq!(h.journaled(), vec![b]);
     assert_eq!(h.w.abandoned.load(Ordering::Acquire), 0);
 }
+
+#[test]
+fn a_reset_quarantines_a_command_that_never_completes_and_resubmits_its_request() {
+    let mut h = Harness::new(2);
+    lock(&h.script).abort_with = None;
+    let a = h.post_read(0);
+    h.round();
+    h.w.reset.store(true, Ordering::Release);
+    h.round();
+    // The hung command's queue is kept (leaked) with the guest memory it may still write,
+    // the volume is told, and the request goes to a new queue.
+    assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
+    assert_eq!(lock(&h.script).opened, 2);
+    assert_eq!(h.submitted(), vec![a as u64, a as u64]);
+    assert_eq!(h.w.devices.len(), 1);
+    assert_eq!(h.status(a), UNWRITTEN);
+    h.device_completes(a, LEN as i32);
+    h.round();
+    assert_eq!(h.status(a), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(a, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+}
+
+#[test]
+fn stop_quarantines_a_command_that_never_completes_and_keeps_it_in_the_journal() {
+    let mut h = Harness::new(2);
+    lock(&h.script).abort_with = None;
+    let a = h.post_read(0);
+    h.round();
+    h.w.drain();
+    assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
+    assert!(h.w.devices.is_empty());
+    assert_eq!(h.status(a), UNWRITTEN);
+    assert!(h.used().is_empty());
+    assert_eq!(h.journaled(), vec![a]);
+}
