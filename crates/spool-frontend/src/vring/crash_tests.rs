@@ -20,9 +20,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use spool_journal::{Journal, RingAddrs};
 use uuid::Uuid;
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::*;
+use crate::request::GuestMemory;
 
 const QSIZE: u16 = 8;
 const TOTAL: u64 = 24;

@@ -1,61 +1,30 @@
-//! A virtqueue together with its cross-process journal: Algorithm 1 of Spool, step by step,
-//! around the ring operations, and the start-up decision of where a queue resumes.
+//! [`JournaledQueue`]: the virtqueue and its journal, owned by one worker. Taking a request
+//! (Algorithm 1 steps 1–6, and 7 once per batch of takes) and completing a batch (10–14)
+//! are journaled in the paper's order around the ring operations.
 //!
-//! Steps (paper numbering): 1 pop a head from the avail ring; 2–5 one 64-bit store of
-//! {START, last_avail+1, head}; 6 head INFLIGHT; 7 FINISHED, once for a poll round's batch
-//! of takes (each take's START also finishes the one before); 8 submit (the worker); 9 the
-//! device completes (the worker); then for a batch of n completions: 10 the journal's used
-//! index moves by n; 11 each head DONE; 12–13 the used elements, then one used index store
-//! publishing them all; 14 each head NONE. With the journal switched off (Spool-NoJ, for the
-//! overhead benchmark) only the ring operations remain.
-//!
-//! The split ring itself is read and written here, through a [`HostMap`], rather than through
-//! virtio-queue's iterators and `add_used`: those go through vm-memory's generic accessors
-//! on every index, ring slot and descriptor, which callgrind showed to be the largest cost of
-//! a request (docs/benchmarks/request-path.md). virtio-queue's [`Queue`] still holds the
-//! queue's configuration and validity check, and does notification suppression (its
-//! `next_avail`/`next_used` are kept current here).
+//! Its fields are private: the worker takes, walks, completes and asks for notifications
+//! through methods. Knows nothing of requests, devices or where a queue resumes.
 
 use std::sync::atomic::{fence, Ordering};
 
-use spool_journal::{Journal, RingAddrs};
+use spool_journal::Journal;
 use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;
-use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 
+use super::ring::{
+    prefetch, rd16, ring_pos, AVAIL_ELEM, AVAIL_HEADER, PREFETCH_DATA, PREFETCH_DESC, USED_ELEM,
+    USED_HEADER,
+};
+use super::{ChainWalker, RingError, Step};
 use crate::hostmem::HostMap;
 use crate::request::GuestMemory;
 
-/// A point between two steps of Algorithm 1 (for crash-point tests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    /// 1: head popped from the avail ring (process state only).
-    Popped,
-    /// 2–5: aux = {START, last_avail + 1, head}.
-    TakeBegun,
-    /// 6: head INFLIGHT.
-    MarkedInflight,
-    /// 7: transaction FINISHED (once per batch of takes: [`JournaledQueue::finish_takes`]).
-    TakeFinished,
-    /// 10: journal used index incremented.
-    CompleteBegun,
-    /// 11: head DONE.
-    MarkedDone,
-    /// 12–13: used element and used index written to the ring.
-    UsedAdded,
-    /// 14: head NONE.
-    MarkedNone,
-}
-
-/// Errors of the ring itself (a broken or hostile guest ring).
-pub type RingError = virtio_queue::Error;
-
 /// The virtqueue and its journal, owned by one worker.
 pub struct JournaledQueue {
-    pub queue: Queue,
-    pub journal: Option<Journal>,
+    queue: Queue,
+    journal: Option<Journal>,
     /// Used elements added since the last [`JournaledQueue::needs_notification`].
-    pub num_added: u16,
+    num_added: u16,
     /// The rings' host addresses under the last host map used.
     hosts: RingHosts,
     /// The avail index as last read from the ring, and the next avail index at the time:
@@ -81,57 +50,6 @@ struct RingHosts {
     used: usize,
 }
 
-/// Reads a little-endian u16 at host address `h` in one access when aligned.
-///
-/// # Safety
-/// `h..h + 2` must lie in live guest memory.
-#[inline]
-unsafe fn rd16(h: usize) -> u16 {
-    // SAFETY: `h..h+2` is mapped per the contract; read once as a value, never through a
-    // reference (the guest may be writing it).
-    u16::from_le(unsafe {
-        if h.is_multiple_of(2) {
-            std::ptr::read_volatile(h as *const u16)
-        } else {
-            std::ptr::read_unaligned(h as *const u16)
-        }
-    })
-}
-
-/// Used ring header (flags, idx) and element sizes.
-const USED_HEADER: u64 = 4;
-const USED_ELEM: u64 = 8;
-/// Avail ring header (flags, idx) and element sizes.
-const AVAIL_HEADER: u64 = 4;
-const AVAIL_ELEM: u64 = 2;
-/// How far ahead of the request being taken its descriptor entry is prefetched.
-pub const PREFETCH_DESC: u16 = 8;
-/// How far ahead the header and next descriptor are (their addresses are read from the
-/// descriptor entry prefetched earlier).
-pub const PREFETCH_DATA: u16 = 4;
-
-/// Position of free-running ring index `idx` in a ring of `size` entries. A split ring's size
-/// is a power of two (virtio-queue refuses any other), so this is a mask, not a division.
-#[inline(always)]
-fn ring_pos(idx: u16, size: u16) -> u64 {
-    debug_assert!(size.is_power_of_two());
-    (idx & size.wrapping_sub(1)) as u64
-}
-
-/// Asks the CPU to bring the cache line holding `addr` closer (a hint; no effect on memory).
-#[inline(always)]
-fn prefetch(addr: usize) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing into the program and never faults, whatever the
-    // address (mapped or not); SSE is part of the x86_64 baseline.
-    #[allow(unused_unsafe)]
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = addr;
-}
-
 impl JournaledQueue {
     /// A queue (and journal) with nothing added since the last notification check.
     pub fn new(queue: Queue, journal: Option<Journal>) -> Self {
@@ -144,6 +62,44 @@ impl JournaledQueue {
             take_open: false,
             hosts: RingHosts::default(),
         }
+    }
+
+    /// The queue's size (a power of two).
+    #[inline]
+    pub fn size(&self) -> u16 {
+        self.queue.size()
+    }
+
+    /// The next avail index to take (what GET_VRING_BASE reports).
+    pub fn next_avail(&self) -> u16 {
+        self.queue.next_avail()
+    }
+
+    /// Gives the virtqueue back (when its worker stops).
+    pub fn into_queue(self) -> Queue {
+        self.queue
+    }
+
+    /// Asks the guest to notify us of new requests, as virtio-queue does it (with
+    /// VIRTIO_F_EVENT_IDX, by publishing `avail_event`). True when requests arrived meanwhile.
+    pub fn enable_notification(&mut self, mem: &GuestMemory) -> Result<bool, RingError> {
+        self.queue.enable_notification(mem.map())
+    }
+
+    /// Asks the guest not to notify us (a polling worker).
+    pub fn disable_notification(&mut self, mem: &GuestMemory) -> Result<(), RingError> {
+        self.queue.disable_notification(mem.map())
+    }
+
+    /// The heads the journal records INFLIGHT, ascending (`None` without a journal). For the
+    /// device-reset path, never the data path.
+    pub fn journaled_inflight(&self) -> Option<Vec<u16>> {
+        let j = self.journal.as_ref()?;
+        Some(
+            (0..self.queue.size())
+                .filter(|&h| j.state(h) == spool_journal::ReqState::Inflight)
+                .collect(),
+        )
     }
 
     /// The rings' host addresses under `mem` (translated once per memory map).
@@ -346,9 +302,8 @@ impl JournaledQueue {
     /// The descriptor chain of a taken head.
     pub fn chain<'m>(&mut self, mem: &'m HostMap, head: u16) -> ChainWalker<'m> {
         let h = self.hosts(mem);
-        let mut w = ChainWalker::new(mem, self.queue.desc_table(), self.queue.size(), head);
-        w.table_host = h.desc;
-        w
+        ChainWalker::new(mem, self.queue.desc_table(), self.queue.size(), head)
+            .with_table_host(h.desc)
     }
 
     /// Completes `head` to the guest (steps 10–14). The status byte and data must already be
@@ -473,202 +428,3 @@ impl JournaledQueue {
         used.wrapping_sub(used_event).wrapping_sub(1) < used.wrapping_sub(old)
     }
 }
-
-/// Where a starting queue resumes, as decided from its journal.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Resume {
-    /// Next avail index to take.
-    pub next_avail: u16,
-    /// Heads taken before the restart and never completed, oldest first: resubmit them.
-    pub resubmit: Vec<u16>,
-    /// The journal's state was recovered (Algorithm 2 ran) rather than started afresh.
-    pub recovered: bool,
-    /// What happened, for the log.
-    pub note: Option<String>,
-}
-
-/// What the ring currently says (read from guest memory).
-#[derive(Debug, Clone, Copy)]
-pub struct RingView {
-    pub rings: RingAddrs,
-    pub size: u16,
-    pub avail_idx: u16,
-    pub used_idx: u16,
-}
-
-/// Decides how a queue resumes: recover with Algorithm 2 when the journal describes
-/// unfinished work of this very ring; otherwise start a fresh generation at the frontend's
-/// base. The journal, not the frontend's SET_VRING_BASE, decides where to resume.
-pub fn resume(
-    journal: &mut Journal,
-    view: RingView,
-    frontend_base: u16,
-    hook: &mut dyn FnMut(spool_journal::RecoveryStep),
-) -> Result<Resume, spool_journal::Error> {
-    let size = view.size;
-    if journal.has_work() {
-        let h = journal.header();
-        let last = journal.last_avail();
-        let jused = journal.used_idx();
-        let same_ring = h.queue_size == size && h.rings == view.rings;
-        // The journal's used index leads the ring's by the batch being completed, if any
-        // (at most the queue size: `JournaledQueue::complete_batch`).
-        let consistent = jused.wrapping_sub(view.used_idx) <= size
-            && last.wrapping_sub(view.used_idx) <= size
-            && view.avail_idx.wrapping_sub(last) <= size;
-        if same_ring && consistent {
-            let r = journal.recover(view.used_idx, hook);
-            let note = (r.last_avail != frontend_base).then(|| {
-                format!(
-                    "frontend asked to resume at avail index {frontend_base}, the journal says {}: using the journal",
-                    r.last_avail
-                )
-            });
-            return Ok(Resume {
-                next_avail: r.last_avail,
-                resubmit: r.inflight,
-                recovered: true,
-                note,
-            });
-        }
-        let pending = (0..h.queue_size)
-            .filter(|&x| journal.state(x) != spool_journal::ReqState::None)
-            .count();
-        let note = Some(format!(
-            "journal {} describes {pending} unfinished request(s) of another session or ring \
-             (queue size {} vs {size}, rings match: {}, indices consistent: {consistent}); \
-             they cannot belong to this guest's ring, starting a fresh generation",
-            journal.path().display(),
-            h.queue_size,
-            h.rings == view.rings
-        ));
-        journal.new_generation(size, view.rings, frontend_base, view.used_idx)?;
-        return Ok(Resume {
-            next_avail: frontend_base,
-            resubmit: vec![],
-            recovered: false,
-            note,
-        });
-    }
-    journal.new_generation(size, view.rings, frontend_base, view.used_idx)?;
-    Ok(Resume {
-        next_avail: frontend_base,
-        resubmit: vec![],
-        recovered: false,
-        note: None,
-    })
-}
-
-/// Reads the avail and used indices of a ring.
-pub fn ring_indices(q: &Queue, mem: &GuestMemory) -> Result<(u16, u16), RingError> {
-    Ok((
-        q.avail_idx(mem.map(), Ordering::Acquire)?.0,
-        q.used_idx(mem.map(), Ordering::Acquire)?.0,
-    ))
-}
-
-/// Walks the descriptor chain starting at `head`: for every request taken, and for
-/// resubmitting a journaled request whose avail ring slot may since have been reused. Bounded
-/// like virtio-queue's own iterator: at most `queue_size` descriptors per table, one level of
-/// indirection; it ends at the first descriptor that cannot be read.
-pub struct ChainWalker<'m> {
-    mem: &'m HostMap,
-    table: u64,
-    /// Host address of the whole current table when known (0: read through `mem`).
-    table_host: usize,
-    table_len: u16,
-    next: Option<u16>,
-    ttl: u16,
-    indirect_done: bool,
-}
-
-impl<'m> ChainWalker<'m> {
-    /// A walker over the chain at `head` of the descriptor table at `desc_table`.
-    pub fn new(mem: &'m HostMap, desc_table: u64, queue_size: u16, head: u16) -> Self {
-        ChainWalker {
-            mem,
-            table: desc_table,
-            table_host: 0,
-            table_len: queue_size,
-            next: (head < queue_size).then_some(head),
-            ttl: queue_size,
-            indirect_done: false,
-        }
-    }
-}
-
-impl ChainWalker<'_> {
-    /// Entry `i` of the current table (`i < table_len`).
-    #[inline]
-    fn read(&self, i: u16) -> Option<Descriptor> {
-        let mut raw = [0u8; 16];
-        if self.table_host != 0 {
-            // SAFETY: `i < table_len` (`next`), and `table_host` is only nonzero for a table
-            // of `table_len` entries in one region (`HostMap::host(table, 16 * table_len)` in
-            // `translate_rings` or `enter_indirect`); copied once (the guest may rewrite it).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (self.table_host + i as usize * 16) as *const u8,
-                    raw.as_mut_ptr(),
-                    16,
-                )
-            };
-        } else {
-            let addr = self.table.checked_add(i as u64 * 16)?;
-            if !self.mem.read(addr, &mut raw) {
-                return None;
-            }
-        }
-        Some(Descriptor::new(
-            u64::from_le_bytes(raw[0..8].try_into().expect("8 bytes")),
-            u32::from_le_bytes(raw[8..12].try_into().expect("4 bytes")),
-            u16::from_le_bytes(raw[12..14].try_into().expect("2 bytes")),
-            u16::from_le_bytes(raw[14..16].try_into().expect("2 bytes")),
-        ))
-    }
-
-    /// Follows descriptor `d`, which refers to an indirect table (at most one per chain,
-    /// a whole number of entries, at most 2^16 of them), and returns that table's first
-    /// entry. The table is translated once when it lies in one region.
-    #[inline(never)]
-    fn enter_indirect(&mut self, d: Descriptor) -> Option<Descriptor> {
-        if self.indirect_done
-            || !d.len().is_multiple_of(16)
-            || d.len() == 0
-            || d.len() / 16 > u16::MAX as u32
-        {
-            return None;
-        }
-        self.indirect_done = true;
-        self.table = d.addr().0;
-        self.table_host = self.mem.host(self.table, d.len() as u64).unwrap_or(0);
-        self.table_len = (d.len() / 16) as u16;
-        self.ttl = self.table_len;
-        self.next = Some(0);
-        self.next()
-    }
-}
-
-impl Iterator for ChainWalker<'_> {
-    type Item = Descriptor;
-
-    #[inline]
-    fn next(&mut self) -> Option<Descriptor> {
-        let i = self.next.take()?;
-        if self.ttl == 0 || i >= self.table_len {
-            return None;
-        }
-        self.ttl -= 1;
-        let d = self.read(i)?;
-        if d.refers_to_indirect_table() {
-            return self.enter_indirect(d);
-        }
-        if d.has_next() {
-            self.next = Some(d.next());
-        }
-        Some(d)
-    }
-}
-
-#[cfg(test)]
-mod crash_tests;

@@ -1,0 +1,97 @@
+//! Device completions back to the guest: reaping every device queue, settling each request
+//! whose last piece came back (`recovery` decides what a failure makes of it), and
+//! completing requests to the used ring in batches (Algorithm 1 steps 10–14, through the
+//! [`crate::vring::JournaledQueue`]).
+//!
+//! Knows nothing of how requests were split or submitted.
+
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use super::QueueWorker;
+use crate::request::GuestMemory;
+
+impl QueueWorker {
+    /// Reaps device completions; completes finished requests to the guest. Returns whether
+    /// any device completed anything.
+    #[inline]
+    pub(super) fn reap(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        self.refresh_host(mem);
+        let mut finished: SmallVec<[u16; 32]> = SmallVec::new();
+        let any = self.reap_devices(&mut finished);
+        let mut used: SmallVec<[(u16, u32); 32]> = SmallVec::new();
+        for head in finished {
+            if let Some(inf) = self.slots[head as usize].take() {
+                self.in_flight -= 1;
+                if let Some(len) = self.settle(head, inf) {
+                    used.push((head, len));
+                }
+            }
+        }
+        self.complete_used_batch(mem, &used);
+        if self.in_flight == 0 && !self.retired_maps.is_empty() {
+            // Nothing taken under an earlier memory map is in flight any more.
+            self.retired_maps.clear();
+        }
+        any
+    }
+
+    /// Takes every device's completions: counts each request's pieces down (a failed piece
+    /// marks the request: `note_piece_error`) and lists the requests with none left.
+    #[inline]
+    fn reap_devices(&mut self, finished: &mut SmallVec<[u16; 32]>) -> bool {
+        let mut any = false;
+        for d in 0..self.devices.len() {
+            let slots = &mut self.slots;
+            let bufs = &self.slot_bufs;
+            let volume = &self.volume;
+            let io_err_log = &mut self.io_err_log;
+            let health = self.layout.devices[d].health();
+            let n = self.devices[d].reap(&mut |tag, res| {
+                let Some(Some(inf)) = slots.get_mut(tag as usize) else {
+                    tracing::error!(tag, "completion for a request that is not in flight");
+                    return;
+                };
+                if res < 0 {
+                    let piece = bufs[tag as usize].pieces.iter().find(|p| p.0 as usize == d);
+                    super::recovery::note_piece_error(
+                        inf, -res, piece, health, io_err_log, volume, tag,
+                    );
+                }
+                inf.pending -= 1;
+                if inf.pending == 0 {
+                    finished.push(tag as u16);
+                }
+            });
+            any |= n > 0;
+        }
+        any
+    }
+
+    #[inline]
+    pub(super) fn complete_used(&mut self, mem: &Arc<GuestMemory>, head: u16, len: u32) {
+        self.complete_used_batch(mem, &[(head, len)]);
+    }
+
+    /// Completes `(head, used length)` pairs to the guest with one used-index update.
+    #[inline]
+    pub(super) fn complete_used_batch(&mut self, mem: &Arc<GuestMemory>, done: &[(u16, u32)]) {
+        if done.is_empty() {
+            return;
+        }
+        if self.replay_left > 0 {
+            self.replayed(done);
+        }
+        // Algorithm 1, steps 10-14, for the batch as a whole.
+        self.refresh_host(mem);
+        if let Err(e) = self.vq.complete_batch(&self.host, done, &mut |_| {}) {
+            self.fail_queue(&e.to_string());
+        }
+        self.need_notify = true;
+        if !self.served_one {
+            self.served_one = true;
+            crate::note_first_completion();
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! One polling I/O worker per virtqueue.
+//!
+//! The worker thread owns its [`Queue`], its in-flight table and one [`DeviceQueue`] per device
+//! the volume lives on: nothing on the data path is shared or locked. It polls the avail ring
+//! and the device completions; after `poll_idle` without work it re-enables guest
+//! notifications and sleeps in epoll on the kick eventfd, the device completion eventfds and
+//! its own wake eventfd (event-driven mode). All per-queue state lives in [`QueueWorker`], the
+//! seam where the journal hooks in.
+//!
+//! Layout, one job per file, all of them `impl QueueWorker`:
+//! - `run`: the poll loop, sleeping in epoll, guest notifications, memory-map changes;
+//! - `slots`: the in-flight table's entries (`Inflight`, `SlotBufs`);
+//! - `dispatch`: a taken request to device pieces (splitting across devices, slicing
+//!   iovecs), the health gate, submission;
+//! - `complete`: reaping device completions and completing requests to the guest;
+//! - `recovery`: what failures do to requests (held, cancelled, retried), device health
+//!   changes, the timeout sweep, device reset, the quiesce shared by reset and stop, and
+//!   quarantining commands that never complete;
+//! - `replay`: requests resubmitted from the journal at start (and poisoned ones).
+//!
+//! How the journal makes a restart invisible: docs/journal-format.md; how failures are
+//! handled: docs/failures.md.
+//!
+//! **Must not know:** the vhost-user protocol, the keeper, how devices do their I/O.
+
+mod complete;
+mod dispatch;
+mod recovery;
+mod replay;
+mod run;
+mod slots;
+#[cfg(test)]
+mod tests;
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use arc_swap::Cache;
+use arc_swap::{ArcSwap, ArcSwapOption};
+use spool_devices::DeviceQueue;
+use spool_journal::{Journal, ReplayRecord};
+use spool_pool::VolumeLayout;
+use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::hostmem::HostMap;
+use crate::ratelimit::{self, LogLimit};
+use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
+use crate::vring::JournaledQueue;
+use replay::ReplayGuard;
+use slots::{Inflight, SlotBufs};
+
+/// What a worker needs to start.
+pub struct WorkerSpec {
+    pub index: u16,
+    pub queue: Queue,
+    /// The queue's journal (None: Spool-NoJ, for the overhead benchmark only).
+    pub journal: Option<Journal>,
+    /// Heads the journal says were taken and never completed: resubmitted first.
+    pub resubmit: Vec<u16>,
+    pub mem: Arc<ArcSwap<GuestMemory>>,
+    pub kick: File,
+    pub call: Arc<ArcSwapOption<File>>,
+    pub layout: Arc<ArcSwap<VolumeLayout>>,
+    pub limits: Limits,
+    pub serial: [u8; ID_LEN],
+    pub poll_idle: Duration,
+    pub io_timeout: Duration,
+    pub request_retries: u32,
+    pub volume: String,
+    /// Raised when the frontend's memory faulted under this worker: the session must end.
+    pub fault: Arc<crate::SessionFault>,
+    /// Counts device commands this worker gave up on and quarantined (see `quarantine_stuck`).
+    pub abandoned: Arc<AtomicU64>,
+    /// The replay record of `resubmit` (see `spool_journal::ReplayRecord`).
+    pub replay: Option<ReplayRecord>,
+    /// Heads that crashed the previous process while it replayed them: failed, not replayed.
+    pub poison: Vec<u16>,
+}
+
+/// Handle to a running worker.
+pub struct WorkerHandle {
+    stop: Arc<AtomicBool>,
+    reset: Arc<AtomicBool>,
+    wake: EventFd,
+    thread: Option<JoinHandle<Queue>>,
+}
+
+impl WorkerHandle {
+    /// Starts a worker thread.
+    pub fn spawn(spec: WorkerSpec) -> std::io::Result<WorkerHandle> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let reset = Arc::new(AtomicBool::new(false));
+        let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
+        let worker = QueueWorker::new(spec, stop.clone(), reset.clone(), wake.try_clone()?)?;
+        let name = format!("q{}-{}", worker.index, worker.volume);
+        let thread = std::thread::Builder::new()
+            .name(name.chars().take(15).collect())
+            .spawn(move || worker.run())?;
+        Ok(WorkerHandle {
+            stop,
+            reset,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// The device-reset hook: the worker abandons what its device queues hold (waiting until
+    /// the device no longer touches the buffers), reopens them, and resubmits every request
+    /// the journal records as INFLIGHT. The guest sees latency, not errors.
+    pub fn device_reset(&self) {
+        self.reset.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+    }
+
+    /// Stops the worker after the requests it holds have completed (bounded wait), and gives
+    /// the queue back (its `next_avail` is what GET_VRING_BASE reports).
+    pub fn stop(mut self) -> Option<Queue> {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        self.thread.take().and_then(|t| t.join().ok())
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.stop.store(true, Ordering::Release);
+            let _ = self.wake.write(1);
+            let _ = t.join();
+        }
+    }
+}
+
+const TOKEN_KICK: u64 = 0;
+const TOKEN_WAKE: u64 = 1;
+const TOKEN_DEVICE: u64 = 2;
+/// Most earlier memory maps a worker keeps for requests still in flight under them (QEMU
+/// changes its table a few times at boot and on memory hot-plug, with little I/O in flight).
+const MAX_RETIRED_MAPS: usize = 16;
+/// How long the drain on stop (and on a device reset) waits for device completions before
+/// giving up.
+#[cfg(not(test))]
+const STOP_DRAIN: Duration = Duration::from_secs(5);
+/// Short in unit tests, whose scripted commands that never complete would wait it out.
+#[cfg(test)]
+const STOP_DRAIN: Duration = Duration::from_millis(20);
+/// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
+/// `TIMEOUT_SWEEPS` sweeps has been in flight for at least `io_timeout`.
+const TIMEOUT_SWEEPS: u32 = 4;
+
+/// Opens a device queue for device index `d` in tests (a scripted queue instead of the
+/// layout device's own).
+#[cfg(test)]
+type QueueFactory = Box<dyn FnMut(usize) -> std::io::Result<Box<dyn DeviceQueue>> + Send>;
+
+/// The per-queue state: the virtqueue, its in-flight table, and its device queues.
+pub struct QueueWorker {
+    index: u16,
+    volume: String,
+    vq: JournaledQueue,
+    /// Host addresses of `host_of`, the guest memory map the worker last loaded.
+    host: HostMap,
+    host_of: Option<Arc<GuestMemory>>,
+    /// Earlier memory maps, kept mapped until the requests taken under them have completed
+    /// (devices and status bytes point into them).
+    retired_maps: Vec<Arc<GuestMemory>>,
+    resubmit: Vec<u16>,
+    reset: Arc<AtomicBool>,
+    /// The frontend's current memory map (one atomic load to check per round).
+    mem: Cache<Arc<ArcSwap<GuestMemory>>, Arc<GuestMemory>>,
+    kick: File,
+    call: Arc<ArcSwapOption<File>>,
+    layout_src: Arc<ArcSwap<VolumeLayout>>,
+    /// `layout_src` as checked every round (one atomic load).
+    layout_now: Cache<Arc<ArcSwap<VolumeLayout>>, Arc<VolumeLayout>>,
+    layout: Arc<VolumeLayout>,
+    devices: Vec<Box<dyn DeviceQueue>>,
+    slots: Vec<Option<Inflight>>,
+    /// Per slot: its pieces and iovec arrays (see [`SlotBufs`]).
+    slot_bufs: Vec<SlotBufs>,
+    in_flight: usize,
+    limits: Limits,
+    serial: [u8; ID_LEN],
+    poll_idle: Duration,
+    stop: Arc<AtomicBool>,
+    wake: EventFd,
+    epoll: Epoll,
+    need_notify: bool,
+    broken: bool,
+    /// Whether this worker completed a request yet (the restart report's "first I/O").
+    served_one: bool,
+    /// Requests held while a device resets (taken, journaled INFLIGHT, not submitted).
+    held: Vec<u16>,
+    /// Requests whose device commands we cancelled, to submit again on the next round.
+    cancelled: Vec<u16>,
+    /// The health epoch of each device this worker last acted on.
+    seen_epochs: Vec<u64>,
+    /// Resubmissions after path errors, per head.
+    retries: Vec<u8>,
+    request_retries: u32,
+    io_timeout: Duration,
+    /// Timeout sweeps: a request in flight across `TIMEOUT_SWEEPS` of them has timed out.
+    sweep: u32,
+    last_sweep: Instant,
+    rounds: u32,
+    /// Guest-triggered warnings, rate-limited per worker (a guest must not flood the log).
+    dup_log: LogLimit,
+    /// Malformed chains refused (rate-limited warnings).
+    rejected_log: LogLimit,
+    io_err_log: LogLimit,
+    /// `spool_sigbus::faults()` when last checked, and where to report a fault of ours.
+    seen_faults: u64,
+    fault: Arc<crate::SessionFault>,
+    abandoned: Arc<AtomicU64>,
+    /// Heads resubmitted from the journal and not completed yet (`replaying`, by head), and
+    /// the record that says so should this process crash before they are.
+    replay: Option<ReplayGuard>,
+    replaying: Vec<bool>,
+    replay_left: usize,
+    poison: Vec<u16>,
+    #[cfg(test)]
+    queue_factory: Option<QueueFactory>,
+}
+
+impl QueueWorker {
+    fn new(
+        spec: WorkerSpec,
+        stop: Arc<AtomicBool>,
+        reset: Arc<AtomicBool>,
+        wake: EventFd,
+    ) -> std::io::Result<Self> {
+        let mut w = Self::assemble(spec, stop, reset, wake)?;
+        w.open_device_queues()?;
+        Ok(w)
+    }
+
+    /// The worker with no device queue open yet.
+    fn assemble(
+        spec: WorkerSpec,
+        stop: Arc<AtomicBool>,
+        reset: Arc<AtomicBool>,
+        wake: EventFd,
+    ) -> std::io::Result<Self> {
+        let layout = spec.layout.load_full();
+        let size = spec.queue.size() as usize;
+        let epoll = Epoll::new()?;
+        let watch = |fd, token| {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )
+        };
+        watch(spec.kick.as_raw_fd(), TOKEN_KICK)?;
+        watch(wake.as_raw_fd(), TOKEN_WAKE)?;
+        Ok(QueueWorker {
+            index: spec.index,
+            volume: spec.volume,
+            vq: JournaledQueue::new(spec.queue, spec.journal),
+            host: HostMap::default(),
+            host_of: None,
+            retired_maps: Vec::new(),
+            resubmit: spec.resubmit,
+            reset,
+            mem: Cache::new(spec.mem),
+            kick: spec.kick,
+            call: spec.call,
+            layout_now: Cache::new(spec.layout.clone()),
+            layout_src: spec.layout,
+            layout,
+            devices: Vec::new(),
+            slots: (0..size).map(|_| None).collect(),
+            slot_bufs: (0..size).map(|_| SlotBufs::default()).collect(),
+            in_flight: 0,
+            limits: spec.limits,
+            serial: spec.serial,
+            poll_idle: spec.poll_idle,
+            stop,
+            wake,
+            epoll,
+            need_notify: false,
+            broken: false,
+            served_one: false,
+            held: Vec::new(),
+            cancelled: Vec::new(),
+            seen_epochs: Vec::new(),
+            retries: vec![0; size],
+            request_retries: spec.request_retries,
+            io_timeout: spec.io_timeout.max(Duration::from_millis(4)),
+            sweep: 0,
+            last_sweep: Instant::now(),
+            rounds: 0,
+            dup_log: ratelimit::guest_warning(),
+            rejected_log: ratelimit::guest_warning(),
+            io_err_log: ratelimit::guest_warning(),
+            seen_faults: spool_sigbus::faults(),
+            fault: spec.fault,
+            abandoned: spec.abandoned,
+            replay: spec.replay.map(ReplayGuard::new),
+            replaying: vec![false; size],
+            replay_left: 0,
+            poison: spec.poison,
+            #[cfg(test)]
+            queue_factory: None,
+        })
+    }
+
+    /// Opens queues for devices the layout gained (a grown volume may span new devices; the
+    /// pool keeps existing device indices stable).
+    fn open_device_queues(&mut self) -> std::io::Result<()> {
+        let depth = (self.slots.len() as u32 * 2).max(64);
+        while self.devices.len() < self.layout.devices.len() {
+            let d = self.devices.len();
+            let mut q = self.open_queue(d, depth)?;
+            self.epoll.ctl(
+                ControlOperation::Add,
+                q.completion_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_DEVICE + d as u64),
+            )?;
+            q.set_completion_events(false);
+            self.devices.push(q);
+            self.seen_epochs
+                .push(self.layout.devices[d].health().load().1);
+        }
+        Ok(())
+    }
+
+    #[cfg(not(test))]
+    fn open_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        self.layout.devices[d].open_queue(depth)
+    }
+
+    #[cfg(test)]
+    fn open_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        match &mut self.queue_factory {
+            Some(open) => open(d),
+            None => self.layout.devices[d].open_queue(depth),
+        }
+    }
+
+    /// Follows the volume's layout: a grown volume's new devices get queues; a device
+    /// replaced under an existing index resets every queue. One atomic load when unchanged.
+    #[inline]
+    fn refresh_layout(&mut self) {
+        let cur = self.layout_now.load();
+        if Arc::ptr_eq(cur, &self.layout) {
+            return;
+        }
+        let cur = cur.clone();
+        // A device replaced under an existing index: its queue (and whatever is in flight on
+        // the old device) must go; the reset path reopens every queue on the new layout.
+        let replaced = self
+            .layout
+            .devices
+            .iter()
+            .zip(cur.devices.iter())
+            .any(|(a, b)| !Arc::ptr_eq(a, b));
+        if replaced {
+            drop(cur);
+            self.reset_devices();
+            return;
+        }
+        self.limits.capacity_sectors = cur.size / SECTOR;
+        self.layout = cur;
+        if let Err(e) = self.open_device_queues() {
+            tracing::error!(volume = %self.volume, queue = self.index, error = %e, "cannot open device queue for grown volume");
+        }
+    }
+
+    /// Tells the guest to look at the used ring (one interrupt on its call eventfd).
+    #[inline]
+    fn signal_guest(&self) {
+        if let Some(call) = self.call.load().as_ref() {
+            let _ = (&**call).write(&1u64.to_ne_bytes());
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! What failures do to requests (docs/failures.md): a failed piece marks its request
+//! (held on a path error, cancelled by us, failed on a media or request error); a settled
+//! request is completed, held for a health change (retried up to `request_retries`), or
+//! submitted again at once (cancelled). Device health changes abort hung commands and
+//! re-dispatch what is held; the timeout sweep reports requests in flight past `io_timeout`;
+//! a device reset resubmits every INFLIGHT head; the quiesce shared by reset and stop waits
+//! for the devices to let go of our buffers and quarantines commands that never come back.
+//!
+//! Knows nothing of how requests are split into pieces or how the ring is read.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use spool_devices::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
+use vmm_sys_util::epoll::{ControlOperation, EpollEvent};
+
+use super::slots::{write_status, Inflight};
+use super::{QueueWorker, STOP_DRAIN, TIMEOUT_SWEEPS};
+use crate::ratelimit::{LogLimit, Verdict};
+use crate::request::{self, GuestMemory, SECTOR};
+
+/// What [`QueueWorker::quiesce`] does with completions while it waits for the devices.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Quiesce {
+    /// Complete them to the guest as usual (stopping: what does not complete stays INFLIGHT
+    /// in the journal for the next process).
+    Complete,
+    /// Drop them (a device reset: every INFLIGHT head is resubmitted afterwards).
+    Discard,
+}
+
+/// Marks `inf` for a piece that failed with `errno` (positive), and reports the failure to
+/// the device's health cell unless we cancelled the piece ourselves. `piece` is the failed
+/// piece (device, offset, length, write) when known.
+#[cold]
+pub(super) fn note_piece_error(
+    inf: &mut Inflight,
+    errno: i32,
+    piece: Option<&(u16, u64, u64, bool)>,
+    health: &DeviceHealth,
+    log: &mut LogLimit,
+    volume: &str,
+    tag: u64,
+) {
+    let class = ErrorClass::of_errno(errno);
+    if let Verdict::Log { suppressed } = log.check() {
+        tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), suppressed, "device I/O failed");
+    }
+    if errno != libc::ECANCELED {
+        let &(_, offset, len, write) = piece.unwrap_or(&(0, 0, 0, false));
+        health.report(ErrorReport {
+            signal: Signal::Errno(errno),
+            offset,
+            len,
+            write,
+        });
+    }
+    match class {
+        _ if errno == libc::ECANCELED => inf.cancelled = true,
+        ErrorClass::Path | ErrorClass::Gone => inf.held = true,
+        ErrorClass::Media | ErrorClass::Request => inf.status_code = VIRTIO_BLK_S_IOERR as u8,
+    }
+}
+
+impl QueueWorker {
+    /// Decides what becomes of a request whose last piece came back: its used length when it
+    /// is to be completed (its status byte written), `None` when it was held for a health
+    /// change (a path error, retried up to `request_retries` times, then failed) or queued to
+    /// be submitted again at once (cancelled by us).
+    #[inline]
+    pub(super) fn settle(&mut self, head: u16, inf: Inflight) -> Option<u32> {
+        let h = head as usize;
+        if inf.held && inf.ok() {
+            if (self.retries[h] as u32) < self.request_retries {
+                self.retries[h] += 1;
+                self.held.push(head);
+                return None;
+            }
+            tracing::error!(volume = %self.volume, head, retries = self.retries[h], "request keeps failing after device resets; failing it");
+            write_status(inf.status, VIRTIO_BLK_S_IOERR as u8);
+        } else if inf.cancelled && inf.ok() {
+            // Our own cancellation is no failure of the request: no retry counted. Held
+            // requests wait for a health change; these would wait forever if the change they
+            // follow has already been seen (a queue pair replaced after a controller reset
+            // the worker had already acted on).
+            self.cancelled.push(head);
+            return None;
+        } else {
+            write_status(inf.status, inf.status_code);
+        }
+        self.retries[h] = 0;
+        Some(inf.used_len)
+    }
+
+    /// Acts on device health changes: a device that started resetting has its hung commands
+    /// aborted (they come back as path errors and are held); when any device leaves the
+    /// resetting state, held requests are dispatched again (submitted if their devices are
+    /// healthy, failed if isolated, held again if still resetting).
+    #[inline]
+    pub(super) fn check_health(&mut self, mem: &Arc<GuestMemory>) {
+        let mut changed = false;
+        for d in 0..self.devices.len() {
+            let (state, epoch) = self.layout.devices[d].health().load();
+            if epoch != self.seen_epochs[d] {
+                self.seen_epochs[d] = epoch;
+                tracing::debug!(volume = %self.volume, queue = self.index, device = d, state = state.name(), "device health changed");
+                self.devices[d].abort();
+                changed = true;
+            }
+        }
+        if changed {
+            self.health_changed(mem);
+        }
+    }
+
+    #[cold]
+    fn health_changed(&mut self, mem: &Arc<GuestMemory>) {
+        self.reap(mem);
+        if !self.held.is_empty() && !self.held_all_resetting() {
+            let heads = std::mem::take(&mut self.held);
+            tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "dispatching held requests again");
+            for h in heads {
+                self.resubmit_head(h, mem);
+            }
+        }
+    }
+
+    /// Whether every device is resetting (then nothing held can make progress).
+    fn held_all_resetting(&self) -> bool {
+        (0..self.devices.len())
+            .all(|d| self.layout.devices[d].health().state() == HealthState::Resetting)
+    }
+
+    /// Reports requests in flight for longer than the I/O timeout (once each).
+    pub(super) fn sweep_timeouts(&mut self) {
+        if self.in_flight == 0 {
+            self.last_sweep = Instant::now();
+            return;
+        }
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < self.io_timeout / TIMEOUT_SWEEPS {
+            return;
+        }
+        self.last_sweep = now;
+        self.sweep = self.sweep.wrapping_add(1);
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(slot) = slot else { continue };
+            if slot.timed_out || self.sweep.wrapping_sub(slot.sweep) <= TIMEOUT_SWEEPS {
+                continue;
+            }
+            slot.timed_out = true;
+            for &(d, offset, len, write) in &self.slot_bufs[i].pieces {
+                if let Some(dev) = self.layout.devices.get(d as usize) {
+                    if self.devices[d as usize].in_flight() > 0 {
+                        tracing::warn!(volume = %self.volume, queue = self.index, device = d, offset, "request timed out");
+                        dev.health().report(ErrorReport {
+                            signal: Signal::Timeout,
+                            offset,
+                            len,
+                            write,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Re-parses a journaled request from its descriptor chain and submits it again.
+    pub(super) fn resubmit_head(&mut self, head: u16, mem: &Arc<GuestMemory>) {
+        self.refresh_host(mem);
+        let walker = self.vq.chain(&self.host, head);
+        let parsed = request::parse(head, walker, &self.host, &self.limits);
+        self.dispatch(parsed, mem);
+    }
+
+    /// The device-reset path: drain what the device queues hold without completing it to the
+    /// guest, reopen them, and resubmit every request the journal (or, without a journal,
+    /// the in-flight table) says is outstanding.
+    pub(super) fn reset_devices(&mut self) {
+        #[cfg(feature = "test-hooks")]
+        test_hook_on_device_reset();
+        let mut held = std::mem::take(&mut self.held);
+        held.append(&mut self.cancelled);
+        let heads: Vec<u16> = match self.vq.journaled_inflight() {
+            Some(heads) => heads,
+            None => (0..self.slots.len() as u16)
+                .filter(|&h| self.slots[h as usize].is_some())
+                .chain(held)
+                .collect(),
+        };
+        self.quiesce(Quiesce::Discard);
+        for s in &mut self.slots {
+            *s = None;
+        }
+        self.in_flight = 0;
+        self.reopen_device_queues();
+        let mem = self.mem.load().clone();
+        tracing::info!(volume = %self.volume, queue = self.index, resubmitted = heads.len(), "device reset: resubmitting in-flight requests");
+        for h in heads {
+            self.resubmit_head(h, &mem);
+        }
+    }
+
+    /// Closes every device queue and opens new ones on the current layout (which may have
+    /// changed underneath: a replaced device).
+    fn reopen_device_queues(&mut self) {
+        for q in self.devices.drain(..) {
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                q.completion_fd(),
+                EpollEvent::default(),
+            );
+        }
+        self.seen_epochs.clear();
+        let cur = self.layout_src.load_full();
+        self.limits.capacity_sectors = cur.size / SECTOR;
+        self.layout = cur;
+        if let Err(e) = self.open_device_queues() {
+            tracing::error!(volume = %self.volume, error = %e, "cannot reopen device queues after reset");
+        }
+    }
+
+    /// Completes what is in flight before handing the queue back.
+    pub(super) fn drain(&mut self) {
+        self.quiesce(Quiesce::Complete);
+    }
+
+    /// Makes the devices let go of our buffers: aborts what they hold (hung commands), waits
+    /// up to [`STOP_DRAIN`] for their completions (completing them to the guest or dropping
+    /// them, as `mode` says), and quarantines the commands that still did not come back.
+    fn quiesce(&mut self, mode: Quiesce) {
+        let deadline = Instant::now() + STOP_DRAIN;
+        for d in &mut self.devices {
+            d.abort();
+        }
+        while self.quiesce_waiting(mode) && Instant::now() < deadline {
+            for d in 0..self.devices.len() {
+                let _ = self.devices[d].kick();
+            }
+            let progress = match mode {
+                Quiesce::Complete => {
+                    let mem = self.mem.load().clone();
+                    let any = self.reap(&mem);
+                    self.notify(&mem);
+                    any
+                }
+                Quiesce::Discard => {
+                    let mut n = 0;
+                    for d in &mut self.devices {
+                        n += d.reap(&mut |_, _| {});
+                    }
+                    n > 0
+                }
+            };
+            if !progress {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        if mode == Quiesce::Complete && self.in_flight > 0 {
+            tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
+        }
+        if mode == Quiesce::Discard || self.in_flight > 0 {
+            self.quarantine_stuck();
+        }
+    }
+
+    /// Whether [`Self::quiesce`] still has completions to wait for: requests in flight when
+    /// completing them, device commands outstanding when dropping them.
+    fn quiesce_waiting(&self, mode: Quiesce) -> bool {
+        match mode {
+            Quiesce::Complete => self.in_flight > 0,
+            Quiesce::Discard => self.devices.iter().any(|d| d.in_flight() > 0),
+        }
+    }
+
+    /// Device commands that did not complete even after an abort and a wait may still be
+    /// carried out by the device at any time. Their device queues and every guest memory map
+    /// they may read or write are kept alive for the life of the process (never unmapped, so
+    /// a late completion lands in memory that is still this guest's, never in a reused
+    /// address), and the volume is told, so its extents are not handed to anyone else.
+    pub(super) fn quarantine_stuck(&mut self) {
+        let mut stuck = 0;
+        let mut d = 0;
+        while d < self.devices.len() {
+            let n = self.devices[d].in_flight();
+            if n == 0 {
+                d += 1;
+                continue;
+            }
+            stuck += n;
+            let q = self.devices.remove(d);
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                q.completion_fd(),
+                EpollEvent::default(),
+            );
+            // Deliberately leaked: dropping it would close the queue under the device.
+            std::mem::forget(q);
+        }
+        if stuck == 0 {
+            return;
+        }
+        let current = self.mem.load().clone();
+        for m in self
+            .retired_maps
+            .drain(..)
+            .chain(self.host_of.clone())
+            .chain(std::iter::once(current))
+        {
+            // Deliberately leaked: keeps the regions mapped (and registered for DMA).
+            std::mem::forget(m);
+        }
+        self.abandoned.fetch_add(stuck as u64, Ordering::AcqRel);
+        tracing::error!(volume = %self.volume, queue = self.index, commands = stuck, "device commands never completed: their queue and guest memory are quarantined for the life of the process; the volume's extents stay allocated");
+    }
+}
+
+/// Test hook (docs/upgrade.md, "Test hooks"): with `SPOOL_TEST_PANIC_ON_DEVICE_RESET` set, a
+/// queue thread panics when it takes the device-reset path, with requests in flight. Only
+/// built with the `test-hooks` feature, which spool-control's tests turn on for the spoold
+/// they run; a production build has no such path.
+#[cfg(feature = "test-hooks")]
+fn test_hook_on_device_reset() {
+    if std::env::var_os("SPOOL_TEST_PANIC_ON_DEVICE_RESET").is_some() {
+        panic!("SPOOL_TEST_PANIC_ON_DEVICE_RESET is set");
+    }
+}

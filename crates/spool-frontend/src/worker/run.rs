@@ -1,0 +1,263 @@
+//! The worker thread's loop: a poll round (device resets asked for, layout and memory-map
+//! changes, memory faults, device health, taking and submitting requests, reaping, guest
+//! notification), and after `poll_idle` without work, sleeping in epoll on the kick, wake
+//! and device completion eventfds.
+//!
+//! Knows nothing of how a request becomes device commands or what failures do to it.
+
+use std::io::Read;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use virtio_queue::Queue;
+use vmm_sys_util::epoll::EpollEvent;
+
+use super::{QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_KICK, TOKEN_WAKE};
+use crate::hostmem::HostMap;
+use crate::request::{self, GuestMemory};
+
+impl QueueWorker {
+    /// The worker thread: polls until stopped, then drains and gives the queue back.
+    pub(super) fn run(mut self) -> Queue {
+        tracing::debug!(volume = %self.volume, queue = self.index, "worker started");
+        let mut last_work = Instant::now();
+        let mut idle_rounds = 0u32;
+        let mut events = vec![EpollEvent::default(); 8];
+        self.set_device_events(false);
+        // Completions a previous process put in the used ring just before it died may not
+        // have been signalled: one (possibly spurious) interrupt lets the guest see them.
+        self.signal_guest();
+        self.replay_journal();
+        while !self.stop.load(Ordering::Acquire) {
+            let mem = self.begin_round();
+            if self.poll_round(&mem) {
+                last_work = Instant::now();
+                idle_rounds = 0;
+                continue;
+            }
+            // Reading the clock costs more than a poll round: look only every 64 idle rounds.
+            // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
+            // the worker awake, or nothing would ever wake it for their completions.
+            idle_rounds += 1;
+            if !idle_rounds.is_multiple_of(64)
+                || last_work.elapsed() < self.poll_idle
+                || self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
+            {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self.sleep(&mem, &mut events) {
+                last_work = Instant::now();
+            }
+        }
+        self.drain();
+        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
+        self.vq.into_queue()
+    }
+
+    /// The checks at the start of each round; returns the memory map to use for it.
+    #[inline]
+    pub(super) fn begin_round(&mut self) -> Arc<GuestMemory> {
+        if self.reset.swap(false, Ordering::AcqRel) {
+            self.reset_devices();
+        }
+        self.refresh_layout();
+        let mem = self.mem.load().clone();
+        self.check_memory_faults(&mem);
+        self.check_health(&mem);
+        self.rounds = self.rounds.wrapping_add(1);
+        if self.rounds.is_multiple_of(1024) {
+            self.sweep_timeouts();
+        }
+        mem
+    }
+
+    /// One poll round: takes and submits what the guest published, kicks the devices, reaps
+    /// them, submits cancelled requests again, notifies the guest. Returns whether there was
+    /// any work.
+    #[inline]
+    pub(super) fn poll_round(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        let mut work = self.poll_avail(mem);
+        for d in 0..self.devices.len() {
+            if let Err(e) = self.devices[d].kick() {
+                tracing::error!(volume = %self.volume, error = %e, "device submit failed");
+            }
+        }
+        work |= self.reap(mem);
+        if !self.cancelled.is_empty() {
+            // Through the health gate again: submitted, held (device resetting) or
+            // failed (device isolated).
+            for h in std::mem::take(&mut self.cancelled) {
+                self.resubmit_head(h, mem);
+            }
+            work = true;
+        }
+        self.notify(mem);
+        work
+    }
+
+    /// Event-driven mode: asks the guest and the devices to wake us, re-checks, sleeps.
+    /// Returns false when work turned up before it slept.
+    fn sleep(&mut self, mem: &Arc<GuestMemory>, events: &mut [EpollEvent]) -> bool {
+        match self.vq.enable_notification(mem) {
+            Ok(true) => return false,
+            Ok(false) => {}
+            Err(e) => {
+                self.fail_queue(&e.to_string());
+            }
+        }
+        self.set_device_events(true);
+        if self.reap(mem) {
+            self.set_device_events(false);
+            self.notify(mem);
+            return false;
+        }
+        self.sweep_timeouts();
+        self.wait_for_events(events);
+        if !self.broken {
+            let _ = self.vq.disable_notification(mem);
+        }
+        self.set_device_events(false);
+        true
+    }
+
+    /// Sleeps in epoll until a kick, a wake-up, a device completion, or the next timeout
+    /// sweep is due (5 ms while requests are held), and clears what woke it.
+    fn wait_for_events(&mut self, events: &mut [EpollEvent]) {
+        let wait_ms = if self.in_flight > 0 {
+            (self.io_timeout.as_millis() as u32 / TIMEOUT_SWEEPS).clamp(1, 1000) as i32
+        } else if !self.held.is_empty() {
+            5
+        } else {
+            1000
+        };
+        let n = match self.epoll.wait(wait_ms, events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+            Err(e) => {
+                tracing::error!(volume = %self.volume, error = %e, "epoll failed");
+                std::thread::sleep(Duration::from_millis(1));
+                0
+            }
+        };
+        let mut buf = [0u8; 8];
+        for ev in &events[..n] {
+            match ev.data() {
+                TOKEN_KICK => {
+                    let _ = (&self.kick).read(&mut buf);
+                }
+                TOKEN_WAKE => {
+                    let _ = self.wake.read();
+                }
+                t => {
+                    let d = (t - TOKEN_DEVICE) as usize;
+                    if let Some(q) = self.devices.get(d) {
+                        q.ack_completion_event();
+                    }
+                }
+            }
+        }
+    }
+
+    fn set_device_events(&mut self, enabled: bool) {
+        for d in &mut self.devices {
+            d.set_completion_events(enabled);
+        }
+    }
+
+    /// A fault in guest memory (the frontend truncated its memfd under us) was survived by
+    /// the SIGBUS handler, which put zeroes where the region was: this session's memory is
+    /// gone, so its queue stops and the session is ended. One relaxed load per round when no
+    /// fault happened anywhere in the process.
+    #[inline]
+    fn check_memory_faults(&mut self, mem: &Arc<GuestMemory>) {
+        let now = spool_sigbus::faults();
+        if now == self.seen_faults {
+            return;
+        }
+        self.seen_faults = now;
+        if mem.faulted() || self.retired_maps.iter().any(|m| m.faulted()) {
+            tracing::error!(volume = %self.volume, queue = self.index, "the frontend's memory faulted under the worker (its file was truncated?); ending the session");
+            self.fail_queue("guest memory faulted");
+            self.fault.raise();
+        }
+    }
+
+    pub(super) fn fail_queue(&mut self, why: &str) {
+        if !self.broken {
+            tracing::error!(volume = %self.volume, queue = self.index, error = why, "virtqueue is broken; ignoring it until the guest resets the device");
+            self.broken = true;
+        }
+    }
+
+    /// Takes every available request from the ring and submits it. Returns true if any.
+    #[inline]
+    fn poll_avail(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        if self.broken {
+            return false;
+        }
+        let any = self.take_and_submit(mem);
+        // Algorithm 1 step 7, once for the round's batch of takes.
+        self.vq.finish_takes(&mut |_| {});
+        any
+    }
+
+    /// [`Self::poll_avail`] up to step 7.
+    #[inline]
+    fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        self.refresh_host(mem);
+        self.vq.prefetch(&self.host);
+        let mut any = false;
+        loop {
+            self.vq.prefetch_ahead(&self.host);
+            // Algorithm 1, steps 1-6: the request is journaled INFLIGHT before we see it.
+            let head = match self.vq.pop(&self.host, &mut |_| {}) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(e) => {
+                    self.fail_queue(&e.to_string());
+                    return any;
+                }
+            };
+            any = true;
+            let chain = self.vq.chain(&self.host, head);
+            let parsed = request::parse(head, chain, &self.host, &self.limits);
+            self.dispatch(parsed, mem);
+        }
+        any
+    }
+
+    /// Rebuilds the host map when the frontend's memory table changed.
+    #[inline]
+    pub(super) fn refresh_host(&mut self, mem: &Arc<GuestMemory>) {
+        if !self.host_of.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
+            self.host = HostMap::new(mem);
+            if let Some(old) = self.host_of.replace(mem.clone()) {
+                if self.in_flight > 0 {
+                    self.retired_maps.push(old);
+                    if self.retired_maps.len() > MAX_RETIRED_MAPS {
+                        // Each kept map holds mappings, DMA registrations and SIGBUS watch
+                        // slots: a frontend replacing its table over and over while requests
+                        // are in flight would exhaust them for every tenant.
+                        self.fail_queue("the frontend replaced its memory table too often while requests were in flight");
+                        self.fault.raise();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tells the guest about completions when it wants to know (once per round at most).
+    #[inline]
+    pub(super) fn notify(&mut self, mem: &Arc<GuestMemory>) {
+        if !self.need_notify {
+            return;
+        }
+        self.need_notify = false;
+        self.refresh_host(mem);
+        if self.vq.needs_notification(&self.host) {
+            self.signal_guest();
+        }
+    }
+}

@@ -1,0 +1,557 @@
+//! Unit tests of the worker: iovec slicing, and the recovery logic driven directly (not end
+//! to end) with a scripted [`DeviceQueue`] whose completions, errors, hangs and the device's
+//! health changes come in the order each test chooses. Each test checks what the guest sees
+//! (status bytes, the used ring) and what the journal says is still in flight.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use spool_devices::{Device, DeviceHealth, DeviceIo, DeviceQueue, HealthState, IoVec, NullReads};
+use spool_journal::{Journal, RingAddrs};
+use spool_pool::{Segment, VolumeLayout};
+use uuid::Uuid;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN};
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::dispatch::slice_iov;
+use super::{QueueWorker, WorkerSpec};
+use crate::request::{GuestMemory, Limits, SECTOR};
+use crate::vring::{resume, RingView};
+
+#[test]
+fn slice_iov_splits_across_buffers() {
+    let v = [
+        IoVec {
+            iov_base: 0x1000 as *mut _,
+            iov_len: 512,
+        },
+        IoVec {
+            iov_base: 0x5000 as *mut _,
+            iov_len: 1024,
+        },
+    ];
+    let s = slice_iov(&v, 256, 512);
+    assert_eq!(s.len(), 2);
+    assert_eq!((s[0].iov_base as usize, s[0].iov_len), (0x1100, 256));
+    assert_eq!((s[1].iov_base as usize, s[1].iov_len), (0x5000, 256));
+    let s = slice_iov(&v, 512, 1024);
+    assert_eq!(s.len(), 1);
+    assert_eq!((s[0].iov_base as usize, s[0].iov_len), (0x5000, 1024));
+}
+
+/// What the scripted device does and did; shared by every queue the worker opens on it.
+struct Script {
+    /// Every submission's tag, in order.
+    submitted: Vec<u64>,
+    /// Submitted and not completed by the device yet (hung until the test completes them).
+    outstanding: Vec<u64>,
+    /// Completed by the device, not reaped yet.
+    done: VecDeque<(u64, i32)>,
+    /// What an abort does to outstanding commands: completes them with this negative errno,
+    /// or (None) leaves them hung.
+    abort_with: Option<i32>,
+    /// Queues opened on the device (a reset opens new ones).
+    opened: usize,
+    aborts: usize,
+}
+
+/// A [`DeviceQueue`] that completes nothing on its own.
+struct ScriptedQueue {
+    script: Arc<Mutex<Script>>,
+    event: EventFd,
+}
+
+fn lock(s: &Mutex<Script>) -> MutexGuard<'_, Script> {
+    s.lock().unwrap()
+}
+
+impl DeviceQueue for ScriptedQueue {
+    unsafe fn submit(&mut self, _io: DeviceIo, tag: u64) {
+        let mut s = lock(&self.script);
+        s.submitted.push(tag);
+        s.outstanding.push(tag);
+    }
+    fn kick(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        let ready: Vec<_> = lock(&self.script).done.drain(..).collect();
+        for &(tag, res) in &ready {
+            done(tag, res);
+        }
+        ready.len()
+    }
+    fn completion_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+    fn ack_completion_event(&self) {}
+    fn in_flight(&self) -> usize {
+        let s = lock(&self.script);
+        s.outstanding.len() + s.done.len()
+    }
+    fn abort(&mut self) -> usize {
+        let mut s = lock(&self.script);
+        s.aborts += 1;
+        let Some(res) = s.abort_with else { return 0 };
+        let tags = std::mem::take(&mut s.outstanding);
+        s.done.extend(tags.iter().map(|&t| (t, res)));
+        tags.len()
+    }
+}
+
+const QSIZE: u16 = 16;
+const DESC: u64 = 0x0;
+const AVAIL: u64 = 0x1000;
+const USED: u64 = 0x2000;
+const SIZE: u64 = 1 << 20;
+const LEN: u32 = 512;
+/// What a status byte holds before the worker writes it.
+const UNWRITTEN: u8 = 0xee;
+
+/// A worker on one scripted device, a guest that posts 512-byte reads, and a journal.
+struct Harness {
+    w: QueueWorker,
+    mem: Arc<GuestMemory>,
+    script: Arc<Mutex<Script>>,
+    health: Arc<DeviceHealth>,
+    avail: u16,
+    _dir: tempfile::TempDir,
+}
+
+/// A descriptor for `fd` the worker can watch in epoll, as its kick eventfd.
+fn pollable_file() -> std::fs::File {
+    let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    std::fs::File::from(OwnedFd::from(a))
+}
+
+impl Harness {
+    fn new(request_retries: u32) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(GuestMemory::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap());
+        let mut q = Queue::new(QSIZE).unwrap();
+        q.set_size(QSIZE);
+        q.set_desc_table_address(Some(DESC as u32), Some(0));
+        q.set_avail_ring_address(Some(AVAIL as u32), Some(0));
+        q.set_used_ring_address(Some(USED as u32), Some(0));
+        q.set_ready(true);
+        let (mut j, _) = Journal::open_or_create(dir.path(), Uuid::new_v4(), 0, QSIZE).unwrap();
+        let rings = RingAddrs {
+            desc: DESC,
+            avail: AVAIL,
+            used: USED,
+        };
+        let view = RingView {
+            rings,
+            size: QSIZE,
+            avail_idx: 0,
+            used_idx: 0,
+        };
+        resume(&mut j, view, 0, &mut |_| {}).unwrap();
+        let device = Arc::new(
+            Device::open_null("w", SIZE, NullReads::Untouched, &Default::default()).unwrap(),
+        );
+        let health = device.health().clone();
+        let layout = VolumeLayout {
+            uuid: Uuid::new_v4(),
+            name: "v".into(),
+            size: SIZE,
+            read_only: false,
+            num_queues: 1,
+            segments: vec![Segment {
+                logical: 0,
+                len: SIZE,
+                device: 0,
+                offset: 0,
+            }],
+            devices: vec![device],
+        };
+        let spec = WorkerSpec {
+            index: 0,
+            queue: q,
+            journal: Some(j),
+            resubmit: vec![],
+            mem: Arc::new(ArcSwap::from(mem.clone())),
+            kick: pollable_file(),
+            call: Arc::new(ArcSwapOption::empty()),
+            layout: Arc::new(ArcSwap::from_pointee(layout)),
+            limits: Limits {
+                capacity_sectors: SIZE / SECTOR,
+                read_only: false,
+                max_data: 1 << 20,
+                max_discard_segs: 1,
+                max_discard_sectors: 1 << 10,
+            },
+            serial: [0; crate::request::ID_LEN],
+            poll_idle: Duration::from_secs(1),
+            io_timeout: Duration::from_millis(4),
+            request_retries,
+            volume: "v".into(),
+            fault: Arc::new(crate::SessionFault::new()),
+            abandoned: Arc::new(AtomicU64::new(0)),
+            replay: None,
+            poison: vec![],
+        };
+        let script = Arc::new(Mutex::new(Script {
+            submitted: vec![],
+            outstanding: vec![],
+            done: VecDeque::new(),
+            abort_with: Some(-libc::ECANCELED),
+            opened: 0,
+            aborts: 0,
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let reset = Arc::new(AtomicBool::new(false));
+        let wake = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut w = QueueWorker::assemble(spec, stop, reset, wake).unwrap();
+        let s = script.clone();
+        w.queue_factory = Some(Box::new(move |_d| {
+            lock(&s).opened += 1;
+            Ok(Box::new(ScriptedQueue {
+                script: s.clone(),
+                event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            }) as Box<dyn DeviceQueue>)
+        }));
+        w.open_device_queues().unwrap();
+        Harness {
+            w,
+            mem,
+            script,
+            health,
+            avail: 0,
+            _dir: dir,
+        }
+    }
+
+    /// Posts request `k` (< 5): a read of sector `k` in descriptors 3k..3k+2; returns its head.
+    fn post_read(&mut self, k: u16) -> u16 {
+        let head = 3 * k;
+        let buf = 0x10_0000 + k as u64 * 0x1000;
+        let m = &self.mem;
+        m.write_obj(VIRTIO_BLK_T_IN.to_le(), GuestAddress(buf))
+            .unwrap();
+        m.write_obj((k as u64).to_le(), GuestAddress(buf + 8))
+            .unwrap();
+        m.write_obj(UNWRITTEN, GuestAddress(buf + 0x800)).unwrap();
+        let (next, write) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
+        let chain = [
+            Descriptor::new(buf, 16, next, head + 1),
+            Descriptor::new(buf + 0x100, LEN, next | write, head + 2),
+            Descriptor::new(buf + 0x800, 1, write, 0),
+        ];
+        for (i, d) in chain.into_iter().enumerate() {
+            m.write_obj(d, GuestAddress(DESC + 16 * (head as u64 + i as u64)))
+                .unwrap();
+        }
+        let slot = AVAIL + 4 + 2 * (self.avail % QSIZE) as u64;
+        m.write_obj(head.to_le(), GuestAddress(slot)).unwrap();
+        self.avail = self.avail.wrapping_add(1);
+        m.write_obj(self.avail.to_le(), GuestAddress(AVAIL + 2))
+            .unwrap();
+        head
+    }
+
+    /// One poll round of the worker loop.
+    fn round(&mut self) {
+        let mem = self.w.begin_round();
+        self.w.poll_round(&mem);
+    }
+
+    /// The status byte of the request at `head`.
+    fn status(&self, head: u16) -> u8 {
+        let buf = 0x10_0000 + (head / 3) as u64 * 0x1000;
+        self.mem.read_obj(GuestAddress(buf + 0x800)).unwrap()
+    }
+
+    /// Every used element published so far: (head, length).
+    fn used(&self) -> Vec<(u16, u32)> {
+        let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).unwrap();
+        (0..idx)
+            .map(|i| {
+                let at = USED + 4 + 8 * (i % QSIZE) as u64;
+                let id: u32 = self.mem.read_obj(GuestAddress(at)).unwrap();
+                let len: u32 = self.mem.read_obj(GuestAddress(at + 4)).unwrap();
+                (id as u16, len)
+            })
+            .collect()
+    }
+
+    /// The heads the journal records INFLIGHT.
+    fn journaled(&self) -> Vec<u16> {
+        self.w.vq.journaled_inflight().unwrap()
+    }
+
+    fn submitted(&self) -> Vec<u64> {
+        lock(&self.script).submitted.clone()
+    }
+
+    /// The device completes the outstanding command for `head` with `res`.
+    fn device_completes(&self, head: u16, res: i32) {
+        let mut s = lock(&self.script);
+        let i = s
+            .outstanding
+            .iter()
+            .position(|&t| t == head as u64)
+            .expect("command outstanding");
+        s.outstanding.remove(i);
+        s.done.push_back((head as u64, res));
+    }
+
+    fn state(&self) -> HealthState {
+        self.health.state()
+    }
+}
+
+/// A read that completed with `errno`: what becomes of it on the next round.
+fn after_error(errno: i32) -> Harness {
+    let mut h = Harness::new(2);
+    let head = h.post_read(0);
+    h.round();
+    assert_eq!(h.submitted(), vec![head as u64]);
+    assert_eq!(h.journaled(), vec![head]);
+    h.device_completes(head, -errno);
+    h.round();
+    h
+}
+
+#[test]
+fn media_and_request_errors_fail_the_request_alone() {
+    for errno in [libc::ENODATA, libc::EINVAL] {
+        let h = after_error(errno);
+        assert_eq!(h.status(0), VIRTIO_BLK_S_IOERR as u8, "errno {errno}");
+        assert_eq!(h.used(), vec![(0, LEN + 1)], "errno {errno}");
+        assert!(h.journaled().is_empty(), "errno {errno}");
+        assert!(h.w.held.is_empty() && h.w.cancelled.is_empty());
+        // Not a path error: the device keeps serving; the monitor decides on isolation.
+        assert_eq!(h.state(), HealthState::Healthy, "errno {errno}");
+        let (reports, _) = h.health.take_reports();
+        assert_eq!(reports.len(), 1, "errno {errno}");
+    }
+}
+
+#[test]
+fn path_and_gone_errors_hold_the_request_until_the_epoch_changes() {
+    for errno in [libc::EIO, libc::ENODEV] {
+        let mut h = after_error(errno);
+        // Held: neither completed nor failed, still INFLIGHT in the journal.
+        assert_eq!(h.status(0), UNWRITTEN, "errno {errno}");
+        assert!(h.used().is_empty());
+        assert_eq!(h.journaled(), vec![0]);
+        assert_eq!(h.w.held, vec![0]);
+        if errno == libc::EIO {
+            // A path error on a healthy device holds its I/O at once.
+            assert_eq!(h.state(), HealthState::Resetting);
+        } else {
+            h.health.set(HealthState::Resetting);
+        }
+        // The worker sees the device resetting: nothing held is submitted meanwhile.
+        h.round();
+        h.round();
+        assert_eq!(h.submitted().len(), 1, "errno {errno}");
+        // The monitor's probe succeeded: the held request goes to the device again.
+        h.health.set(HealthState::Healthy);
+        h.round();
+        assert_eq!(h.submitted(), vec![0, 0], "errno {errno}");
+        assert!(h.w.held.is_empty());
+        h.device_completes(0, LEN as i32);
+        h.round();
+        assert_eq!(h.status(0), VIRTIO_BLK_S_OK as u8);
+        assert_eq!(h.used(), vec![(0, LEN + 1)]);
+        assert!(h.journaled().is_empty());
+    }
+}
+
+#[test]
+fn our_own_cancellation_resubmits_at_once_without_a_report_or_a_retry() {
+    let mut h = after_error(libc::ECANCELED);
+    // The round that reaped it submitted it again (its cancelled list), uncounted.
+    assert_eq!(h.submitted(), vec![0, 0]);
+    assert_eq!(h.w.retries[0], 0);
+    assert_eq!(h.state(), HealthState::Healthy);
+    assert!(h.health.take_reports().0.is_empty());
+    assert_eq!(h.status(0), UNWRITTEN);
+    assert!(h.used().is_empty());
+    h.device_completes(0, LEN as i32);
+    h.round();
+    assert_eq!(h.status(0), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(0, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+}
+
+/// Runs timeout sweeps until one reports the hung request (the device then resets).
+fn sweep_until_timed_out(h: &mut Harness) {
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(2));
+        h.w.sweep_timeouts();
+        if h.state() == HealthState::Resetting {
+            return;
+        }
+    }
+    panic!("the hung request was never reported as timed out");
+}
+
+#[test]
+fn a_hung_request_times_out_is_retried_request_retries_times_then_fails_with_ioerr() {
+    let retries = 2;
+    let mut h = Harness::new(retries);
+    // The kernel answers an aborted hung command with ETIMEDOUT (a path error).
+    lock(&h.script).abort_with = Some(-libc::ETIMEDOUT);
+    h.post_read(0);
+    h.round();
+    for attempt in 0..=retries {
+        assert_eq!(h.submitted().len(), attempt as usize + 1);
+        assert_eq!(h.journaled(), vec![0]);
+        sweep_until_timed_out(&mut h);
+        let (reports, _) = h.health.take_reports();
+        assert!(
+            reports
+                .iter()
+                .any(|r| r.signal == spool_devices::Signal::Timeout),
+            "{reports:?}"
+        );
+        // The worker sees the reset, aborts the hung command, and holds the request (every
+        // health change aborts: the reset and the recovery of each earlier attempt).
+        h.round();
+        assert_eq!(lock(&h.script).aborts, 2 * attempt as usize + 1);
+        if attempt < retries {
+            assert_eq!(h.w.held, vec![0], "attempt {attempt}");
+            assert_eq!(h.status(0), UNWRITTEN);
+            assert!(h.used().is_empty());
+            h.health.set(HealthState::Healthy);
+            h.round();
+        }
+    }
+    // Out of retries: failed, completed once, gone from the journal.
+    assert!(h.w.held.is_empty());
+    assert_eq!(h.submitted().len(), retries as usize + 1);
+    assert_eq!(h.status(0), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(h.used(), vec![(0, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+    assert_eq!(h.w.retries[0], 0);
+}
+
+#[test]
+fn a_failed_device_fails_held_requests_at_once() {
+    let mut h = Harness::new(2);
+    h.health.set(HealthState::Resetting);
+    let a = h.post_read(0);
+    let b = h.post_read(1);
+    h.round();
+    // Held for the resetting device: taken and journaled, not submitted.
+    assert!(h.submitted().is_empty());
+    assert_eq!(h.w.held, vec![a, b]);
+    assert_eq!(h.journaled(), vec![a, b]);
+    // The monitor gives up on the device: what is held fails now, not at some timeout.
+    h.health.set(HealthState::Failed);
+    h.round();
+    assert!(h.submitted().is_empty());
+    assert_eq!(h.status(a), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(h.status(b), VIRTIO_BLK_S_IOERR as u8);
+    let mut used: Vec<u16> = h.used().iter().map(|u| u.0).collect();
+    used.sort();
+    assert_eq!(used, vec![a, b]);
+    assert!(h.journaled().is_empty());
+    // And a new request for it fails at once too.
+    let c = h.post_read(2);
+    h.round();
+    assert!(h.submitted().is_empty());
+    assert_eq!(h.status(c), VIRTIO_BLK_S_IOERR as u8);
+    assert!(h.journaled().is_empty());
+}
+
+#[test]
+fn a_device_reset_while_requests_are_held_resubmits_each_once_on_new_queues() {
+    let mut h = Harness::new(2);
+    let a = h.post_read(0);
+    h.round();
+    assert_eq!(h.submitted(), vec![a as u64]);
+    // The device resets: `a`'s command is aborted and comes back cancelled, and `b`
+    // arrives meanwhile; both are held.
+    h.health.set(HealthState::Resetting);
+    let b = h.post_read(1);
+    h.round();
+    assert_eq!(lock(&h.script).aborts, 1);
+    assert_eq!(h.w.held, vec![b, a]);
+    assert_eq!(h.journaled(), vec![a, b]);
+    assert!(h.used().is_empty());
+    // The reset RPC: the device answers again and every queue is told to reset before it
+    // has seen the health change.
+    h.health.set(HealthState::Healthy);
+    h.w.reset.store(true, Ordering::Release);
+    h.round();
+    let s = lock(&h.script);
+    // Both went to the new queue, each once.
+    assert_eq!(s.opened, 2);
+    assert_eq!(s.submitted, vec![a as u64, a as u64, b as u64]);
+    assert_eq!(s.outstanding, vec![a as u64, b as u64]);
+    drop(s);
+    assert!(h.w.held.is_empty());
+    assert_eq!(h.status(a), UNWRITTEN);
+    assert!(h.used().is_empty());
+    h.device_completes(b, LEN as i32);
+    h.device_completes(a, LEN as i32);
+    h.round();
+    assert_eq!(h.status(a), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.status(b), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(b, LEN + 1), (a, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+    assert_eq!(h.w.in_flight, 0);
+}
+
+#[test]
+fn stop_completes_what_the_devices_finish_and_leaves_the_rest_in_the_journal() {
+    let mut h = Harness::new(2);
+    let a = h.post_read(0);
+    let b = h.post_read(1);
+    h.round();
+    h.device_completes(a, LEN as i32);
+    // `b` hangs and its abort comes back cancelled: not completed, kept for the next process.
+    h.w.drain();
+    assert_eq!(h.used(), vec![(a, LEN + 1)]);
+    assert_eq!(h.status(b), UNWRITTEN);
+    assert_eq!(h.journaled(), vec![b]);
+    assert_eq!(h.w.abandoned.load(Ordering::Acquire), 0);
+}
+
+#[test]
+fn a_reset_quarantines_a_command_that_never_completes_and_resubmits_its_request() {
+    let mut h = Harness::new(2);
+    lock(&h.script).abort_with = None;
+    let a = h.post_read(0);
+    h.round();
+    h.w.reset.store(true, Ordering::Release);
+    h.round();
+    // The hung command's queue is kept (leaked) with the guest memory it may still write,
+    // the volume is told, and the request goes to a new queue.
+    assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
+    assert_eq!(lock(&h.script).opened, 2);
+    assert_eq!(h.submitted(), vec![a as u64, a as u64]);
+    assert_eq!(h.w.devices.len(), 1);
+    assert_eq!(h.status(a), UNWRITTEN);
+    h.device_completes(a, LEN as i32);
+    h.round();
+    assert_eq!(h.status(a), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(a, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+}
+
+#[test]
+fn stop_quarantines_a_command_that_never_completes_and_keeps_it_in_the_journal() {
+    let mut h = Harness::new(2);
+    lock(&h.script).abort_with = None;
+    let a = h.post_read(0);
+    h.round();
+    h.w.drain();
+    assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
+    assert!(h.w.devices.is_empty());
+    assert_eq!(h.status(a), UNWRITTEN);
+    assert!(h.used().is_empty());
+    assert_eq!(h.journaled(), vec![a]);
+}
