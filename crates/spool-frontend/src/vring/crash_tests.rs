@@ -25,6 +25,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::*;
+use crate::queue_start::{resume, ring_indices, ResumeFrom, RingView};
 use crate::request::GuestMemory;
 
 const QSIZE: u16 = 8;
@@ -168,7 +169,7 @@ fn start(
             avail_idx,
             used_idx,
         };
-        let r = resume(&mut j, view, base, &mut |_| c.tick()).unwrap();
+        let r = resume(&mut j, view, ResumeFrom::Frontend(base), &mut |_| c.tick()).unwrap();
         q.set_next_avail(r.next_avail);
         device.extend(r.resubmit);
         Some(j)

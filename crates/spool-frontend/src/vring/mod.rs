@@ -1,5 +1,5 @@
 //! A virtqueue together with its cross-process journal: Algorithm 1 of Spool, step by step,
-//! around the ring operations, and the start-up decision of where a queue resumes.
+//! around the ring operations (where a starting queue resumes is `queue_start`'s decision).
 //!
 //! Steps (paper numbering): 1 pop a head from the avail ring; 2–5 one 64-bit store of
 //! {START, last_avail+1, head}; 6 head INFLIGHT; 7 FINISHED, once for a poll round's batch
@@ -17,15 +17,13 @@
 //! `next_avail`/`next_used` are kept current here).
 //!
 //! Layout: `ring` reads the split ring and walks descriptor chains; `queue` is the
-//! [`JournaledQueue`]; `resume` decides where a starting queue resumes; `crash_tests` drive
-//! all three through every crash point.
+//! [`JournaledQueue`]; `crash_tests` drive both, with `queue_start::resume`, through every
+//! crash point.
 
 mod queue;
-mod resume;
 mod ring;
 
 pub use queue::JournaledQueue;
-pub use resume::{resume, ring_indices, Resume, RingView};
 pub use ring::{ChainWalker, PREFETCH_DATA, PREFETCH_DESC};
 
 /// A point between two steps of Algorithm 1 (for crash-point tests).

@@ -23,8 +23,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::dispatch::slice_iov;
 use super::{QueueWorker, WorkerSpec};
+use crate::queue_start::{resume, ResumeFrom, RingView};
 use crate::request::{GuestMemory, Limits, SECTOR};
-use crate::vring::{resume, RingView};
 
 #[test]
 fn slice_iov_splits_across_buffers() {
@@ -154,7 +154,7 @@ impl Harness {
             avail_idx: 0,
             used_idx: 0,
         };
-        resume(&mut j, view, 0, &mut |_| {}).unwrap();
+        resume(&mut j, view, ResumeFrom::Frontend(0), &mut |_| {}).unwrap();
         let device = Arc::new(
             Device::open_null("w", SIZE, NullReads::Untouched, &Default::default()).unwrap(),
         );

@@ -1,14 +1,15 @@
-//! Where a starting queue resumes, decided from its journal: recover it with Algorithm 2,
-//! or start a fresh generation. Run once at queue start (by the session), never on the data
-//! path.
+//! Where a starting queue resumes, decided from its journal in one place: recover it with
+//! Algorithm 2, or start a fresh generation at the frontend's base (or, in a restored
+//! process that got no SET_VRING_BASE, where the journal or the used ring says). Run once at
+//! queue start, never on the data path.
 
 use std::sync::atomic::Ordering;
 
 use spool_journal::{Journal, RingAddrs};
 use virtio_queue::{Queue, QueueT};
 
-use super::RingError;
 use crate::request::GuestMemory;
+use crate::vring::RingError;
 
 /// Where a starting queue resumes, as decided from its journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,16 +33,38 @@ pub struct RingView {
     pub used_idx: u16,
 }
 
+/// Where the frontend says a queue resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeFrom {
+    /// SET_VRING_BASE gave this avail index (0 when it was not sent).
+    Frontend(u16),
+    /// A restarted process continuing a kept session: no SET_VRING_BASE comes. Where the
+    /// journal's ring is this ring, the journal knows the next avail index (even with nothing
+    /// in flight); otherwise the used index the guest sees.
+    Restored,
+}
+
 /// Decides how a queue resumes: recover with Algorithm 2 when the journal describes
 /// unfinished work of this very ring; otherwise start a fresh generation at the frontend's
 /// base. The journal, not the frontend's SET_VRING_BASE, decides where to resume.
 pub fn resume(
     journal: &mut Journal,
     view: RingView,
-    frontend_base: u16,
+    from: ResumeFrom,
     hook: &mut dyn FnMut(spool_journal::RecoveryStep),
 ) -> Result<Resume, spool_journal::Error> {
     let size = view.size;
+    let frontend_base = match from {
+        ResumeFrom::Frontend(base) => base,
+        ResumeFrom::Restored => {
+            let h = journal.header();
+            if h.rings == view.rings && h.queue_size == size {
+                journal.last_avail()
+            } else {
+                view.used_idx
+            }
+        }
+    };
     if journal.has_work() {
         let h = journal.header();
         let last = journal.last_avail();

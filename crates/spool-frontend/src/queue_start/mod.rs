@@ -5,7 +5,8 @@
 //! decides; a replay record marks what is being resubmitted) → the queue's limits → spawn
 //! the worker.
 //!
-//! Owns: these steps and their errors. Must not know: the vhost-user protocol (the session
+//! Owns: these steps and their errors, and the one decision of where a queue resumes
+//! (`resume`). Must not know: the vhost-user protocol (the session
 //! hands over a [`QueueConfig`]), how the worker serves requests.
 
 use std::fs::File;
@@ -17,10 +18,13 @@ use virtio_queue::{Queue, QueueT};
 use crate::blk_config;
 use crate::memory::GuestMemory;
 use crate::request::{Limits, SECTOR};
-use crate::vring::{resume, ring_indices, RingView};
 use crate::worker::{WorkerHandle, WorkerSpec};
 use crate::VolumeContext;
 use spool_journal::{Journal, ReplayRecord, RingAddrs};
+
+mod resume;
+
+pub use resume::{resume, ring_indices, ResumeFrom, RingView};
 
 /// Largest virtqueue we accept (libblkio and QEMU use up to 1024; the spec allows 32768).
 pub const MAX_QUEUE_SIZE: u16 = 32768;
@@ -200,17 +204,12 @@ fn resume_queue(
     let journal_err = |source| StartError::Journal { index, source };
     let (mut j, _) =
         Journal::open_or_create(dir, ctx.uuid(), index, cfg.size).map_err(journal_err)?;
-    // A restarted process has no SET_VRING_BASE: where the journal's ring is this ring, the
-    // journal knows the next avail index (even with nothing in flight).
-    let h = j.header();
-    let base = if cfg.restored && h.rings == view.rings && h.queue_size == cfg.size {
-        j.last_avail()
-    } else if cfg.restored {
-        view.used_idx
+    let from = if cfg.restored {
+        ResumeFrom::Restored
     } else {
-        cfg.base
+        ResumeFrom::Frontend(cfg.base)
     };
-    let r = resume(&mut j, view, base, &mut |_| {}).map_err(journal_err)?;
+    let r = resume(&mut j, view, from, &mut |_| {}).map_err(journal_err)?;
     if let Some(n) = &r.note {
         tracing::warn!(volume = %ctx.name(), queue = index, "{n}");
     }
