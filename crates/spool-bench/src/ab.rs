@@ -108,6 +108,37 @@ fn open(socket: &str, args: &Args) -> Result<Side, String> {
     })
 }
 
+impl Side {
+    /// Issues a `bs`-byte read or write of block `blk` (modulo the span) from `slot`'s buffer.
+    fn issue(&mut self, bs: usize, slot: usize, blk: u64, write: bool) {
+        let off = (blk % self.span) * bs as u64;
+        let buf = (self.base + slot * bs) as *mut u8;
+        if write {
+            self.q.write(off, buf, bs, slot, ReqFlags::empty());
+        } else {
+            self.q.read(off, buf, bs, slot, ReqFlags::empty());
+        }
+    }
+}
+
+/// The next request of the `--rw` pattern: its block (sequential from `seq`, else random)
+/// and whether it writes.
+fn next_request(args: &Args, rng: &mut Rng, seq: &mut u64) -> (u64, bool) {
+    let blk = match args.rw {
+        Rw::Read | Rw::Write => {
+            *seq += 1;
+            *seq
+        }
+        _ => rng.next(),
+    };
+    let write = match args.rw {
+        Rw::Write | Rw::Randwrite => true,
+        Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
+        _ => false,
+    };
+    (blk, write)
+}
+
 /// Keeps `iodepth` requests in flight on `side` for `dur`, then lets them finish. Counts the
 /// completions after `warm`.
 fn slice(
@@ -121,37 +152,12 @@ fn slice(
         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
     let mut issued = vec![Instant::now(); args.iodepth];
     let mut seq = 0u64;
-    let (span, base, bs) = (side.span, side.base, args.bs);
-    let issue = |q: &mut Blkioq, slot: usize, blk: u64, write: bool| {
-        let off = (blk % span) * bs as u64;
-        let buf = (base + slot * bs) as *mut u8;
-        if write {
-            q.write(off, buf, bs, slot, ReqFlags::empty());
-        } else {
-            q.read(off, buf, bs, slot, ReqFlags::empty());
-        }
-    };
-    let next = |rng: &mut Rng, seq: &mut u64| -> (u64, bool) {
-        let blk = match args.rw {
-            Rw::Read | Rw::Write => {
-                *seq += 1;
-                *seq
-            }
-            _ => rng.next(),
-        };
-        let write = match args.rw {
-            Rw::Write | Rw::Randwrite => true,
-            Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
-            _ => false,
-        };
-        (blk, write)
-    };
     let start = Instant::now();
     let (from, end) = (start + warm, start + dur);
     for (slot, t) in issued.iter_mut().enumerate() {
-        let (blk, write) = next(rng, &mut seq);
+        let (blk, write) = next_request(args, rng, &mut seq);
         *t = Instant::now();
-        issue(&mut side.q, slot, blk, write);
+        side.issue(args.bs, slot, blk, write);
     }
     let mut in_flight = args.iodepth;
     let (mut ios, mut lat_ns, mut errors) = (0u64, 0u128, 0u64);
@@ -180,9 +186,9 @@ fn slice(
                 lat_ns += (now - issued[slot]).as_nanos();
             }
             if now < end {
-                let (blk, write) = next(rng, &mut seq);
+                let (blk, write) = next_request(args, rng, &mut seq);
                 issued[slot] = Instant::now();
-                issue(&mut side.q, slot, blk, write);
+                side.issue(args.bs, slot, blk, write);
                 in_flight += 1;
             }
         }
