@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use serde::Serialize;
 
+use crate::error::BenchError;
 use crate::{Args, Rng, Rw};
 
 /// One connected server.
@@ -67,10 +68,16 @@ pub struct AbReport {
     pub errors: u64,
 }
 
-fn open(socket: &str, args: &Args) -> Result<Side, String> {
-    let e = |what: &'static str| {
-        move |err: blkio::Error| format!("{socket}: {what}: {}", err.message())
-    };
+/// Connects to `socket` and starts its one queue; errors name the socket.
+fn open(socket: &str, args: &Args) -> Result<Side, BenchError> {
+    connect(socket, args).map_err(|e| BenchError::Socket {
+        socket: socket.to_string(),
+        source: Box::new(e),
+    })
+}
+
+fn connect(socket: &str, args: &Args) -> Result<Side, BenchError> {
+    let e = BenchError::blkio;
     let mut b = Blkio::new("virtio-blk-vhost-user").map_err(e("libblkio"))?;
     b.set_str("path", socket).map_err(e("path"))?;
     b.connect().map_err(e("connect"))?;
@@ -89,11 +96,11 @@ fn open(socket: &str, args: &Args) -> Result<Side, String> {
     }
     .into_iter()
     .next()
-    .ok_or_else(|| format!("{socket}: no queue"))?;
+    .ok_or(BenchError::NoQueue)?;
     let capacity = b.get_u64("capacity").map_err(e("capacity"))?;
     let span = args.size.unwrap_or(capacity.min(1 << 30)).min(capacity) / args.bs as u64;
     if span == 0 {
-        return Err(format!("{socket}: device smaller than one block"));
+        return Err(BenchError::TooSmall);
     }
     let region = b
         .alloc_mem_region(args.bs * args.iodepth)
@@ -237,7 +244,7 @@ fn median_ci(xs: &[f64]) -> Ratio {
 }
 
 /// Runs the A/B measurement: `--socket` is A, `--compare` is B.
-pub fn run_ab(args: &Args, b_socket: &str) -> Result<AbReport, String> {
+pub fn run_ab(args: &Args, b_socket: &str) -> Result<AbReport, BenchError> {
     let mut a = open(&args.socket, args)?;
     let mut b = open(b_socket, args)?;
     let dur = Duration::from_millis(args.slice_ms);
@@ -272,9 +279,7 @@ pub fn run_ab(args: &Args, b_socket: &str) -> Result<AbReport, String> {
         .filter(|s| s.iter().all(|&x| x > 0.0))
         .collect();
     if valid.is_empty() {
-        return Err(format!(
-            "no pair of slices completed requests on both sides ({errors} requests failed)"
-        ));
+        return Err(BenchError::NoPairs { errors });
     }
     let col = |i: usize| -> Vec<f64> { valid.iter().map(|s| s[i]).collect() };
     let iops_ratio: Vec<f64> = valid.iter().map(|s| s[0] / s[1]).collect();

@@ -9,6 +9,7 @@
 //! file owns the command line, the `--verify` pattern and printing the reports.
 
 mod ab;
+mod error;
 mod hist;
 mod run;
 

@@ -12,11 +12,8 @@ use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, ReqFlags};
 
+use crate::error::BenchError;
 use crate::{check_pattern, cpu_ticks, fill_pattern, hist, Args, Report, Rng, Rw};
-
-fn e(what: &'static str) -> impl Fn(blkio::Error) -> String {
-    move |err| format!("{what}: {}", err.message())
-}
 
 /// What one queue's thread counted.
 struct QueueResult {
@@ -275,39 +272,44 @@ impl<'a> QueueLoad<'a> {
 
 /// Connects to `args.socket` and starts its queues; returns the client, the queues and the
 /// span in blocks.
-fn connect(args: &Args) -> Result<(Blkio, Vec<Blkioq>, u64), String> {
-    let mut b = Blkio::new("virtio-blk-vhost-user").map_err(e("libblkio"))?;
-    b.set_str("path", &args.socket).map_err(e("path"))?;
-    b.connect().map_err(e("connect"))?;
+fn connect(args: &Args) -> Result<(Blkio, Vec<Blkioq>, u64), BenchError> {
+    let mut b = Blkio::new("virtio-blk-vhost-user").map_err(BenchError::blkio("libblkio"))?;
+    b.set_str("path", &args.socket)
+        .map_err(BenchError::blkio("path"))?;
+    b.connect().map_err(BenchError::blkio("connect"))?;
     if args.poll {
-        b.set_i32("num-queues", 0).map_err(e("num-queues"))?;
+        b.set_i32("num-queues", 0)
+            .map_err(BenchError::blkio("num-queues"))?;
         b.set_i32("num-poll-queues", args.queues as i32)
-            .map_err(e("num-poll-queues"))?;
+            .map_err(BenchError::blkio("num-poll-queues"))?;
     } else {
         b.set_i32("num-queues", args.queues as i32)
-            .map_err(e("num-queues"))?;
+            .map_err(BenchError::blkio("num-queues"))?;
     }
-    let out = b.start().map_err(e("start"))?;
+    let out = b.start().map_err(BenchError::blkio("start"))?;
     let queues = if args.poll {
         out.poll_queues
     } else {
         out.queues
     };
-    let capacity = b.get_u64("capacity").map_err(e("capacity"))?;
+    let capacity = b
+        .get_u64("capacity")
+        .map_err(BenchError::blkio("capacity"))?;
     let span = args.size.unwrap_or(capacity.min(1 << 30)).min(capacity) / args.bs as u64;
     if span == 0 {
-        return Err("device smaller than one block".into());
+        return Err(BenchError::TooSmall);
     }
     Ok((b, queues, span))
 }
 
-pub(crate) fn run(args: &Args) -> Result<Report, String> {
+pub(crate) fn run(args: &Args) -> Result<Report, BenchError> {
     let (mut b, queues, span) = connect(args)?;
     let per_queue = args.bs * args.iodepth;
     let region = b
         .alloc_mem_region(per_queue * args.queues)
-        .map_err(e("alloc"))?;
-    b.map_mem_region(&region).map_err(e("map"))?;
+        .map_err(BenchError::blkio("alloc"))?;
+    b.map_mem_region(&region)
+        .map_err(BenchError::blkio("map"))?;
     let base = region.addr;
     let cpu0 = args.server_pid.and_then(cpu_ticks);
     let start = Instant::now();
@@ -347,7 +349,7 @@ fn write_timeline(
     path: &std::path::Path,
     results: &[QueueResult],
     start: Instant,
-) -> Result<(), String> {
+) -> Result<(), BenchError> {
     let len = results
         .iter()
         .filter_map(|r| r.timeline.as_ref().map(Vec::len))
@@ -369,7 +371,10 @@ fn write_timeline(
                 .map(|(i, [ok, err])| format!("{i},{ok},{err}\n")),
         )
         .collect();
-    std::fs::write(path, csv).map_err(|e| format!("{}: {e}", path.display()))
+    std::fs::write(path, csv).map_err(|source| BenchError::Timeline {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// Sums the queues' results into the report; `cpu` is the server's CPU ticks before and
