@@ -6,8 +6,8 @@
 //! worker channels, wait for child exits and catch signals.
 //!
 //! This module owns the event loop, the store of kept values and descriptors, signals and
-//! the message dispatch; the rest is split by job: [`child`] (starting workers, reading their
-//! channels), [`restart`] (a worker's start, readiness and crash restart) and [`upgrade`]
+//! the message dispatch; the rest is split by job: `child` (starting workers, reading their
+//! channels), `restart` (a worker's start, readiness and crash restart) and `upgrade`
 //! (the graceful upgrade's stages). It must not know what the kept values mean.
 
 mod child;

@@ -4,9 +4,9 @@
 //! Only namespace 1 is used (a pool device is one namespace, as with a file).
 //!
 //! This module owns the controller's registers, bring-up, reset and admin command loop; the
-//! rest of its life is split by job: [`takeover`] (controllers the previous worker left),
-//! [`admin_pages`] (identify and log pages), [`queues`] (I/O queue pairs for workers) and
-//! [`sync_io`] (metadata I/O). It must not know pools, volumes or the keeper's protocol.
+//! rest of its life is split by job: `takeover` (controllers the previous worker left),
+//! `admin_pages` (identify and log pages), `queues` (I/O queue pairs for workers) and
+//! `sync_io` (metadata I/O). It must not know pools, volumes or the keeper's protocol.
 
 mod admin_pages;
 mod queues;

@@ -21,8 +21,8 @@
 //! unregisters only once no command can still point into the region, and before it unmaps
 //! the memory (the vhost-user frontend does both, see `spool-frontend`'s memory table).
 //!
-//! Builds on [`crate::vfio`] (the process's container, its [`mapping_lock`]); vfio does not
-//! know this registry: a container's first group calls back into [`map_all`] through the
+//! Builds on [`crate::vfio`] (the process's container, its `mapping_lock`); vfio does not
+//! know this registry: a container's first group calls back into `map_all` through the
 //! [`crate::vfio::MapPending`] its opener passes. The registry is process-wide for the same
 //! reason the container is: one IOMMU domain serves every controller of the process, and
 //! memory is registered (guest memory, by the frontend) independently of any controller.

@@ -9,7 +9,7 @@
 //! Must not know: the DMA registry (`dma.rs` builds on this module, not the other way
 //! round). What must be mapped once the first group sets the IOMMU type is the caller's
 //! [`MapPending`]; the lock that orders the container's opening against registrations is
-//! [`mapping_lock`], which lives here because it guards the container's mappings.
+//! `mapping_lock`, which lives here because it guards the container's mappings.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -60,7 +60,7 @@ pub(crate) fn mapping_lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Maps every region registered before the container could map (the DMA registry's
-/// `map_all`); called with [`mapping_lock`] held, right after the first group set the IOMMU
+/// `map_all`); called with `mapping_lock` held, right after the first group set the IOMMU
 /// type of a container this process opened.
 pub type MapPending = fn(&Container) -> Result<()>;
 
