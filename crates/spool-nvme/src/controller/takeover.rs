@@ -201,3 +201,20 @@ fn attach(bdf: &str, dev: &Device, arena: &Arena) -> std::result::Result<(Bar, Q
     }
     Ok((bar, admin))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::serde_iova;
+
+    #[test]
+    fn the_kept_arena_address_is_read_back_as_open_writes_it() {
+        // `Controller::open` deposits `{"arena_iova":N}` with the keeper.
+        let iova = 0x1234_5000u64;
+        assert_eq!(
+            serde_iova(&format!("{{\"arena_iova\":{iova}}}")),
+            Some(iova)
+        );
+        assert_eq!(serde_iova("{}"), None);
+        assert_eq!(serde_iova("{\"arena_iova\":x}"), None);
+    }
+}
