@@ -22,9 +22,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(REPO, "target", "release")
-OUT = os.path.join(REPO, "docs", "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import BIN, OUT, REPO, log  # noqa: E402
+
 VOL = 512 << 20
 
 # The paper's Table 2 cases: (name, rw, bs, iodepth, queues/jobs, poll client)
@@ -40,10 +40,6 @@ CASES = [
     ("4K write QD1", "write", 4096, 1, 1, True),
 ]
 QUICK_CASES = ["4K randread QD32", "4K randread QD1"]
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 def wait_socket(path, proc, what, timeout=20):

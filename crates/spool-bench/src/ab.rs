@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use serde::Serialize;
 
+use crate::error::BenchError;
 use crate::{Args, Rng, Rw};
 
 /// One connected server.
@@ -67,10 +68,16 @@ pub struct AbReport {
     pub errors: u64,
 }
 
-fn open(socket: &str, args: &Args) -> Result<Side, String> {
-    let e = |what: &'static str| {
-        move |err: blkio::Error| format!("{socket}: {what}: {}", err.message())
-    };
+/// Connects to `socket` and starts its one queue; errors name the socket.
+fn open(socket: &str, args: &Args) -> Result<Side, BenchError> {
+    connect(socket, args).map_err(|e| BenchError::Socket {
+        socket: socket.to_string(),
+        source: Box::new(e),
+    })
+}
+
+fn connect(socket: &str, args: &Args) -> Result<Side, BenchError> {
+    let e = BenchError::blkio;
     let mut b = Blkio::new("virtio-blk-vhost-user").map_err(e("libblkio"))?;
     b.set_str("path", socket).map_err(e("path"))?;
     b.connect().map_err(e("connect"))?;
@@ -89,11 +96,11 @@ fn open(socket: &str, args: &Args) -> Result<Side, String> {
     }
     .into_iter()
     .next()
-    .ok_or_else(|| format!("{socket}: no queue"))?;
+    .ok_or(BenchError::NoQueue)?;
     let capacity = b.get_u64("capacity").map_err(e("capacity"))?;
     let span = args.size.unwrap_or(capacity.min(1 << 30)).min(capacity) / args.bs as u64;
     if span == 0 {
-        return Err(format!("{socket}: device smaller than one block"));
+        return Err(BenchError::TooSmall);
     }
     let region = b
         .alloc_mem_region(args.bs * args.iodepth)
@@ -106,6 +113,37 @@ fn open(socket: &str, args: &Args) -> Result<Side, String> {
         q,
         span,
     })
+}
+
+impl Side {
+    /// Issues a `bs`-byte read or write of block `blk` (modulo the span) from `slot`'s buffer.
+    fn issue(&mut self, bs: usize, slot: usize, blk: u64, write: bool) {
+        let off = (blk % self.span) * bs as u64;
+        let buf = (self.base + slot * bs) as *mut u8;
+        if write {
+            self.q.write(off, buf, bs, slot, ReqFlags::empty());
+        } else {
+            self.q.read(off, buf, bs, slot, ReqFlags::empty());
+        }
+    }
+}
+
+/// The next request of the `--rw` pattern: its block (sequential from `seq`, else random)
+/// and whether it writes.
+fn next_request(args: &Args, rng: &mut Rng, seq: &mut u64) -> (u64, bool) {
+    let blk = match args.rw {
+        Rw::Read | Rw::Write => {
+            *seq += 1;
+            *seq
+        }
+        _ => rng.next(),
+    };
+    let write = match args.rw {
+        Rw::Write | Rw::Randwrite => true,
+        Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
+        _ => false,
+    };
+    (blk, write)
 }
 
 /// Keeps `iodepth` requests in flight on `side` for `dur`, then lets them finish. Counts the
@@ -121,37 +159,12 @@ fn slice(
         (0..args.iodepth).map(|_| MaybeUninit::uninit()).collect();
     let mut issued = vec![Instant::now(); args.iodepth];
     let mut seq = 0u64;
-    let (span, base, bs) = (side.span, side.base, args.bs);
-    let issue = |q: &mut Blkioq, slot: usize, blk: u64, write: bool| {
-        let off = (blk % span) * bs as u64;
-        let buf = (base + slot * bs) as *mut u8;
-        if write {
-            q.write(off, buf, bs, slot, ReqFlags::empty());
-        } else {
-            q.read(off, buf, bs, slot, ReqFlags::empty());
-        }
-    };
-    let next = |rng: &mut Rng, seq: &mut u64| -> (u64, bool) {
-        let blk = match args.rw {
-            Rw::Read | Rw::Write => {
-                *seq += 1;
-                *seq
-            }
-            _ => rng.next(),
-        };
-        let write = match args.rw {
-            Rw::Write | Rw::Randwrite => true,
-            Rw::Randrw => (rng.next() % 100) as u32 >= args.rwmixread,
-            _ => false,
-        };
-        (blk, write)
-    };
     let start = Instant::now();
     let (from, end) = (start + warm, start + dur);
     for (slot, t) in issued.iter_mut().enumerate() {
-        let (blk, write) = next(rng, &mut seq);
+        let (blk, write) = next_request(args, rng, &mut seq);
         *t = Instant::now();
-        issue(&mut side.q, slot, blk, write);
+        side.issue(args.bs, slot, blk, write);
     }
     let mut in_flight = args.iodepth;
     let (mut ios, mut lat_ns, mut errors) = (0u64, 0u128, 0u64);
@@ -180,9 +193,9 @@ fn slice(
                 lat_ns += (now - issued[slot]).as_nanos();
             }
             if now < end {
-                let (blk, write) = next(rng, &mut seq);
+                let (blk, write) = next_request(args, rng, &mut seq);
                 issued[slot] = Instant::now();
-                issue(&mut side.q, slot, blk, write);
+                side.issue(args.bs, slot, blk, write);
                 in_flight += 1;
             }
         }
@@ -231,7 +244,7 @@ fn median_ci(xs: &[f64]) -> Ratio {
 }
 
 /// Runs the A/B measurement: `--socket` is A, `--compare` is B.
-pub fn run_ab(args: &Args, b_socket: &str) -> Result<AbReport, String> {
+pub fn run_ab(args: &Args, b_socket: &str) -> Result<AbReport, BenchError> {
     let mut a = open(&args.socket, args)?;
     let mut b = open(b_socket, args)?;
     let dur = Duration::from_millis(args.slice_ms);
@@ -266,9 +279,7 @@ pub fn run_ab(args: &Args, b_socket: &str) -> Result<AbReport, String> {
         .filter(|s| s.iter().all(|&x| x > 0.0))
         .collect();
     if valid.is_empty() {
-        return Err(format!(
-            "no pair of slices completed requests on both sides ({errors} requests failed)"
-        ));
+        return Err(BenchError::NoPairs { errors });
     }
     let col = |i: usize| -> Vec<f64> { valid.iter().map(|s| s[i]).collect() };
     let iops_ratio: Vec<f64> = valid.iter().map(|s| s[0] / s[1]).collect();

@@ -33,8 +33,26 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1)
         .clamp(1, QSIZE as u64 / 3);
+    let mem = guest_memory();
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let j = journal.then(|| new_journal(dir.path()));
+    let mut vq = JournaledQueue::new(queue(), j);
+    let host = HostMap::new(&mem);
+    let start = std::time::Instant::now();
+    run_rounds(&mem, &host, &mut vq, n, batch);
+    let el = start.elapsed();
+    println!(
+        "{} requests in rounds of {batch}, journal {}: {:.1} ns per request",
+        n / batch * batch,
+        if journal { "on" } else { "off" },
+        el.as_nanos() as f64 / n as f64
+    );
+}
+
+/// Guest memory holding QSIZE / 3 prepared 3-descriptor requests (header, 4 KiB data,
+/// status), as libblkio builds them.
+fn guest_memory() -> GuestMemory {
     let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap();
-    // 3-descriptor requests (header, 4 KiB data, status), as libblkio builds them.
     for h in 0..QSIZE / 3 {
         let base = 0x40000 + h as u64 * 0x2000;
         let d = 3 * h;
@@ -55,31 +73,40 @@ fn main() {
                 .unwrap();
         }
     }
+    mem
+}
+
+/// A ready queue of QSIZE entries on the rings at DESC, AVAIL and USED.
+fn queue() -> Queue {
     let mut q = Queue::new(QSIZE).unwrap();
     q.set_size(QSIZE);
     q.set_desc_table_address(Some(DESC as u32), Some(0));
     q.set_avail_ring_address(Some(AVAIL as u32), Some(0));
     q.set_used_ring_address(Some(USED as u32), Some(0));
     q.set_ready(true);
-    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let j = journal.then(|| {
-        let (mut j, _) =
-            Journal::open_or_create(dir.path(), uuid::Uuid::new_v4(), 0, QSIZE).unwrap();
-        j.new_generation(
-            QSIZE,
-            RingAddrs {
-                desc: DESC,
-                avail: AVAIL,
-                used: USED,
-            },
-            0,
-            0,
-        )
-        .unwrap();
-        j
-    });
-    let mut vq = JournaledQueue::new(q, j);
-    let host = HostMap::new(&mem);
+    q
+}
+
+/// A fresh journal in `dir` for those rings.
+fn new_journal(dir: &std::path::Path) -> Journal {
+    let (mut j, _) = Journal::open_or_create(dir, uuid::Uuid::new_v4(), 0, QSIZE).unwrap();
+    j.new_generation(
+        QSIZE,
+        RingAddrs {
+            desc: DESC,
+            avail: AVAIL,
+            used: USED,
+        },
+        0,
+        0,
+    )
+    .unwrap();
+    j
+}
+
+/// Runs `n / batch` rounds: the guest offers `batch` requests, the queue takes and parses
+/// them, writes their status and completes them as one batch.
+fn run_rounds(mem: &GuestMemory, host: &HostMap, vq: &mut JournaledQueue, n: u64, batch: u64) {
     let limits = Limits {
         capacity_sectors: 1 << 20,
         read_only: false,
@@ -87,7 +114,6 @@ fn main() {
         max_discard_segs: 1,
         max_discard_sectors: 1,
     };
-    let start = std::time::Instant::now();
     let mut avail: u16 = 0;
     let mut done = Vec::with_capacity(batch as usize);
     for round in 0..n / batch {
@@ -100,8 +126,8 @@ fn main() {
             avail = avail.wrapping_add(1);
         }
         mem.write_obj(avail, GuestAddress(AVAIL + 2)).unwrap();
-        while let Some(h) = vq.pop(&host, &mut |_| {}).unwrap() {
-            let req = parse(h, vq.chain(&host, h), &host, &limits).unwrap();
+        while let Some(h) = vq.pop(host, &mut |_| {}).unwrap() {
+            let req = parse(h, vq.chain(host, h), host, &limits).unwrap();
             host.write(req.status.0, &[0u8]);
             done.push((h, 4097));
         }
@@ -111,14 +137,7 @@ fn main() {
             batch,
             "a round takes what the guest offered"
         );
-        vq.complete_batch(&host, &done, &mut |_| {}).unwrap();
+        vq.complete_batch(host, &done, &mut |_| {}).unwrap();
         done.clear();
     }
-    let el = start.elapsed();
-    println!(
-        "{} requests in rounds of {batch}, journal {}: {:.1} ns per request",
-        n / batch * batch,
-        if journal { "on" } else { "off" },
-        el.as_nanos() as f64 / n as f64
-    );
 }

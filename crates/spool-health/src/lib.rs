@@ -10,6 +10,9 @@
 //! the workers obey the state in each device's [`DeviceHealth`] cell (hold while resetting,
 //! fail while isolated, resubmit when healthy again). Replacing a failed device is the
 //! control plane's job; it tells the monitor with [`Monitor::replace`].
+//!
+//! This file owns the monitor (its thread, the watched devices, counters, the event log,
+//! listeners and the hook); one step of a device's state machine is in `machine.rs`.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,8 +20,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use spool_devices::{Device, ErrorClass, HealthState, Probe, Signal};
+use spool_devices::{Device, HealthState};
 use uuid::Uuid;
+
+mod machine;
+use machine::Emitted;
 
 /// How the monitor decides. The defaults are safe for real devices.
 #[derive(Debug, Clone)]
@@ -452,200 +458,6 @@ impl Monitor {
         }
         busy
     }
-
-    /// Runs one device's state machine; `emit` records events.
-    fn step(&self, w: &mut Watched, emit: &mut dyn FnMut(Emitted)) {
-        let health = w.dev.health().clone();
-        let (reports, dropped) = health.take_reports();
-        w.counters.dropped_reports += dropped;
-        let now = Instant::now();
-        let go = |w: &mut Watched, to: HealthState, why: String, emit: &mut dyn FnMut(Emitted)| {
-            let from = health.set(to);
-            if from != to {
-                w.changed = now;
-                w.reason = why.clone();
-                emit(Emitted {
-                    from: from.name(),
-                    to: to.name(),
-                    reason: why,
-                    kind: "state",
-                });
-            }
-        };
-        for r in &reports {
-            let what = match r.signal {
-                Signal::Errno(e) => errno_text(e),
-                Signal::Timeout => format!("no completion within {:?}", self.policy.io_timeout),
-            };
-            let at = format!(
-                "{} of {} bytes at {}",
-                if r.write { "write" } else { "read" },
-                r.len,
-                r.offset
-            );
-            w.last_error = Some(format!("{}: {what} ({at})", r.class().name()));
-            match (r.class(), r.signal) {
-                (_, Signal::Timeout) => w.counters.timeouts += 1,
-                (ErrorClass::Media, _) => w.counters.media_errors += 1,
-                (ErrorClass::Path, _) => w.counters.path_errors += 1,
-                (ErrorClass::Gone, _) => w.counters.gone_errors += 1,
-                (ErrorClass::Request, _) => w.counters.request_errors += 1,
-            }
-            let state = health.state();
-            if state.isolated() {
-                continue;
-            }
-            match r.class() {
-                ErrorClass::Media
-                    if w.counters.media_errors >= self.policy.media_errors_to_fail as u64 =>
-                {
-                    go(
-                        w,
-                        HealthState::Failed,
-                        format!("media error: {what} on {at}; replace the device (`spoolctl device replace`); volumes on it fail I/O until then and their data is lost unless mirrored"),
-                        emit,
-                    );
-                }
-                ErrorClass::Gone => go(
-                    w,
-                    HealthState::Removed,
-                    format!("device gone: {what} on {at}"),
-                    emit,
-                ),
-                ErrorClass::Path if w.reset_started.is_none() => {
-                    // The worker that saw it already holds I/O (Healthy → Resetting).
-                    health.transition(HealthState::Healthy, HealthState::Resetting);
-                    self.begin_reset(w, now, format!("path error: {what} on {at}"), emit);
-                }
-                _ => {}
-            }
-        }
-        match health.state() {
-            HealthState::Resetting => {
-                if w.reset_started.is_none() {
-                    self.begin_reset(w, now, "reset requested".into(), emit);
-                }
-                let started = w.reset_started.unwrap_or(now);
-                if now < w.next_probe {
-                    return;
-                }
-                match w.dev.probe() {
-                    Probe::Ok => {
-                        w.counters.resets += 1;
-                        w.reset_started = None;
-                        go(
-                            w,
-                            HealthState::Healthy,
-                            format!(
-                                "reset done in {:.1} ms; held requests are resubmitted",
-                                started.elapsed().as_secs_f64() * 1e3
-                            ),
-                            emit,
-                        );
-                    }
-                    Probe::Gone(why) => {
-                        w.reset_started = None;
-                        go(w, HealthState::Removed, format!("device gone: {why}"), emit);
-                    }
-                    Probe::Failed(e) => {
-                        w.counters.failed_probes += 1;
-                        if now.duration_since(started) >= self.policy.reset_timeout {
-                            w.reset_started = None;
-                            go(
-                                w,
-                                HealthState::Failed,
-                                format!(
-                                    "did not come back within {:?} of resetting (last probe: {}); replace it",
-                                    self.policy.reset_timeout,
-                                    errno_text(e)
-                                ),
-                                emit,
-                            );
-                        } else {
-                            w.next_probe = now + w.probe_backoff;
-                            w.probe_backoff = (w.probe_backoff * 2).min(MAX_BACKOFF);
-                        }
-                    }
-                }
-            }
-            HealthState::Healthy => {
-                w.reset_started = None;
-                let smart = w.dev.smart_warning();
-                if smart != w.smart_seen {
-                    w.smart_seen = smart;
-                    if smart & SMART_FATAL != 0 {
-                        go(
-                            w,
-                            HealthState::Failed,
-                            format!("SMART critical warning 0x{smart:02x} ({}); the medium is wearing out: replace the device", smart_text(smart)),
-                            emit,
-                        );
-                        return;
-                    } else if smart & SMART_WARN != 0 {
-                        emit(Emitted {
-                            from: "healthy",
-                            to: "healthy",
-                            reason: format!(
-                                "SMART critical warning 0x{smart:02x} ({}); not isolating",
-                                smart_text(smart)
-                            ),
-                            kind: "warning",
-                        });
-                    }
-                }
-                if now.duration_since(w.last_poll) >= self.policy.poll_interval {
-                    w.last_poll = now;
-                    if let Probe::Gone(why) = w.dev.presence() {
-                        go(w, HealthState::Removed, format!("device gone: {why}"), emit);
-                    }
-                }
-            }
-            HealthState::Failed => {
-                // A failed device can still be pulled: a hot removal must be seen (and, for
-                // NVMe, answered by letting go of the device) whatever state it is in.
-                if now.duration_since(w.last_poll) >= self.policy.poll_interval {
-                    w.last_poll = now;
-                    if let Probe::Gone(why) = w.dev.presence() {
-                        go(w, HealthState::Removed, format!("device gone: {why}"), emit);
-                    }
-                }
-            }
-            HealthState::Removed => {}
-        }
-    }
-
-    fn begin_reset(
-        &self,
-        w: &mut Watched,
-        now: Instant,
-        why: String,
-        emit: &mut dyn FnMut(Emitted),
-    ) {
-        w.reset_started = Some(now);
-        w.next_probe = now;
-        w.probe_backoff = FIRST_BACKOFF;
-        w.changed = now;
-        w.reason = format!("{why}; resetting");
-        emit(Emitted {
-            from: "healthy",
-            to: "resetting",
-            reason: w.reason.clone(),
-            kind: "state",
-        });
-        // A device with a controller of ours (NVMe) is really reset; the probes that follow
-        // say whether it came back. Files and block devices are only probed.
-        if let Some(Err(e)) = w.dev.reset_controller() {
-            tracing::warn!(path = %w.dev.path().display(), error = %e, "controller reset failed; probing until reset_timeout");
-        }
-    }
-}
-
-/// An event as the state machine produces it (the log adds device, time and sequence).
-struct Emitted {
-    from: &'static str,
-    to: &'static str,
-    reason: String,
-    kind: &'static str,
 }
 
 impl Drop for Monitor {

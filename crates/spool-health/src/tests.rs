@@ -2,7 +2,7 @@
 //! injected faults: each row feeds one signal and asserts the state the monitor moves to.
 
 use super::*;
-use spool_devices::{ErrorReport, FaultEffect, FaultOps, FaultRule, OpenOptions};
+use spool_devices::{ErrorReport, FaultEffect, FaultOps, FaultRule, OpenOptions, Signal};
 
 fn device(dir: &tempfile::TempDir, name: &str) -> Arc<Device> {
     Arc::new(

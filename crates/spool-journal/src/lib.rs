@@ -6,6 +6,10 @@
 //! found on start-up (magic, version, queue size, checksum of the static part), and the
 //! lifecycle of journal files (create, new generation, delete).
 //!
+//! The steps of Algorithm 1 are in `steps.rs`, Algorithm 2 in `recover.rs`, the files on
+//! disk (names, private directory and files) in `files.rs`, the replay record in `replay.rs`;
+//! this file owns the layout, validation and generations.
+//!
 //! Must not know: virtio ring layouts, guest memory or devices. It sees descriptor heads and
 //! 16-bit ring indices only; the frontend maps these onto the virtqueue.
 //!
@@ -19,14 +23,20 @@
 //! needed barrier. A process crash does not lose stores that were issued: the memory is a
 //! shared file mapping.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use uuid::Uuid;
 
+mod files;
+mod recover;
 mod replay;
+mod steps;
+
+use files::open_private;
+pub use files::{ensure_private_dir, journal_path, remove_volume_journals};
+pub use recover::{Recovery, RecoveryStep};
 pub use replay::ReplayRecord;
 
 /// Magic at offset 0.
@@ -100,32 +110,6 @@ pub struct Header {
     pub rings: RingAddrs,
 }
 
-/// What Algorithm 2 found and repaired.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Recovery {
-    /// Where to continue taking requests from the avail ring.
-    pub last_avail: u16,
-    /// The used index, synchronised with the ring's.
-    pub used_idx: u16,
-    /// Heads to resubmit, oldest first (by the avail index they were taken at).
-    pub inflight: Vec<u16>,
-    /// A START transaction was finished (its request recorded INFLIGHT).
-    pub finished_start: bool,
-    /// DONE requests rolled back to INFLIGHT (their completion had not reached the ring).
-    pub rolled_back: usize,
-    /// DONE requests rolled forward to NONE (their completion had reached the ring).
-    pub rolled_forward: usize,
-}
-
-/// Places Algorithm 2 can be interrupted (for the crash-point tests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecoveryStep {
-    FinishStartMarked,
-    FinishStartState,
-    DoneRepaired(u16),
-    UsedSynced,
-}
-
 /// A journal mapped into this process.
 pub struct Journal {
     path: PathBuf,
@@ -139,140 +123,6 @@ pub struct Journal {
 // thread-bound state; it is accessed through atomics, and the static header only through
 // `&mut self` or before any other thread sees the journal.
 unsafe impl Send for Journal {}
-
-/// File name of a queue's journal.
-pub fn journal_path(dir: &Path, volume: Uuid, queue: u16) -> PathBuf {
-    dir.join(format!("spool-{}-q{queue}.journal", volume.simple()))
-}
-
-/// Removes every journal of a volume (the volume was deleted).
-pub fn remove_volume_journals(dir: &Path, volume: Uuid) {
-    let prefix = format!("spool-{}-q", volume.simple());
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            if e.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-}
-
-/// Makes sure `dir` is a directory only spoold's user can write: creates it (mode 0700) when
-/// missing; refuses a symlink, a non-directory, a directory owned by another user or one that
-/// group or others may write (a local user who created it first could plant symlinks, forge
-/// journals for recovery to replay, or truncate live ones). A private directory of our own
-/// with looser read bits is tightened to 0700.
-pub fn ensure_private_dir(dir: &Path) -> Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let bad = |why: String| Error::NotPrivate {
-        path: dir.display().to_string(),
-        why,
-    };
-    let io = |e| Error::Io {
-        path: dir.display().to_string(),
-        source: e,
-    };
-    if std::fs::symlink_metadata(dir).is_err() {
-        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(io)?;
-        }
-        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io(e)),
-        }
-    }
-    let m = std::fs::symlink_metadata(dir).map_err(io)?;
-    if m.file_type().is_symlink() {
-        return Err(bad("is a symbolic link".into()));
-    }
-    if !m.is_dir() {
-        return Err(bad("is not a directory".into()));
-    }
-    // SAFETY: geteuid has no preconditions and touches no memory.
-    let me = unsafe { libc::geteuid() };
-    if m.uid() != me {
-        return Err(bad(format!(
-            "is owned by uid {}, not by spoold's uid {me} (another user may have created it \
-             first; remove it and spoold creates it itself)",
-            m.uid()
-        )));
-    }
-    if m.mode() & 0o022 != 0 {
-        return Err(bad(format!(
-            "is writable by group or others (mode {:o}); make it 0700",
-            m.mode() & 0o7777
-        )));
-    }
-    if m.mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-    }
-    Ok(())
-}
-
-/// Opens a journal file without following symlinks: an existing one must be a regular file
-/// of spoold's user with one link and no access for others; a new one is created exclusively
-/// (mode 0600), so nothing planted in its place is ever written through.
-fn open_private(path: &Path) -> Result<File> {
-    use std::os::unix::fs::MetadataExt;
-    let io = |e| Error::Io {
-        path: path.display().to_string(),
-        source: e,
-    };
-    let open = |create: bool| {
-        let mut o = OpenOptions::new();
-        o.read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
-        if create {
-            o.create_new(true).mode(0o600);
-        }
-        o.open(path)
-    };
-    let file = match open(false) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match open(true) {
-            Ok(f) => f,
-            // Created by someone else between the two opens: check that one.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => open(false).map_err(io)?,
-            Err(e) => return Err(io(e)),
-        },
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(Error::NotPrivate {
-                path: path.display().to_string(),
-                why: "is a symbolic link".into(),
-            })
-        }
-        Err(e) => return Err(io(e)),
-    };
-    let m = file.metadata().map_err(io)?;
-    // SAFETY: geteuid has no preconditions and touches no memory.
-    let me = unsafe { libc::geteuid() };
-    let why = if !m.is_file() {
-        Some("is not a regular file".to_string())
-    } else if m.uid() != me {
-        Some(format!(
-            "is owned by uid {}, not spoold's uid {me}",
-            m.uid()
-        ))
-    } else if m.nlink() != 1 {
-        Some(format!("has {} hard links", m.nlink()))
-    } else if m.mode() & 0o077 != 0 {
-        Some(format!(
-            "is accessible by group or others (mode {:o})",
-            m.mode() & 0o7777
-        ))
-    } else {
-        None
-    };
-    match why {
-        Some(why) => Err(Error::NotPrivate {
-            path: path.display().to_string(),
-            why,
-        }),
-        None => Ok(file),
-    }
-}
 
 /// A journal's slots are indexed by head masked with `queue_size - 1`: only a power of two
 /// keeps every head inside the mapping.
@@ -547,149 +397,6 @@ impl Journal {
     pub fn has_work(&self) -> bool {
         let (state, _, _) = unpack_aux(self.aux_atomic().load(Ordering::Acquire));
         state == AUX_START || (0..self.queue_size).any(|h| self.state(h) != ReqState::None)
-    }
-
-    // ---- Algorithm 1 -------------------------------------------------------------------
-
-    /// Steps 2–5: one 64-bit store of {START, taken_at + 1, head}, where `taken_at` is the
-    /// avail index the head was read at (the journal's `last_avail`). From here on the request
-    /// cannot be lost: recovery finishes the transaction. The store replaces the whole `aux`
-    /// word, so it also finishes the previous take's transaction (whose head is INFLIGHT by
-    /// then): see [`Journal::take_finish`].
-    #[inline]
-    pub fn take_begin(&self, head: u16, taken_at: u16) {
-        self.aux_atomic().store(
-            pack_aux(AUX_START, taken_at.wrapping_add(1), head),
-            Ordering::Relaxed,
-        );
-        fence(Ordering::Release);
-    }
-
-    /// Step 6: the request is INFLIGHT, with the avail index it was taken at (recovery
-    /// resubmits oldest first).
-    #[inline]
-    pub fn take_mark_inflight(&self, head: u16, taken_at: u16) {
-        self.slot(head).store(
-            ReqState::Inflight as u32 | ((taken_at as u32) << 16),
-            Ordering::Relaxed,
-        );
-        fence(Ordering::Release);
-    }
-
-    /// Step 7: the transaction is FINISHED. Needed once per batch of takes, not per take: the
-    /// next take's step 2–5 store finishes the previous transaction as well (a START naming
-    /// a head that is already INFLIGHT is finished by recovery without effect). What step 7
-    /// must precede is the completion of the head the `aux` word names: with START still
-    /// naming it, recovery would mark that head INFLIGHT again after its completion reached
-    /// the guest, and complete it twice.
-    #[inline]
-    pub fn take_finish(&self) {
-        let (_, last, head) = unpack_aux(self.aux_atomic().load(Ordering::Relaxed));
-        self.aux_atomic()
-            .store(pack_aux(AUX_FINISHED, last, head), Ordering::Relaxed);
-        fence(Ordering::Release);
-    }
-
-    /// Step 10: the journal's used index moves ahead of the ring's.
-    #[inline]
-    pub fn complete_begin(&self) {
-        self.complete_begin_n(1)
-    }
-
-    /// Step 10 for a batch of `n` completions published by one used-index update: the
-    /// journal's used index moves to where the ring's will be once the batch is published.
-    #[inline]
-    pub fn complete_begin_n(&self, n: u16) {
-        let u = self.used_atomic().load(Ordering::Relaxed);
-        self.used_atomic()
-            .store(u.wrapping_add(n), Ordering::Relaxed);
-        fence(Ordering::Release);
-    }
-
-    /// Step 11: the request is DONE (its completion is about to be put in the used ring).
-    #[inline]
-    pub fn complete_mark_done(&self, head: u16) {
-        let s = self.slot(head);
-        s.store(
-            (s.load(Ordering::Relaxed) & !0xff) | ReqState::Done as u32,
-            Ordering::Relaxed,
-        );
-        fence(Ordering::Release);
-    }
-
-    /// Step 14: the completion reached the used ring; the head is free.
-    #[inline]
-    pub fn complete_mark_none(&self, head: u16) {
-        self.slot(head).store(0, Ordering::Relaxed);
-        fence(Ordering::Release);
-    }
-
-    // ---- Algorithm 2 -------------------------------------------------------------------
-
-    /// Repairs the journal against the ring's used index and lists the requests to resubmit.
-    /// `hook` is called after each repairing store (crash-point tests); it is idempotent to
-    /// run recovery again after an interruption.
-    pub fn recover(&self, ring_used_idx: u16, hook: &mut dyn FnMut(RecoveryStep)) -> Recovery {
-        let mut r = Recovery {
-            last_avail: 0,
-            used_idx: ring_used_idx,
-            inflight: Vec::new(),
-            finished_start: false,
-            rolled_back: 0,
-            rolled_forward: 0,
-        };
-        // Lines 1-4: finish an interrupted take.
-        let (state, last, head) = unpack_aux(self.aux_atomic().load(Ordering::Acquire));
-        if state == AUX_START {
-            if self.state(head) == ReqState::None {
-                self.slot(head).store(
-                    ReqState::Inflight as u32 | ((last.wrapping_sub(1) as u32) << 16),
-                    Ordering::Relaxed,
-                );
-                fence(Ordering::Release);
-            }
-            hook(RecoveryStep::FinishStartMarked);
-            self.aux_atomic()
-                .store(pack_aux(AUX_FINISHED, last, head), Ordering::Relaxed);
-            fence(Ordering::Release);
-            hook(RecoveryStep::FinishStartState);
-            r.finished_start = true;
-        }
-        r.last_avail = last;
-        // Lines 5-6: DONE requests are rolled forward when their completion reached the ring
-        // (journal used index == ring used index), back to INFLIGHT otherwise.
-        let jused = self.used_idx();
-        let forward = jused == ring_used_idx;
-        for h in 0..self.queue_size {
-            if self.state(h) == ReqState::Done {
-                let s = self.slot(h);
-                let v = s.load(Ordering::Relaxed);
-                if forward {
-                    s.store(0, Ordering::Relaxed);
-                    r.rolled_forward += 1;
-                } else {
-                    s.store((v & !0xff) | ReqState::Inflight as u32, Ordering::Relaxed);
-                    r.rolled_back += 1;
-                }
-                fence(Ordering::Release);
-                hook(RecoveryStep::DoneRepaired(h));
-            }
-        }
-        // Line 8: the ring's used index is authoritative.
-        self.used_atomic().store(ring_used_idx, Ordering::Relaxed);
-        fence(Ordering::Release);
-        hook(RecoveryStep::UsedSynced);
-        // Line 9: everything INFLIGHT is resubmitted, oldest first.
-        let mut inflight: Vec<(u16, u16)> = (0..self.queue_size)
-            .filter(|&h| self.state(h) == ReqState::Inflight)
-            .map(|h| {
-                let taken_at = (self.slot(h).load(Ordering::Relaxed) >> 16) as u16;
-                (last.wrapping_sub(taken_at), h)
-            })
-            .collect();
-        inflight.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        r.inflight = inflight.into_iter().map(|(_, h)| h).collect();
-        r
     }
 }
 

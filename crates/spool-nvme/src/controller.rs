@@ -2,14 +2,27 @@
 //! creation for workers, synchronous I/O for pool metadata, health log pages.
 //!
 //! Only namespace 1 is used (a pool device is one namespace, as with a file).
+//!
+//! This module owns the controller's registers, bring-up, reset and admin command loop; the
+//! rest of its life is split by job: `takeover` (controllers the previous worker left),
+//! `admin_pages` (identify and log pages), `queues` (I/O queue pairs for workers) and
+//! `sync_io` (metadata I/O). It must not know pools, volumes or the keeper's protocol.
 
-use std::collections::HashMap;
+mod admin_pages;
+mod queues;
+mod sync_io;
+mod takeover;
+
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Once, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+pub use admin_pages::{ErrorLogEntry, SmartLog};
+use sync_io::SyncIo;
+use takeover::Prepared;
+
 use crate::arena::Arena;
-use crate::spec::{self, admin, io, le16, le32, le64, Cap, Sqe, Status};
+use crate::spec::{self, admin, Cap, Sqe};
 use crate::vfio::{Bar, Container, Device};
 use crate::{DmaBuf, Error, QueuePair, Result, PAGE};
 
@@ -43,29 +56,6 @@ pub struct NamespaceInfo {
     pub blocks: u64,
 }
 
-/// SMART / Health Information log (log page 0x02), the fields the health layer reads.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SmartLog {
-    pub critical_warning: u8,
-    /// Kelvin.
-    pub temperature: u16,
-    pub available_spare: u8,
-    pub percentage_used: u8,
-    pub media_errors: u64,
-    pub error_log_entries: u64,
-}
-
-/// One Error Information log entry (log page 0x01).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ErrorLogEntry {
-    pub error_count: u64,
-    pub sqid: u16,
-    pub cid: u16,
-    pub status: Status,
-    pub lba: u64,
-    pub nsid: u32,
-}
-
 struct Admin {
     qp: QueuePair,
     /// Arena page 3: identify data and log pages.
@@ -75,11 +65,6 @@ struct Admin {
 // SAFETY: `buf` points into the controller's arena, which lives as long as the controller;
 // the admin lock serialises its use.
 unsafe impl Send for Admin {}
-
-struct SyncIo {
-    qp: QueuePair,
-    buf: DmaBuf,
-}
 
 /// An enabled controller.
 pub struct Controller {
@@ -132,26 +117,6 @@ const RESUME_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest transfer per command: one PRP list page describes 512 pages plus PRP1.
 const PRP_LIMIT: u64 = 512 * PAGE;
 
-/// A controller the previous worker left, prepared by [`take_over_all`].
-enum Prepared {
-    /// Re-attached to the live admin queue; the old I/O queues are deleted.
-    Attached {
-        dev: Device,
-        bar: Bar,
-        arena: Arena,
-        admin: QueuePair,
-    },
-    /// Could not re-attach (why): reset it, reusing the kept descriptor and arena.
-    Reset {
-        dev: Device,
-        arena: Option<Arena>,
-        why: String,
-    },
-}
-
-static PREPARED: Mutex<Option<HashMap<String, Prepared>>> = Mutex::new(None);
-static TAKEOVER: Once = Once::new();
-
 fn admin_qp(arena: &Arena, resume: bool, bar: *mut u8, stride: usize) -> QueuePair {
     // SAFETY: pages 1 and 2 of the arena hold the admin SQ (32 × 64 bytes) and CQ (32 × 16
     // bytes), the header's mirror is in page 0; the arena outlives the queue pair (the
@@ -170,201 +135,16 @@ fn admin_qp(arena: &Arena, resume: bool, bar: *mut u8, stride: usize) -> QueuePa
     }
 }
 
-/// Takes over every controller the previous worker deposited: re-attaches to each live admin
-/// queue, deletes the previous worker's I/O queues (the controller aborts what they held),
-/// then clears the previous worker's DMA mappings of guest and bounce memory. Runs once,
-/// before any controller is opened.
-fn take_over_all() {
-    let bdfs = crate::handoff::offered_controllers();
-    if bdfs.is_empty() {
-        return;
-    }
-    let container = match Container::get() {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot take the kept VFIO container over; controllers will be reopened and reset");
-            return;
-        }
-    };
-    let mut out = HashMap::new();
-    for bdf in bdfs {
-        let Some((value, mut files)) = crate::handoff::take(&crate::handoff::ctrl_key(&bdf)) else {
-            continue;
-        };
-        let t = Instant::now();
-        let iova = serde_iova(&value);
-        let arena_file = if files.len() == 2 { files.pop() } else { None };
-        let Some(dev_file) = files.pop() else {
-            continue;
-        };
-        let dev = match Device::open(&bdf, Some(dev_file)) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::error!(controller = %bdf, error = %e, "cannot reuse the kept device descriptor");
-                continue;
-            }
-        };
-        let arena = match (arena_file, iova) {
-            (Some(f), Some(iova)) => match Arena::restore(f, iova) {
-                Ok(a) => Some(a),
-                Err(e) => {
-                    tracing::warn!(controller = %bdf, error = %e, "kept arena unusable");
-                    None
-                }
-            },
-            _ => None,
-        };
-        let p = match arena {
-            None => Prepared::Reset {
-                dev,
-                arena: None,
-                why: "no usable arena was kept".into(),
-            },
-            Some(arena) => match attach(&bdf, &dev, &arena) {
-                Ok((bar, admin)) => {
-                    tracing::info!(controller = %bdf, ms = format!("{:.2}", t.elapsed().as_secs_f64() * 1e3),
-                        "re-attached to the live controller (no reset); the previous worker's I/O queues are deleted");
-                    Prepared::Attached {
-                        dev,
-                        bar,
-                        arena,
-                        admin,
-                    }
-                }
-                Err(why) => Prepared::Reset {
-                    dev,
-                    arena: Some(arena),
-                    why,
-                },
-            },
-        };
-        out.insert(bdf, p);
-    }
-    if container.restored {
-        if let Err(e) = crate::dma::remap_all_after_takeover(&container) {
-            tracing::error!(error = %e, "cannot map registered memory after the takeover");
-        }
-    }
-    *PREPARED.lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
-}
-
-fn serde_iova(value: &str) -> Option<u64> {
-    // The kept value is `{"arena_iova":N}`.
-    let v = value.split("\"arena_iova\":").nth(1)?;
-    v.trim_end_matches('}').trim().parse().ok()
-}
-
-/// Re-attaches to a live controller's admin queue and deletes its I/O queues.
-fn attach(bdf: &str, dev: &Device, arena: &Arena) -> std::result::Result<(Bar, QueuePair), String> {
-    let bar = dev.map_bar(0).map_err(|e| e.to_string())?;
-    // SAFETY: register offsets inside the BAR (NVMe BAR0 is at least 8 KiB; checked below).
-    let rd32 = |at: usize| unsafe { bar.ptr.add(at).cast::<u32>().read_volatile() };
-    if bar.len < 0x2000 {
-        return Err("BAR0 too small".into());
-    }
-    let (cc, csts) = (rd32(spec::REG_CC), rd32(spec::REG_CSTS));
-    if csts == u32::MAX {
-        return Err("registers read all ones".into());
-    }
-    if cc & spec::CC_EN == 0 || csts & spec::CSTS_RDY == 0 || csts & spec::CSTS_CFS != 0 {
-        return Err(format!(
-            "controller not running (CC {cc:#x}, CSTS {csts:#x})"
-        ));
-    }
-    let cap = Cap::decode(rd32(spec::REG_CAP) as u64 | (rd32(spec::REG_CAP + 4) as u64) << 32);
-    let mut admin = admin_qp(arena, true, bar.ptr, cap.doorbell_stride);
-    let left = arena
-        .header()
-        .admin
-        .outstanding
-        .load(std::sync::atomic::Ordering::Acquire);
-    if admin.resume(RESUME_TIMEOUT).is_none() {
-        return Err(format!(
-            "{left} admin commands of the previous worker did not complete"
-        ));
-    }
-    let csts_fn = || rd32(spec::REG_CSTS);
-    for qid in arena.header().live_qids() {
-        for (op, what) in [
-            (admin::DELETE_SQ, "delete old I/O submission queue"),
-            (admin::DELETE_CQ, "delete old I/O completion queue"),
-        ] {
-            match Controller::run_sync(
-                bdf,
-                &mut admin,
-                Sqe {
-                    cdw10: qid as u32,
-                    ..Sqe::new(op, 0)
-                },
-                what,
-                &csts_fn,
-            ) {
-                Ok(_) | Err(Error::Command { .. }) => {}
-                Err(e) => return Err(format!("{what} {qid}: {e}")),
-            }
-        }
-        arena.header().set_qid(qid, false);
-    }
-    Ok((bar, admin))
-}
-
 impl Controller {
     /// Opens the controller at PCI address `bdf` (bound to vfio-pci) and identifies
     /// namespace 1. A controller the previous worker left running (kept by the keeper) is
     /// taken over without a reset; any other is reset and enabled.
     pub fn open(bdf: &str) -> Result<Arc<Controller>> {
-        TAKEOVER.call_once(take_over_all);
+        takeover::take_over_once();
         let bdf = crate::vfio::parse_bdf(bdf)?;
-        let prepared = PREPARED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_mut()
-            .and_then(|m| m.remove(&bdf));
-        let (dev, bar, arena, admin, attached) = match prepared {
-            Some(Prepared::Attached {
-                dev,
-                bar,
-                arena,
-                admin,
-            }) => (dev, bar, arena, Some(admin), true),
-            Some(Prepared::Reset { dev, arena, why }) => {
-                tracing::warn!(controller = %bdf, why = %why, "cannot re-attach to the controller the previous worker left: resetting it");
-                let bar = dev.map_bar(0)?;
-                let arena = match arena {
-                    Some(a) => a,
-                    None => Arena::create(&*Container::get()?)?,
-                };
-                (dev, bar, arena, None, false)
-            }
-            None => {
-                let dev = Device::open(&bdf, None)?;
-                let bar = dev.map_bar(0)?;
-                let arena = Arena::create(&*Container::get()?)?;
-                (dev, bar, arena, None, false)
-            }
-        };
+        let (dev, bar, arena, admin, attached) = Self::take_device(&bdf)?;
         dev.enable_bus_master()?;
-        if bar.len < 0x2000 {
-            return Err(Error::Invalid(format!(
-                "{bdf}: BAR0 is {} bytes, too small for NVMe",
-                bar.len
-            )));
-        }
-        let rd32 = |at: usize| -> u32 {
-            // SAFETY: `at` is a register offset inside the BAR (checked size above).
-            unsafe { bar.ptr.add(at).cast::<u32>().read_volatile() }
-        };
-        let cap_raw = rd32(spec::REG_CAP) as u64 | (rd32(spec::REG_CAP + 4) as u64) << 32;
-        if cap_raw == u64::MAX {
-            return Err(Error::Gone(bdf));
-        }
-        let cap = Cap::decode(cap_raw);
-        if !cap.nvm || cap.mps_min > PAGE {
-            return Err(Error::Invalid(format!(
-                "{bdf}: controller lacks the NVM command set or 4 KiB pages (CAP {cap_raw:#x})"
-            )));
-        }
-        let vs = rd32(spec::REG_VS);
+        let (cap, vs) = Self::check_registers(&bdf, &bar)?;
         let admin = Admin {
             qp: match admin {
                 Some(q) => q,
@@ -405,20 +185,83 @@ impl Controller {
             deallocate_commands: AtomicU64::new(0),
             write_zeroes_commands: AtomicU64::new(0),
         };
-        if !attached {
-            c.reset_and_enable()?;
+        c.bring_up(vs)?;
+        Ok(Arc::new(c))
+    }
+
+    /// The device, its BAR, its arena and (when taken over live) its running admin queue:
+    /// what the previous worker left of `bdf` if anything, else the device opened afresh.
+    /// The last element is true for a live takeover (no reset).
+    fn take_device(bdf: &str) -> Result<(Device, Bar, Arena, Option<QueuePair>, bool)> {
+        Ok(match takeover::take_prepared(bdf) {
+            Some(Prepared::Attached {
+                dev,
+                bar,
+                arena,
+                admin,
+            }) => (dev, bar, arena, Some(admin), true),
+            Some(Prepared::Reset { dev, arena, why }) => {
+                tracing::warn!(controller = %bdf, why = %why, "cannot re-attach to the controller the previous worker left: resetting it");
+                let bar = dev.map_bar(0)?;
+                let arena = match arena {
+                    Some(a) => a,
+                    None => Arena::create(&*Container::get()?)?,
+                };
+                (dev, bar, arena, None, false)
+            }
+            None => {
+                let dev = Device::open(bdf, None, crate::dma::map_all)?;
+                let bar = dev.map_bar(0)?;
+                let arena = Arena::create(&*Container::get()?)?;
+                (dev, bar, arena, None, false)
+            }
+        })
+    }
+
+    /// Checks that BAR0 holds an NVMe controller this driver can drive; returns its
+    /// capabilities and its version register.
+    fn check_registers(bdf: &str, bar: &Bar) -> Result<(Cap, u32)> {
+        if bar.len < 0x2000 {
+            return Err(Error::Invalid(format!(
+                "{bdf}: BAR0 is {} bytes, too small for NVMe",
+                bar.len
+            )));
         }
-        c.identify(!attached)?;
-        c.info.version = ((vs >> 16) as u16, (vs >> 8) as u8);
-        let qp = c.create_queue_pair(SYNC_DEPTH)?;
-        *c.sync.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(SyncIo {
+        let rd32 = |at: usize| -> u32 {
+            // SAFETY: `at` is a register offset inside the BAR (checked size above).
+            unsafe { bar.ptr.add(at).cast::<u32>().read_volatile() }
+        };
+        let cap_raw = rd32(spec::REG_CAP) as u64 | (rd32(spec::REG_CAP + 4) as u64) << 32;
+        if cap_raw == u64::MAX {
+            return Err(Error::Gone(bdf.to_string()));
+        }
+        let cap = Cap::decode(cap_raw);
+        if !cap.nvm || cap.mps_min > PAGE {
+            return Err(Error::Invalid(format!(
+                "{bdf}: controller lacks the NVM command set or 4 KiB pages (CAP {cap_raw:#x})"
+            )));
+        }
+        Ok((cap, rd32(spec::REG_VS)))
+    }
+
+    /// Resets and enables the controller unless it was taken over live, identifies it and
+    /// creates the synchronous queue; `vs` is its version register.
+    fn bring_up(&mut self, vs: u32) -> Result<()> {
+        let attached = self.attached;
+        if !attached {
+            self.reset_and_enable()?;
+        }
+        self.identify(!attached)?;
+        self.info.version = ((vs >> 16) as u16, (vs >> 8) as u8);
+        let qp = self.create_queue_pair(SYNC_DEPTH)?;
+        *self.sync.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(SyncIo {
             qp,
             buf: DmaBuf::new(SYNC_BUF)?,
         });
-        tracing::info!(controller = %bdf, model = %c.info.model, serial = %c.info.serial,
-            lba_size = c.ns.lba_size, blocks = c.ns.blocks, io_queues = c.info.io_queues,
-            max_transfer = c.info.max_transfer, sgl = c.info.sgl, attached, resets = c.resets(), "NVMe controller ready");
-        Ok(Arc::new(c))
+        tracing::info!(controller = %self.bdf, model = %self.info.model, serial = %self.info.serial,
+            lba_size = self.ns.lba_size, blocks = self.ns.blocks, io_queues = self.info.io_queues,
+            max_transfer = self.info.max_transfer, sgl = self.info.sgl, attached, resets = self.resets(), "NVMe controller ready");
+        Ok(())
     }
 
     /// True when this process took the controller over live from the previous worker.
@@ -593,92 +436,6 @@ impl Controller {
         }
     }
 
-    fn identify(&mut self, set_queues: bool) -> Result<()> {
-        let page = self.admin_page(
-            Sqe {
-                cdw10: 1,
-                ..Sqe::new(admin::IDENTIFY, 0)
-            },
-            "identify controller",
-        )?;
-        let mdts = page[77];
-        let max_transfer = if mdts == 0 {
-            PRP_LIMIT
-        } else {
-            (PAGE << mdts).min(PRP_LIMIT)
-        };
-        let mut info = ControllerInfo {
-            serial: spec::ascii(&page[4..24]),
-            model: spec::ascii(&page[24..64]),
-            firmware: spec::ascii(&page[64..72]),
-            max_transfer,
-            oncs: le16(&page, 520),
-            sgl: (le32(&page, 536) & 3) as u8,
-            write_cache: page[525] & 1 == 1,
-            max_queue_entries: self.cap.mqes,
-            ..ControllerInfo::default()
-        };
-        let nn = le32(&page, 516);
-        if nn == 0 {
-            return Err(Error::Invalid(format!(
-                "{}: controller has no namespaces",
-                self.bdf
-            )));
-        }
-        let ns = self.admin_page(
-            Sqe {
-                cdw10: 0,
-                ..Sqe::new(admin::IDENTIFY, 1)
-            },
-            "identify namespace 1",
-        )?;
-        let blocks = le64(&ns, 0);
-        let flbas = (ns[26] & 0xf) as usize;
-        let lbads = ns[128 + 4 * flbas + 2];
-        if blocks == 0 || !(9..=16).contains(&lbads) {
-            return Err(Error::Invalid(format!(
-                "{}: namespace 1 is not usable (size {blocks} blocks, LBA data size 2^{lbads})",
-                self.bdf
-            )));
-        }
-        let max_qid = self.qids.get_mut().unwrap_or_else(|p| p.into_inner()).len() as u32 - 1;
-        let want = max_qid.min(64);
-        let hdr = &self.arena.header().io_queues;
-        let kept = hdr.load(std::sync::atomic::Ordering::Acquire);
-        info.io_queues = if set_queues || kept == 0 {
-            // Number of Queues may be set once per controller reset.
-            self.set_queue_count(want)?
-        } else {
-            kept.min(want) as u16
-        };
-        hdr.store(info.io_queues as u32, std::sync::atomic::Ordering::Release);
-        let qids = self.qids.get_mut().unwrap_or_else(|p| p.into_inner());
-        qids.truncate(info.io_queues as usize + 1);
-        qids[0] = true;
-        self.info = info;
-        self.ns = NamespaceInfo {
-            nsid: 1,
-            lba_size: 1 << lbads,
-            blocks,
-        };
-        Ok(())
-    }
-
-    /// Runs an admin command that returns one 4 KiB page (PRP1 = the admin buffer).
-    fn admin_page(&self, mut sqe: Sqe, what: &'static str) -> Result<Vec<u8>> {
-        self.check_present()?;
-        let mut adm = self.admin.lock().unwrap_or_else(|p| p.into_inner());
-        let (ptr, iova) = adm.buf;
-        // SAFETY: arena page 3 is 4 KiB reserved for admin data; the admin lock is held.
-        unsafe { std::ptr::write_bytes(ptr, 0, PAGE as usize) };
-        sqe.prp1 = iova;
-        Self::run_sync(&self.bdf, &mut adm.qp, sqe, what, &|| {
-            self.rd32(spec::REG_CSTS)
-        })?;
-        // SAFETY: as above; the command has completed, the controller no longer writes it.
-        Ok(unsafe { std::slice::from_raw_parts(ptr, PAGE as usize) }.to_vec())
-    }
-
     pub fn bdf(&self) -> &str {
         &self.bdf
     }
@@ -750,306 +507,6 @@ impl Controller {
         // The keeper's copy of the descriptor must go too, or the removal keeps waiting.
         crate::handoff::withdraw(&crate::handoff::ctrl_key(&self.bdf));
         tracing::warn!(controller = %self.bdf, why, "controller released");
-    }
-
-    /// Creates an I/O queue pair of up to `depth` entries for one worker.
-    pub fn create_queue_pair(&self, depth: u16) -> Result<QueuePair> {
-        let _gate = self.reset_gate.read().unwrap_or_else(|p| p.into_inner());
-        self.create_queue_pair_gated(depth)
-    }
-
-    /// [`Controller::create_queue_pair`] with the reset gate held by the caller.
-    fn create_queue_pair_gated(&self, depth: u16) -> Result<QueuePair> {
-        self.check_present()?;
-        let depth = (depth as u32).clamp(2, self.cap.mqes.min(1024)) as u16;
-        let qid = {
-            let mut q = self.qids.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(i) = q.iter().position(|b| !b) else {
-                return Err(Error::Invalid(format!(
-                    "{}: all {} I/O queues are in use (fewer workers or more controllers)",
-                    self.bdf,
-                    q.len() - 1
-                )));
-            };
-            q[i] = true;
-            // Recorded before the queue exists, so a successor deletes it whatever happens.
-            self.arena.header().set_qid(i as u16, true);
-            i as u16
-        };
-        let release = |e| {
-            self.qids.lock().unwrap_or_else(|p| p.into_inner())[qid as usize] = false;
-            self.arena.header().set_qid(qid, false);
-            e
-        };
-        let mut qp =
-            QueuePair::new(qid, depth, self.bar.ptr, self.cap.doorbell_stride).map_err(release)?;
-        qp.generation = self.generation();
-        let size_qid = ((depth as u32 - 1) << 16) | qid as u32;
-        self.admin_cmd(
-            Sqe {
-                prp1: qp.cq_iova(),
-                cdw10: size_qid,
-                cdw11: 1,
-                ..Sqe::new(admin::CREATE_CQ, 0)
-            },
-            "create I/O completion queue",
-        )
-        .map_err(release)?;
-        if let Err(e) = self.admin_cmd(
-            Sqe {
-                prp1: qp.sq_iova(),
-                cdw10: size_qid,
-                cdw11: ((qid as u32) << 16) | 1,
-                ..Sqe::new(admin::CREATE_SQ, 0)
-            },
-            "create I/O submission queue",
-        ) {
-            let _ = self.admin_cmd(
-                Sqe {
-                    cdw10: qid as u32,
-                    ..Sqe::new(admin::DELETE_CQ, 0)
-                },
-                "delete I/O completion queue",
-            );
-            return Err(release(e));
-        }
-        Ok(qp)
-    }
-
-    /// Deletes a queue pair made by [`Controller::create_queue_pair`]; outstanding commands
-    /// are aborted by the controller.
-    pub fn delete_queue_pair(&self, qp: QueuePair) {
-        let _gate = self.reset_gate.read().unwrap_or_else(|p| p.into_inner());
-        let qid = qp.qid as u32;
-        if qp.generation != self.generation() {
-            // A reset already destroyed it (and freed its identifier, which may be reused by
-            // now): nothing to tell the controller.
-            drop(qp);
-            return;
-        }
-        if self.is_gone() {
-            // Nothing to tell a controller that is gone; its rings can simply be freed.
-            drop(qp);
-            return;
-        }
-        let r1 = self.admin_cmd(
-            Sqe {
-                cdw10: qid,
-                ..Sqe::new(admin::DELETE_SQ, 0)
-            },
-            "delete I/O submission queue",
-        );
-        let r2 = self.admin_cmd(
-            Sqe {
-                cdw10: qid,
-                ..Sqe::new(admin::DELETE_CQ, 0)
-            },
-            "delete I/O completion queue",
-        );
-        if let Err(e) = r1.and(r2) {
-            tracing::warn!(controller = %self.bdf, qid, error = %e, "cannot delete I/O queue pair");
-        }
-        // The rings stay allocated until here, after the controller let go of them.
-        drop(qp);
-        self.arena.header().set_qid(qid as u16, false);
-        if let Some(b) = self
-            .qids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(qid as usize)
-        {
-            *b = false;
-        }
-    }
-
-    fn sync_io<F>(&self, what: &'static str, mut f: F) -> Result<()>
-    where
-        F: FnMut(&mut dyn FnMut(Sqe) -> Result<()>, &mut DmaBuf) -> Result<()>,
-    {
-        self.check_present()?;
-        let mut g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
-        let s = g
-            .as_mut()
-            .ok_or_else(|| Error::Invalid(format!("{}: no synchronous queue", self.bdf)))?;
-        let SyncIo { qp, buf } = s;
-        let buf_iova = buf.iova();
-        let bdf = self.bdf.clone();
-        let csts = || self.rd32(spec::REG_CSTS);
-        let mut run = |mut sqe: Sqe| -> Result<()> {
-            if sqe.prp1 == u64::MAX {
-                // Data in the sync buffer: PRP1 its start, PRP2 a list if needed (built in
-                // the buffer's last page, which data never uses).
-                let len = ((sqe.cdw12 & 0xffff) as u64 + 1) * self.ns.lba_size;
-                let pages = len.div_ceil(PAGE);
-                sqe.prp1 = buf_iova;
-                if pages == 2 {
-                    sqe.prp2 = buf_iova + PAGE;
-                } else if pages > 2 {
-                    sqe.prp2 = buf_iova + (SYNC_BUF as u64 - PAGE);
-                }
-            }
-            Self::run_sync(&bdf, qp, sqe, what, &csts).map(|_| ())
-        };
-        f(&mut run, buf)
-    }
-
-    /// Largest data chunk the synchronous path moves per command.
-    fn sync_chunk(&self) -> u64 {
-        (SYNC_BUF as u64 - PAGE).min(self.info.max_transfer)
-    }
-
-    fn write_prp_list(buf: &mut DmaBuf, pages: u64) {
-        let iova = buf.iova();
-        let last = SYNC_BUF - PAGE as usize;
-        let list = &mut buf.bytes_mut()[last..];
-        for i in 1..pages.min(512) {
-            list[(i as usize - 1) * 8..i as usize * 8]
-                .copy_from_slice(&(iova + i * PAGE).to_le_bytes());
-        }
-    }
-
-    fn check(&self, offset: u64, len: u64) -> Result<()> {
-        let lba = self.ns.lba_size;
-        if !offset.is_multiple_of(lba)
-            || !len.is_multiple_of(lba)
-            || offset.checked_add(len).is_none_or(|e| e > self.size())
-        {
-            return Err(Error::Invalid(format!(
-                "{}: access {offset}+{len} is not whole {lba}-byte blocks inside the namespace",
-                self.bdf
-            )));
-        }
-        Ok(())
-    }
-
-    /// Synchronous block-aligned read (pool metadata, probes; never the data path).
-    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.check(offset, out.len() as u64)?;
-        let chunk = self.sync_chunk();
-        let lba = self.ns.lba_size;
-        let nsid = self.ns.nsid;
-        self.sync_io("read", |run, buf| {
-            let mut done = 0u64;
-            while done < out.len() as u64 {
-                let n = (out.len() as u64 - done).min(chunk);
-                Self::write_prp_list(buf, n.div_ceil(PAGE));
-                let sqe = Sqe {
-                    prp1: u64::MAX,
-                    ..Sqe::new(io::READ, nsid).lba((offset + done) / lba, (n / lba) as u32)
-                };
-                run(sqe)?;
-                out[done as usize..(done + n) as usize].copy_from_slice(&buf.bytes()[..n as usize]);
-                done += n;
-            }
-            Ok(())
-        })
-    }
-
-    /// Synchronous block-aligned write followed by a flush (durable when it returns).
-    pub fn write_durable(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len() as u64)?;
-        let chunk = self.sync_chunk();
-        let lba = self.ns.lba_size;
-        let nsid = self.ns.nsid;
-        let flush = self.info.write_cache;
-        self.sync_io("write", |run, buf| {
-            let mut done = 0u64;
-            while done < data.len() as u64 {
-                let n = (data.len() as u64 - done).min(chunk);
-                buf.bytes_mut()[..n as usize]
-                    .copy_from_slice(&data[done as usize..(done + n) as usize]);
-                Self::write_prp_list(buf, n.div_ceil(PAGE));
-                let sqe = Sqe {
-                    prp1: u64::MAX,
-                    ..Sqe::new(io::WRITE, nsid).lba((offset + done) / lba, (n / lba) as u32)
-                };
-                run(sqe)?;
-                done += n;
-            }
-            if flush {
-                run(Sqe::new(io::FLUSH, nsid))?;
-            }
-            Ok(())
-        })
-    }
-
-    /// Makes a block-aligned range read back as zeroes, durably: Write Zeroes when the
-    /// controller has it, zero-filled writes otherwise.
-    pub fn zero_durable(&self, offset: u64, len: u64) -> Result<()> {
-        self.check(offset, len)?;
-        let lba = self.ns.lba_size;
-        let nsid = self.ns.nsid;
-        let has_wz = self.info.oncs & (1 << 3) != 0;
-        let chunk = if has_wz {
-            0x10000 * lba
-        } else {
-            self.sync_chunk()
-        };
-        let flush = self.info.write_cache;
-        self.sync_io("write zeroes", |run, buf| {
-            let mut done = 0u64;
-            if !has_wz {
-                buf.bytes_mut().fill(0);
-            }
-            while done < len {
-                let n = (len - done).min(chunk);
-                let mut sqe = Sqe::new(if has_wz { io::WRITE_ZEROES } else { io::WRITE }, nsid)
-                    .lba((offset + done) / lba, (n / lba) as u32);
-                if !has_wz {
-                    Self::write_prp_list(buf, n.div_ceil(PAGE));
-                    sqe.prp1 = u64::MAX;
-                }
-                run(sqe)?;
-                done += n;
-            }
-            if flush {
-                run(Sqe::new(io::FLUSH, nsid))?;
-            }
-            Ok(())
-        })
-    }
-
-    /// Reads the SMART / Health Information log.
-    pub fn smart_log(&self) -> Result<SmartLog> {
-        let p = self.admin_page(
-            Sqe {
-                cdw10: ((512 / 4 - 1) << 16) | spec::LOG_SMART as u32,
-                ..Sqe::new(admin::GET_LOG_PAGE, 0xffff_ffff)
-            },
-            "get SMART log",
-        )?;
-        Ok(SmartLog {
-            critical_warning: p[0],
-            temperature: le16(&p, 1),
-            available_spare: p[3],
-            percentage_used: p[5],
-            media_errors: le64(&p, 160),
-            error_log_entries: le64(&p, 176),
-        })
-    }
-
-    /// Reads the newest `n` (≤ 64) Error Information log entries (non-empty ones).
-    pub fn error_log(&self, n: usize) -> Result<Vec<ErrorLogEntry>> {
-        let n = n.clamp(1, 64);
-        let p = self.admin_page(
-            Sqe {
-                cdw10: (((n * 64 / 4 - 1) as u32) << 16) | spec::LOG_ERROR as u32,
-                ..Sqe::new(admin::GET_LOG_PAGE, 0)
-            },
-            "get error log",
-        )?;
-        Ok((0..n)
-            .map(|i| &p[i * 64..(i + 1) * 64])
-            .map(|e| ErrorLogEntry {
-                error_count: le64(e, 0),
-                sqid: le16(e, 8),
-                cid: le16(e, 10),
-                status: Status::from_cqe(le16(e, 12)),
-                lba: le64(e, 16),
-                nsid: le32(e, 24),
-            })
-            .filter(|e| e.error_count != 0)
-            .collect())
     }
 }
 

@@ -20,10 +20,17 @@
 //! on), then unmaps it from the IOMMU, and only then frees its IOVA for reuse. The caller
 //! unregisters only once no command can still point into the region, and before it unmaps
 //! the memory (the vhost-user frontend does both, see `spool-frontend`'s memory table).
+//!
+//! Builds on [`crate::vfio`] (the process's container, its `mapping_lock`); vfio does not
+//! know this registry: a container's first group calls back into `map_all` through the
+//! [`crate::vfio::MapPending`] its opener passes. The registry is process-wide for the same
+//! reason the container is: one IOMMU domain serves every controller of the process, and
+//! memory is registered (guest memory, by the frontend) independently of any controller.
 
 use std::collections::BTreeMap;
-use std::sync::{LazyLock, Mutex, RwLock};
+use std::sync::{LazyLock, RwLock};
 
+use crate::vfio::{mapping_lock, Container};
 use crate::{Error, Result, PAGE};
 
 /// Start of the IOVA range for registered and driver memory (controller arenas lie below).
@@ -253,10 +260,6 @@ impl Registry {
 
 static REGISTRY: LazyLock<RwLock<Registry>> =
     LazyLock::new(|| RwLock::new(Registry::new(IOVA_BASE, IOVA_END)));
-/// Serialises registration, unregistration and map/unmap ioctls against container creation:
-/// holders may drop the registry lock around ioctls (lookups go on) without the registry
-/// changing under them.
-static MAPPING: Mutex<()> = Mutex::new(());
 
 fn registry() -> std::sync::RwLockWriteGuard<'static, Registry> {
     REGISTRY.write().unwrap_or_else(|p| p.into_inner())
@@ -269,12 +272,12 @@ pub fn register_memory(vaddr: u64, len: u64) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
-    let _g = MAPPING.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = mapping_lock();
     let Some(r) = registry().add(vaddr, len)? else {
         return Ok(());
     };
     // Not mapped yet, so not translated: the registry lock is not held across the ioctl.
-    if let Some(c) = crate::vfio::Container::current() {
+    if let Some(c) = Container::current() {
         if let Err(e) = c.map_dma(r.map_vaddr(), r.map_iova(), r.map_len) {
             // A failed VFIO_IOMMU_MAP_DMA leaves nothing of the range mapped.
             let mut reg = registry();
@@ -293,12 +296,12 @@ pub fn register_memory(vaddr: u64, len: u64) -> Result<()> {
 /// The translation goes first, so no lookup returns the region's IOVA once this has begun;
 /// the IOVA is reused only after the IOMMU unmapped it (never, if the unmap fails).
 pub fn unregister_memory(vaddr: u64, len: u64) {
-    let _g = MAPPING.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = mapping_lock();
     let Some(r) = registry().remove(vaddr, len) else {
         return;
     };
-    let unmapped = !r.mapped
-        || crate::vfio::Container::current().is_none_or(|c| c.unmap_dma(r.map_iova(), r.map_len));
+    let unmapped =
+        !r.mapped || Container::current().is_none_or(|c| c.unmap_dma(r.map_iova(), r.map_len));
     if !unmapped {
         tracing::warn!(
             iova = r.map_iova(),
@@ -316,7 +319,7 @@ pub fn unregister_memory(vaddr: u64, len: u64) {
 
 /// Maps every registered region not mapped yet into a container that has just been opened.
 /// The caller holds [`mapping_lock`].
-pub(crate) fn map_all(c: &crate::vfio::Container) -> Result<()> {
+pub(crate) fn map_all(c: &Container) -> Result<()> {
     let pending: Vec<Region> = REGISTRY
         .read()
         .unwrap_or_else(|p| p.into_inner())
@@ -336,17 +339,13 @@ pub(crate) fn map_all(c: &crate::vfio::Container) -> Result<()> {
 /// lookup translates any more), every mapping in `[IOVA_BASE, IOVA_END)` (the previous
 /// worker's, and any this process made since it opened the container) is unmapped, and every
 /// registered region is mapped again at its own IOVA.
-pub(crate) fn remap_all_after_takeover(c: &crate::vfio::Container) -> Result<()> {
+pub(crate) fn remap_all_after_takeover(c: &Container) -> Result<()> {
     let _g = mapping_lock();
     for r in registry().regions.values_mut() {
         r.mapped = false;
     }
     c.unmap_range(IOVA_BASE, IOVA_END);
     map_all(c)
-}
-
-pub(crate) fn mapping_lock() -> std::sync::MutexGuard<'static, ()> {
-    MAPPING.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The I/O virtual address of `[vaddr, vaddr+len)`, when the whole range lies in one

@@ -5,6 +5,11 @@
 //! Struct layouts come from rust-vmm's `vfio-bindings`; the handful of ioctls are issued
 //! directly (rust-vmm's `vfio-ioctls` is built around a VMM's guest memory and KVM device
 //! model, which a storage daemon does not have).
+//!
+//! Must not know: the DMA registry (`dma.rs` builds on this module, not the other way
+//! round). What must be mapped once the first group sets the IOMMU type is the caller's
+//! [`MapPending`]; the lock that orders the container's opening against registrations is
+//! `mapping_lock`, which lives here because it guards the container's mappings.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -43,6 +48,21 @@ pub struct Container {
 }
 
 static CURRENT: Mutex<Option<Arc<Container>>> = Mutex::new(None);
+/// Serialises registration, unregistration and map/unmap ioctls against container creation:
+/// holders may drop the registry lock around ioctls (lookups go on) without the registry
+/// changing under them. Process-wide like the container it guards.
+static MAPPING: Mutex<()> = Mutex::new(());
+
+/// Orders the container's opening and its first group's mappings against the DMA registry's
+/// registrations and unregistrations (held across their map/unmap ioctls).
+pub(crate) fn mapping_lock() -> std::sync::MutexGuard<'static, ()> {
+    MAPPING.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Maps every region registered before the container could map (the DMA registry's
+/// `map_all`); called with `mapping_lock` held, right after the first group set the IOMMU
+/// type of a container this process opened.
+pub type MapPending = fn(&Container) -> Result<()>;
 
 impl Container {
     /// The container, if a controller has been opened.
@@ -52,7 +72,7 @@ impl Container {
 
     /// The container, opened on first use.
     pub(crate) fn get() -> Result<Arc<Container>> {
-        let _g = crate::dma::mapping_lock();
+        let _g = mapping_lock();
         let mut cur = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = cur.as_ref() {
             return Ok(c.clone());
@@ -156,8 +176,9 @@ impl Container {
         true
     }
 
-    /// Attaches the IOMMU group `n`; the first group also picks the IOMMU type.
-    fn attach_group(&self, n: u32) -> Result<Arc<File>> {
+    /// Attaches the IOMMU group `n`; the first group also picks the IOMMU type and then has
+    /// `map_pending` map what was registered before.
+    fn attach_group(&self, n: u32, map_pending: MapPending) -> Result<Arc<File>> {
         let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, f)) = groups.iter().find(|(g, _)| *g == n) {
             return Ok(f.clone());
@@ -204,8 +225,8 @@ impl Container {
                 return Err(Error::os("VFIO_SET_IOMMU type1v2"));
             }
             // Memory registered before the first controller (guest memory) can map now.
-            let _g = crate::dma::mapping_lock();
-            crate::dma::map_all(self)?;
+            let _g = mapping_lock();
+            map_pending(self)?;
         }
         let f = Arc::new(f);
         groups.push((n, f.clone()));
@@ -271,8 +292,9 @@ pub fn parse_bdf(s: &str) -> Result<String> {
 
 impl Device {
     /// Opens the device at PCI address `bdf`, which must be bound to vfio-pci; `kept` is its
-    /// descriptor when a previous worker left it open (no new open, so no function reset).
-    pub fn open(bdf: &str, kept: Option<File>) -> Result<Device> {
+    /// descriptor when a previous worker left it open (no new open, so no function reset);
+    /// `map_pending` maps registered memory if this is the container's first group.
+    pub fn open(bdf: &str, kept: Option<File>, map_pending: MapPending) -> Result<Device> {
         let bdf = parse_bdf(bdf)?;
         let sys = Path::new("/sys/bus/pci/devices").join(&bdf);
         if !sys.exists() {
@@ -297,7 +319,7 @@ impl Device {
                 ))
             })?;
         let container = Container::get()?;
-        let gfile = container.attach_group(group)?;
+        let gfile = container.attach_group(group, map_pending)?;
         let file = match kept {
             Some(f) => f,
             None => {
