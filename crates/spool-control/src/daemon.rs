@@ -257,6 +257,7 @@ impl Daemon {
                 io_timeout: Duration::from_millis(h.io_timeout_ms),
                 request_retries: h.request_retries,
                 state_fd_limit: spool_keeper::proto::MAX_FDS,
+                clock: Arc::default(),
             },
             monitor,
             spares_used: Mutex::new(Vec::new()),
@@ -305,7 +306,7 @@ impl Daemon {
                 tracing::error!(volume = %v.name, error = %e, "volume not served");
             }
         }
-        let clock = spool_frontend::restore_clock();
+        let clock = d.settings.clock.restore();
         {
             let mut ph = d.phases.lock().unwrap_or_else(|p| p.into_inner());
             ph.push(Phase::new("map guest memory", clock.map_memory));
@@ -520,7 +521,7 @@ impl Daemon {
                 .clone()
         });
         let first_io_ms = info.as_ref().and_then(|i| {
-            let t = spool_frontend::first_completion()?;
+            let t = self.settings.clock.first_completion()?;
             let us = t.duration_since(std::time::UNIX_EPOCH).ok()?.as_micros() as u64;
             (i.restart_began_us > 0 && i.reason != "first-start")
                 .then(|| us.saturating_sub(i.restart_began_us) as f64 / 1e3)

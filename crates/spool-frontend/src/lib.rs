@@ -39,20 +39,35 @@ pub trait StateStore: Send + Sync {
     fn remove(&self, prefix: &str) -> Result<(), String>;
 }
 
-static RESTORE_CLOCK: std::sync::Mutex<RestoreClock> = std::sync::Mutex::new(RestoreClock {
-    map_memory: Duration::ZERO,
-    recover_queues: Duration::ZERO,
-});
-
-pub(crate) fn restore_clock_add(c: RestoreClock) {
-    let mut t = RESTORE_CLOCK.lock().unwrap_or_else(|p| p.into_inner());
-    t.map_memory += c.map_memory;
-    t.recover_queues += c.recover_queues;
+/// What this process measures of its own (re)start, shared by every volume's server and
+/// workers and read by the daemon for its restart-phase report: a handle passed down in
+/// [`FrontendSettings`], not a process global.
+#[derive(Debug, Default)]
+pub struct StartClock {
+    restore: std::sync::Mutex<RestoreClock>,
+    first_completion: std::sync::OnceLock<std::time::SystemTime>,
 }
 
-/// Time spent so far in this process restoring kept sessions (summed over volumes).
-pub fn restore_clock() -> RestoreClock {
-    *RESTORE_CLOCK.lock().unwrap_or_else(|p| p.into_inner())
+impl StartClock {
+    pub(crate) fn add_restore(&self, c: RestoreClock) {
+        let mut t = self.restore.lock().unwrap_or_else(|p| p.into_inner());
+        t.map_memory += c.map_memory;
+        t.recover_queues += c.recover_queues;
+    }
+
+    /// Time spent so far restoring kept sessions (summed over volumes).
+    pub fn restore(&self) -> RestoreClock {
+        *self.restore.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn note_first_completion(&self) {
+        let _ = self.first_completion.set(std::time::SystemTime::now());
+    }
+
+    /// When this process first completed a request to a guest (None before that).
+    pub fn first_completion(&self) -> Option<std::time::SystemTime> {
+        self.first_completion.get().copied()
+    }
 }
 
 /// Tunables of the data path.
@@ -72,6 +87,8 @@ pub struct FrontendSettings {
     /// Most descriptors one [`StateStore::put`] carries (the keeper's per-message limit):
     /// bounds the memory slots a session is offered.
     pub state_fd_limit: usize,
+    /// Where servers and workers record restore time and the first completion.
+    pub clock: Arc<StartClock>,
 }
 
 impl Default for FrontendSettings {
@@ -82,6 +99,7 @@ impl Default for FrontendSettings {
             io_timeout: Duration::from_secs(30),
             request_retries: 3,
             state_fd_limit: 250,
+            clock: Arc::default(),
         }
     }
 }
@@ -197,15 +215,4 @@ impl VolumeContext {
     pub fn fault(&self) -> &Arc<SessionFault> {
         &self.fault
     }
-}
-
-static FIRST_COMPLETION: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
-
-pub(crate) fn note_first_completion() {
-    let _ = FIRST_COMPLETION.set(std::time::SystemTime::now());
-}
-
-/// When this process first completed a request to a guest (None before that).
-pub fn first_completion() -> Option<std::time::SystemTime> {
-    FIRST_COMPLETION.get().copied()
 }

@@ -109,6 +109,7 @@ pub fn start_queue(
         volume: ctx.name().to_string(),
         fault: ctx.fault().clone(),
         abandoned: ctx.abandoned_counter(),
+        clock: ctx.settings().clock.clone(),
         replay: r.replay,
         poison: r.poison,
     };

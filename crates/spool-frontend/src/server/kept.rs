@@ -100,7 +100,7 @@ pub(super) fn restore_connection(
         limit_message_time(&conn).map_err(|e| format!("kept connection: {e}"))?;
         let mut clock = RestoreClock::default();
         let session = Session::restore(ctx.clone(), &st, &mut files, &mut clock)?;
-        crate::restore_clock_add(clock);
+        ctx.settings().clock.add_restore(clock);
         let session = Arc::new(Mutex::new(session));
         let handler = continue_connection(session.clone(), &conn)?;
         tracing::info!(volume = %ctx.name(), "continuing the kept vhost-user connection");

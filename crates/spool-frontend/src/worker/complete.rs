@@ -91,7 +91,7 @@ impl QueueWorker {
         self.need_notify = true;
         if !self.served_one {
             self.served_one = true;
-            crate::note_first_completion();
+            self.clock.note_first_completion();
         }
     }
 }

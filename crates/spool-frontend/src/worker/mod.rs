@@ -78,6 +78,8 @@ pub struct WorkerSpec {
     pub fault: Arc<crate::SessionFault>,
     /// Counts device commands this worker gave up on and quarantined (see `quarantine_stuck`).
     pub abandoned: Arc<AtomicU64>,
+    /// Where the first completion of the process is recorded.
+    pub clock: Arc<crate::StartClock>,
     /// The replay record of `resubmit` (see `spool_journal::ReplayRecord`).
     pub replay: Option<ReplayRecord>,
     /// Heads that crashed the previous process while it replayed them: failed, not replayed.
@@ -219,6 +221,7 @@ pub struct QueueWorker {
     seen_faults: u64,
     fault: Arc<crate::SessionFault>,
     abandoned: Arc<AtomicU64>,
+    clock: Arc<crate::StartClock>,
     /// Heads resubmitted from the journal and not completed yet (`replaying`, by head), and
     /// the record that says so should this process crash before they are.
     replay: Option<ReplayGuard>,
@@ -303,6 +306,7 @@ impl QueueWorker {
             seen_faults: spool_sigbus::faults(),
             fault: spec.fault,
             abandoned: spec.abandoned,
+            clock: spec.clock,
             replay: spec.replay.map(ReplayGuard::new),
             replaying: vec![false; size],
             replay_left: 0,

@@ -196,6 +196,7 @@ impl Harness {
             volume: "v".into(),
             fault: Arc::new(crate::SessionFault::new()),
             abandoned: Arc::new(AtomicU64::new(0)),
+            clock: Arc::default(),
             replay: None,
             poison: vec![],
         };
