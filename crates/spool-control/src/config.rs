@@ -3,12 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::size::parse_size;
 
 /// A size written as a number of bytes or a string with a suffix.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum SizeValue {
     Bytes(u64),

@@ -7,8 +7,10 @@
 //! Must not know: virtio or on-device formats; it talks to the pool and frontend layers only
 //! through their public APIs.
 
+pub mod api;
 pub mod config;
 pub mod daemon;
+pub mod kept;
 pub mod rpc;
 pub mod size;
 
