@@ -33,7 +33,10 @@ pub enum ConfigError {
     #[error("config: {0}")]
     Toml(#[from] toml::de::Error),
     #[error("{what}: {why}")]
-    Size { what: String, why: String },
+    Size {
+        what: String,
+        why: crate::size::SizeError,
+    },
     #[error("pool.min_extent: {0} must be a power of two of at least 64K")]
     MinExtent(u64),
     #[error("device {path}: null = \"{kind}\" must be \"untouched\" or \"zero\"")]

@@ -20,8 +20,8 @@ pub enum CtlError {
     Connect(#[from] ClientError),
     #[error(transparent)]
     Rpc(#[from] ErrorObject),
-    #[error("{0}")]
-    Size(String),
+    #[error(transparent)]
+    Size(#[from] spool_control::size::SizeError),
     #[error("{0}")]
     Path(std::io::Error),
     #[error("params are not JSON: {0}")]

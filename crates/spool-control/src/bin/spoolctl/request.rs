@@ -24,7 +24,7 @@ fn build<M: Method>(params: M::Params) -> Result<Request, CtlError> {
 }
 
 fn size(s: &str) -> Result<SizeValue, CtlError> {
-    Ok(SizeValue::Bytes(parse_size(s).map_err(CtlError::Size)?))
+    Ok(SizeValue::Bytes(parse_size(s)?))
 }
 
 fn opt_size(s: &Option<String>) -> Result<Option<SizeValue>, CtlError> {
