@@ -138,7 +138,7 @@ fn upgrade(binary: Option<&Path>) -> Result<Request, CtlError> {
 }
 
 /// `events_list` from `since`, waiting up to `wait_ms` for one.
-pub fn events(since: u64, wait_ms: u64) -> Result<Request, CtlError> {
+fn events(since: u64, wait_ms: u64) -> Result<Request, CtlError> {
     build::<api::EventsList>(api::EventsParams { since, wait_ms })
 }
 
