@@ -3,12 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::size::parse_size;
 
 /// A size written as a number of bytes or a string with a suffix.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum SizeValue {
     Bytes(u64),
@@ -16,12 +16,53 @@ pub enum SizeValue {
 }
 
 impl SizeValue {
-    fn bytes(&self, what: &str) -> Result<u64, String> {
+    fn bytes(&self, what: impl Into<String>) -> Result<u64, ConfigError> {
         match self {
             SizeValue::Bytes(n) => Ok(*n),
-            SizeValue::Text(s) => parse_size(s).map_err(|e| format!("{what}: {e}")),
+            SizeValue::Text(s) => parse_size(s).map_err(|why| ConfigError::Size {
+                what: what.into(),
+                why,
+            }),
         }
     }
+}
+
+/// What is wrong with a config (the message names the setting and what it must be).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config: {0}")]
+    Toml(#[from] toml::de::Error),
+    #[error("{what}: {why}")]
+    Size {
+        what: String,
+        why: crate::size::SizeError,
+    },
+    #[error("pool.min_extent: {0} must be a power of two of at least 64K")]
+    MinExtent(u64),
+    #[error("device {path}: null = \"{kind}\" must be \"untouched\" or \"zero\"")]
+    NullKind { path: String, kind: String },
+    #[error("null device {0}: create_size (its size) is required")]
+    NullSize(String),
+    #[error(
+        "null devices keep nothing across restarts: a pool is either all null devices or none"
+    )]
+    MixedNull,
+    #[error("volume {volume}: num_queues {queues} must be 1..=64")]
+    Queues { volume: String, queues: u16 },
+    #[error("volume {0} is listed twice")]
+    DuplicateVolume(String),
+    #[error("health.{0} must be positive")]
+    NotPositive(&'static str),
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    InFile {
+        path: String,
+        source: Box<ConfigError>,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -212,115 +253,141 @@ num_queues = 2
     )
 }
 
+/// Makes config paths absolute: relative to the config file's directory; `nvme:DDDD:BB:DD.F`
+/// names a controller, not a file.
+struct Base<'a>(&'a Path);
+
+impl Base<'_> {
+    fn abs(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() || p.to_str().is_some_and(|s| s.starts_with("nvme:")) {
+            p.to_path_buf()
+        } else {
+            self.0.join(p)
+        }
+    }
+}
+
+fn min_extent(pool: &RawPool) -> Result<u64, ConfigError> {
+    let min_extent = match &pool.min_extent {
+        Some(s) => s.bytes("pool.min_extent")?,
+        None => 4 << 20,
+    };
+    if !min_extent.is_power_of_two() || min_extent < 64 * 1024 {
+        return Err(ConfigError::MinExtent(min_extent));
+    }
+    Ok(min_extent)
+}
+
+fn device(d: &RawDevice, base: &Base) -> Result<DeviceConfig, ConfigError> {
+    let path = d.path.display().to_string();
+    let null = match d.null.as_deref() {
+        None => None,
+        Some("untouched") => Some(spool_devices::NullReads::Untouched),
+        Some("zero") => Some(spool_devices::NullReads::Zero),
+        Some(other) => {
+            return Err(ConfigError::NullKind {
+                path,
+                kind: other.into(),
+            })
+        }
+    };
+    if null.is_some() && d.create_size.is_none() {
+        return Err(ConfigError::NullSize(path));
+    }
+    Ok(DeviceConfig {
+        null,
+        path: if null.is_some() {
+            d.path.clone()
+        } else {
+            base.abs(&d.path)
+        },
+        create_size: d
+            .create_size
+            .as_ref()
+            .map(|s| s.bytes(format!("device {path}: create_size")))
+            .transpose()?,
+    })
+}
+
+fn devices(raw: &[RawDevice], base: &Base) -> Result<Vec<DeviceConfig>, ConfigError> {
+    let devices = raw
+        .iter()
+        .map(|d| device(d, base))
+        .collect::<Result<Vec<_>, _>>()?;
+    let nulls = devices.iter().filter(|d| d.null.is_some()).count();
+    if nulls > 0 && nulls < devices.len() {
+        return Err(ConfigError::MixedNull);
+    }
+    Ok(devices)
+}
+
+fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
+    let mut volumes: Vec<VolumeConfig> = Vec::new();
+    for v in raw {
+        let size = v.size.bytes(format!("volume {}: size", v.name))?;
+        let queues = v.num_queues.unwrap_or(DEFAULT_QUEUES);
+        if !(1..=64).contains(&queues) {
+            return Err(ConfigError::Queues {
+                volume: v.name.clone(),
+                queues,
+            });
+        }
+        if volumes.iter().any(|x| x.name == v.name) {
+            return Err(ConfigError::DuplicateVolume(v.name.clone()));
+        }
+        volumes.push(VolumeConfig {
+            name: v.name.clone(),
+            size,
+            read_only: v.read_only,
+            num_queues: queues,
+        });
+    }
+    Ok(volumes)
+}
+
+fn health(h: &RawHealth, base: &Base) -> Result<HealthConfig, ConfigError> {
+    let d = HealthConfig::default();
+    let positive = |v: Option<u64>, def: u64, what| match v {
+        Some(0) => Err(ConfigError::NotPositive(what)),
+        Some(v) => Ok(v),
+        None => Ok(def),
+    };
+    Ok(HealthConfig {
+        media_errors_to_fail: positive(
+            h.media_errors_to_fail.map(u64::from),
+            d.media_errors_to_fail as u64,
+            "media_errors_to_fail",
+        )? as u32,
+        io_timeout_ms: positive(h.io_timeout_ms, d.io_timeout_ms, "io_timeout_ms")?,
+        reset_timeout_ms: positive(h.reset_timeout_ms, d.reset_timeout_ms, "reset_timeout_ms")?,
+        poll_interval_ms: positive(h.poll_interval_ms, d.poll_interval_ms, "poll_interval_ms")?,
+        request_retries: h.request_retries.unwrap_or(d.request_retries),
+        hook: h.hook.clone().filter(|s| !s.trim().is_empty()),
+        spares: h.spares.iter().map(|p| base.abs(p)).collect(),
+    })
+}
+
 impl Config {
     /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
-    pub fn parse(text: &str, base: &Path) -> Result<Config, String> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
-        let abs = |p: &Path| {
-            // `nvme:DDDD:BB:DD.F` names a controller, not a file.
-            if p.is_absolute() || p.to_str().is_some_and(|s| s.starts_with("nvme:")) {
-                p.to_path_buf()
-            } else {
-                base.join(p)
-            }
-        };
-        let state_dir = abs(&raw.state_dir);
-        let min_extent = match &raw.pool.min_extent {
-            Some(s) => s.bytes("pool.min_extent")?,
-            None => 4 << 20,
-        };
-        if !min_extent.is_power_of_two() || min_extent < 64 * 1024 {
-            return Err(format!(
-                "pool.min_extent: {min_extent} must be a power of two of at least 64K"
-            ));
-        }
-        let mut devices = Vec::new();
-        for d in &raw.devices {
-            let null = match d.null.as_deref() {
-                None => None,
-                Some("untouched") => Some(spool_devices::NullReads::Untouched),
-                Some("zero") => Some(spool_devices::NullReads::Zero),
-                Some(other) => {
-                    return Err(format!(
-                        "device {}: null = \"{other}\" must be \"untouched\" or \"zero\"",
-                        d.path.display()
-                    ))
-                }
-            };
-            if null.is_some() && d.create_size.is_none() {
-                return Err(format!(
-                    "null device {}: create_size (its size) is required",
-                    d.path.display()
-                ));
-            }
-            devices.push(DeviceConfig {
-                null,
-                path: if null.is_some() {
-                    d.path.clone()
-                } else {
-                    abs(&d.path)
-                },
-                create_size: d
-                    .create_size
-                    .as_ref()
-                    .map(|s| s.bytes(&format!("device {}: create_size", d.path.display())))
-                    .transpose()?,
-            });
-        }
-        let nulls = devices.iter().filter(|d| d.null.is_some()).count();
-        if nulls > 0 && nulls < devices.len() {
-            return Err("null devices keep nothing across restarts: a pool is either all null devices or none".into());
-        }
-        let mut volumes = Vec::new();
-        for v in &raw.volumes {
-            let size = v.size.bytes(&format!("volume {}: size", v.name))?;
-            let q = v.num_queues.unwrap_or(DEFAULT_QUEUES);
-            if !(1..=64).contains(&q) {
-                return Err(format!("volume {}: num_queues {q} must be 1..=64", v.name));
-            }
-            if volumes.iter().any(|x: &VolumeConfig| x.name == v.name) {
-                return Err(format!("volume {} is listed twice", v.name));
-            }
-            volumes.push(VolumeConfig {
-                name: v.name.clone(),
-                size,
-                read_only: v.read_only,
-                num_queues: q,
-            });
-        }
-        let d = HealthConfig::default();
-        let h = &raw.health;
-        let positive = |v: Option<u64>, def: u64, what: &str| -> Result<u64, String> {
-            match v {
-                Some(0) => Err(format!("health.{what} must be positive")),
-                Some(v) => Ok(v),
-                None => Ok(def),
-            }
-        };
-        let health = HealthConfig {
-            media_errors_to_fail: positive(
-                h.media_errors_to_fail.map(u64::from),
-                d.media_errors_to_fail as u64,
-                "media_errors_to_fail",
-            )? as u32,
-            io_timeout_ms: positive(h.io_timeout_ms, d.io_timeout_ms, "io_timeout_ms")?,
-            reset_timeout_ms: positive(h.reset_timeout_ms, d.reset_timeout_ms, "reset_timeout_ms")?,
-            poll_interval_ms: positive(h.poll_interval_ms, d.poll_interval_ms, "poll_interval_ms")?,
-            request_retries: h.request_retries.unwrap_or(d.request_retries),
-            hook: h.hook.clone().filter(|s| !s.trim().is_empty()),
-            spares: h.spares.iter().map(|p| abs(p)).collect(),
-        };
+    pub fn parse(text: &str, base: &Path) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text)?;
+        let base = Base(base);
+        let state_dir = base.abs(&raw.state_dir);
+        let min_extent = min_extent(&raw.pool)?;
+        let devices = devices(&raw.devices, &base)?;
+        let volumes = volumes(&raw.volumes)?;
+        let health = health(&raw.health, &base)?;
         Ok(Config {
             health,
             rpc_socket: raw
                 .rpc_socket
                 .as_deref()
-                .map(abs)
+                .map(|p| base.abs(p))
                 .unwrap_or_else(|| state_dir.join("spoold.sock")),
             socket_dir: raw
                 .socket_dir
                 .as_deref()
-                .map(abs)
+                .map(|p| base.abs(p))
                 .unwrap_or_else(|| state_dir.join("vhost")),
             state_dir,
             pool_name: raw.pool.name.unwrap_or_else(|| "pool0".into()),
@@ -334,21 +401,28 @@ impl Config {
                 raw.journal
                     .dir
                     .as_deref()
-                    .map(abs)
+                    .map(|p| base.abs(p))
                     .unwrap_or_else(|| PathBuf::from(DEFAULT_JOURNAL_DIR))
             }),
         })
     }
 
     /// Reads a config file.
-    pub fn load(path: &Path) -> Result<Config, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
         let base = path
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from("."));
-        Config::parse(&text, &base).map_err(|e| format!("{}: {e}", path.display()))
+        Config::parse(&text, &base).map_err(|e| ConfigError::InFile {
+            path: shown,
+            source: Box::new(e),
+        })
     }
 }
 
@@ -389,7 +463,7 @@ mod tests {
                 "num_queues",
             ),
         ] {
-            let e = Config::parse(text, Path::new("/")).unwrap_err();
+            let e = Config::parse(text, Path::new("/")).unwrap_err().to_string();
             assert!(e.contains(needle), "{text:?}: {e}");
         }
     }

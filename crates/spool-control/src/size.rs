@@ -1,8 +1,17 @@
 //! Human sizes ("512M", "4G", "4096") for config files and the CLI.
 
+/// A size that could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("'{0}' is not a size (examples: 4096, 512M, 4G)")]
+    NotASize(String),
+    #[error("size '{0}' is too large")]
+    TooLarge(String),
+}
+
 /// Parses a byte size: a number with an optional K/M/G/T suffix (powers of 1024; a trailing
 /// "iB" or "B" is accepted).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let t = t
         .strip_suffix("iB")
@@ -18,9 +27,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let n: u64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("'{s}' is not a size (examples: 4096, 512M, 4G)"))?;
+        .map_err(|_| SizeError::NotASize(s.to_string()))?;
     n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size '{s}' is too large"))
+        .ok_or_else(|| SizeError::TooLarge(s.to_string()))
 }
 
 /// Formats bytes for people (exact when possible: "512M", otherwise bytes).

@@ -22,6 +22,9 @@ size = "64M"
 num_queues = 2
 "#;
 
+/// What a worker logs when it resubmits requests a killed worker had in flight.
+const RECOVERED: &str = "resubmitting requests recovered from the journal";
+
 fn kills() -> usize {
     std::env::var("SPOOL_WORKER_KILLS")
         .ok()
@@ -39,7 +42,12 @@ fn worker_sigkill_under_load_is_invisible_to_the_client() {
         let d = d.clone();
         std::thread::spawn(move || {
             let mut pids = vec![d.worker_pid()];
-            for i in 0..n {
+            // `n` kills, then more (up to 4n in all) until one has caught a request in
+            // flight: on a loaded machine the client may be between requests at every kill.
+            for i in 0..4 * n {
+                if i >= n && d.log().contains(RECOVERED) {
+                    break;
+                }
                 std::thread::sleep(Duration::from_millis(20 + (i as u64 * 37) % 60));
                 pids.push(d.kill_worker());
             }
@@ -48,7 +56,8 @@ fn worker_sigkill_under_load_is_invisible_to_the_client() {
     };
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     let pids = killer.join().unwrap();
-    assert_eq!(pids.len(), n + 1);
+    let n = pids.len() - 1;
+    assert!(n >= kills());
     let s = d.status();
     assert_eq!(s["keeper"]["pid"], json!(keeper), "{s}");
     assert_eq!(s["keeper"]["start_reason"], json!("crash-restart"), "{s}");
@@ -65,7 +74,7 @@ fn worker_sigkill_under_load_is_invisible_to_the_client() {
         "only {continued} of {n} restarts continued the connection"
     );
     assert!(
-        log.contains("resubmitting requests recovered from the journal"),
+        log.contains(RECOVERED),
         "no kill ever caught a request in flight: the test did not exercise recovery"
     );
     assert_eq!(

@@ -2,10 +2,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 
 use clap::Parser;
-use spool_control::{config, qemu_command_line, rpc, size::format_size, Config, Daemon, Keeping};
+use spool_control::{config, kept, qemu_command_line, size::format_size, Config, Daemon, Keeping};
 use spool_keeper::link::Command;
 use spool_keeper::{KeeperConfig, KeeperLink, Phase};
 
@@ -114,37 +114,121 @@ fn end_worker_on_panic() {
     }));
 }
 
+/// Why an upgrade candidate refuses the state the old worker kept.
+#[derive(Debug, thiserror::Error)]
+enum PreviewError {
+    #[error("{key}: {source}")]
+    Format {
+        key: String,
+        source: serde_json::Error,
+    },
+    #[error(
+        "the running worker writes session state format {have}; this binary reads up to {max}"
+    )]
+    NewerWorker { have: u32, max: u32 },
+    #[error("{key}: unreadable session state: {source}")]
+    Session {
+        key: String,
+        source: serde_json::Error,
+    },
+    #[error("{key}: session state format {have} is newer than this binary reads ({max})")]
+    NewerSession { key: String, have: u32, max: u32 },
+}
+
 /// Checks, as an upgrade candidate, that this binary reads every state the old worker kept.
-fn validate_preview(entries: &[(String, String)]) -> Result<(), String> {
-    // Test hook (docs/upgrade.md): pretend to read only formats up to N, like an older binary.
-    let max: u32 = std::env::var("SPOOL_TEST_MAX_STATE_FORMAT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(spool_frontend::SESSION_STATE_FORMAT);
+fn validate_preview(entries: &[(String, String)]) -> Result<(), PreviewError> {
+    let max = test_hooks::max_state_format().unwrap_or(spool_frontend::SESSION_STATE_FORMAT);
     for (k, v) in entries {
-        if k == spool_control::daemon::FORMAT_KEY {
-            let f: serde_json::Value = serde_json::from_str(v).map_err(|e| format!("{k}: {e}"))?;
-            let have = f
-                .get("session")
-                .and_then(|x| x.as_u64())
-                .unwrap_or(u64::MAX);
-            if have > max as u64 {
-                return Err(format!(
-                    "the running worker writes session state format {have}; this binary reads up to {max}"
-                ));
+        if k == kept::FORMAT_KEY {
+            let f: kept::StateFormat =
+                serde_json::from_str(v).map_err(|source| PreviewError::Format {
+                    key: k.clone(),
+                    source,
+                })?;
+            if f.session > max {
+                return Err(PreviewError::NewerWorker {
+                    have: f.session,
+                    max,
+                });
             }
-        } else if k.ends_with("/session") {
-            let st: spool_frontend::SessionState = serde_json::from_str(v)
-                .map_err(|e| format!("{k}: unreadable session state: {e}"))?;
+        } else if k.ends_with(kept::SESSION_SUFFIX) {
+            let st: spool_frontend::SessionState =
+                serde_json::from_str(v).map_err(|source| PreviewError::Session {
+                    key: k.clone(),
+                    source,
+                })?;
             if st.format > max {
-                return Err(format!(
-                    "{k}: session state format {} is newer than this binary reads ({max})",
-                    st.format
-                ));
+                return Err(PreviewError::NewerSession {
+                    key: k.clone(),
+                    have: st.format,
+                    max,
+                });
             }
         }
     }
     Ok(())
+}
+
+/// Hooks the integration tests use to play an older or a broken binary (docs/upgrade.md);
+/// compiled in only with the `test-hooks` feature, which spool-control's own tests enable.
+#[cfg(feature = "test-hooks")]
+mod test_hooks {
+    /// `SPOOL_TEST_MAX_STATE_FORMAT=N`: read only state formats up to N.
+    pub fn max_state_format() -> Option<u32> {
+        std::env::var("SPOOL_TEST_MAX_STATE_FORMAT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// `SPOOL_TEST_FAIL_RESTORE`: fail right after taking the store (exercises rollback);
+    /// true when it did (and told the keeper).
+    pub fn fail_restore(l: &spool_keeper::KeeperLink) -> bool {
+        let set = std::env::var_os("SPOOL_TEST_FAIL_RESTORE").is_some();
+        if set {
+            let _ = l.failed("SPOOL_TEST_FAIL_RESTORE is set");
+        }
+        set
+    }
+}
+
+#[cfg(not(feature = "test-hooks"))]
+mod test_hooks {
+    pub fn max_state_format() -> Option<u32> {
+        None
+    }
+    pub fn fail_restore(_: &spool_keeper::KeeperLink) -> bool {
+        false
+    }
+}
+
+/// Why the worker stops before serving.
+#[derive(Debug, thiserror::Error)]
+enum WorkerError {
+    /// Already reported (to the keeper, or by it).
+    #[error("refused")]
+    Reported,
+    #[error("keeper: {0}")]
+    Keeper(#[from] std::io::Error),
+    #[error(transparent)]
+    Start(#[from] spool_control::daemon::StartError),
+    #[error("RPC socket {}: {source}", .path.display())]
+    Rpc {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+impl WorkerError {
+    /// What the keeper is told, for errors it must hear about.
+    fn keeper_reason(&self) -> Option<String> {
+        match self {
+            WorkerError::Start(e) => Some(e.to_string()),
+            WorkerError::Rpc { source, .. } => Some(source.to_string()),
+            _ => None,
+        }
+    }
 }
 
 enum Event {
@@ -157,131 +241,128 @@ fn worker(cfg: Config, force: bool, link: Option<Arc<KeeperLink>>) -> ExitCode {
     if link.is_some() {
         end_worker_on_panic();
     }
-    let keeping = match &link {
-        None => None,
-        Some(l) => {
-            if l.is_candidate() {
-                match l.preview(validate_preview) {
-                    Ok(true) => {}
-                    Ok(false) => return ExitCode::FAILURE,
-                    Err(e) => {
-                        eprintln!("spoold: error: keeper: {e}");
-                        return ExitCode::FAILURE;
-                    }
-                }
+    match serve(cfg, force, link.as_ref(), t_start) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(WorkerError::Reported) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("spoold: error: {e}");
+            if let (Some(l), Some(reason)) = (&link, e.keeper_reason()) {
+                let _ = l.failed(&reason);
             }
-            let restored = match l.receive_store() {
-                Ok(r) => r,
-                Err(e) => {
-                    eprintln!("spoold: error: keeper: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            l.set_report(restored.info.last_restart.clone());
-            if restored.info.reason != "first-start" {
-                tracing::info!(reason = %restored.info.reason, generation = restored.info.generation, kept = restored.keys().len(), "taking over from the previous worker");
-            }
-            // Test hook (docs/upgrade.md): fail after taking the store, to exercise rollback.
-            if std::env::var_os("SPOOL_TEST_FAIL_RESTORE").is_some() {
-                let _ = l.failed("SPOOL_TEST_FAIL_RESTORE is set");
-                return ExitCode::FAILURE;
-            }
-            Some(Keeping {
-                link: l.clone(),
-                restored: Mutex::new(restored),
-            })
+            ExitCode::FAILURE
         }
-    };
+    }
+}
+
+/// Takes over what the previous worker kept (after checking it, as an upgrade candidate).
+fn take_over(l: &Arc<KeeperLink>) -> Result<Keeping, WorkerError> {
+    if l.is_candidate() && !l.preview(|e| validate_preview(e).map_err(|e| e.to_string()))? {
+        return Err(WorkerError::Reported);
+    }
+    let restored = l.receive_store()?;
+    l.set_report(restored.info.last_restart.clone());
+    if restored.info.reason != "first-start" {
+        tracing::info!(reason = %restored.info.reason, generation = restored.info.generation, kept = restored.keys().len(), "taking over from the previous worker");
+    }
+    if test_hooks::fail_restore(l) {
+        return Err(WorkerError::Reported);
+    }
+    Ok(Keeping {
+        link: l.clone(),
+        restored: Mutex::new(restored),
+    })
+}
+
+/// Starts the daemon and its RPC socket, reports ready, and serves until told to stop.
+fn serve(
+    cfg: Config,
+    force: bool,
+    link: Option<&Arc<KeeperLink>>,
+    t_start: std::time::Instant,
+) -> Result<(), WorkerError> {
+    let keeping = link.map(take_over).transpose()?;
     let quiet = keeping.as_ref().is_some_and(|k| {
         k.restored
             .lock()
             .map(|r| r.info.reason != "first-start")
             .unwrap_or(false)
     });
-    let daemon = match Daemon::start(cfg, force, keeping) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("spoold: error: {e}");
-            if let Some(l) = &link {
-                let _ = l.failed(&e);
-            }
-            return ExitCode::FAILURE;
-        }
-    };
+    let daemon = Daemon::start(cfg, force, keeping)?;
     let rpc_path = daemon.config().rpc_socket.clone();
-    if let Err(e) = rpc::serve(&rpc_path, daemon.clone()) {
-        eprintln!("spoold: error: RPC socket {}: {e}", rpc_path.display());
-        if let Some(l) = &link {
-            let _ = l.failed(&e.to_string());
-        }
+    if let Err(source) = daemon.serve_rpc() {
         daemon.shutdown();
-        return ExitCode::FAILURE;
+        return Err(WorkerError::Rpc {
+            path: rpc_path,
+            source,
+        });
     }
     if !quiet {
         banner(&daemon, &rpc_path);
     }
-    let (tx, rx) = std::sync::mpsc::channel();
-    match signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT]) {
-        Ok(mut s) => {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for sig in s.forever() {
-                    if tx.send(Event::Signal(sig)).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-        Err(e) => {
-            eprintln!("spoold: error: cannot install signal handlers: {e}");
-            return ExitCode::FAILURE;
-        }
-    }
-    if let Some(l) = &link {
-        match l.commands() {
-            Ok(cmds) => {
-                std::thread::spawn(move || {
-                    for c in cmds {
-                        if tx.send(Event::Keeper(c)).is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-            Err(e) => {
-                eprintln!("spoold: error: keeper: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
+    let events = listen(link)?;
+    if let Some(l) = link {
         let mut phases = daemon.start_phases();
         phases.push(Phase::new("worker start total", t_start.elapsed()));
         let _ = l.ready(phases);
     }
-    match rx.recv() {
-        Ok(Event::Keeper(Command::Quiesce)) => {
+    stop_when_told(&daemon, link, events.recv().ok());
+    let _ = std::fs::remove_file(&rpc_path);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Signals and keeper commands, on one channel.
+fn listen(link: Option<&Arc<KeeperLink>>) -> Result<mpsc::Receiver<Event>, WorkerError> {
+    let (tx, rx) = mpsc::channel();
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
+        .map_err(WorkerError::Signals)?;
+    let signal_tx = tx.clone();
+    std::thread::spawn(move || {
+        for sig in signals.forever() {
+            if signal_tx.send(Event::Signal(sig)).is_err() {
+                return;
+            }
+        }
+    });
+    if let Some(l) = link {
+        let cmds = l.commands()?;
+        std::thread::spawn(move || {
+            for c in cmds {
+                if tx.send(Event::Keeper(c)).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    Ok(rx)
+}
+
+/// Hands over to the next worker (quiesce: never returns) or drains and stops.
+fn stop_when_told(daemon: &Daemon, link: Option<&Arc<KeeperLink>>, event: Option<Event>) {
+    match event {
+        Some(Event::Keeper(Command::Quiesce)) => {
             let t = std::time::Instant::now();
             tracing::info!("keeper asked for a handoff: stopping queues, keeping connections");
             daemon.detach();
-            if let Some(l) = &link {
+            if let Some(l) = link {
                 let _ = l.quiesced(vec![Phase::new("drain and stop queues", t.elapsed())]);
             }
             // Devices and journals are released when this process exits; the keeper hands
             // over once it has.
             std::process::exit(0);
         }
-        Ok(Event::Keeper(_)) => tracing::info!("keeper asked to shut down: draining in-flight I/O"),
-        Ok(Event::Signal(sig)) => {
+        Some(Event::Keeper(_)) => {
+            tracing::info!("keeper asked to shut down: draining in-flight I/O")
+        }
+        Some(Event::Signal(sig)) => {
             tracing::info!(signal = sig, "shutting down: draining in-flight I/O")
         }
-        Err(_) => {}
+        None => {}
     }
-    if let Some(l) = &link {
+    if let Some(l) = link {
         let _ = l.exiting();
     }
     daemon.shutdown();
-    let _ = std::fs::remove_file(&rpc_path);
-    tracing::info!("stopped");
-    ExitCode::SUCCESS
 }
 
 fn banner(daemon: &Daemon, rpc_path: &std::path::Path) {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use serde_json::Value;
-use spool_control::rpc::{Client, RpcError};
+use spool_control::rpc::{Client, ErrorObject};
 
 /// A spoold process on a private state directory.
 pub struct Spoold {
@@ -126,7 +126,7 @@ impl Spoold {
         std::fs::read_to_string(self.dir.path().join("spoold.log")).unwrap_or_default()
     }
 
-    pub fn rpc(&self, method: &str, params: Value) -> Result<Value, RpcError> {
+    pub fn rpc(&self, method: &str, params: Value) -> Result<Value, ErrorObject> {
         Client::connect(&self.rpc_path())
             .unwrap()
             .call(method, params)
@@ -206,7 +206,7 @@ impl Spoold {
     }
 
     /// `daemon_upgrade` (answered once the new worker serves, or with the rollback reason).
-    pub fn upgrade(&self, binary: Option<&Path>) -> Result<Value, RpcError> {
+    pub fn upgrade(&self, binary: Option<&Path>) -> Result<Value, ErrorObject> {
         let params = match binary {
             Some(b) => serde_json::json!({"binary": b}),
             None => Value::Null,

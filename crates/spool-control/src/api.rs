@@ -1,0 +1,292 @@
+//! The typed control API: one params type and one result type per JSON-RPC method, shared by
+//! spoold (which registers a handler for each, see `daemon::methods`) and spoolctl (which
+//! builds the params and renders the result). docs/rpc.md describes the same surface.
+//!
+//! Owns: method names and help, the wire shape of params and results (field names, which
+//! fields are optional, how sizes and errnos may be written).
+//!
+//! Must not know: the daemon, the pool or the monitor; results are plain data converted from
+//! them by the daemon (`From` impls in `api/results.rs` take the lower layers' reports).
+
+use std::path::PathBuf;
+
+use serde::de::{DeserializeOwned, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::Value;
+
+pub use crate::config::SizeValue;
+
+mod results;
+
+pub use results::*;
+
+/// One JSON-RPC method: its name, a line of help, and the types of its params and result.
+pub trait Method: 'static {
+    const NAME: &'static str;
+    const HELP: &'static str;
+    type Params: Serialize + DeserializeOwned;
+    type Result: Serialize + DeserializeOwned;
+}
+
+macro_rules! methods {
+    ($($(#[$doc:meta])* $ty:ident = $name:literal, $params:ty => $result:ty, $help:literal;)*) => {
+        $(
+            $(#[$doc])*
+            pub enum $ty {}
+            impl Method for $ty {
+                const NAME: &'static str = $name;
+                const HELP: &'static str = $help;
+                type Params = $params;
+                type Result = $result;
+            }
+        )*
+    };
+}
+
+methods! {
+    PoolShow = "pool_show", NoParams => PoolInfo,
+        "the pool: name, uuid, generation, size, free, min_extent, devices";
+    DeviceList = "device_list", NoParams => Vec<DeviceInfo>,
+        "devices: uuid, path, size, free, present, direct_io";
+    DeviceAdd = "device_add", DeviceAddParams => DeviceInfo,
+        "add a file or block device to the pool";
+    DeviceReset = "device_reset", IdParams => DeviceResetResult,
+        "controller reset: hold the device's I/O, probe it, resubmit what was in flight";
+    DeviceHealth = "device_health", DeviceHealthParams => Vec<DeviceHealthReport>,
+        "health of every device (or one): state, reason, counters, SMART";
+    EventsList = "events_list", EventsParams => EventsResult,
+        "health events after `since`, waiting up to `wait_ms` for one";
+    DeviceReplace = "device_replace", DeviceReplaceParams => Replacement,
+        "replace a failed or removed device with a blank one";
+    DeviceInject = "device_inject", InjectParams => InjectResult,
+        "inject a fault into a device (docs/failures.md)";
+    DeviceFaults = "device_faults", IdParams => FaultsResult,
+        "armed fault-injection rules of a device and its simulated SMART byte";
+    DeviceClearFaults = "device_clear_faults", IdParams => ClearFaultsResult,
+        "disarm every injected fault of a device";
+    VolumeList = "volume_list", NoParams => Vec<Volume>,
+        "volumes with their sockets";
+    VolumeShow = "volume_show", IdParams => Volume,
+        "one volume (by name or UUID)";
+    VolumeCreate = "volume_create", VolumeCreateParams => Volume,
+        "create a volume and serve it";
+    VolumeResize = "volume_resize", VolumeResizeParams => Volume,
+        "grow a volume";
+    VolumeDelete = "volume_delete", VolumeDeleteParams => VolumeInfo,
+        "delete a volume and its journals";
+    DaemonStatus = "daemon_status", NoParams => Status,
+        "worker and keeper, restart phases, state formats";
+    DaemonUpgrade = "daemon_upgrade", UpgradeParams => spool_keeper::RestartReport,
+        "replace the worker with a new binary, answered by the keeper";
+}
+
+/// Params of a method that takes none: `null` or `{}`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NoParams;
+
+impl Serialize for NoParams {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        s.serialize_map(Some(0))?.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for NoParams {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<NoParams, D::Error> {
+        struct Empty;
+        impl<'de> Visitor<'de> for Empty {
+            type Value = NoParams;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("no parameters")
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<NoParams, E> {
+                Ok(NoParams)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<NoParams, A::Error> {
+                match m.next_key::<serde::de::IgnoredAny>()? {
+                    None => Ok(NoParams),
+                    Some(_) => Err(serde::de::Error::custom("this method takes no parameters")),
+                }
+            }
+        }
+        d.deserialize_any(Empty)
+    }
+}
+
+/// `{"id": …}`: a device or volume by name, path or UUID.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdParams {
+    pub id: String,
+}
+
+/// `device_add`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceAddParams {
+    pub path: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub create_size: Option<SizeValue>,
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// `device_health`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceHealthParams {
+    pub id: Option<String>,
+}
+
+/// `events_list`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsParams {
+    #[serde(default)]
+    pub since: u64,
+    /// At most 30 000: how long to wait for an event when there is none.
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// `device_replace`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceReplaceParams {
+    pub old: String,
+    pub new: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub create_size: Option<SizeValue>,
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// `device_inject`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InjectParams {
+    pub id: String,
+    /// A [`FaultKind`] name (checked by the handler, so the error lists the kinds).
+    pub kind: String,
+    /// read | write | any (default any).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<SizeValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub len: Option<SizeValue>,
+    /// Operations it hits before it disarms (0 = until cleared).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// For kind errno: the errno, a number or a name such as EIO.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errno: Option<ErrnoArg>,
+    /// For kind smart: the critical-warning byte.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits: Option<u8>,
+}
+
+/// What kind of fault `device_inject` arms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    Media,
+    Transient,
+    LinkDown,
+    Timeout,
+    Stuck,
+    Removed,
+    Errno,
+    Smart,
+}
+
+impl FaultKind {
+    pub const ALL: [(FaultKind, &'static str); 8] = [
+        (FaultKind::Media, "media"),
+        (FaultKind::Transient, "transient"),
+        (FaultKind::LinkDown, "link-down"),
+        (FaultKind::Timeout, "timeout"),
+        (FaultKind::Stuck, "stuck"),
+        (FaultKind::Removed, "removed"),
+        (FaultKind::Errno, "errno"),
+        (FaultKind::Smart, "smart"),
+    ];
+
+    /// The kind named `s` (as on the wire).
+    pub fn parse(s: &str) -> Option<FaultKind> {
+        Self::ALL.iter().find(|(_, n)| *n == s).map(|(k, _)| *k)
+    }
+}
+
+/// An errno as given: a number, a name (`"EIO"`), or anything else (refused by the handler
+/// with a message that shows it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ErrnoArg {
+    Number(i64),
+    Name(String),
+    Other(Value),
+}
+
+impl ErrnoArg {
+    /// As the user wrote it on the command line: a number if it parses as one.
+    pub fn from_cli(s: &str) -> ErrnoArg {
+        match s.parse::<i64>() {
+            Ok(n) => ErrnoArg::Number(n),
+            Err(_) => ErrnoArg::Name(s.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for ErrnoArg {
+    /// As JSON (a name in quotes), the way error messages show it.
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match serde_json::to_value(self) {
+            Ok(v) => write!(f, "{v}"),
+            Err(_) => f.write_str("?"),
+        }
+    }
+}
+
+/// `volume_create`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeCreateParams {
+    pub name: String,
+    pub size: SizeValue,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_queues: Option<u16>,
+}
+
+/// `volume_delete`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeDeleteParams {
+    pub id: String,
+    /// Disconnect a connected client first.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// `volume_resize`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeResizeParams {
+    pub id: String,
+    pub size: SizeValue,
+}
+
+/// `daemon_upgrade`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpgradeParams {
+    /// The new binary (default: the binary the worker runs now).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub binary: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests;

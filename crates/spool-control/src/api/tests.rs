@@ -1,0 +1,91 @@
+use serde_json::json;
+
+use super::*;
+
+fn wire<T: Serialize>(t: &T) -> String {
+    serde_json::to_value(t).unwrap().to_string()
+}
+
+#[test]
+fn no_params_is_null_or_empty() {
+    assert_eq!(wire(&NoParams), "{}");
+    assert!(serde_json::from_value::<NoParams>(json!({})).is_ok());
+    assert!(serde_json::from_value::<NoParams>(Value::Null).is_ok());
+    let e = serde_json::from_value::<NoParams>(json!({"x": 1})).unwrap_err();
+    assert_eq!(e.to_string(), "this method takes no parameters");
+}
+
+#[test]
+fn params_are_written_as_spoolctl_always_wrote_them() {
+    let add = DeviceAddParams {
+        path: "/d.img".into(),
+        create_size: None,
+        force: false,
+    };
+    assert_eq!(wire(&add), r#"{"force":false,"path":"/d.img"}"#);
+    let create = VolumeCreateParams {
+        name: "v".into(),
+        size: SizeValue::Bytes(4096),
+        read_only: false,
+        num_queues: Some(2),
+    };
+    assert_eq!(
+        wire(&create),
+        r#"{"name":"v","num_queues":2,"read_only":false,"size":4096}"#
+    );
+    let health = DeviceHealthParams { id: None };
+    assert_eq!(wire(&health), r#"{"id":null}"#);
+    assert_eq!(wire(&UpgradeParams { binary: None }), "{}");
+    let errno: InjectParams =
+        serde_json::from_value(json!({"id": "d", "kind": "errno", "errno": "EIO"})).unwrap();
+    assert!(matches!(errno.errno, Some(ErrnoArg::Name(ref n)) if n == "EIO"));
+    assert_eq!(ErrnoArg::from_cli("61").to_string(), "61");
+    assert_eq!(ErrnoArg::from_cli("EIO").to_string(), "\"EIO\"");
+}
+
+#[test]
+fn unknown_fields_are_refused_with_the_expected_ones() {
+    let e = serde_json::from_value::<IdParams>(json!({"idd": "x"})).unwrap_err();
+    assert!(e.to_string().contains("unknown field `idd`"), "{e}");
+    let e = serde_json::from_value::<VolumeCreateParams>(json!({"name": 3})).unwrap_err();
+    assert!(e.to_string().contains("invalid type"), "{e}");
+}
+
+#[test]
+fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
+    let info = VolumeInfo {
+        uuid: uuid::Uuid::nil(),
+        name: "v".into(),
+        size: 1,
+        allocated: 2,
+        read_only: false,
+        num_queues: 2,
+        extents: 1,
+        devices: vec![],
+        online: true,
+    };
+    let v = Volume {
+        info,
+        socket: None,
+        connected: false,
+        quarantined_io: None,
+    };
+    let j = serde_json::to_value(&v).unwrap();
+    assert_eq!(j["socket"], Value::Null);
+    assert!(j.get("quarantined_io").is_none());
+    assert_eq!(j["name"], json!("v"));
+    let back: Volume = serde_json::from_value(j).unwrap();
+    assert_eq!(back.info.name, "v");
+}
+
+#[test]
+fn event_kinds_are_the_monitors_strings() {
+    for k in ["state", "warning", "replaced", "restored"] {
+        let kind = HealthEventKind::parse(k).unwrap();
+        assert_eq!(serde_json::to_value(kind).unwrap(), json!(k));
+    }
+    assert_eq!(HealthEventKind::parse("other"), None);
+    for (kind, name) in FaultKind::ALL {
+        assert_eq!(FaultKind::parse(name), Some(kind));
+    }
+}

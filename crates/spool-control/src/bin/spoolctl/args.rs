@@ -1,0 +1,171 @@
+//! spoolctl's command line (clap derive): one variant per subcommand.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// Manage a running spoold: its pool, devices and volumes.
+#[derive(Parser)]
+#[command(version)]
+pub struct Args {
+    /// spoold's RPC socket.
+    #[arg(
+        short,
+        long,
+        env = "SPOOL_SOCKET",
+        default_value = "spool-state/spoold.sock"
+    )]
+    pub socket: PathBuf,
+    /// Print the raw JSON result (for scripts).
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// The storage pool.
+    Pool {
+        #[command(subcommand)]
+        cmd: PoolCmd,
+    },
+    /// Devices of the pool.
+    Device {
+        #[command(subcommand)]
+        cmd: DeviceCmd,
+    },
+    /// Logical volumes.
+    Volume {
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
+    /// Show the daemon: worker and keeper, how it last (re)started, restart phases.
+    Status,
+    /// Replace the running worker with a new binary without disconnecting any VM: the old
+    /// worker drains and hands its descriptors over through the keeper. If the new binary
+    /// refuses the state or fails, the old one keeps (or resumes) serving and this says why.
+    Upgrade {
+        /// The new spoold binary (default: the binary the worker runs now).
+        #[arg(long)]
+        binary: Option<PathBuf>,
+    },
+    /// Health events (device state changes, warnings, replacements), oldest first.
+    Events {
+        /// Only events after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        since: u64,
+        /// Keep printing new events until interrupted.
+        #[arg(long, short)]
+        follow: bool,
+    },
+    /// Send any RPC method with JSON params (for debugging).
+    Rpc {
+        method: String,
+        params: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PoolCmd {
+    /// Show the pool: size, free space, devices.
+    Show,
+}
+
+#[derive(Subcommand)]
+pub enum DeviceCmd {
+    /// List devices.
+    List,
+    /// Add a file or block device to the pool.
+    Add {
+        path: PathBuf,
+        /// Create a sparse file of this size if PATH does not exist (e.g. 10G).
+        #[arg(long)]
+        create_size: Option<String>,
+        /// Reformat the device if it holds foreign or unreadable metadata (its data is lost).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Health of every device (or one): state, why, error counters, SMART warning.
+    Health { id: Option<String> },
+    /// Controller reset: hold the device's I/O, check it answers, resubmit what was in flight.
+    Reset { id: String },
+    /// Replace a failed or removed device with a blank one; volumes on the old device come
+    /// back online (their data that was on it is lost: there is no mirror yet).
+    Replace {
+        old: String,
+        new: PathBuf,
+        /// Create a sparse file of this size if NEW does not exist (e.g. 10G).
+        #[arg(long)]
+        create_size: Option<String>,
+        /// Replace a healthy device, or reformat a NEW that is not blank.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Inject a fault (to test and rehearse failure handling). Kinds: media (ENODATA,
+    /// until cleared), transient (EIO, once), link-down (EIO, probes fail too, until cleared
+    /// or --duration-ms), timeout (commands hang until the reset aborts them, once),
+    /// removed (ENODEV), errno (--errno), smart (--bits: SMART critical-warning byte).
+    Inject(InjectArgs),
+    /// Armed fault-injection rules of a device.
+    Faults { id: String },
+    /// Disarm every injected fault of a device (and clear its simulated SMART warning).
+    ClearFaults { id: String },
+}
+
+#[derive(Subcommand)]
+pub enum VolumeCmd {
+    /// List volumes.
+    List,
+    /// Show one volume (by name or UUID).
+    Show { id: String },
+    /// Create a volume.
+    Create {
+        name: String,
+        /// Capacity, e.g. 10G (a multiple of 512 bytes).
+        size: String,
+        #[arg(long)]
+        read_only: bool,
+        /// Number of virtqueues (1-64).
+        #[arg(long, default_value_t = 2)]
+        queues: u16,
+    },
+    /// Delete a volume (its data is lost).
+    Delete {
+        id: String,
+        /// Disconnect a connected client first.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Grow a volume to SIZE.
+    Resize { id: String, size: String },
+}
+
+// `device inject` (no doc comment: the variant's is its help).
+#[derive(clap::Args)]
+pub struct InjectArgs {
+    pub id: String,
+    pub kind: String,
+    /// read, write or any.
+    #[arg(long, default_value = "any")]
+    pub op: String,
+    /// Device byte offset of the affected range (e.g. 1G).
+    #[arg(long)]
+    pub offset: Option<String>,
+    /// Length of the range (default: the whole device).
+    #[arg(long)]
+    pub len: Option<String>,
+    /// Operations to hit before disarming (0 = until cleared).
+    #[arg(long)]
+    pub count: Option<u64>,
+    /// Disarm after this many milliseconds.
+    #[arg(long)]
+    pub duration_ms: Option<u64>,
+    /// For kind errno: a number or a name (EIO, ENODATA, ...).
+    #[arg(long)]
+    pub errno: Option<String>,
+    /// For kind smart: the critical-warning byte (1 spare, 2 temperature, 4 reliability,
+    /// 8 read-only).
+    #[arg(long)]
+    pub bits: Option<u8>,
+}

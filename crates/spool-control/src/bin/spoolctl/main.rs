@@ -1,0 +1,78 @@
+//! spoolctl: command-line client of spoold's JSON-RPC API. Each subcommand has one request
+//! builder (`request`) and one renderer (`render`) over the typed API (`spool_control::api`).
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use spool_control::api;
+use spool_control::rpc::{Client, ClientError, ErrorObject};
+
+mod args;
+mod render;
+mod request;
+
+use args::{Args, Cmd};
+
+/// Why spoolctl failed (printed after `spoolctl: error: `).
+#[derive(Debug, thiserror::Error)]
+pub enum CtlError {
+    #[error(transparent)]
+    Connect(#[from] ClientError),
+    #[error(transparent)]
+    Rpc(#[from] ErrorObject),
+    #[error(transparent)]
+    Size(#[from] spool_control::size::SizeError),
+    #[error("{0}")]
+    Path(std::io::Error),
+    #[error("params are not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("params: {0}")]
+    Params(serde_json::Error),
+    #[error("bad response: {0}")]
+    Decode(serde_json::Error),
+}
+
+fn run(args: Args) -> Result<(), CtlError> {
+    if let Cmd::Events { since, follow } = args.cmd {
+        return follow_events(&args, since, follow);
+    }
+    let req = request::request(&args.cmd)?;
+    let mut c = Client::connect(&args.socket)?;
+    let r = c.call(&req.method, req.params)?;
+    if args.json || matches!(args.cmd, Cmd::Rpc { .. }) {
+        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+        return Ok(());
+    }
+    render::render(&args.cmd, r)
+}
+
+/// `spoolctl events`: prints the events after `since`, and with `follow` keeps waiting for
+/// more until interrupted.
+fn follow_events(args: &Args, mut since: u64, follow: bool) -> Result<(), CtlError> {
+    let mut c = Client::connect(&args.socket)?;
+    loop {
+        let wait_ms = if follow { 10_000 } else { 0 };
+        let r = c.request::<api::EventsList>(&api::EventsParams { since, wait_ms })?;
+        for e in &r.events {
+            if args.json {
+                println!("{}", serde_json::to_value(e).unwrap_or_default());
+            } else {
+                render::print_event(e);
+            }
+            since = since.max(e.seq);
+        }
+        if !follow {
+            return Ok(());
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("spoolctl: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! One renderer per subcommand: the typed result as tables and lines for people (`--json`
+//! prints the raw result instead, before any of this).
+
+use std::fmt::Display;
+
+use serde::Serialize;
+use serde_json::Value;
+use spool_control::api::{self, DeviceHealthReport, DeviceInfo, HealthEvent, Method, Volume};
+use spool_control::size::format_size;
+use spool_keeper::RestartReport;
+
+use super::args::{Cmd, DeviceCmd, VolumeCmd};
+use super::CtlError;
+
+/// Decodes `r` as the result of `M` and renders it with `f`.
+fn show<M: Method>(r: Value, f: fn(&M::Result)) -> Result<(), CtlError> {
+    let r: M::Result = serde_json::from_value(r).map_err(CtlError::Decode)?;
+    f(&r);
+    Ok(())
+}
+
+/// Renders the result of `cmd`.
+pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
+    match cmd {
+        Cmd::Pool { .. } => show::<api::PoolShow>(r, pool),
+        Cmd::Device { cmd } => match cmd {
+            DeviceCmd::List => show::<api::DeviceList>(r, |d| println!("{}", devices_table(d))),
+            DeviceCmd::Add { .. } => show::<api::DeviceAdd>(r, |d| {
+                println!("{}", devices_table(std::slice::from_ref(d)))
+            }),
+            DeviceCmd::Health { .. } => {
+                show::<api::DeviceHealth>(r, |h| println!("{}", health_table(h)))
+            }
+            DeviceCmd::Reset { .. } => show::<api::DeviceReset>(r, device_reset),
+            DeviceCmd::Replace { .. } => show::<api::DeviceReplace>(r, device_replace),
+            DeviceCmd::Inject(_) => show::<api::DeviceInject>(r, device_inject),
+            DeviceCmd::Faults { .. } => show::<api::DeviceFaults>(r, device_faults),
+            DeviceCmd::ClearFaults { .. } => show::<api::DeviceClearFaults>(r, |c| {
+                println!("device {}: {} rules cleared", c.device, c.cleared)
+            }),
+        },
+        Cmd::Volume { cmd } => match cmd {
+            VolumeCmd::List => show::<api::VolumeList>(r, |v| println!("{}", volumes_table(v))),
+            VolumeCmd::Delete { .. } => {
+                show::<api::VolumeDelete>(r, |v| println!("deleted volume {} ({})", v.name, v.uuid))
+            }
+            VolumeCmd::Show { .. } | VolumeCmd::Create { .. } | VolumeCmd::Resize { .. } => {
+                show::<api::VolumeShow>(r, |v| {
+                    println!("{}", volumes_table(std::slice::from_ref(v)))
+                })
+            }
+        },
+        Cmd::Status => show::<api::DaemonStatus>(r, status),
+        Cmd::Upgrade { .. } => show::<api::DaemonUpgrade>(r, print_restart),
+        Cmd::Rpc { .. } | Cmd::Events { .. } => Ok(()),
+    }
+}
+
+/// A value as the tables show it: `-` when absent.
+fn opt<T: Display>(v: &Option<T>) -> String {
+    v.as_ref().map_or_else(|| "-".into(), T::to_string)
+}
+
+/// A value as compact JSON with sorted keys (how lists and rules are shown).
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_value(v).map_or_else(|_| "-".into(), |v| v.to_string())
+}
+
+fn table(rows: Vec<Vec<String>>) -> String {
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    rows.iter()
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+                .collect::<Vec<_>>()
+                .join("  ")
+                .trim_end()
+                .to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn header(names: &[&str]) -> Vec<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+fn pool(p: &api::PoolInfo) {
+    println!(
+        "pool {} ({})  generation {}  size {}  free {}  min extent {}  volumes {}",
+        p.name,
+        p.uuid,
+        p.generation,
+        format_size(p.size),
+        format_size(p.free),
+        format_size(p.min_extent),
+        p.volumes
+    );
+    println!("{}", devices_table(&p.devices));
+}
+
+fn devices_table(ds: &[DeviceInfo]) -> String {
+    let mut rows = vec![header(&["UUID", "PATH", "SIZE", "FREE", "DIRECT", "STATE"])];
+    for d in ds {
+        rows.push(vec![
+            d.uuid.to_string(),
+            d.path.clone(),
+            format_size(d.size),
+            format_size(d.free),
+            if d.direct_io { "yes" } else { "no" }.into(),
+            if d.present { "present" } else { "MISSING" }.into(),
+        ]);
+    }
+    table(rows)
+}
+
+fn volumes_table(vs: &[Volume]) -> String {
+    let mut rows = vec![header(&[
+        "NAME", "UUID", "SIZE", "QUEUES", "MODE", "STATE", "SOCKET",
+    ])];
+    for v in vs {
+        let i = &v.info;
+        rows.push(vec![
+            i.name.clone(),
+            i.uuid.to_string(),
+            format_size(i.size),
+            i.num_queues.to_string(),
+            if i.read_only { "ro" } else { "rw" }.into(),
+            if !i.online {
+                "offline"
+            } else if v.connected {
+                "connected"
+            } else {
+                "ready"
+            }
+            .into(),
+            opt(&v.socket),
+        ]);
+    }
+    table(rows)
+}
+
+fn device_reset(r: &api::DeviceResetResult) {
+    println!(
+        "device {} resetting; volumes resubmitting in-flight I/O: {}",
+        r.device,
+        json(&r.volumes)
+    );
+}
+
+fn device_replace(r: &api::Replacement) {
+    println!(
+        "device {} replaced by {} ({}): {} extents of volumes {} moved; their data that was on the old device is lost",
+        r.old,
+        r.new.uuid,
+        r.new.path,
+        r.extents,
+        json(&r.volumes)
+    );
+}
+
+fn device_inject(r: &api::InjectResult) {
+    let what = match &r.rule {
+        None => format!("SMART critical warning {}", opt(&r.smart_critical_warning)),
+        Some(rule) => json(rule),
+    };
+    println!("device {}: injected {what}", r.device);
+}
+
+fn device_faults(r: &api::FaultsResult) {
+    println!(
+        "device {}  SMART critical warning {}",
+        r.device, r.smart_critical_warning
+    );
+    for rule in &r.rules {
+        println!("  {}", json(rule));
+    }
+}
+
+fn health_table(ds: &[DeviceHealthReport]) -> String {
+    let mut rows = vec![header(&[
+        "DEVICE", "PATH", "STATE", "MEDIA", "PATH-ERR", "TIMEOUTS", "RESETS", "SMART", "REASON",
+    ])];
+    for d in ds {
+        let c = &d.counters;
+        rows.push(vec![
+            d.device.to_string(),
+            d.path.clone(),
+            d.state.to_uppercase(),
+            c.media_errors.to_string(),
+            c.path_errors.to_string(),
+            c.timeouts.to_string(),
+            c.resets.to_string(),
+            format!("0x{:02x}", d.smart_critical_warning),
+            d.reason.clone(),
+        ]);
+    }
+    let mut out = table(rows);
+    for d in ds {
+        if let Some(n) = &d.nvme {
+            out.push_str(&nvme_lines(&d.path, n));
+        }
+    }
+    out
+}
+
+/// The NVMe controller under a device of the health table.
+fn nvme_lines(path: &str, n: &api::NvmeHealth) -> String {
+    let mut out = format!(
+        "\n{path} NVMe {} {} (sn {}, fw {}, v{}): {} x {} B, {} I/O queues, max transfer {} KiB\n  controller resets by this worker {}{}; requests zero-copy {} (SGL {}), bounced {}; flush {}, deallocate {}, write-zeroes {}",
+        n.pci,
+        n.model,
+        n.serial,
+        n.firmware,
+        n.version,
+        n.blocks,
+        n.lba_size,
+        n.io_queues,
+        n.max_transfer / 1024,
+        n.resets,
+        if n.attached { " (taken over live from the previous worker)" } else { "" },
+        n.zero_copy_requests,
+        n.sgl_requests,
+        n.bounced_requests,
+        n.flush_commands,
+        n.deallocate_commands,
+        n.write_zeroes_commands,
+    );
+    if let Some(m) = &n.smart {
+        out.push_str(&format!(
+            "\n  SMART: critical warning 0x{:02x}, {} K, spare {}%, used {}%, media errors {}, error log entries {}",
+            m.critical_warning,
+            m.temperature_k,
+            m.available_spare_pct,
+            m.percentage_used,
+            m.media_errors,
+            m.error_log_entries
+        ));
+    }
+    for e in &n.error_log {
+        out.push_str(&format!(
+            "\n  error log #{}: queue {} command {} status {} LBA {}",
+            e.error_count, e.sqid, e.cid, e.status, e.lba
+        ));
+    }
+    out
+}
+
+/// One event of `spoolctl events`.
+pub fn print_event(e: &HealthEvent) {
+    let secs = e.time_ms as f64 / 1e3;
+    let change = match (&e.from, &e.to) {
+        (Some(f), Some(t)) => format!("{f} -> {t}"),
+        (None, Some(t)) => format!("-> {t}"),
+        _ => serde_json::to_value(e.kind)
+            .ok()
+            .and_then(|k| k.as_str().map(str::to_string))
+            .unwrap_or_default(),
+    };
+    println!(
+        "#{:<5} {secs:.3}  {}  {}  {change}: {}",
+        e.seq.to_string(),
+        e.device,
+        e.path,
+        e.reason
+    );
+}
+
+fn status(r: &api::Status) {
+    println!(
+        "spoold {}  worker pid {}  binary {}",
+        r.version,
+        r.pid,
+        opt(&r.binary)
+    );
+    match &r.keeper {
+        Some(k) => println!(
+            "keeper pid {}  worker generation {}  started by {}",
+            k.pid, k.generation, k.start_reason
+        ),
+        None => println!("no keeper (--no-keeper): restarts make VMs reconnect"),
+    }
+    if let Some(l) = &r.last_restart {
+        print_restart(l);
+    }
+    if let Some(f) = r.first_io_after_restart_ms {
+        println!("first I/O served {f:.2} ms after the restart began");
+    }
+}
+
+fn print_restart(r: &RestartReport) {
+    println!(
+        "last {}: pid {} -> {}  stall {:.2} ms  outcome: {}",
+        r.kind, r.old_pid, r.new_pid, r.stall_ms, r.outcome
+    );
+    for p in &r.phases {
+        println!("  {:<36} {:>8.2} ms", p.name, p.ms);
+    }
+}

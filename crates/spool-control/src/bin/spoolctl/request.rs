@@ -1,0 +1,155 @@
+//! One request builder per subcommand: the method of the typed API and its params, checked
+//! here (sizes, paths) before spoold is asked anything.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use spool_control::api::{self, ErrnoArg, IdParams, Method, NoParams, SizeValue};
+use spool_control::size::parse_size;
+
+use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, VolumeCmd};
+use super::CtlError;
+
+/// A method call, ready to send.
+pub struct Request {
+    pub method: String,
+    pub params: Value,
+}
+
+fn build<M: Method>(params: M::Params) -> Result<Request, CtlError> {
+    Ok(Request {
+        method: M::NAME.to_string(),
+        params: serde_json::to_value(params).map_err(CtlError::Params)?,
+    })
+}
+
+fn size(s: &str) -> Result<SizeValue, CtlError> {
+    Ok(SizeValue::Bytes(parse_size(s)?))
+}
+
+fn opt_size(s: &Option<String>) -> Result<Option<SizeValue>, CtlError> {
+    s.as_deref().map(size).transpose()
+}
+
+fn id<M: Method<Params = IdParams>>(id: &str) -> Result<Request, CtlError> {
+    build::<M>(IdParams { id: id.to_string() })
+}
+
+/// A device path as the daemon needs it: files absolute (the daemon has its own working
+/// directory), `nvme:PCI-ADDRESS` as given.
+fn device_path(p: &Path) -> Result<PathBuf, CtlError> {
+    if p.to_str().is_some_and(|s| s.starts_with("nvme:")) {
+        return Ok(p.to_path_buf());
+    }
+    std::path::absolute(p).map_err(CtlError::Path)
+}
+
+/// The request `cmd` sends (`events` has its own loop and sends none here).
+pub fn request(cmd: &Cmd) -> Result<Request, CtlError> {
+    match cmd {
+        Cmd::Pool { cmd: PoolCmd::Show } => build::<api::PoolShow>(NoParams),
+        Cmd::Device { cmd } => device(cmd),
+        Cmd::Volume { cmd } => volume(cmd),
+        Cmd::Status => build::<api::DaemonStatus>(NoParams),
+        Cmd::Upgrade { binary } => upgrade(binary.as_deref()),
+        Cmd::Events { since, .. } => events(*since, 0),
+        Cmd::Rpc { method, params } => rpc(method, params.as_deref()),
+    }
+}
+
+fn device(cmd: &DeviceCmd) -> Result<Request, CtlError> {
+    match cmd {
+        DeviceCmd::List => build::<api::DeviceList>(NoParams),
+        DeviceCmd::Add {
+            path,
+            create_size,
+            force,
+        } => build::<api::DeviceAdd>(api::DeviceAddParams {
+            path: device_path(path)?,
+            create_size: opt_size(create_size)?,
+            force: *force,
+        }),
+        DeviceCmd::Health { id } => {
+            build::<api::DeviceHealth>(api::DeviceHealthParams { id: id.clone() })
+        }
+        DeviceCmd::Reset { id: d } => id::<api::DeviceReset>(d),
+        DeviceCmd::Faults { id: d } => id::<api::DeviceFaults>(d),
+        DeviceCmd::ClearFaults { id: d } => id::<api::DeviceClearFaults>(d),
+        DeviceCmd::Replace {
+            old,
+            new,
+            create_size,
+            force,
+        } => build::<api::DeviceReplace>(api::DeviceReplaceParams {
+            old: old.clone(),
+            new: device_path(new)?,
+            create_size: opt_size(create_size)?,
+            force: *force,
+        }),
+        DeviceCmd::Inject(a) => inject(a),
+    }
+}
+
+fn inject(a: &InjectArgs) -> Result<Request, CtlError> {
+    build::<api::DeviceInject>(api::InjectParams {
+        id: a.id.clone(),
+        kind: a.kind.clone(),
+        op: Some(a.op.clone()),
+        offset: opt_size(&a.offset)?,
+        len: opt_size(&a.len)?,
+        count: a.count,
+        duration_ms: a.duration_ms,
+        errno: a.errno.as_deref().map(ErrnoArg::from_cli),
+        bits: a.bits,
+    })
+}
+
+fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
+    match cmd {
+        VolumeCmd::List => build::<api::VolumeList>(NoParams),
+        VolumeCmd::Show { id: v } => id::<api::VolumeShow>(v),
+        VolumeCmd::Create {
+            name,
+            size: sz,
+            read_only,
+            queues,
+        } => build::<api::VolumeCreate>(api::VolumeCreateParams {
+            name: name.clone(),
+            size: size(sz)?,
+            read_only: *read_only,
+            num_queues: Some(*queues),
+        }),
+        VolumeCmd::Delete { id, force } => build::<api::VolumeDelete>(api::VolumeDeleteParams {
+            id: id.clone(),
+            force: *force,
+        }),
+        VolumeCmd::Resize { id, size: sz } => build::<api::VolumeResize>(api::VolumeResizeParams {
+            id: id.clone(),
+            size: size(sz)?,
+        }),
+    }
+}
+
+fn upgrade(binary: Option<&Path>) -> Result<Request, CtlError> {
+    let binary = binary
+        .map(|b| std::path::absolute(b).map_err(CtlError::Path))
+        .transpose()?;
+    build::<api::DaemonUpgrade>(api::UpgradeParams { binary })
+}
+
+/// `events_list` from `since`, waiting up to `wait_ms` for one.
+fn events(since: u64, wait_ms: u64) -> Result<Request, CtlError> {
+    build::<api::EventsList>(api::EventsParams { since, wait_ms })
+}
+
+/// Any method with JSON params (for debugging).
+fn rpc(method: &str, params: Option<&str>) -> Result<Request, CtlError> {
+    let params = match params {
+        Some(t) => serde_json::from_str(t).map_err(CtlError::NotJson)?,
+        None => Value::Object(Default::default()),
+    };
+    Ok(Request {
+        method: method.to_string(),
+        params,
+    })
+}

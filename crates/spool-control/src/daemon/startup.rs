@@ -1,0 +1,276 @@
+//! The named steps of `Daemon::start`, in the order it runs them: prepare the directories,
+//! open the pool (taking over kept NVMe controllers), start the health monitor, carry kept
+//! device isolation over, ensure the configured volumes, serve them, let go of what was kept
+//! for volumes that are gone.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use spool_keeper::Phase;
+use spool_pool::{DeviceSpec, Pool, PoolOptions};
+
+use super::keeper::{Keeping, NvmeKeeper};
+use super::Daemon;
+use crate::api::HealthEventKind;
+use crate::config::{Config, HealthConfig};
+use crate::kept::{self, KeptHealth};
+
+/// Why spoold could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{}: cannot {what}: {source}", .path.display())]
+    Dir {
+        path: PathBuf,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Journal(#[from] spool_journal::Error),
+    #[error("config lists no devices; add at least one [[devices]] entry")]
+    NoDevices,
+    #[error(transparent)]
+    Pool(#[from] spool_pool::Error),
+    #[error("volume {name}: {source}")]
+    Volume {
+        name: String,
+        source: spool_pool::Error,
+    },
+}
+
+/// Whether `p` is on tmpfs (where a journal belongs: shared memory without writeback).
+fn on_tmpfs(p: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
+        return false;
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: statfs reads the NUL-terminated path and fills the struct on our stack.
+    let r = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statfs succeeded, so it initialised the struct.
+    r == 0 && unsafe { st.assume_init() }.f_type == 0x0102_1994
+}
+
+fn mkdir_private(p: &Path) -> Result<(), StartError> {
+    let err = |what| {
+        move |source| StartError::Dir {
+            path: p.to_path_buf(),
+            what,
+            source,
+        }
+    };
+    std::fs::create_dir_all(p).map_err(err("create directory"))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
+        .map_err(err("set permissions"))
+}
+
+/// Step 1: private state and socket directories, a private journal directory, devices listed.
+pub(super) fn prepare(cfg: &Config) -> Result<(), StartError> {
+    mkdir_private(&cfg.state_dir)?;
+    mkdir_private(&cfg.socket_dir)?;
+    match &cfg.journal_dir {
+        Some(dir) => {
+            // Not merely created: a directory another local user made first is refused.
+            spool_journal::ensure_private_dir(dir)?;
+            if !on_tmpfs(dir) {
+                tracing::warn!(dir = %dir.display(), "journal directory is not on tmpfs: page writeback of the shared journal pages will stall I/O for milliseconds (use /dev/shm)");
+            }
+        }
+        None => tracing::warn!(
+            "journal disabled: in-flight I/O is NOT protected across restarts (benchmark mode)"
+        ),
+    }
+    if cfg.devices.is_empty() {
+        return Err(StartError::NoDevices);
+    }
+    Ok(())
+}
+
+/// Step 2: opens the pool's devices; NVMe controllers the previous worker kept are taken over
+/// (the driver deposits its VFIO descriptors and queue arenas with the keeper).
+pub(super) fn open_pool(
+    cfg: &Config,
+    force: bool,
+    keeping: Option<&Keeping>,
+) -> Result<Pool, StartError> {
+    let specs: Vec<DeviceSpec> = cfg
+        .devices
+        .iter()
+        .map(|d| DeviceSpec {
+            path: d.path.clone(),
+            create_size: d.create_size,
+            null: d.null,
+        })
+        .collect();
+    if let Some(k) = keeping {
+        use spool_devices::nvme_handoff as h;
+        h::set_keeper(Arc::new(NvmeKeeper(k.link.clone())));
+        for key in k.keys(kept::NVME_PREFIX) {
+            if let Some((value, files)) = k.take(&key) {
+                h::offer(key, value, files);
+            }
+        }
+    }
+    let opts = PoolOptions {
+        name: cfg.pool_name.clone(),
+        min_extent: cfg.min_extent,
+        force,
+        no_direct: cfg.no_direct,
+        nvme_sgl: cfg.nvme_sgl,
+        startup_faults: startup_faults(),
+    };
+    Ok(Pool::open(&specs, opts)?)
+}
+
+/// Step 3: the health monitor, watching every device of the pool.
+pub(super) fn start_monitor(h: &HealthConfig, pool: &Pool) -> Arc<spool_health::Monitor> {
+    let monitor = spool_health::Monitor::start(spool_health::Policy {
+        media_errors_to_fail: h.media_errors_to_fail,
+        io_timeout: Duration::from_millis(h.io_timeout_ms),
+        reset_timeout: Duration::from_millis(h.reset_timeout_ms),
+        poll_interval: Duration::from_millis(h.poll_interval_ms),
+        request_retries: h.request_retries,
+        hook: h.hook.clone(),
+    });
+    for (uuid, dev) in pool.device_handles() {
+        monitor.watch(uuid, dev);
+    }
+    monitor
+}
+
+/// Step 4: isolation outlives the worker. A device the previous worker failed or found
+/// removed stays isolated (its state is kept under `health/UUID`), and from now on every
+/// isolation is kept and every recovery or replacement forgotten.
+pub(super) fn carry_isolation_over(k: &Keeping, monitor: &spool_health::Monitor) {
+    for key in k.keys(kept::HEALTH_PREFIX) {
+        let Some((value, _)) = k.take(&key) else {
+            continue;
+        };
+        match KeptHealth::parse(&key, &value) {
+            Some((uuid, h)) => {
+                if monitor.restore(uuid, h.state.health_state(), &h.reason) {
+                    // Still isolated: keep it kept.
+                    let _ = k.link.put(&key, value, &[]);
+                } else {
+                    let _ = k.link.remove(&key);
+                }
+            }
+            None => {
+                tracing::warn!(key = %key, "unreadable kept device state; dropped");
+                let _ = k.link.remove(&key);
+            }
+        }
+    }
+    let link = k.link.clone();
+    monitor.subscribe(move |ev| {
+        let key = kept::health_key(ev.device);
+        let isolated = ev.to.and_then(kept::IsolatedState::from_name);
+        match (HealthEventKind::parse(&ev.kind), isolated) {
+            (Some(HealthEventKind::State), Some(state)) => {
+                let reason = ev.reason.clone();
+                if let Err(e) = link.put(&key, KeptHealth { reason, state }.to_value(), &[]) {
+                    tracing::error!(key, "cannot keep the device state with the keeper: {e}");
+                }
+            }
+            (Some(HealthEventKind::State), None) if ev.to == Some("healthy") => {
+                let _ = link.remove(&key);
+            }
+            (Some(HealthEventKind::Replaced), _) => {
+                let _ = link.remove(&key);
+            }
+            _ => {}
+        }
+    });
+}
+
+impl Daemon {
+    /// Step 5: tells the keeper which state formats this worker writes (an upgrade candidate
+    /// checks them before the handoff).
+    pub(super) fn keep_state_format(&self) {
+        if let Some(s) = &self.store {
+            let format = serde_json::to_string(&kept::StateFormat::current()).unwrap_or_default();
+            if let Err(e) = s.put(kept::FORMAT_KEY, format, &[]) {
+                tracing::error!("cannot deposit the state format with the keeper: {e}");
+            }
+        }
+    }
+
+    /// Step 6: every configured volume exists and is at least as large as configured.
+    pub(super) fn ensure_volumes(&self) -> Result<(), StartError> {
+        let mut pool = self.pool();
+        for v in &self.cfg.volumes {
+            match pool.volume(&v.name) {
+                Ok(have) if have.size < v.size => {
+                    pool.resize_volume(&v.name, v.size)?;
+                }
+                Ok(have) if have.size > v.size => tracing::warn!(
+                    volume = %v.name, have = have.size, config = v.size,
+                    "volume is larger than the config says; volumes never shrink"
+                ),
+                Ok(_) => {}
+                Err(_) => {
+                    pool.create_volume(&v.name, v.size, v.read_only, v.num_queues)
+                        .map_err(|source| StartError::Volume {
+                            name: v.name.clone(),
+                            source,
+                        })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 7: serves every volume (continuing kept connections), and records how long
+    /// mapping guest memory and recovering journals took.
+    pub(super) fn serve_volumes(&self) {
+        let t_serve = Instant::now();
+        let vols = self.pool().volumes();
+        for v in vols {
+            if let Err(e) = self.serve(&v) {
+                tracing::error!(volume = %v.name, error = %e, "volume not served");
+            }
+        }
+        let clock = self.settings.clock.restore();
+        let other = t_serve
+            .elapsed()
+            .saturating_sub(clock.map_memory + clock.recover_queues);
+        let mut ph = self.phases.lock().unwrap_or_else(|p| p.into_inner());
+        ph.push(Phase::new("map guest memory", clock.map_memory));
+        ph.push(Phase::new(
+            "recover journals, start queues",
+            clock.recover_queues,
+        ));
+        ph.push(Phase::new("serve volumes (other)", other));
+    }
+
+    /// Step 8: whatever the previous worker kept for volumes that no longer exist is let go.
+    pub(super) fn release_unserved_kept(&self) {
+        let (Some(k), Some(s)) = (&self.keeping, &self.store) else {
+            return;
+        };
+        for key in k.keys(kept::VOLUME_PREFIX) {
+            tracing::warn!(key = %key, "kept state of a volume that is not served; releasing it");
+            let _ = k.take(&key);
+            if let Err(e) = s.remove(&key) {
+                tracing::error!(key = %key, "keeper: {e}");
+            }
+        }
+    }
+}
+
+/// Fault rules armed on every device from its first open: the crash-test hook
+/// (`FaultRule::crash_on_write_from_env`), read once here and compiled only with the
+/// `test-hooks` feature (spool-control's own tests); a production build arms nothing.
+fn startup_faults() -> Vec<spool_devices::FaultRule> {
+    #[cfg(feature = "test-hooks")]
+    {
+        spool_devices::FaultRule::crash_on_write_from_env()
+            .into_iter()
+            .collect()
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        Vec::new()
+    }
+}

@@ -1,0 +1,124 @@
+//! The volume methods (`volume_list`, `volume_show`, `volume_create`, `volume_resize`,
+//! `volume_delete`): pool operations plus starting and stopping the volume's server.
+
+use spool_pool::VolumeInfo;
+use uuid::Uuid;
+
+use super::Daemon;
+use crate::api::{self, IdParams, NoParams, SizeValue, Volume};
+use crate::config::DEFAULT_QUEUES;
+use crate::rpc::{MethodTable, RpcError};
+
+pub(super) fn register(t: &mut MethodTable<Daemon>) {
+    t.register::<api::VolumeList>(Daemon::volume_list)
+        .register::<api::VolumeShow>(Daemon::volume_show)
+        .register::<api::VolumeCreate>(Daemon::volume_create)
+        .register::<api::VolumeResize>(Daemon::volume_resize)
+        .register::<api::VolumeDelete>(Daemon::volume_delete);
+}
+
+/// A size param in bytes.
+pub(super) fn size_arg(s: &SizeValue, what: &str) -> Result<u64, RpcError> {
+    match s {
+        SizeValue::Bytes(n) => Ok(*n),
+        SizeValue::Text(t) => {
+            crate::size::parse_size(t).map_err(|e| RpcError::InvalidParams(format!("{what}: {e}")))
+        }
+    }
+}
+
+/// An optional size param in bytes.
+pub(super) fn opt_size(s: Option<SizeValue>, what: &str) -> Result<Option<u64>, RpcError> {
+    s.map(|s| size_arg(&s, what)).transpose()
+}
+
+impl Daemon {
+    fn volume_list(&self, _: NoParams) -> Result<Vec<Volume>, RpcError> {
+        let vols = self.pool().volumes();
+        Ok(vols.into_iter().map(|v| self.volume_view(v)).collect())
+    }
+
+    fn volume_show(&self, p: IdParams) -> Result<Volume, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        Ok(self.volume_view(v))
+    }
+
+    fn volume_create(&self, p: api::VolumeCreateParams) -> Result<Volume, RpcError> {
+        let size = size_arg(&p.size, "size")?;
+        let queues = p.num_queues.unwrap_or(DEFAULT_QUEUES);
+        let v = self
+            .pool()
+            .create_volume(&p.name, size, p.read_only, queues)?;
+        if let Err(e) = self.serve(&v) {
+            return Err(RpcError::NotServed(e.to_string()));
+        }
+        Ok(self.volume_view(v))
+    }
+
+    fn volume_resize(&self, p: api::VolumeResizeParams) -> Result<Volume, RpcError> {
+        let size = size_arg(&p.size, "size")?;
+        let (v, layout) = {
+            let mut pool = self.pool();
+            let v = pool.resize_volume(&p.id, size)?;
+            let l = pool.layout(&v.uuid.to_string())?;
+            (v, l)
+        };
+        if let Some(s) = self.servers().get(&v.uuid) {
+            s.context().update_layout(layout);
+        }
+        Ok(self.volume_view(v))
+    }
+
+    /// Deletes a volume once its server is stopped; a volume whose device commands never
+    /// completed keeps its extents (quarantined) until restart.
+    fn volume_delete(&self, p: api::VolumeDeleteParams) -> Result<api::VolumeInfo, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        let stuck = |commands: u64| RpcError::Quarantined {
+            volume: v.name.clone(),
+            commands,
+        };
+        if let Some(n) = self.quarantined_io(v.uuid) {
+            return Err(stuck(n));
+        }
+        let server = self.servers().remove(&v.uuid);
+        if let Some(s) = server {
+            if s.connected() && !p.force {
+                self.servers().insert(v.uuid, s);
+                return Err(RpcError::InUse(v.name.clone()));
+            }
+            let ctx = s.context().clone();
+            s.shutdown();
+            let n = ctx.abandoned_io();
+            if n > 0 {
+                self.quarantined
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(v.uuid, n);
+                tracing::error!(volume = %v.name, commands = n, "volume stopped with device commands that never completed; its extents are quarantined until restart");
+                return Err(stuck(n));
+            }
+        }
+        Ok(self.pool().delete_volume(&v.uuid.to_string())?.into())
+    }
+
+    /// A volume and how it is served.
+    fn volume_view(&self, v: VolumeInfo) -> Volume {
+        let servers = self.servers();
+        let s = servers.get(&v.uuid);
+        Volume {
+            socket: s.map(|s| s.path().display().to_string()),
+            connected: s.is_some_and(|s| s.connected()),
+            quarantined_io: self.quarantined_io(v.uuid),
+            info: v.into(),
+        }
+    }
+
+    /// Device commands of a stopped volume that never completed, if any.
+    fn quarantined_io(&self, volume: Uuid) -> Option<u64> {
+        self.quarantined
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&volume)
+            .copied()
+    }
+}
