@@ -8,6 +8,7 @@ scripts/install-deps.sh
 echo "== format and lint"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+python3 scripts/check-size.py
 echo "== guest image"
 scripts/build-guest.sh
 echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"

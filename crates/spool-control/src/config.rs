@@ -154,7 +154,7 @@ struct RawConfig {
     health: RawHealth,
 }
 
-/// Failure handling (DESIGN.md §6, docs/failures.md).
+/// Failure handling (docs/failures.md).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthConfig {
     pub media_errors_to_fail: u32,

@@ -1,4 +1,4 @@
-//! Health layer: the per-device failure state machine (DESIGN.md §6).
+//! Health layer: the per-device failure state machine (docs/failures.md).
 //!
 //! Owns: the policy (thresholds, timeouts), the monitor thread that reads the workers' error
 //! reports and each device's own signals (probe, deleted file, SMART critical warning), moves

@@ -1,4 +1,4 @@
-//! The classification table of DESIGN.md §6, row by row, against real file devices with
+//! The classification table of docs/failures.md, row by row, against real file devices with
 //! injected faults: each row feeds one signal and asserts the state the monitor moves to.
 
 use super::*;
