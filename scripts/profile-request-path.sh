@@ -48,6 +48,9 @@ for line in ann.splitlines():
     m = re.match(r"^\s*([\d,]+) \([^)]*\)\s+(\S.*?)(?: \[.*\])?$", line)
     if m:
         fn = m.group(2).split(":", 1)[-1]
+        # Methods defined in a submodule are named `mod::<impl path::Type>::method`: keep
+        # the type's last segment so `Type::method` matches wherever the method lives.
+        fn = re.sub(r"<impl [^<>]*?(\w+)>", r"\1", fn)
         incl[fn] = max(incl.get(fn, 0), int(m.group(1).replace(",", "")))
 names, calls, cur = {}, collections.Counter(), None
 for line in open(f):

@@ -1,7 +1,7 @@
 //! What spoold keeps with the keeper across worker restarts, by key: the names of the keys and
 //! the typed values of those this crate writes (the kept device health, the state format).
-//! The values under `vol/` (listener, session) and `nvme/` belong to the frontend and the NVMe
-//! driver; this module only names their prefixes.
+//! The values under `vol/` (listener, session) and the devices layer's prefix (`nvme/` today)
+//! belong to the frontend and to device backends; this module only names their prefixes.
 //!
 //! Must not know: the keeper's protocol (it stores strings and descriptors) or the daemon.
 
@@ -19,7 +19,7 @@ pub const VOLUME_PREFIX: &str = "vol/";
 /// Key suffix of a volume's session state (`vol/UUID/session`).
 pub const SESSION_SUFFIX: &str = "/session";
 /// Key prefix of the NVMe controllers the driver hands over.
-pub use spool_devices::nvme_handoff::PREFIX as NVME_PREFIX;
+pub use spool_devices::handoff::PREFIX as DEVICE_PREFIX;
 
 /// The key of a device's kept health state.
 pub fn health_key(device: Uuid) -> String {

@@ -33,8 +33,13 @@ pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
-/// Keeping NVMe controllers alive across worker restarts (the daemon wires its keeper in).
-pub use spool_nvme::handoff as nvme_handoff;
+/// Backend state kept alive across worker restarts: descriptors a backend deposits with the
+/// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
+/// reset, are the backend that keeps some today). The daemon supplies a [`handoff::Keeper`]
+/// and offers back what the previous worker left under [`handoff::PREFIX`].
+pub mod handoff {
+    pub use spool_nvme::handoff::{offer, set_keeper, Keeper, PREFIX};
+}
 
 /// Makes `[addr, addr+len)` of this process reachable by DMA from every NVMe controller, so
 /// requests into it are zero copy (called for guest memory when a vhost-user frontend maps

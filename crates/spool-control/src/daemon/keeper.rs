@@ -43,10 +43,10 @@ impl StateStore for KeeperStore {
     }
 }
 
-/// The keeper as the NVMe driver's descriptor store.
-pub(super) struct NvmeKeeper(pub Arc<KeeperLink>);
+/// The keeper as the devices layer's descriptor store (backend state kept across restarts).
+pub(super) struct DeviceKeeper(pub Arc<KeeperLink>);
 
-impl spool_devices::nvme_handoff::Keeper for NvmeKeeper {
+impl spool_devices::handoff::Keeper for DeviceKeeper {
     fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) {
         if let Err(e) = self.0.put(key, value, fds) {
             tracing::error!(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use spool_keeper::Phase;
 use spool_pool::{DeviceSpec, Pool, PoolOptions};
 
-use super::keeper::{Keeping, NvmeKeeper};
+use super::keeper::{DeviceKeeper, Keeping};
 use super::Daemon;
 use crate::api::HealthEventKind;
 use crate::config::{Config, HealthConfig};
@@ -104,9 +104,9 @@ pub(super) fn open_pool(
         })
         .collect();
     if let Some(k) = keeping {
-        use spool_devices::nvme_handoff as h;
-        h::set_keeper(Arc::new(NvmeKeeper(k.link.clone())));
-        for key in k.keys(kept::NVME_PREFIX) {
+        use spool_devices::handoff as h;
+        h::set_keeper(Arc::new(DeviceKeeper(k.link.clone())));
+        for key in k.keys(kept::DEVICE_PREFIX) {
             if let Some((value, files)) = k.take(&key) {
                 h::offer(key, value, files);
             }
