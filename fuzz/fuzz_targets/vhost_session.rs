@@ -163,21 +163,21 @@ fn dup(fd: RawFd) -> Option<File> {
 }
 
 impl StateStore for MemStore {
-    fn put(&self, key: &str, value: String, fds: &[RawFd]) -> Result<(), String> {
+    fn put(&self, key: &str, value: String, fds: &[RawFd]) -> std::io::Result<()> {
         if fds.len() > 250 {
-            return Err("too many descriptors".into());
+            return Err(std::io::Error::other("too many descriptors"));
         }
         let files = fds
             .iter()
-            .map(|&fd| dup(fd).ok_or_else(|| "bad descriptor".to_string()))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|&fd| dup(fd).ok_or_else(|| std::io::Error::other("bad descriptor")))
+            .collect::<std::io::Result<Vec<_>>>()?;
         self.0
             .lock()
             .unwrap()
             .insert(key.to_string(), (value, files));
         Ok(())
     }
-    fn remove(&self, prefix: &str) -> Result<(), String> {
+    fn remove(&self, prefix: &str) -> std::io::Result<()> {
         self.0.lock().unwrap().retain(|k, _| !k.starts_with(prefix));
         Ok(())
     }

@@ -34,9 +34,9 @@ pub use session::{RestoreClock, Session, SessionState, MAX_QUEUE_SIZE, SESSION_S
 pub trait StateStore: Send + Sync {
     /// Stores (replaces) `key`. An error means the store still holds the previous value
     /// (or none): the caller must not rely on it.
-    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) -> Result<(), String>;
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) -> std::io::Result<()>;
     /// Forgets every key starting with `prefix`.
-    fn remove(&self, prefix: &str) -> Result<(), String>;
+    fn remove(&self, prefix: &str) -> std::io::Result<()>;
 }
 
 /// What this process measures of its own (re)start, shared by every volume's server and

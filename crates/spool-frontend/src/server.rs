@@ -225,7 +225,7 @@ impl Serve {
         drop(s);
         fds[st.conn] = conn.as_raw_fd();
         let put = serde_json::to_string(&st)
-            .map_err(|e| format!("cannot encode session state: {e}"))
+            .map_err(|e| std::io::Error::other(format!("cannot encode session state: {e}")))
             .and_then(|json| store.put(&session_key(self.ctx.uuid()), json, &fds));
         let Err(e) = put else {
             return Deposit::Kept;

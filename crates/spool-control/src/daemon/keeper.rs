@@ -35,11 +35,11 @@ impl Keeping {
 pub(super) struct KeeperStore(pub Arc<KeeperLink>);
 
 impl StateStore for KeeperStore {
-    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) -> Result<(), String> {
-        self.0.put(key, value, fds).map_err(|e| e.to_string())
+    fn put(&self, key: &str, value: String, fds: &[std::os::fd::RawFd]) -> std::io::Result<()> {
+        self.0.put(key, value, fds)
     }
-    fn remove(&self, prefix: &str) -> Result<(), String> {
-        self.0.remove(prefix).map_err(|e| e.to_string())
+    fn remove(&self, prefix: &str) -> std::io::Result<()> {
+        self.0.remove(prefix)
     }
 }
 
