@@ -148,6 +148,7 @@ fn layout(read_only: bool, segs: u64) -> VolumeLayout {
             })
             .collect(),
         devices: vec![env().device.clone()],
+        qos: None,
     }
 }
 

@@ -7,7 +7,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::metadata::VolumeEntry;
-use crate::{Pool, Result};
+use crate::{Pool, QosLimits, Result};
 
 /// What a device replacement did.
 #[derive(Debug, Clone, Serialize)]
@@ -50,6 +50,8 @@ pub struct VolumeInfo {
     pub devices: Vec<Uuid>,
     /// False when one of its devices is missing.
     pub online: bool,
+    /// I/O limits, if any.
+    pub qos: Option<QosLimits>,
 }
 
 /// Public description of the pool, for the control plane.
@@ -140,6 +142,7 @@ impl Pool {
                 .iter()
                 .all(|d| self.members.iter().any(|m| m.uuid == *d)),
             devices,
+            qos: v.qos,
         }
     }
 

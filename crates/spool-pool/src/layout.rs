@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use uuid::Uuid;
 
-use crate::{Error, Pool, Result};
+use crate::{Error, Pool, QosLimits, Result};
 use spool_devices::Device;
 
 /// One piece of a volume's address space mapped onto a device.
@@ -33,6 +33,8 @@ pub struct VolumeLayout {
     pub num_queues: u16,
     /// Ascending by `logical`, contiguous, covering at least `size`.
     pub segments: Vec<Segment>,
+    /// I/O limits the workers enforce (None: unlimited, and no cost).
+    pub qos: Option<QosLimits>,
     pub devices: Vec<Arc<Device>>,
 }
 
@@ -116,6 +118,7 @@ impl Pool {
             num_queues: v.num_queues,
             segments,
             devices,
+            qos: v.qos,
         })
     }
 }

@@ -13,6 +13,7 @@ mod info;
 mod layout;
 mod members;
 pub mod metadata;
+pub mod qos;
 mod volumes;
 
 use std::path::Path;
@@ -22,6 +23,7 @@ use uuid::Uuid;
 pub use info::{DeviceInfo, LeftOut, PoolInfo, Replacement, VolumeInfo};
 pub use layout::{Segment, VolumeLayout};
 pub use members::DeviceSpec;
+pub use qos::QosLimits;
 
 use members::Member;
 use metadata::{PoolTable, Record};

@@ -10,12 +10,16 @@ use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::qos::QosLimits;
 use spool_devices::Device;
 
 /// First bytes of every metadata record.
 pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
-/// Current record format version. Readers refuse records with a higher version.
-pub const FORMAT_VERSION: u32 = 1;
+/// Newest record format version this spoold reads and writes. Readers refuse records with
+/// a higher version. A table is written as version 1 unless it uses something version 1
+/// cannot say (volume QoS limits: version 2), so an older spoold refuses a table it would
+/// otherwise rewrite without them, and still reads every table that needs nothing new.
+pub const FORMAT_VERSION: u32 = 2;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -96,9 +100,21 @@ pub struct VolumeEntry {
     pub num_queues: u16,
     /// Extents in logical order.
     pub extents: Vec<ExtentEntry>,
+    /// I/O limits (format version 2; absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qos: Option<QosLimits>,
 }
 
 impl PoolTable {
+    /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
+    pub fn format_version(&self) -> u32 {
+        if self.volumes.iter().any(|v| v.qos.is_some()) {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Checks every field that sizes, offsets or names anything, so that a table with valid
     /// checksums but impossible contents (a bug, a bit flip before the checksum was taken,
     /// a hand-edited or hostile device) is refused instead of panicking, overflowing or
@@ -192,6 +208,9 @@ impl PoolTable {
                 "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
                 v.num_queues
             ));
+        }
+        if let Some(q) = &v.qos {
+            q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
         }
         let mut allocated = 0u64;
         for (i, e) in v.extents.iter().enumerate() {
@@ -303,7 +322,7 @@ pub fn encode(rec: &Record) -> Result<Vec<u8>, String> {
     }
     let mut buf = vec![0u8; HEADER_SIZE + payload.len()];
     buf[0..8].copy_from_slice(&MAGIC);
-    buf[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    buf[8..12].copy_from_slice(&rec.table.format_version().to_le_bytes());
     buf[12..16].copy_from_slice(&(HEADER_SIZE as u32).to_le_bytes());
     buf[16..24].copy_from_slice(&rec.generation.to_le_bytes());
     buf[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -483,6 +502,7 @@ mod tests {
                     offset: METADATA_AREA,
                     order: 0,
                 }],
+                qos: None,
             }],
         }
     }
@@ -612,6 +632,7 @@ mod tests {
                         ext(d[0], METADATA_AREA, 1),
                         ext(d[0], METADATA_AREA + (2 << 20), 0),
                     ],
+                    qos: None,
                 },
                 VolumeEntry {
                     uuid: Uuid::from_u128(11),
@@ -620,6 +641,7 @@ mod tests {
                     read_only: true,
                     num_queues: 4,
                     extents: vec![ext(d[1], METADATA_AREA, 1)],
+                    qos: None,
                 },
             ],
         }

@@ -333,3 +333,57 @@ fn a_device_that_grew_keeps_its_extents_and_the_table_learns_its_size() {
     assert_eq!(p.volumes().len(), 2);
     assert_eq!(p.info().free, 0);
 }
+
+/// The format version byte of the newest metadata slot on the device at `path`.
+fn newest_slot_version(path: &Path) -> u32 {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).unwrap();
+    let mut best = (0u64, 0u32);
+    for slot in 0..2u64 {
+        let mut h = [0u8; 24];
+        f.read_exact_at(&mut h, slot * metadata::SLOT_SIZE).unwrap();
+        let generation = u64::from_le_bytes(h[16..24].try_into().unwrap());
+        if generation >= best.0 {
+            best = (generation, u32::from_le_bytes(h[8..12].try_into().unwrap()));
+        }
+    }
+    best.1
+}
+
+#[test]
+fn qos_limits_persist_and_need_format_version_2_only_while_set() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 17)];
+    let limits = QosLimits {
+        iops: 2000,
+        write_bps: 50 << 20,
+        burst_ms: 250,
+        ..Default::default()
+    };
+    {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        p.create_volume("v", 4 << 20, false, 1).unwrap();
+        assert_eq!(newest_slot_version(&specs[0].path), 1);
+        let info = p.set_qos("v", Some(limits)).unwrap();
+        assert_eq!(info.qos, Some(limits));
+        assert_eq!(p.layout("v").unwrap().qos, Some(limits));
+    }
+    // An older spoold (format 1 only) must refuse this table rather than drop the limits.
+    assert_eq!(newest_slot_version(&specs[0].path), 2);
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.volume("v").unwrap().qos, Some(limits));
+    // All rates 0 is no QoS at all, and the table goes back to format 1.
+    let cleared = p.set_qos("v", Some(QosLimits::default())).unwrap();
+    assert_eq!(cleared.qos, None);
+    assert_eq!(p.layout("v").unwrap().qos, None);
+    assert_eq!(newest_slot_version(&specs[0].path), 1);
+    let bad = QosLimits {
+        burst_ms: 0,
+        iops: 1,
+        ..Default::default()
+    };
+    let e = p.set_qos("v", Some(bad)).unwrap_err().to_string();
+    assert!(e.contains("burst_ms"), "{e}");
+    let e = p.set_qos("nope", Some(limits)).unwrap_err().to_string();
+    assert!(e.contains("nope"), "{e}");
+}

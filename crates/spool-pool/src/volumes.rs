@@ -7,7 +7,7 @@
 use uuid::Uuid;
 
 use crate::metadata::{self, ExtentEntry, VolumeEntry, MAX_QUEUES};
-use crate::{Error, Pool, Result, VolumeInfo};
+use crate::{Error, Pool, QosLimits, Result, VolumeInfo};
 
 fn valid_name(name: &str) -> Result<()> {
     metadata::check_volume_name(name).map_err(Error::InvalidArgument)
@@ -160,6 +160,7 @@ impl Pool {
             read_only,
             num_queues,
             extents: extents.clone(),
+            qos: None,
         };
         let mut table = self.table.clone();
         table.volumes.push(v.clone());
@@ -216,6 +217,25 @@ impl Pool {
             return Err(e);
         }
         tracing::info!(volume = %v.name, old_size = old.size, new_size, "volume resized");
+        Ok(self.volume_info(&v))
+    }
+
+    /// Sets (or, with `None` or all rates 0, clears) a volume's I/O limits. The caller
+    /// publishes the new layout to the volume's workers.
+    pub fn set_qos(&mut self, id: &str, qos: Option<QosLimits>) -> Result<VolumeInfo> {
+        let i = self.find(id)?;
+        let qos = qos.filter(|q| !q.is_unlimited());
+        if let Some(q) = &qos {
+            q.validate().map_err(Error::InvalidArgument)?;
+        }
+        if self.table.volumes[i].qos == qos {
+            return Ok(self.volume_info(&self.table.volumes[i]));
+        }
+        let mut table = self.table.clone();
+        table.volumes[i].qos = qos;
+        let v = table.volumes[i].clone();
+        self.commit(table)?;
+        tracing::info!(volume = %v.name, qos = ?v.qos, "volume I/O limits set");
         Ok(self.volume_info(&v))
     }
 }

@@ -172,6 +172,7 @@ impl Harness {
                 offset: 0,
             }],
             devices: vec![device],
+            qos: None,
         };
         let spec = WorkerSpec {
             index: 0,

@@ -1,0 +1,97 @@
+//! Per-volume I/O limits (QoS caps) as the pool table keeps them.
+//!
+//! Owns: the persisted shape of the limits and their validation. Must not know: how the
+//! data path enforces them (the frontend's token buckets), nor time.
+
+use serde::{Deserialize, Serialize};
+
+/// Largest rate a limit may name (per second): far above any device, small enough that
+/// bucket arithmetic in nanoseconds cannot overflow.
+pub const MAX_RATE: u64 = 1 << 40;
+/// Longest burst allowance, in milliseconds.
+pub const MAX_BURST_MS: u32 = 60_000;
+/// Burst allowance when none is given: how long a volume that was idle may run at any
+/// speed before its rates apply (QEMU's throttle groups default to one second too).
+pub const DEFAULT_BURST_MS: u32 = 1000;
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn default_burst() -> u32 {
+    DEFAULT_BURST_MS
+}
+
+/// A volume's I/O limits, per second; 0 leaves that limit off. Reads and writes are capped
+/// separately and together; flushes, discards and write-zeroes count as writes for IOPS
+/// (a discard of a whole volume is one operation) and carry no bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosLimits {
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iops: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_iops: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_iops: u64,
+    /// Bytes per second.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_bps: u64,
+    /// Burst allowance: each limit's bucket holds this many milliseconds of its rate.
+    #[serde(default = "default_burst")]
+    pub burst_ms: u32,
+}
+
+impl Default for QosLimits {
+    fn default() -> Self {
+        QosLimits {
+            iops: 0,
+            read_iops: 0,
+            write_iops: 0,
+            bps: 0,
+            read_bps: 0,
+            write_bps: 0,
+            burst_ms: DEFAULT_BURST_MS,
+        }
+    }
+}
+
+impl QosLimits {
+    /// Whether no limit is set (the same as no QoS at all).
+    pub fn is_unlimited(&self) -> bool {
+        self.rates().iter().all(|(_, r)| *r == 0)
+    }
+
+    /// Each limit by name, as spoolctl and the RPC spell them.
+    pub fn rates(&self) -> [(&'static str, u64); 6] {
+        [
+            ("iops", self.iops),
+            ("read_iops", self.read_iops),
+            ("write_iops", self.write_iops),
+            ("bps", self.bps),
+            ("read_bps", self.read_bps),
+            ("write_bps", self.write_bps),
+        ]
+    }
+
+    /// Checks every rate and the burst allowance; says which one is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, rate) in self.rates() {
+            if rate > MAX_RATE {
+                return Err(format!(
+                    "{name} {rate} is above the largest limit {MAX_RATE}"
+                ));
+            }
+        }
+        if !(1..=MAX_BURST_MS).contains(&self.burst_ms) {
+            return Err(format!(
+                "burst_ms {} must be between 1 and {MAX_BURST_MS}",
+                self.burst_ms
+            ));
+        }
+        Ok(())
+    }
+}
