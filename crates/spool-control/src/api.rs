@@ -15,6 +15,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
 pub use crate::config::SizeValue;
+pub use crate::qos::RateValue;
 
 mod results;
 
@@ -74,6 +75,8 @@ methods! {
         "grow a volume";
     VolumeDelete = "volume_delete", VolumeDeleteParams => VolumeInfo,
         "delete a volume and its journals";
+    VolumeQos = "volume_qos", VolumeQosParams => Volume,
+        "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     DaemonStatus = "daemon_status", NoParams => Status,
         "worker and keeper, restart phases, state formats";
     DaemonUpgrade = "daemon_upgrade", UpgradeParams => spool_keeper::RestartReport,
@@ -277,6 +280,50 @@ pub struct VolumeDeleteParams {
 pub struct VolumeResizeParams {
     pub id: String,
     pub size: SizeValue,
+}
+
+/// `volume_qos`: each given limit replaces the current one (0 removes it), the others stay;
+/// `clear` first removes every limit (then the given ones apply). Rates are numbers or
+/// strings: IOPS "20k" (k = 1000), bytes per second "200M" (K/M/G = powers of 1024).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeQosParams {
+    pub id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops: Option<RateValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_iops: Option<RateValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_iops: Option<RateValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bps: Option<RateValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bps: Option<RateValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_bps: Option<RateValue>,
+    /// Burst allowance in milliseconds (1..=60000; default 1000 for a volume without limits).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst_ms: Option<u32>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub clear: bool,
+}
+
+impl VolumeQosParams {
+    /// The change these params ask for, every rate read.
+    pub fn change(&self) -> Result<crate::qos::QosChange, crate::qos::QosError> {
+        let iops = |v: &Option<RateValue>, what| v.as_ref().map(|v| v.iops(what)).transpose();
+        let bps = |v: &Option<RateValue>, what| v.as_ref().map(|v| v.bps(what)).transpose();
+        Ok(crate::qos::QosChange {
+            clear: self.clear,
+            iops: iops(&self.iops, "iops")?,
+            read_iops: iops(&self.read_iops, "read_iops")?,
+            write_iops: iops(&self.write_iops, "write_iops")?,
+            bps: bps(&self.bps, "bps")?,
+            read_bps: bps(&self.read_bps, "read_bps")?,
+            write_bps: bps(&self.write_bps, "write_bps")?,
+            burst_ms: self.burst_ms,
+        })
+    }
 }
 
 /// `daemon_upgrade`.

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::qos::{QosError, RateValue};
 use crate::size::parse_size;
 
 /// A size written as a number of bytes or a string with a suffix.
@@ -49,6 +50,8 @@ pub enum ConfigError {
     MixedNull,
     #[error("volume {volume}: num_queues {queues} must be 1..=64")]
     Queues { volume: String, queues: u16 },
+    #[error("volume {volume}: qos: {source}")]
+    Qos { volume: String, source: QosError },
     #[error("volume {0} is listed twice")]
     DuplicateVolume(String),
     #[error("health.{0} must be positive")]
@@ -91,6 +94,21 @@ struct RawVolume {
     #[serde(default)]
     read_only: bool,
     num_queues: Option<u16>,
+    /// `[volumes.qos]`: the volume's I/O limits, declared.
+    qos: Option<RawQos>,
+}
+
+/// `[volumes.qos]` as written: rates as numbers or strings ("20k", "200M"), burst with a unit.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQos {
+    iops: Option<RateValue>,
+    read_iops: Option<RateValue>,
+    write_iops: Option<RateValue>,
+    bps: Option<RateValue>,
+    read_bps: Option<RateValue>,
+    write_bps: Option<RateValue>,
+    burst: Option<RateValue>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -198,6 +216,9 @@ pub struct VolumeConfig {
     pub size: u64,
     pub read_only: bool,
     pub num_queues: u16,
+    /// Its I/O limits when `[volumes.qos]` is present (all rates 0 = none), applied when
+    /// spoold starts; `None` leaves whatever the pool table holds.
+    pub qos: Option<spool_pool::QosLimits>,
 }
 
 /// The validated daemon configuration.
@@ -335,14 +356,42 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
         if volumes.iter().any(|x| x.name == v.name) {
             return Err(ConfigError::DuplicateVolume(v.name.clone()));
         }
+        let qos = v
+            .qos
+            .as_ref()
+            .map(qos_limits)
+            .transpose()
+            .map_err(|source| ConfigError::Qos {
+                volume: v.name.clone(),
+                source,
+            })?;
         volumes.push(VolumeConfig {
             name: v.name.clone(),
             size,
             read_only: v.read_only,
             num_queues: queues,
+            qos,
         });
     }
     Ok(volumes)
+}
+
+/// `[volumes.qos]` into limits; keys left out are no limit, the burst defaults to 1s.
+fn qos_limits(q: &RawQos) -> Result<spool_pool::QosLimits, QosError> {
+    let iops = |v: &Option<RateValue>, what| v.as_ref().map_or(Ok(0), |v| v.iops(what));
+    let bps = |v: &Option<RateValue>, what| v.as_ref().map_or(Ok(0), |v| v.bps(what));
+    Ok(spool_pool::QosLimits {
+        iops: iops(&q.iops, "iops")?,
+        read_iops: iops(&q.read_iops, "read_iops")?,
+        write_iops: iops(&q.write_iops, "write_iops")?,
+        bps: bps(&q.bps, "bps")?,
+        read_bps: bps(&q.read_bps, "read_bps")?,
+        write_bps: bps(&q.write_bps, "write_bps")?,
+        burst_ms: match &q.burst {
+            Some(b) => b.burst_ms()?,
+            None => spool_pool::qos::DEFAULT_BURST_MS,
+        },
+    })
 }
 
 fn health(h: &RawHealth, base: &Base) -> Result<HealthConfig, ConfigError> {
@@ -462,10 +511,65 @@ mod tests {
                 "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\nnum_queues = 0",
                 "num_queues",
             ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\n[volumes.qos]\niopz = 1",
+                "unknown field `iopz`",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\n[volumes.qos]\niops = \"fast\"",
+                "volume a: qos: iops \"fast\" is not an IOPS rate",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\n[volumes.qos]\nbps = -1",
+                "volume a: qos: bps -1 is not a bandwidth",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\n[volumes.qos]\nburst = \"0ms\"",
+                "burst \"0ms\" must be between 1ms",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\n[volumes.qos]\nburst = 250",
+                "burst 250 is not a duration",
+            ),
         ] {
             let e = Config::parse(text, Path::new("/")).unwrap_err().to_string();
             assert!(e.contains(needle), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn volume_qos_applies_to_the_volume_above_it() {
+        let c = Config::parse(
+            r#"state_dir = "/x"
+[[volumes]]
+name = "a"
+size = "1M"
+[volumes.qos]
+iops = "20k"
+write_bps = "200M"
+read_bps = 1048576
+burst = "250ms"
+[[volumes]]
+name = "b"
+size = "1M"
+"#,
+            Path::new("/"),
+        )
+        .unwrap();
+        let q = c.volumes[0].qos.unwrap();
+        assert_eq!(
+            (q.iops, q.write_bps, q.read_bps),
+            (20_000, 200 << 20, 1 << 20)
+        );
+        assert_eq!((q.read_iops, q.bps, q.burst_ms), (0, 0, 250));
+        assert_eq!(c.volumes[1].qos, None);
+        let c = Config::parse(
+            "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\n[volumes.qos]\n",
+            Path::new("/"),
+        )
+        .unwrap();
+        let empty = c.volumes[0].qos.unwrap();
+        assert!(empty.is_unlimited() && empty.burst_ms == 1000);
     }
 
     #[test]

@@ -84,6 +84,7 @@ impl Daemon {
         let d = Arc::new(Daemon::new(cfg, pool, monitor, keeping, open_devices));
         d.keep_state_format();
         d.ensure_volumes()?;
+        d.apply_configured_qos()?;
         d.serve_volumes();
         d.release_unserved_kept();
         d.start_spare_watcher();

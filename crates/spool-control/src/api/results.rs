@@ -85,6 +85,61 @@ pub struct VolumeInfo {
     pub devices: Vec<Uuid>,
     /// False when one of its devices is missing.
     pub online: bool,
+    /// Its I/O limits; absent when it has none.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub qos: Option<QosLimits>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// A volume's I/O limits, per second (`volume_qos`, inside a volume): limits that are not
+/// set (0) are left out; `burst_ms` is always there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosLimits {
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iops: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_iops: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_iops: u64,
+    /// Bytes per second.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_bps: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_bps: u64,
+    pub burst_ms: u32,
+}
+
+impl From<spool_pool::QosLimits> for QosLimits {
+    fn from(q: spool_pool::QosLimits) -> Self {
+        QosLimits {
+            iops: q.iops,
+            read_iops: q.read_iops,
+            write_iops: q.write_iops,
+            bps: q.bps,
+            read_bps: q.read_bps,
+            write_bps: q.write_bps,
+            burst_ms: q.burst_ms,
+        }
+    }
+}
+
+impl From<QosLimits> for spool_pool::QosLimits {
+    fn from(q: QosLimits) -> Self {
+        spool_pool::QosLimits {
+            iops: q.iops,
+            read_iops: q.read_iops,
+            write_iops: q.write_iops,
+            bps: q.bps,
+            read_bps: q.read_bps,
+            write_bps: q.write_bps,
+            burst_ms: q.burst_ms,
+        }
+    }
 }
 
 impl From<spool_pool::VolumeInfo> for VolumeInfo {
@@ -99,6 +154,7 @@ impl From<spool_pool::VolumeInfo> for VolumeInfo {
             extents: v.extents,
             devices: v.devices,
             online: v.online,
+            qos: v.qos.map(QosLimits::from),
         }
     }
 }

@@ -63,6 +63,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         extents: 1,
         devices: vec![],
         online: true,
+        qos: None,
     };
     let v = Volume {
         info,
@@ -73,6 +74,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
     let j = serde_json::to_value(&v).unwrap();
     assert_eq!(j["socket"], Value::Null);
     assert!(j.get("quarantined_io").is_none());
+    assert!(j.get("qos").is_none(), "no limits, no qos field: {j}");
     assert_eq!(j["name"], json!("v"));
     let back: Volume = serde_json::from_value(j).unwrap();
     assert_eq!(back.info.name, "v");
@@ -88,4 +90,34 @@ fn event_kinds_are_the_monitors_strings() {
     for (kind, name) in FaultKind::ALL {
         assert_eq!(FaultKind::parse(name), Some(kind));
     }
+}
+
+#[test]
+fn volume_qos_params_and_limits_on_the_wire() {
+    let p: VolumeQosParams =
+        serde_json::from_value(json!({"id": "v", "iops": "20k", "bps": 1024, "burst_ms": 100}))
+            .unwrap();
+    let c = p.change().unwrap();
+    assert_eq!(
+        (c.iops, c.bps, c.burst_ms, c.clear),
+        (Some(20_000), Some(1024), Some(100), false)
+    );
+    assert_eq!(c.read_iops, None);
+    let e = serde_json::from_value::<VolumeQosParams>(json!({"id": "v", "iopz": 1})).unwrap_err();
+    assert!(e.to_string().contains("unknown field `iopz`"), "{e}");
+    let bad: VolumeQosParams =
+        serde_json::from_value(json!({"id": "v", "write_bps": "fast"})).unwrap();
+    let e = bad.change().unwrap_err().to_string();
+    assert!(e.contains("write_bps \"fast\" is not a bandwidth"), "{e}");
+    let q = QosLimits::from(spool_pool::QosLimits {
+        iops: 1000,
+        ..spool_pool::QosLimits::default()
+    });
+    assert_eq!(wire(&q), r#"{"burst_ms":1000,"iops":1000}"#);
+    let clear = VolumeQosParams {
+        id: "v".into(),
+        clear: true,
+        ..VolumeQosParams::default()
+    };
+    assert_eq!(wire(&clear), r#"{"clear":true,"id":"v"}"#);
 }

@@ -1,7 +1,7 @@
 //! The named steps of `Daemon::start`, in the order it runs them: prepare the directories,
 //! open the pool (taking over kept NVMe controllers), start the health monitor, carry kept
-//! device isolation over, ensure the configured volumes, serve them, let go of what was kept
-//! for volumes that are gone.
+//! device isolation over, ensure the configured volumes and their I/O limits, serve them,
+//! let go of what was kept for volumes that are gone.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -217,6 +217,34 @@ impl Daemon {
                         })?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Step 6b: the I/O limits of every volume with a `[volumes.qos]` section, when spoold
+    /// itself starts. A worker restart or an upgrade keeps the limits in force (a run-time
+    /// `volume_qos` included); a volume without the section keeps what the table holds.
+    pub(super) fn apply_configured_qos(&self) -> Result<(), StartError> {
+        if self
+            .keeping
+            .as_ref()
+            .is_some_and(|k| k.restored().info.generation > 1)
+        {
+            return Ok(());
+        }
+        let mut pool = self.pool();
+        for v in &self.cfg.volumes {
+            let Some(q) = v.qos else { continue };
+            let want = Some(q).filter(|q| !q.is_unlimited());
+            if pool.volume(&v.name).ok().map(|have| have.qos) == Some(want) {
+                continue;
+            }
+            pool.set_qos(&v.name, want)
+                .map_err(|source| StartError::Volume {
+                    name: v.name.clone(),
+                    source,
+                })?;
+            tracing::info!(volume = %v.name, limits = %crate::qos::describe(want.as_ref()), "I/O limits from the config");
         }
         Ok(())
     }

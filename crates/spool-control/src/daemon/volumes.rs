@@ -1,5 +1,6 @@
 //! The volume methods (`volume_list`, `volume_show`, `volume_create`, `volume_resize`,
-//! `volume_delete`): pool operations plus starting and stopping the volume's server.
+//! `volume_delete`, `volume_qos`): pool operations plus starting and stopping the volume's
+//! server, and publishing a changed layout to its running queues.
 
 use spool_pool::VolumeInfo;
 use uuid::Uuid;
@@ -14,7 +15,8 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
         .register::<api::VolumeShow>(Daemon::volume_show)
         .register::<api::VolumeCreate>(Daemon::volume_create)
         .register::<api::VolumeResize>(Daemon::volume_resize)
-        .register::<api::VolumeDelete>(Daemon::volume_delete);
+        .register::<api::VolumeDelete>(Daemon::volume_delete)
+        .register::<api::VolumeQos>(Daemon::volume_qos);
 }
 
 /// A size param in bytes.
@@ -63,10 +65,39 @@ impl Daemon {
             let l = pool.layout(&v.uuid.to_string())?;
             (v, l)
         };
+        self.publish_layout(&v, layout);
+        Ok(self.volume_view(v))
+    }
+
+    /// Changes a volume's I/O limits (the given ones replace the current ones) and
+    /// publishes them to its running queues.
+    fn volume_qos(&self, p: api::VolumeQosParams) -> Result<Volume, RpcError> {
+        let change = p
+            .change()
+            .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+        let (v, layout) = {
+            let mut pool = self.pool();
+            let limits = change.apply(pool.volume(&p.id)?.qos);
+            limits.validate().map_err(RpcError::InvalidParams)?;
+            let v = pool.set_qos(&p.id, Some(limits))?;
+            let l = pool.layout(&v.uuid.to_string());
+            (v, l)
+        };
+        match layout {
+            Ok(l) => self.publish_layout(&v, l),
+            Err(e) if self.servers().contains_key(&v.uuid) => {
+                tracing::error!(volume = %v.name, error = %e, "I/O limits kept but not published to the running queues")
+            }
+            Err(_) => {}
+        }
+        Ok(self.volume_view(v))
+    }
+
+    /// Hands a volume's new layout (size, limits) to its running queues, if it is served.
+    fn publish_layout(&self, v: &VolumeInfo, layout: spool_pool::VolumeLayout) {
         if let Some(s) = self.servers().get(&v.uuid) {
             s.context().update_layout(layout);
         }
-        Ok(self.volume_view(v))
     }
 
     /// Deletes a volume once its server is stopped; a volume whose device commands never

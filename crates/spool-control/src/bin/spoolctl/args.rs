@@ -139,6 +139,42 @@ pub enum VolumeCmd {
     },
     /// Grow a volume to SIZE.
     Resize { id: String, size: String },
+    /// Set or clear a volume's I/O limits; running queues apply them at once and they are
+    /// kept in the pool metadata. Limits not named keep their current values (0 removes
+    /// one); with no option, shows the limits.
+    Qos(QosArgs),
+}
+
+// `volume qos` (no doc comment: the variant's is its help).
+#[derive(clap::Args)]
+pub struct QosArgs {
+    /// The volume (name or UUID).
+    pub id: String,
+    /// Operations per second, reads and writes together (e.g. 20k; k = 1000).
+    #[arg(long)]
+    pub iops: Option<String>,
+    /// Read operations per second.
+    #[arg(long)]
+    pub read_iops: Option<String>,
+    /// Write operations per second (flushes and discards count as writes).
+    #[arg(long)]
+    pub write_iops: Option<String>,
+    /// Bytes per second, reads and writes together (e.g. 200M, 1G; K/M/G = powers of 1024).
+    #[arg(long)]
+    pub bw: Option<String>,
+    /// Bytes read per second.
+    #[arg(long)]
+    pub read_bw: Option<String>,
+    /// Bytes written per second.
+    #[arg(long)]
+    pub write_bw: Option<String>,
+    /// Burst allowance: how long an idle volume may exceed its limits (e.g. 250ms, 1s;
+    /// default 1s).
+    #[arg(long)]
+    pub burst: Option<String>,
+    /// Remove every limit first (options given with it then apply alone).
+    #[arg(long)]
+    pub clear: bool,
 }
 
 // `device inject` (no doc comment: the variant's is its help).

@@ -22,6 +22,8 @@ pub enum CtlError {
     Rpc(#[from] ErrorObject),
     #[error(transparent)]
     Size(#[from] spool_control::size::SizeError),
+    #[error(transparent)]
+    Qos(#[from] spool_control::qos::QosError),
     #[error("{0}")]
     Path(std::io::Error),
     #[error("params are not JSON: {0}")]

@@ -44,11 +44,10 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             VolumeCmd::Delete { .. } => {
                 show::<api::VolumeDelete>(r, |v| println!("deleted volume {} ({})", v.name, v.uuid))
             }
-            VolumeCmd::Show { .. } | VolumeCmd::Create { .. } | VolumeCmd::Resize { .. } => {
-                show::<api::VolumeShow>(r, |v| {
-                    println!("{}", volumes_table(std::slice::from_ref(v)))
-                })
-            }
+            VolumeCmd::Show { .. }
+            | VolumeCmd::Create { .. }
+            | VolumeCmd::Resize { .. }
+            | VolumeCmd::Qos(_) => show::<api::VolumeShow>(r, volume),
         },
         Cmd::Status => show::<api::DaemonStatus>(r, status),
         Cmd::Upgrade { .. } => show::<api::DaemonUpgrade>(r, print_restart),
@@ -141,6 +140,16 @@ fn volumes_table(vs: &[Volume]) -> String {
         ]);
     }
     table(rows)
+}
+
+/// One volume: its table row, and its I/O limits.
+fn volume(v: &Volume) {
+    println!("{}", volumes_table(std::slice::from_ref(v)));
+    let limits = v.info.qos.map(spool_pool::QosLimits::from);
+    println!(
+        "I/O limits: {}",
+        spool_control::qos::describe(limits.as_ref())
+    );
 }
 
 fn device_reset(r: &api::DeviceResetResult) {

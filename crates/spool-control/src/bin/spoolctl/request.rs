@@ -4,10 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use spool_control::api::{self, ErrnoArg, IdParams, Method, NoParams, SizeValue};
+use spool_control::api::{self, ErrnoArg, IdParams, Method, NoParams, RateValue, SizeValue};
+use spool_control::qos::parse_burst_ms;
 use spool_control::size::parse_size;
 
-use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, VolumeCmd};
+use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, VolumeCmd};
 use super::CtlError;
 
 /// A method call, ready to send.
@@ -127,7 +128,33 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             id: id.clone(),
             size: size(sz)?,
         }),
+        VolumeCmd::Qos(a) => qos(a),
     }
+}
+
+/// `volume qos`: every value is read here, so a typo fails before spoold is asked.
+fn qos(a: &QosArgs) -> Result<Request, CtlError> {
+    let iops = |v: &Option<String>, what: &str| -> Result<Option<RateValue>, CtlError> {
+        let Some(v) = v else { return Ok(None) };
+        let n = RateValue::Text(v.clone()).iops(what)?;
+        Ok(Some(RateValue::Number(n)))
+    };
+    let bw = |v: &Option<String>, what: &str| -> Result<Option<RateValue>, CtlError> {
+        let Some(v) = v else { return Ok(None) };
+        let n = RateValue::Text(v.clone()).bps(what)?;
+        Ok(Some(RateValue::Number(n)))
+    };
+    build::<api::VolumeQos>(api::VolumeQosParams {
+        id: a.id.clone(),
+        iops: iops(&a.iops, "--iops")?,
+        read_iops: iops(&a.read_iops, "--read-iops")?,
+        write_iops: iops(&a.write_iops, "--write-iops")?,
+        bps: bw(&a.bw, "--bw")?,
+        read_bps: bw(&a.read_bw, "--read-bw")?,
+        write_bps: bw(&a.write_bw, "--write-bw")?,
+        burst_ms: a.burst.as_deref().map(parse_burst_ms).transpose()?,
+        clear: a.clear,
+    })
 }
 
 fn upgrade(binary: Option<&Path>) -> Result<Request, CtlError> {
