@@ -139,9 +139,10 @@ pub enum VolumeCmd {
     },
     /// Grow a volume to SIZE.
     Resize { id: String, size: String },
-    /// Set or clear a volume's I/O limits; running queues apply them at once and they are
-    /// kept in the pool metadata. Limits not named keep their current values (0 removes
-    /// one); with no option, shows the limits.
+    /// Set or clear a volume's I/O limits (IOPS, bandwidth, burst).
+    ///
+    /// Running queues apply them at once, and they are kept in the pool metadata. Limits not
+    /// named keep their current values (0 removes one); with no option, shows the limits.
     Qos(QosArgs),
 }
 
