@@ -11,6 +11,7 @@
 pub mod blk_config;
 pub mod hostmem;
 pub mod memory;
+pub mod qos;
 mod queue_start;
 pub mod ratelimit;
 pub mod request;
@@ -104,11 +105,12 @@ impl Default for FrontendSettings {
     }
 }
 
-/// What every connection of one volume shares: its current layout (swapped on resize) and
-/// the settings.
+/// What every connection of one volume shares: its current layout (swapped on resize or
+/// when its limits change), its QoS buckets and the settings.
 pub struct VolumeContext {
     name: String,
     layout: Arc<ArcSwap<VolumeLayout>>,
+    qos: Arc<qos::VolumeQos>,
     settings: FrontendSettings,
     fault: Arc<SessionFault>,
     abandoned: Arc<std::sync::atomic::AtomicU64>,
@@ -154,6 +156,7 @@ impl VolumeContext {
     pub fn new(layout: VolumeLayout, settings: FrontendSettings) -> Arc<Self> {
         Arc::new(VolumeContext {
             name: layout.name.clone(),
+            qos: Arc::new(qos::VolumeQos::new(layout.qos.as_ref())),
             layout: Arc::new(ArcSwap::from_pointee(layout)),
             settings,
             fault: Arc::new(SessionFault::new()),
@@ -171,9 +174,17 @@ impl VolumeContext {
         self.layout.clone()
     }
 
-    /// Publishes a new layout (after a resize); running workers pick it up.
+    /// Publishes a new layout (after a resize, a replaced device, new I/O limits); running
+    /// workers pick it up on their next poll round. New limits apply to the volume's
+    /// buckets at once, keeping what they hold.
     pub fn update_layout(&self, layout: VolumeLayout) {
+        self.qos.configure(layout.qos.as_ref(), self.qos.now());
         self.layout.store(Arc::new(layout));
+    }
+
+    /// The token buckets every queue of the volume shares (inactive without limits).
+    pub fn qos(&self) -> &Arc<qos::VolumeQos> {
+        &self.qos
     }
 
     /// Number of queues offered.

@@ -112,6 +112,7 @@ pub fn start_queue(
         clock: ctx.settings().clock.clone(),
         replay: r.replay,
         poison: r.poison,
+        qos: ctx.qos().clone(),
     };
     let w = WorkerHandle::spawn(spec).map_err(|source| StartError::Worker { index, source })?;
     tracing::info!(volume = %ctx.name(), queue = index, size = cfg.size, next_avail = r.next_avail, "queue started");

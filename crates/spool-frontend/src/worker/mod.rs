@@ -44,12 +44,13 @@ use arc_swap::Cache;
 use arc_swap::{ArcSwap, ArcSwapOption};
 use spool_devices::DeviceQueue;
 use spool_journal::{Journal, ReplayRecord};
-use spool_pool::VolumeLayout;
+use spool_pool::{QosLimits, VolumeLayout};
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::hostmem::HostMap;
+use crate::qos::{is_limited, VolumeQos};
 use crate::ratelimit::{self, LogLimit};
 use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
 use crate::vring::JournaledQueue;
@@ -84,6 +85,9 @@ pub struct WorkerSpec {
     pub replay: Option<ReplayRecord>,
     /// Heads that crashed the previous process while it replayed them: failed, not replayed.
     pub poison: Vec<u16>,
+    /// The volume's token buckets, shared by its queues (used only while the layout sets
+    /// limits).
+    pub qos: Arc<VolumeQos>,
 }
 
 /// Handle to a running worker.
@@ -228,6 +232,15 @@ pub struct QueueWorker {
     replaying: Vec<bool>,
     replay_left: usize,
     poison: Vec<u16>,
+    /// The volume's buckets, and the same while the layout sets limits (None: no QoS, and
+    /// the take loop is the one without any check).
+    qos_shared: Arc<VolumeQos>,
+    qos: Option<Arc<VolumeQos>>,
+    /// The limits last seen in a layout (to notice a change).
+    qos_seen: Option<QosLimits>,
+    /// Set by a take loop stopped by a bucket in debt: how long (ns) until it may take
+    /// again. The worker then sleeps in epoll for that long instead of on a kick.
+    throttled: Option<u64>,
     #[cfg(test)]
     queue_factory: Option<QueueFactory>,
 }
@@ -252,6 +265,8 @@ impl QueueWorker {
         wake: EventFd,
     ) -> std::io::Result<Self> {
         let layout = spec.layout.load_full();
+        let qos_seen = layout.qos;
+        let qos = is_limited(qos_seen.as_ref()).then(|| spec.qos.clone());
         let size = spec.queue.size() as usize;
         let epoll = Epoll::new()?;
         let watch = |fd, token| {
@@ -311,6 +326,10 @@ impl QueueWorker {
             replaying: vec![false; size],
             replay_left: 0,
             poison: spec.poison,
+            qos,
+            qos_seen,
+            qos_shared: spec.qos,
+            throttled: None,
             #[cfg(test)]
             queue_factory: None,
         })
@@ -373,9 +392,25 @@ impl QueueWorker {
         }
         self.limits.capacity_sectors = cur.size / SECTOR;
         self.layout = cur;
+        self.follow_qos();
         if let Err(e) = self.open_device_queues() {
             tracing::error!(volume = %self.volume, queue = self.index, error = %e, "cannot open device queue for grown volume");
         }
+    }
+
+    /// Follows the layout's I/O limits: reconfigures the shared buckets when they changed
+    /// (idempotent: every queue of the volume may do it; `update_layout` already has) and
+    /// turns the take loop's checks on or off.
+    fn follow_qos(&mut self) {
+        if self.qos_seen == self.layout.qos {
+            return;
+        }
+        self.qos_seen = self.layout.qos;
+        let limits = self.qos_seen.as_ref();
+        self.qos_shared.configure(limits, self.qos_shared.now());
+        self.qos = is_limited(limits).then(|| self.qos_shared.clone());
+        self.throttled = None;
+        tracing::debug!(volume = %self.volume, queue = self.index, limits = ?limits, "I/O limits changed");
     }
 
     /// Tells the guest to look at the used ring (one interrupt on its call eventfd).

@@ -217,6 +217,7 @@ impl QueueWorker {
         let cur = self.layout_src.load_full();
         self.limits.capacity_sectors = cur.size / SECTOR;
         self.layout = cur;
+        self.follow_qos();
         if let Err(e) = self.open_device_queues() {
             tracing::error!(volume = %self.volume, error = %e, "cannot reopen device queues after reset");
         }

@@ -15,7 +15,24 @@ use vmm_sys_util::epoll::EpollEvent;
 
 use super::{QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_KICK, TOKEN_WAKE};
 use crate::hostmem::HostMap;
-use crate::request::{self, GuestMemory};
+use crate::qos::{Cost, VolumeQos};
+use crate::request::{self, GuestMemory, Op};
+
+/// Longest sleep of a throttled worker, so that a lowered or lifted limit, a stop or a
+/// reset is seen well within 100 ms.
+const MAX_THROTTLED_SLEEP_MS: u64 = 10;
+
+/// What a request costs the volume's buckets: reads and writes their bytes; flush, discard
+/// and write-zeroes are writes of no bytes; GET_ID is free.
+#[inline]
+fn qos_cost(req: &request::Request) -> Option<Cost> {
+    match req.op {
+        Op::Read => Some(Cost::Read(req.len)),
+        Op::Write => Some(Cost::Write(req.len)),
+        Op::Flush | Op::Discard(_) | Op::WriteZeroes { .. } => Some(Cost::Write(0)),
+        Op::GetId => None,
+    }
+}
 
 impl QueueWorker {
     /// The worker thread: polls until stopped, then drains and gives the queue back.
@@ -47,7 +64,11 @@ impl QueueWorker {
                 std::hint::spin_loop();
                 continue;
             }
-            if self.sleep(&mem, &mut events) {
+            let slept = match self.throttled {
+                Some(wait_ns) if !self.broken => self.sleep_throttled(&mem, wait_ns, &mut events),
+                _ => self.sleep(&mem, &mut events),
+            };
+            if slept {
                 last_work = Instant::now();
             }
         }
@@ -114,7 +135,7 @@ impl QueueWorker {
             return false;
         }
         self.sweep_timeouts();
-        self.wait_for_events(events);
+        self.wait_for_events(self.sleep_ms(), events);
         if !self.broken {
             let _ = self.vq.disable_notification(mem);
         }
@@ -122,16 +143,47 @@ impl QueueWorker {
         true
     }
 
-    /// Sleeps in epoll until a kick, a wake-up, a device completion, or the next timeout
-    /// sweep is due (5 ms while requests are held), and clears what woke it.
-    fn wait_for_events(&mut self, events: &mut [EpollEvent]) {
-        let wait_ms = if self.in_flight > 0 {
+    /// Event-driven mode while a QoS bucket is in debt: the guest's requests wait in its
+    /// avail ring, so no kick is asked for; sleeps until the debt is paid (at most
+    /// [`MAX_THROTTLED_SLEEP_MS`], so new limits, stop and reset are seen soon), woken early
+    /// by device completions and the wake eventfd. Returns false when completions turned up
+    /// before it slept.
+    #[cold]
+    #[inline(never)]
+    fn sleep_throttled(
+        &mut self,
+        mem: &Arc<GuestMemory>,
+        wait_ns: u64,
+        events: &mut [EpollEvent],
+    ) -> bool {
+        self.set_device_events(true);
+        if self.reap(mem) {
+            self.set_device_events(false);
+            self.notify(mem);
+            return false;
+        }
+        self.sweep_timeouts();
+        let ms = wait_ns.div_ceil(1_000_000).clamp(1, MAX_THROTTLED_SLEEP_MS) as i32;
+        self.wait_for_events(ms.min(self.sleep_ms()), events);
+        self.set_device_events(false);
+        true
+    }
+
+    /// How long sleeping in epoll may last: until the next timeout sweep is due while
+    /// requests are in flight, 5 ms while requests are held, else a second.
+    fn sleep_ms(&self) -> i32 {
+        if self.in_flight > 0 {
             (self.io_timeout.as_millis() as u32 / TIMEOUT_SWEEPS).clamp(1, 1000) as i32
         } else if !self.held.is_empty() {
             5
         } else {
             1000
-        };
+        }
+    }
+
+    /// Sleeps in epoll until a kick, a wake-up, a device completion, or `wait_ms`, and
+    /// clears what woke it.
+    fn wait_for_events(&mut self, wait_ms: i32, events: &mut [EpollEvent]) {
         let n = match self.epoll.wait(wait_ms, events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
@@ -203,28 +255,64 @@ impl QueueWorker {
         any
     }
 
-    /// [`Self::poll_avail`] up to step 7.
+    /// [`Self::poll_avail`] up to step 7. A volume without limits pays one `Option` check
+    /// per round for QoS.
     #[inline]
     fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
         self.vq.prefetch(&self.host);
+        if let Some(q) = &self.qos {
+            return self.take_limited(mem, q.clone());
+        }
         let mut any = false;
-        loop {
-            self.vq.prefetch_ahead(&self.host);
-            // Algorithm 1, steps 1-6: the request is journaled INFLIGHT before we see it.
-            let head = match self.vq.pop(&self.host, &mut |_| {}) {
-                Ok(Some(h)) => h,
-                Ok(None) => break,
-                Err(e) => {
-                    self.fail_queue(&e.to_string());
-                    return any;
-                }
-            };
+        while let Some(parsed) = self.take_one() {
             any = true;
-            let chain = self.vq.chain(&self.host, head);
-            let parsed = request::parse(head, chain, &self.host, &self.limits);
             self.dispatch(parsed, mem);
         }
+        any
+    }
+
+    /// Takes the next request the guest published and parses it; None when the ring is
+    /// empty (or broken).
+    #[inline(always)]
+    fn take_one(&mut self) -> Option<Result<request::Request, request::Rejected>> {
+        self.vq.prefetch_ahead(&self.host);
+        // Algorithm 1, steps 1-6: the request is journaled INFLIGHT before we see it.
+        let head = match self.vq.pop(&self.host, &mut |_| {}) {
+            Ok(Some(h)) => h,
+            Ok(None) => return None,
+            Err(e) => {
+                self.fail_queue(&e.to_string());
+                return None;
+            }
+        };
+        let chain = self.vq.chain(&self.host, head);
+        Some(request::parse(head, chain, &self.host, &self.limits))
+    }
+
+    /// The take loop of a volume with limits: one clock read per round refills the shared
+    /// buckets; a request is taken only while no bucket is in debt and charged once parsed.
+    /// Stopped by debt, it leaves the rest in the guest's avail ring and records how long
+    /// until it may take again.
+    #[inline(never)]
+    fn take_limited(&mut self, mem: &Arc<GuestMemory>, q: Arc<VolumeQos>) -> bool {
+        q.refill(q.now());
+        let mut any = false;
+        loop {
+            if !q.may_take() {
+                self.throttled = Some(q.wait_ns());
+                return any;
+            }
+            let Some(parsed) = self.take_one() else { break };
+            any = true;
+            if let Ok(req) = &parsed {
+                if let Some(cost) = qos_cost(req) {
+                    q.charge(cost);
+                }
+            }
+            self.dispatch(parsed, mem);
+        }
+        self.throttled = None;
         any
     }
 

@@ -200,6 +200,7 @@ impl Harness {
             clock: Arc::default(),
             replay: None,
             poison: vec![],
+            qos: Arc::new(crate::qos::VolumeQos::default()),
         };
         let script = Arc::new(Mutex::new(Script {
             submitted: vec![],
@@ -556,4 +557,49 @@ fn stop_quarantines_a_command_that_never_completes_and_keeps_it_in_the_journal()
     assert_eq!(h.status(a), UNWRITTEN);
     assert!(h.used().is_empty());
     assert_eq!(h.journaled(), vec![a]);
+}
+
+#[test]
+fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
+    use spool_pool::QosLimits;
+    const SEC: u64 = 1_000_000_000;
+    let mut h = Harness::new(2);
+    let qos = h.w.qos_shared.clone();
+    qos.set_manual_now(1);
+    // 1 IOPS with a 1 s burst: the bucket holds one op; the worker takes while it is not
+    // in debt, so two requests go at once and the third waits a second.
+    let mut l = (*h.w.layout).clone();
+    l.qos = Some(QosLimits {
+        iops: 1,
+        ..Default::default()
+    });
+    h.w.layout_src.store(Arc::new(l));
+    let heads: Vec<u16> = (0..3).map(|k| h.post_read(k)).collect();
+    h.round();
+    assert_eq!(h.submitted(), vec![heads[0] as u64, heads[1] as u64]);
+    let wait = h.w.throttled.expect("throttled");
+    assert!(wait > SEC / 2 && wait <= SEC + 1, "wait {wait}");
+    // Completions are still reaped and given to the guest while throttled.
+    h.device_completes(heads[0], LEN as i32);
+    h.round();
+    assert_eq!(h.used(), vec![(heads[0], LEN + 1)]);
+    assert_eq!(
+        h.submitted().len(),
+        2,
+        "the third request stays in the avail ring"
+    );
+    assert_eq!(h.journaled(), vec![heads[1]]);
+    // A second later the debt is paid and the third is taken.
+    qos.set_manual_now(1 + SEC + 1);
+    h.round();
+    assert_eq!(h.submitted().last(), Some(&(heads[2] as u64)));
+    // Lifting the limits takes effect on the next round: nothing is checked any more.
+    let mut l = (*h.w.layout).clone();
+    l.qos = None;
+    h.w.layout_src.store(Arc::new(l));
+    h.post_read(3);
+    h.post_read(4);
+    h.round();
+    assert_eq!(h.submitted().len(), 5);
+    assert!(h.w.qos.is_none() && h.w.throttled.is_none());
 }
