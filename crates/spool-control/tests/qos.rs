@@ -294,7 +294,6 @@ fn rate(done: &[Instant], t0: Instant, from: f64, to: f64) -> f64 {
 }
 
 #[test]
-#[ignore = "needs the frontend token buckets (rd-qos-data)"]
 fn iops_cap_holds_and_a_raised_cap_applies_within_a_second() {
     let cfg = r#"
 [[devices]]
