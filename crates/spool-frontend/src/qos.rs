@@ -67,6 +67,11 @@ impl Bucket {
     #[inline]
     fn refill(&self, add: i64) {
         if self.unit_cost.load(Ordering::Relaxed) == 0 {
+            // A charge that raced with switching this limit off must not leave a debt
+            // nothing would pay back.
+            if self.tokens.load(Ordering::Relaxed) != 0 {
+                self.tokens.store(0, Ordering::Relaxed);
+            }
             return;
         }
         let depth = self.depth.load(Ordering::Relaxed);

@@ -208,3 +208,17 @@ fn unlimited_has_no_buckets() {
     assert!(q.configure(None, 1));
     assert!(q.may_take() && !q.is_active());
 }
+
+#[test]
+fn a_charge_racing_with_a_limit_switched_off_leaves_no_debt() {
+    let q = VolumeQos::new(Some(&limits(|l| {
+        l.iops = 100;
+        l.bps = 100;
+    })));
+    q.configure(Some(&limits(|l| l.iops = 100)), 1);
+    // As if a charge had loaded the bandwidth bucket's cost before it was switched off.
+    q.buckets[BPS].tokens.store(-1, Ordering::Relaxed);
+    assert!(!q.may_take());
+    q.refill(2);
+    assert!(q.may_take());
+}

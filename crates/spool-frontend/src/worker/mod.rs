@@ -8,7 +8,8 @@
 //! seam where the journal hooks in.
 //!
 //! Layout, one job per file, all of them `impl QueueWorker`:
-//! - `run`: the poll loop, sleeping in epoll, guest notifications, memory-map changes;
+//! - `run`: the poll loop, taking requests (checked against the volume's QoS buckets when
+//!   it has limits), sleeping in epoll, guest notifications, memory-map changes;
 //! - `slots`: the in-flight table's entries (`Inflight`, `SlotBufs`);
 //! - `dispatch`: a taken request to device pieces (splitting across devices, slicing
 //!   iovecs), the health gate, submission;
