@@ -22,5 +22,6 @@ python3 -c "import matplotlib" 2>/dev/null || pip install -q matplotlib
 python3 scripts/bench.py --quick
 python3 scripts/bench-restart.py --quick
 python3 scripts/bench-failures.py --quick
+python3 scripts/bench-qos.py --quick
 scripts/bench-journal.sh --quick
 echo "== all tests passed"
