@@ -13,6 +13,8 @@ client (real libblkio, 4 KiB random reads, QD32, one queue) drives it.
    client's completion rate drops to the new cap (from the client's per-millisecond
    timeline; the client's clock starts when it connects, a few ms after it is launched, so
    the delay is measured from the RPC and rounded up to the next 10 ms bin).
+5. Noisy neighbour: the p99 latency of a QD1 reader alone, next to a QD128 writer on
+   another volume of the same device, and next to that writer capped.
 
     scripts/bench-qos.py            # 10 s per case (about 40 s)
     scripts/bench-qos.py --quick    # 2 s per case, for CI (checks it works)
@@ -46,6 +48,10 @@ create_size = "2G"
 name = "v"
 size = "1G"
 num_queues = 1
+[[volumes]]
+name = "noisy"
+size = "512M"
+num_queues = 1
 """)
     log_f = open(os.path.join(work, "spoold.log"), "w")
     p = subprocess.Popen([os.path.join(BIN, "spoold"), "-c", cfg, "--no-keeper"],
@@ -60,14 +66,14 @@ num_queues = 1
     sys.exit(f"spoold did not start (log: {work}/spoold.log)")
 
 
-def set_qos(rpc_sock, **limits):
-    """Sets the volume's limits through the RPC (`volume_qos`)."""
-    return ctl(rpc_sock, "rpc", "volume_qos", json.dumps({"id": "v", **limits}))
+def set_qos(rpc_sock, vol="v", **limits):
+    """Sets a volume's limits through the RPC (`volume_qos`)."""
+    return ctl(rpc_sock, "rpc", "volume_qos", json.dumps({"id": vol, **limits}))
 
 
-def bench(sock, secs, bs=4096, timeline=None):
-    cmd = [os.path.join(BIN, "spool-bench"), "--socket", sock, "--rw", "randread",
-           "--bs", str(bs), "--iodepth", "32", "--runtime", str(secs), "--warmup", "0",
+def bench(sock, secs, bs=4096, timeline=None, rw="randread", qd=32):
+    cmd = [os.path.join(BIN, "spool-bench"), "--socket", sock, "--rw", rw,
+           "--bs", str(bs), "--iodepth", str(qd), "--runtime", str(secs), "--warmup", "0",
            "--json"]
     if timeline:
         cmd += ["--timeline", timeline]
@@ -79,6 +85,28 @@ def run(cmd):
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)}: {r.stderr.strip()}")
     return json.loads(r.stdout)
+
+
+def noisy_neighbour(sock, rpc_sock, secs):
+    """Volume v at QD1 randread next to volume "noisy" at QD128 randwrite, same device:
+    v's p99 latency alone, with the neighbour unlimited, and with it capped."""
+    set_qos(rpc_sock, clear=True)
+    noisy_sock = os.path.join(os.path.dirname(sock), "noisy.sock")
+    out = {"alone": run(bench(sock, secs, qd=1))["lat_p99_us"]}
+    for case, cap in [("neighbour unlimited", None), ("neighbour capped", 20000)]:
+        set_qos(rpc_sock, vol="noisy", clear=True)
+        if cap:
+            set_qos(rpc_sock, vol="noisy", iops=cap, burst_ms=100)
+        n = subprocess.Popen(bench(noisy_sock, secs + 1, rw="randwrite", qd=128),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        out[case] = run(bench(sock, secs, qd=1))["lat_p99_us"]
+        out[case + " (its IOPS)"] = json.loads(n.communicate(timeout=120)[0])["iops"]
+    set_qos(rpc_sock, vol="noisy", clear=True)
+    log(f"noisy neighbour: v p99 {out['alone']:.1f} us alone, "
+        f"{out['neighbour unlimited']:.1f} us next to an unlimited QD128 writer, "
+        f"{out['neighbour capped']:.1f} us next to it capped at 20k IOPS")
+    return out
 
 
 def read_timeline(path):
@@ -145,6 +173,7 @@ def main():
                 break
         rows["runtime_change"] = {"from": high, "to": low, "delay_ms": delay}
         log(f"cap lowered {high} -> {low} IOPS: in effect {delay} ms after the RPC returned")
+        rows["noisy_neighbour"] = noisy_neighbour(sock, rpc_sock, secs)
     finally:
         p.terminate()
         p.wait()
@@ -155,6 +184,7 @@ def main():
             json.dump(rows, f, indent=1)
         with open(os.path.join(OUT, "qos.md"), "w") as f:
             c, b, r = rows["iops_cap"], rows["bps_cap"], rows["runtime_change"]
+            n = rows["noisy_neighbour"]
             f.write(f"""# QoS caps
 
 Measured {rows['date']} by `scripts/bench-qos.py` on this 2-core machine: one spoold (release,
@@ -173,6 +203,13 @@ allowance of {c['burst_allowance']:.0f} (100 ms of the rate) plus the rate itsel
 
 A cap lowered at run time ({r['from']} → {r['to']} IOPS): the client's rate is down to the
 new cap {r['delay_ms']} ms after the `volume_qos` RPC returned (10 ms bins).
+
+Noisy neighbour (same device, same machine): volume v at QD1 4 KiB random reads, p99
+latency {n['alone']:.1f} µs alone; {n['neighbour unlimited']:.1f} µs next to a QD128 random
+writer on another volume ({n['neighbour unlimited (its IOPS)']:.0f} IOPS, unlimited);
+{n['neighbour capped']:.1f} µs with that writer capped at 20k IOPS
+({n['neighbour capped (its IOPS)']:.0f} IOPS). Caps are the only isolation so far: weighted
+fair sharing is not built yet.
 """)
         log(f"wrote {OUT}/qos.md")
     return 0

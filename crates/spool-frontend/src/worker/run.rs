@@ -256,7 +256,8 @@ impl QueueWorker {
     }
 
     /// [`Self::poll_avail`] up to step 7. A volume without limits pays one `Option` check
-    /// per round for QoS.
+    /// per round for QoS; its loop is the plain one (the parsed request goes straight to
+    /// `dispatch`, never through a return value: a `Request` is a few hundred bytes).
     #[inline]
     fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
@@ -265,29 +266,27 @@ impl QueueWorker {
             return self.take_limited(mem, q.clone());
         }
         let mut any = false;
-        while let Some(parsed) = self.take_one() {
+        while let Some(head) = self.pop_head() {
             any = true;
+            let chain = self.vq.chain(&self.host, head);
+            let parsed = request::parse(head, chain, &self.host, &self.limits);
             self.dispatch(parsed, mem);
         }
         any
     }
 
-    /// Takes the next request the guest published and parses it; None when the ring is
-    /// empty (or broken).
+    /// Pops the next head the guest published (Algorithm 1, steps 1-6: journaled INFLIGHT
+    /// before we look at it); None when the ring is empty (or broken: the queue fails).
     #[inline(always)]
-    fn take_one(&mut self) -> Option<Result<request::Request, request::Rejected>> {
+    fn pop_head(&mut self) -> Option<u16> {
         self.vq.prefetch_ahead(&self.host);
-        // Algorithm 1, steps 1-6: the request is journaled INFLIGHT before we see it.
-        let head = match self.vq.pop(&self.host, &mut |_| {}) {
-            Ok(Some(h)) => h,
-            Ok(None) => return None,
+        match self.vq.pop(&self.host, &mut |_| {}) {
+            Ok(h) => h,
             Err(e) => {
                 self.fail_queue(&e.to_string());
-                return None;
+                None
             }
-        };
-        let chain = self.vq.chain(&self.host, head);
-        Some(request::parse(head, chain, &self.host, &self.limits))
+        }
     }
 
     /// The take loop of a volume with limits: one clock read per round refills the shared
@@ -303,8 +302,10 @@ impl QueueWorker {
                 self.throttled = Some(q.wait_ns());
                 return any;
             }
-            let Some(parsed) = self.take_one() else { break };
+            let Some(head) = self.pop_head() else { break };
             any = true;
+            let chain = self.vq.chain(&self.host, head);
+            let parsed = request::parse(head, chain, &self.host, &self.limits);
             if let Ok(req) = &parsed {
                 if let Some(cost) = qos_cost(req) {
                     q.charge(cost);
