@@ -15,7 +15,14 @@ if [ $# -gt 0 ]; then targets=("$@"); else targets=("${all[@]}"); fi
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
 start=$(date +%s)
-cargo fuzz build 2>&1 | grep -E "^(error|warning: unused)|Finished" || true
+# A target that does not build must fail the run, never fuzz a stale binary of an earlier
+# build; the full compiler output is shown then.
+if ! cargo fuzz build > /tmp/spool-fuzz-build.log 2>&1; then
+    cat /tmp/spool-fuzz-build.log >&2
+    echo "fuzz: build failed" >&2
+    exit 1
+fi
+grep -E "^(error|warning: unused)|Finished" /tmp/spool-fuzz-build.log || true
 bin_dir=target/x86_64-unknown-linux-gnu/release
 echo "fuzz: build took $(( $(date +%s) - start ))s"
 

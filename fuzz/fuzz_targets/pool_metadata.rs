@@ -111,6 +111,16 @@ fn generated(b: &mut Bytes) -> PoolTable {
                     },
                 })
                 .collect(),
+            // Limits (format version 2) on some volumes, valid or not.
+            qos: match b.u8() % 4 {
+                0 => Some(spool_pool::QosLimits {
+                    iops: b.u64() >> (b.u8() % 64),
+                    write_bps: b.u64() >> (b.u8() % 64),
+                    burst_ms: b.u64() as u32 % 70_000,
+                    ..Default::default()
+                }),
+                _ => None,
+            },
         })
         .collect();
     PoolTable {
