@@ -8,7 +8,7 @@ use std::mem::MaybeUninit;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{connect, Client_, Spoold};
+use common::{connect, spoolctl, Client_, Spoold};
 use serde_json::{json, Value};
 
 const CFG: &str = r#"
@@ -22,20 +22,6 @@ size = "8M"
 name = "b"
 size = "8M"
 "#;
-
-fn spoolctl(d: &Spoold, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_spoolctl"))
-        .arg("--socket")
-        .arg(d.rpc_path())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
 
 /// `volume show --json` of `name`.
 fn show(d: &Spoold, name: &str) -> Value {

@@ -5,7 +5,7 @@ mod common;
 
 use std::process::Command;
 
-use common::Spoold;
+use common::{spoolctl, Spoold};
 use serde_json::{json, Value};
 
 const CFG: &str = r#"
@@ -16,20 +16,6 @@ create_size = "64M"
 name = "cfgvol"
 size = "8M"
 "#;
-
-fn spoolctl(d: &Spoold, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_spoolctl"))
-        .arg("--socket")
-        .arg(d.rpc_path())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
 
 #[test]
 fn spoolctl_manages_volumes() {

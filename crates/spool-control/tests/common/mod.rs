@@ -241,6 +241,21 @@ impl Drop for Spoold {
 }
 
 /// Waits until process `pid` no longer exists.
+/// Runs spoolctl against `d`'s RPC socket: (succeeded, stdout, stderr).
+pub fn spoolctl(d: &Spoold, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spoolctl"))
+        .arg("--socket")
+        .arg(d.rpc_path())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
 pub fn wait_gone(pid: u32) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Path::new(&format!("/proc/{pid}")).exists() {
