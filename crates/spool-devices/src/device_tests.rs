@@ -128,24 +128,7 @@ fn write_then_read(q: &mut dyn DeviceQueue) -> Vec<(u64, i32)> {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     }];
-    let rw = |write: bool| {
-        let (offset, len, iov, iovcnt) = (0, 512, iov.as_ptr(), 1);
-        if write {
-            DeviceIo::Write {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            }
-        } else {
-            DeviceIo::Read {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            }
-        }
-    };
+    let rw = |write: bool| DeviceIo::data(write, 0, 512, iov.as_ptr(), 1);
     // SAFETY: `buf` and `iov` outlive the reap below, which completes both.
     unsafe {
         q.submit(rw(true), 1);

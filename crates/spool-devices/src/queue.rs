@@ -37,6 +37,29 @@ pub enum DeviceIo {
     WriteZeroes { offset: u64, len: u64 },
 }
 
+impl DeviceIo {
+    /// A write (`write`) or a read of `len` bytes at `offset`, from or into the `iovcnt`
+    /// buffers at `iov`.
+    #[inline]
+    pub fn data(write: bool, offset: u64, len: u64, iov: *const IoVec, iovcnt: u32) -> Self {
+        if write {
+            DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            }
+        } else {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            }
+        }
+    }
+}
+
 /// A device's submission/completion queue owned by one worker.
 pub trait DeviceQueue: Send {
     /// Queues `io`; its completion is reported by [`DeviceQueue::reap`] with `tag`.

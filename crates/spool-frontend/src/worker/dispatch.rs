@@ -119,21 +119,7 @@ impl QueueWorker {
         bufs.pieces.push((d as u16, offset, len, write));
         bufs.iov = req.iov;
         let (iov, iovcnt) = (bufs.iov.as_ptr(), bufs.iov.len() as u32);
-        let io = if write {
-            DeviceIo::Write {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            }
-        } else {
-            DeviceIo::Read {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            }
-        };
+        let io = DeviceIo::data(write, offset, len, iov, iovcnt);
         // SAFETY: as in `submit`: the array lives in this slot's buffers, refilled only for
         // a free head (`one_piece` and `head_busy`), untouched until reaped; each iovec lies
         // in one region of `host_of` (`host_iovecs`), mapped until completion.
@@ -223,24 +209,7 @@ impl QueueWorker {
             // then `iovcnt` says which part.
             let iov = std::ptr::null();
             let iovcnt = i as u32;
-            ios.push((
-                d,
-                if write {
-                    DeviceIo::Write {
-                        offset,
-                        len,
-                        iov,
-                        iovcnt,
-                    }
-                } else {
-                    DeviceIo::Read {
-                        offset,
-                        len,
-                        iov,
-                        iovcnt,
-                    }
-                },
-            ));
+            ios.push((d, DeviceIo::data(write, offset, len, iov, iovcnt)));
         }
     }
 
