@@ -15,7 +15,7 @@
 use libfuzzer_sys::fuzz_target;
 use spool_pool::buddy::Buddy;
 use spool_pool::metadata::{
-    decode, encode, DeviceEntry, ExtentEntry, PoolTable, Record, SlotState, VolumeEntry,
+    decode, encode, DeviceEntry, ExtentEntry, LegEntry, PoolTable, Record, SlotState, VolumeEntry,
     FORMAT_VERSION, HEADER_SIZE, MAGIC, METADATA_AREA, SLOT_SIZE,
 };
 use uuid::Uuid;
@@ -121,6 +121,24 @@ fn generated(b: &mut Bytes) -> PoolTable {
                 }),
                 _ => None,
             },
+            // Mirror legs (format version 3) on some volumes, valid or not.
+            copies: match b.u8() % 4 {
+                0 => b.u8() % 5,
+                _ => 0,
+            },
+            legs: (0..b.u8() % 3)
+                .map(|_| LegEntry {
+                    slot: b.u8() % 4,
+                    synced: b.u8() % 2 == 0,
+                    extents: (0..b.u8() % 3)
+                        .map(|_| ExtentEntry {
+                            device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
+                            offset: b.offset(),
+                            order: (b.u8() % 5) as u32,
+                        })
+                        .collect(),
+                })
+                .collect(),
         })
         .collect();
     PoolTable {

@@ -17,8 +17,10 @@ use serde_json::Value;
 pub use crate::config::SizeValue;
 pub use crate::qos::RateValue;
 
+mod mirror;
 mod results;
 
+pub use mirror::*;
 pub use results::*;
 
 /// One JSON-RPC method: its name, a line of help, and the types of its params and result.
@@ -75,6 +77,8 @@ methods! {
         "grow a volume";
     VolumeDelete = "volume_delete", VolumeDeleteParams => VolumeInfo,
         "delete a volume and its journals";
+    VolumeVerify = "volume_verify", IdParams => VerifyResult,
+        "compare a mirrored volume's copies region by region (a scrub)";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     DaemonStatus = "daemon_status", NoParams => Status,
@@ -262,6 +266,9 @@ pub struct VolumeCreateParams {
     pub read_only: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_queues: Option<u16>,
+    /// Copies to keep: 1 (plain, the default), 2 or 3 (mirrored on distinct devices).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<u8>,
 }
 
 /// `volume_delete`.

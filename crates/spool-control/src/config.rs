@@ -50,6 +50,8 @@ pub enum ConfigError {
     MixedNull,
     #[error("volume {volume}: num_queues {queues} must be 1..=64")]
     Queues { volume: String, queues: u16 },
+    #[error("volume {volume}: mirror = {copies} must be 1, 2 or 3")]
+    Mirror { volume: String, copies: u8 },
     #[error("volume {volume}: qos: {source}")]
     Qos { volume: String, source: QosError },
     #[error("volume {0} is listed twice")]
@@ -75,6 +77,8 @@ struct RawPool {
     min_extent: Option<SizeValue>,
     #[serde(default)]
     no_direct: bool,
+    /// Bytes per second a mirror's resync or rebuild may copy ("64M"; 0: unlimited).
+    resync_rate: Option<SizeValue>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -94,6 +98,8 @@ struct RawVolume {
     #[serde(default)]
     read_only: bool,
     num_queues: Option<u16>,
+    /// Copies to keep (1: plain, 2 or 3: mirrored), when the volume is created.
+    mirror: Option<u8>,
     /// `[volumes.qos]`: the volume's I/O limits, declared.
     qos: Option<RawQos>,
 }
@@ -216,6 +222,8 @@ pub struct VolumeConfig {
     pub size: u64,
     pub read_only: bool,
     pub num_queues: u16,
+    /// Copies it keeps when created (1: plain, 2 or 3: mirrored).
+    pub copies: u8,
     /// Its I/O limits when `[volumes.qos]` is present (all rates 0 = none), applied when
     /// spoold starts; `None` leaves whatever the pool table holds.
     pub qos: Option<spool_pool::QosLimits>,
@@ -230,6 +238,8 @@ pub struct Config {
     pub pool_name: String,
     pub min_extent: u64,
     pub no_direct: bool,
+    /// Bytes per second a mirror's resync or rebuild may copy (0: unlimited).
+    pub resync_rate: u64,
     pub devices: Vec<DeviceConfig>,
     pub volumes: Vec<VolumeConfig>,
     pub poll_idle_us: u64,
@@ -356,6 +366,13 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
         if volumes.iter().any(|x| x.name == v.name) {
             return Err(ConfigError::DuplicateVolume(v.name.clone()));
         }
+        let copies = v.mirror.unwrap_or(1);
+        if !(1..=spool_pool::MAX_COPIES).contains(&copies) {
+            return Err(ConfigError::Mirror {
+                volume: v.name.clone(),
+                copies,
+            });
+        }
         let qos = v
             .qos
             .as_ref()
@@ -370,6 +387,7 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
             size,
             read_only: v.read_only,
             num_queues: queues,
+            copies,
             qos,
         });
     }
@@ -442,6 +460,10 @@ impl Config {
             pool_name: raw.pool.name.unwrap_or_else(|| "pool0".into()),
             min_extent,
             no_direct: raw.pool.no_direct,
+            resync_rate: match &raw.pool.resync_rate {
+                Some(r) => r.bytes("pool.resync_rate")?,
+                None => spool_pool::DEFAULT_RESYNC_RATE,
+            },
             devices,
             volumes,
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),

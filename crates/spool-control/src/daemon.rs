@@ -88,6 +88,7 @@ impl Daemon {
         d.serve_volumes();
         d.release_unserved_kept();
         d.start_spare_watcher();
+        d.start_mirror_settler();
         Ok(d)
     }
 

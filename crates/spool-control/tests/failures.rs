@@ -9,16 +9,15 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::load::{Load, BLK, DEPTH};
 use common::*;
 use serde_json::{json, Value};
 
 const VOL: u64 = 16 << 20;
-const BLK: usize = 16 * 1024;
-const DEPTH: usize = 8;
 
 fn config(extra_health: &str) -> String {
     format!(
@@ -82,96 +81,6 @@ fn wait_state(s: &Spoold, dev: &str, want: &str) -> Value {
     }
 }
 
-/// A verifying workload on one volume: rounds of DEPTH writes of a fresh pattern, then
-/// reads checking each block that was written successfully.
-#[derive(Default)]
-struct Load {
-    ok: AtomicU64,
-    errors: AtomicU64,
-    corrupt: AtomicU64,
-    /// Longest single round (write + verify), µs.
-    max_round_us: AtomicU64,
-    stop: AtomicBool,
-}
-
-impl Load {
-    fn start(sock: std::path::PathBuf) -> (Arc<Load>, std::thread::JoinHandle<()>) {
-        let l = Arc::new(Load::default());
-        let l2 = l.clone();
-        let t = std::thread::spawn(move || {
-            let mut c = connect(&sock, 1, false).expect("connect");
-            let blocks = (VOL as usize / BLK) as u64;
-            let mut round = 0u64;
-            while !l2.stop.load(Ordering::Acquire) {
-                let t0 = Instant::now();
-                let offs: Vec<u64> = (0..DEPTH as u64)
-                    .map(|i| ((round * 7919 + i * 131) % blocks) * BLK as u64)
-                    .collect();
-                for (i, &off) in offs.iter().enumerate() {
-                    c.buf(i * BLK, BLK)
-                        .copy_from_slice(&pattern(round, off, BLK));
-                    c.write(0, off, i * BLK, BLK, i);
-                }
-                let mut written = [false; DEPTH];
-                for (tag, r) in c.wait(0, DEPTH) {
-                    if r == 0 {
-                        written[tag] = true;
-                        l2.ok.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        l2.errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                for (i, &off) in offs.iter().enumerate() {
-                    c.read(0, off, (DEPTH + i) * BLK, BLK, i);
-                }
-                for (tag, r) in c.wait(0, DEPTH) {
-                    if r != 0 {
-                        l2.errors.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    l2.ok.fetch_add(1, Ordering::Relaxed);
-                    // Two offsets of one round can collide; the later write wins.
-                    let last = offs.iter().rposition(|&o| o == offs[tag]).unwrap();
-                    if written[last]
-                        && c.buf((DEPTH + tag) * BLK, BLK) != pattern(round, offs[tag], BLK)
-                    {
-                        l2.corrupt.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                l2.max_round_us
-                    .fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-                round += 1;
-            }
-        });
-        (l, t)
-    }
-
-    fn ok(&self) -> u64 {
-        self.ok.load(Ordering::Relaxed)
-    }
-    fn errors(&self) -> u64 {
-        self.errors.load(Ordering::Relaxed)
-    }
-    fn corrupt(&self) -> u64 {
-        self.corrupt.load(Ordering::Relaxed)
-    }
-    /// Waits until `counter` grew by `n`.
-    fn wait_more(counter: &AtomicU64, n: u64, what: &str) {
-        let start = counter.load(Ordering::Relaxed);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while counter.load(Ordering::Relaxed) < start + n {
-            assert!(Instant::now() < deadline, "{what}");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-    fn wait_errors(&self, n: u64) {
-        Self::wait_more(&self.errors, n, "the volume did not get errors");
-    }
-    fn wait_progress(&self, n: u64) {
-        Self::wait_more(&self.ok, n, "the workload made no progress");
-    }
-}
-
 struct Scene {
     s: Spoold,
     dev1: String,
@@ -188,8 +97,8 @@ impl Scene {
         let (dev1, _) = device_of(&s, "vol1");
         let (dev2, path2) = device_of(&s, "vol2");
         assert_ne!(dev1, dev2, "the two volumes must sit on different devices");
-        let (l1, t1) = Load::start(s.socket("vol1"));
-        let (l2, t2) = Load::start(s.socket("vol2"));
+        let (l1, t1) = Load::start(s.socket("vol1"), VOL);
+        let (l2, t2) = Load::start(s.socket("vol2"), VOL);
         l1.wait_progress(200);
         l2.wait_progress(200);
         Scene {

@@ -68,6 +68,12 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
     fn controller_status(&self) -> Option<ControllerStatus> {
         None
     }
+
+    /// The mirror, when this backend is one (its progress and verify are the control
+    /// plane's business).
+    fn as_mirror(&self) -> Option<&crate::mirror::MirrorBackend> {
+        None
+    }
 }
 
 /// How to open a device.

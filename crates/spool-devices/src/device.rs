@@ -227,6 +227,10 @@ impl PoolDevice for Device {
     fn controller_status(&self) -> Option<ControllerStatus> {
         Device::controller_status(self)
     }
+
+    fn as_mirror(&self) -> Option<&crate::mirror::MirrorBackend> {
+        self.backend.as_mirror()
+    }
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ mod fault;
 mod file;
 mod health;
 mod inline;
+pub mod mirror;
 mod null;
 mod nvme;
 mod queue;

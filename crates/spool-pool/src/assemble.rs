@@ -59,6 +59,7 @@ impl Pool {
             members,
             opts,
             left_out,
+            mirrors: Default::default(),
         };
         if needs_write {
             let t = pool.table.clone();
@@ -343,7 +344,7 @@ impl Admission {
 /// The allocators are never persisted: every extent of every volume is marked used again.
 fn rebuild_allocators(table: &PoolTable, members: &mut [Member]) -> Result<()> {
     for v in &table.volumes {
-        for e in &v.extents {
+        for e in v.all_extents() {
             if let Some(m) = members.iter_mut().find(|m| m.uuid == e.device) {
                 m.buddy
                     .alloc_at(e.offset, e.order)

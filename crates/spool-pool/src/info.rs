@@ -1,7 +1,7 @@
 //! What the control plane is told about the pool, its devices and volumes.
 //!
 //! Owns: the serialisable descriptions ([`PoolInfo`], [`DeviceInfo`], [`VolumeInfo`],
-//! [`LeftOut`], [`Replacement`]). Must not know: RPC, formatting for people.
+//! [`LeftOut`], [`Replacement`], [`LegInfo`]). Must not know: RPC, formatting for people.
 
 use serde::Serialize;
 use uuid::Uuid;
@@ -52,6 +52,21 @@ pub struct VolumeInfo {
     pub online: bool,
     /// I/O limits, if any.
     pub qos: Option<QosLimits>,
+    /// Copies the volume keeps (1: plain).
+    pub copies: u8,
+    /// A mirrored volume's legs (fewer than `copies`: degraded).
+    pub legs: Vec<LegInfo>,
+}
+
+/// One copy of a mirrored volume.
+#[derive(Debug, Clone, Serialize)]
+pub struct LegInfo {
+    pub slot: u8,
+    /// Holds a complete copy (false while it is first being rebuilt).
+    pub synced: bool,
+    /// All of its devices are present and not isolated.
+    pub present: bool,
+    pub devices: Vec<Uuid>,
 }
 
 /// Public description of the pool, for the control plane.
@@ -121,28 +136,53 @@ impl Pool {
 
     pub(crate) fn volume_info(&self, v: &VolumeEntry) -> VolumeInfo {
         let mut devices: Vec<Uuid> = Vec::new();
-        for e in &v.extents {
+        for e in v.all_extents() {
             if !devices.contains(&e.device) {
                 devices.push(e.device);
             }
         }
+        let usable = |u: Uuid| self.members.iter().any(|m| m.uuid == u && !m.isolated());
+        let present =
+            |extents: &[crate::metadata::ExtentEntry]| extents.iter().all(|e| usable(e.device));
+        let legs: Vec<LegInfo> = v
+            .legs
+            .iter()
+            .map(|l| {
+                let mut devices: Vec<Uuid> = Vec::new();
+                for e in &l.extents {
+                    if !devices.contains(&e.device) {
+                        devices.push(e.device);
+                    }
+                }
+                LegInfo {
+                    slot: l.slot,
+                    synced: l.synced,
+                    present: present(&l.extents),
+                    devices,
+                }
+            })
+            .collect();
         VolumeInfo {
             uuid: v.uuid,
             name: v.name.clone(),
             size: v.size,
             allocated: v
-                .extents
-                .iter()
+                .all_extents()
                 .map(|e| self.table.min_extent << e.order)
                 .sum(),
             read_only: v.read_only,
             num_queues: v.num_queues,
-            extents: v.extents.len(),
-            online: devices
-                .iter()
-                .all(|d| self.members.iter().any(|m| m.uuid == *d)),
+            extents: v.all_extents().count(),
+            online: match v.is_mirrored() {
+                true => crate::mirror::covered(v, self.table.min_extent, usable),
+                false => devices
+                    .iter()
+                    .all(|d| self.members.iter().any(|m| m.uuid == *d)),
+            },
             devices,
             qos: v.qos,
+            copies: v.copies.max(1),
+            legs,
         }
     }
 

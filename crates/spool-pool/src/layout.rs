@@ -1,14 +1,50 @@
 //! The data path's view of a volume: its logical→physical map onto device handles.
 //!
-//! Owns: [`VolumeLayout`] and [`Segment`], and building them from the pool table. Must not
-//! know: how I/O is submitted (the frontend does that), metadata on disk.
+//! Owns: [`VolumeLayout`] and [`Segment`], and building them from the pool table (a mirrored
+//! volume is one segment on its mirror device, a spool-devices `MirrorBackend` over its legs,
+//! kept in [`MirrorCache`] while the legs stay the same). Must not know: how I/O is submitted
+//! (the frontend does that), metadata on disk.
 
 use std::sync::Arc;
 
 use uuid::Uuid;
 
 use crate::{Error, Pool, QosLimits, Result};
+use spool_devices::mirror::{LegPiece, LegSpec, MirrorBackend, MirrorSpec, MISSING};
 use spool_devices::Device;
+
+use crate::metadata::{ExtentEntry, VolumeEntry};
+
+/// Mirror devices by volume, each with what it was built from.
+pub(crate) type MirrorCache = std::collections::HashMap<Uuid, (MirrorKey, Arc<Device>)>;
+
+/// What a mirror device was built from: its legs and the member handles they use.
+#[derive(PartialEq, Eq)]
+pub(crate) struct MirrorKey {
+    size: u64,
+    /// Slot and placement of each leg (not its synced flag: marking a rebuilt leg synced
+    /// changes nothing on the data path).
+    legs: Vec<(u8, Vec<ExtentEntry>)>,
+    handles: Vec<usize>,
+}
+
+/// Identity of a leg's placement (FNV-1a over its extents), never 0.
+pub(crate) fn leg_id(extents: &[ExtentEntry]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for e in extents {
+        for b in e
+            .device
+            .as_bytes()
+            .iter()
+            .copied()
+            .chain(e.offset.to_le_bytes())
+            .chain(e.order.to_le_bytes())
+        {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h.max(1)
+}
 
 /// One piece of a volume's address space mapped onto a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,9 +110,33 @@ impl VolumeLayout {
 }
 
 impl Pool {
-    /// The data-path view of a volume. Fails when one of its devices is missing.
+    /// The data-path view of a volume. Fails when one of its devices is missing (for a
+    /// mirrored volume: when no synced leg is present).
     pub fn layout(&self, id: &str) -> Result<VolumeLayout> {
         let v = &self.table.volumes[self.find(id)?];
+        if v.is_mirrored() {
+            let dev = self.mirror_device(v)?;
+            let len = v.legs[0]
+                .extents
+                .iter()
+                .map(|e| self.table.min_extent << e.order)
+                .sum();
+            return Ok(VolumeLayout {
+                uuid: v.uuid,
+                name: v.name.clone(),
+                size: v.size,
+                read_only: v.read_only,
+                num_queues: v.num_queues,
+                segments: vec![Segment {
+                    logical: 0,
+                    len,
+                    device: 0,
+                    offset: 0,
+                }],
+                devices: vec![dev],
+                qos: v.qos,
+            });
+        }
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();
         let mut segments: Vec<Segment> = Vec::new();
@@ -120,5 +180,132 @@ impl Pool {
             devices,
             qos: v.qos,
         })
+    }
+}
+
+impl Pool {
+    /// Where volume `uuid`'s write-intent bitmap lives.
+    pub(crate) fn bitmap_path(&self, uuid: Uuid) -> Option<std::path::PathBuf> {
+        self.opts
+            .mirror_dir
+            .as_ref()
+            .map(|d| d.join(format!("{uuid}.bitmap")))
+    }
+
+    /// The mirror device of `v`: the cached one while its legs are unchanged, else a new one
+    /// (sharing the old one's region state).
+    fn mirror_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
+        let mut devices: Vec<Arc<Device>> = Vec::new();
+        let mut legs = Vec::new();
+        for l in &v.legs {
+            let mut pieces = Vec::new();
+            let mut logical = 0;
+            for e in &l.extents {
+                let len = self.table.min_extent << e.order;
+                let device = match self.members.iter().find(|m| m.uuid == e.device) {
+                    Some(m) => match devices.iter().position(|d| Arc::ptr_eq(d, &m.dev)) {
+                        Some(d) => d,
+                        None => {
+                            devices.push(m.dev.clone());
+                            devices.len() - 1
+                        }
+                    },
+                    None => MISSING,
+                };
+                pieces.push(LegPiece {
+                    logical,
+                    len,
+                    device,
+                    offset: e.offset,
+                });
+                logical += len;
+            }
+            legs.push(LegSpec {
+                slot: l.slot,
+                id: leg_id(&l.extents),
+                synced: l.synced,
+                pieces,
+            });
+        }
+        let present = |u: Uuid| self.members.iter().any(|m| m.uuid == u);
+        if !crate::mirror::covered(v, self.table.min_extent, present) {
+            return Err(Error::Corrupt {
+                path: format!("volume '{}'", v.name),
+                why: "part of the mirrored volume has no synced copy on a present device; the volume is offline".into(),
+            });
+        }
+        let size = v.legs[0]
+            .extents
+            .iter()
+            .map(|e| self.table.min_extent << e.order)
+            .sum();
+        let key = MirrorKey {
+            size,
+            legs: v.legs.iter().map(|l| (l.slot, l.extents.clone())).collect(),
+            handles: devices.iter().map(|d| Arc::as_ptr(d) as usize).collect(),
+        };
+        let mut cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+        let previous = match cache.get(&v.uuid) {
+            Some((k, dev)) if *k == key => return Ok(dev.clone()),
+            Some((_, dev)) => Some(dev.clone()),
+            None => None,
+        };
+        let spec = MirrorSpec {
+            name: v.name.clone(),
+            size,
+            devices,
+            legs,
+            bitmap: self.bitmap_path(v.uuid),
+            resync_rate: self.opts.resync_rate,
+        };
+        let dev = MirrorBackend::open_after(spec, previous.as_deref())?;
+        cache.insert(v.uuid, (key, dev.clone()));
+        Ok(dev)
+    }
+
+    /// Records in the table every leg a rebuild has made current (so a lost bitmap never
+    /// makes it a copy source before that); returns the volumes changed.
+    pub fn settle_mirrors(&mut self) -> Result<Vec<String>> {
+        let mut table = self.table.clone();
+        let mut changed = Vec::new();
+        {
+            let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+            for v in table.volumes.iter_mut().filter(|v| v.is_mirrored()) {
+                let Some(m) = cache.get(&v.uuid).and_then(|(_, d)| MirrorBackend::of(d)) else {
+                    continue;
+                };
+                for l in v.legs.iter_mut().filter(|l| !l.synced) {
+                    if m.leg_current(l.slot) {
+                        l.synced = true;
+                        tracing::info!(volume = %v.name, leg = l.slot, "mirror leg rebuilt: it holds a complete copy");
+                        changed.push(v.name.clone());
+                    }
+                }
+            }
+        }
+        if !changed.is_empty() {
+            self.commit(table)?;
+        }
+        Ok(changed)
+    }
+
+    /// Forgets a deleted volume's mirror and bitmap.
+    pub(crate) fn drop_mirror(&self, uuid: Uuid) {
+        self.mirrors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&uuid);
+        if let Some(p) = self.bitmap_path(uuid) {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    /// The mirror of a mirrored volume being served (`None`: plain, or not served yet).
+    pub fn mirror(&self, id: &str) -> Result<Option<Arc<Device>>> {
+        let v = &self.table.volumes[self.find(id)?];
+        if !v.is_mirrored() {
+            return Ok(None);
+        }
+        self.mirror_device(v).map(Some)
     }
 }

@@ -13,6 +13,7 @@ mod info;
 mod layout;
 mod members;
 pub mod metadata;
+mod mirror;
 pub mod qos;
 mod volumes;
 
@@ -20,9 +21,10 @@ use std::path::Path;
 
 use uuid::Uuid;
 
-pub use info::{DeviceInfo, LeftOut, PoolInfo, Replacement, VolumeInfo};
+pub use info::{DeviceInfo, LeftOut, LegInfo, PoolInfo, Replacement, VolumeInfo};
 pub use layout::{Segment, VolumeLayout};
 pub use members::DeviceSpec;
+pub use mirror::MAX_COPIES;
 pub use qos::QosLimits;
 
 use members::Member;
@@ -68,6 +70,9 @@ pub enum Error {
 /// Result type of the pool layer.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Default rate of a mirror's resync and rebuild copying: 64 MiB/s.
+pub const DEFAULT_RESYNC_RATE: u64 = 64 << 20;
+
 /// How to assemble a pool.
 #[derive(Debug, Clone)]
 pub struct PoolOptions {
@@ -83,6 +88,11 @@ pub struct PoolOptions {
     pub nvme_sgl: bool,
     /// Fault rules armed on every device from the moment it opens (crash tests).
     pub startup_faults: Vec<spool_devices::FaultRule>,
+    /// Where mirrored volumes keep their write-intent bitmaps (`None`: in memory, which
+    /// survives nothing: tests only).
+    pub mirror_dir: Option<std::path::PathBuf>,
+    /// Bytes per second a mirror's resync or rebuild may copy (0: unlimited).
+    pub resync_rate: u64,
 }
 
 impl Default for PoolOptions {
@@ -94,6 +104,8 @@ impl Default for PoolOptions {
             no_direct: false,
             nvme_sgl: true,
             startup_faults: Vec::new(),
+            mirror_dir: None,
+            resync_rate: DEFAULT_RESYNC_RATE,
         }
     }
 }
@@ -106,6 +118,9 @@ pub struct Pool {
     opts: PoolOptions,
     /// Configured devices that could not be opened or were left out at start, and why.
     left_out: Vec<LeftOut>,
+    /// The mirror device of each mirrored volume being served, kept while its legs stay
+    /// the same (workers compare device handles: a new one resets their queues).
+    mirrors: std::sync::Mutex<layout::MirrorCache>,
 }
 
 impl Pool {
@@ -156,5 +171,7 @@ impl Pool {
     }
 }
 
+#[cfg(test)]
+mod mirror_tests;
 #[cfg(test)]
 mod tests;

@@ -196,7 +196,24 @@ impl Pool {
         let mut buddy = new_buddy(&dev, table.min_extent)?;
         let (volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
         table.devices.retain(|d| d.uuid != old);
-        for v in table.volumes.iter().filter(|v| volumes.contains(&v.name)) {
+        for v in table
+            .volumes
+            .iter_mut()
+            .filter(|v| volumes.contains(&v.name))
+        {
+            if v.is_mirrored() && !v.legs.iter().any(|l| l.synced) {
+                // Every complete copy was on the old device: the data is gone, as on a plain
+                // volume; the first leg is zeroed and the others rebuilt from it.
+                tracing::error!(volume = %v.name, "every synced copy was on the replaced device; the volume's data is lost");
+                v.legs[0].synced = true;
+                for e in &v.legs[0].extents {
+                    if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
+                        m.dev.zero_range(e.offset, table.min_extent << e.order)?;
+                    } else if e.device == new {
+                        dev.zero_range(e.offset, table.min_extent << e.order)?;
+                    }
+                }
+            }
             for e in v.extents.iter().filter(|e| e.device == new) {
                 dev.zero_range(e.offset, table.min_extent << e.order)?;
             }
@@ -268,23 +285,43 @@ fn move_extents(
     let mut moved = 0;
     let mut volumes = Vec::new();
     for v in &mut table.volumes {
-        let mut touched = false;
-        for e in v.extents.iter_mut().filter(|e| e.device == old) {
-            let off = buddy.alloc(e.order).ok_or_else(|| Error::NoSpace {
-                requested: min << e.order,
-                available: buddy.free_bytes(),
-            })?;
-            *e = ExtentEntry {
-                device: new,
-                offset: off,
-                order: e.order,
-            };
-            moved += 1;
-            touched = true;
+        let mut touched = move_on(&mut v.extents, old, new, min, buddy)?;
+        for leg in &mut v.legs {
+            let n = move_on(&mut leg.extents, old, new, min, buddy)?;
+            if n > 0 {
+                // The new extents hold nothing yet: the leg is rebuilt from another.
+                leg.synced = false;
+            }
+            touched += n;
         }
-        if touched {
+        if touched > 0 {
             volumes.push(v.name.clone());
+            moved += touched;
         }
     }
     Ok((volumes, moved))
+}
+
+/// Moves the extents of `extents` that lie on `old` to new blocks on `new`; returns how many.
+fn move_on(
+    extents: &mut [ExtentEntry],
+    old: Uuid,
+    new: Uuid,
+    min: u64,
+    buddy: &mut Buddy,
+) -> Result<usize> {
+    let mut moved = 0;
+    for e in extents.iter_mut().filter(|e| e.device == old) {
+        let off = buddy.alloc(e.order).ok_or_else(|| Error::NoSpace {
+            requested: min << e.order,
+            available: buddy.free_bytes(),
+        })?;
+        *e = ExtentEntry {
+            device: new,
+            offset: off,
+            order: e.order,
+        };
+        moved += 1;
+    }
+    Ok(moved)
 }

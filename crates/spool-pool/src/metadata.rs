@@ -17,9 +17,9 @@ use spool_devices::Device;
 pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// Newest record format version this spoold reads and writes. Readers refuse records with
 /// a higher version. A table is written as version 1 unless it uses something version 1
-/// cannot say (volume QoS limits: version 2), so an older spoold refuses a table it would
+/// cannot say (volume QoS limits: version 2; mirrored volumes: version 3), so an older spoold refuses a table it would
 /// otherwise rewrite without them, and still reads every table that needs nothing new.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -103,12 +103,65 @@ pub struct VolumeEntry {
     /// I/O limits (format version 2; absent: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qos: Option<QosLimits>,
+    /// Copies a mirrored volume keeps (2 or 3; format version 3). 0: a plain volume.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub copies: u8,
+    /// A mirrored volume's copies (format version 3), each with its own extents; `extents`
+    /// is then empty. Fewer legs than `copies`: the volume runs degraded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub legs: Vec<LegEntry>,
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
+}
+
+/// One copy of a mirrored volume's data.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LegEntry {
+    /// Stable number of the leg (0..MAX_COPIES): its bit in the write-intent bitmap.
+    pub slot: u8,
+    /// False from the moment the leg is allocated until a rebuild has copied all of the
+    /// volume onto it: such a leg is never read from, and is rebuilt whole when its bitmap is
+    /// lost.
+    pub synced: bool,
+    /// Extents in logical order.
+    pub extents: Vec<ExtentEntry>,
+}
+
+impl VolumeEntry {
+    /// Whether the volume keeps mirrored copies.
+    pub fn is_mirrored(&self) -> bool {
+        self.copies > 0
+    }
+
+    /// Every extent the volume owns, on every leg.
+    pub fn all_extents(&self) -> impl Iterator<Item = &ExtentEntry> {
+        self.extents
+            .iter()
+            .chain(self.legs.iter().flat_map(|l| l.extents.iter()))
+    }
+
+    /// Each copy's extents in logical order (a plain volume has one).
+    pub fn copies_extents(&self) -> Vec<&[ExtentEntry]> {
+        if self.is_mirrored() {
+            self.legs.iter().map(|l| l.extents.as_slice()).collect()
+        } else {
+            vec![self.extents.as_slice()]
+        }
+    }
 }
 
 impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
-        if self.volumes.iter().any(|v| v.qos.is_some()) {
+        if self
+            .volumes
+            .iter()
+            .any(|v| v.is_mirrored() || !v.legs.is_empty())
+        {
+            3
+        } else if self.volumes.iter().any(|v| v.qos.is_some()) {
             2
         } else {
             1
@@ -212,22 +265,29 @@ impl PoolTable {
         if let Some(q) = &v.qos {
             q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
         }
-        let mut allocated = 0u64;
-        for (i, e) in v.extents.iter().enumerate() {
-            let (block, end) = validate_extent(min, e, devices)
-                .map_err(|why| format!("{what}: extent {i} {why}"))?;
-            allocated = allocated
-                .checked_add(block)
-                .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
-            extent(e.device, e.offset, end);
+        crate::mirror::validate_legs(v).map_err(|why| format!("{what}: {why}"))?;
+        for (leg, extents) in v.copies_extents().into_iter().enumerate() {
+            let what = match v.is_mirrored() {
+                true => format!("{what} leg {leg}"),
+                false => what.clone(),
+            };
+            let mut allocated = 0u64;
+            for (i, e) in extents.iter().enumerate() {
+                let (block, end) = validate_extent(min, e, devices)
+                    .map_err(|why| format!("{what}: extent {i} {why}"))?;
+                allocated = allocated
+                    .checked_add(block)
+                    .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
+                extent(e.device, e.offset, end);
+            }
+            if v.size.checked_next_multiple_of(min) != Some(allocated) {
+                return Err(format!(
+                    "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
+                    v.size
+                ));
+            }
         }
-        if v.size.checked_next_multiple_of(min) != Some(allocated) {
-            return Err(format!(
-                "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
-                v.size
-            ));
-        }
-        Ok(())
+        crate::mirror::validate_distinct(v, min).map_err(|why| format!("{what}: {why}"))
     }
 }
 
@@ -503,6 +563,8 @@ mod tests {
                     order: 0,
                 }],
                 qos: None,
+                copies: 0,
+                legs: Vec::new(),
             }],
         }
     }
@@ -633,6 +695,8 @@ mod tests {
                         ext(d[0], METADATA_AREA + (2 << 20), 0),
                     ],
                     qos: None,
+                    copies: 0,
+                    legs: Vec::new(),
                 },
                 VolumeEntry {
                     uuid: Uuid::from_u128(11),
@@ -642,6 +706,8 @@ mod tests {
                     num_queues: 4,
                     extents: vec![ext(d[1], METADATA_AREA, 1)],
                     qos: None,
+                    copies: 0,
+                    legs: Vec::new(),
                 },
             ],
         }

@@ -3,7 +3,7 @@
 use super::*;
 use metadata::METADATA_AREA;
 
-fn spec(dir: &Path, name: &str, mib: u64) -> DeviceSpec {
+pub(crate) fn spec(dir: &Path, name: &str, mib: u64) -> DeviceSpec {
     DeviceSpec {
         path: dir.join(name),
         create_size: Some(mib << 20),
@@ -11,7 +11,7 @@ fn spec(dir: &Path, name: &str, mib: u64) -> DeviceSpec {
     }
 }
 
-fn opts() -> PoolOptions {
+pub(crate) fn opts() -> PoolOptions {
     PoolOptions {
         min_extent: 1 << 20,
         ..Default::default()
@@ -335,7 +335,7 @@ fn a_device_that_grew_keeps_its_extents_and_the_table_learns_its_size() {
 }
 
 /// The format version byte of the newest metadata slot on the device at `path`.
-fn newest_slot_version(path: &Path) -> u32 {
+pub(crate) fn newest_slot_version(path: &Path) -> u32 {
     use std::os::unix::fs::FileExt;
     let f = std::fs::File::open(path).unwrap();
     let mut best = (0u64, 0u32);

@@ -6,14 +6,57 @@
 
 use uuid::Uuid;
 
-use crate::metadata::{self, ExtentEntry, VolumeEntry, MAX_QUEUES};
+use crate::metadata::{self, ExtentEntry, LegEntry, VolumeEntry, MAX_QUEUES};
 use crate::{Error, Pool, QosLimits, Result, VolumeInfo};
 
 fn valid_name(name: &str) -> Result<()> {
     metadata::check_volume_name(name).map_err(Error::InvalidArgument)
 }
 
+/// Extents `grown` has that `old` had not (a grown volume's new extents, on every leg).
+fn new_extents(old: &VolumeEntry, grown: &VolumeEntry) -> Vec<ExtentEntry> {
+    let had: Vec<&[ExtentEntry]> = old.copies_extents();
+    grown
+        .copies_extents()
+        .iter()
+        .zip(had)
+        .flat_map(|(now, before)| now[before.len()..].iter().copied())
+        .collect()
+}
+
 impl Pool {
+    /// Grows every copy of `v` by `bytes` starting at logical offset `from`; frees what it
+    /// took on failure.
+    fn grow_copies(&mut self, v: &mut VolumeEntry, from: u64, bytes: u64) -> Result<()> {
+        if !v.is_mirrored() {
+            v.extents.extend(self.allocate(bytes)?);
+            return Ok(());
+        }
+        let mut added: Vec<Vec<ExtentEntry>> = Vec::new();
+        for i in 0..v.legs.len() {
+            let others: Vec<&[ExtentEntry]> = v
+                .legs
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, l)| l.extents.as_slice())
+                .collect();
+            match self.allocate_leg(from, bytes, &others) {
+                Ok(e) => {
+                    v.legs[i].extents.extend(e.iter().copied());
+                    added.push(e);
+                }
+                Err(e) => {
+                    for a in &added {
+                        self.release(a);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Allocates extents covering `bytes` (a multiple of the minimum extent), largest blocks
     /// first, each on the device with the most free space that has a block of that order.
     fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
@@ -68,7 +111,7 @@ impl Pool {
         Ok(out)
     }
 
-    fn release(&mut self, extents: &[ExtentEntry]) {
+    pub(crate) fn release(&mut self, extents: &[ExtentEntry]) {
         for e in extents {
             if let Some(m) = self.members.iter_mut().find(|m| m.uuid == e.device) {
                 m.buddy.free(e.offset, e.order);
@@ -125,13 +168,26 @@ impl Pool {
         Ok(())
     }
 
-    /// Creates a volume.
+    /// Creates a plain volume.
     pub fn create_volume(
         &mut self,
         name: &str,
         size: u64,
         read_only: bool,
         num_queues: u16,
+    ) -> Result<VolumeInfo> {
+        self.create_volume_copies(name, size, read_only, num_queues, 1)
+    }
+
+    /// Creates a volume keeping `copies` copies of its data (1: plain; 2 or 3: mirrored, each
+    /// copy on a different device at every logical range).
+    pub fn create_volume_copies(
+        &mut self,
+        name: &str,
+        size: u64,
+        read_only: bool,
+        num_queues: u16,
+        copies: u8,
     ) -> Result<VolumeInfo> {
         valid_name(name)?;
         Self::check_size(size)?;
@@ -146,29 +202,55 @@ impl Pool {
         if self.members.is_empty() {
             return Err(Error::NoDevices);
         }
+        self.check_copies(copies)?;
         let bytes = self.round_up(size)?;
-        self.check_space(bytes)?;
-        let extents = self.allocate(bytes)?;
-        if let Err(e) = self.scrub(&extents) {
-            self.release(&extents);
-            return Err(e);
-        }
-        let v = VolumeEntry {
+        self.check_space(bytes.saturating_mul(copies as u64))?;
+        let mut v = VolumeEntry {
             uuid: Uuid::new_v4(),
             name: name.into(),
             size,
             read_only,
             num_queues,
-            extents: extents.clone(),
+            extents: Vec::new(),
             qos: None,
+            copies: 0,
+            legs: Vec::new(),
         };
+        if copies > 1 {
+            v.copies = copies;
+            for (slot, extents) in self.allocate_legs(bytes, copies)?.into_iter().enumerate() {
+                v.legs.push(LegEntry {
+                    slot: slot as u8,
+                    synced: true,
+                    extents,
+                });
+            }
+        } else {
+            v.extents = self.allocate(bytes)?;
+        }
+        let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
+        // Every leg zeroed: the copies start identical, and nobody reads old data.
+        if let Err(e) = self.scrub(&all) {
+            self.release(&all);
+            return Err(e);
+        }
+        if let Some(path) = v.is_mirrored().then(|| self.bitmap_path(v.uuid)).flatten() {
+            // Identical (zeroed) legs: a bitmap that says so, before the table names them.
+            if let Err(e) = spool_devices::mirror::create_clean_bitmap(&path, bytes) {
+                self.release(&all);
+                return Err(Error::InvalidArgument(format!(
+                    "cannot create the write-intent bitmap {}: {e}",
+                    path.display()
+                )));
+            }
+        }
         let mut table = self.table.clone();
         table.volumes.push(v.clone());
         if let Err(e) = self.commit(table) {
-            self.release(&extents);
+            self.release(&all);
             return Err(e);
         }
-        tracing::info!(volume = %v.name, uuid = %v.uuid, size, extents = v.extents.len(), "volume created");
+        tracing::info!(volume = %v.name, uuid = %v.uuid, size, copies, extents = all.len(), "volume created");
         Ok(self.volume_info(&v))
     }
 
@@ -179,7 +261,9 @@ impl Pool {
         let v = table.volumes.remove(i);
         let info = self.volume_info(&v);
         self.commit(table)?;
-        self.release(&v.extents);
+        let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
+        self.release(&all);
+        self.drop_mirror(v.uuid);
         tracing::info!(volume = %v.name, uuid = %v.uuid, "volume deleted");
         Ok(info)
     }
@@ -197,21 +281,20 @@ impl Pool {
         }
         let have = self.round_up(old.size)?;
         let need = self.round_up(new_size)?;
-        let extents = if need > have {
-            self.check_space(need - have)?;
-            self.allocate(need - have)?
-        } else {
-            vec![]
-        };
+        let mut v = old.clone();
+        v.size = new_size;
+        if need > have {
+            let copies = v.copies_extents().len() as u64;
+            self.check_space((need - have).saturating_mul(copies))?;
+            self.grow_copies(&mut v, have, need - have)?;
+        }
+        let extents = new_extents(&old, &v);
         if let Err(e) = self.scrub(&extents) {
             self.release(&extents);
             return Err(e);
         }
         let mut table = self.table.clone();
-        let v = &mut table.volumes[i];
-        v.size = new_size;
-        v.extents.extend(extents.iter().copied());
-        let v = v.clone();
+        table.volumes[i] = v.clone();
         if let Err(e) = self.commit(table) {
             self.release(&extents);
             return Err(e);

@@ -170,6 +170,9 @@ pub struct Volume {
     /// Device commands of a stopped volume that never completed (its extents are kept).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub quarantined_io: Option<u64>,
+    /// A mirrored volume's copies and copying progress.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub mirror: Option<super::MirrorStatus>,
 }
 
 /// `device_replace`.

@@ -28,6 +28,7 @@ fn params_are_written_as_spoolctl_always_wrote_them() {
         size: SizeValue::Bytes(4096),
         read_only: false,
         num_queues: Some(2),
+        mirror: None,
     };
     assert_eq!(
         wire(&create),
@@ -70,11 +71,16 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         socket: None,
         connected: false,
         quarantined_io: None,
+        mirror: None,
     };
     let j = serde_json::to_value(&v).unwrap();
     assert_eq!(j["socket"], Value::Null);
     assert!(j.get("quarantined_io").is_none());
     assert!(j.get("qos").is_none(), "no limits, no qos field: {j}");
+    assert!(
+        j.get("mirror").is_none(),
+        "plain volumes have no mirror field: {j}"
+    );
     assert_eq!(j["name"], json!("v"));
     let back: Volume = serde_json::from_value(j).unwrap();
     assert_eq!(back.info.name, "v");

@@ -119,6 +119,8 @@ pub(super) fn open_pool(
         no_direct: cfg.no_direct,
         nvme_sgl: cfg.nvme_sgl,
         startup_faults: startup_faults(),
+        mirror_dir: Some(cfg.state_dir.join("mirror")),
+        resync_rate: cfg.resync_rate,
     };
     Ok(Pool::open(&specs, opts)?)
 }
@@ -210,7 +212,7 @@ impl Daemon {
                 ),
                 Ok(_) => {}
                 Err(_) => {
-                    pool.create_volume(&v.name, v.size, v.read_only, v.num_queues)
+                    pool.create_volume_copies(&v.name, v.size, v.read_only, v.num_queues, v.copies)
                         .map_err(|source| StartError::Volume {
                             name: v.name.clone(),
                             source,

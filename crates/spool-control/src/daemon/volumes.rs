@@ -16,7 +16,8 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
         .register::<api::VolumeCreate>(Daemon::volume_create)
         .register::<api::VolumeResize>(Daemon::volume_resize)
         .register::<api::VolumeDelete>(Daemon::volume_delete)
-        .register::<api::VolumeQos>(Daemon::volume_qos);
+        .register::<api::VolumeQos>(Daemon::volume_qos)
+        .register::<api::VolumeVerify>(Daemon::volume_verify);
 }
 
 /// A size param in bytes.
@@ -48,9 +49,13 @@ impl Daemon {
     fn volume_create(&self, p: api::VolumeCreateParams) -> Result<Volume, RpcError> {
         let size = size_arg(&p.size, "size")?;
         let queues = p.num_queues.unwrap_or(DEFAULT_QUEUES);
-        let v = self
-            .pool()
-            .create_volume(&p.name, size, p.read_only, queues)?;
+        let v = self.pool().create_volume_copies(
+            &p.name,
+            size,
+            p.read_only,
+            queues,
+            p.mirror.unwrap_or(1),
+        )?;
         if let Err(e) = self.serve(&v) {
             return Err(RpcError::NotServed(e.to_string()));
         }
@@ -136,12 +141,52 @@ impl Daemon {
     fn volume_view(&self, v: VolumeInfo) -> Volume {
         let servers = self.servers();
         let s = servers.get(&v.uuid);
+        let mirror = (v.copies > 1).then(|| {
+            let progress = s.and_then(|_| self.mirror_of(&v)).map(|m| {
+                spool_devices::mirror::MirrorBackend::of(&m)
+                    .expect("a mirror device")
+                    .progress()
+            });
+            api::MirrorStatus::new(&v, progress)
+        });
         Volume {
             socket: s.map(|s| s.path().display().to_string()),
             connected: s.is_some_and(|s| s.connected()),
             quarantined_io: self.quarantined_io(v.uuid),
+            mirror,
             info: v.into(),
         }
+    }
+
+    /// The mirror device of a mirrored volume (built when first served).
+    fn mirror_of(&self, v: &VolumeInfo) -> Option<std::sync::Arc<spool_devices::Device>> {
+        self.pool().mirror(&v.uuid.to_string()).ok().flatten()
+    }
+
+    /// Compares a mirrored volume's copies.
+    fn volume_verify(&self, p: IdParams) -> Result<api::VerifyResult, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        if v.copies < 2 {
+            return Err(RpcError::InvalidParams(format!(
+                "volume '{}' is not mirrored: there is nothing to compare",
+                v.name
+            )));
+        }
+        let m = self.mirror_of(&v).ok_or_else(|| {
+            RpcError::InvalidParams(format!("volume '{}' has no complete copy present", v.name))
+        })?;
+        let r = spool_devices::mirror::MirrorBackend::of(&m)
+            .expect("a mirror device")
+            .verify()
+            .map_err(|e| RpcError::Pool(e.into()))?;
+        Ok(api::VerifyResult {
+            volume: v.name,
+            regions: r.regions,
+            bytes_compared: r.bytes_compared,
+            regions_skipped: r.regions_skipped,
+            regions_differing: r.regions_differing,
+            first_differences: r.first_differences,
+        })
     }
 
     /// Device commands of a stopped volume that never completed, if any.

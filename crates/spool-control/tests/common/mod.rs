@@ -1,6 +1,8 @@
 //! Shared helpers: run the real spoold binary and drive it with the real libblkio client.
 #![allow(dead_code)]
 
+pub mod load;
+
 use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

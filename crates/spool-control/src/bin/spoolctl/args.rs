@@ -129,6 +129,10 @@ pub enum VolumeCmd {
         /// Number of virtqueues (1-64).
         #[arg(long, default_value_t = 2)]
         queues: u16,
+        /// Keep 2 or 3 copies, each on a different device (RAID-1): a device failure costs
+        /// no data, and the volume rebuilds online onto a replacement.
+        #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
+        mirror: Option<u8>,
     },
     /// Delete a volume (its data is lost).
     Delete {
@@ -139,6 +143,9 @@ pub enum VolumeCmd {
     },
     /// Grow a volume to SIZE.
     Resize { id: String, size: String },
+    /// Compare a mirrored volume's copies region by region (a scrub) and report
+    /// differences.
+    Verify { id: String },
     /// Set or clear a volume's I/O limits (IOPS, bandwidth, burst).
     ///
     /// Running queues apply them at once, and they are kept in the pool metadata. Limits not

@@ -8,6 +8,7 @@ use spool_control::api;
 use spool_control::rpc::{Client, ClientError, ErrorObject};
 
 mod args;
+mod mirror;
 mod render;
 mod request;
 

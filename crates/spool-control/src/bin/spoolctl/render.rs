@@ -48,6 +48,7 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             | VolumeCmd::Create { .. }
             | VolumeCmd::Resize { .. }
             | VolumeCmd::Qos(_) => show::<api::VolumeShow>(r, volume),
+            VolumeCmd::Verify { .. } => show::<api::VolumeVerify>(r, super::mirror::verify),
         },
         Cmd::Status => show::<api::DaemonStatus>(r, status),
         Cmd::Upgrade { .. } => show::<api::DaemonUpgrade>(r, print_restart),
@@ -65,7 +66,7 @@ fn json<T: Serialize>(v: &T) -> String {
     serde_json::to_value(v).map_or_else(|_| "-".into(), |v| v.to_string())
 }
 
-fn table(rows: Vec<Vec<String>>) -> String {
+pub(super) fn table(rows: Vec<Vec<String>>) -> String {
     let widths: Vec<usize> = (0..rows[0].len())
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
@@ -83,7 +84,7 @@ fn table(rows: Vec<Vec<String>>) -> String {
         .join("\n")
 }
 
-fn header(names: &[&str]) -> Vec<String> {
+pub(super) fn header(names: &[&str]) -> Vec<String> {
     names.iter().map(|s| s.to_string()).collect()
 }
 
@@ -150,6 +151,9 @@ fn volume(v: &Volume) {
         "I/O limits: {}",
         spool_control::qos::describe(limits.as_ref())
     );
+    if let Some(m) = &v.mirror {
+        super::mirror::status(m);
+    }
 }
 
 fn device_reset(r: &api::DeviceResetResult) {

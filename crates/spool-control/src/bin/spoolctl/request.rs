@@ -109,16 +109,19 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
     match cmd {
         VolumeCmd::List => build::<api::VolumeList>(NoParams),
         VolumeCmd::Show { id: v } => id::<api::VolumeShow>(v),
+        VolumeCmd::Verify { id: v } => id::<api::VolumeVerify>(v),
         VolumeCmd::Create {
             name,
             size: sz,
             read_only,
             queues,
+            mirror,
         } => build::<api::VolumeCreate>(api::VolumeCreateParams {
             name: name.clone(),
             size: size(sz)?,
             read_only: *read_only,
             num_queues: Some(*queues),
+            mirror: *mirror,
         }),
         VolumeCmd::Delete { id, force } => build::<api::VolumeDelete>(api::VolumeDeleteParams {
             id: id.clone(),

@@ -1,0 +1,113 @@
+//! The wire form of mirrored volumes: a volume's copies and their state (inside
+//! [`super::Volume`]) and what `volume_verify` found. Mirrors of spool-pool's and
+//! spool-devices' report types, so those can change without changing the wire.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// One copy of a mirrored volume.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MirrorLeg {
+    pub slot: u8,
+    /// Holds a complete copy in the pool table (false while first being rebuilt).
+    pub synced: bool,
+    /// "current", "catching-up" (being copied to), "unusable" (a device not healthy),
+    /// "missing" (a device gone from the pool), or "idle" while the volume is not served.
+    pub state: String,
+    /// Bytes still to copy to this leg.
+    pub stale_bytes: u64,
+    pub devices: Vec<Uuid>,
+}
+
+/// A mirrored volume's copies and copying progress.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MirrorStatus {
+    /// Copies the volume keeps; fewer current legs: degraded.
+    pub copies: u8,
+    /// "healthy", "degraded" (fewer current legs than copies), "rebuilding" (copying to a
+    /// usable leg) or "offline".
+    pub state: String,
+    pub legs: Vec<MirrorLeg>,
+    /// Copying since it last started: bytes done, bytes left, bytes per second, seconds left.
+    pub copied_bytes: u64,
+    pub remaining_bytes: u64,
+    pub rate: u64,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub eta_secs: Option<u64>,
+    /// Percent of the copying done (100 when nothing is left).
+    pub percent: f64,
+    /// Regions (of `region_size` bytes) resynced because the daemon was not shut down
+    /// cleanly, and regions copied since the volume was opened.
+    pub resync_at_open: u64,
+    pub regions_copied: u64,
+    pub region_size: u64,
+}
+
+/// `volume_verify`: the legs compared region by region.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VerifyResult {
+    pub volume: String,
+    pub regions: u64,
+    pub bytes_compared: u64,
+    /// Regions not compared because a leg is still being copied there.
+    pub regions_skipped: u64,
+    /// Regions where current legs differ (0: identical), and the first few offsets.
+    pub regions_differing: u64,
+    pub first_differences: Vec<u64>,
+}
+
+impl MirrorStatus {
+    /// The status of a mirrored volume from the pool's view of it and, when it is served,
+    /// its mirror's progress.
+    pub fn new(
+        info: &spool_pool::VolumeInfo,
+        progress: Option<spool_devices::mirror::Progress>,
+    ) -> MirrorStatus {
+        let legs: Vec<MirrorLeg> = info
+            .legs
+            .iter()
+            .map(|l| {
+                let p = progress
+                    .as_ref()
+                    .and_then(|p| p.legs.iter().find(|x| x.slot == l.slot));
+                MirrorLeg {
+                    slot: l.slot,
+                    synced: l.synced,
+                    state: p
+                        .map_or(if l.present { "idle" } else { "missing" }, |p| p.state)
+                        .to_string(),
+                    stale_bytes: p.map_or(0, |p| p.stale_bytes),
+                    devices: l.devices.clone(),
+                }
+            })
+            .collect();
+        let current = legs.iter().filter(|l| l.state == "current").count();
+        let copying = legs.iter().any(|l| l.state == "catching-up");
+        let state = match () {
+            _ if !info.online => "offline",
+            _ if copying => "rebuilding",
+            _ if progress.is_some() && current < info.copies as usize => "degraded",
+            _ if progress.is_none() && legs.len() < info.copies as usize => "degraded",
+            _ => "healthy",
+        };
+        let p = progress.as_ref();
+        let copied = p.map_or(0, |p| p.copied_bytes);
+        let remaining = p.map_or(0, |p| p.remaining_bytes);
+        MirrorStatus {
+            copies: info.copies,
+            state: state.into(),
+            legs,
+            copied_bytes: copied,
+            remaining_bytes: remaining,
+            rate: p.map_or(0, |p| p.rate),
+            eta_secs: p.and_then(|p| p.eta_secs),
+            percent: match copied + remaining {
+                0 => 100.0,
+                t => 100.0 * copied as f64 / t as f64,
+            },
+            resync_at_open: p.map_or(0, |p| p.resync_at_open),
+            regions_copied: p.map_or(0, |p| p.regions_copied),
+            region_size: p.map_or(0, |p| p.region_size),
+        }
+    }
+}

@@ -1,0 +1,528 @@
+//! Mirrored storage (RAID-1) as one more stacked backend: a [`MirrorBackend`] is a
+//! [`PoolDevice`] whose address space is a volume's, kept as 2–3 copies (legs), each leg a
+//! linear map onto pieces of other [`Device`]s (each with its own health). The data path sees
+//! one device; the mirror's queue ([`MirrorQueue`]) writes every usable leg and completes when
+//! they have, balances reads over the legs that hold current data and retries a failed read
+//! on another leg; a leg that fails a write or whose device is not healthy drops out without
+//! failing the guest, and the regions it missed are recorded.
+//!
+//! Crash consistency is md's write-intent bitmap ([`bitmap`]): a region's intent bit is
+//! durable before a write to it goes out and cleared lazily once no write is in flight there;
+//! after a kill, restart, upgrade or reset only regions with intent (or with legs marked
+//! stale) are copied from a current leg. The background thread of [`resync`] does the copying
+//! (rate-limited, region by region, and never racing a guest write: a region's copy is
+//! redone when a write reached it meanwhile) and clears intent bits.
+//!
+//! Owns: legs, region bookkeeping, the mirror's health (healthy while some leg is usable).
+//! Must not know: volumes, extents or pool metadata (the pool describes the legs), virtio.
+
+pub mod bitmap;
+mod queue;
+mod resync;
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+pub use queue::MirrorQueue;
+pub use resync::{LegProgress, Progress, Verify};
+
+use crate::backend::{BackendInfo, PoolDevice, Probe};
+use crate::{Device, DeviceHealth, DeviceQueue, Error, HealthState, Result};
+use bitmap::{Bitmap, Found, INTENT};
+
+/// Most legs a mirror has (slots 0..3).
+pub const MAX_LEGS: usize = 3;
+/// A region's writes counter has this bit while the bitmap thread clears its intent bit.
+const CLEARING: u32 = 1 << 31;
+
+/// The device index of a leg piece whose device is not in the pool (never usable).
+pub const MISSING: usize = usize::MAX;
+/// Most devices one mirror's legs may use (the healthy set is a 64-bit mask).
+pub const MAX_DEVICES: usize = 64;
+
+/// One piece of a leg: volume bytes `[logical, logical + len)` at `offset` of
+/// `devices[device]` ([`MISSING`]: the device is gone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LegPiece {
+    pub logical: u64,
+    pub len: u64,
+    pub device: usize,
+    pub offset: u64,
+}
+
+/// One leg as the pool describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LegSpec {
+    /// Stable slot (its bit in the bitmap).
+    pub slot: u8,
+    /// Identity of the leg's placement (the stale bits in the bitmap belong to it).
+    pub id: u64,
+    /// Holds a complete copy (false: being rebuilt; never read until caught up).
+    pub synced: bool,
+    /// Ascending and contiguous over the volume.
+    pub pieces: Vec<LegPiece>,
+}
+
+/// What a mirror is built from.
+#[derive(Debug, Clone)]
+pub struct MirrorSpec {
+    /// Shown as the device path (`mirror:NAME`).
+    pub name: String,
+    /// Volume bytes (a multiple of the region size is not required).
+    pub size: u64,
+    pub devices: Vec<Arc<Device>>,
+    pub legs: Vec<LegSpec>,
+    /// Where the write-intent bitmap lives (`None`: memory only, no crash consistency).
+    pub bitmap: Option<PathBuf>,
+    /// Bytes per second the background copy may use (0: unlimited).
+    pub resync_rate: u64,
+}
+
+/// Writes the bitmap of a new mirrored volume whose legs are identical (freshly zeroed), so
+/// that a bitmap found missing later means lost (every region resynced), not new.
+pub fn create_clean_bitmap(path: &Path, size: u64) -> std::io::Result<()> {
+    let shift = region_shift(size);
+    let n = size.div_ceil(1 << shift).max(1) as usize;
+    let _ = std::fs::remove_file(path);
+    Bitmap::open(Some(path), n, shift).map(|_| ())
+}
+
+/// Region size for a volume of `size` bytes: 1 MiB, larger for volumes over 4 TiB (so the
+/// bitmap stays at most 4 MiB).
+pub fn region_shift(size: u64) -> u32 {
+    let bits = 64 - size.max(1).leading_zeros();
+    20u32.max(bits.saturating_sub(22))
+}
+
+/// The per-region state shared by every queue of one mirror.
+pub(crate) struct Regions {
+    pub(crate) shift: u32,
+    pub(crate) bitmap: Bitmap,
+    /// Writes in flight per region (| CLEARING).
+    pub(crate) writes: Box<[AtomicU32]>,
+    /// Writes ever started per region (the copy's race check).
+    pub(crate) gens: Box<[AtomicU32]>,
+    /// Regions marked stale, per slot.
+    pub(crate) stale: [AtomicU64; MAX_LEGS],
+}
+
+impl Regions {
+    /// The regions `[offset, offset + len)` touches (`len` > 0).
+    #[inline]
+    pub(crate) fn span(&self, offset: u64, len: u64) -> (usize, usize) {
+        let first = (offset >> self.shift) as usize;
+        let last = ((offset + len.max(1) - 1) >> self.shift) as usize;
+        (first, last.min(self.writes.len() - 1))
+    }
+
+    /// A write enters regions `first..=last`: counts it, and returns whether the bitmap bytes
+    /// needed `want` set (then the caller syncs them before the write goes out).
+    pub(crate) fn enter(&self, first: usize, last: usize, want: u8) -> bool {
+        let mut changed = false;
+        for r in first..=last {
+            if self.writes[r].fetch_add(1, Ordering::SeqCst) & CLEARING != 0 {
+                while self.writes[r].load(Ordering::SeqCst) & CLEARING != 0 {
+                    std::hint::spin_loop();
+                }
+            }
+            self.gens[r].fetch_add(1, Ordering::SeqCst);
+            changed |= self.mark(r, want);
+        }
+        changed
+    }
+
+    /// A write leaves regions `first..=last`.
+    pub(crate) fn leave(&self, first: usize, last: usize) {
+        for r in first..=last {
+            self.writes[r].fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Sets `bits` in region `r`'s byte; returns whether any was new (stale counts follow).
+    pub(crate) fn mark(&self, r: usize, bits: u8) -> bool {
+        let b = self.bitmap.byte(r);
+        if b.load(Ordering::Acquire) & bits == bits {
+            return false;
+        }
+        let old = b.fetch_or(bits, Ordering::AcqRel);
+        for s in 0..MAX_LEGS as u8 {
+            if bits & !old & bitmap::stale(s) != 0 {
+                self.stale[s as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        bits & !old != 0
+    }
+
+    /// Clears the stale bits of `slots_mask` in region `r`.
+    pub(crate) fn unmark(&self, r: usize, slots_mask: u8) {
+        let old = self.bitmap.byte(r).fetch_and(!slots_mask, Ordering::AcqRel);
+        for s in 0..MAX_LEGS as u8 {
+            if old & slots_mask & bitmap::stale(s) != 0 {
+                self.stale[s as usize].fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Clears region `r`'s intent bit if no write is in flight there and none started since
+    /// `gen` was seen; never races a write entering (see [`Regions::enter`]).
+    pub(crate) fn try_clear_intent(&self, r: usize, gen: u32) -> bool {
+        if self.writes[r]
+            .compare_exchange(0, CLEARING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
+        let cleared = self.gens[r].load(Ordering::SeqCst) == gen;
+        if cleared {
+            self.bitmap.byte(r).fetch_and(!INTENT, Ordering::AcqRel);
+        }
+        self.writes[r].fetch_and(!CLEARING, Ordering::SeqCst);
+        cleared
+    }
+}
+
+/// A run of the volume where every leg stays on one device: `dev[slot]` (or [`MISSING`],
+/// also for slots without a leg). Usability is decided per stripe, so a leg spread over
+/// devices loses only the ranges on a failed one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stripe {
+    pub(crate) logical: u64,
+    pub(crate) dev: [usize; MAX_LEGS],
+}
+
+/// The stripes of `legs` (the union of their piece boundaries), ascending.
+fn stripes(legs: &[LegSpec]) -> Vec<Stripe> {
+    let mut cuts: Vec<u64> = legs
+        .iter()
+        .flat_map(|l| l.pieces.iter().map(|p| p.logical))
+        .collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts.iter()
+        .map(|&at| {
+            let mut dev = [MISSING; MAX_LEGS];
+            for l in legs {
+                if let Some(p) = l
+                    .pieces
+                    .iter()
+                    .find(|p| p.logical <= at && at < p.logical + p.len)
+                {
+                    dev[l.slot as usize] = p.device;
+                }
+            }
+            Stripe { logical: at, dev }
+        })
+        .collect()
+}
+
+/// Everything one mirror's queues and background thread share.
+pub(crate) struct Shared {
+    pub(crate) spec: MirrorSpec,
+    pub(crate) stripes: Vec<Stripe>,
+    pub(crate) regions: Arc<Regions>,
+    /// The health cell of the `Device` wrapping this mirror (set once it exists).
+    pub(crate) health: OnceLock<Arc<DeviceHealth>>,
+    pub(crate) progress: Arc<resync::ProgressCell>,
+    /// Set when the backend is dropped: the background thread ends.
+    pub(crate) stop: AtomicBool,
+    /// Regions found needing a resync when the mirror was opened (after a crash).
+    pub(crate) resync_at_open: u64,
+}
+
+impl Shared {
+    /// The devices that are healthy now, as a mask of device indices.
+    pub(crate) fn healthy(&self) -> u64 {
+        let mut mask = 0;
+        for (i, d) in self.spec.devices.iter().enumerate() {
+            if d.health().state() == HealthState::Healthy {
+                mask |= 1 << i;
+            }
+        }
+        mask
+    }
+
+    /// Slots whose leg can take I/O for all of `[offset, offset + len)` when the devices in
+    /// `healthy` are healthy.
+    #[inline]
+    pub(crate) fn usable(&self, healthy: u64, offset: u64, len: u64) -> u8 {
+        let first = self
+            .stripes
+            .partition_point(|s| s.logical <= offset)
+            .saturating_sub(1);
+        let end = offset + len.max(1);
+        let mut mask = 0b111;
+        for s in self.stripes[first..].iter().take_while(|s| s.logical < end) {
+            for (slot, &d) in s.dev.iter().enumerate() {
+                if d == MISSING || healthy & (1 << d) == 0 {
+                    mask &= !(1 << slot);
+                }
+            }
+        }
+        mask
+    }
+
+    /// Slots whose leg can take I/O over the whole volume now.
+    pub(crate) fn writable(&self) -> u8 {
+        self.usable(self.healthy(), 0, self.spec.size)
+    }
+
+    /// Stale bits of every slot the mirror has (present or not).
+    pub(crate) fn all_slots(&self) -> u8 {
+        self.spec
+            .legs
+            .iter()
+            .fold(0, |m, l| m | bitmap::stale(l.slot))
+    }
+
+    pub(crate) fn leg(&self, slot: u8) -> Option<&LegSpec> {
+        self.spec.legs.iter().find(|l| l.slot == slot)
+    }
+}
+
+/// A mirror of legs on other devices, as a pool device.
+pub struct MirrorBackend {
+    shared: Arc<Shared>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for MirrorBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MirrorBackend({})", self.path.display())
+    }
+}
+
+impl MirrorBackend {
+    /// Builds a mirror, opens (or creates) its bitmap, marks what needs copying (intent
+    /// regions left by a crash, legs not yet synced or placed anew) and starts the background
+    /// thread. Returns the mirror as a [`Device`] (the data path's handle).
+    pub fn open(spec: MirrorSpec) -> Result<Arc<Device>> {
+        Self::open_after(spec, None)
+    }
+
+    /// As [`MirrorBackend::open`], for a mirror whose legs changed (a leg added, replaced
+    /// or gone) while `previous` serves it: the region state (bitmap, writes in flight) is
+    /// shared with `previous` when the size is unchanged, so queues of both agree while
+    /// workers move over.
+    pub fn open_after(spec: MirrorSpec, previous: Option<&Device>) -> Result<Arc<Device>> {
+        let path = PathBuf::from(format!("mirror:{}", spec.name));
+        if spec.legs.is_empty()
+            || spec.legs.len() > MAX_LEGS
+            || spec.legs.iter().any(|l| l.slot as usize >= MAX_LEGS)
+        {
+            return Err(Error::io(
+                &path,
+                "open",
+                std::io::Error::other("a mirror has 1 to 3 legs in slots 0..3"),
+            ));
+        }
+        if spec.devices.len() > MAX_DEVICES {
+            return Err(Error::io(
+                &path,
+                "open",
+                std::io::Error::other(format!("a mirror's legs use at most {MAX_DEVICES} devices")),
+            ));
+        }
+        let shift = region_shift(spec.size);
+        let n = spec.size.div_ceil(1 << shift).max(1) as usize;
+        let reuse = previous
+            .and_then(MirrorBackend::of)
+            .filter(|m| m.shared.regions.shift == shift && m.shared.regions.writes.len() == n);
+        let (regions, progress, resync_at_open) = match reuse {
+            Some(m) => {
+                prepare_legs(&spec, &m.shared.regions, Found::Kept);
+                (
+                    m.shared.regions.clone(),
+                    m.shared.progress.clone(),
+                    m.shared.resync_at_open,
+                )
+            }
+            None => {
+                let (bitmap, found) = Bitmap::open(spec.bitmap.as_deref(), n, shift)
+                    .map_err(|e| Error::io(&path, "open write-intent bitmap", e))?;
+                let regions = Regions {
+                    shift,
+                    bitmap,
+                    writes: (0..n).map(|_| AtomicU32::new(0)).collect(),
+                    gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
+                    stale: Default::default(),
+                };
+                prepare_legs(&spec, &regions, found);
+                let intents = prepare_intents(&spec, &regions, found);
+                (Arc::new(regions), Default::default(), intents)
+            }
+        };
+        let shared = Arc::new(Shared {
+            stripes: stripes(&spec.legs),
+            spec,
+            regions,
+            health: OnceLock::new(),
+            progress,
+            stop: AtomicBool::new(false),
+            resync_at_open,
+        });
+        if resync_at_open > 0 && reuse.is_none() {
+            tracing::warn!(mirror = %path.display(), regions = resync_at_open, "mirror was not shut down cleanly: resyncing the regions that had writes in flight");
+        }
+        let backend = MirrorBackend {
+            shared: shared.clone(),
+            path,
+        };
+        let dev = Arc::new(Device::new(backend, &[]));
+        let _ = shared.health.set(dev.health().clone());
+        resync::start(&shared).map_err(|e| Error::io(dev.path(), "start resync thread", e))?;
+        Ok(dev)
+    }
+
+    /// The mirror under a [`Device`] made by [`MirrorBackend::open`], if it is one.
+    pub fn of(dev: &Device) -> Option<&MirrorBackend> {
+        dev.backend().as_mirror()
+    }
+
+    /// Copying progress and leg states.
+    pub fn progress(&self) -> Progress {
+        resync::progress(&self.shared)
+    }
+
+    /// Compares the legs region by region (a scrub); regions with writes in flight are
+    /// compared again until quiet.
+    pub fn verify(&self) -> Result<Verify> {
+        resync::verify(&self.shared)
+    }
+
+    /// Whether leg `slot` holds a complete, current copy (present, nothing stale).
+    pub fn leg_current(&self, slot: u8) -> bool {
+        self.shared.writable() & bitmap::stale(slot) != 0
+            && self.shared.regions.stale[slot as usize % MAX_LEGS].load(Ordering::Acquire) == 0
+    }
+
+    /// Regions resynced because the mirror was not shut down cleanly.
+    pub fn resync_at_open(&self) -> u64 {
+        self.shared.resync_at_open
+    }
+}
+
+/// Marks what the legs need copied: legs not synced whose slot's bits belong to another
+/// placement (or to no bitmap) become stale everywhere; a synced leg whose slot held another
+/// placement's bits has them dropped.
+fn prepare_legs(spec: &MirrorSpec, regions: &Regions, found: Found) {
+    let n = regions.bitmap.regions();
+    let mut cleanup = !spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot)) & 0b111;
+    let mut fill = 0u8;
+    for l in &spec.legs {
+        let id = regions.bitmap.slot_id(l.slot);
+        if id.load(Ordering::Acquire) != l.id || found == Found::Fresh {
+            match l.synced {
+                false => fill |= bitmap::stale(l.slot),
+                true if found == Found::Kept => cleanup |= bitmap::stale(l.slot),
+                true => {}
+            }
+        }
+        id.store(l.id, Ordering::Release);
+    }
+    if cleanup | fill != 0 {
+        for r in 0..n {
+            regions.unmark(r, cleanup);
+            regions.mark(r, fill);
+        }
+        regions.bitmap.sync(0, n - 1);
+    }
+    regions.bitmap.sync_header();
+}
+
+/// Marks at a fresh open what a crash left in doubt (every region when the bitmap was lost):
+/// each region with intent has every leg but one current leg marked stale. Returns how many
+/// regions had intent.
+fn prepare_intents(spec: &MirrorSpec, regions: &Regions, found: Found) -> u64 {
+    let n = regions.bitmap.regions();
+    let all: u8 = spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot));
+    let mut intents = 0;
+    for r in 0..n {
+        let b = regions.bitmap.byte(r);
+        if found == Found::Fresh {
+            b.fetch_or(INTENT, Ordering::AcqRel);
+        }
+        let v = b.load(Ordering::Acquire);
+        if v & INTENT == 0 {
+            continue;
+        }
+        intents += 1;
+        // Copy from the first synced leg not itself stale here (present or not: a missing
+        // leg's region stays in doubt until it is back).
+        let src = spec
+            .legs
+            .iter()
+            .filter(|l| l.synced && v & bitmap::stale(l.slot) == 0)
+            .min_by_key(|l| (l.pieces.iter().any(|p| p.device == MISSING), l.slot));
+        if let Some(s) = src {
+            regions.mark(r, all & !bitmap::stale(s.slot));
+        }
+    }
+    // Stale counts of bits found in the file (mark only counts the bits it sets).
+    for s in 0..MAX_LEGS {
+        regions.stale[s].store(0, Ordering::Relaxed);
+    }
+    for r in 0..n {
+        let v = regions.bitmap.byte(r).load(Ordering::Acquire);
+        for s in 0..MAX_LEGS as u8 {
+            if v & bitmap::stale(s) != 0 {
+                regions.stale[s as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    regions.bitmap.sync(0, n - 1);
+    intents
+}
+
+impl Drop for MirrorBackend {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+    }
+}
+
+impl PoolDevice for MirrorBackend {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn size(&self) -> u64 {
+        self.shared.spec.size
+    }
+
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            backend: "mirror",
+            direct_align: None,
+            inline_io: false,
+        }
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        resync::read_current(&self.shared, buf, offset)
+    }
+
+    fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
+        resync::write_all_legs(&self.shared, offset, Some(buf), buf.len() as u64)
+    }
+
+    fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
+        resync::write_all_legs(&self.shared, offset, None, len)
+    }
+
+    fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        Ok(Box::new(MirrorQueue::new(self.shared.clone(), depth)?))
+    }
+
+    fn probe(&self) -> Probe {
+        match self.shared.writable() {
+            0 => Probe::Gone("no leg of the mirror is usable".into()),
+            _ => Probe::Ok,
+        }
+    }
+
+    fn as_mirror(&self) -> Option<&MirrorBackend> {
+        Some(self)
+    }
+}

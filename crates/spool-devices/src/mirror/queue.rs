@@ -1,0 +1,523 @@
+//! One worker's queue on a mirror: a request becomes pieces on the legs' device queues, and
+//! the pieces' results become the request's.
+//!
+//! Writes (and write-zeroes; discards are written as zeroes so the legs stay identical) go to
+//! every usable leg after their regions' intent bits are durable, and succeed when one leg
+//! took the whole write: a leg that failed, or was not usable, is marked stale in those
+//! regions (durably, before the completion) and the background thread copies them later.
+//! Reads go to one leg holding current data in every region they touch, in turn, and move to
+//! the next such leg when one fails (a media error also marks the range stale on the failed
+//! leg, so it is rewritten from a good copy). A flush goes to every device of a usable leg.
+//! With no usable leg at all a request fails with a path error (`ENOLINK`), which the worker
+//! holds until the mirror's health changes.
+//!
+//! Owns: request splitting over legs, per-request results, the leg device queues' epochs.
+//! Must not know: virtio, the pool.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::bitmap::{stale, INTENT};
+use super::{LegPiece, Shared};
+use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
+
+/// Sub-operation tags: op index << 2 | slot (slot 3: a flush, which is per device).
+const SLOT_BITS: u64 = 2;
+const FLUSH_SLOT: u8 = 3;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Read,
+    Write,
+    Zeroes,
+    Flush,
+}
+
+/// One request of the worker's, spread over legs.
+struct Op {
+    tag: u64,
+    kind: Kind,
+    offset: u64,
+    len: u64,
+    iov: *const IoVec,
+    iovcnt: u32,
+    regions: (usize, usize),
+    pending: u32,
+    /// Slots the request went to (reads: the legs tried so far).
+    issued: u8,
+    failed: u8,
+    media: u8,
+    err: i32,
+    /// Flushes: devices asked, and devices that failed.
+    pending_devices: u32,
+    failed_devices: u32,
+    /// Iovec arrays of pieces that split the request's own (kept until completion).
+    split: Vec<Box<[IoVec]>>,
+}
+
+/// A worker's queue on a mirror (see the module doc).
+pub struct MirrorQueue {
+    shared: Arc<Shared>,
+    queues: Vec<Box<dyn DeviceQueue>>,
+    epochs: Vec<u64>,
+    /// Devices healthy as of the last epoch check.
+    healthy: u64,
+    ops: Vec<Option<Op>>,
+    free: Vec<usize>,
+    done: VecDeque<(u64, i32)>,
+    in_flight: usize,
+    next_read: u8,
+    /// Ops whose last piece came back in this reap (kept to reuse its allocation).
+    finished: Vec<usize>,
+    /// Readable when any leg queue has completions or `event` was signalled.
+    epoll: OwnedFd,
+    /// Signalled for completions decided without a device (no usable leg).
+    event: File,
+}
+
+// SAFETY: the raw iovec pointers in `ops` belong to the caller of `submit`, which keeps them
+// valid until completion (the `DeviceQueue::submit` contract); the queue is used by one
+// worker thread at a time, like every device queue.
+unsafe impl Send for MirrorQueue {}
+
+impl MirrorQueue {
+    pub(crate) fn new(shared: Arc<Shared>, depth: u32) -> std::io::Result<MirrorQueue> {
+        // SAFETY: epoll_create1 takes no pointers; the result is checked.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor we exclusively own.
+        let epoll = unsafe { OwnedFd::from_raw_fd(ep) };
+        let event = crate::queue::completion_eventfd()?;
+        let mut queues = Vec::new();
+        let mut epochs = Vec::new();
+        for d in &shared.spec.devices {
+            let q = d.open_queue(depth)?;
+            watch(epoll.as_raw_fd(), q.completion_fd())?;
+            epochs.push(d.health().load().1);
+            queues.push(q);
+        }
+        watch(epoll.as_raw_fd(), event.as_raw_fd())?;
+        let healthy = shared.healthy();
+        Ok(MirrorQueue {
+            shared,
+            queues,
+            epochs,
+            healthy,
+            ops: Vec::new(),
+            free: Vec::new(),
+            done: VecDeque::new(),
+            in_flight: 0,
+            next_read: 0,
+            finished: Vec::new(),
+            epoll,
+            event,
+        })
+    }
+
+    /// Follows the leg devices' health: a device whose state changed has its hung commands
+    /// aborted (they fail on that leg only), and the usable legs are recomputed.
+    #[inline]
+    fn check_epochs(&mut self) {
+        let mut changed = false;
+        for (d, dev) in self.shared.spec.devices.iter().enumerate() {
+            let e = dev.health().load().1;
+            if e != self.epochs[d] {
+                self.epochs[d] = e;
+                self.queues[d].abort();
+                changed = true;
+            }
+        }
+        if changed {
+            self.healthy = self.shared.healthy();
+        }
+    }
+
+    fn new_op(&mut self, op: Op) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.ops[i] = Some(op);
+                i
+            }
+            None => {
+                self.ops.push(Some(op));
+                self.ops.len() - 1
+            }
+        }
+    }
+
+    /// Completes `op` without a device (its result is already decided).
+    fn finish_now(&mut self, tag: u64, res: i32) {
+        self.done.push_back((tag, res));
+        let _ = (&self.event).write(&1u64.to_ne_bytes());
+    }
+
+    /// Legs usable for the op's range that hold current data in every region of it.
+    fn readable(&self, op: &Op) -> u8 {
+        let regions = op.regions;
+        let mut mask = self.shared.usable(self.healthy, op.offset, op.len);
+        for r in regions.0..=regions.1 {
+            mask &= !self.shared.regions.bitmap.byte(r).load(Ordering::Acquire);
+        }
+        mask & 0b111
+    }
+
+    /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches.
+    fn submit_leg(&mut self, i: usize, slot: u8) {
+        let shared = Arc::clone(&self.shared);
+        let Some(pieces) = shared.leg(slot).map(|l| l.pieces.as_slice()) else {
+            return;
+        };
+        let op = self.ops[i].as_mut().expect("live op");
+        let (offset, len) = (op.offset, op.len);
+        let start = pieces.partition_point(|p| p.logical + p.len <= offset);
+        let mut done = 0;
+        for p in &pieces[start..] {
+            if done >= len {
+                break;
+            }
+            let pos = offset + done;
+            let within = pos - p.logical;
+            let n = (p.len - within).min(len - done);
+            self.submit_piece(i, slot, p, p.offset + within, n, done);
+            done += n;
+        }
+    }
+
+    fn submit_piece(&mut self, i: usize, slot: u8, p: &LegPiece, dev_off: u64, n: u64, at: u64) {
+        let op = self.ops[i].as_mut().expect("live op");
+        let io = match op.kind {
+            Kind::Zeroes => DeviceIo::WriteZeroes {
+                offset: dev_off,
+                len: n,
+            },
+            Kind::Flush => DeviceIo::Flush,
+            kind if at == 0 && n == op.len => {
+                DeviceIo::data(kind == Kind::Write, dev_off, n, op.iov, op.iovcnt)
+            }
+            kind => {
+                // SAFETY: the caller of `submit` keeps `iov[..iovcnt]` valid until completion.
+                let iov = unsafe { std::slice::from_raw_parts(op.iov, op.iovcnt as usize) };
+                let part = split_iov(iov, at, n);
+                let io = DeviceIo::data(
+                    kind == Kind::Write,
+                    dev_off,
+                    n,
+                    part.as_ptr(),
+                    part.len() as u32,
+                );
+                op.split.push(part);
+                io
+            }
+        };
+        op.pending += 1;
+        let tag = ((i as u64) << SLOT_BITS) | slot as u64;
+        // SAFETY: buffers and iovec arrays stay valid until this piece is reaped: the
+        // caller's by the submit contract, split arrays because `op` keeps them.
+        unsafe { self.queues[p.device].submit(io, tag) };
+    }
+
+    fn submit_read(&mut self, i: usize) -> bool {
+        let op = self.ops[i].as_ref().expect("live op");
+        let choices = self.readable(op) & !op.issued;
+        if choices == 0 {
+            return false;
+        }
+        let mut slot = self.next_read % 3;
+        while choices & stale(slot) == 0 {
+            slot = (slot + 1) % 3;
+        }
+        self.next_read = (slot + 1) % 3;
+        self.ops[i].as_mut().expect("live op").issued |= stale(slot);
+        self.submit_leg(i, slot);
+        true
+    }
+
+    fn submit_write(&mut self, i: usize) -> bool {
+        let op = self.ops[i].as_ref().expect("live op");
+        let writable = self.shared.usable(self.healthy, op.offset, op.len);
+        if writable == 0 {
+            return false;
+        }
+        let (first, last) = op.regions;
+        let want = INTENT | (self.shared.all_slots() & !writable);
+        if self.shared.regions.enter(first, last, want) {
+            self.shared.regions.bitmap.sync(first, last);
+        }
+        self.ops[i].as_mut().expect("live op").issued = writable;
+        for slot in 0..3u8 {
+            if writable & stale(slot) != 0 {
+                self.submit_leg(i, slot);
+            }
+        }
+        true
+    }
+
+    fn submit_flush(&mut self, i: usize) -> bool {
+        let mut devices = Vec::new();
+        for l in &self.shared.spec.legs {
+            for p in &l.pieces {
+                if p.device != super::MISSING
+                    && self.healthy & (1 << p.device) != 0
+                    && !devices.contains(&p.device)
+                {
+                    devices.push(p.device);
+                }
+            }
+        }
+        let Some(op) = self.ops[i].as_mut() else {
+            return false;
+        };
+        op.pending_devices = devices.len() as u32;
+        for &d in &devices {
+            op.pending += 1;
+            let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
+            // SAFETY: a flush carries no buffers.
+            unsafe { self.queues[d].submit(DeviceIo::Flush, tag) };
+        }
+        !devices.is_empty()
+    }
+
+    /// The last piece of op `i` came back: retry a failed read elsewhere, or settle.
+    fn settle(&mut self, i: usize) {
+        let op = self.ops[i].as_mut().expect("live op");
+        op.split.clear();
+        if op.kind == Kind::Read && op.failed != 0 {
+            let (first, last) = op.regions;
+            if op.media != 0 {
+                // Repair: the leg's range is rewritten from a good copy by the resync thread.
+                for r in first..=last {
+                    self.shared.regions.mark(r, op.media);
+                }
+                self.shared.regions.bitmap.sync(first, last);
+            }
+            let err = std::mem::replace(&mut op.err, 0);
+            op.failed = 0;
+            op.media = 0;
+            if self.submit_read(i) {
+                return;
+            }
+            self.ops[i].as_mut().expect("live op").err = err;
+        }
+        let op = self.ops[i].take().expect("live op");
+        self.free.push(i);
+        let res = match op.kind {
+            Kind::Read if op.pending == 0 && op.err == 0 => 0,
+            Kind::Read => op.err,
+            // Durable on one leg is durable: the failed devices were reported (their
+            // monitor resets or isolates them).
+            Kind::Flush if op.failed == 0 || op.pending_devices > op.failed_devices => 0,
+            Kind::Flush => op.err,
+            Kind::Write | Kind::Zeroes => {
+                let (first, last) = op.regions;
+                let res = if op.issued & !op.failed != 0 {
+                    if op.failed != 0 {
+                        for r in first..=last {
+                            self.shared.regions.mark(r, op.failed);
+                        }
+                        self.shared.regions.bitmap.sync(first, last);
+                    }
+                    0
+                } else {
+                    op.err
+                };
+                self.shared.regions.leave(first, last);
+                res
+            }
+        };
+        self.in_flight -= 1;
+        self.done.push_back((op.tag, res));
+    }
+}
+
+/// Adds `fd` to the epoll set `ep` (readable).
+fn watch(ep: RawFd, fd: RawFd) -> std::io::Result<()> {
+    let mut ev = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: fd as u64,
+    };
+    // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+    if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The part `[at, at + n)` of the bytes `iov` describes, as its own iovec array.
+fn split_iov(iov: &[IoVec], mut at: u64, mut n: u64) -> Box<[IoVec]> {
+    let mut out = Vec::new();
+    for v in iov {
+        let l = v.iov_len as u64;
+        if at >= l {
+            at -= l;
+            continue;
+        }
+        let take = (l - at).min(n);
+        out.push(IoVec {
+            iov_base: (v.iov_base as usize + at as usize) as *mut libc::c_void,
+            iov_len: take as usize,
+        });
+        n -= take;
+        at = 0;
+        if n == 0 {
+            break;
+        }
+    }
+    out.into_boxed_slice()
+}
+
+impl DeviceQueue for MirrorQueue {
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        self.check_epochs();
+        let (kind, offset, len, iov, iovcnt) = match io {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => (Kind::Read, offset, len, iov, iovcnt),
+            DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => (Kind::Write, offset, len, iov, iovcnt),
+            DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
+                (Kind::Zeroes, offset, len, std::ptr::null(), 0)
+            }
+            DeviceIo::Flush => (Kind::Flush, 0, 0, std::ptr::null(), 0),
+        };
+        self.in_flight += 1;
+        if len > 0
+            && offset
+                .checked_add(len)
+                .is_none_or(|end| end > self.shared.spec.size)
+        {
+            self.in_flight -= 1;
+            return self.finish_now(tag, -libc::EINVAL);
+        }
+        let regions = self.shared.regions.span(offset, len);
+        let i = self.new_op(Op {
+            tag,
+            kind,
+            offset,
+            len,
+            iov,
+            iovcnt,
+            regions,
+            pending: 0,
+            issued: 0,
+            failed: 0,
+            media: 0,
+            err: 0,
+            pending_devices: 0,
+            failed_devices: 0,
+            split: Vec::new(),
+        });
+        let started = match kind {
+            Kind::Read => self.submit_read(i),
+            Kind::Write | Kind::Zeroes => self.submit_write(i),
+            Kind::Flush => self.submit_flush(i),
+        };
+        if !started {
+            self.ops[i] = None;
+            self.free.push(i);
+            self.in_flight -= 1;
+            self.finish_now(tag, -libc::ENOLINK);
+        }
+    }
+
+    fn kick(&mut self) -> std::io::Result<()> {
+        for q in &mut self.queues {
+            q.kick()?;
+        }
+        Ok(())
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        self.check_epochs();
+        let mut finished = std::mem::take(&mut self.finished);
+        for d in 0..self.queues.len() {
+            let (ops, devices) = (&mut self.ops, &self.shared.spec.devices);
+            self.queues[d].reap(&mut |sub, res| {
+                let (i, slot) = ((sub >> SLOT_BITS) as usize, (sub & 3) as u8);
+                let Some(Some(op)) = ops.get_mut(i) else {
+                    return;
+                };
+                if res < 0 {
+                    let errno = -res;
+                    if errno != libc::ECANCELED {
+                        devices[d].health().report(ErrorReport {
+                            signal: Signal::Errno(errno),
+                            offset: 0,
+                            len: 0,
+                            write: op.kind != Kind::Read,
+                        });
+                    }
+                    if slot != FLUSH_SLOT {
+                        op.failed |= stale(slot);
+                        if crate::ErrorClass::of_errno(errno) == crate::ErrorClass::Media {
+                            op.media |= stale(slot);
+                        }
+                    } else {
+                        op.failed |= 1 << FLUSH_SLOT;
+                        op.failed_devices += 1;
+                    }
+                    if op.err == 0 {
+                        op.err = res;
+                    }
+                }
+                op.pending -= 1;
+                if op.pending == 0 {
+                    finished.push(i);
+                }
+            });
+        }
+        if !finished.is_empty() {
+            for &i in &finished {
+                self.settle(i);
+            }
+            for q in &mut self.queues {
+                let _ = q.kick();
+            }
+            finished.clear();
+        }
+        self.finished = finished;
+        crate::queue::drain_done(&mut self.done, done)
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    fn ack_completion_event(&self) {
+        for q in &self.queues {
+            q.ack_completion_event();
+        }
+        let mut buf = [0u8; 8];
+        let _ = (&self.event).read(&mut buf);
+    }
+
+    fn set_completion_events(&mut self, enabled: bool) {
+        for q in &mut self.queues {
+            q.set_completion_events(enabled);
+        }
+    }
+
+    fn polled(&self) -> bool {
+        self.queues.iter().any(|q| q.polled())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight + self.done.len()
+    }
+
+    fn abort(&mut self) -> usize {
+        self.queues.iter_mut().map(|q| q.abort()).sum()
+    }
+}

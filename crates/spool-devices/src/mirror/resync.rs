@@ -1,0 +1,493 @@
+//! The mirror's background thread and its synchronous I/O: copying stale regions from a
+//! current leg (resync after a crash, catching up a leg that missed writes, rebuilding a new
+//! leg), rate-limited; clearing intent bits of quiet regions; keeping the mirror's health
+//! (healthy while a leg is usable); and comparing legs ([`verify`]).
+//!
+//! A region is copied only while no write is in flight there, and the copy counts only if no
+//! write started there meanwhile (the region's generation is unchanged); otherwise it is
+//! copied again on a later pass. Reads never go to a leg stale in the region, so a copy in
+//! progress is never seen.
+//!
+//! Owns: [`Progress`], [`Verify`]. Must not know: the data path's queues, the pool.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::bitmap::{stale, INTENT};
+use super::{Shared, MAX_LEGS, MISSING};
+use crate::{Error, HealthState, Result};
+
+/// How often the thread looks for work when there is none.
+const IDLE_TICK: Duration = Duration::from_millis(200);
+/// A region's intent bit is cleared after this long without a new write there.
+const CLEAR_AFTER: Duration = Duration::from_secs(1);
+/// Longest wait for a region's writes to drain before the copy moves on to other regions.
+const DRAIN_WAIT: Duration = Duration::from_millis(20);
+
+/// What the copying has done since it last started.
+#[derive(Default)]
+pub(crate) struct ProgressCell {
+    copied: AtomicU64,
+    started: Mutex<Option<(Instant, u64)>>,
+    pub(crate) resynced: AtomicU64,
+}
+
+/// One leg's state, as the control plane shows it.
+#[derive(Debug, Clone)]
+pub struct LegProgress {
+    pub slot: u8,
+    /// "current" (all data, usable), "catching-up" (usable, some regions stale),
+    /// "unusable" (a device not healthy), "missing" (a device not in the pool).
+    pub state: &'static str,
+    pub stale_bytes: u64,
+}
+
+/// A mirror's copying progress.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    pub legs: Vec<LegProgress>,
+    pub region_size: u64,
+    /// Bytes copied since copying last started, and bytes still to copy to usable legs.
+    pub copied_bytes: u64,
+    pub remaining_bytes: u64,
+    /// Bytes per second since copying last started (0 when idle).
+    pub rate: u64,
+    pub eta_secs: Option<u64>,
+    /// Regions resynced because the mirror was not shut down cleanly, and regions copied
+    /// in all since the mirror was opened.
+    pub resync_at_open: u64,
+    pub regions_copied: u64,
+}
+
+/// What [`verify`] found.
+#[derive(Debug, Clone, Default)]
+pub struct Verify {
+    pub regions: u64,
+    pub bytes_compared: u64,
+    /// Regions where some legs were stale (known to differ until copied): not compared.
+    pub regions_skipped: u64,
+    /// Regions where current legs differ, and the volume offsets of the first few.
+    pub regions_differing: u64,
+    pub first_differences: Vec<u64>,
+}
+
+pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
+    let weak = Arc::downgrade(shared);
+    let name = format!("mirror-{}", shared.spec.name);
+    std::thread::Builder::new()
+        .name(name.chars().take(15).collect())
+        .spawn(move || run(weak))
+        .map(|_| ())
+}
+
+fn run(weak: Weak<Shared>) {
+    let mut seen: Vec<(u32, Instant)> = Vec::new();
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        keep_health(&shared);
+        let copied = copy_pass(&shared);
+        clear_pass(&shared, &mut seen);
+        drop(shared);
+        if !copied {
+            std::thread::sleep(IDLE_TICK);
+        }
+    }
+}
+
+/// Healthy while every stripe has a usable leg; failed when some stripe has every leg on a
+/// missing or isolated device; resetting otherwise (a device may come back).
+fn keep_health(shared: &Shared) {
+    let Some(cell) = shared.health.get() else {
+        return;
+    };
+    let healthy = shared.healthy();
+    let gone = |d: usize| d == MISSING || shared.spec.devices[d].health().state().isolated();
+    let mut to = HealthState::Healthy;
+    for s in &shared.stripes {
+        if s.dev
+            .iter()
+            .any(|&d| d != MISSING && healthy & (1 << d) != 0)
+        {
+            continue;
+        }
+        if s.dev.iter().all(|&d| gone(d)) {
+            to = HealthState::Failed;
+            break;
+        }
+        to = HealthState::Resetting;
+    }
+    let state = cell.state();
+    if state != to {
+        cell.set(to);
+        match to {
+            HealthState::Healthy => {
+                tracing::info!(mirror = %shared.spec.name, "a leg is usable everywhere again: mirror healthy")
+            }
+            _ => {
+                tracing::error!(mirror = %shared.spec.name, state = to.name(), "part of the mirror has no usable leg")
+            }
+        }
+    }
+}
+
+/// Copies every region where a usable leg is stale from a usable current one; returns
+/// whether it copied anything.
+fn copy_pass(shared: &Shared) -> bool {
+    let healthy = shared.healthy();
+    let n = shared.regions.bitmap.regions();
+    let mut any = false;
+    let mut buf = Vec::new();
+    for r in 0..n {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let byte = shared.regions.bitmap.byte(r).load(Ordering::Acquire);
+        if byte & 0b111 == 0 {
+            continue;
+        }
+        let (off, len) = region_range(shared, r);
+        let writable = shared.usable(healthy, off, len);
+        let targets = byte & writable & 0b111;
+        let sources = writable & !byte & 0b111;
+        if targets == 0 || sources == 0 {
+            continue;
+        }
+        let source = sources.trailing_zeros() as u8;
+        match copy_region(shared, r, source, targets, &mut buf) {
+            Ok(true) => {
+                any = true;
+                note_copied(shared, r);
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(mirror = %shared.spec.name, region = r, error = %e, "copying a mirror region failed; will retry");
+            }
+        }
+    }
+    if !any {
+        *shared
+            .progress
+            .started
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+    }
+    any
+}
+
+fn note_copied(shared: &Shared, r: usize) {
+    let (off, len) = region_range(shared, r);
+    let _ = off;
+    shared.progress.copied.fetch_add(len, Ordering::Relaxed);
+    shared.progress.resynced.fetch_add(1, Ordering::Relaxed);
+    let mut s = shared
+        .progress
+        .started
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if s.is_none() {
+        *s = Some((
+            Instant::now(),
+            shared.progress.copied.load(Ordering::Relaxed) - len,
+        ));
+    }
+    drop(s);
+    throttle(shared);
+}
+
+/// Sleeps so the copy stays under the configured rate.
+fn throttle(shared: &Shared) {
+    let rate = shared.spec.resync_rate;
+    let Some((t0, c0)) = *shared
+        .progress
+        .started
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+    else {
+        return;
+    };
+    if rate == 0 {
+        return;
+    }
+    let copied = shared.progress.copied.load(Ordering::Relaxed) - c0;
+    let due = Duration::from_secs_f64(copied as f64 / rate as f64);
+    if let Some(wait) = due.checked_sub(t0.elapsed()) {
+        std::thread::sleep(wait);
+    }
+}
+
+/// Volume byte range of region `r`.
+fn region_range(shared: &Shared, r: usize) -> (u64, u64) {
+    let off = (r as u64) << shared.regions.shift;
+    (
+        off,
+        (1u64 << shared.regions.shift).min(shared.spec.size.saturating_sub(off)),
+    )
+}
+
+/// Waits (briefly) until no write is in flight in region `r`; returns the generation seen
+/// before, or `None` when writes kept coming.
+fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
+    let t0 = Instant::now();
+    loop {
+        let g = shared.regions.gens[r].load(Ordering::SeqCst);
+        if shared.regions.writes[r].load(Ordering::SeqCst) & !super::CLEARING == 0 {
+            return Some(g);
+        }
+        if t0.elapsed() > DRAIN_WAIT {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Copies region `r` from leg `source` to the legs in `targets`; true when the copy counts
+/// (no write reached the region meanwhile).
+fn copy_region(
+    shared: &Shared,
+    r: usize,
+    source: u8,
+    targets: u8,
+    buf: &mut Vec<u8>,
+) -> Result<bool> {
+    let Some(g) = quiet_gen(shared, r) else {
+        return Ok(false);
+    };
+    let (off, len) = region_range(shared, r);
+    buf.resize(len as usize, 0);
+    leg_read(shared, source, off, buf)?;
+    for t in 0..MAX_LEGS as u8 {
+        if targets & stale(t) != 0 {
+            leg_write(shared, t, off, Some(buf))?;
+        }
+    }
+    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+        return Ok(false);
+    }
+    shared.regions.unmark(r, targets);
+    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+        // A write came in between: it may have found a target unusable and marked it.
+        let (off, len) = region_range(shared, r);
+        let usable = shared.usable(shared.healthy(), off, len);
+        shared.regions.mark(r, targets & !usable);
+    }
+    Ok(true)
+}
+
+/// Clears the intent bit of regions without a write for [`CLEAR_AFTER`].
+fn clear_pass(shared: &Shared, seen: &mut Vec<(u32, Instant)>) {
+    let n = shared.regions.bitmap.regions();
+    let now = Instant::now();
+    seen.resize(n, (0, now));
+    for (r, s) in seen.iter_mut().enumerate() {
+        if shared.regions.bitmap.byte(r).load(Ordering::Relaxed) & INTENT == 0 {
+            continue;
+        }
+        let g = shared.regions.gens[r].load(Ordering::SeqCst);
+        if g != s.0 {
+            *s = (g, now);
+        } else if now.duration_since(s.1) >= CLEAR_AFTER {
+            shared.regions.try_clear_intent(r, g);
+        }
+    }
+}
+
+/// Calls `f(device, device offset, length, offset within the range)` for each piece of
+/// leg `slot` in volume range `[off, off + len)`.
+fn leg_pieces(
+    shared: &Shared,
+    slot: u8,
+    off: u64,
+    len: u64,
+    mut f: impl FnMut(&crate::Device, u64, u64, u64) -> Result<()>,
+) -> Result<()> {
+    let Some(pieces) = shared.leg(slot).map(|l| &l.pieces) else {
+        return Err(Error::io(
+            std::path::Path::new(&shared.spec.name),
+            "leg",
+            std::io::Error::other(format!("leg {slot} is missing")),
+        ));
+    };
+    let mut done = 0;
+    for p in pieces
+        .iter()
+        .skip(pieces.partition_point(|p| p.logical + p.len <= off))
+    {
+        if done >= len {
+            break;
+        }
+        let within = off + done - p.logical;
+        let n = (p.len - within).min(len - done);
+        let Some(dev) = shared.spec.devices.get(p.device) else {
+            return Err(Error::io(
+                std::path::Path::new(&shared.spec.name),
+                "leg",
+                std::io::Error::from_raw_os_error(libc::ENODEV),
+            ));
+        };
+        f(dev, p.offset + within, n, done)?;
+        done += n;
+    }
+    Ok(())
+}
+
+fn leg_read(shared: &Shared, slot: u8, off: u64, buf: &mut [u8]) -> Result<()> {
+    leg_pieces(shared, slot, off, buf.len() as u64, |d, o, n, at| {
+        d.read_at(&mut buf[at as usize..(at + n) as usize], o)
+    })
+}
+
+/// Writes `data` (or zeroes, when `None`) to leg `slot` at volume offset `off`, durably.
+fn leg_write(shared: &Shared, slot: u8, off: u64, data: Option<&[u8]>) -> Result<()> {
+    let len = data.map_or(0, |d| d.len() as u64);
+    leg_pieces(shared, slot, off, len, |d, o, n, at| match data {
+        Some(b) => d.write_at_durable(&b[at as usize..(at + n) as usize], o),
+        None => d.zero_range(o, n),
+    })
+}
+
+/// Synchronous read from a current leg (not the data path).
+pub(crate) fn read_current(shared: &Shared, buf: &mut [u8], off: u64) -> Result<()> {
+    let (first, last) = shared.regions.span(off, buf.len() as u64);
+    let mut mask = shared.usable(shared.healthy(), off, buf.len() as u64);
+    for r in first..=last {
+        mask &= !shared.regions.bitmap.byte(r).load(Ordering::Acquire);
+    }
+    match (0..MAX_LEGS as u8).find(|s| mask & stale(*s) != 0) {
+        Some(s) => leg_read(shared, s, off, buf),
+        None => Err(Error::io(
+            std::path::Path::new(&shared.spec.name),
+            "read",
+            std::io::Error::from_raw_os_error(libc::ENOLINK),
+        )),
+    }
+}
+
+/// Synchronous write (or zeroing, `data` None, of `len` bytes) to every usable leg.
+pub(crate) fn write_all_legs(
+    shared: &Shared,
+    off: u64,
+    data: Option<&[u8]>,
+    len: u64,
+) -> Result<()> {
+    let writable = shared.usable(shared.healthy(), off, len);
+    let (first, last) = shared.regions.span(off, len);
+    shared
+        .regions
+        .enter(first, last, INTENT | (shared.all_slots() & !writable));
+    shared.regions.bitmap.sync(first, last);
+    let mut res = Ok(());
+    for s in (0..MAX_LEGS as u8).filter(|s| writable & stale(*s) != 0) {
+        let r = match data {
+            Some(_) => leg_write(shared, s, off, data),
+            None => leg_pieces(shared, s, off, len, |d, o, n, _| d.zero_range(o, n)),
+        };
+        if r.is_err() {
+            res = r;
+        }
+    }
+    shared.regions.leave(first, last);
+    res
+}
+
+/// Compares the current legs region by region.
+pub(crate) fn verify(shared: &Shared) -> Result<Verify> {
+    let mut v = Verify::default();
+    let n = shared.regions.bitmap.regions();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for r in 0..n {
+        v.regions += 1;
+        for _attempt in 0..50 {
+            let byte = shared.regions.bitmap.byte(r).load(Ordering::Acquire);
+            let (off, len) = region_range(shared, r);
+            let usable = shared.usable(shared.healthy(), off, len);
+            let legs: Vec<u8> = (0..MAX_LEGS as u8)
+                .filter(|s| usable & !byte & stale(*s) != 0)
+                .collect();
+            if byte & shared.all_slots() & 0b111 != 0 || legs.len() < 2 {
+                v.regions_skipped += 1;
+                break;
+            }
+            let Some(g) = quiet_gen(shared, r) else {
+                continue;
+            };
+            a.resize(len as usize, 0);
+            b.resize(len as usize, 0);
+            leg_read(shared, legs[0], off, &mut a)?;
+            let mut differ = false;
+            for &l in &legs[1..] {
+                leg_read(shared, l, off, &mut b)?;
+                differ |= a != b;
+            }
+            if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+                continue;
+            }
+            v.bytes_compared += len * legs.len() as u64;
+            if differ {
+                v.regions_differing += 1;
+                if v.first_differences.len() < 16 {
+                    v.first_differences.push(off);
+                }
+            }
+            break;
+        }
+    }
+    Ok(v)
+}
+
+/// The mirror's progress as the control plane shows it.
+pub(crate) fn progress(shared: &Shared) -> super::Progress {
+    let writable = shared.writable();
+    let size = 1u64 << shared.regions.shift;
+    let legs: Vec<LegProgress> = shared
+        .spec
+        .legs
+        .iter()
+        .map(|l| {
+            let stale_regions = shared.regions.stale[l.slot as usize].load(Ordering::Relaxed);
+            let missing = l.pieces.iter().any(|p| p.device == MISSING);
+            let state = match (missing, writable & stale(l.slot) != 0, stale_regions) {
+                (true, _, _) => "missing",
+                (_, false, _) => "unusable",
+                (_, true, 0) => "current",
+                _ => "catching-up",
+            };
+            LegProgress {
+                slot: l.slot,
+                state,
+                stale_bytes: stale_regions * size,
+            }
+        })
+        .collect();
+    let remaining_bytes: u64 = legs
+        .iter()
+        .filter(|l| l.state == "catching-up")
+        .map(|l| l.stale_bytes)
+        .sum();
+    let copied = shared.progress.copied.load(Ordering::Relaxed);
+    let started = *shared
+        .progress
+        .started
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let (copied_bytes, rate) = match started {
+        Some((t0, c0)) => {
+            let secs = t0.elapsed().as_secs_f64().max(1e-3);
+            (copied - c0, ((copied - c0) as f64 / secs) as u64)
+        }
+        None => (0, 0),
+    };
+    Progress {
+        legs,
+        region_size: size,
+        copied_bytes,
+        remaining_bytes,
+        rate,
+        eta_secs: (rate > 0).then(|| remaining_bytes / rate),
+        resync_at_open: shared.resync_at_open,
+        regions_copied: shared.progress.resynced.load(Ordering::Relaxed),
+    }
+}

@@ -1,0 +1,326 @@
+//! The mirror on real files through real queues (io_uring or inline): writes reach every
+//! leg, a failing leg costs no request, missed regions are copied back, a crash's intent
+//! regions are resynced, reads move to another leg after a media error.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::{DeviceIo, FaultEffect, FaultOps, FaultRule, IoVec, OpenOptions};
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 8 * MIB;
+
+fn file_device(dir: &Path, name: &str) -> Arc<Device> {
+    let opts = OpenOptions {
+        create_size: Some(16 * MIB),
+        no_direct: true,
+        ..Default::default()
+    };
+    Arc::new(Device::open(&dir.join(name), &opts).unwrap())
+}
+
+/// Leg 0 on device 0 at 1 MiB; leg 1 on device 1 in two pieces (at 1 MiB and 9 MiB), so
+/// requests can straddle a piece boundary.
+fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> MirrorSpec {
+    if !dir.join("bitmap").exists() && synced1 {
+        // A new volume: both legs zeroed files, identical.
+        create_clean_bitmap(&dir.join("bitmap"), SIZE).unwrap();
+    }
+    let half = SIZE / 2;
+    MirrorSpec {
+        name: "t".into(),
+        size: SIZE,
+        devices,
+        legs: vec![
+            LegSpec {
+                slot: 0,
+                id: 10,
+                synced: true,
+                pieces: vec![LegPiece {
+                    logical: 0,
+                    len: SIZE,
+                    device: 0,
+                    offset: MIB,
+                }],
+            },
+            LegSpec {
+                slot: 1,
+                id: 11,
+                synced: synced1,
+                pieces: vec![
+                    LegPiece {
+                        logical: 0,
+                        len: half,
+                        device: 1,
+                        offset: MIB,
+                    },
+                    LegPiece {
+                        logical: half,
+                        len: half,
+                        device: 1,
+                        offset: 9 * MIB,
+                    },
+                ],
+            },
+        ],
+        bitmap: Some(dir.join("bitmap")),
+        resync_rate: 0,
+    }
+}
+
+/// Two file devices and a new mirror over them (identical, zeroed legs).
+fn setup(d: &Path) -> (Vec<Arc<Device>>, Arc<Device>) {
+    let devs = vec![file_device(d, "a"), file_device(d, "b")];
+    let m = MirrorBackend::open(spec(d, devs.clone(), true)).unwrap();
+    (devs, m)
+}
+
+fn leg_bytes(dev: &Device, offsets: &[(u64, u64)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &(off, len) in offsets {
+        let mut b = vec![0u8; len as usize];
+        dev.read_at(&mut b, off).unwrap();
+        out.extend(b);
+    }
+    out
+}
+
+fn legs_of(devs: &[Arc<Device>]) -> (Vec<u8>, Vec<u8>) {
+    let a = leg_bytes(&devs[0], &[(MIB, SIZE)]);
+    let b = leg_bytes(&devs[1], &[(MIB, SIZE / 2), (9 * MIB, SIZE / 2)]);
+    (a, b)
+}
+
+/// Runs one request through `q` and returns its result.
+fn run(q: &mut dyn DeviceQueue, write: bool, offset: u64, buf: &mut [u8]) -> i32 {
+    let iov = [IoVec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    }];
+    // SAFETY: `iov` and `buf` live until the completion is reaped below.
+    unsafe {
+        q.submit(
+            DeviceIo::data(write, offset, buf.len() as u64, iov.as_ptr(), 1),
+            7,
+        )
+    };
+    q.kick().unwrap();
+    let t0 = Instant::now();
+    loop {
+        let mut res = None;
+        q.reap(&mut |tag, r| {
+            assert_eq!(tag, 7);
+            res = Some(r)
+        });
+        if let Some(r) = res {
+            return r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "request never completed"
+        );
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn writes_reach_every_leg_including_across_a_piece_boundary() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, m) = setup(d.path());
+    let mut q = m.open_queue(64).unwrap();
+    let mut data: Vec<u8> = (0..2 * MIB).map(|i| (i * 7 % 251) as u8).collect();
+    // 2 MiB straddling leg 1's piece boundary at 4 MiB.
+    assert_eq!(run(&mut *q, true, 3 * MIB, &mut data), 0);
+    let (a, b) = legs_of(&devs);
+    assert_eq!(&a[3 * MIB as usize..5 * MIB as usize], &data[..]);
+    assert_eq!(a, b, "legs differ");
+    let mut back = vec![0u8; 2 * MIB as usize];
+    for _ in 0..3 {
+        assert_eq!(run(&mut *q, false, 3 * MIB, &mut back), 0);
+        assert_eq!(back, data);
+    }
+    let v = MirrorBackend::of(&m).unwrap().verify().unwrap();
+    assert_eq!((v.regions_differing, v.regions_skipped), (0, 0), "{v:?}");
+}
+
+#[test]
+fn a_failing_leg_costs_no_request_and_is_caught_up_when_healthy_again() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, m) = setup(d.path());
+    let mirror = MirrorBackend::of(&m).unwrap();
+    let mut q = m.open_queue(64).unwrap();
+    devs[1].faults().add(FaultRule {
+        effect: FaultEffect::Errno(libc::EIO),
+        ops: FaultOps::Write,
+        offset: 0,
+        len: 0,
+        count: None,
+        duration: None,
+        fails_probe: false,
+    });
+    let mut data = vec![0x5a_u8; 64 * 1024];
+    assert_eq!(
+        run(&mut *q, true, MIB, &mut data),
+        0,
+        "the write succeeds on leg 0"
+    );
+    // The EIO put leg 1's device into resetting: further writes skip it.
+    assert_eq!(devs[1].health().state(), HealthState::Resetting);
+    assert_eq!(run(&mut *q, true, 6 * MIB, &mut data), 0);
+    let p = mirror.progress();
+    assert_eq!(p.legs[1].state, "unusable");
+    assert_eq!(
+        p.legs[1].stale_bytes,
+        2 * MIB,
+        "regions 1 and 6 missed on leg 1"
+    );
+    // Reads come from leg 0 only.
+    let mut back = vec![0u8; data.len()];
+    assert_eq!(run(&mut *q, false, 6 * MIB, &mut back), 0);
+    assert_eq!(back, data);
+    // The monitor's job, here by hand: the device is reset and healthy again.
+    devs[1].faults().clear();
+    devs[1].health().set(HealthState::Healthy);
+    wait_until("leg 1 caught up", || {
+        mirror.progress().legs[1].state == "current"
+    });
+    let (a, b) = legs_of(&devs);
+    assert_eq!(a, b, "legs differ after catching up");
+    assert_eq!(
+        mirror.progress().regions_copied,
+        2,
+        "only the missed regions were copied"
+    );
+}
+
+#[test]
+fn a_crash_leaves_intent_regions_that_are_resynced_at_open() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    {
+        let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let mut q = m.open_queue(64).unwrap();
+        let mut data = vec![1u8; 4096];
+        assert_eq!(run(&mut *q, true, 2 * MIB, &mut data), 0);
+        // What a crash mid-write leaves: leg 0 got a later write, leg 1 did not.
+        devs[0]
+            .write_at_durable(&[9u8; 4096], MIB + 2 * MIB)
+            .unwrap();
+        // Gone without its intent bits cleared (they clear after a quiet second).
+        drop(q);
+        drop(m);
+    }
+    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    assert_eq!(
+        mirror.resync_at_open(),
+        1,
+        "only the region written is in doubt"
+    );
+    wait_until("resync", || {
+        mirror.progress().legs.iter().all(|l| l.state == "current")
+    });
+    let (a, b) = legs_of(&devs);
+    assert_eq!(a, b, "legs differ after the resync");
+    assert_eq!(mirror.verify().unwrap().regions_differing, 0);
+}
+
+#[test]
+fn a_new_leg_is_rebuilt_and_a_lost_bitmap_resyncs_everything() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    devs[0]
+        .write_at_durable(&vec![3u8; SIZE as usize], MIB)
+        .unwrap();
+    let m = MirrorBackend::open(spec(d.path(), devs.clone(), false)).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    assert_eq!(mirror.progress().legs[1].state, "catching-up");
+    // Reads never see the leg being rebuilt.
+    let mut q = m.open_queue(64).unwrap();
+    let mut back = vec![0u8; 4096];
+    for i in 0..8 {
+        assert_eq!(run(&mut *q, false, i * MIB, &mut back), 0);
+        assert!(back.iter().all(|&b| b == 3));
+    }
+    wait_until("rebuild", || mirror.leg_current(1));
+    assert_eq!(legs_of(&devs).0, legs_of(&devs).1);
+    drop(q);
+    drop(m);
+    // The bitmap lost: every region is in doubt and copied from the synced leg.
+    std::fs::remove_file(d.path().join("bitmap")).unwrap();
+    devs[1].write_at_durable(&[8u8; 4096], MIB).unwrap();
+    let s = spec(d.path(), devs.clone(), true);
+    std::fs::remove_file(d.path().join("bitmap")).unwrap();
+    let m = MirrorBackend::open(s).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    assert_eq!(mirror.resync_at_open(), 8);
+    wait_until("full resync", || mirror.leg_current(1));
+    assert_eq!(legs_of(&devs).0, legs_of(&devs).1);
+}
+
+#[test]
+fn a_media_error_on_read_moves_to_the_other_leg_and_repairs_the_range() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, m) = setup(d.path());
+    let mirror = MirrorBackend::of(&m).unwrap();
+    let mut q = m.open_queue(64).unwrap();
+    let mut data = vec![0x42_u8; 8192];
+    assert_eq!(run(&mut *q, true, 5 * MIB, &mut data), 0);
+    // Leg 0 is read first; it fails once with a media error and leg 1 answers.
+    devs[0].faults().add(FaultRule {
+        effect: FaultEffect::Errno(libc::ENODATA),
+        ops: FaultOps::Read,
+        offset: 0,
+        len: 0,
+        count: Some(1),
+        duration: None,
+        fails_probe: false,
+    });
+    let mut back = vec![0u8; data.len()];
+    assert_eq!(run(&mut *q, false, 5 * MIB, &mut back), 0);
+    assert_eq!(back, data);
+    assert_eq!(devs[0].faults().injected(), 1, "leg 0 was tried first");
+    // The failed range's region is rewritten on leg 0 from leg 1.
+    wait_until("repair", || {
+        mirror.progress().regions_copied == 1 && mirror.leg_current(0)
+    });
+    assert_eq!(legs_of(&devs).0, legs_of(&devs).1);
+}
+
+#[test]
+fn with_no_usable_leg_requests_fail_as_path_errors_and_the_mirror_follows() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, m) = setup(d.path());
+    let mut q = m.open_queue(64).unwrap();
+    for dev in &devs {
+        dev.health().set(HealthState::Resetting);
+    }
+    let mut data = vec![1u8; 4096];
+    assert_eq!(run(&mut *q, true, 0, &mut data), -libc::ENOLINK);
+    wait_until("mirror resetting", || {
+        m.health().state() == HealthState::Resetting
+    });
+    devs[0].health().set(HealthState::Healthy);
+    wait_until("mirror healthy", || {
+        m.health().state() == HealthState::Healthy
+    });
+    assert_eq!(run(&mut *q, true, 0, &mut data), 0);
+    devs[0].health().set(HealthState::Failed);
+    devs[1].health().set(HealthState::Removed);
+    wait_until("mirror failed", || {
+        m.health().state() == HealthState::Failed
+    });
+}

@@ -1,0 +1,235 @@
+//! Mirrored volumes in the pool table: the rules a volume's legs obey, and allocating a leg
+//! whose every extent lies on a different device from the other legs at the same logical
+//! range (so one device's loss costs at most one copy).
+//!
+//! Owns: [`MAX_COPIES`], leg validation, leg allocation and leg bookkeeping (synced flags).
+//! Must not know: how legs are read, written or resynced (spool-devices' mirror backend does
+//! that), the write-intent bitmap.
+
+use std::collections::HashSet;
+
+use uuid::Uuid;
+
+use crate::metadata::{ExtentEntry, VolumeEntry};
+use crate::{Error, Pool, Result};
+
+/// Most copies a mirrored volume keeps.
+pub const MAX_COPIES: u8 = 3;
+
+/// The leg fields of a volume: a plain volume has none; a mirrored one wants 2 or 3 copies,
+/// keeps its extents in 1 to 3 legs with distinct slots, and at least one leg is synced.
+pub(crate) fn validate_legs(v: &VolumeEntry) -> std::result::Result<(), String> {
+    if !v.is_mirrored() {
+        return match v.legs.is_empty() {
+            true => Ok(()),
+            false => Err("has mirror legs but is not mirrored (copies 0)".into()),
+        };
+    }
+    if !(2..=MAX_COPIES).contains(&v.copies) {
+        return Err(format!(
+            "copies {} is not between 2 and {MAX_COPIES}",
+            v.copies
+        ));
+    }
+    if !v.extents.is_empty() {
+        return Err("is mirrored but has extents outside its legs".into());
+    }
+    if v.legs.is_empty() || v.legs.len() > MAX_COPIES as usize {
+        return Err(format!(
+            "has {} legs (a mirrored volume has 1 to {MAX_COPIES})",
+            v.legs.len()
+        ));
+    }
+    let mut slots = HashSet::new();
+    for l in &v.legs {
+        if l.slot >= MAX_COPIES || !slots.insert(l.slot) {
+            return Err(format!("leg slot {} is out of range or repeated", l.slot));
+        }
+    }
+    if !v.legs.iter().any(|l| l.synced) {
+        return Err("has no synced leg (no complete copy of its data)".into());
+    }
+    Ok(())
+}
+
+/// `(logical start, logical end, device)` of each extent of one leg.
+fn spans(extents: &[ExtentEntry], min: u64) -> Vec<(u64, u64, Uuid)> {
+    let mut at = 0u64;
+    extents
+        .iter()
+        .map(|e| {
+            let len = min.checked_shl(e.order).unwrap_or(u64::MAX);
+            let s = (at, at.saturating_add(len), e.device);
+            at = s.1;
+            s
+        })
+        .collect()
+}
+
+/// No two legs of a mirrored volume use the same device at the same logical range.
+pub(crate) fn validate_distinct(v: &VolumeEntry, min: u64) -> std::result::Result<(), String> {
+    let legs: Vec<_> = v.legs.iter().map(|l| spans(&l.extents, min)).collect();
+    for (i, a) in legs.iter().enumerate() {
+        for b in &legs[i + 1..] {
+            if let Some((start, dev)) = shared_device(a, b) {
+                return Err(format!(
+                    "two legs use device {dev} at volume offset {start} (copies must be on distinct devices)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The first logical offset where both legs use the same device, and that device.
+fn shared_device(a: &[(u64, u64, Uuid)], b: &[(u64, u64, Uuid)]) -> Option<(u64, Uuid)> {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let (x, y) = (a[i], b[j]);
+        if x.0 < y.1 && y.0 < x.1 && x.2 == y.2 {
+            return Some((x.0.max(y.0), x.2));
+        }
+        if x.1 <= y.1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    None
+}
+
+/// Whether every logical byte of mirrored `v` has a synced leg on a device `ok` accepts.
+pub(crate) fn covered(v: &VolumeEntry, min: u64, ok: impl Fn(Uuid) -> bool) -> bool {
+    let legs: Vec<_> = v
+        .legs
+        .iter()
+        .filter(|l| l.synced)
+        .map(|l| spans(&l.extents, min))
+        .collect();
+    let mut cuts: Vec<u64> = legs.iter().flatten().map(|s| s.0).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    !cuts.is_empty()
+        && cuts.iter().all(|&at| {
+            legs.iter()
+                .any(|l| l.iter().any(|s| s.0 <= at && at < s.1 && ok(s.2)))
+        })
+}
+
+/// Devices the `others` legs use anywhere in the logical range `[start, end)`.
+fn devices_in(others: &[Vec<(u64, u64, Uuid)>], start: u64, end: u64) -> Vec<Uuid> {
+    others
+        .iter()
+        .flat_map(|s| s.iter())
+        .filter(|s| s.0 < end && start < s.1)
+        .map(|s| s.2)
+        .collect()
+}
+
+impl Pool {
+    /// Refuses a mirror the pool cannot hold: fewer usable devices than copies.
+    pub(crate) fn check_copies(&self, copies: u8) -> Result<()> {
+        if !(1..=MAX_COPIES).contains(&copies) {
+            return Err(Error::InvalidArgument(format!(
+                "mirror {copies}: a volume keeps 1 to {MAX_COPIES} copies"
+            )));
+        }
+        let usable = self.members.iter().filter(|m| !m.isolated()).count();
+        if (copies as usize) > usable {
+            return Err(Error::InvalidArgument(format!(
+                "a {copies}-way mirror needs {copies} devices with free space; the pool has {usable} usable device{}",
+                if usable == 1 { "" } else { "s" }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Allocates `bytes` for one leg, starting at logical offset `from`, every extent on a
+    /// device that none of the `others` legs uses at the same logical range: the largest
+    /// blocks first, each on the allowed device with the most free space, split in halves
+    /// when no allowed device has a block that large.
+    pub(crate) fn allocate_leg(
+        &mut self,
+        from: u64,
+        bytes: u64,
+        others: &[&[ExtentEntry]],
+    ) -> Result<Vec<ExtentEntry>> {
+        let min = self.table.min_extent;
+        let others: Vec<_> = others.iter().map(|e| spans(e, min)).collect();
+        // (logical start, order), in logical order.
+        let mut pending: std::collections::VecDeque<(u64, u32)> = Default::default();
+        let (mut units, mut at) = (bytes / min, from);
+        while units > 0 {
+            let order = 63 - units.leading_zeros();
+            pending.push_back((at, order));
+            at += min << order;
+            units -= 1 << order;
+        }
+        let mut out: Vec<ExtentEntry> = Vec::new();
+        while let Some((start, order)) = pending.pop_front() {
+            let taken = devices_in(&others, start, start + (min << order));
+            let best = self
+                .members
+                .iter_mut()
+                .filter(|m| {
+                    !m.isolated()
+                        && !taken.contains(&m.uuid)
+                        && m.buddy.largest_free_order().is_some_and(|l| l >= order)
+                })
+                // A device this leg already uses first: a leg on fewer devices has fewer
+                // ways to lose a piece.
+                .max_by_key(|m| (out.iter().any(|e| e.device == m.uuid), m.buddy.free_bytes()));
+            match best {
+                Some(m) => {
+                    let offset = m.buddy.alloc(order).expect("checked largest free order");
+                    out.push(ExtentEntry {
+                        device: m.uuid,
+                        offset,
+                        order,
+                    });
+                }
+                None if order > 0 => {
+                    pending.push_front((start + (min << (order - 1)), order - 1));
+                    pending.push_front((start, order - 1));
+                }
+                None => {
+                    self.release(&out);
+                    return Err(Error::NoSpace {
+                        requested: bytes,
+                        available: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Allocates `copies` legs of `bytes` each, on distinct devices at every logical range;
+    /// frees everything on failure.
+    pub(crate) fn allocate_legs(
+        &mut self,
+        bytes: u64,
+        copies: u8,
+    ) -> Result<Vec<Vec<ExtentEntry>>> {
+        let mut legs: Vec<Vec<ExtentEntry>> = Vec::new();
+        for _ in 0..copies {
+            let others: Vec<&[ExtentEntry]> = legs.iter().map(|l| l.as_slice()).collect();
+            match self.allocate_leg(0, bytes, &others) {
+                Ok(l) => legs.push(l),
+                Err(e) => {
+                    for l in &legs {
+                        self.release(l);
+                    }
+                    return Err(match e {
+                        Error::NoSpace { available, .. } => Error::NoSpace {
+                            requested: bytes * copies as u64,
+                            available,
+                        },
+                        e => e,
+                    });
+                }
+            }
+        }
+        Ok(legs)
+    }
+}

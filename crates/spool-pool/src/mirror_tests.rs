@@ -1,0 +1,172 @@
+//! Mirrored volumes in the pool table, on real (temporary) files.
+
+use super::tests::{newest_slot_version, opts, spec};
+use super::*;
+
+/// `(logical start, logical end, device)` of every extent of every leg of `v`.
+fn leg_spans(p: &Pool, v: &str) -> Vec<Vec<(u64, u64, Uuid)>> {
+    let e = &p.table.volumes[p.find(v).unwrap()];
+    e.legs
+        .iter()
+        .map(|l| {
+            let mut at = 0;
+            l.extents
+                .iter()
+                .map(|x| {
+                    let len = p.table.min_extent << x.order;
+                    at += len;
+                    (at - len, at, x.device)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Asserts that no two legs share a device at any logical byte.
+fn assert_distinct(p: &Pool, v: &str) {
+    let legs = leg_spans(p, v);
+    for (i, a) in legs.iter().enumerate() {
+        for b in &legs[i + 1..] {
+            for x in a {
+                for y in b {
+                    let overlap = x.0 < y.1 && y.0 < x.1;
+                    assert!(!(overlap && x.2 == y.2), "legs share {} at {}", x.2, x.0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mirrored_volumes_keep_each_copy_on_another_device_and_survive_reopen() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [
+        spec(d.path(), "a", 20),
+        spec(d.path(), "b", 20),
+        spec(d.path(), "c", 20),
+    ];
+    let before = {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        let free = p.info().free;
+        let v = p.create_volume_copies("m", 5 << 20, false, 1, 2).unwrap();
+        assert_eq!((v.copies, v.legs.len(), v.allocated), (2, 2, 10 << 20));
+        assert!(v.legs.iter().all(|l| l.synced && l.present));
+        assert_eq!(p.info().free, free - (10 << 20));
+        assert_distinct(&p, "m");
+        // Grown: the new extents of each leg avoid the other legs' devices too.
+        let v = p.resize_volume("m", 9 << 20).unwrap();
+        assert_eq!(v.allocated, 18 << 20);
+        assert_distinct(&p, "m");
+        p.create_volume_copies("t", 2 << 20, false, 1, 3).unwrap();
+        assert_distinct(&p, "t");
+        assert_eq!(leg_spans(&p, "t").len(), 3);
+        p.volumes()
+    };
+    assert_eq!(newest_slot_version(&specs[0].path), 3);
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(
+        serde_json::to_value(&before).unwrap(),
+        serde_json::to_value(p.volumes()).unwrap()
+    );
+    let free = p.info().free;
+    p.delete_volume("t").unwrap();
+    assert_eq!(p.info().free, free + (6 << 20));
+    // Plain volumes alone go back to format 1.
+    p.delete_volume("m").unwrap();
+    assert_eq!(newest_slot_version(&specs[0].path), 1);
+}
+
+#[test]
+fn a_mirror_the_pool_cannot_hold_is_refused_with_the_reason() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 10), spec(d.path(), "b", 4)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    let e = p
+        .create_volume_copies("m", 1 << 20, false, 1, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("3-way mirror needs 3 devices"), "{e}");
+    let e = p
+        .create_volume_copies("m", 1 << 20, false, 1, 4)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 to 3 copies"), "{e}");
+    // 8 MiB free on a, 2 MiB on b: 4 MiB twice fits in bytes but not on distinct devices.
+    let free = p.info().free;
+    let e = p
+        .create_volume_copies("m", 4 << 20, false, 1, 2)
+        .unwrap_err();
+    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+    assert_eq!(p.info().free, free, "a refused mirror keeps nothing");
+    assert!(p.table.volumes.is_empty());
+    p.create_volume_copies("m", 2 << 20, false, 1, 2).unwrap();
+}
+
+#[test]
+fn replacing_a_device_marks_only_its_leg_for_rebuild() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 10), spec(d.path(), "b", 10)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume_copies("m", 4 << 20, false, 1, 2).unwrap();
+    let spans = leg_spans(&p, "m");
+    let on_b = spans.iter().position(|l| l[0].2 != spans[0][0].2).unwrap();
+    let b = spans[on_b][0].2;
+    let r = p
+        .replace_device(&b.to_string(), &spec(d.path(), "c", 10), true)
+        .unwrap();
+    assert_eq!(r.volumes, vec!["m".to_string()]);
+    let v = p.volume("m").unwrap();
+    let synced: Vec<bool> = v.legs.iter().map(|l| l.synced).collect();
+    assert_eq!(synced.iter().filter(|s| !**s).count(), 1, "{synced:?}");
+    assert!(!v.legs[on_b].synced);
+    assert_distinct(&p, "m");
+    // The table with an unsynced leg is valid and reopens.
+    drop(p);
+    let specs = [spec(d.path(), "a", 10), spec(d.path(), "c", 10)];
+    let p = Pool::open(&specs, opts()).unwrap();
+    assert!(!p.volume("m").unwrap().legs[on_b].synced);
+}
+
+#[test]
+fn hostile_leg_tables_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 10), spec(d.path(), "b", 10)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume_copies("m", 2 << 20, false, 1, 2).unwrap();
+    let good = p.table.clone();
+    type Break = fn(&mut metadata::PoolTable);
+    let cases: Vec<(Break, &str)> = vec![
+        (
+            |t| t.volumes[0].legs[1].extents[0].device = t.volumes[0].legs[0].extents[0].device,
+            "distinct devices",
+        ),
+        (
+            |t| t.volumes[0].legs[1].slot = t.volumes[0].legs[0].slot,
+            "repeated",
+        ),
+        (|t| t.volumes[0].legs[1].slot = 7, "out of range"),
+        (|t| t.volumes[0].copies = 0, "not mirrored"),
+        (|t| t.volumes[0].copies = 9, "copies 9"),
+        (
+            |t| t.volumes[0].legs.iter_mut().for_each(|l| l.synced = false),
+            "no synced leg",
+        ),
+        (
+            |t| t.volumes[0].extents = t.volumes[0].legs[0].extents.clone(),
+            "outside its legs",
+        ),
+        (
+            |t| {
+                t.volumes[0].legs[1].extents.pop();
+            },
+            "leg 1",
+        ),
+        (|t| t.volumes[0].legs.clear(), "0 legs"),
+    ];
+    for (break_it, want) in cases {
+        let mut t = good.clone();
+        break_it(&mut t);
+        let e = t.validate().unwrap_err();
+        assert!(e.contains(want), "wanted '{want}' in: {e}");
+    }
+}
