@@ -79,6 +79,8 @@ methods! {
         "delete a volume and its journals";
     VolumeVerify = "volume_verify", IdParams => VerifyResult,
         "compare a mirrored volume's copies region by region (a scrub)";
+    VolumeMirror = "volume_mirror", VolumeMirrorParams => Volume,
+        "add a copy to a volume (a plain one becomes a mirror) or remove one, online";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     DaemonStatus = "daemon_status", NoParams => Status,
@@ -269,6 +271,17 @@ pub struct VolumeCreateParams {
     /// Copies to keep: 1 (plain, the default), 2 or 3 (mirrored on distinct devices).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mirror: Option<u8>,
+}
+
+/// `volume_mirror`: `action` "add" (one more copy, rebuilt online) or "remove" (copy `leg`,
+/// default one that is not current, else the newest).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMirrorParams {
+    pub id: String,
+    pub action: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leg: Option<u8>,
 }
 
 /// `volume_delete`.

@@ -79,6 +79,8 @@ struct RawPool {
     no_direct: bool,
     /// Bytes per second a mirror's resync or rebuild may copy ("64M"; 0: unlimited).
     resync_rate: Option<SizeValue>,
+    /// Move mirror legs off failed devices onto free space of others (default true).
+    auto_rebuild: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -240,6 +242,8 @@ pub struct Config {
     pub no_direct: bool,
     /// Bytes per second a mirror's resync or rebuild may copy (0: unlimited).
     pub resync_rate: u64,
+    /// Move mirror legs off failed devices onto free space of other devices at once.
+    pub auto_rebuild: bool,
     pub devices: Vec<DeviceConfig>,
     pub volumes: Vec<VolumeConfig>,
     pub poll_idle_us: u64,
@@ -464,6 +468,7 @@ impl Config {
                 Some(r) => r.bytes("pool.resync_rate")?,
                 None => spool_pool::DEFAULT_RESYNC_RATE,
             },
+            auto_rebuild: raw.pool.auto_rebuild.unwrap_or(true),
             devices,
             volumes,
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),

@@ -24,6 +24,7 @@ mod failures;
 mod inject;
 mod keeper;
 mod methods;
+mod mirrors;
 mod startup;
 mod status;
 mod volumes;
@@ -205,6 +206,7 @@ impl Daemon {
         for (_, s) in servers {
             s.detach();
         }
+        self.pool().quiesce_mirrors();
     }
 
     /// Stops every server (workers drain their in-flight requests first).
@@ -215,5 +217,6 @@ impl Daemon {
         for (_, s) in servers {
             s.shutdown();
         }
+        self.pool().quiesce_mirrors();
     }
 }

@@ -14,9 +14,10 @@ use common::load::Load;
 use common::*;
 use serde_json::{json, Value};
 
-/// Goes on after the common header's `[pool]` table.
+/// Goes on after the common header's `[pool]` table; `@AUTO@` is `auto_rebuild`.
 const CFG: &str = r#"
 resync_rate = "16M"
+auto_rebuild = @AUTO@
 [[devices]]
 path = "@DIR@/d0.img"
 create_size = "96M"
@@ -45,14 +46,26 @@ poll_interval_ms = 50
 /// regions at most can have writes in flight.
 const LOADED: u64 = 16 << 20;
 
+fn start(auto_rebuild: bool) -> Spoold {
+    Spoold::start(&CFG.replace("@AUTO@", &auto_rebuild.to_string()))
+}
+
 fn mirror(s: &Spoold) -> Value {
-    s.rpc("volume_show", json!({"id": "m"})).unwrap()["mirror"].clone()
+    mirror_of(s, "m")
+}
+
+fn mirror_of(s: &Spoold, volume: &str) -> Value {
+    s.rpc("volume_show", json!({"id": volume})).unwrap()["mirror"].clone()
 }
 
 fn wait_mirror(s: &Spoold, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+    wait_mirror_of(s, "m", what, f)
+}
+
+fn wait_mirror_of(s: &Spoold, volume: &str, what: &str, f: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let m = mirror(s);
+        let m = mirror_of(s, volume);
         if f(&m) {
             return m;
         }
@@ -80,6 +93,21 @@ fn leg_device(m: &Value, slot: usize) -> String {
 }
 
 /// Stops the workload: it saw no error and no corrupt read.
+/// Starts the workload on "m", then fails leg 1's device with a media error on writes;
+/// returns the workload and the failed device.
+fn load_then_fail_leg1(s: &Spoold) -> (std::sync::Arc<Load>, std::thread::JoinHandle<()>, String) {
+    let m = mirror(s);
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(300);
+    let failed = leg_device(&m, 1);
+    s.rpc(
+        "device_inject",
+        json!({"id": failed, "kind": "media", "op": "write"}),
+    )
+    .unwrap();
+    (l, t, failed)
+}
+
 fn stop(l: &Load, t: std::thread::JoinHandle<()>) {
     l.stop.store(true, Ordering::Release);
     t.join().unwrap();
@@ -103,7 +131,7 @@ fn assert_identical(s: &Spoold) -> Value {
 
 #[test]
 fn a_failed_leg_costs_no_io_and_the_volume_rebuilds_online() {
-    let s = Spoold::start(CFG);
+    let s = start(false);
     let m = mirror(&s);
     assert_eq!(
         (m["copies"].clone(), m["state"].clone()),
@@ -111,16 +139,8 @@ fn a_failed_leg_costs_no_io_and_the_volume_rebuilds_online() {
         "{m}"
     );
     assert_eq!(legs_current(&m), 2);
-    let (l, t) = Load::start(s.socket("m"), LOADED);
-    l.wait_progress(300);
-
     // A media error on leg 1's device: the monitor isolates it, the volume runs degraded.
-    let failed = leg_device(&m, 1);
-    s.rpc(
-        "device_inject",
-        json!({"id": failed, "kind": "media", "op": "write"}),
-    )
-    .unwrap();
+    let (l, t, failed) = load_then_fail_leg1(&s);
     wait_mirror(&s, "degraded", |m| m["state"] == json!("degraded"));
     l.wait_progress(300);
     assert_eq!(l.errors(), 0, "the guest saw errors when a leg failed");
@@ -157,8 +177,49 @@ fn a_failed_leg_costs_no_io_and_the_volume_rebuilds_online() {
 }
 
 #[test]
+fn a_failed_leg_moves_to_free_space_and_rebuilds_by_itself() {
+    let s = start(true);
+    let (l, t, failed) = load_then_fail_leg1(&s);
+    // No replacement: the leg moves onto the third device and is rebuilt there.
+    let done = wait_mirror(&s, "rebuilt elsewhere", |m| {
+        m["state"] == json!("healthy") && !m.to_string().contains(&failed)
+    });
+    assert_eq!(legs_current(&done), 2, "{done}");
+    l.wait_progress(300);
+    stop(&l, t);
+    assert_identical(&s);
+    let ev = s.rpc("events_list", json!({"since": 0})).unwrap();
+    assert!(ev.to_string().contains(&failed), "{ev}");
+}
+
+#[test]
+fn copies_are_added_and_removed_under_load() {
+    let s = start(true);
+    let (l, t) = Load::start(s.socket("plain"), 8 << 20);
+    l.wait_progress(200);
+    // The plain volume becomes a mirror: its new copy is rebuilt while the load runs.
+    let (ok, out, err) = spoolctl(&s, &["volume", "mirror", "add", "plain"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("mirror: 2 copies"), "{out}");
+    wait_mirror_of(&s, "plain", "rebuilt", |m| {
+        m["state"] == json!("healthy") && legs_current(m) == 2
+    });
+    l.wait_progress(200);
+    let v = s.rpc("volume_verify", json!({"id": "plain"})).unwrap();
+    assert_eq!(v["regions_differing"], json!(0), "{v}");
+    // Back to one copy: a plain volume again, data intact.
+    let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "remove", "plain", "--leg", "0"]);
+    assert!(ok, "{err}");
+    assert!(mirror_of(&s, "plain").is_null(), "still mirrored");
+    let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "remove", "plain"]);
+    assert!(!ok && err.contains("not mirrored"), "{err}");
+    l.wait_progress(200);
+    stop(&l, t);
+}
+
+#[test]
 fn a_hot_removed_leg_device_costs_no_io() {
-    let s = Spoold::start(CFG);
+    let s = start(true);
     let m = mirror(&s);
     let (l, t) = Load::start(s.socket("m"), LOADED);
     l.wait_progress(300);
@@ -183,7 +244,7 @@ fn a_hot_removed_leg_device_costs_no_io() {
 
 #[test]
 fn worker_kills_during_writes_and_rebuild_resync_only_dirty_regions() {
-    let s = Spoold::start(CFG);
+    let s = start(true);
     let (l, t) = Load::start(s.socket("m"), LOADED);
     l.wait_progress(200);
     let mut resynced = Vec::new();
@@ -217,11 +278,15 @@ fn worker_kills_during_writes_and_rebuild_resync_only_dirty_regions() {
     assert_eq!(legs_current(&done), 2, "{done}");
     stop(&l, t);
     assert_identical(&s);
+    // A clean handoff (an upgrade with nothing in flight) leaves no region in doubt.
+    s.upgrade(None).unwrap();
+    let m = wait_mirror(&s, "served again", |m| legs_current(m) == 2);
+    assert_eq!(m["resync_at_open"], json!(0), "{m}");
 }
 
 #[test]
 fn mirrors_the_pool_cannot_hold_are_refused_clearly() {
-    let s = Spoold::start(CFG);
+    let s = start(true);
     let e = s
         .rpc(
             "volume_create",

@@ -289,6 +289,17 @@ impl Pool {
         Ok(changed)
     }
 
+    /// After the queues stopped: clears the intent bits of every quiet region of every
+    /// mirror, so the next start resyncs only regions a write was really in flight in.
+    pub fn quiesce_mirrors(&self) {
+        let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, dev) in cache.values() {
+            if let Some(m) = MirrorBackend::of(dev) {
+                m.clear_quiet_intents();
+            }
+        }
+    }
+
     /// Forgets a deleted volume's mirror and bitmap.
     pub(crate) fn drop_mirror(&self, uuid: Uuid) {
         self.mirrors

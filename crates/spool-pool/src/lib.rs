@@ -11,6 +11,7 @@ mod assemble;
 pub mod buddy;
 mod info;
 mod layout;
+mod legs;
 mod members;
 pub mod metadata;
 mod mirror;
@@ -23,6 +24,7 @@ use uuid::Uuid;
 
 pub use info::{DeviceInfo, LeftOut, LegInfo, PoolInfo, Replacement, VolumeInfo};
 pub use layout::{Segment, VolumeLayout};
+pub use legs::Relocated;
 pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
 pub use qos::QosLimits;

@@ -168,26 +168,9 @@ impl Pool {
         let mut out: Vec<ExtentEntry> = Vec::new();
         while let Some((start, order)) = pending.pop_front() {
             let taken = devices_in(&others, start, start + (min << order));
-            let best = self
-                .members
-                .iter_mut()
-                .filter(|m| {
-                    !m.isolated()
-                        && !taken.contains(&m.uuid)
-                        && m.buddy.largest_free_order().is_some_and(|l| l >= order)
-                })
-                // A device this leg already uses first: a leg on fewer devices has fewer
-                // ways to lose a piece.
-                .max_by_key(|m| (out.iter().any(|e| e.device == m.uuid), m.buddy.free_bytes()));
-            match best {
-                Some(m) => {
-                    let offset = m.buddy.alloc(order).expect("checked largest free order");
-                    out.push(ExtentEntry {
-                        device: m.uuid,
-                        offset,
-                        order,
-                    });
-                }
+            let mine: Vec<Uuid> = out.iter().map(|e| e.device).collect();
+            match self.alloc_avoiding(order, &taken, &mine) {
+                Some(e) => out.push(e),
                 None if order > 0 => {
                     pending.push_front((start + (min << (order - 1)), order - 1));
                     pending.push_front((start, order - 1));
@@ -202,6 +185,45 @@ impl Pool {
             }
         }
         Ok(out)
+    }
+
+    /// One block of `order` at logical offset `at` of a leg, on a device none of `others`
+    /// uses there.
+    pub(crate) fn allocate_leg_exact(
+        &mut self,
+        at: u64,
+        order: u32,
+        others: &[&[ExtentEntry]],
+    ) -> Result<ExtentEntry> {
+        let min = self.table.min_extent;
+        let others: Vec<_> = others.iter().map(|e| spans(e, min)).collect();
+        let taken = devices_in(&others, at, at + (min << order));
+        self.alloc_avoiding(order, &taken, &[])
+            .ok_or_else(|| Error::NoSpace {
+                requested: min << order,
+                available: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
+            })
+    }
+
+    /// A block of `order` on a usable device not in `taken`: one in `mine` (the leg already
+    /// uses it: a leg on fewer devices has fewer ways to lose a piece) first, then the one
+    /// with the most free space.
+    fn alloc_avoiding(&mut self, order: u32, taken: &[Uuid], mine: &[Uuid]) -> Option<ExtentEntry> {
+        let m = self
+            .members
+            .iter_mut()
+            .filter(|m| {
+                !m.isolated()
+                    && !taken.contains(&m.uuid)
+                    && m.buddy.largest_free_order().is_some_and(|l| l >= order)
+            })
+            .max_by_key(|m| (mine.contains(&m.uuid), m.buddy.free_bytes()))?;
+        let offset = m.buddy.alloc(order).expect("checked largest free order");
+        Some(ExtentEntry {
+            device: m.uuid,
+            offset,
+            order,
+        })
     }
 
     /// Allocates `copies` legs of `bytes` each, on distinct devices at every logical range;

@@ -22,6 +22,11 @@ fn leg_spans(p: &Pool, v: &str) -> Vec<Vec<(u64, u64, Uuid)>> {
         .collect()
 }
 
+/// Three 20 MiB devices.
+fn three(d: &Path) -> [DeviceSpec; 3] {
+    [spec(d, "a", 20), spec(d, "b", 20), spec(d, "c", 20)]
+}
+
 /// Asserts that no two legs share a device at any logical byte.
 fn assert_distinct(p: &Pool, v: &str) {
     let legs = leg_spans(p, v);
@@ -40,11 +45,7 @@ fn assert_distinct(p: &Pool, v: &str) {
 #[test]
 fn mirrored_volumes_keep_each_copy_on_another_device_and_survive_reopen() {
     let d = tempfile::tempdir().unwrap();
-    let specs = [
-        spec(d.path(), "a", 20),
-        spec(d.path(), "b", 20),
-        spec(d.path(), "c", 20),
-    ];
+    let specs = three(d.path());
     let before = {
         let mut p = Pool::open(&specs, opts()).unwrap();
         let free = p.info().free;
@@ -169,4 +170,65 @@ fn hostile_leg_tables_are_refused() {
         let e = t.validate().unwrap_err();
         assert!(e.contains(want), "wanted '{want}' in: {e}");
     }
+}
+
+#[test]
+fn copies_are_added_and_removed_online_and_the_last_complete_one_stays() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = three(d.path());
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    let free = p.info().free;
+    p.create_volume("v", 4 << 20, false, 1).unwrap();
+    // A plain volume becomes a 2-way mirror; the new copy is not synced until rebuilt.
+    let v = p.add_leg("v").unwrap();
+    assert_eq!((v.copies, v.legs.len()), (2, 2));
+    assert_eq!((v.legs[0].synced, v.legs[1].synced), (true, false));
+    assert_distinct(&p, "v");
+    let v = p.add_leg("v").unwrap();
+    assert_eq!(v.legs.len(), 3);
+    assert_distinct(&p, "v");
+    let e = p.add_leg("v").unwrap_err().to_string();
+    assert!(e.contains("already has 3 copies"), "{e}");
+    // Removing: an unsynced copy goes first; the last synced one never.
+    let v = p.remove_leg("v", None).unwrap();
+    assert_eq!(v.legs.iter().filter(|l| l.synced).count(), 1);
+    let e = p.remove_leg("v", Some(0)).unwrap_err().to_string();
+    assert!(e.contains("only complete copy"), "{e}");
+    // Slot 1 was the unsynced copy removed first; slot 2 is the one left.
+    let e = p.remove_leg("v", Some(1)).unwrap_err().to_string();
+    assert!(e.contains("no leg 1"), "{e}");
+    let v = p.remove_leg("v", None).unwrap();
+    assert_eq!(
+        (v.copies, v.legs.len()),
+        (1, 0),
+        "one copy left: plain again"
+    );
+    let e = p.remove_leg("v", None).unwrap_err().to_string();
+    assert!(e.contains("not mirrored"), "{e}");
+    assert_eq!(p.info().free, free - (4 << 20), "removed copies are freed");
+    drop(p);
+    let p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.volume("v").unwrap().copies, 1);
+}
+
+#[test]
+fn legs_on_a_failed_device_move_to_free_space_elsewhere() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = three(d.path());
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume_copies("m", 4 << 20, false, 1, 2).unwrap();
+    assert!(p.relocate_failed_legs().unwrap().is_empty());
+    let spans = leg_spans(&p, "m");
+    let failed = spans[1][0].2;
+    let member = p.members.iter().find(|m| m.uuid == failed).unwrap();
+    member.dev.health().set(spool_devices::HealthState::Failed);
+    let moved = p.relocate_failed_legs().unwrap();
+    assert_eq!((moved.len(), moved[0].leg), (1, 1), "{moved:?}");
+    let v = p.volume("m").unwrap();
+    assert!(!v.legs[1].synced && v.legs[0].synced);
+    assert!(!v.legs[1].devices.contains(&failed), "{v:?}");
+    assert_distinct(&p, "m");
+    assert!(v.online);
+    // Nothing left on the failed device: nothing more to move.
+    assert!(p.relocate_failed_legs().unwrap().is_empty());
 }

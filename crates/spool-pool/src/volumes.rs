@@ -141,7 +141,7 @@ impl Pool {
 
     /// `size` rounded up to whole minimum extents; sizes so large that this overflows (near
     /// 2^64) are refused rather than wrapping to zero extents.
-    fn round_up(&self, size: u64) -> Result<u64> {
+    pub(crate) fn round_up(&self, size: u64) -> Result<u64> {
         size.checked_next_multiple_of(self.table.min_extent)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(

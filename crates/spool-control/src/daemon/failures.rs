@@ -1,6 +1,6 @@
 //! Replacing a device (the `device_replace` method and the spare watcher share it), and the
 //! spare watcher that replaces an isolated device with a configured spare as soon as one is
-//! present (hot-plug pick-up), and the settler that records rebuilt mirror legs.
+//! present (hot-plug pick-up).
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -27,25 +27,6 @@ impl Daemon {
                     return;
                 }
                 d.use_spares();
-            });
-    }
-
-    /// Starts the mirror settler: every half second, legs a rebuild made current are
-    /// recorded as synced in the pool table.
-    pub(super) fn start_mirror_settler(self: &Arc<Self>) {
-        let weak: Weak<Daemon> = Arc::downgrade(self);
-        let _ = std::thread::Builder::new()
-            .name("spool-mirrors".into())
-            .spawn(move || loop {
-                std::thread::sleep(Duration::from_millis(500));
-                let Some(d) = weak.upgrade() else { return };
-                if d.stopping.load(Ordering::Acquire) {
-                    return;
-                }
-                let settled = d.pool().settle_mirrors();
-                if let Err(e) = settled {
-                    tracing::warn!("cannot record rebuilt mirror legs: {e}");
-                }
             });
     }
 

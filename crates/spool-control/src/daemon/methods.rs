@@ -15,6 +15,7 @@ pub fn method_table() -> MethodTable<Daemon> {
     let mut t = MethodTable::default();
     super::devices::register(&mut t);
     super::volumes::register(&mut t);
+    super::mirrors::register(&mut t);
     super::status::register(&mut t);
     t
 }
@@ -58,7 +59,7 @@ mod tests {
         let doc = include_str!("../../../../docs/rpc.md");
         let t = method_table();
         let names: Vec<_> = t.methods().map(|m| m.name).collect();
-        assert_eq!(names.len(), 19, "{names:?}");
+        assert_eq!(names.len(), 20, "{names:?}");
         for n in names {
             assert!(doc.contains(&format!("| `{n}` |")), "docs/rpc.md lacks {n}");
         }

@@ -16,8 +16,7 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
         .register::<api::VolumeCreate>(Daemon::volume_create)
         .register::<api::VolumeResize>(Daemon::volume_resize)
         .register::<api::VolumeDelete>(Daemon::volume_delete)
-        .register::<api::VolumeQos>(Daemon::volume_qos)
-        .register::<api::VolumeVerify>(Daemon::volume_verify);
+        .register::<api::VolumeQos>(Daemon::volume_qos);
 }
 
 /// A size param in bytes.
@@ -99,7 +98,7 @@ impl Daemon {
     }
 
     /// Hands a volume's new layout (size, limits) to its running queues, if it is served.
-    fn publish_layout(&self, v: &VolumeInfo, layout: spool_pool::VolumeLayout) {
+    pub(super) fn publish_layout(&self, v: &VolumeInfo, layout: spool_pool::VolumeLayout) {
         if let Some(s) = self.servers().get(&v.uuid) {
             s.context().update_layout(layout);
         }
@@ -138,17 +137,20 @@ impl Daemon {
     }
 
     /// A volume and how it is served.
-    fn volume_view(&self, v: VolumeInfo) -> Volume {
-        let servers = self.servers();
-        let s = servers.get(&v.uuid);
+    /// The volume with how it is served. Takes the pool's lock for a mirror's progress, and
+    /// never while holding the servers' lock (or the caller's pool guard: pass `v` in).
+    pub(super) fn volume_view(&self, v: VolumeInfo) -> Volume {
+        let served = self.servers().contains_key(&v.uuid);
         let mirror = (v.copies > 1).then(|| {
-            let progress = s.and_then(|_| self.mirror_of(&v)).map(|m| {
+            let progress = served.then(|| self.mirror_of(&v)).flatten().map(|m| {
                 spool_devices::mirror::MirrorBackend::of(&m)
                     .expect("a mirror device")
                     .progress()
             });
             api::MirrorStatus::new(&v, progress)
         });
+        let servers = self.servers();
+        let s = servers.get(&v.uuid);
         Volume {
             socket: s.map(|s| s.path().display().to_string()),
             connected: s.is_some_and(|s| s.connected()),
@@ -156,37 +158,6 @@ impl Daemon {
             mirror,
             info: v.into(),
         }
-    }
-
-    /// The mirror device of a mirrored volume (built when first served).
-    fn mirror_of(&self, v: &VolumeInfo) -> Option<std::sync::Arc<spool_devices::Device>> {
-        self.pool().mirror(&v.uuid.to_string()).ok().flatten()
-    }
-
-    /// Compares a mirrored volume's copies.
-    fn volume_verify(&self, p: IdParams) -> Result<api::VerifyResult, RpcError> {
-        let v = self.pool().volume(&p.id)?;
-        if v.copies < 2 {
-            return Err(RpcError::InvalidParams(format!(
-                "volume '{}' is not mirrored: there is nothing to compare",
-                v.name
-            )));
-        }
-        let m = self.mirror_of(&v).ok_or_else(|| {
-            RpcError::InvalidParams(format!("volume '{}' has no complete copy present", v.name))
-        })?;
-        let r = spool_devices::mirror::MirrorBackend::of(&m)
-            .expect("a mirror device")
-            .verify()
-            .map_err(|e| RpcError::Pool(e.into()))?;
-        Ok(api::VerifyResult {
-            volume: v.name,
-            regions: r.regions,
-            bytes_compared: r.bytes_compared,
-            regions_skipped: r.regions_skipped,
-            regions_differing: r.regions_differing,
-            first_differences: r.first_differences,
-        })
     }
 
     /// Device commands of a stopped volume that never completed, if any.

@@ -398,6 +398,17 @@ impl MirrorBackend {
             && self.shared.regions.stale[slot as usize % MAX_LEGS].load(Ordering::Acquire) == 0
     }
 
+    /// Clears the intent bit of every region with no write in flight (a clean stop: the
+    /// next start then resyncs only what was really in flight). Safe while writes run.
+    pub fn clear_quiet_intents(&self) {
+        let r = &self.shared.regions;
+        for i in 0..r.bitmap.regions() {
+            if r.bitmap.byte(i).load(Ordering::Acquire) & INTENT != 0 {
+                r.try_clear_intent(i, r.gens[i].load(Ordering::SeqCst));
+            }
+        }
+    }
+
     /// Regions resynced because the mirror was not shut down cleanly.
     pub fn resync_at_open(&self) -> u64 {
         self.shared.resync_at_open

@@ -146,6 +146,16 @@ pub enum VolumeCmd {
     /// Compare a mirrored volume's copies region by region (a scrub) and report
     /// differences.
     Verify { id: String },
+    /// Add a copy to a volume (a plain volume becomes a mirror; the copy is rebuilt online)
+    /// or remove one (the last complete copy is never removed).
+    Mirror {
+        #[arg(value_parser = ["add", "remove"])]
+        action: String,
+        id: String,
+        /// The leg to remove (default: one that is not current, else the newest).
+        #[arg(long)]
+        leg: Option<u8>,
+    },
     /// Set or clear a volume's I/O limits (IOPS, bandwidth, burst).
     ///
     /// Running queues apply them at once, and they are kept in the pool metadata. Limits not

@@ -47,7 +47,8 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             VolumeCmd::Show { .. }
             | VolumeCmd::Create { .. }
             | VolumeCmd::Resize { .. }
-            | VolumeCmd::Qos(_) => show::<api::VolumeShow>(r, volume),
+            | VolumeCmd::Qos(_)
+            | VolumeCmd::Mirror { .. } => show::<api::VolumeShow>(r, volume),
             VolumeCmd::Verify { .. } => show::<api::VolumeVerify>(r, super::mirror::verify),
         },
         Cmd::Status => show::<api::DaemonStatus>(r, status),

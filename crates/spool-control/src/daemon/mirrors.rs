@@ -1,0 +1,117 @@
+//! Mirrored volumes in the daemon: `volume_verify`, `volume_mirror` (add or remove a copy
+//! online), and the mirror settler: every half second it records legs a rebuild made current
+//! as synced in the pool table and, unless `[pool] auto_rebuild = false`, moves legs off
+//! failed devices onto free space of other devices (the moved legs rebuild online).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use spool_devices::mirror::MirrorBackend;
+use spool_pool::VolumeInfo;
+
+use super::Daemon;
+use crate::api::{self, IdParams, Volume};
+use crate::rpc::{MethodTable, RpcError};
+
+pub(super) fn register(t: &mut MethodTable<Daemon>) {
+    t.register::<api::VolumeVerify>(Daemon::volume_verify)
+        .register::<api::VolumeMirror>(Daemon::volume_mirror);
+}
+
+impl Daemon {
+    /// The mirror device of a mirrored volume (built when first served).
+    pub(super) fn mirror_of(&self, v: &VolumeInfo) -> Option<Arc<spool_devices::Device>> {
+        self.pool().mirror(&v.uuid.to_string()).ok().flatten()
+    }
+
+    /// Compares a mirrored volume's copies.
+    fn volume_verify(&self, p: IdParams) -> Result<api::VerifyResult, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        if v.copies < 2 {
+            return Err(RpcError::InvalidParams(format!(
+                "volume '{}' is not mirrored: there is nothing to compare",
+                v.name
+            )));
+        }
+        let m = self.mirror_of(&v).ok_or_else(|| {
+            RpcError::InvalidParams(format!("volume '{}' has no complete copy present", v.name))
+        })?;
+        let r = MirrorBackend::of(&m)
+            .expect("a mirror device")
+            .verify()
+            .map_err(|e| RpcError::Pool(e.into()))?;
+        Ok(api::VerifyResult {
+            volume: v.name,
+            regions: r.regions,
+            bytes_compared: r.bytes_compared,
+            regions_skipped: r.regions_skipped,
+            regions_differing: r.regions_differing,
+            first_differences: r.first_differences,
+        })
+    }
+
+    /// Adds or removes a copy and publishes the new layout to the running queues.
+    fn volume_mirror(&self, p: api::VolumeMirrorParams) -> Result<Volume, RpcError> {
+        let v = {
+            let mut pool = self.pool();
+            match p.action.as_str() {
+                "add" => pool.add_leg(&p.id)?,
+                "remove" => pool.remove_leg(&p.id, p.leg)?,
+                other => {
+                    return Err(RpcError::InvalidParams(format!(
+                        "action \"{other}\" must be \"add\" or \"remove\""
+                    )))
+                }
+            }
+        };
+        self.republish(&v);
+        let v = self.pool().volume(&p.id)?;
+        Ok(self.volume_view(v))
+    }
+
+    /// Publishes volume `v`'s current layout to its running queues.
+    fn republish(&self, v: &VolumeInfo) {
+        match self.pool().layout(&v.uuid.to_string()) {
+            Ok(l) => self.publish_layout(v, l),
+            Err(e) => tracing::error!(volume = %v.name, "no layout after a change of copies: {e}"),
+        }
+    }
+
+    /// Starts the mirror settler (see the module doc).
+    pub(super) fn start_mirror_settler(self: &Arc<Self>) {
+        let weak: Weak<Daemon> = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("spool-mirrors".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(500));
+                let Some(d) = weak.upgrade() else { return };
+                if d.stopping.load(Ordering::Acquire) {
+                    return;
+                }
+                d.settle_mirrors();
+            });
+    }
+
+    fn settle_mirrors(&self) {
+        let settled = self.pool().settle_mirrors();
+        if let Err(e) = settled {
+            tracing::warn!("cannot record rebuilt mirror legs: {e}");
+        }
+        if !self.cfg.auto_rebuild {
+            return;
+        }
+        let moved = self.pool().relocate_failed_legs();
+        match moved {
+            Ok(moved) => {
+                for r in moved {
+                    let v = self.pool().volume(&r.volume);
+                    if let Ok(v) = v {
+                        self.republish(&v);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!("cannot move mirror legs off a failed device: {e}"),
+        }
+    }
+}
