@@ -218,6 +218,24 @@ fn copies_are_added_and_removed_under_load() {
 }
 
 #[test]
+fn a_smart_critical_warning_on_a_leg_device_costs_no_io() {
+    let s = start(false);
+    let m = mirror(&s);
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(300);
+    let worn = leg_device(&m, 0);
+    s.rpc(
+        "device_inject",
+        json!({"id": worn, "kind": "smart", "bits": 4}),
+    )
+    .unwrap();
+    let m = wait_mirror(&s, "degraded", |m| m["state"] == json!("degraded"));
+    assert_eq!(m["legs"][0]["state"], json!("unusable"), "{m}");
+    l.wait_progress(500);
+    stop(&l, t);
+}
+
+#[test]
 fn a_hot_removed_leg_device_costs_no_io() {
     let s = start(true);
     let m = mirror(&s);
