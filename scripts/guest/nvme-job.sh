@@ -73,6 +73,10 @@ num_queues = 2
 [[volumes]]
 name = "vol2"
 size = "64M"
+[[volumes]]
+name = "mv"
+size = "32M"
+mirror = 2
 [health]
 poll_interval_ms = 200
 io_timeout_ms = 1500
@@ -103,6 +107,20 @@ bench --socket $v2 --rw trim --fill --bs 1048576 --iodepth 4
 bench --socket $v2 --rw write --fill --verify --seed 22 --bs 4096 --iodepth 32 --fsync 16
 bench --socket $v2 --rw read --fill --verify --seed 22 --bs 4096 --iodepth 32
 say "write/read verify passed at $(t)s"
+
+# A 2-way mirrored volume across both controllers: every later fault of vol2's controller
+# (hung commands, media errors and its replacement, SMART, hot removal) hits one of its legs
+# and must cost it nothing: its data is read back and rewritten, verified, after each.
+mv=/tmp/spool/vhost/mv.sock
+mvcheck() {
+    bench --socket $mv --rw read --fill --verify --seed 44 --bs 131072 --iodepth 4
+    bench --socket $mv --rw randwrite --verify --seed 44 --runtime 1 --iodepth 8
+    ctl volume show mv | grep "^mirror:"
+    say "mirrored volume intact after $1 at $(t)s"
+}
+bench --socket $mv --rw write --fill --verify --seed 44 --bs 131072 --iodepth 4
+ctl volume show mv | grep -q "mirror: 2 copies, 2 current" || fail "mv is not a current 2-way mirror: $(ctl volume show mv)"
+mvcheck "writing it"
 # Zero copy: libblkio's buffers are page-aligned guest (shared) memory, registered with the
 # IOMMU when the client sent its memory table; no request may have needed a bounce buffer.
 ctl device health
@@ -197,6 +215,7 @@ if grep -q "spool.hang=1" /proc/cmdline; then
         || fail "the hung commands were not aborted"
     grep "aborted outstanding commands" /tmp/spoold.log | tail -n 1 | sed 's/^.*INFO //'
     say "hung commands: $to timeouts, aborted and resubmitted without an error, at $(t)s"
+    mvcheck "hung commands on a leg"
     creset() { ctl device health | grep -A1 "^nvme:$1 NVMe" | grep -o 'controller resets by this worker [0-9]*' | awk '{print $NF}'; }
     r=$(creset "$gone")
     say "controller $gone reset $r times by this worker"
@@ -240,6 +259,11 @@ if grep -q "spool.media=1" /proc/cmdline; then
     gone_id=nvme2
     ctl device health
     say "media error, isolation and replacement passed at $(t)s"
+    # The replacement got mv's leg too: it is rebuilt online from the other controller.
+    i=0
+    while ! ctl volume show mv | grep -q "mirror: 2 copies, 2 current" && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
+    ctl volume show mv | grep -q "mirror: 2 copies, 2 current" || fail "mv was not rebuilt onto $c3: $(ctl volume show mv)"
+    mvcheck "a media error on a leg and the rebuild onto the replacement"
 fi
 
 if grep -q "spool.smart=1" /proc/cmdline; then
@@ -255,6 +279,7 @@ if grep -q "spool.smart=1" /proc/cmdline; then
     bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
     ctl events | tail -n 1
     say "SMART isolation passed at $(t)s"
+    mvcheck "a SMART warning on a leg"
 fi
 
 if grep -q "spool.hotremove=1" /proc/cmdline; then
@@ -276,6 +301,7 @@ if grep -q "spool.hotremove=1" /proc/cmdline; then
     ctl events | tail -n 4
     kill -0 $keeper || fail "spoold exited"
     say "hot removal passed at $(t)s"
+    mvcheck "a leg's controller removed"
     # A worker restart now must not trip over the controller that is gone: vol1 keeps
     # being served, vol2 is offline until its device is replaced.
     worker=""
@@ -293,6 +319,7 @@ if grep -q "spool.hotremove=1" /proc/cmdline; then
     grep vol1 /tmp/vl | grep -q ready || fail "vol1 is not served after a worker restart without controller 2"
     bench --socket $v1 --rw read --fill --verify --seed 11 --bs 131072 --iodepth 4
     say "worker restart after the removal passed at $(t)s"
+    mvcheck "a worker restart without the removed leg"
 fi
 ctl status | head -n 20
 kill $keeper

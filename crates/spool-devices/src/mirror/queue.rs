@@ -20,10 +20,15 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, INTENT};
 use super::{LegPiece, Shared};
 use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
+
+/// A leg device with commands outstanding and no completion for this long is hung, when the
+/// worker asks (it asks only after its own I/O timeout).
+const HUNG: Duration = Duration::from_millis(100);
 
 /// Sub-operation tags: op index << 2 | slot (slot 3: a flush, which is per device).
 const SLOT_BITS: u64 = 2;
@@ -77,6 +82,10 @@ pub struct MirrorQueue {
     epoll: OwnedFd,
     /// Signalled for completions decided without a device (no usable leg).
     event: File,
+    /// Commands outstanding per device, and when each device last completed one (or became
+    /// busy): what tells a hung leg device.
+    outstanding: Vec<u32>,
+    progress: Vec<Instant>,
 }
 
 // SAFETY: the raw iovec pointers in `ops` belong to the caller of `submit`, which keeps them
@@ -104,6 +113,7 @@ impl MirrorQueue {
         }
         watch(epoll.as_raw_fd(), event.as_raw_fd())?;
         let healthy = shared.healthy();
+        let n = queues.len();
         Ok(MirrorQueue {
             shared,
             queues,
@@ -115,6 +125,8 @@ impl MirrorQueue {
             in_flight: 0,
             next_read: 0,
             finished: Vec::new(),
+            outstanding: vec![0; n],
+            progress: vec![Instant::now(); n],
             epoll,
             event,
         })
@@ -189,6 +201,15 @@ impl MirrorQueue {
         }
     }
 
+    /// One more command outstanding on device `d` (its progress clock starts when it was idle).
+    #[inline]
+    fn busy(&mut self, d: usize) {
+        self.outstanding[d] += 1;
+        if self.outstanding[d] == 1 {
+            self.progress[d] = Instant::now();
+        }
+    }
+
     fn submit_piece(&mut self, i: usize, slot: u8, p: &LegPiece, dev_off: u64, n: u64, at: u64) {
         let op = self.ops[i].as_mut().expect("live op");
         let io = match op.kind {
@@ -220,6 +241,7 @@ impl MirrorQueue {
         // SAFETY: buffers and iovec arrays stay valid until this piece is reaped: the
         // caller's by the submit contract, split arrays because `op` keeps them.
         unsafe { self.queues[p.device].submit(io, tag) };
+        self.busy(p.device);
     }
 
     fn submit_read(&mut self, i: usize) -> bool {
@@ -279,6 +301,10 @@ impl MirrorQueue {
             let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
             // SAFETY: a flush carries no buffers.
             unsafe { self.queues[d].submit(DeviceIo::Flush, tag) };
+            self.outstanding[d] += 1;
+            if self.outstanding[d] == 1 {
+                self.progress[d] = Instant::now();
+            }
         }
         !devices.is_empty()
     }
@@ -444,7 +470,9 @@ impl DeviceQueue for MirrorQueue {
         let mut finished = std::mem::take(&mut self.finished);
         for d in 0..self.queues.len() {
             let (ops, devices) = (&mut self.ops, &self.shared.spec.devices);
+            let mut reaped = 0;
             self.queues[d].reap(&mut |sub, res| {
+                reaped += 1;
                 let (i, slot) = ((sub >> SLOT_BITS) as usize, (sub & 3) as u8);
                 let Some(Some(op)) = ops.get_mut(i) else {
                     return;
@@ -477,6 +505,10 @@ impl DeviceQueue for MirrorQueue {
                     finished.push(i);
                 }
             });
+            if reaped > 0 {
+                self.outstanding[d] = self.outstanding[d].saturating_sub(reaped);
+                self.progress[d] = Instant::now();
+            }
         }
         if !finished.is_empty() {
             for &i in &finished {
@@ -517,7 +549,23 @@ impl DeviceQueue for MirrorQueue {
         self.in_flight + self.done.len()
     }
 
+    /// The worker aborts after its timeout sweep reported a request hung (or the mirror's
+    /// health changed): only leg devices with commands outstanding and no completion for
+    /// [`HUNG`] are aborted, and reported as timed out to their own health cell (the monitor
+    /// resets them); their commands come back cancelled and count as that leg failing.
     fn abort(&mut self) -> usize {
-        self.queues.iter_mut().map(|q| q.abort()).sum()
+        let mut n = 0;
+        for d in 0..self.queues.len() {
+            if self.outstanding[d] > 0 && self.progress[d].elapsed() >= HUNG {
+                self.shared.spec.devices[d].health().report(ErrorReport {
+                    signal: Signal::Timeout,
+                    offset: 0,
+                    len: 0,
+                    write: false,
+                });
+                n += self.queues[d].abort();
+            }
+        }
+        n
     }
 }

@@ -324,3 +324,40 @@ fn with_no_usable_leg_requests_fail_as_path_errors_and_the_mirror_follows() {
         m.health().state() == HealthState::Failed
     });
 }
+
+#[test]
+fn a_hung_leg_is_aborted_when_the_worker_asks_and_costs_no_request() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, m) = setup(d.path());
+    let mirror = MirrorBackend::of(&m).unwrap();
+    let mut q = m.open_queue(64).unwrap();
+    devs[1].faults().add(FaultRule {
+        effect: FaultEffect::Hang,
+        ops: FaultOps::Write,
+        offset: 0,
+        len: 0,
+        count: Some(1),
+        duration: None,
+        fails_probe: false,
+    });
+    let mut data = vec![7u8; 4096];
+    let iov = [IoVec {
+        iov_base: data.as_mut_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    }];
+    // SAFETY: `iov` and `data` outlive the completion reaped below.
+    unsafe { q.submit(DeviceIo::data(true, 0, 4096, iov.as_ptr(), 1), 9) };
+    q.kick().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let mut res = None;
+    q.reap(&mut |_, r| res = Some(r));
+    assert_eq!(res, None, "leg 1 hangs: the write waits for it");
+    // Too early: the hang is not yet old enough to be told from a slow device.
+    assert_eq!(q.abort(), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(q.abort(), 1, "the hung leg device's command is aborted");
+    assert_eq!(devs[1].health().state(), HealthState::Resetting);
+    q.reap(&mut |_, r| res = Some(r));
+    assert_eq!(res, Some(0), "the write succeeds on leg 0");
+    assert_eq!(mirror.progress().legs[1].stale_bytes, MIB);
+}
