@@ -190,6 +190,53 @@ fn a_failed_leg_moves_to_free_space_and_rebuilds_by_itself() {
     assert_identical(&s);
     let ev = s.rpc("events_list", json!({"since": 0})).unwrap();
     assert!(ev.to_string().contains(&failed), "{ev}");
+    // The mirror's own story is in the event log too: rebuilding (with progress), then
+    // healthy (the settler looks every half second).
+    let mirror_events = || -> Vec<String> {
+        let ev = s.rpc("events_list", json!({"since": 0})).unwrap();
+        ev["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["kind"] == json!("mirror"))
+            .map(|e| e["reason"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !mirror_events()
+        .last()
+        .is_some_and(|r| r.contains("mirror healthy, 2 of 2 copies current"))
+    {
+        assert!(Instant::now() < deadline, "{:?}", mirror_events());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let all = mirror_events();
+    assert!(
+        all.iter().any(|r| r.contains("rebuilding leg 1")),
+        "{all:?}"
+    );
+}
+
+#[test]
+fn a_second_failure_during_the_rebuild_leaves_the_surviving_leg_serving() {
+    let s = start(true);
+    let (l, t, _) = load_then_fail_leg1(&s);
+    let m = wait_mirror(&s, "rebuilding", |m| m["state"] == json!("rebuilding"));
+    // The device the leg is being rebuilt onto fails too.
+    let target = leg_device(&m, 1);
+    s.rpc(
+        "device_inject",
+        json!({"id": target, "kind": "media", "op": "write"}),
+    )
+    .unwrap();
+    let m = wait_mirror(&s, "degraded on leg 0 alone", |m| {
+        m["state"] == json!("degraded") && m["legs"][0]["state"] == json!("current")
+    });
+    assert_ne!(m["legs"][1]["state"], json!("current"), "{m}");
+    l.wait_progress(500);
+    stop(&l, t);
+    // Leg 0 still holds everything the guest wrote: a fresh client reads it back.
+    assert!(s.rpc("volume_show", json!({"id": "m"})).unwrap()["online"] == json!(true));
 }
 
 #[test]

@@ -90,7 +90,8 @@ pub struct Event {
     pub device: Uuid,
     pub path: String,
     /// `state` (a transition), `warning`, `replaced`, `restored` (an isolated state carried
-    /// over a worker restart).
+    /// over a worker restart), `mirror` (a mirrored volume with a leg on the device degraded,
+    /// rebuilding, rebuilt).
     pub kind: String,
     pub from: Option<&'static str>,
     pub to: Option<&'static str>,
@@ -373,6 +374,17 @@ impl Monitor {
                 .collect(),
             inner.next_seq - 1,
         )
+    }
+
+    /// Records an event about `device` that changes no health state, of `kind` (e.g.
+    /// "mirror": a mirrored volume with a leg on it degraded, rebuilding or rebuilt), and
+    /// tells the subscribers.
+    pub fn note(&self, device: Uuid, path: &str, kind: &str, reason: String) {
+        let ev = {
+            let mut inner = self.lock();
+            Self::push_event(&mut inner, device, path, kind, None, None, reason)
+        };
+        self.announce(ev);
     }
 
     fn push_event(

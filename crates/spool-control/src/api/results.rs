@@ -376,6 +376,9 @@ pub enum HealthEventKind {
     Replaced,
     /// An isolated state carried over a worker restart.
     Restored,
+    /// A mirrored volume with a leg on the device: degraded, rebuilding (with progress),
+    /// rebuilt.
+    Mirror,
 }
 
 impl HealthEventKind {

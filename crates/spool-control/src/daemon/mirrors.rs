@@ -3,12 +3,14 @@
 //! as synced in the pool table and, unless `[pool] auto_rebuild = false`, moves legs off
 //! failed devices onto free space of other devices (the moved legs rebuild online).
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use spool_devices::mirror::MirrorBackend;
 use spool_pool::VolumeInfo;
+use uuid::Uuid;
 
 use super::Daemon;
 use crate::api::{self, IdParams, Volume};
@@ -83,13 +85,17 @@ impl Daemon {
         let weak: Weak<Daemon> = Arc::downgrade(self);
         let _ = std::thread::Builder::new()
             .name("spool-mirrors".into())
-            .spawn(move || loop {
-                std::thread::sleep(Duration::from_millis(500));
-                let Some(d) = weak.upgrade() else { return };
-                if d.stopping.load(Ordering::Acquire) {
-                    return;
+            .spawn(move || {
+                let mut seen = HashMap::new();
+                loop {
+                    std::thread::sleep(Duration::from_millis(500));
+                    let Some(d) = weak.upgrade() else { return };
+                    if d.stopping.load(Ordering::Acquire) {
+                        return;
+                    }
+                    d.settle_mirrors();
+                    d.report_mirrors(&mut seen);
                 }
-                d.settle_mirrors();
             });
     }
 
@@ -113,5 +119,65 @@ impl Daemon {
             }
             Err(e) => tracing::warn!("cannot move mirror legs off a failed device: {e}"),
         }
+    }
+
+    /// Records a health event (kind "mirror") when a served mirrored volume changes state
+    /// (degraded, rebuilding, healthy, offline) and at every quarter of a rebuild; `seen`
+    /// holds each volume's last (state, quarter).
+    fn report_mirrors(&self, seen: &mut HashMap<Uuid, (String, u8)>) {
+        let volumes = self.pool().volumes();
+        for v in volumes.into_iter().filter(|v| v.copies > 1) {
+            let Some(m) = self.volume_view(v.clone()).mirror else {
+                continue;
+            };
+            if m.legs.iter().any(|l| l.state == "idle") {
+                continue; // not served
+            }
+            let quarter = (m.percent / 25.0) as u8;
+            let now = (
+                m.state.clone(),
+                if m.state == "rebuilding" { quarter } else { 0 },
+            );
+            let before = seen.insert(v.uuid, now.clone());
+            if before.as_ref() == Some(&now) || (before.is_none() && m.state == "healthy") {
+                continue;
+            }
+            let leg = m
+                .legs
+                .iter()
+                .find(|l| l.state != "current")
+                .or(m.legs.first());
+            let Some(device) = leg.and_then(|l| l.devices.first().copied()) else {
+                continue;
+            };
+            let current = m.legs.iter().filter(|l| l.state == "current").count();
+            let reason = match m.state.as_str() {
+                "rebuilding" => format!(
+                    "volume {}: rebuilding leg {} {:.0}% ({} bytes left at {} bytes/s, ETA {}s)",
+                    v.name,
+                    leg.map_or(0, |l| l.slot),
+                    m.percent,
+                    m.remaining_bytes,
+                    m.rate,
+                    m.eta_secs.map_or("-".into(), |s| s.to_string())
+                ),
+                state => format!(
+                    "volume {}: mirror {state}, {current} of {} copies current",
+                    v.name, m.copies
+                ),
+            };
+            let path = self.device_path(device);
+            self.monitor.note(device, &path, "mirror", reason);
+        }
+    }
+
+    /// A pool device's path, for an event ("" when it is gone from the pool).
+    fn device_path(&self, uuid: Uuid) -> String {
+        let devices = self.pool().devices();
+        devices
+            .into_iter()
+            .find(|d| d.uuid == uuid)
+            .map(|d| d.path)
+            .unwrap_or_default()
     }
 }
