@@ -12,7 +12,10 @@ interrupt-driven (two clients and two polling workers share the two cores).
 
     scripts/bench-failures.py            # 5 scenarios x 6 s (about 45 s)
     scripts/bench-failures.py --quick    # 2 scenarios x 3 s, for CI (checks it works)
-Results: docs/benchmarks/failures.{json,md}, failures.png.
+    scripts/bench-failures.py --mirror   # volume 2 is a 2-way mirror on devices 2 and 3
+Results: docs/benchmarks/failures.{json,md}, failures.png (--mirror: failures-mirror.*).
+With --mirror the failing device holds one of volume 2's copies: volume 2 must see no error at
+all (and the run fails if it does), and its copy is rebuilt on the replacement.
 """
 
 import argparse
@@ -78,18 +81,36 @@ def longest_gap_ms(series, t0, t1):
     return best
 
 
+# Volume 2 is a 2-way mirror on two more devices (--mirror).
+MIRROR = False
+MIRROR_TEXT = ("With volume 2 mirrored, a failure of device 2 costs it one copy, not its data: "
+               "its writes go on to the other copy, its reads move there, and it sees no error "
+               "in any class (the vol2 errors column; the run fails otherwise). Link errors and "
+               "timeouts drop the copy while the device resets (no hold, so no stall either); "
+               "the isolating classes drop it until the replacement, where it is rebuilt online "
+               "from the other copy. Volume 1's 'during' window runs from the fault to 0.5 s "
+               "after the replacement (or 1.5 s after a link fault).")
+
+
+def write_config(d):
+    cfg = os.path.join(d, "spoold.toml")
+    devices = 3 if MIRROR else 2
+    with open(cfg, "w") as f:
+        f.write(f'state_dir = "{d}/state"\n[journal]\ndir = "{d}/journal"\n'
+                '[pool]\nmin_extent = "4M"\nauto_rebuild = false\n[io]\npoll_idle_us = 200\n')
+        for i in range(devices):
+            f.write(f'[[devices]]\npath = "{d}/d{i}.img"\ncreate_size = "256M"\n')
+        f.write('[[volumes]]\nname = "vol1"\nsize = "128M"\nnum_queues = 1\n'
+                '[[volumes]]\nname = "vol2"\nsize = "128M"\nnum_queues = 1\n'
+                + ('mirror = 2\n' if MIRROR else '') +
+                '[health]\nio_timeout_ms = 300\nreset_timeout_ms = 3000\npoll_interval_ms = 50\n')
+    return cfg
+
+
 def scenario(work, name, inject, replace, runtime, fault_at, replace_at):
     d = os.path.join(work, name.split()[0])
     os.makedirs(d)
-    cfg = os.path.join(d, "spoold.toml")
-    with open(cfg, "w") as f:
-        f.write(f'state_dir = "{d}/state"\n[journal]\ndir = "{d}/journal"\n'
-                '[pool]\nmin_extent = "4M"\n[io]\npoll_idle_us = 200\n'
-                f'[[devices]]\npath = "{d}/d0.img"\ncreate_size = "256M"\n'
-                f'[[devices]]\npath = "{d}/d1.img"\ncreate_size = "256M"\n'
-                '[[volumes]]\nname = "vol1"\nsize = "128M"\nnum_queues = 1\n'
-                '[[volumes]]\nname = "vol2"\nsize = "128M"\nnum_queues = 1\n'
-                '[health]\nio_timeout_ms = 300\nreset_timeout_ms = 3000\npoll_interval_ms = 50\n')
+    cfg = write_config(d)
     sock = os.path.join(d, "state", "spoold.sock")
     daemon = subprocess.Popen([os.path.join(BIN, "spoold"), "--config", cfg, "--log-level", "warn"],
                               stdout=subprocess.DEVNULL, stderr=open(os.path.join(d, "log"), "w"))
@@ -99,8 +120,10 @@ def scenario(work, name, inject, replace, runtime, fault_at, replace_at):
                 break
             time.sleep(0.025)
         time.sleep(0.2)
-        devs = {v["name"]: v["devices"][0] for v in ctl(sock, "volume", "list")}
-        dev1, dev2 = devs["vol1"], devs["vol2"]
+        # Device 2: vol2's (for a mirror, the device of its last copy, not vol1's).
+        devs = {v["name"]: v["devices"] for v in ctl(sock, "volume", "list")}
+        dev1 = devs["vol1"][0]
+        dev2 = [x for x in devs["vol2"] if x != dev1][-1]
         assert dev1 != dev2, "volumes must sit on different devices"
         path2 = next(x["path"] for x in ctl(sock, "device", "list") if x["uuid"] == dev2)
         clients = []
@@ -171,9 +194,12 @@ def scenario(work, name, inject, replace, runtime, fault_at, replace_at):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--mirror", action="store_true", help="volume 2 is a 2-way mirror")
     args = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "-q", "--bin", "spoold", "--bin", "spoolctl",
                     "--bin", "spool-bench"], cwd=REPO, check=True)
+    global MIRROR
+    MIRROR = args.mirror
     runtime, fault_at, replace_at = (3.0, 1.0, 1.8) if args.quick else (6.0, 2.0, 3.5)
     work = tempfile.mkdtemp(prefix="spool-failures.", dir="/dev/shm")
     rows = []
@@ -190,26 +216,37 @@ def main():
         ref = control["vol1_during_iops"] if (held and control) else r["vol1_baseline_iops"]
         r["vol1_reference"] = "control (vol2 idle)" if (held and control) else "own baseline"
         r["vol1_ratio_vs_reference"] = round(r["vol1_during_iops"] / ref, 3) if ref else None
-    bad = [r["scenario"] for r in rows if not r["daemon_alive"] or r["vol1_errors"]]
+    bad = [r["scenario"] for r in rows if not r["daemon_alive"] or r["vol1_errors"]
+           or (MIRROR and r["vol2_errors"])]
     if bad:
-        log(f"FAILED: daemon died or volume 1 saw errors in: {bad}")
+        log(f"FAILED: daemon died or volume 1 (or mirrored volume 2) saw errors in: {bad}")
         return 1
     if args.quick:
         log("quick mode: results not written")
         return 0
     os.makedirs(OUT, exist_ok=True)
+    write_report(rows, fault_at, replace_at)
+    return 0
+
+
+def write_report(rows, fault_at, replace_at):
+    NAME = "failures-mirror" if MIRROR else "failures"
     meta = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} cores",
         "client": "spool-bench (libblkio), 4K randrw 70/30 QD8, 1 queue per volume, interrupt-driven; tmpfs file devices; release build",
         "target": "volume 1 within 10% of its baseline with no errors; volume 2 held then recovered (link) or clean errors then recovered after replacement",
     }
-    with open(os.path.join(OUT, "failures.json"), "w") as f:
+    with open(os.path.join(OUT, f"{NAME}.json"), "w") as f:
         json.dump({"meta": meta, "scenarios": rows}, f, indent=1)
-    md = ["# Device failure handling (Figure 12)", "",
+    title = ("# Device failure handling with volume 2 mirrored (Figure 12 again)" if MIRROR
+             else "# Device failure handling (Figure 12)")
+    md = [title, "",
           f"{meta['date']}, {meta['machine']}. {meta['client']}. Device 2 fails at "
           f"t = {fault_at:.1f} s; isolating classes are replaced at t = {replace_at:.1f} s. "
-          "Volume 1 lives on device 1 only. Produced by `scripts/bench-failures.py`.", "",
+          "Volume 1 lives on device 1 only. " + ("Volume 2 is a 2-way mirror on devices 2 and 3; "
+          "device 2 holds one copy. Produced by `scripts/bench-failures.py --mirror`." if MIRROR
+          else "Produced by `scripts/bench-failures.py`."), "",
           "| failure of device 2 | vol1 IOPS before | vol1 IOPS during | during / before | during / reference | vol1 errors | vol1 slowest request | vol2 errors | vol2 longest stall | vol2 slowest request | vol2 IOPS after | spoold |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -221,7 +258,7 @@ def main():
     md += ["", "What device 2 went through:", ""]
     for r in rows:
         md.append(f"- **{r['scenario']}**: " + "; ".join(r["device2_events"]))
-    md += ["", "![timelines](failures.png)", "",
+    md += ["", "![timelines]({NAME}.png)", "",
            "Volume 2 sees no errors for link errors and timeouts (its I/O is held while the device "
            "resets, then resubmitted: the stall column); for media errors, removal and SMART wear "
            "it gets clean I/O errors at once and recovers after the replacement (on a blank device: "
@@ -235,7 +272,9 @@ def main():
            "2's I/O is held (link error, timeout) its client goes idle and volume 1 drops for that "
            "reason, not because of the failure handling: those rows are compared with the control, "
            "where volume 2's client is merely paused for the same 1.5 s with no failure.", ""]
-    with open(os.path.join(OUT, "failures.md"), "w") as f:
+    if MIRROR:
+        md = [MIRROR_TEXT if x.startswith("Volume 2 sees no errors") else x for x in md]
+    with open(os.path.join(OUT, f"{NAME}.md"), "w") as f:
         f.write("\n".join(md))
     try:
         import matplotlib
@@ -256,10 +295,10 @@ def main():
         axes[0].legend(fontsize=7, loc="upper right")
         axes[-1].set_xlabel("seconds (red: device 2 fails, green: replaced)")
         fig.tight_layout()
-        fig.savefig(os.path.join(OUT, "failures.png"), dpi=100)
+        fig.savefig(os.path.join(OUT, f"{NAME}.png"), dpi=100)
     except ImportError:
         log("matplotlib missing: no plot")
-    log(f"wrote {OUT}/failures.md")
+    log(f"wrote {OUT}/{NAME}.md")
     return 0
 
 
