@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, INTENT};
-use super::{LegPiece, Shared};
+use super::Shared;
 use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
 
 /// A leg device with commands outstanding and no completion for this long is hung, when the
@@ -179,13 +179,22 @@ impl MirrorQueue {
         mask & 0b111
     }
 
-    /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches.
+    /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches. (Borrows the
+    /// fields apart rather than cloning the shared state's `Arc`: its count is one cache line
+    /// every queue of the volume would bounce per request.)
     fn submit_leg(&mut self, i: usize, slot: u8) {
-        let shared = Arc::clone(&self.shared);
+        let MirrorQueue {
+            shared,
+            ops,
+            queues,
+            outstanding,
+            progress,
+            ..
+        } = self;
         let Some(pieces) = shared.leg(slot).map(|l| l.pieces.as_slice()) else {
             return;
         };
-        let op = self.ops[i].as_mut().expect("live op");
+        let op = ops[i].as_mut().expect("live op");
         let (offset, len) = (op.offset, op.len);
         let start = pieces.partition_point(|p| p.logical + p.len <= offset);
         let mut done = 0;
@@ -193,55 +202,17 @@ impl MirrorQueue {
             if done >= len {
                 break;
             }
-            let pos = offset + done;
-            let within = pos - p.logical;
+            let within = offset + done - p.logical;
             let n = (p.len - within).min(len - done);
-            self.submit_piece(i, slot, p, p.offset + within, n, done);
+            let tag = ((i as u64) << SLOT_BITS) | slot as u64;
+            let io = piece_io(op, p.offset + within, n, done);
+            // SAFETY: buffers and iovec arrays stay valid until this piece is reaped: the
+            // caller's by the submit contract, split arrays because `op` keeps them.
+            unsafe { queues[p.device].submit(io, tag) };
+            op.pending += 1;
+            busy(outstanding, progress, p.device);
             done += n;
         }
-    }
-
-    /// One more command outstanding on device `d` (its progress clock starts when it was idle).
-    #[inline]
-    fn busy(&mut self, d: usize) {
-        self.outstanding[d] += 1;
-        if self.outstanding[d] == 1 {
-            self.progress[d] = Instant::now();
-        }
-    }
-
-    fn submit_piece(&mut self, i: usize, slot: u8, p: &LegPiece, dev_off: u64, n: u64, at: u64) {
-        let op = self.ops[i].as_mut().expect("live op");
-        let io = match op.kind {
-            Kind::Zeroes => DeviceIo::WriteZeroes {
-                offset: dev_off,
-                len: n,
-            },
-            Kind::Flush => DeviceIo::Flush,
-            kind if at == 0 && n == op.len => {
-                DeviceIo::data(kind == Kind::Write, dev_off, n, op.iov, op.iovcnt)
-            }
-            kind => {
-                // SAFETY: the caller of `submit` keeps `iov[..iovcnt]` valid until completion.
-                let iov = unsafe { std::slice::from_raw_parts(op.iov, op.iovcnt as usize) };
-                let part = split_iov(iov, at, n);
-                let io = DeviceIo::data(
-                    kind == Kind::Write,
-                    dev_off,
-                    n,
-                    part.as_ptr(),
-                    part.len() as u32,
-                );
-                op.split.push(part);
-                io
-            }
-        };
-        op.pending += 1;
-        let tag = ((i as u64) << SLOT_BITS) | slot as u64;
-        // SAFETY: buffers and iovec arrays stay valid until this piece is reaped: the
-        // caller's by the submit contract, split arrays because `op` keeps them.
-        unsafe { self.queues[p.device].submit(io, tag) };
-        self.busy(p.device);
     }
 
     fn submit_read(&mut self, i: usize) -> bool {
@@ -301,10 +272,7 @@ impl MirrorQueue {
             let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
             // SAFETY: a flush carries no buffers.
             unsafe { self.queues[d].submit(DeviceIo::Flush, tag) };
-            self.outstanding[d] += 1;
-            if self.outstanding[d] == 1 {
-                self.progress[d] = Instant::now();
-            }
+            busy(&mut self.outstanding, &mut self.progress, d);
         }
         !devices.is_empty()
     }
@@ -358,6 +326,45 @@ impl MirrorQueue {
         };
         self.in_flight -= 1;
         self.done.push_back((op.tag, res));
+    }
+}
+
+/// One more command outstanding on device `d` (its progress clock starts when it was idle).
+#[inline]
+fn busy(outstanding: &mut [u32], progress: &mut [Instant], d: usize) {
+    outstanding[d] += 1;
+    if outstanding[d] == 1 {
+        progress[d] = Instant::now();
+    }
+}
+
+/// The device operation for `op`'s bytes `[at, at + n)` at device offset `dev_off`; a piece
+/// of a read or write that is not the whole request gets its own iovec array, kept in `op`.
+fn piece_io(op: &mut Op, dev_off: u64, n: u64, at: u64) -> DeviceIo {
+    match op.kind {
+        Kind::Zeroes => DeviceIo::WriteZeroes {
+            offset: dev_off,
+            len: n,
+        },
+        Kind::Flush => DeviceIo::Flush,
+        kind if at == 0 && n == op.len => {
+            DeviceIo::data(kind == Kind::Write, dev_off, n, op.iov, op.iovcnt)
+        }
+        kind => {
+            // SAFETY: the caller of `submit` keeps `iov[..iovcnt]` valid until completion.
+            let iov = unsafe { std::slice::from_raw_parts(op.iov, op.iovcnt as usize) };
+            let part = split_iov(iov, at, n);
+            // The boxed slice's heap block does not move when the box moves into `split`.
+            let io = DeviceIo::data(
+                kind == Kind::Write,
+                dev_off,
+                n,
+                part.as_ptr(),
+                part.len() as u32,
+            );
+            op.split.push(part);
+            io
+        }
     }
 }
 
