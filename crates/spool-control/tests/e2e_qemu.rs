@@ -478,15 +478,24 @@ num_queues = 2
 /// while the worker is SIGKILLed, one leg's device fails with a media error (the leg moves to
 /// the third device and is rebuilt online, rate-limited) and the worker is killed again
 /// during the rebuild. Passes only with zero fio errors and verify failures, the mirror
-/// healthy again, and `volume_verify` finding the copies identical.
+/// healthy again, and `volume_verify` finding the copies identical. `SPOOL_MIRROR_KILLS`
+/// (default 10) sets the kills, half before the failure and half during the rebuild (the
+/// soak: scripts/soak-mirror.sh).
 #[test]
 fn vm_on_a_mirrored_volume_survives_a_leg_failure_rebuild_and_kills() {
     if !enabled() {
         return;
     }
+    let kills: u64 = std::env::var("SPOOL_MIRROR_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10)
+        .max(2);
+    // The rebuild of 96 MiB lasts about as long as the kills during it.
+    let rate_kib = (96 * 1024 / (kills / 2 * 8 / 10).max(1)).max(64);
     let d = Spoold::start(
-        r#"
-resync_rate = "8M"
+        &r#"
+resync_rate = "@RATE@K"
 [io]
 poll_idle_us = 20
 [[devices]]
@@ -503,7 +512,8 @@ name = "vm"
 size = "96M"
 num_queues = 2
 mirror = 2
-"#,
+"#
+        .replace("@RATE@", &rate_kib.to_string()),
     );
     let mirror = || {
         d.rpc("volume_show", serde_json::json!({"id": "vm"}))
@@ -511,7 +521,7 @@ mirror = 2
             .clone()
     };
     let console = d.dir.path().join("mirror.console");
-    let runtime = 45;
+    let runtime = 25 + kills * 2;
     let mut vm = qemu(
         &d.socket("vm"),
         "killtest",
@@ -535,7 +545,7 @@ mirror = 2
     }
     let pause = |ms| std::thread::sleep(std::time::Duration::from_millis(ms));
     let mut resynced = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..kills / 2 {
         pause(600);
         d.kill_worker();
         pause(100);
@@ -559,7 +569,7 @@ mirror = 2
         );
         pause(50);
     }
-    for _ in 0..5 {
+    for _ in 0..kills - kills / 2 {
         pause(800);
         d.kill_worker();
     }

@@ -17,6 +17,7 @@
 //! Must not know: volumes, extents or pool metadata (the pool describes the legs), virtio.
 
 pub mod bitmap;
+mod legio;
 mod queue;
 mod resync;
 #[cfg(test)]

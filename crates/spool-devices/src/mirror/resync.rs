@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, INTENT};
+use super::legio::{AlignedBuf, LegIo};
 use super::{Shared, MAX_LEGS, MISSING};
 use crate::{Error, HealthState, Result};
 
@@ -83,13 +84,14 @@ pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
 
 fn run(weak: Weak<Shared>) {
     let mut seen: Vec<(u32, Instant)> = Vec::new();
+    let (mut io, mut buf) = (LegIo::default(), AlignedBuf::default());
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
         keep_health(&shared);
-        let copied = copy_pass(&shared);
+        let copied = copy_pass(&shared, &mut io, &mut buf);
         clear_pass(&shared, &mut seen);
         drop(shared);
         if !copied {
@@ -136,11 +138,10 @@ fn keep_health(shared: &Shared) {
 
 /// Copies every region where a usable leg is stale from a usable current one; returns
 /// whether it copied anything.
-fn copy_pass(shared: &Shared) -> bool {
+fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
     let healthy = shared.healthy();
     let n = shared.regions.bitmap.regions();
     let mut any = false;
-    let mut buf = Vec::new();
     for r in 0..n {
         if shared.stop.load(Ordering::Acquire) {
             break;
@@ -157,7 +158,7 @@ fn copy_pass(shared: &Shared) -> bool {
             continue;
         }
         let source = sources.trailing_zeros() as u8;
-        match copy_region(shared, r, source, targets, &mut buf) {
+        match copy_region(shared, io, buf, (r, source, targets)) {
             Ok(true) => {
                 any = true;
                 note_copied(shared, r);
@@ -248,20 +249,19 @@ fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
 /// (no write reached the region meanwhile).
 fn copy_region(
     shared: &Shared,
-    r: usize,
-    source: u8,
-    targets: u8,
-    buf: &mut Vec<u8>,
+    io: &mut LegIo,
+    buf: &mut AlignedBuf,
+    (r, source, targets): (usize, u8, u8),
 ) -> Result<bool> {
     let Some(g) = quiet_gen(shared, r) else {
         return Ok(false);
     };
     let (off, len) = region_range(shared, r);
-    buf.resize(len as usize, 0);
-    leg_read(shared, source, off, buf)?;
+    let buf = buf.get(len as usize);
+    leg_read(shared, io, source, off, buf)?;
     for t in 0..MAX_LEGS as u8 {
         if targets & stale(t) != 0 {
-            leg_write(shared, t, off, Some(buf))?;
+            leg_write(shared, io, t, off, Some(&mut *buf), len)?;
         }
     }
     if shared.regions.gens[r].load(Ordering::SeqCst) != g {
@@ -295,14 +295,14 @@ fn clear_pass(shared: &Shared, seen: &mut Vec<(u32, Instant)>) {
     }
 }
 
-/// Calls `f(device, device offset, length, offset within the range)` for each piece of
+/// Calls `f(device index, device offset, length, offset within the range)` for each piece of
 /// leg `slot` in volume range `[off, off + len)`.
 fn leg_pieces(
     shared: &Shared,
     slot: u8,
     off: u64,
     len: u64,
-    mut f: impl FnMut(&crate::Device, u64, u64, u64) -> Result<()>,
+    mut f: impl FnMut(usize, u64, u64, u64) -> Result<()>,
 ) -> Result<()> {
     let Some(pieces) = shared.leg(slot).map(|l| &l.pieces) else {
         return Err(Error::io(
@@ -321,32 +321,56 @@ fn leg_pieces(
         }
         let within = off + done - p.logical;
         let n = (p.len - within).min(len - done);
-        let Some(dev) = shared.spec.devices.get(p.device) else {
+        if p.device >= shared.spec.devices.len() {
             return Err(Error::io(
                 std::path::Path::new(&shared.spec.name),
                 "leg",
                 std::io::Error::from_raw_os_error(libc::ENODEV),
             ));
-        };
-        f(dev, p.offset + within, n, done)?;
+        }
+        f(p.device, p.offset + within, n, done)?;
         done += n;
     }
     Ok(())
 }
 
-fn leg_read(shared: &Shared, slot: u8, off: u64, buf: &mut [u8]) -> Result<()> {
+fn leg_read(shared: &Shared, io: &mut LegIo, slot: u8, off: u64, buf: &mut [u8]) -> Result<()> {
     leg_pieces(shared, slot, off, buf.len() as u64, |d, o, n, at| {
-        d.read_at(&mut buf[at as usize..(at + n) as usize], o)
+        io.rw(
+            shared,
+            d,
+            false,
+            o,
+            &mut buf[at as usize..(at + n) as usize],
+        )
     })
 }
 
-/// Writes `data` (or zeroes, when `None`) to leg `slot` at volume offset `off`, durably.
-fn leg_write(shared: &Shared, slot: u8, off: u64, data: Option<&[u8]>) -> Result<()> {
-    let len = data.map_or(0, |d| d.len() as u64);
-    leg_pieces(shared, slot, off, len, |d, o, n, at| match data {
-        Some(b) => d.write_at_durable(&b[at as usize..(at + n) as usize], o),
-        None => d.zero_range(o, n),
-    })
+/// Writes `data` (or zeroes, when `None`, `len` bytes) to leg `slot` at volume offset `off`,
+/// durably (every device written is flushed).
+fn leg_write(
+    shared: &Shared,
+    io: &mut LegIo,
+    slot: u8,
+    off: u64,
+    data: Option<&mut [u8]>,
+    len: u64,
+) -> Result<()> {
+    let mut written: Vec<usize> = Vec::new();
+    let mut data = data;
+    leg_pieces(shared, slot, off, len, |d, o, n, at| {
+        if !written.contains(&d) {
+            written.push(d);
+        }
+        match data.as_deref_mut() {
+            Some(b) => io.rw(shared, d, true, o, &mut b[at as usize..(at + n) as usize]),
+            None => shared.spec.devices[d].zero_range(o, n),
+        }
+    })?;
+    for d in written {
+        io.flush(shared, d)?;
+    }
+    Ok(())
 }
 
 /// Synchronous read from a current leg (not the data path).
@@ -357,7 +381,13 @@ pub(crate) fn read_current(shared: &Shared, buf: &mut [u8], off: u64) -> Result<
         mask &= !shared.regions.bitmap.byte(r).load(Ordering::Acquire);
     }
     match (0..MAX_LEGS as u8).find(|s| mask & stale(*s) != 0) {
-        Some(s) => leg_read(shared, s, off, buf),
+        Some(s) => {
+            let mut aligned = AlignedBuf::default();
+            let b = aligned.get(buf.len());
+            leg_read(shared, &mut LegIo::default(), s, off, b)?;
+            buf.copy_from_slice(b);
+            Ok(())
+        }
         None => Err(Error::io(
             std::path::Path::new(&shared.spec.name),
             "read",
@@ -380,10 +410,15 @@ pub(crate) fn write_all_legs(
         .enter(first, last, INTENT | (shared.all_slots() & !writable));
     shared.regions.bitmap.sync(first, last);
     let mut res = Ok(());
+    let (mut io, mut aligned) = (LegIo::default(), AlignedBuf::default());
     for s in (0..MAX_LEGS as u8).filter(|s| writable & stale(*s) != 0) {
         let r = match data {
-            Some(_) => leg_write(shared, s, off, data),
-            None => leg_pieces(shared, s, off, len, |d, o, n, _| d.zero_range(o, n)),
+            Some(d) => {
+                let b = aligned.get(d.len());
+                b.copy_from_slice(d);
+                leg_write(shared, &mut io, s, off, Some(b), len)
+            }
+            None => leg_write(shared, &mut io, s, off, None, len),
         };
         if r.is_err() {
             res = r;
@@ -397,7 +432,8 @@ pub(crate) fn write_all_legs(
 pub(crate) fn verify(shared: &Shared) -> Result<Verify> {
     let mut v = Verify::default();
     let n = shared.regions.bitmap.regions();
-    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let (mut a, mut b) = (AlignedBuf::default(), AlignedBuf::default());
+    let mut io = LegIo::default();
     for r in 0..n {
         v.regions += 1;
         for _attempt in 0..50 {
@@ -414,12 +450,11 @@ pub(crate) fn verify(shared: &Shared) -> Result<Verify> {
             let Some(g) = quiet_gen(shared, r) else {
                 continue;
             };
-            a.resize(len as usize, 0);
-            b.resize(len as usize, 0);
-            leg_read(shared, legs[0], off, &mut a)?;
+            let (a, b) = (a.get(len as usize), b.get(len as usize));
+            leg_read(shared, &mut io, legs[0], off, a)?;
             let mut differ = false;
             for &l in &legs[1..] {
-                leg_read(shared, l, off, &mut b)?;
+                leg_read(shared, &mut io, l, off, b)?;
                 differ |= a != b;
             }
             if shared.regions.gens[r].load(Ordering::SeqCst) != g {

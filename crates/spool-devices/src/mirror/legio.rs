@@ -1,0 +1,121 @@
+//! Synchronous I/O on the legs' devices for the resync thread and verify, through the
+//! devices' own queues: the data path's way in (O_DIRECT for files). Going through the page
+//! cache instead (the devices' metadata calls) collides with the data path's direct writes:
+//! the kernel may then fail to invalidate a cached page ("Page cache invalidation failure on
+//! direct I/O") and a later buffered read copies stale data onto another leg.
+//!
+//! Owns: one small queue per leg device, opened on first use, and page-aligned buffers.
+//! Must not know: regions, the bitmap.
+
+use std::time::Duration;
+
+use super::Shared;
+use crate::{DeviceIo, DeviceQueue, Error, IoVec, Result};
+
+/// A byte buffer whose usable part is page aligned (what O_DIRECT and DMA want).
+#[derive(Default)]
+pub(crate) struct AlignedBuf {
+    v: Vec<u8>,
+}
+
+impl AlignedBuf {
+    const ALIGN: usize = 4096;
+
+    /// `len` bytes, page aligned (contents unspecified).
+    pub(crate) fn get(&mut self, len: usize) -> &mut [u8] {
+        if self.v.len() < len + Self::ALIGN {
+            self.v = vec![0; len + Self::ALIGN];
+        }
+        let at = self.v.as_ptr().align_offset(Self::ALIGN);
+        &mut self.v[at..at + len]
+    }
+}
+
+/// Queues on the legs' devices, one per device, for synchronous use by one thread.
+#[derive(Default)]
+pub(crate) struct LegIo {
+    queues: Vec<Option<Box<dyn DeviceQueue>>>,
+}
+
+impl LegIo {
+    fn queue(&mut self, shared: &Shared, d: usize) -> Result<&mut Box<dyn DeviceQueue>> {
+        if self.queues.len() <= d {
+            self.queues.resize_with(d + 1, || None);
+        }
+        if self.queues[d].is_none() {
+            let dev = shared.spec.devices.get(d).ok_or_else(|| gone(shared))?;
+            let q = dev
+                .open_queue(4)
+                .map_err(|e| Error::io(dev.path(), "open a resync queue", e))?;
+            self.queues[d] = Some(q);
+        }
+        Ok(self.queues[d].as_mut().expect("opened above"))
+    }
+
+    /// Reads (`write` false) or writes `buf` at byte `offset` of device `d`.
+    pub(crate) fn rw(
+        &mut self,
+        shared: &Shared,
+        d: usize,
+        write: bool,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let iov = IoVec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        let io = DeviceIo::data(write, offset, buf.len() as u64, &iov, 1);
+        self.run(shared, d, io)
+    }
+
+    /// Makes the writes done on device `d` durable.
+    pub(crate) fn flush(&mut self, shared: &Shared, d: usize) -> Result<()> {
+        self.run(shared, d, DeviceIo::Flush)
+    }
+
+    /// Submits `io` and waits for its completion. A command that does not come back within
+    /// 10 s is aborted; the wait goes on until the queue gives it back (the buffers it
+    /// points at belong to the caller until then).
+    fn run(&mut self, shared: &Shared, d: usize, io: DeviceIo) -> Result<()> {
+        let path = shared
+            .spec
+            .devices
+            .get(d)
+            .map(|dev| dev.path().to_path_buf());
+        let q = self.queue(shared, d)?;
+        // SAFETY: the iovec and buffer `io` points at outlive this call, and this call
+        // returns only once the completion for the command has been reaped.
+        unsafe { q.submit(io, 1) };
+        let mut res = None;
+        let mut waited = Duration::ZERO;
+        let tick = Duration::from_micros(50);
+        loop {
+            let _ = q.kick();
+            q.reap(&mut |_, r| res = Some(r));
+            if let Some(r) = res {
+                return match r {
+                    r if r >= 0 => Ok(()),
+                    r => Err(Error::io(
+                        path.as_deref().unwrap_or(std::path::Path::new("?")),
+                        "resync I/O",
+                        std::io::Error::from_raw_os_error(-r),
+                    )),
+                };
+            }
+            std::thread::sleep(tick);
+            waited += tick;
+            if waited == Duration::from_secs(10) {
+                q.abort();
+            }
+        }
+    }
+}
+
+fn gone(shared: &Shared) -> Error {
+    Error::io(
+        std::path::Path::new(&shared.spec.name),
+        "leg",
+        std::io::Error::from_raw_os_error(libc::ENODEV),
+    )
+}
