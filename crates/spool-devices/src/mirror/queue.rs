@@ -57,6 +57,8 @@ struct Op {
     failed: u8,
     media: u8,
     err: i32,
+    /// Writes: the legs current in every region of the write when it was submitted.
+    current: u8,
     /// Flushes: devices asked, and devices that failed.
     pending_devices: u32,
     failed_devices: u32,
@@ -231,10 +233,14 @@ impl MirrorQueue {
         true
     }
 
+    /// A write starts only when a leg that is current in all of its regions can take it: a
+    /// write that only reached legs still being copied to would be acknowledged with no
+    /// readable copy holding it.
     fn submit_write(&mut self, i: usize) -> bool {
         let op = self.ops[i].as_ref().expect("live op");
         let writable = self.shared.usable(self.healthy, op.offset, op.len);
-        if writable == 0 {
+        let current = self.readable(op);
+        if current == 0 {
             return false;
         }
         let (first, last) = op.regions;
@@ -242,7 +248,9 @@ impl MirrorQueue {
         if self.shared.regions.enter(first, last, want) {
             self.shared.regions.bitmap.sync(first, last);
         }
-        self.ops[i].as_mut().expect("live op").issued = writable;
+        let op = self.ops[i].as_mut().expect("live op");
+        op.issued = writable;
+        op.current = current;
         for slot in 0..3u8 {
             if writable & stale(slot) != 0 {
                 self.submit_leg(i, slot);
@@ -307,9 +315,13 @@ impl MirrorQueue {
             // monitor resets or isolates them).
             Kind::Flush if op.failed == 0 || op.pending_devices > op.failed_devices => 0,
             Kind::Flush => op.err,
+            // Done when a leg current at submit took it all; the legs that failed then missed
+            // it (marked stale before the completion). When every current leg failed, the
+            // write failed as a whole (its blocks are indeterminate on every leg, as for any
+            // failed write) and nothing is marked: the current legs stay the copy source.
             Kind::Write | Kind::Zeroes => {
                 let (first, last) = op.regions;
-                let res = if op.issued & !op.failed != 0 {
+                let res = if op.current & !op.failed != 0 {
                     if op.failed != 0 {
                         for r in first..=last {
                             self.shared.regions.mark(r, op.failed);
@@ -448,6 +460,7 @@ impl DeviceQueue for MirrorQueue {
             failed: 0,
             media: 0,
             err: 0,
+            current: 0,
             pending_devices: 0,
             failed_devices: 0,
             split: Vec::new(),

@@ -361,3 +361,37 @@ fn a_hung_leg_is_aborted_when_the_worker_asks_and_costs_no_request() {
     assert_eq!(res, Some(0), "the write succeeds on leg 0");
     assert_eq!(mirror.progress().legs[1].stale_bytes, MIB);
 }
+
+#[test]
+fn a_write_that_reaches_only_a_leg_being_rebuilt_fails_and_marks_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    let mut s = spec(d.path(), devs.clone(), false);
+    s.resync_rate = 1; // one region copied, then the copy waits: leg 1 stays stale elsewhere
+    let m = MirrorBackend::open(s).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    let mut q = m.open_queue(64).unwrap();
+    devs[0].faults().add(FaultRule {
+        effect: FaultEffect::Errno(libc::EIO),
+        ops: FaultOps::Write,
+        offset: 0,
+        len: 0,
+        count: Some(1),
+        duration: None,
+        fails_probe: false,
+    });
+    let stale_before = mirror.progress().legs[0].stale_bytes;
+    let mut data = vec![5u8; 4096];
+    // Leg 0 (the only current copy of region 5) fails; leg 1, still being rebuilt, took it:
+    // acknowledging it would leave no readable copy holding the data.
+    assert_eq!(run(&mut *q, true, 5 * MIB, &mut data), -libc::EIO);
+    assert_eq!(
+        mirror.progress().legs[0].stale_bytes,
+        stale_before,
+        "leg 0 stays the source"
+    );
+    // With leg 0 resetting, a write there has no current leg to go to: a path error to hold.
+    assert_eq!(run(&mut *q, true, 5 * MIB, &mut data), -libc::ENOLINK);
+    devs[0].health().set(HealthState::Healthy);
+    assert_eq!(run(&mut *q, true, 5 * MIB, &mut data), 0);
+}
