@@ -70,6 +70,19 @@ fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> MirrorSpec {
     }
 }
 
+/// A rule failing `ops` on the whole device with `errno`, `count` times (None: until cleared).
+fn errno_rule(ops: FaultOps, errno: i32, count: Option<u64>) -> FaultRule {
+    FaultRule {
+        effect: FaultEffect::Errno(errno),
+        ops,
+        offset: 0,
+        len: 0,
+        count,
+        duration: None,
+        fails_probe: false,
+    }
+}
+
 /// Two file devices and a new mirror over them (identical, zeroed legs).
 fn setup(d: &Path) -> (Vec<Arc<Device>>, Arc<Device>) {
     let devs = vec![file_device(d, "a"), file_device(d, "b")];
@@ -162,15 +175,9 @@ fn a_failing_leg_costs_no_request_and_is_caught_up_when_healthy_again() {
     let (devs, m) = setup(d.path());
     let mirror = MirrorBackend::of(&m).unwrap();
     let mut q = m.open_queue(64).unwrap();
-    devs[1].faults().add(FaultRule {
-        effect: FaultEffect::Errno(libc::EIO),
-        ops: FaultOps::Write,
-        offset: 0,
-        len: 0,
-        count: None,
-        duration: None,
-        fails_probe: false,
-    });
+    devs[1]
+        .faults()
+        .add(errno_rule(FaultOps::Write, libc::EIO, None));
     let mut data = vec![0x5a_u8; 64 * 1024];
     assert_eq!(
         run(&mut *q, true, MIB, &mut data),
@@ -280,15 +287,9 @@ fn a_media_error_on_read_moves_to_the_other_leg_and_repairs_the_range() {
     let mut data = vec![0x42_u8; 8192];
     assert_eq!(run(&mut *q, true, 5 * MIB, &mut data), 0);
     // Leg 0 is read first; it fails once with a media error and leg 1 answers.
-    devs[0].faults().add(FaultRule {
-        effect: FaultEffect::Errno(libc::ENODATA),
-        ops: FaultOps::Read,
-        offset: 0,
-        len: 0,
-        count: Some(1),
-        duration: None,
-        fails_probe: false,
-    });
+    devs[0]
+        .faults()
+        .add(errno_rule(FaultOps::Read, libc::ENODATA, Some(1)));
     let mut back = vec![0u8; data.len()];
     assert_eq!(run(&mut *q, false, 5 * MIB, &mut back), 0);
     assert_eq!(back, data);
@@ -371,15 +372,9 @@ fn a_write_that_reaches_only_a_leg_being_rebuilt_fails_and_marks_nothing() {
     let m = MirrorBackend::open(s).unwrap();
     let mirror = MirrorBackend::of(&m).unwrap();
     let mut q = m.open_queue(64).unwrap();
-    devs[0].faults().add(FaultRule {
-        effect: FaultEffect::Errno(libc::EIO),
-        ops: FaultOps::Write,
-        offset: 0,
-        len: 0,
-        count: Some(1),
-        duration: None,
-        fails_probe: false,
-    });
+    devs[0]
+        .faults()
+        .add(errno_rule(FaultOps::Write, libc::EIO, Some(1)));
     let stale_before = mirror.progress().legs[0].stale_bytes;
     let mut data = vec![5u8; 4096];
     // Leg 0 (the only current copy of region 5) fails; leg 1, still being rebuilt, took it:
