@@ -252,8 +252,16 @@ fn copies_are_added_and_removed_under_load() {
         m["state"] == json!("healthy") && legs_current(m) == 2
     });
     l.wait_progress(200);
+    // Grown while mirrored and under load: both copies grow, the new range is identical.
+    let (ok, _, err) = spoolctl(&s, &["volume", "resize", "plain", "16M"]);
+    assert!(ok, "{err}");
+    wait_mirror_of(&s, "plain", "healthy after growing", |m| {
+        m["state"] == json!("healthy") && legs_current(m) == 2
+    });
+    l.wait_progress(200);
     let v = s.rpc("volume_verify", json!({"id": "plain"})).unwrap();
     assert_eq!(v["regions_differing"], json!(0), "{v}");
+    assert_eq!(v["regions"], json!(16), "{v}");
     // Back to one copy: a plain volume again, data intact.
     let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "remove", "plain", "--leg", "0"]);
     assert!(ok, "{err}");
