@@ -346,6 +346,7 @@ fn a_hung_leg_is_aborted_when_the_worker_asks_and_costs_no_request() {
         iov_base: data.as_mut_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     }];
+    let submitted = Instant::now();
     // SAFETY: `iov` and `data` outlive the completion reaped below.
     unsafe { q.submit(DeviceIo::data(true, 0, 4096, iov.as_ptr(), 1), 9) };
     q.kick().unwrap();
@@ -353,8 +354,11 @@ fn a_hung_leg_is_aborted_when_the_worker_asks_and_costs_no_request() {
     let mut res = None;
     q.reap(&mut |_, r| res = Some(r));
     assert_eq!(res, None, "leg 1 hangs: the write waits for it");
-    // Too early: the hang is not yet old enough to be told from a slow device.
-    assert_eq!(q.abort(), 0);
+    // Too early: the hang is not yet old enough to be told from a slow device (checked only
+    // when this thread was not itself held up past the threshold on a loaded machine).
+    if submitted.elapsed() < Duration::from_millis(80) {
+        assert_eq!(q.abort(), 0);
+    }
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(q.abort(), 1, "the hung leg device's command is aborted");
     assert_eq!(devs[1].health().state(), HealthState::Resetting);
