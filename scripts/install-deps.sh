@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian 12 machine: QEMU 7.2 (system emulator
-# and qemu-storage-daemon), fio and a static busybox for the test guest. The machine may carry
+# and qemu-storage-daemon), fio and a static busybox for the test guest, and systemd (run as a
+# private user manager by the systemd test, never as this machine's init). The machine may carry
 # bookworm-backports' qemu-utils; Debian refuses to mix it with bookworm's
 # qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
 set -euo pipefail
@@ -10,6 +11,9 @@ command -v fio >/dev/null || need+=(fio)
 command -v busybox >/dev/null || need+=(busybox-static)
 command -v xz >/dev/null || need+=(xz-utils)
 command -v objcopy >/dev/null || need+=(binutils)
+# The systemd test runs a real (user) service manager: tests/systemd.rs.
+[ -x /lib/systemd/systemd ] || need+=(systemd)
+command -v unshare >/dev/null || need+=(util-linux)
 if ((${#need[@]} == 0)); then
     exit 0
 fi

@@ -5,186 +5,10 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
+use common::guest::{assert_pass, enabled, run_guest, start_killtest, KILLTEST_CONFIG};
 use common::Spoold;
-
-fn enabled() -> bool {
-    if std::env::var("SPOOL_E2E").as_deref() == Ok("1") {
-        return true;
-    }
-    eprintln!("e2e_qemu: skipped (set SPOOL_E2E=1; scripts/test.sh does)");
-    false
-}
-
-fn guest_dir() -> PathBuf {
-    let cache = std::env::var("SPOOL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache"));
-    let g = cache.join("guest");
-    assert!(
-        g.join("vmlinuz").exists() && g.join("initramfs.cpio.gz").exists(),
-        "guest image missing in {}: run scripts/build-guest.sh",
-        g.display()
-    );
-    g
-}
-
-fn qemu(sock: &std::path::Path, job: &str, queues: u16, extra: &str, timeout_s: u64) -> Command {
-    let g = guest_dir();
-    let mut c = Command::new("timeout");
-    c.arg(timeout_s.to_string())
-        .arg("qemu-system-x86_64")
-        .args([
-            "-machine",
-            "q35",
-            "-accel",
-            "tcg,thread=multi",
-            "-smp",
-            "2",
-            "-m",
-            "512M",
-        ])
-        .args(["-nographic", "-no-reboot", "-nic", "none"])
-        .args([
-            "-object",
-            "memory-backend-memfd,id=mem,size=512M,share=on",
-            "-numa",
-            "node,memdev=mem",
-        ])
-        .arg("-kernel")
-        .arg(g.join("vmlinuz"))
-        .arg("-initrd")
-        .arg(g.join("initramfs.cpio.gz"))
-        .args([
-            "-append",
-            &format!("console=ttyS0 quiet panic=-1 spool.job={job} {extra}"),
-        ])
-        .args([
-            "-chardev",
-            &format!("socket,id=c0,path={},reconnect=1", sock.display()),
-        ])
-        .args([
-            "-device",
-            &format!("vhost-user-blk-pci,chardev=c0,num-queues={queues}"),
-        ]);
-    c
-}
-
-/// Boots the guest on `sock` and runs `job`; returns the console output.
-/// Seconds a guest may take to reach its init script (it prints "SPOOL-E2E: disk ...").
-/// It takes 5–10 s here; once in CI a TCG guest hung silently in early kernel boot, before it
-/// ever probed its disk (the daemon saw no device reset), and used up the whole 600 s timeout.
-const BOOT_WATCHDOG_S: u64 = 240;
-
-fn run_guest(sock: &std::path::Path, job: &str, queues: u16, log: &std::path::Path) -> String {
-    for attempt in 1..=2 {
-        match run_guest_once(sock, job, queues, log) {
-            Ok(console) => return console,
-            Err(console) if attempt == 1 => {
-                // Only a guest that never reached user space is retried: the daemon has not
-                // seen a single request of the job by then, so nothing it did is hidden.
-                eprintln!(
-                    "guest job {job}: no output from the guest's init in {BOOT_WATCHDOG_S} s \
-                     (a TCG boot hang, before the kernel probed its disk); booting it again. \
-                     Console so far:\n{console}"
-                );
-            }
-            Err(console) => return console,
-        }
-    }
-    unreachable!()
-}
-
-/// Runs one guest to the end. Err(console) if its init printed nothing within
-/// [`BOOT_WATCHDOG_S`] (the guest is then stopped).
-fn run_guest_once(
-    sock: &std::path::Path,
-    job: &str,
-    queues: u16,
-    log: &std::path::Path,
-) -> Result<String, String> {
-    use std::io::Read;
-    use std::process::Stdio;
-    use std::sync::{Arc, Mutex};
-    let start = Instant::now();
-    let mut child = qemu(sock, job, queues, "", 600)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("qemu-system-x86_64 must be installed (apt-get install qemu-system-x86)");
-    let console = Arc::new(Mutex::new(String::new()));
-    let readers: Vec<_> = [
-        Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
-        Box::new(child.stderr.take().unwrap()),
-    ]
-    .into_iter()
-    .map(|mut r| {
-        let console = console.clone();
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = r.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                console
-                    .lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        })
-    })
-    .collect();
-    let mut booted = true;
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed().as_secs() >= BOOT_WATCHDOG_S
-            && !console.lock().unwrap().contains("SPOOL-E2E")
-        {
-            booted = false;
-            // `timeout` passes SIGTERM on to QEMU.
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let _ = child.wait();
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
-    for r in readers {
-        let _ = r.join();
-    }
-    let console = console.lock().unwrap().clone();
-    std::fs::write(log, &console).unwrap();
-    eprintln!("guest job {job}: {:.1}s", start.elapsed().as_secs_f64());
-    if booted {
-        Ok(console)
-    } else {
-        Err(console)
-    }
-}
-
-fn assert_pass(console: &str, d: &Spoold, job: &str) {
-    let lines: Vec<&str> = console
-        .lines()
-        .filter(|l| l.contains("SPOOL-E2E"))
-        .collect();
-    assert!(
-        console.contains("SPOOL-E2E: PASS"),
-        "guest job {job} failed:\n{}\n--- console ---\n{}\n--- spoold ---\n{}",
-        lines.join("\n"),
-        console
-            .chars()
-            .rev()
-            .take(3000)
-            .collect::<String>()
-            .chars()
-            .rev()
-            .collect::<String>(),
-        d.log()
-    );
-}
 
 #[test]
 fn vm_runs_fio_verify_on_a_spool_volume() {
@@ -277,49 +101,12 @@ fn vm_survives_spoold_sigkill_under_load() {
     // SPOOL_KILL_NOJ=1 runs the same schedule without the journal: the documented contrast
     // (expected to fail), not part of the gate.
     let journal = std::env::var("SPOOL_KILL_NOJ").as_deref() != Ok("1");
-    let mut d = Spoold::start_with(
-        r#"
-[io]
-poll_idle_us = 20
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "128M"
-[[volumes]]
-name = "vm"
-size = "96M"
-num_queues = 2
-"#,
-        journal,
-    );
+    let mut d = Spoold::start_with(KILLTEST_CONFIG, journal);
     let console = d.dir.path().join("kill.console");
     // Long enough for every kill plus QEMU's one-second reconnect after each.
     let runtime = 15 + kills as u64 * 2;
-    let mut vm = qemu(
-        &d.socket("vm"),
-        "killtest",
-        2,
-        &format!("spool.runtime={runtime}"),
-        runtime + 300,
-    )
-    .stdout(std::fs::File::create(&console).unwrap())
-    .stderr(std::process::Stdio::null())
-    .spawn()
-    .expect("qemu-system-x86_64 must be installed");
+    let mut vm = start_killtest(&d.socket("vm"), runtime as u64, &console);
     let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
-    let deadline = Instant::now() + std::time::Duration::from_secs(120);
-    while !read_console().contains("SPOOL-E2E: disk") {
-        assert!(
-            Instant::now() < deadline,
-            "guest did not start: {}",
-            read_console()
-        );
-        assert!(
-            vm.try_wait().unwrap().is_none(),
-            "guest exited early: {}",
-            read_console()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
     let connected = |d: &Spoold| {
         d.rpc("volume_show", serde_json::json!({"id": "vm"}))
             .map(|v| v["connected"] == serde_json::json!(true))
@@ -388,47 +175,11 @@ fn vm_survives_worker_kills_and_upgrades_with_the_keeper() {
         });
     eprintln!("keeper test: {rounds} kills + {rounds} upgrades, seed {seed}");
     let mut rng = XorShift(seed);
-    let d = Spoold::start(
-        r#"
-[io]
-poll_idle_us = 20
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "128M"
-[[volumes]]
-name = "vm"
-size = "96M"
-num_queues = 2
-"#,
-    );
+    let d = Spoold::start(KILLTEST_CONFIG);
     let console = d.dir.path().join("keeper.console");
     let runtime = 10 + rounds as u64 * 2;
-    let mut vm = qemu(
-        &d.socket("vm"),
-        "killtest",
-        2,
-        &format!("spool.runtime={runtime}"),
-        runtime + 300,
-    )
-    .stdout(std::fs::File::create(&console).unwrap())
-    .stderr(std::process::Stdio::null())
-    .spawn()
-    .expect("qemu-system-x86_64 must be installed");
+    let mut vm = start_killtest(&d.socket("vm"), runtime as u64, &console);
     let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
-    let deadline = Instant::now() + std::time::Duration::from_secs(120);
-    while !read_console().contains("SPOOL-E2E: disk") {
-        assert!(
-            Instant::now() < deadline,
-            "guest did not start: {}",
-            read_console()
-        );
-        assert!(
-            vm.try_wait().unwrap().is_none(),
-            "guest exited early: {}",
-            read_console()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
     let (mut kill_stalls, mut upgrade_stalls) = (Vec::new(), Vec::new());
     for k in 0..rounds {
         std::thread::sleep(std::time::Duration::from_millis(200 + rng.next() % 500));
@@ -522,27 +273,8 @@ mirror = 2
     };
     let console = d.dir.path().join("mirror.console");
     let runtime = 25 + kills * 2;
-    let mut vm = qemu(
-        &d.socket("vm"),
-        "killtest",
-        2,
-        &format!("spool.runtime={runtime}"),
-        runtime + 300,
-    )
-    .stdout(std::fs::File::create(&console).unwrap())
-    .stderr(std::process::Stdio::null())
-    .spawn()
-    .expect("qemu-system-x86_64 must be installed");
+    let mut vm = start_killtest(&d.socket("vm"), runtime as u64, &console);
     let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
-    let deadline = Instant::now() + std::time::Duration::from_secs(120);
-    while !read_console().contains("SPOOL-E2E: disk") {
-        assert!(
-            Instant::now() < deadline,
-            "guest did not start: {}",
-            read_console()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
     let pause = |ms| std::thread::sleep(std::time::Duration::from_millis(ms));
     let mut resynced = Vec::new();
     for _ in 0..kills / 2 {

@@ -12,6 +12,7 @@
 pub mod link;
 pub mod proto;
 pub mod supervisor;
+pub mod systemd;
 
 pub use link::{KeeperLink, Restored};
 pub use proto::{Phase, RestartReport, StartInfo};

@@ -11,6 +11,7 @@
 //! (the graceful upgrade's stages). It must not know what the kept values mean.
 
 mod child;
+mod fdstore;
 mod restart;
 mod upgrade;
 
@@ -28,10 +29,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use child::{kill, Child, Start};
+use fdstore::FdStore;
 use upgrade::{Stage, Upgrade};
 
 use crate::now_us;
 use crate::proto::{crc, Msg, Phase, RestartReport, StartInfo, PROTOCOL_VERSION};
+use crate::systemd::{self, Notifier};
 
 /// How the keeper runs its workers.
 #[derive(Debug, Clone)]
@@ -70,6 +73,9 @@ enum Ev {
 struct Kept {
     value: String,
     files: Vec<File>,
+    /// Under systemd: each file's name in its descriptor store, and its identity.
+    names: Vec<String>,
+    ids: Vec<fdstore::FileId>,
 }
 
 struct Keeper {
@@ -88,6 +94,9 @@ struct Keeper {
     next_id: u64,
     /// The last worker that reported Ready.
     last_ready_pid: Option<u32>,
+    /// Under systemd: notifications and the descriptor-store mirror.
+    sd: Option<FdStore>,
+    last_watchdog: Instant,
 }
 
 fn status_text(s: &std::process::ExitStatus) -> String {
@@ -150,10 +159,13 @@ pub fn run(cfg: KeeperConfig) -> ExitCode {
         shutting_down: None,
         next_id: 1,
         last_ready_pid: None,
+        sd: Notifier::from_env().map(FdStore::new),
+        last_watchdog: Instant::now(),
     };
+    let reason = k.restore_from_systemd();
     let binary = k.cfg.binary.clone();
     let start = Start {
-        reason: "first-start".into(),
+        reason: reason.into(),
         began_us: now_us(),
         began: Instant::now(),
         old_pid: 0,
@@ -231,6 +243,7 @@ impl Keeper {
             return None;
         }
         tracing::info!(signal = sig, "keeper: shutting down");
+        self.sd_notify("STOPPING=1\nSTATUS=stopping: draining in-flight I/O");
         self.shutting_down = Some(Instant::now());
         self.abort_candidate("spoold is shutting down");
         match &self.worker {
@@ -253,13 +266,14 @@ impl Keeper {
                     tracing::error!(key = %key, "keeper: refusing a deposit whose checksum does not match");
                     return;
                 }
-                self.store.insert(key, Kept { value, files });
+                self.keep(key, value, files);
             }
             Msg::Remove { prefix } => {
                 if !self.may_store(id) {
                     return;
                 }
                 self.store.retain(|k, _| !k.starts_with(&prefix));
+                self.publish_store();
             }
             Msg::Ready { phases } => self.ready(id, phases),
             Msg::Failed { reason } => {
@@ -312,6 +326,79 @@ impl Keeper {
             || (self.is_cand(id) && self.up.as_ref().map(|u| &u.stage) == Some(&Stage::Handover))
     }
 
+    /// Stores a deposit (and mirrors it into systemd's descriptor store).
+    fn keep(&mut self, key: String, value: String, files: Vec<File>) {
+        let (names, ids) = match self.sd.as_mut() {
+            Some(sd) => {
+                let ids: Vec<_> = files.iter().map(fdstore::file_id).collect();
+                (sd.name_files(&self.store, &files, &ids), ids)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        self.store.insert(
+            key,
+            Kept {
+                value,
+                files,
+                names,
+                ids,
+            },
+        );
+        self.publish_store();
+    }
+
+    pub(super) fn publish_store(&mut self) {
+        if let Some(sd) = self.sd.as_mut() {
+            sd.publish(&self.store, self.generation);
+        }
+    }
+
+    /// Under systemd, after this keeper's predecessor died: the store from systemd's
+    /// descriptor store, and why the first worker starts (`keeper-restart` or `first-start`).
+    fn restore_from_systemd(&mut self) -> &'static str {
+        let inherited = systemd::take_inherited();
+        let Some(sd) = self.sd.as_mut() else {
+            return "first-start";
+        };
+        let n = inherited.len();
+        let restored = sd.restore(inherited);
+        let reason = match restored {
+            Some((store, generation)) if !store.is_empty() => {
+                tracing::info!(
+                    descriptors = n,
+                    entries = store.len(),
+                    "keeper: restarted by systemd; taking the kept connections back from its descriptor store"
+                );
+                self.store = store;
+                self.generation = generation;
+                "keeper-restart"
+            }
+            _ => "first-start",
+        };
+        self.publish_store();
+        reason
+    }
+
+    /// Tells systemd (if it runs us) `state`; errors are logged once by the store.
+    pub(super) fn sd_notify(&self, state: &str) {
+        if let Some(sd) = &self.sd {
+            if let Err(e) = sd.notifier().notify(state) {
+                tracing::debug!("keeper: sd_notify: {e}");
+            }
+        }
+    }
+
+    /// Feeds systemd's watchdog (`WatchdogSec=`) at half its interval while this loop runs.
+    fn feed_watchdog(&mut self) {
+        let Some(every) = self.sd.as_ref().and_then(|s| s.notifier().watchdog()) else {
+            return;
+        };
+        if self.last_watchdog.elapsed() >= every / 2 {
+            self.last_watchdog = Instant::now();
+            self.sd_notify("WATCHDOG=1");
+        }
+    }
+
     fn hand_over(&mut self, id: u64, info: StartInfo) -> std::io::Result<()> {
         let chan = match self.child(id) {
             Some(c) => c.chan.try_clone()?,
@@ -333,6 +420,13 @@ impl Keeper {
 
     /// Records the latest report and tells the serving worker (for `daemon_status`).
     fn set_report(&mut self, r: RestartReport) {
+        self.sd_notify(&format!(
+            "READY=1\nSTATUS=serving (worker {}); last {}: {} ({:.1} ms)",
+            self.worker.as_ref().map(|w| w.pid).unwrap_or(0),
+            r.kind,
+            r.outcome,
+            r.stall_ms
+        ));
         if let Some(w) = &self.worker {
             let _ = w.chan.send(&Msg::Report { report: r.clone() }, &[]);
         }
@@ -340,6 +434,7 @@ impl Keeper {
     }
 
     fn check_deadlines(&mut self) -> Option<ExitCode> {
+        self.feed_watchdog();
         let timeout = self.cfg.step_timeout;
         if let Some(t) = self.shutting_down {
             if t.elapsed() > Duration::from_secs(30) {

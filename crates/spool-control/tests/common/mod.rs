@@ -1,7 +1,9 @@
 //! Shared helpers: run the real spoold binary and drive it with the real libblkio client.
 #![allow(dead_code)]
 
+pub mod guest;
 pub mod load;
+pub mod systemd;
 
 use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
@@ -53,6 +55,17 @@ impl Spoold {
         let mut s = Self::prepare(extra, journal, args);
         s.spawn();
         s
+    }
+
+    /// The state directory and config, without starting spoold (the caller runs it, e.g.
+    /// under systemd, logging to `log_path()`).
+    pub fn prepared(extra: &str) -> Spoold {
+        Self::prepare(extra, true, &[])
+    }
+
+    /// Where spoold's log goes.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("spoold.log")
     }
 
     fn prepare(extra: &str, journal: bool, args: &[&str]) -> Spoold {

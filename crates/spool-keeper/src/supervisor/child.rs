@@ -63,6 +63,9 @@ impl Keeper {
         cmd.args(&self.cfg.args)
             .env(CHANNEL_ENV, "3")
             .env(ROLE_ENV, role);
+        for v in crate::systemd::SYSTEMD_ENV {
+            cmd.env_remove(v);
+        }
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on integers: it puts the channel on descriptor 3
         // (dup2 clears close-on-exec), asks to be killed with the keeper, and refuses to run

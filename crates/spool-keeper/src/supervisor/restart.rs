@@ -30,6 +30,7 @@ impl Keeper {
             .push(Phase::new("spawn worker", spawned.unwrap_or_default()));
         let t = Instant::now();
         self.generation += 1;
+        self.publish_store();
         let info = StartInfo {
             keeper_pid: std::process::id(),
             generation: self.generation,
@@ -64,6 +65,7 @@ impl Keeper {
         let binary = w.binary.display().to_string();
         if let Some(start) = w.start.take() {
             if start.reason == "first-start" {
+                self.sd_notify(&format!("READY=1\nSTATUS=serving (worker {pid})"));
                 return;
             }
             let mut all = start.phases;
@@ -147,6 +149,7 @@ impl Keeper {
             self.abort_candidate(&why);
         }
         tracing::warn!("keeper: {why}; restarting it with the kept descriptors");
+        self.sd_notify(&format!("STATUS=restarting the worker: {why}"));
         let now = Instant::now();
         if self.gives_up(old_pid, now) {
             return Some(ExitCode::FAILURE);

@@ -79,6 +79,10 @@ impl Keeper {
         match self.spawn(&binary, "candidate", None) {
             Ok(c) => {
                 self.cand = Some(c);
+                self.sd_notify(&format!(
+                    "RELOADING=1\nSTATUS=upgrading to {}",
+                    binary.display()
+                ));
                 self.up = Some(Upgrade {
                     binary,
                     reply: reply_to,
