@@ -19,9 +19,11 @@ pub use crate::qos::RateValue;
 
 mod mirror;
 mod results;
+mod stats;
 
 pub use mirror::*;
 pub use results::*;
+pub use stats::*;
 
 /// One JSON-RPC method: its name, a line of help, and the types of its params and result.
 pub trait Method: 'static {
@@ -83,6 +85,8 @@ methods! {
         "add a copy to a volume (a plain one becomes a mirror) or remove one, online";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
+    VolumeStatsGet = "volume_stats", VolumeStatsParams => Vec<VolumeStats>,
+        "I/O counters of every volume (or one): requests, bytes, errors, latency, in flight";
     DaemonStatus = "daemon_status", NoParams => Status,
         "worker and keeper, restart phases, state formats";
     DaemonUpgrade = "daemon_upgrade", UpgradeParams => spool_keeper::RestartReport,

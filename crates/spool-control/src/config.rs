@@ -56,6 +56,8 @@ pub enum ConfigError {
     Qos { volume: String, source: QosError },
     #[error("volume {0} is listed twice")]
     DuplicateVolume(String),
+    #[error("metrics.listen: {0:?} is not an address and port (e.g. \"127.0.0.1:9420\")")]
+    MetricsListen(String),
     #[error("health.{0} must be positive")]
     NotPositive(&'static str),
     #[error("{path}: {source}")]
@@ -178,6 +180,14 @@ struct RawConfig {
     journal: RawJournal,
     #[serde(default)]
     health: RawHealth,
+    #[serde(default)]
+    metrics: RawMetrics,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    listen: Option<String>,
 }
 
 /// Failure handling (docs/failures.md).
@@ -253,6 +263,8 @@ pub struct Config {
     /// Journal directory; `None` = journal disabled (Spool-NoJ, benchmarks only).
     pub journal_dir: Option<PathBuf>,
     pub health: HealthConfig,
+    /// `[metrics] listen`: where the Prometheus endpoint listens (off when unset).
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -448,8 +460,16 @@ impl Config {
         let devices = devices(&raw.devices, &base)?;
         let volumes = volumes(&raw.volumes)?;
         let health = health(&raw.health, &base)?;
+        let metrics_listen = match &raw.metrics.listen {
+            Some(a) => Some(
+                a.parse()
+                    .map_err(|_| ConfigError::MetricsListen(a.clone()))?,
+            ),
+            None => None,
+        };
         Ok(Config {
             health,
+            metrics_listen,
             rpc_socket: raw
                 .rpc_socket
                 .as_deref()
@@ -529,6 +549,10 @@ mod tests {
             (
                 "state_dir = \"/x\"\n[pool]\nmin_extent = \"3M\"",
                 "power of two",
+            ),
+            (
+                "state_dir = \"/x\"\n[metrics]\nlisten = \"localhost\"",
+                "metrics.listen: \"localhost\" is not an address and port",
             ),
             (
                 "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = \"lots\"",

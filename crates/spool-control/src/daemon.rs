@@ -26,6 +26,7 @@ mod keeper;
 mod methods;
 mod mirrors;
 mod startup;
+mod stats;
 mod status;
 mod volumes;
 
@@ -51,6 +52,8 @@ pub struct Daemon {
     /// extents stay allocated for the life of this process, so a late write cannot land in
     /// another volume's data.
     quarantined: Mutex<BTreeMap<Uuid, u64>>,
+    /// When this worker started (the I/O counters' epoch).
+    started: std::time::Instant,
 }
 
 /// Why a volume could not be served.
@@ -115,6 +118,7 @@ impl Daemon {
             monitor,
             spares_used: Mutex::new(Vec::new()),
             quarantined: Mutex::new(BTreeMap::new()),
+            started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,
             pool: Mutex::new(pool),

@@ -12,6 +12,8 @@ use uuid::Uuid;
 pub const HEALTH_PREFIX: &str = "health/";
 /// Key of the RPC listening socket.
 pub const RPC_LISTEN_KEY: &str = "rpc/listen";
+/// The metrics endpoint's listening TCP socket (`[metrics] listen`).
+pub const METRICS_LISTEN_KEY: &str = "metrics/listen";
 /// Key naming the state formats the running worker writes.
 pub const FORMAT_KEY: &str = "meta/state-format";
 /// Key prefix of everything the frontend keeps for a volume (`vol/UUID/…`).

@@ -13,6 +13,7 @@ pub mod api;
 pub mod config;
 pub mod daemon;
 pub mod kept;
+pub mod metrics;
 pub mod qos;
 pub mod rpc;
 pub mod size;

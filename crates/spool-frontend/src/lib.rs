@@ -17,6 +17,7 @@ pub mod ratelimit;
 pub mod request;
 mod server;
 mod session;
+pub mod stats;
 pub mod vring;
 pub mod worker;
 
@@ -114,6 +115,7 @@ pub struct VolumeContext {
     settings: FrontendSettings,
     fault: Arc<SessionFault>,
     abandoned: Arc<std::sync::atomic::AtomicU64>,
+    stats: Arc<stats::VolumeStats>,
 }
 
 /// How a worker tells the volume's serving thread that the session must end: the frontend's
@@ -154,6 +156,7 @@ impl SessionFault {
 impl VolumeContext {
     /// Context for a volume.
     pub fn new(layout: VolumeLayout, settings: FrontendSettings) -> Arc<Self> {
+        let layout_queues = layout.num_queues;
         Arc::new(VolumeContext {
             name: layout.name.clone(),
             qos: Arc::new(qos::VolumeQos::new(layout.qos.as_ref())),
@@ -161,6 +164,7 @@ impl VolumeContext {
             settings,
             fault: Arc::new(SessionFault::new()),
             abandoned: Arc::default(),
+            stats: Arc::new(stats::VolumeStats::new(layout_queues)),
         })
     }
 
@@ -220,6 +224,11 @@ impl VolumeContext {
 
     pub(crate) fn abandoned_counter(&self) -> Arc<std::sync::atomic::AtomicU64> {
         self.abandoned.clone()
+    }
+
+    /// The volume's I/O counters (per queue; `snapshot` sums them).
+    pub fn stats(&self) -> &Arc<stats::VolumeStats> {
+        &self.stats
     }
 
     /// The signal that ends the current session after a fault in its memory.

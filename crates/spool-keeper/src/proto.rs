@@ -71,6 +71,10 @@ pub struct RestartReport {
     pub stall_ms: f64,
     /// `ok`, or why it failed and what was done instead.
     pub outcome: String,
+    /// Restarts and upgrades so far by kind (`crash-restart`, `upgrade`, `upgrade-failed`,
+    /// `keeper-restart`, …), as the keeper counted them, this one included.
+    #[serde(default)]
+    pub counts: std::collections::BTreeMap<String, u64>,
 }
 
 /// Every message on the channel.

@@ -65,7 +65,7 @@ impl KeeperConfig {
 }
 
 enum Ev {
-    Msg(u64, Msg, Vec<File>),
+    Msg(u64, Box<Msg>, Vec<File>),
     Exited(u64, std::process::ExitStatus),
     Signal(i32),
 }
@@ -97,6 +97,8 @@ struct Keeper {
     /// Under systemd: notifications and the descriptor-store mirror.
     sd: Option<FdStore>,
     last_watchdog: Instant,
+    /// Restarts and upgrades by kind (see `RestartReport::counts`).
+    restarts: BTreeMap<String, u64>,
 }
 
 fn status_text(s: &std::process::ExitStatus) -> String {
@@ -161,6 +163,7 @@ pub fn run(cfg: KeeperConfig) -> ExitCode {
         last_ready_pid: None,
         sd: Notifier::from_env().map(FdStore::new),
         last_watchdog: Instant::now(),
+        restarts: BTreeMap::new(),
     };
     let reason = k.restore_from_systemd();
     let binary = k.cfg.binary.clone();
@@ -224,7 +227,7 @@ impl Keeper {
 
     fn event(&mut self, ev: Ev) -> Option<ExitCode> {
         match ev {
-            Ev::Msg(id, m, files) => self.message(id, m, files),
+            Ev::Msg(id, m, files) => self.message(id, *m, files),
             Ev::Exited(id, status) => return self.exited(id, status),
             Ev::Signal(sig) => return self.signal(sig),
         }
@@ -349,7 +352,7 @@ impl Keeper {
 
     pub(super) fn publish_store(&mut self) {
         if let Some(sd) = self.sd.as_mut() {
-            sd.publish(&self.store, self.generation);
+            sd.publish(&self.store, self.generation, &self.restarts);
         }
     }
 
@@ -363,7 +366,7 @@ impl Keeper {
         let n = inherited.len();
         let restored = sd.restore(inherited);
         let reason = match restored {
-            Some((store, generation)) if !store.is_empty() => {
+            Some((store, generation, restarts)) if !store.is_empty() => {
                 tracing::info!(
                     descriptors = n,
                     entries = store.len(),
@@ -371,6 +374,7 @@ impl Keeper {
                 );
                 self.store = store;
                 self.generation = generation;
+                self.restarts = restarts;
                 "keeper-restart"
             }
             _ => "first-start",
@@ -419,7 +423,15 @@ impl Keeper {
     }
 
     /// Records the latest report and tells the serving worker (for `daemon_status`).
-    fn set_report(&mut self, r: RestartReport) {
+    fn set_report(&mut self, mut r: RestartReport) {
+        let kind = if r.outcome == "ok" {
+            r.kind.clone()
+        } else {
+            format!("{}-failed", r.kind)
+        };
+        *self.restarts.entry(kind).or_default() += 1;
+        r.counts = self.restarts.clone();
+        self.publish_store();
         self.sd_notify(&format!(
             "READY=1\nSTATUS=serving (worker {}); last {}: {} ({:.1} ms)",
             self.worker.as_ref().map(|w| w.pid).unwrap_or(0),

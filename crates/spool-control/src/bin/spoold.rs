@@ -216,6 +216,11 @@ enum WorkerError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("metrics endpoint {}: {source}", .addr.map(|a| a.to_string()).unwrap_or_default())]
+    Metrics {
+        addr: Option<std::net::SocketAddr>,
+        source: std::io::Error,
+    },
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
 }
@@ -226,6 +231,7 @@ impl WorkerError {
         match self {
             WorkerError::Start(e) => Some(e.to_string()),
             WorkerError::Rpc { source, .. } => Some(source.to_string()),
+            WorkerError::Metrics { .. } => Some(self.to_string()),
             _ => None,
         }
     }
@@ -293,6 +299,13 @@ fn serve(
         daemon.shutdown();
         return Err(WorkerError::Rpc {
             path: rpc_path,
+            source,
+        });
+    }
+    if let Err(source) = daemon.serve_metrics() {
+        daemon.shutdown();
+        return Err(WorkerError::Metrics {
+            addr: daemon.config().metrics_listen,
             source,
         });
     }

@@ -16,6 +16,11 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
 
 impl Daemon {
     fn status(&self, _: NoParams) -> Result<Status, RpcError> {
+        Ok(self.status_now())
+    }
+
+    /// The worker's and keeper's status, restart phases, state formats.
+    pub(super) fn status_now(&self) -> Status {
         let info = self.keeping.as_ref().map(|k| k.restored().info.clone());
         let first_io_ms = info.as_ref().and_then(|i| {
             let t = self.settings.clock.first_completion()?;
@@ -23,7 +28,7 @@ impl Daemon {
             (i.restart_began_us > 0 && i.reason != "first-start")
                 .then(|| us.saturating_sub(i.restart_began_us) as f64 / 1e3)
         });
-        Ok(Status {
+        Status {
             pid: std::process::id(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             binary: std::env::current_exe()
@@ -38,7 +43,7 @@ impl Daemon {
             first_io_after_restart_ms: first_io_ms,
             last_restart: self.keeper().and_then(|l| l.last_report()),
             state_format: StateFormat::current(),
-        })
+        }
     }
 
     /// Asks the keeper to replace this worker with `binary` (default: the same binary); the

@@ -113,6 +113,7 @@ pub fn start_queue(
         replay: r.replay,
         poison: r.poison,
         qos: ctx.qos().clone(),
+        stats: ctx.stats().clone(),
     };
     let w = WorkerHandle::spawn(spec).map_err(|source| StartError::Worker { index, source })?;
     tracing::info!(volume = %ctx.name(), queue = index, size = cfg.size, next_avail = r.next_avail, "queue started");
@@ -217,6 +218,7 @@ fn resume_queue(
     }
     if r.recovered {
         tracing::info!(volume = %ctx.name(), queue = index, next_avail = r.next_avail, used_idx = view.used_idx, inflight = r.resubmit.len(), "recovered queue from its journal");
+        ctx.stats().queue(index).recovered();
     }
     let (resubmit, poison, replay) = begin_replay(ctx, index, &mut j, r.resubmit);
     Ok(Resumption {

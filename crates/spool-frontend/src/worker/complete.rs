@@ -11,6 +11,7 @@ use smallvec::SmallVec;
 
 use super::QueueWorker;
 use crate::request::GuestMemory;
+use crate::stats::now_ns;
 
 impl QueueWorker {
     /// Reaps device completions; completes finished requests to the guest. Returns whether
@@ -20,15 +21,28 @@ impl QueueWorker {
         self.refresh_host(mem);
         let mut finished: SmallVec<[u16; 32]> = SmallVec::new();
         let any = self.reap_devices(&mut finished);
+        if finished.is_empty() {
+            if self.in_flight == 0 && !self.retired_maps.is_empty() {
+                self.retired_maps.clear();
+            }
+            return any;
+        }
+        self.now_ns = now_ns();
         let mut used: SmallVec<[(u16, u32); 32]> = SmallVec::new();
         for head in finished {
             if let Some(inf) = self.slots[head as usize].take() {
                 self.in_flight -= 1;
+                let (kind, bytes, taken, ok) = (inf.kind, inf.bytes, inf.taken_ns, inf.ok());
                 if let Some(len) = self.settle(head, inf) {
                     used.push((head, len));
+                    let q = self.stats.queue(self.index);
+                    q.complete(kind, bytes as u64, ok, taken, self.now_ns);
                 }
             }
         }
+        self.stats
+            .queue(self.index)
+            .set_in_flight(self.in_flight as u64);
         self.complete_used_batch(mem, &used);
         if self.in_flight == 0 && !self.retired_maps.is_empty() {
             // Nothing taken under an earlier memory map is in flight any more.
@@ -67,6 +81,15 @@ impl QueueWorker {
             any |= n > 0;
         }
         any
+    }
+
+    /// This round's clock, read once per busy round (see `now_ns`).
+    #[inline]
+    pub(super) fn round_now(&mut self) -> u64 {
+        if self.now_ns == 0 {
+            self.now_ns = now_ns();
+        }
+        self.now_ns
     }
 
     #[inline]

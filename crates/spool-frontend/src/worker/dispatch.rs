@@ -15,6 +15,7 @@ use super::slots::{used_len, write_status, Inflight};
 use super::QueueWorker;
 use crate::ratelimit::Verdict;
 use crate::request::{self, GuestMemory, IoVecs, Op, Request, SECTOR};
+use crate::stats::OpKind;
 
 /// A request's device pieces: (device index, operation).
 type Pieces = SmallVec<[(usize, DeviceIo); 4]>;
@@ -43,6 +44,7 @@ impl QueueWorker {
             }
             Err(rej) if self.head_busy(rej.head) => self.note_reposted(rej.head),
             Err(rej) => {
+                self.stats.queue(self.index).rejected();
                 self.note_rejected(&rej);
                 if let Some(a) = rej.status_addr {
                     self.refresh_host(mem);
@@ -107,12 +109,11 @@ impl QueueWorker {
         let slot = head as usize;
         let write = req.op == Op::Write;
         let len = req.len;
-        self.slots[slot] = Some(Inflight::new(
-            req.status_host,
-            used_len(write, len),
-            1,
-            self.sweep,
-        ));
+        let mut inf = Inflight::new(req.status_host, used_len(write, len), 1, self.sweep);
+        inf.kind = if write { OpKind::Write } else { OpKind::Read };
+        inf.bytes = len as u32;
+        inf.taken_ns = self.round_now();
+        self.slots[slot] = Some(inf);
         self.in_flight += 1;
         let bufs = &mut self.slot_bufs[slot];
         bufs.pieces.clear();
@@ -136,8 +137,16 @@ impl QueueWorker {
         bufs.pieces.clear();
         let mut ios = Pieces::new();
         let status = req.status_host;
+        let (kind, bytes) = match req.op {
+            Op::Read => (OpKind::Read, req.len as u32),
+            Op::Write => (OpKind::Write, req.len as u32),
+            _ => (OpKind::Other, 0),
+        };
         let used = self.plan_pieces(req, &mut ios);
         let mut inf = Inflight::new(status, used, ios.len() as u32, 0);
+        inf.kind = kind;
+        inf.bytes = bytes;
+        inf.taken_ns = self.round_now();
         if !self.health_gate(head, &mut inf, &ios, mem) {
             return;
         }

@@ -54,6 +54,7 @@ use crate::hostmem::HostMap;
 use crate::qos::{is_limited, VolumeQos};
 use crate::ratelimit::{self, LogLimit};
 use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
+use crate::stats::VolumeStats;
 use crate::vring::JournaledQueue;
 use replay::ReplayGuard;
 use slots::{Inflight, SlotBufs};
@@ -89,6 +90,8 @@ pub struct WorkerSpec {
     /// The volume's token buckets, shared by its queues (used only while the layout sets
     /// limits).
     pub qos: Arc<VolumeQos>,
+    /// The volume's counters; this worker writes those of queue `index`.
+    pub stats: Arc<VolumeStats>,
 }
 
 /// Handle to a running worker.
@@ -242,6 +245,10 @@ pub struct QueueWorker {
     /// Set by a take loop stopped by a bucket in debt: how long (ns) until it may take
     /// again. The worker then sleeps in epoll for that long instead of on a kick.
     throttled: Option<u64>,
+    stats: Arc<VolumeStats>,
+    /// The poll round's clock ([`crate::stats::now_ns`]) once read, 0 until then: requests
+    /// are stamped when taken and measured when completed with one read per busy round.
+    now_ns: u64,
     #[cfg(test)]
     queue_factory: Option<QueueFactory>,
 }
@@ -328,6 +335,8 @@ impl QueueWorker {
             replay_left: 0,
             poison: spec.poison,
             qos,
+            stats: spec.stats,
+            now_ns: 0,
             qos_seen,
             qos_shared: spec.qos,
             throttled: None,

@@ -56,6 +56,7 @@ impl QueueWorker {
             let mem = self.mem.load().clone();
             let heads = std::mem::take(&mut self.resubmit);
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
+            self.stats.queue(self.index).resubmitted(heads.len() as u64);
             for &h in &heads {
                 if let Some(r) = self.replaying.get_mut(h as usize) {
                     if !*r {

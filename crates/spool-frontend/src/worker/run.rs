@@ -53,6 +53,8 @@ impl QueueWorker {
                 idle_rounds = 0;
                 continue;
             }
+            // The round's clock is stale once a round passes idle.
+            self.now_ns = 0;
             // Reading the clock costs more than a poll round: look only every 64 idle rounds.
             // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
             // the worker awake, or nothing would ever wake it for their completions.
@@ -88,6 +90,7 @@ impl QueueWorker {
         self.check_memory_faults(&mem);
         self.check_health(&mem);
         self.rounds = self.rounds.wrapping_add(1);
+        self.stats.queue(self.index).round();
         if self.rounds.is_multiple_of(1024) {
             self.sweep_timeouts();
         }
@@ -299,6 +302,7 @@ impl QueueWorker {
         let mut any = false;
         loop {
             if !q.may_take() {
+                self.stats.queue(self.index).throttled();
                 self.throttled = Some(q.wait_ns());
                 return any;
             }

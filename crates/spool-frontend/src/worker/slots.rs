@@ -8,6 +8,7 @@ use smallvec::SmallVec;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 
 use crate::request::IoVecs;
+use crate::stats::OpKind;
 
 /// A request between submission to the devices and completion to the guest.
 pub(super) struct Inflight {
@@ -26,6 +27,10 @@ pub(super) struct Inflight {
     pub(super) timed_out: bool,
     /// The timeout sweep during which it was submitted.
     pub(super) sweep: u32,
+    /// For the statistics: what it is, its data length, when it was taken (`now_ns`).
+    pub(super) kind: OpKind,
+    pub(super) bytes: u32,
+    pub(super) taken_ns: u64,
 }
 
 impl Inflight {
@@ -43,6 +48,9 @@ impl Inflight {
             cancelled: false,
             timed_out: false,
             sweep,
+            kind: OpKind::Other,
+            bytes: 0,
+            taken_ns: 0,
         }
     }
 

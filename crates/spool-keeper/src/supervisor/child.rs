@@ -99,7 +99,7 @@ impl Keeper {
                 loop {
                     match reader.recv() {
                         Ok(Some((m, files))) => {
-                            if tx.send(Ev::Msg(id, m, files)).is_err() {
+                            if tx.send(Ev::Msg(id, Box::new(m), files)).is_err() {
                                 break;
                             }
                         }

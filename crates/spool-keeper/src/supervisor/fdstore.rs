@@ -31,6 +31,9 @@ struct Index {
     /// The keeper's worker generation, continued by the next keeper.
     generation: u64,
     entries: Vec<IndexEntry>,
+    /// Restarts and upgrades by kind, continued by the next keeper.
+    #[serde(default)]
+    restarts: BTreeMap<String, u64>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -39,6 +42,9 @@ struct IndexEntry {
     value: String,
     fds: Vec<String>,
 }
+
+/// A store rebuilt from systemd's, its worker generation and restart counts.
+pub(super) type Restored = (BTreeMap<String, Kept>, u64, BTreeMap<String, u64>);
 
 /// What identifies an open file cheaply; equal ids are confirmed with kcmp(2).
 pub(super) type FileId = (u64, u64);
@@ -141,10 +147,16 @@ impl FdStore {
     }
 
     /// Deposits a new index of `store`, then drops the old index and unreferenced files.
-    pub(super) fn publish(&mut self, store: &BTreeMap<String, Kept>, generation: u64) {
+    pub(super) fn publish(
+        &mut self,
+        store: &BTreeMap<String, Kept>,
+        generation: u64,
+        restarts: &BTreeMap<String, u64>,
+    ) {
         let index = Index {
             format: INDEX_FORMAT,
             generation,
+            restarts: restarts.clone(),
             entries: store
                 .iter()
                 .map(|(k, v)| IndexEntry {
@@ -181,10 +193,7 @@ impl FdStore {
     /// Rebuilds the store from what systemd passed back: the newest readable index, its files
     /// by name. Returns the store and the generation it had; anything else systemd held is
     /// removed from its store.
-    pub(super) fn restore(
-        &mut self,
-        inherited: Vec<Inherited>,
-    ) -> Option<(BTreeMap<String, Kept>, u64)> {
+    pub(super) fn restore(&mut self, inherited: Vec<Inherited>) -> Option<Restored> {
         let mut by_name: BTreeMap<String, File> =
             inherited.into_iter().map(|i| (i.name, i.file)).collect();
         let mut indexes: Vec<(u64, String)> = by_name
@@ -232,7 +241,7 @@ impl FdStore {
                 },
             );
         }
-        Some((store, ix.generation))
+        Some((store, ix.generation, ix.restarts))
     }
 }
 
@@ -300,6 +309,7 @@ mod tests {
         let good = Index {
             format: INDEX_FORMAT,
             generation: 7,
+            restarts: BTreeMap::new(),
             entries: vec![
                 IndexEntry {
                     key: "vol/a".into(),
@@ -324,7 +334,7 @@ mod tests {
                 ),
             ])
             .expect("the older, intact index");
-        let (store, generation) = got;
+        let (store, generation, _) = got;
         assert_eq!(generation, 7);
         assert_eq!(
             store.keys().collect::<Vec<_>>(),
@@ -335,7 +345,7 @@ mod tests {
         assert_eq!(sd.next_fd, 4);
         assert_eq!(sd.index, 6, "the next index is newer than every one seen");
         // Publishing drops the unreadable indexes systemd still holds.
-        sd.publish(&store, generation);
+        sd.publish(&store, generation, &BTreeMap::new());
         assert!(sd.held.contains("index-7") && sd.held.contains("fd-3"));
         assert!(!sd.held.contains("index-5") && !sd.held.contains("index-4"));
     }

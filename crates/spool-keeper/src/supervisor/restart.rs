@@ -71,6 +71,7 @@ impl Keeper {
             let mut all = start.phases;
             all.extend(phases);
             let report = RestartReport {
+                counts: Default::default(),
                 kind: start.reason.clone(),
                 old_pid: start.old_pid,
                 new_pid: pid,

@@ -180,6 +180,7 @@ impl Keeper {
             );
             tracing::error!("keeper: {why}");
             self.set_report(RestartReport {
+                counts: Default::default(),
                 kind: "upgrade".into(),
                 old_pid: self.worker.as_ref().map(|w| w.pid).unwrap_or(0),
                 new_pid: 0,
@@ -256,6 +257,7 @@ impl Keeper {
             reply: u.reply,
         };
         self.last_report = Some(RestartReport {
+            counts: Default::default(),
             kind: "upgrade".into(),
             outcome: outcome.clone(),
             binary: u.binary.display().to_string(),
@@ -310,6 +312,7 @@ impl Keeper {
         let mut all = u.phases;
         all.extend(phases);
         let report = RestartReport {
+            counts: Default::default(),
             kind: "upgrade".into(),
             old_pid: u.old_pid,
             new_pid: c.pid,

@@ -156,6 +156,21 @@ pub enum VolumeCmd {
         #[arg(long)]
         leg: Option<u8>,
     },
+    /// I/O statistics of every volume (or one): requests, bytes, errors, latency, in flight.
+    ///
+    /// Without --watch: totals since the worker started. With --watch: rates and latency
+    /// over each interval, refreshed until interrupted (or --count times).
+    Stats {
+        id: Option<String>,
+        #[arg(long, short)]
+        watch: bool,
+        /// Seconds between refreshes with --watch.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop after this many refreshes with --watch.
+        #[arg(long)]
+        count: Option<u64>,
+    },
     /// Set or clear a volume's I/O limits (IOPS, bandwidth, burst).
     ///
     /// Running queues apply them at once, and they are kept in the pool metadata. Limits not

@@ -11,8 +11,9 @@ mod args;
 mod mirror;
 mod render;
 mod request;
+mod stats;
 
-use args::{Args, Cmd};
+use args::{Args, Cmd, VolumeCmd};
 
 /// Why spoolctl failed (printed after `spoolctl: error: `).
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +39,18 @@ pub enum CtlError {
 fn run(args: Args) -> Result<(), CtlError> {
     if let Cmd::Events { since, follow } = args.cmd {
         return follow_events(&args, since, follow);
+    }
+    if let Cmd::Volume {
+        cmd:
+            VolumeCmd::Stats {
+                id,
+                watch: true,
+                interval,
+                count,
+            },
+    } = &args.cmd
+    {
+        return stats::watch(&args, id.clone(), *interval, *count);
     }
     let req = request::request(&args.cmd)?;
     let mut c = Client::connect(&args.socket)?;

@@ -50,6 +50,9 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             | VolumeCmd::Qos(_)
             | VolumeCmd::Mirror { .. } => show::<api::VolumeShow>(r, volume),
             VolumeCmd::Verify { .. } => show::<api::VolumeVerify>(r, super::mirror::verify),
+            VolumeCmd::Stats { .. } => {
+                show::<api::VolumeStatsGet>(r, |v| println!("{}", super::stats::totals(v)))
+            }
         },
         Cmd::Status => show::<api::DaemonStatus>(r, status),
         Cmd::Upgrade { .. } => show::<api::DaemonUpgrade>(r, print_restart),

@@ -110,6 +110,9 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
         VolumeCmd::List => build::<api::VolumeList>(NoParams),
         VolumeCmd::Show { id: v } => id::<api::VolumeShow>(v),
         VolumeCmd::Verify { id: v } => id::<api::VolumeVerify>(v),
+        VolumeCmd::Stats { id, .. } => {
+            build::<api::VolumeStatsGet>(api::VolumeStatsParams { id: id.clone() })
+        }
         VolumeCmd::Mirror { action, id, leg } => {
             build::<api::VolumeMirror>(api::VolumeMirrorParams {
                 id: id.clone(),

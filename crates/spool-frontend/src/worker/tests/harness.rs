@@ -157,6 +157,7 @@ impl Harness {
             replay: None,
             poison: vec![],
             qos: Arc::new(crate::qos::VolumeQos::default()),
+            stats: Arc::new(crate::stats::VolumeStats::new(1)),
         };
         let script = Arc::new(Mutex::new(Script {
             submitted: vec![],
