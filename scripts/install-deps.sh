@@ -14,6 +14,14 @@ command -v objcopy >/dev/null || need+=(binutils)
 # The systemd test runs a real (user) service manager: tests/systemd.rs.
 [ -x /lib/systemd/systemd ] || need+=(systemd)
 command -v unshare >/dev/null || need+=(util-linux)
+# The libvirt test runs a private libvirtd (tests/libvirt.rs).
+[ -x /usr/sbin/libvirtd ] || need+=(libvirt-daemon-driver-qemu libvirt-daemon)
+command -v virsh >/dev/null || need+=(libvirt-clients)
+# libvirtd's QEMU driver resolves its default user at start even when qemu.conf overrides it;
+# libvirt-daemon-system's postinst would create it (we do not install that package: it wants
+# systemd as init).
+getent group libvirt-qemu >/dev/null || groupadd -r libvirt-qemu
+id libvirt-qemu >/dev/null 2>&1 || useradd -r -M -g libvirt-qemu -s /usr/sbin/nologin libvirt-qemu
 if ((${#need[@]} == 0)); then
     exit 0
 fi

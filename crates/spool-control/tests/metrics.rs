@@ -178,7 +178,7 @@ num_queues = 1
         "{m}"
     );
     assert!(m.contains(
-        "spool_last_restart_phase_seconds{kind=\"crash-restart\",phase=\"spawn worker\"}"
+        "spool_last_restart_phase_seconds{kind=\"crash-restart\",phase=\"wake standby\"}"
     ));
 }
 

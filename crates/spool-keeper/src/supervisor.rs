@@ -13,6 +13,7 @@
 mod child;
 mod fdstore;
 mod restart;
+mod standby;
 mod upgrade;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -49,6 +50,8 @@ pub struct KeeperConfig {
     pub crash_window: Duration,
     /// Longest each upgrade step (candidate preview, quiesce, restore) may take.
     pub step_timeout: Duration,
+    /// Keep a standby worker started ahead of need (see `standby`).
+    pub standby: bool,
 }
 
 impl KeeperConfig {
@@ -60,6 +63,7 @@ impl KeeperConfig {
             max_crashes: 5,
             crash_window: Duration::from_secs(60),
             step_timeout: Duration::from_secs(10),
+            standby: true,
         }
     }
 }
@@ -84,6 +88,10 @@ struct Keeper {
     store: BTreeMap<String, Kept>,
     worker: Option<Child>,
     cand: Option<Child>,
+    /// A worker process waiting to be handed the store (see `standby`), and when the next
+    /// may be started after one died.
+    standby: Option<Child>,
+    standby_retry: Option<Instant>,
     /// Old workers that quiesced and are exiting: their exit is expected.
     retiring: Vec<u64>,
     up: Option<Upgrade>,
@@ -153,6 +161,8 @@ pub fn run(cfg: KeeperConfig) -> ExitCode {
         store: BTreeMap::new(),
         worker: None,
         cand: None,
+        standby: None,
+        standby_retry: None,
         retiring: Vec::new(),
         up: None,
         generation: 0,
@@ -214,6 +224,9 @@ impl Keeper {
         if self.cand.as_ref().is_some_and(|c| c.id == id) {
             return self.cand.as_mut();
         }
+        if self.standby.as_ref().is_some_and(|c| c.id == id) {
+            return self.standby.as_mut();
+        }
         None
     }
 
@@ -247,6 +260,7 @@ impl Keeper {
         }
         tracing::info!(signal = sig, "keeper: shutting down");
         self.sd_notify("STOPPING=1\nSTATUS=stopping: draining in-flight I/O");
+        self.drop_standby();
         self.shutting_down = Some(Instant::now());
         self.abort_candidate("spoold is shutting down");
         match &self.worker {
@@ -447,6 +461,7 @@ impl Keeper {
 
     fn check_deadlines(&mut self) -> Option<ExitCode> {
         self.feed_watchdog();
+        self.keep_standby();
         let timeout = self.cfg.step_timeout;
         if let Some(t) = self.shutting_down {
             if t.elapsed() > Duration::from_secs(30) {

@@ -42,6 +42,10 @@ struct Args {
     /// every VM reconnect (QEMU's reconnect=1), and `spoolctl upgrade` is unavailable.
     #[arg(long)]
     no_keeper: bool,
+    /// Do not keep a standby worker process ready (it takes process start-up off a crash
+    /// restart's critical path, for one more idle process).
+    #[arg(long)]
+    no_standby: bool,
 }
 
 fn main() -> ExitCode {
@@ -65,11 +69,12 @@ fn main() -> ExitCode {
         }
         None => None,
     };
-    let cfg = match &args.config {
+    let config_path = args.config.clone();
+    let load = move || match &config_path {
         Some(p) => Config::load(p),
         None => Config::parse(&config::embedded_default(&state_dir), &state_dir),
     };
-    let cfg = match cfg {
+    let cfg = match load() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("spoold: error: {e}");
@@ -80,13 +85,13 @@ fn main() -> ExitCode {
         }
     };
     if link.is_none() && !args.no_keeper {
-        return keeper();
+        return keeper(!args.no_standby);
     }
-    worker(cfg, args.force, link)
+    worker(cfg, &load, args.force, link)
 }
 
 /// Keeper mode: hold descriptors, run the worker (this same binary) and restart it.
-fn keeper() -> ExitCode {
+fn keeper(standby: bool) -> ExitCode {
     let binary = match std::env::current_exe() {
         Ok(b) => b,
         Err(e) => {
@@ -97,7 +102,9 @@ fn keeper() -> ExitCode {
     // Workers inherit the keeper's working directory, so relative paths keep their meaning
     // for every later worker and upgrade.
     let worker_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    spool_keeper::run_keeper(KeeperConfig::new(binary, worker_args))
+    let mut cfg = KeeperConfig::new(binary, worker_args);
+    cfg.standby = standby;
+    spool_keeper::run_keeper(cfg)
 }
 
 /// Under a keeper, a panic in any thread of the worker (a bug: guest and operator input are
@@ -223,6 +230,8 @@ enum WorkerError {
     },
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
 }
 
 impl WorkerError {
@@ -231,7 +240,7 @@ impl WorkerError {
         match self {
             WorkerError::Start(e) => Some(e.to_string()),
             WorkerError::Rpc { source, .. } => Some(source.to_string()),
-            WorkerError::Metrics { .. } => Some(self.to_string()),
+            WorkerError::Metrics { .. } | WorkerError::Config(_) => Some(self.to_string()),
             _ => None,
         }
     }
@@ -242,12 +251,14 @@ enum Event {
     Signal(i32),
 }
 
-fn worker(cfg: Config, force: bool, link: Option<Arc<KeeperLink>>) -> ExitCode {
-    let t_start = std::time::Instant::now();
+/// Reads the config (again: a standby worker read it when it started, long before it serves).
+type LoadConfig<'a> = &'a dyn Fn() -> Result<Config, config::ConfigError>;
+
+fn worker(cfg: Config, load: LoadConfig, force: bool, link: Option<Arc<KeeperLink>>) -> ExitCode {
     if link.is_some() {
         end_worker_on_panic();
     }
-    match serve(cfg, force, link.as_ref(), t_start) {
+    match serve(cfg, load, force, link.as_ref()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(WorkerError::Reported) => ExitCode::FAILURE,
         Err(e) => {
@@ -282,11 +293,15 @@ fn take_over(l: &Arc<KeeperLink>) -> Result<Keeping, WorkerError> {
 /// Starts the daemon and its RPC socket, reports ready, and serves until told to stop.
 fn serve(
     cfg: Config,
+    load: LoadConfig,
     force: bool,
     link: Option<&Arc<KeeperLink>>,
-    t_start: std::time::Instant,
 ) -> Result<(), WorkerError> {
     let keeping = link.map(take_over).transpose()?;
+    // From here on this worker serves: a standby may have waited long for the store, and
+    // the config may have changed meanwhile.
+    let t_start = std::time::Instant::now();
+    let cfg = if keeping.is_some() { load()? } else { cfg };
     let quiet = keeping.as_ref().is_some_and(|k| {
         k.restored
             .lock()

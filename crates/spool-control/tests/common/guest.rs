@@ -28,6 +28,39 @@ pub fn guest_dir() -> PathBuf {
     g
 }
 
+/// The QEMU binary: `SPOOL_QEMU` (e.g. QEMU 10 from scripts/install-qemu10.sh), else the
+/// system's.
+pub fn qemu_binary() -> String {
+    std::env::var("SPOOL_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into())
+}
+
+/// QEMU's major version (`--version`), asked once.
+pub fn qemu_major() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        let out = Command::new(qemu_binary())
+            .arg("--version")
+            .output()
+            .expect("qemu-system-x86_64 must be installed");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.split_whitespace()
+            .skip_while(|w| *w != "version")
+            .nth(1)
+            .and_then(|v| v.split('.').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("cannot read QEMU's version from {text:?}"))
+    })
+}
+
+/// The vhost-user chardev's reconnect option: `reconnect=1` (seconds) before QEMU 10, which
+/// takes `reconnect-ms` (9.2 deprecated `reconnect`).
+pub fn reconnect_option() -> &'static str {
+    if qemu_major() >= 10 {
+        "reconnect-ms=1000"
+    } else {
+        "reconnect=1"
+    }
+}
+
 pub fn qemu(
     sock: &std::path::Path,
     job: &str,
@@ -38,7 +71,7 @@ pub fn qemu(
     let g = guest_dir();
     let mut c = Command::new("timeout");
     c.arg(timeout_s.to_string())
-        .arg("qemu-system-x86_64")
+        .arg(qemu_binary())
         .args([
             "-machine",
             "q35",
@@ -50,6 +83,12 @@ pub fn qemu(
             "512M",
         ])
         .args(["-nographic", "-no-reboot", "-nic", "none"])
+        // QEMU 10 unpacked beside the system's 7.2 brings its own option ROMs.
+        .args(
+            std::env::var("SPOOL_QEMU_DATA")
+                .map(|d| vec!["-L".to_string(), d])
+                .unwrap_or_default(),
+        )
         .args([
             "-object",
             "memory-backend-memfd,id=mem,size=512M,share=on",
@@ -66,7 +105,11 @@ pub fn qemu(
         ])
         .args([
             "-chardev",
-            &format!("socket,id=c0,path={},reconnect=1", sock.display()),
+            &format!(
+                "socket,id=c0,path={},{}",
+                sock.display(),
+                reconnect_option()
+            ),
         ])
         .args([
             "-device",

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod guest;
+pub mod libvirt;
 pub mod load;
 pub mod systemd;
 

@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use super::QueueWorker;
 use crate::request::GuestMemory;
-use crate::stats::now_ns;
+use crate::stats::{now_ticks, OpKind};
 
 impl QueueWorker {
     /// Reaps device completions; completes finished requests to the guest. Returns whether
@@ -27,22 +27,26 @@ impl QueueWorker {
             }
             return any;
         }
-        self.now_ns = now_ns();
+        self.now_ticks = now_ticks();
         let mut used: SmallVec<[(u16, u32); 32]> = SmallVec::new();
+        let mut counted: SmallVec<[(OpKind, u32, u64, bool); 32]> = SmallVec::new();
         for head in finished {
             if let Some(inf) = self.slots[head as usize].take() {
                 self.in_flight -= 1;
-                let (kind, bytes, taken, ok) = (inf.kind, inf.bytes, inf.taken_ns, inf.ok());
+                let c = (inf.kind, inf.bytes, inf.taken, inf.ok());
                 if let Some(len) = self.settle(head, inf) {
                     used.push((head, len));
-                    let q = self.stats.queue(self.index);
-                    q.complete(kind, bytes as u64, ok, taken, self.now_ns);
+                    counted.push(c);
                 }
             }
         }
-        self.stats
-            .queue(self.index)
-            .set_in_flight(self.in_flight as u64);
+        let q = self.stats.queue(self.index);
+        let mut batch = q.batch(self.now_ticks);
+        for (kind, bytes, taken, ok) in counted {
+            batch.add(kind, bytes as u64, ok, taken);
+        }
+        drop(batch);
+        q.set_in_flight(self.in_flight as u64);
         self.complete_used_batch(mem, &used);
         if self.in_flight == 0 && !self.retired_maps.is_empty() {
             // Nothing taken under an earlier memory map is in flight any more.
@@ -83,13 +87,13 @@ impl QueueWorker {
         any
     }
 
-    /// This round's clock, read once per busy round (see `now_ns`).
+    /// This round's clock, read once per busy round (see `now_ticks`).
     #[inline]
     pub(super) fn round_now(&mut self) -> u64 {
-        if self.now_ns == 0 {
-            self.now_ns = now_ns();
+        if self.now_ticks == 0 {
+            self.now_ticks = now_ticks();
         }
-        self.now_ns
+        self.now_ticks
     }
 
     #[inline]

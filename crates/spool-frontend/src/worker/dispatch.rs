@@ -112,7 +112,7 @@ impl QueueWorker {
         let mut inf = Inflight::new(req.status_host, used_len(write, len), 1, self.sweep);
         inf.kind = if write { OpKind::Write } else { OpKind::Read };
         inf.bytes = len as u32;
-        inf.taken_ns = self.round_now();
+        inf.taken = self.round_now();
         self.slots[slot] = Some(inf);
         self.in_flight += 1;
         let bufs = &mut self.slot_bufs[slot];
@@ -146,7 +146,7 @@ impl QueueWorker {
         let mut inf = Inflight::new(status, used, ios.len() as u32, 0);
         inf.kind = kind;
         inf.bytes = bytes;
-        inf.taken_ns = self.round_now();
+        inf.taken = self.round_now();
         if !self.health_gate(head, &mut inf, &ios, mem) {
             return;
         }

@@ -246,9 +246,9 @@ pub struct QueueWorker {
     /// again. The worker then sleeps in epoll for that long instead of on a kick.
     throttled: Option<u64>,
     stats: Arc<VolumeStats>,
-    /// The poll round's clock ([`crate::stats::now_ns`]) once read, 0 until then: requests
+    /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
     /// are stamped when taken and measured when completed with one read per busy round.
-    now_ns: u64,
+    now_ticks: u64,
     #[cfg(test)]
     queue_factory: Option<QueueFactory>,
 }
@@ -336,7 +336,7 @@ impl QueueWorker {
             poison: spec.poison,
             qos,
             stats: spec.stats,
-            now_ns: 0,
+            now_ticks: 0,
             qos_seen,
             qos_shared: spec.qos,
             throttled: None,

@@ -54,7 +54,7 @@ impl QueueWorker {
                 continue;
             }
             // The round's clock is stale once a round passes idle.
-            self.now_ns = 0;
+            self.now_ticks = 0;
             // Reading the clock costs more than a poll round: look only every 64 idle rounds.
             // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
             // the worker awake, or nothing would ever wake it for their completions.

@@ -27,10 +27,10 @@ pub(super) struct Inflight {
     pub(super) timed_out: bool,
     /// The timeout sweep during which it was submitted.
     pub(super) sweep: u32,
-    /// For the statistics: what it is, its data length, when it was taken (`now_ns`).
+    /// For the statistics: what it is, its data length, when it was taken (`now_ticks`).
     pub(super) kind: OpKind,
     pub(super) bytes: u32,
-    pub(super) taken_ns: u64,
+    pub(super) taken: u64,
 }
 
 impl Inflight {
@@ -50,7 +50,7 @@ impl Inflight {
             sweep,
             kind: OpKind::Other,
             bytes: 0,
-            taken_ns: 0,
+            taken: 0,
         }
     }
 

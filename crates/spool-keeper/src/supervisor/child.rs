@@ -30,6 +30,8 @@ pub(super) struct Child {
     pub(super) failed: Option<String>,
     /// Set for a worker started to serve at once: why (handed over on Hello).
     pub(super) start: Option<Start>,
+    /// A standby promoted to serve (its process started long before).
+    pub(super) promoted: bool,
 }
 
 pub(super) struct Start {
@@ -126,6 +128,7 @@ impl Keeper {
             exiting: false,
             failed: None,
             start,
+            promoted: false,
         })
     }
 }

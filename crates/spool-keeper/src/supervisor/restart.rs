@@ -24,10 +24,18 @@ impl Keeper {
         let Some(mut start) = self.child(id).and_then(|c| c.start.take()) else {
             return;
         };
-        let spawned = self.child(id).map(|c| c.spawned.elapsed());
-        start
-            .phases
-            .push(Phase::new("spawn worker", spawned.unwrap_or_default()));
+        let (spawned, promoted) = self
+            .child(id)
+            .map(|c| (c.spawned.elapsed(), c.promoted))
+            .unwrap_or_default();
+        if promoted {
+            // The standby's process start-up happened long before, off the critical path.
+            start
+                .phases
+                .push(Phase::new("wake standby", start.began.elapsed()));
+        } else {
+            start.phases.push(Phase::new("spawn worker", spawned));
+        }
         let t = Instant::now();
         self.generation += 1;
         self.publish_store();
@@ -105,6 +113,9 @@ impl Keeper {
             self.candidate_exited(&status);
             return None;
         }
+        if self.standby_exited(id, &status) {
+            return None;
+        }
         if !self.is_worker(id) {
             return None;
         }
@@ -162,6 +173,10 @@ impl Keeper {
             old_pid,
             phases: vec![],
             reply: None,
+        };
+        let start = match self.promote_standby(&binary, start) {
+            Ok(()) => return None,
+            Err(start) => start,
         };
         match self.spawn(&binary, "worker", Some(start)) {
             Ok(c) => {

@@ -76,6 +76,7 @@ impl Keeper {
             reply(reply_to, Err("spoold is shutting down".into()));
             return;
         }
+        self.drop_standby();
         match self.spawn(&binary, "candidate", None) {
             Ok(c) => {
                 self.cand = Some(c);
