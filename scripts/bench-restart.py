@@ -176,6 +176,7 @@ num_queues = 1
         md.append(f"**{kind}**: " + ", ".join(f"{n} {v:.2f}" for n, v in ph.items()))
         md.append("")
     md += ["![timeline](restart-timeline.png)", "", "![phases](restart-phases.png)", ""]
+    md += crash_tail_section()
     with open(os.path.join(OUT, "restart.md"), "w") as f:
         f.write("\n".join(md))
     try:
@@ -206,6 +207,26 @@ num_queues = 1
     except ImportError:
         log("matplotlib missing: no plots")
     print("\n".join(md))
+
+
+def crash_tail_section():
+    """The crash-restart distribution under a guest's load, from the last run of
+    scripts/bench-crash-tail.py (too long for this script: it is run by hand)."""
+    path = os.path.join(OUT, "restart-tail.json")
+    if not os.path.exists(path):
+        return []
+    t = json.load(open(path))
+    md = ["## Crash-restart tail under a guest's load", "",
+          f"From `scripts/bench-crash-tail.py` ({t['date']}; details in "
+          "[restart-tail.md](restart-tail.md)): a QEMU guest runs a verifying fio job while the "
+          "worker is SIGKILLed again and again; the keeper's report of each restart.", "",
+          "| mode | kills | median | p90 | p99 | max |", "|---|---|---|---|---|---|"]
+    for r in t["results"]:
+        name = {"spawn": "before: a worker process started at the death (`--no-standby`)",
+                "standby": "after: the standby worker takes over (default)"}[r["mode"]]
+        md.append(f"| {name} | {r['kills']} | {r['median_ms']:.1f} ms | {r['p90_ms']:.1f} ms | "
+                  f"{r['p99_ms']:.1f} ms | {r['max_ms']:.1f} ms |")
+    return md + [""]
 
 
 if __name__ == "__main__":

@@ -157,6 +157,7 @@ struct RawHealth {
     reset_timeout_ms: Option<u64>,
     poll_interval_ms: Option<u64>,
     request_retries: Option<u32>,
+    worker_watchdog_ms: Option<u64>,
     hook: Option<String>,
     #[serde(default)]
     spares: Vec<PathBuf>,
@@ -198,6 +199,10 @@ pub struct HealthConfig {
     pub reset_timeout_ms: u64,
     pub poll_interval_ms: u64,
     pub request_retries: u32,
+    /// The keeper restarts a worker whose queue threads stop making progress for this long
+    /// (0: never). Default: twice `io_timeout_ms`, at least 10 s, so that no wait bounded by
+    /// the I/O timeout is taken for a wedge.
+    pub worker_watchdog_ms: u64,
     /// Shell command run on every health event.
     pub hook: Option<String>,
     /// Blank devices (paths) that automatically replace a failed or removed device, first
@@ -213,6 +218,7 @@ impl Default for HealthConfig {
             reset_timeout_ms: 10_000,
             poll_interval_ms: 1_000,
             request_retries: 3,
+            worker_watchdog_ms: 60_000,
             hook: None,
             spares: Vec::new(),
         }
@@ -445,6 +451,9 @@ fn health(h: &RawHealth, base: &Base) -> Result<HealthConfig, ConfigError> {
         reset_timeout_ms: positive(h.reset_timeout_ms, d.reset_timeout_ms, "reset_timeout_ms")?,
         poll_interval_ms: positive(h.poll_interval_ms, d.poll_interval_ms, "poll_interval_ms")?,
         request_retries: h.request_retries.unwrap_or(d.request_retries),
+        worker_watchdog_ms: h
+            .worker_watchdog_ms
+            .unwrap_or_else(|| (2 * h.io_timeout_ms.unwrap_or(d.io_timeout_ms)).max(10_000)),
         hook: h.hook.clone().filter(|s| !s.trim().is_empty()),
         spares: h.spares.iter().map(|p| base.abs(p)).collect(),
     })

@@ -211,6 +211,39 @@ fn without_keeper_upgrade_is_refused_clearly() {
     d.stop();
 }
 
+/// The (first) device of volume `vol`.
+fn device_of(d: &Spoold, vol: &str) -> String {
+    d.rpc("volume_show", json!({"id": vol})).unwrap()["devices"][0]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// After 300 ms, resets the volume's device `dev` (which takes the test hooks' path), then
+/// waits for a worker other than `before`; returns its pid.
+fn reset_then_wait_for_a_new_worker(
+    d: &Arc<Spoold>,
+    dev: String,
+    before: u32,
+) -> std::thread::JoinHandle<u32> {
+    let d = d.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = d.rpc("device_reset", json!({"id": dev}));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(s) = d.rpc("daemon_status", serde_json::Value::Null) {
+                let pid = s["pid"].as_u64().unwrap_or(0) as u32;
+                if pid != before && pid != 0 {
+                    return pid;
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "no new worker");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    })
+}
+
 /// A panic in a queue thread (here forced by a test hook on the device-reset path, with
 /// requests in flight) ends the worker; the keeper restarts it and the journal resubmits
 /// what was in flight. Without that the panicked queue would never answer again and the
@@ -221,29 +254,9 @@ fn a_panicking_queue_thread_restarts_the_worker_invisibly() {
     let panicky = wrapper(&d, "spoold-panics", "SPOOL_TEST_PANIC_ON_DEVICE_RESET=1");
     d.upgrade(Some(&panicky)).unwrap();
     let before = d.worker_pid();
-    let dev = d.rpc("volume_show", json!({"id": "a"})).unwrap()["devices"][0]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let dev = device_of(&d, "a");
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
-    let resetter = {
-        let d = d.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            let _ = d.rpc("device_reset", json!({"id": dev}));
-            let deadline = std::time::Instant::now() + Duration::from_secs(20);
-            loop {
-                if let Ok(s) = d.rpc("daemon_status", serde_json::Value::Null) {
-                    let pid = s["pid"].as_u64().unwrap_or(0) as u32;
-                    if pid != before && pid != 0 {
-                        return pid;
-                    }
-                }
-                assert!(std::time::Instant::now() < deadline, "no new worker");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        })
-    };
+    let resetter = reset_then_wait_for_a_new_worker(&d, dev, before);
     let rounds = write_rounds_until(&mut c, &|| resetter.is_finished(), 10);
     let after = resetter.join().unwrap();
     assert_ne!(after, before);
@@ -260,5 +273,38 @@ fn a_panicking_queue_thread_restarts_the_worker_invisibly() {
     );
     eprintln!(
         "worker {before} panicked in a queue thread, {after} took over; {rounds} rounds verified"
+    );
+}
+
+/// A queue thread that stops turning (forced by a test hook: it stops for good on the
+/// device-reset path, with requests in flight) stops the worker's progress reports; the
+/// keeper's worker watchdog kills the worker and the standby takes over, resubmitting from
+/// the journal. The client sees a pause, no error.
+#[test]
+fn a_wedged_queue_thread_is_restarted_by_the_worker_watchdog() {
+    let config = format!("{ONE_VOLUME}[health]\nworker_watchdog_ms = 1000\n");
+    let d = Arc::new(Spoold::start_env(
+        &config,
+        &[("SPOOL_TEST_WEDGE_ON_DEVICE_RESET", "1")],
+    ));
+    let before = d.worker_pid();
+    let dev = device_of(&d, "a");
+    let mut c = connect(&d.socket("a"), 2, false).unwrap();
+    let t0 = std::time::Instant::now();
+    let resetter = reset_then_wait_for_a_new_worker(&d, dev, before);
+    let rounds = write_rounds_until(&mut c, &|| resetter.is_finished(), 10);
+    let after = resetter.join().unwrap();
+    let log = d.log();
+    assert!(log.contains("queue threads made no progress"), "{log}");
+    assert!(log.contains("worker watchdog"), "{log}");
+    assert_eq!(d.status()["keeper"]["start_reason"], json!("crash-restart"));
+    assert_eq!(
+        log.matches("frontend connected").count(),
+        1,
+        "the client reconnected"
+    );
+    eprintln!(
+        "worker {before} wedged, {after} took over after {:.1} s; {rounds} rounds verified",
+        t0.elapsed().as_secs_f64()
     );
 }

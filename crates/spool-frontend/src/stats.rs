@@ -18,7 +18,7 @@
 //! Owns: the counters, the latency histogram's buckets and [`VolumeStatsSnapshot`].
 //! Must not know: how they are exported.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// Upper bounds of the latency buckets, in microseconds: 1, 2, 4 … 2^22 (about 4 s); the last
@@ -64,6 +64,20 @@ pub struct QueueStats {
     throttled: AtomicU64,
     /// Poll rounds: the worker's heartbeat.
     rounds: AtomicU64,
+    /// [`QueueState`] of the queue's worker thread.
+    state: AtomicU8,
+}
+
+/// What a queue's worker thread is doing, for the watchdog: a running thread that is not
+/// asleep must keep counting poll rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueState {
+    /// No worker thread (the queue is not started).
+    Idle,
+    /// Polling: its poll rounds must advance.
+    Running,
+    /// Asleep in epoll, waiting for a kick, a completion or a timer.
+    Asleep,
 }
 
 /// Adds `n` to a counter only this thread writes.
@@ -215,6 +229,20 @@ impl QueueStats {
     pub fn rounds(&self) -> u64 {
         self.rounds.load(Ordering::Relaxed)
     }
+
+    /// Set by the queue's worker thread as it starts, sleeps, wakes and exits.
+    #[inline]
+    pub fn set_state(&self, s: QueueState) {
+        self.state.store(s as u8, Ordering::Relaxed);
+    }
+
+    pub fn state(&self) -> QueueState {
+        match self.state.load(Ordering::Relaxed) {
+            1 => QueueState::Running,
+            2 => QueueState::Asleep,
+            _ => QueueState::Idle,
+        }
+    }
 }
 
 /// A volume's counters: one [`QueueStats`] per queue index.
@@ -285,9 +313,12 @@ impl VolumeStats {
         self.queues.get(index as usize).unwrap_or(&self.spare)
     }
 
-    /// Every queue's heartbeat.
-    pub fn rounds(&self) -> Vec<u64> {
-        self.queues.iter().map(|q| q.rounds()).collect()
+    /// Every queue's heartbeat: (state, poll rounds).
+    pub fn heartbeats(&self) -> Vec<(QueueState, u64)> {
+        self.queues
+            .iter()
+            .map(|q| (q.state(), q.rounds()))
+            .collect()
     }
 
     /// Sums every queue's counters (relaxed reads: each counter is exact, a snapshot of

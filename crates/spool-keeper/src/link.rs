@@ -186,6 +186,11 @@ impl KeeperLink {
         self.send(&Msg::Exiting, &[])
     }
 
+    /// Tells the keeper every queue thread is making progress (its watchdog).
+    pub fn alive(&self) -> std::io::Result<()> {
+        self.send(&Msg::Alive, &[])
+    }
+
     /// Asks the keeper to upgrade; it answers on `reply` (a JSON-RPC connection) if given.
     pub fn upgrade(
         &self,

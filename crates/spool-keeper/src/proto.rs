@@ -52,6 +52,9 @@ pub struct StartInfo {
     pub last_restart: Option<RestartReport>,
     /// When the restart began (µs since the epoch): the worker measures its first I/O from it.
     pub restart_began_us: u64,
+    /// How often the keeper wants `Alive` (ms; 0: never, as with keepers before it).
+    #[serde(default)]
+    pub alive_every_ms: u64,
 }
 
 /// One restart or upgrade, as the keeper measured it.
@@ -104,6 +107,9 @@ pub enum Msg {
     Quiesced { phases: Vec<Phase> },
     /// The worker is shutting down for good (operator asked); do not restart it.
     Exiting,
+    /// Every queue thread is making progress (sent every `StartInfo::alive_every_ms` when
+    /// the keeper asked for it; a worker that stops sending is killed and restarted).
+    Alive,
     /// Operator asked for an upgrade. An attached descriptor is the RPC connection to answer
     /// on with a JSON-RPC response carrying `rpc_id`.
     Upgrade {

@@ -52,6 +52,9 @@ pub struct KeeperConfig {
     pub step_timeout: Duration,
     /// Keep a standby worker started ahead of need (see `standby`).
     pub standby: bool,
+    /// A serving worker that reports no progress (`Alive`) for this long is killed and
+    /// restarted (zero: no watchdog).
+    pub worker_watchdog: Duration,
 }
 
 impl KeeperConfig {
@@ -64,6 +67,7 @@ impl KeeperConfig {
             crash_window: Duration::from_secs(60),
             step_timeout: Duration::from_secs(10),
             standby: true,
+            worker_watchdog: Duration::from_secs(10),
         }
     }
 }
@@ -306,6 +310,11 @@ impl Keeper {
                 }
             }
             Msg::Quiesced { phases } => self.quiesced(id, phases),
+            Msg::Alive => {
+                if let Some(c) = self.child(id) {
+                    c.last_alive = Some(Instant::now());
+                }
+            }
             Msg::Exiting => {
                 if let Some(c) = self.child(id) {
                     c.exiting = true;
@@ -481,8 +490,31 @@ impl Keeper {
                 kill(w.pid);
             }
         }
+        self.check_worker_progress();
         self.check_upgrade_deadline();
         None
+    }
+}
+
+impl Keeper {
+    /// The worker watchdog: a serving worker that said it was alive and then stopped saying
+    /// so (a queue thread wedged, or the whole process) is killed; its exit restarts it with
+    /// the kept descriptors, as after a crash.
+    fn check_worker_progress(&mut self) {
+        let limit = self.cfg.worker_watchdog;
+        let Some(w) = self.worker.as_mut().filter(|w| w.ready && !limit.is_zero()) else {
+            return;
+        };
+        if w.last_alive.is_some_and(|t| t.elapsed() > limit) {
+            let why = format!(
+                "no progress reported for {} ms (worker watchdog)",
+                limit.as_millis()
+            );
+            tracing::error!(pid = w.pid, "keeper: {why}; killing it");
+            w.failed = Some(why);
+            w.last_alive = None;
+            kill(w.pid);
+        }
     }
 }
 

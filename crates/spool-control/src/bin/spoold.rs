@@ -85,13 +85,13 @@ fn main() -> ExitCode {
         }
     };
     if link.is_none() && !args.no_keeper {
-        return keeper(!args.no_standby);
+        return keeper(!args.no_standby, cfg.health.worker_watchdog_ms);
     }
     worker(cfg, &load, args.force, link)
 }
 
 /// Keeper mode: hold descriptors, run the worker (this same binary) and restart it.
-fn keeper(standby: bool) -> ExitCode {
+fn keeper(standby: bool, watchdog_ms: u64) -> ExitCode {
     let binary = match std::env::current_exe() {
         Ok(b) => b,
         Err(e) => {
@@ -104,6 +104,7 @@ fn keeper(standby: bool) -> ExitCode {
     let worker_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let mut cfg = KeeperConfig::new(binary, worker_args);
     cfg.standby = standby;
+    cfg.worker_watchdog = std::time::Duration::from_millis(watchdog_ms);
     spool_keeper::run_keeper(cfg)
 }
 
@@ -332,6 +333,7 @@ fn serve(
         let mut phases = daemon.start_phases();
         phases.push(Phase::new("worker start total", t_start.elapsed()));
         let _ = l.ready(phases);
+        daemon.start_progress_reports();
     }
     stop_when_told(&daemon, link, events.recv().ok());
     let _ = std::fs::remove_file(&rpc_path);

@@ -1,9 +1,15 @@
 //! The I/O statistics methods: `volume_stats` (each served volume's counters, as the queue
 //! workers count them) and the snapshot the metrics endpoint renders.
 
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use spool_frontend::stats::QueueState;
+use uuid::Uuid;
 
 use super::Daemon;
 use crate::api::{self, VolumeStatsParams};
@@ -69,6 +75,66 @@ impl Daemon {
         })?;
         tracing::info!(%addr, "metrics endpoint: http://{addr}/metrics");
         Ok(())
+    }
+
+    /// The worker's side of the keeper's watchdog: every `alive_every_ms` the keeper asked
+    /// for, `Alive` while every running queue thread keeps counting poll rounds (or sleeps);
+    /// a queue thread stuck for two periods stops the reports (logged), and the keeper
+    /// restarts the worker.
+    pub fn start_progress_reports(self: &Arc<Self>) {
+        let Some(k) = &self.keeping else { return };
+        let every = Duration::from_millis(k.restored().info.alive_every_ms);
+        if every.is_zero() {
+            return;
+        }
+        let link = k.link.clone();
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("progress".into())
+            .spawn(move || {
+                let mut seen = HashMap::new();
+                let mut logged = false;
+                loop {
+                    std::thread::sleep(every);
+                    let Some(d) = weak.upgrade() else { return };
+                    if d.stopping.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let stuck = d.stuck_queues(&mut seen, 2 * every);
+                    if stuck.is_empty() {
+                        let _ = link.alive();
+                        logged = false;
+                    } else if !logged {
+                        tracing::error!(queues = %stuck.join(", "), "queue threads made no progress for {} ms: no longer telling the keeper this worker is alive (it will be restarted)", (2 * every).as_millis());
+                        logged = true;
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!("cannot start the progress reports (worker watchdog): {e}");
+        }
+    }
+
+    /// Queues ("q<N>-<volume>") whose running worker thread counted no poll round for `limit`.
+    fn stuck_queues(
+        &self,
+        seen: &mut HashMap<(Uuid, usize), (u64, Instant)>,
+        limit: Duration,
+    ) -> Vec<String> {
+        let now = Instant::now();
+        let mut stuck = Vec::new();
+        for (uuid, server) in self.servers().iter() {
+            let ctx = server.context();
+            for (i, (state, rounds)) in ctx.stats().heartbeats().into_iter().enumerate() {
+                let last = seen.entry((*uuid, i)).or_insert((rounds, now));
+                if state != QueueState::Running || rounds != last.0 {
+                    *last = (rounds, now);
+                } else if now.duration_since(last.1) > limit {
+                    stuck.push(format!("q{i}-{}", ctx.name()));
+                }
+            }
+        }
+        stuck
     }
 
     /// What the metrics endpoint shows: every volume's counters, every device's health, the

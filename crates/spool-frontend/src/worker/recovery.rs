@@ -318,13 +318,20 @@ impl QueueWorker {
     }
 }
 
-/// Test hook (docs/upgrade.md, "Test hooks"): with `SPOOL_TEST_PANIC_ON_DEVICE_RESET` set, a
-/// queue thread panics when it takes the device-reset path, with requests in flight. Only
-/// built with the `test-hooks` feature, which spool-control's tests turn on for the spoold
-/// they run; a production build has no such path.
+/// Test hooks (docs/upgrade.md, "Test hooks"): with `SPOOL_TEST_PANIC_ON_DEVICE_RESET` set, a
+/// queue thread panics when it takes the device-reset path, with requests in flight; with
+/// `SPOOL_TEST_WEDGE_ON_DEVICE_RESET` set it stops there for good (a wedged worker, for the
+/// watchdog). Only built with the `test-hooks` feature, which spool-control's tests turn on
+/// for the spoold they run; a production build has no such path.
 #[cfg(feature = "test-hooks")]
 fn test_hook_on_device_reset() {
     if std::env::var_os("SPOOL_TEST_PANIC_ON_DEVICE_RESET").is_some() {
         panic!("SPOOL_TEST_PANIC_ON_DEVICE_RESET is set");
+    }
+    if std::env::var_os("SPOOL_TEST_WEDGE_ON_DEVICE_RESET").is_some() {
+        tracing::warn!("SPOOL_TEST_WEDGE_ON_DEVICE_RESET is set: this queue thread stops here");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
     }
 }

@@ -17,6 +17,7 @@ use super::{QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_K
 use crate::hostmem::HostMap;
 use crate::qos::{Cost, VolumeQos};
 use crate::request::{self, GuestMemory, Op};
+use crate::stats::QueueState;
 
 /// Longest sleep of a throttled worker, so that a lowered or lifted limit, a stop or a
 /// reset is seen well within 100 ms.
@@ -44,6 +45,7 @@ impl QueueWorker {
         self.set_device_events(false);
         // Completions a previous process put in the used ring just before it died may not
         // have been signalled: one (possibly spurious) interrupt lets the guest see them.
+        self.stats.queue(self.index).set_state(QueueState::Running);
         self.signal_guest();
         self.replay_journal();
         while !self.stop.load(Ordering::Acquire) {
@@ -74,6 +76,8 @@ impl QueueWorker {
                 last_work = Instant::now();
             }
         }
+        // Stopping: the drain's wait is bounded by its own timeout, not the watchdog's.
+        self.stats.queue(self.index).set_state(QueueState::Idle);
         self.drain();
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
         self.vq.into_queue()
@@ -187,7 +191,11 @@ impl QueueWorker {
     /// Sleeps in epoll until a kick, a wake-up, a device completion, or `wait_ms`, and
     /// clears what woke it.
     fn wait_for_events(&mut self, wait_ms: i32, events: &mut [EpollEvent]) {
-        let n = match self.epoll.wait(wait_ms, events) {
+        let stats = self.stats.queue(self.index);
+        stats.set_state(QueueState::Asleep);
+        let waited = self.epoll.wait(wait_ms, events);
+        stats.set_state(QueueState::Running);
+        let n = match waited {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
             Err(e) => {

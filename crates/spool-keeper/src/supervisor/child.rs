@@ -32,6 +32,8 @@ pub(super) struct Child {
     pub(super) start: Option<Start>,
     /// A standby promoted to serve (its process started long before).
     pub(super) promoted: bool,
+    /// Its last `Alive` (the worker watchdog).
+    pub(super) last_alive: Option<Instant>,
 }
 
 pub(super) struct Start {
@@ -129,6 +131,7 @@ impl Keeper {
             failed: None,
             start,
             promoted: false,
+            last_alive: None,
         })
     }
 }

@@ -45,6 +45,7 @@ impl Keeper {
             reason: start.reason.clone(),
             last_restart: self.last_report.clone(),
             restart_began_us: start.began_us,
+            alive_every_ms: (self.cfg.worker_watchdog / 4).as_millis() as u64,
         };
         if let Err(e) = self.hand_over(id, info) {
             tracing::error!("keeper: handing over to the worker failed: {e}");

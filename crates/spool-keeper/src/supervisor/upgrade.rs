@@ -225,6 +225,7 @@ impl Keeper {
             reason: "upgrade".into(),
             last_restart: self.last_report.clone(),
             restart_began_us: began_us,
+            alive_every_ms: (self.cfg.worker_watchdog / 4).as_millis() as u64,
         };
         if let Err(e) = self.hand_over(cid, info) {
             tracing::error!("keeper: handing over to the new worker failed: {e}");
