@@ -12,7 +12,16 @@ never reconnect, or the run fails.
 
     scripts/bench-crash-tail.py            # 110 kills per mode (about 5 minutes here)
     scripts/bench-crash-tail.py --kills 20
-Results: docs/benchmarks/restart-tail.{json,md}. Run by hand: too long for CI.
+    scripts/bench-crash-tail.py --systemd  # the keeper itself SIGKILLed under systemd
+Results: docs/benchmarks/restart-tail.{json,md} (--systemd: restart-systemd.{json,md}). Run by
+hand: too long for CI.
+
+With --systemd, spoold runs as contrib/spoold.service (binary and config of this run, a start
+limit that allows the kills) under a private `systemd --user` in its own mount namespace, and
+the keeper (the unit's main process) is SIGKILLed 1.5-2 s apart: its worker dies with it,
+systemd restarts the service and hands back its descriptor store. The stall is measured from
+the SIGKILL to the new worker answering `daemon_status` over a socket held open by this
+script's own JSON-RPC client (no process started per poll).
 """
 
 import argparse
@@ -60,19 +69,26 @@ def status(sock):
     raise RuntimeError("daemon_status never answered")
 
 
-def run(mode, kills, seed):
-    d = tempfile.mkdtemp(prefix=f"spool-tail-{mode}-")
-    cfg = os.path.join(d, "spoold.toml")
-    with open(cfg, "w") as f:
-        f.write(CONFIG.format(d=d, mode=mode))
-    args = [os.path.join(BIN, "spoold"), "--config", cfg]
-    if mode == "spawn":
-        args.append("--no-standby")
-    spoold_log = open(os.path.join(d, "spoold.log"), "w")
-    sp = subprocess.Popen(args, stderr=spoold_log, stdout=subprocess.DEVNULL)
-    sock = os.path.join(d, "state", "spoold.sock")
-    status(sock)
-    runtime = 30 + kills
+def rpc_status(path):
+    """daemon_status over the RPC socket, or None while nobody answers."""
+    import socket
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(2)
+            c.connect(path)
+            c.sendall(b'{"jsonrpc":"2.0","id":1,"method":"daemon_status"}\n')
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = c.recv(65536)
+                if not chunk:
+                    return None
+                buf += chunk
+            return json.loads(buf).get("result")
+    except OSError:
+        return None
+
+
+def start_guest(d, runtime):
     g = os.path.join(CACHE, "guest")
     console = open(os.path.join(d, "console"), "w")
     vm = subprocess.Popen(
@@ -89,8 +105,113 @@ def run(mode, kills, seed):
     deadline = time.time() + 240
     while "SPOOL-E2E: disk" not in open(con).read():
         if time.time() > deadline or vm.poll() is not None:
-            raise RuntimeError(f"{mode}: guest did not start:\n{open(con).read()}")
+            raise RuntimeError(f"guest did not start:\n{open(con).read()}")
         time.sleep(0.1)
+    return vm, con
+
+
+def run_systemd(kills, seed):
+    d = tempfile.mkdtemp(prefix="spool-tail-systemd-")
+    cfg = os.path.join(d, "spoold.toml")
+    with open(cfg, "w") as f:
+        f.write(CONFIG.format(d=d, mode="systemd"))
+    for sub in ("run/system", "xdg", "config/systemd/user"):
+        os.makedirs(os.path.join(d, sub), exist_ok=True)
+    os.chmod(os.path.join(d, "xdg"), 0o700)
+    unit = []
+    for line in open(os.path.join(REPO, "contrib", "spoold.service")):
+        if line.startswith("ExecStart="):
+            line = f"ExecStart={BIN}/spoold --config {cfg}\n"
+        elif line.startswith("StartLimitBurst="):
+            line = "StartLimitBurst=1000\n"
+        unit.append(line)
+        if line.strip() == "[Service]":
+            unit.append(f"StandardError=append:{d}/spoold.log\n")
+    open(os.path.join(d, "config/systemd/user/spoold-bench.service"), "w").write("".join(unit))
+    env = dict(os.environ, XDG_RUNTIME_DIR=f"{d}/xdg", XDG_CONFIG_HOME=f"{d}/config")
+    os.makedirs("/run/systemd", exist_ok=True)
+    mgr = subprocess.Popen(["unshare", "-m", "sh", "-c",
+                            f"mount --bind {d}/run /run/systemd && exec /lib/systemd/systemd --user"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sc = lambda *a: subprocess.run(["systemctl", "--user", *a], env=env, capture_output=True,
+                                   text=True)
+    try:
+        for _ in range(300):
+            if sc("show-environment").returncode == 0:
+                break
+            time.sleep(0.05)
+        r = sc("start", "spoold-bench.service")
+        if r.returncode != 0:
+            raise RuntimeError(f"systemctl start: {r.stderr}")
+        rpc = f"{d}/state/spoold.sock"
+        vm, con = start_guest(d, 30 + kills * 2)
+        rng = random.Random(seed)
+        walls, reported = [], []
+        for k in range(kills):
+            time.sleep(1.5 + rng.random() * 0.5)
+            keeper = rpc_status(rpc)["keeper"]["pid"]
+            t0 = time.monotonic()
+            os.kill(keeper, signal.SIGKILL)
+            while True:
+                s = rpc_status(rpc)
+                if s and s["keeper"]["pid"] != keeper and (s.get("last_restart") or {}).get("kind") == "keeper-restart":
+                    break
+                time.sleep(0.001)
+            walls.append((time.monotonic() - t0) * 1e3)
+            reported.append(s["last_restart"]["stall_ms"])
+            if vm.poll() is not None:
+                raise RuntimeError(f"guest exited early after {k} kills")
+        vm.wait()
+        text = open(con).read()
+        slog = open(f"{d}/spoold.log").read()
+        if "SPOOL-E2E: PASS" not in text:
+            raise RuntimeError(f"the guest's fio failed:\n{text[-3000:]}")
+        if slog.count("frontend connected") != 1:
+            raise RuntimeError("QEMU reconnected")
+        return {"kills": kills, "guest": "PASS, 0 fio errors, no reconnect",
+                "wall_median_ms": statistics.median(walls), "wall_p90_ms": pct(walls, 0.9),
+                "wall_p99_ms": pct(walls, 0.99), "wall_max_ms": max(walls),
+                "spoold_median_ms": statistics.median(reported),
+                "spoold_max_ms": max(reported), "walls_ms": walls}
+    finally:
+        sc("stop", "spoold-bench.service")
+        mgr.kill()
+        mgr.wait()
+
+
+def write_systemd(r, seed):
+    with open(os.path.join(OUT, "restart-systemd.json"), "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "seed": seed, **r}, f, indent=1)
+    with open(os.path.join(OUT, "restart-systemd.md"), "w") as f:
+        f.write("# The keeper SIGKILLed under systemd\n\n")
+        f.write(f"`scripts/bench-crash-tail.py --systemd --kills {r['kills']}` "
+                f"({datetime.date.today()}, seed {seed}), 2-core host, release build, "
+                "contrib/spoold.service under systemd 252 (`systemd --user`). A QEMU guest "
+                "(TCG) runs the verifying `killtest` fio job; the keeper is SIGKILLed 1.5-2 s "
+                "apart and systemd restarts the service with its descriptor store. Wall: from "
+                "the SIGKILL to the new worker answering `daemon_status` (systemd noticing "
+                "the death, starting spoold, spoold serving). spoold: its own report, from "
+                "the new keeper's start to serving.\n\n")
+        f.write("| kills | wall median | p90 | p99 | max | spoold median | spoold max | guest |\n")
+        f.write("|---|---|---|---|---|---|---|---|\n")
+        f.write(f"| {r['kills']} | {r['wall_median_ms']:.1f} ms | {r['wall_p90_ms']:.1f} ms | "
+                f"{r['wall_p99_ms']:.1f} ms | {r['wall_max_ms']:.1f} ms | "
+                f"{r['spoold_median_ms']:.1f} ms | {r['spoold_max_ms']:.1f} ms | {r['guest']} |\n")
+
+
+def run(mode, kills, seed):
+    d = tempfile.mkdtemp(prefix=f"spool-tail-{mode}-")
+    cfg = os.path.join(d, "spoold.toml")
+    with open(cfg, "w") as f:
+        f.write(CONFIG.format(d=d, mode=mode))
+    args = [os.path.join(BIN, "spoold"), "--config", cfg]
+    if mode == "spawn":
+        args.append("--no-standby")
+    spoold_log = open(os.path.join(d, "spoold.log"), "w")
+    sp = subprocess.Popen(args, stderr=spoold_log, stdout=subprocess.DEVNULL)
+    sock = os.path.join(d, "state", "spoold.sock")
+    status(sock)
+    vm, con = start_guest(d, 30 + kills)
     rng = random.Random(seed)
     reports = []
     for k in range(kills):
@@ -137,9 +258,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=110)
     ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--systemd", action="store_true", help="kill the keeper under systemd")
     a = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "-q", "--bin", "spoold", "--bin", "spoolctl"],
                    cwd=REPO, check=True)
+    if a.systemd:
+        r = run_systemd(a.kills, a.seed)
+        log(f"systemd: {a.kills} keeper kills: wall median {r['wall_median_ms']:.1f} ms, p90 "
+            f"{r['wall_p90_ms']:.1f}, p99 {r['wall_p99_ms']:.1f}, max {r['wall_max_ms']:.1f}; "
+            f"spoold median {r['spoold_median_ms']:.1f}")
+        write_systemd(r, a.seed)
+        return
     res = [run(m, a.kills, a.seed) for m in ("spawn", "standby")]
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "restart-tail.json"), "w") as f:

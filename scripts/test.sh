@@ -29,6 +29,7 @@ python3 scripts/bench.py --quick
 python3 scripts/bench-restart.py --quick
 python3 scripts/bench-failures.py --quick
 python3 scripts/bench-qos.py --quick
+python3 scripts/bench-share.py --quick
 python3 scripts/bench-mirror.py --quick
 scripts/bench-journal.sh --quick
 echo "== all tests passed"

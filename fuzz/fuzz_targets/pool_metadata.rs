@@ -117,6 +117,7 @@ fn generated(b: &mut Bytes) -> PoolTable {
                     iops: b.u64() >> (b.u8() % 64),
                     write_bps: b.u64() >> (b.u8() % 64),
                     burst_ms: b.u64() as u32 % 70_000,
+                    weight: b.u64() as u32 % 12_000,
                     ..Default::default()
                 }),
                 _ => None,

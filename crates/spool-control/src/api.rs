@@ -328,6 +328,9 @@ pub struct VolumeQosParams {
     /// Burst allowance in milliseconds (1..=60000; default 1000 for a volume without limits).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub burst_ms: Option<u32>,
+    /// Fair-share weight against the other busy volumes (1..=10000; 0: the default, 100).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub clear: bool,
 }
@@ -346,6 +349,7 @@ impl VolumeQosParams {
             read_bps: bps(&self.read_bps, "read_bps")?,
             write_bps: bps(&self.write_bps, "write_bps")?,
             burst_ms: self.burst_ms,
+            weight: self.weight,
         })
     }
 }

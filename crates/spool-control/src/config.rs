@@ -119,6 +119,8 @@ struct RawQos {
     read_bps: Option<RateValue>,
     write_bps: Option<RateValue>,
     burst: Option<RateValue>,
+    /// Fair-share weight (1..=10000; default 100).
+    weight: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -431,6 +433,7 @@ fn qos_limits(q: &RawQos) -> Result<spool_pool::QosLimits, QosError> {
             Some(b) => b.burst_ms()?,
             None => spool_pool::qos::DEFAULT_BURST_MS,
         },
+        weight: q.weight.unwrap_or(0),
     })
 }
 

@@ -114,6 +114,7 @@ impl Daemon {
                 request_retries: cfg.health.request_retries,
                 state_fd_limit: spool_keeper::proto::MAX_FDS,
                 clock: Arc::default(),
+                share_group: Arc::default(),
             },
             monitor,
             spares_used: Mutex::new(Vec::new()),

@@ -159,7 +159,7 @@ pub fn format_burst(ms: u32) -> String {
 
 /// Limits for people: "iops 20k, bw 200M/s, burst 1s", or "none".
 pub fn describe(q: Option<&QosLimits>) -> String {
-    let Some(q) = q.filter(|q| !q.is_unlimited()) else {
+    let Some(q) = q.filter(|q| !q.is_default()) else {
         return "none".into();
     };
     let mut parts: Vec<String> = q
@@ -171,7 +171,12 @@ pub fn describe(q: Option<&QosLimits>) -> String {
             None => format!("{} {}", name.replace('_', " "), format_iops(*r)),
         })
         .collect();
-    parts.push(format!("burst {}", format_burst(q.burst_ms)));
+    if !q.is_unlimited() {
+        parts.push(format!("burst {}", format_burst(q.burst_ms)));
+    }
+    if q.weight != 0 {
+        parts.push(format!("weight {}", q.weight));
+    }
     parts.join(", ")
 }
 
@@ -187,6 +192,8 @@ pub struct QosChange {
     pub read_bps: Option<u64>,
     pub write_bps: Option<u64>,
     pub burst_ms: Option<u32>,
+    /// Fair-share weight (0: back to the default).
+    pub weight: Option<u32>,
 }
 
 impl QosChange {
@@ -209,6 +216,9 @@ impl QosChange {
         set(&mut q.write_bps, self.write_bps);
         if let Some(b) = self.burst_ms {
             q.burst_ms = b;
+        }
+        if let Some(w) = self.weight {
+            q.weight = w;
         }
         q
     }

@@ -324,3 +324,41 @@ burst = "100ms"
         "{after:.0} IOPS over the raised cap of 3000"
     );
 }
+
+/// A fair-share weight is set, shown, kept across a worker restart and an upgrade, combined
+/// with limits, refused out of range, and reset with 0; the config declares one too.
+#[test]
+fn weights_are_set_kept_and_reset() {
+    let d = Spoold::start(CFG);
+    let (ok, out, err) = spoolctl(&d, &["volume", "qos", "a", "--weight", "300"]);
+    assert!(ok && out.contains("weight 300"), "{out}{err}");
+    assert_eq!(qos(&d, "a")["weight"], json!(300));
+    assert!(
+        qos(&d, "a").get("iops").is_none(),
+        "a weight alone sets no limit"
+    );
+    d.kill_worker();
+    assert_eq!(qos(&d, "a")["weight"], json!(300), "kept by the pool table");
+    d.upgrade(None).unwrap();
+    let (ok, _, err) = spoolctl(&d, &["volume", "qos", "a", "--iops", "5k"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        qos(&d, "a")["weight"],
+        json!(300),
+        "a limit leaves the weight"
+    );
+    let (ok, _, err) = spoolctl(&d, &["volume", "qos", "a", "--weight", "20000"]);
+    assert!(
+        !ok && err.contains("weight 20000 must be between 1 and 10000"),
+        "{err}"
+    );
+    let (ok, _, err) = spoolctl(&d, &["volume", "qos", "a", "--weight", "0", "--iops", "0"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        qos(&d, "a"),
+        Value::Null,
+        "back to the default weight, no limits"
+    );
+    let d2 = Spoold::start(&format!("{CFG}[volumes.qos]\nweight = 50\n"));
+    assert_eq!(qos(&d2, "b")["weight"], json!(50));
+}

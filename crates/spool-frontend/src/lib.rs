@@ -17,6 +17,7 @@ pub mod ratelimit;
 pub mod request;
 mod server;
 mod session;
+pub mod share;
 pub mod stats;
 pub mod vring;
 pub mod worker;
@@ -91,6 +92,8 @@ pub struct FrontendSettings {
     pub state_fd_limit: usize,
     /// Where servers and workers record restore time and the first completion.
     pub clock: Arc<StartClock>,
+    /// The volumes sharing this process's cores and devices by weight (one per daemon).
+    pub share_group: Arc<share::ShareGroup>,
 }
 
 impl Default for FrontendSettings {
@@ -102,6 +105,7 @@ impl Default for FrontendSettings {
             request_retries: 3,
             state_fd_limit: 250,
             clock: Arc::default(),
+            share_group: Arc::default(),
         }
     }
 }
@@ -116,6 +120,13 @@ pub struct VolumeContext {
     fault: Arc<SessionFault>,
     abandoned: Arc<std::sync::atomic::AtomicU64>,
     stats: Arc<stats::VolumeStats>,
+    share: Arc<share::VolumeShare>,
+}
+
+impl Drop for VolumeContext {
+    fn drop(&mut self) {
+        self.settings.share_group.leave(&self.share);
+    }
 }
 
 /// How a worker tells the volume's serving thread that the session must end: the frontend's
@@ -157,6 +168,9 @@ impl VolumeContext {
     /// Context for a volume.
     pub fn new(layout: VolumeLayout, settings: FrontendSettings) -> Arc<Self> {
         let layout_queues = layout.num_queues;
+        let share = settings
+            .share_group
+            .join(layout.qos.map_or(0, |q| q.weight));
         Arc::new(VolumeContext {
             name: layout.name.clone(),
             qos: Arc::new(qos::VolumeQos::new(layout.qos.as_ref())),
@@ -165,6 +179,7 @@ impl VolumeContext {
             fault: Arc::new(SessionFault::new()),
             abandoned: Arc::default(),
             stats: Arc::new(stats::VolumeStats::new(layout_queues)),
+            share,
         })
     }
 
@@ -183,6 +198,7 @@ impl VolumeContext {
     /// buckets at once, keeping what they hold.
     pub fn update_layout(&self, layout: VolumeLayout) {
         self.qos.configure(layout.qos.as_ref(), self.qos.now());
+        self.share.set_weight(layout.qos.map_or(0, |q| q.weight));
         self.layout.store(Arc::new(layout));
     }
 
@@ -229,6 +245,11 @@ impl VolumeContext {
     /// The volume's I/O counters (per queue; `snapshot` sums them).
     pub fn stats(&self) -> &Arc<stats::VolumeStats> {
         &self.stats
+    }
+
+    /// The volume's fair share (weight, virtual clock) in the process's group.
+    pub fn share(&self) -> &Arc<share::VolumeShare> {
+        &self.share
     }
 
     /// The signal that ends the current session after a fault in its memory.

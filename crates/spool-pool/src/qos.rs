@@ -43,7 +43,17 @@ pub struct QosLimits {
     /// Burst allowance: each limit's bucket holds this many milliseconds of its rate.
     #[serde(default = "default_burst")]
     pub burst_ms: u32,
+    /// Fair-share weight against the other busy volumes (1..=10000; 0: the default, 100).
+    #[serde(default, skip_serializing_if = "is_zero32")]
+    pub weight: u32,
 }
+
+fn is_zero32(v: &u32) -> bool {
+    *v == 0
+}
+
+/// Largest fair-share weight.
+pub const MAX_WEIGHT: u32 = 10_000;
 
 impl Default for QosLimits {
     fn default() -> Self {
@@ -55,6 +65,7 @@ impl Default for QosLimits {
             read_bps: 0,
             write_bps: 0,
             burst_ms: DEFAULT_BURST_MS,
+            weight: 0,
         }
     }
 }
@@ -63,6 +74,11 @@ impl QosLimits {
     /// Whether no limit is set (the same as no QoS at all).
     pub fn is_unlimited(&self) -> bool {
         self.rates().iter().all(|(_, r)| *r == 0)
+    }
+
+    /// No limit and the default weight: nothing worth keeping.
+    pub fn is_default(&self) -> bool {
+        self.is_unlimited() && self.weight == 0
     }
 
     /// Each limit by name, as spoolctl and the RPC spell them.
@@ -85,6 +101,12 @@ impl QosLimits {
                     "{name} {rate} is above the largest limit {MAX_RATE}"
                 ));
             }
+        }
+        if self.weight > MAX_WEIGHT {
+            return Err(format!(
+                "weight {} must be between 1 and {MAX_WEIGHT}",
+                self.weight
+            ));
         }
         if !(1..=MAX_BURST_MS).contains(&self.burst_ms) {
             return Err(format!(

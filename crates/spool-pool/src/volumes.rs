@@ -307,7 +307,7 @@ impl Pool {
     /// publishes the new layout to the volume's workers.
     pub fn set_qos(&mut self, id: &str, qos: Option<QosLimits>) -> Result<VolumeInfo> {
         let i = self.find(id)?;
-        let qos = qos.filter(|q| !q.is_unlimited());
+        let qos = qos.filter(|q| !q.is_default());
         if let Some(q) = &qos {
             q.validate().map_err(Error::InvalidArgument)?;
         }

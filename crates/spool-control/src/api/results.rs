@@ -112,6 +112,13 @@ pub struct QosLimits {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub write_bps: u64,
     pub burst_ms: u32,
+    /// Fair-share weight; absent: the default (100).
+    #[serde(default, skip_serializing_if = "is_zero32")]
+    pub weight: u32,
+}
+
+fn is_zero32(v: &u32) -> bool {
+    *v == 0
 }
 
 impl From<spool_pool::QosLimits> for QosLimits {
@@ -124,6 +131,7 @@ impl From<spool_pool::QosLimits> for QosLimits {
             read_bps: q.read_bps,
             write_bps: q.write_bps,
             burst_ms: q.burst_ms,
+            weight: q.weight,
         }
     }
 }
@@ -138,6 +146,7 @@ impl From<QosLimits> for spool_pool::QosLimits {
             read_bps: q.read_bps,
             write_bps: q.write_bps,
             burst_ms: q.burst_ms,
+            weight: q.weight,
         }
     }
 }

@@ -237,7 +237,7 @@ impl Daemon {
         let mut pool = self.pool();
         for v in &self.cfg.volumes {
             let Some(q) = v.qos else { continue };
-            let want = Some(q).filter(|q| !q.is_unlimited());
+            let want = Some(q).filter(|q| !q.is_default());
             if pool.volume(&v.name).ok().map(|have| have.qos) == Some(want) {
                 continue;
             }

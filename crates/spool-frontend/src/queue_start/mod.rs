@@ -114,6 +114,8 @@ pub fn start_queue(
         poison: r.poison,
         qos: ctx.qos().clone(),
         stats: ctx.stats().clone(),
+        share: ctx.share().clone(),
+        share_group: ctx.settings().share_group.clone(),
     };
     let w = WorkerHandle::spawn(spec).map_err(|source| StartError::Worker { index, source })?;
     tracing::info!(volume = %ctx.name(), queue = index, size = cfg.size, next_avail = r.next_avail, "queue started");

@@ -155,6 +155,15 @@ impl JournaledQueue {
         }
     }
 
+    /// Whether the guest has published requests not taken yet (reads the avail index when
+    /// the last read showed none; nothing is taken).
+    pub fn has_avail(&mut self, mem: &HostMap) -> bool {
+        let h = self.hosts(mem);
+        let next = self.queue.next_avail();
+        next.wrapping_sub(self.shadow_from) < self.shadow_avail.wrapping_sub(self.shadow_from)
+            || matches!(self.read_avail_idx(h, mem), Ok(true))
+    }
+
     /// Reads the avail index; when it publishes requests not yet taken, they become the
     /// window `pop` takes from without reading the index again (true). An index further
     /// ahead than the ring holds is an error.

@@ -54,6 +54,7 @@ use crate::hostmem::HostMap;
 use crate::qos::{is_limited, VolumeQos};
 use crate::ratelimit::{self, LogLimit};
 use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
+use crate::share::{ShareGroup, VolumeShare};
 use crate::stats::VolumeStats;
 use crate::vring::JournaledQueue;
 use replay::ReplayGuard;
@@ -92,6 +93,9 @@ pub struct WorkerSpec {
     pub qos: Arc<VolumeQos>,
     /// The volume's counters; this worker writes those of queue `index`.
     pub stats: Arc<VolumeStats>,
+    /// The volume's fair share and the group it shares with.
+    pub share: Arc<VolumeShare>,
+    pub share_group: Arc<ShareGroup>,
 }
 
 /// Handle to a running worker.
@@ -246,6 +250,10 @@ pub struct QueueWorker {
     /// again. The worker then sleeps in epoll for that long instead of on a kick.
     throttled: Option<u64>,
     stats: Arc<VolumeStats>,
+    share: Arc<VolumeShare>,
+    share_group: Arc<ShareGroup>,
+    /// Whether this queue counts as busy in the share group (requests waiting or in flight).
+    share_busy: bool,
     /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
     /// are stamped when taken and measured when completed with one read per busy round.
     now_ticks: u64,
@@ -336,6 +344,9 @@ impl QueueWorker {
             poison: spec.poison,
             qos,
             stats: spec.stats,
+            share: spec.share,
+            share_group: spec.share_group,
+            share_busy: false,
             now_ticks: 0,
             qos_seen,
             qos_shared: spec.qos,

@@ -19,6 +19,9 @@ use crate::qos::{Cost, VolumeQos};
 use crate::request::{self, GuestMemory, Op};
 use crate::stats::QueueState;
 
+/// How long a worker ahead of its fair share steps aside before looking again.
+const SHARE_PAUSE: Duration = Duration::from_micros(50);
+
 /// Longest sleep of a throttled worker, so that a lowered or lifted limit, a stop or a
 /// reset is seen well within 100 ms.
 const MAX_THROTTLED_SLEEP_MS: u64 = 10;
@@ -68,6 +71,10 @@ impl QueueWorker {
                 std::hint::spin_loop();
                 continue;
             }
+            // Idle for `poll_idle`: the volume no longer holds the others to its share.
+            if self.in_flight == 0 && !self.vq.has_avail(&self.host) {
+                self.set_share_busy(false);
+            }
             let slept = match self.throttled {
                 Some(wait_ns) if !self.broken => self.sleep_throttled(&mem, wait_ns, &mut events),
                 _ => self.sleep(&mem, &mut events),
@@ -79,6 +86,7 @@ impl QueueWorker {
         // Stopping: the drain's wait is bounded by its own timeout, not the watchdog's.
         self.stats.queue(self.index).set_state(QueueState::Idle);
         self.drain();
+        self.set_share_busy(false);
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
         self.vq.into_queue()
     }
@@ -272,18 +280,55 @@ impl QueueWorker {
     #[inline]
     fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
+        if !self.share_group.may_take(&self.share) {
+            return self.yield_share();
+        }
         self.vq.prefetch(&self.host);
-        if let Some(q) = &self.qos {
-            return self.take_limited(mem, q.clone());
+        let taken = match &self.qos {
+            Some(q) => self.take_limited(mem, q.clone()),
+            None => {
+                let mut n = 0;
+                while let Some(head) = self.pop_head() {
+                    n += 1;
+                    let chain = self.vq.chain(&self.host, head);
+                    let parsed = request::parse(head, chain, &self.host, &self.limits);
+                    self.dispatch(parsed, mem);
+                }
+                n
+            }
+        };
+        if taken > 0 {
+            self.share.charge(taken);
+            self.set_share_busy(true);
         }
-        let mut any = false;
-        while let Some(head) = self.pop_head() {
-            any = true;
-            let chain = self.vq.chain(&self.host, head);
-            let parsed = request::parse(head, chain, &self.host, &self.limits);
-            self.dispatch(parsed, mem);
+        taken > 0
+    }
+
+    /// The volume is ahead of its fair share: requests stay in the guest's ring, and the core
+    /// goes to whoever else wants it. Returns false (nothing taken).
+    #[cold]
+    #[inline(never)]
+    fn yield_share(&mut self) -> bool {
+        if self.vq.has_avail(&self.host) {
+            self.set_share_busy(true);
+            // Off the core for a moment (not a yield, which on a busy core hands it straight
+            // back and burns it in system calls): about a window's worth of service elsewhere.
+            std::thread::sleep(SHARE_PAUSE);
         }
-        any
+        false
+    }
+
+    /// Tells the share group when this queue becomes busy or idle.
+    #[inline]
+    pub(super) fn set_share_busy(&mut self, busy: bool) {
+        if busy != self.share_busy {
+            self.share_busy = busy;
+            if busy {
+                self.share_group.queue_busy(&self.share);
+            } else {
+                self.share_group.queue_idle(&self.share);
+            }
+        }
     }
 
     /// Pops the next head the guest published (Algorithm 1, steps 1-6: journaled INFLIGHT
@@ -305,17 +350,17 @@ impl QueueWorker {
     /// Stopped by debt, it leaves the rest in the guest's avail ring and records how long
     /// until it may take again.
     #[inline(never)]
-    fn take_limited(&mut self, mem: &Arc<GuestMemory>, q: Arc<VolumeQos>) -> bool {
+    fn take_limited(&mut self, mem: &Arc<GuestMemory>, q: Arc<VolumeQos>) -> u64 {
         q.refill(q.now());
-        let mut any = false;
+        let mut taken = 0;
         loop {
             if !q.may_take() {
                 self.stats.queue(self.index).throttled();
                 self.throttled = Some(q.wait_ns());
-                return any;
+                return taken;
             }
             let Some(head) = self.pop_head() else { break };
-            any = true;
+            taken += 1;
             let chain = self.vq.chain(&self.host, head);
             let parsed = request::parse(head, chain, &self.host, &self.limits);
             if let Ok(req) = &parsed {
@@ -326,7 +371,7 @@ impl QueueWorker {
             self.dispatch(parsed, mem);
         }
         self.throttled = None;
-        any
+        taken
     }
 
     /// Rebuilds the host map when the frontend's memory table changed.

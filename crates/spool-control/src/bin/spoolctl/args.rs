@@ -205,6 +205,11 @@ pub struct QosArgs {
     /// default 1s).
     #[arg(long)]
     pub burst: Option<String>,
+    /// Fair-share weight against the other busy volumes (1-10000, default 100; 0 resets):
+    /// a volume of weight 200 gets twice the service of one of weight 100 when both want
+    /// more than they get.
+    #[arg(long)]
+    pub weight: Option<u32>,
     /// Remove every limit first (options given with it then apply alone).
     #[arg(long)]
     pub clear: bool,

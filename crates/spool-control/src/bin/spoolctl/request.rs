@@ -166,6 +166,7 @@ fn qos(a: &QosArgs) -> Result<Request, CtlError> {
         read_bps: bw(&a.read_bw, "--read-bw")?,
         write_bps: bw(&a.write_bw, "--write-bw")?,
         burst_ms: a.burst.as_deref().map(parse_burst_ms).transpose()?,
+        weight: a.weight,
         clear: a.clear,
     })
 }

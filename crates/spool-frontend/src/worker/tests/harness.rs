@@ -158,6 +158,8 @@ impl Harness {
             poison: vec![],
             qos: Arc::new(crate::qos::VolumeQos::default()),
             stats: Arc::new(crate::stats::VolumeStats::new(1)),
+            share: crate::share::ShareGroup::default().join(0),
+            share_group: Arc::default(),
         };
         let script = Arc::new(Mutex::new(Script {
             submitted: vec![],
