@@ -24,11 +24,12 @@ from benchlib import BIN, OUT, ctl, log  # noqa: E402
 VOLS = ["a", "b", "c"]
 
 
-def start_spoold(work, bin_dir):
+def start_spoold(work, bin_dir, fair=True):
     cfg = os.path.join(work, "spoold.toml")
     vols = "".join(f'[[volumes]]\nname = "{v}"\nsize = "512M"\nnum_queues = 2\n' for v in VOLS)
     with open(cfg, "w") as f:
-        f.write(f'state_dir = "{work}/state"\n[journal]\ndir = "{work}/journal"\n'
+        f.write(f'state_dir = "{work}/state"\n[io]\nfair_share = {str(fair).lower()}\n'
+                f'[journal]\ndir = "{work}/journal"\n'
                 f'[[devices]]\npath = "{work}/dev.img"\ncreate_size = "2G"\n{vols}')
     log_f = open(os.path.join(work, "spoold.log"), "w")
     p = subprocess.Popen([os.path.join(bin_dir, "spoold"), "-c", cfg, "--no-keeper"],
@@ -68,9 +69,9 @@ def case(work, rpc, weights, secs):
     return r
 
 
-def run_cases(secs, weight_sets, bin_dir):
+def run_cases(secs, weight_sets, bin_dir, fair=True):
     work = tempfile.mkdtemp(prefix="spool-share.", dir="/dev/shm")
-    p, rpc = start_spoold(work, bin_dir)
+    p, rpc = start_spoold(work, bin_dir, fair)
     try:
         return [case(work, rpc, w, secs) for w in weight_sets]
     finally:
@@ -82,14 +83,10 @@ def run_cases(secs, weight_sets, bin_dir):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 s per case (CI smoke)")
-    ap.add_argument("--baseline", help="also run the equal-weight case on the spoold in this "
-                    "directory (a build without fair sharing), first")
     args = ap.parse_args()
     secs = 2 if args.quick else 10
-    rows = []
-    if args.baseline:
-        rows += [dict(run_cases(secs, [[100, 100, 100]], args.baseline)[0],
-                      binary="without fair share (" + args.baseline + ")")]
+    rows = [dict(run_cases(secs, [[100, 100, 100]], BIN, fair=False)[0],
+                 binary="`fair_share = false`")]
     rows += run_cases(secs, [[100, 100, 100], [100, 200, 400]], BIN)
     doc = {"date": datetime.date.today().isoformat(), "seconds": secs, "cases": rows}
     name = "share-quick" if args.quick else "share"
@@ -99,12 +96,13 @@ def main():
     with open(os.path.join(OUT, f"{name}.md"), "w") as f:
         f.write("# Fair share between volumes (Figure 16 with weights)\n\n")
         f.write(f"`scripts/bench-share.py{' --quick' if args.quick else ''}` ({doc['date']}, "
-                f"{secs} s per case): three volumes on one tmpfs-backed device, one client each "
-                "(4 KiB random reads, QD32, one queue), all at once on this 2-core machine.\n\n")
+                f"{secs} s per case): three volumes of 2 queues on one tmpfs-backed device, one client each "
+                "(4 KiB random reads, QD32 over 2 queues), all at once on this 2-core machine; "
+                "`[io] fair_share` off, then on (the default) with equal weights and 1:2:4.\n\n")
         f.write("| spoold | weights | IOPS per volume | total | share (entitled) | worst deviation |\n")
         f.write("|---|---|---|---|---|---|\n")
         for r in rows:
-            f.write(f"| {r.get('binary', 'with fair share (this build)')} ")
+            f.write(f"| {r.get('binary', 'fair share (default)')} ")
             shares = ", ".join(f"{100 * g:.1f}% ({100 * w:.1f}%)"
                                for g, w in zip(r["share"], r["entitled"]))
             f.write(f"| {':'.join(str(w) for w in r['weights'])} | "

@@ -886,6 +886,7 @@ fuzz_target!(|data: &[u8]| {
         state_fd_limit: [250, 12, 8, 4][(cfg >> 3) as usize % 4],
         clock: Default::default(),
         share_group: Default::default(),
+        fair_share: cfg & 32 != 0,
     };
     spool_journal::remove_volume_journals(&env.journals, VOLUME);
     let ctx = VolumeContext::new(layout(read_only, 2), settings);

@@ -128,6 +128,7 @@ struct RawQos {
 struct RawIo {
     poll_idle_us: Option<u64>,
     nvme_sgl: Option<bool>,
+    fair_share: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -268,6 +269,9 @@ pub struct Config {
     /// Describe NVMe scatter lists that PRPs cannot with SGLs when the controller offers them
     /// (otherwise such requests go through a bounce buffer).
     pub nvme_sgl: bool,
+    /// `[io] fair_share`: busy volumes share by weight (docs/qos.md); off: the kernel's
+    /// scheduler alone decides, for the most total throughput.
+    pub fair_share: bool,
     /// Journal directory; `None` = journal disabled (Spool-NoJ, benchmarks only).
     pub journal_dir: Option<PathBuf>,
     pub health: HealthConfig,
@@ -505,6 +509,7 @@ impl Config {
             volumes,
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),
             nvme_sgl: raw.io.nvme_sgl.unwrap_or(true),
+            fair_share: raw.io.fair_share.unwrap_or(true),
             journal_dir: raw.journal.enabled.then(|| {
                 raw.journal
                     .dir

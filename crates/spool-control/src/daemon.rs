@@ -115,6 +115,7 @@ impl Daemon {
                 state_fd_limit: spool_keeper::proto::MAX_FDS,
                 clock: Arc::default(),
                 share_group: Arc::default(),
+                fair_share: cfg.fair_share,
             },
             monitor,
             spares_used: Mutex::new(Vec::new()),

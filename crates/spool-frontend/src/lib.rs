@@ -94,6 +94,8 @@ pub struct FrontendSettings {
     pub clock: Arc<StartClock>,
     /// The volumes sharing this process's cores and devices by weight (one per daemon).
     pub share_group: Arc<share::ShareGroup>,
+    /// Whether workers hold their volume to its fair share (docs/qos.md).
+    pub fair_share: bool,
 }
 
 impl Default for FrontendSettings {
@@ -106,6 +108,7 @@ impl Default for FrontendSettings {
             state_fd_limit: 250,
             clock: Arc::default(),
             share_group: Arc::default(),
+            fair_share: true,
         }
     }
 }

@@ -116,6 +116,7 @@ pub fn start_queue(
         stats: ctx.stats().clone(),
         share: ctx.share().clone(),
         share_group: ctx.settings().share_group.clone(),
+        fair_share: ctx.settings().fair_share,
     };
     let w = WorkerHandle::spawn(spec).map_err(|source| StartError::Worker { index, source })?;
     tracing::info!(volume = %ctx.name(), queue = index, size = cfg.size, next_avail = r.next_avail, "queue started");

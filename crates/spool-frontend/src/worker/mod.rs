@@ -96,6 +96,8 @@ pub struct WorkerSpec {
     /// The volume's fair share and the group it shares with.
     pub share: Arc<VolumeShare>,
     pub share_group: Arc<ShareGroup>,
+    /// Hold the volume to its share (`[io] fair_share`).
+    pub fair_share: bool,
 }
 
 /// Handle to a running worker.
@@ -252,6 +254,7 @@ pub struct QueueWorker {
     stats: Arc<VolumeStats>,
     share: Arc<VolumeShare>,
     share_group: Arc<ShareGroup>,
+    fair_share: bool,
     /// Whether this queue counts as busy in the share group (requests waiting or in flight).
     share_busy: bool,
     /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
@@ -346,6 +349,7 @@ impl QueueWorker {
             stats: spec.stats,
             share: spec.share,
             share_group: spec.share_group,
+            fair_share: spec.fair_share,
             share_busy: false,
             now_ticks: 0,
             qos_seen,

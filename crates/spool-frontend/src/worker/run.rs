@@ -280,7 +280,7 @@ impl QueueWorker {
     #[inline]
     fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
-        if !self.share_group.may_take(&self.share) {
+        if self.fair_share && !self.share_group.may_take(&self.share) {
             return self.yield_share();
         }
         self.vq.prefetch(&self.host);

@@ -160,6 +160,7 @@ impl Harness {
             stats: Arc::new(crate::stats::VolumeStats::new(1)),
             share: crate::share::ShareGroup::default().join(0),
             share_group: Arc::default(),
+            fair_share: true,
         };
         let script = Arc::new(Mutex::new(Script {
             submitted: vec![],
