@@ -93,19 +93,28 @@ def noisy_neighbour(sock, rpc_sock, secs):
     set_qos(rpc_sock, clear=True)
     noisy_sock = os.path.join(os.path.dirname(sock), "noisy.sock")
     out = {"alone": run(bench(sock, secs, qd=1))["lat_p99_us"]}
-    for case, cap in [("neighbour unlimited", None), ("neighbour capped", 20000)]:
+    for case, limits in [("neighbour unlimited", None),
+                         ("neighbour capped", {"iops": 20000, "burst_ms": 100}),
+                         ("neighbour in the batch class", {"priority": "batch"}),
+                         ("v latency, neighbour batch", {"priority": "batch"})]:
         set_qos(rpc_sock, vol="noisy", clear=True)
-        if cap:
-            set_qos(rpc_sock, vol="noisy", iops=cap, burst_ms=100)
+        set_qos(rpc_sock, clear=True)
+        if limits:
+            set_qos(rpc_sock, vol="noisy", **limits)
+        if case.startswith("v latency"):
+            set_qos(rpc_sock, priority="latency")
         n = subprocess.Popen(bench(noisy_sock, secs + 1, rw="randwrite", qd=128),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(0.5)
         out[case] = run(bench(sock, secs, qd=1))["lat_p99_us"]
         out[case + " (its IOPS)"] = json.loads(n.communicate(timeout=120)[0])["iops"]
     set_qos(rpc_sock, vol="noisy", clear=True)
+    set_qos(rpc_sock, clear=True)
     log(f"noisy neighbour: v p99 {out['alone']:.1f} us alone, "
         f"{out['neighbour unlimited']:.1f} us next to an unlimited QD128 writer, "
-        f"{out['neighbour capped']:.1f} us next to it capped at 20k IOPS")
+        f"{out['neighbour capped']:.1f} us next to it capped at 20k IOPS, "
+        f"{out['neighbour in the batch class']:.1f} us next to it in the batch class, "
+        f"{out['v latency, neighbour batch']:.1f} us with v latency and it batch")
     return out
 
 
@@ -208,8 +217,10 @@ Noisy neighbour (same device, same machine): volume v at QD1 4 KiB random reads,
 latency {n['alone']:.1f} µs alone; {n['neighbour unlimited']:.1f} µs next to a QD128 random
 writer on another volume ({n['neighbour unlimited (its IOPS)']:.0f} IOPS, unlimited);
 {n['neighbour capped']:.1f} µs with that writer capped at 20k IOPS
-({n['neighbour capped (its IOPS)']:.0f} IOPS). Caps are the only isolation so far: weighted
-fair sharing is not built yet.
+({n['neighbour capped (its IOPS)']:.0f} IOPS); {n['neighbour in the batch class']:.1f} µs with
+the writer in the batch class ({n['neighbour in the batch class (its IOPS)']:.0f} IOPS), and
+{n['v latency, neighbour batch']:.1f} µs with v in the latency class and the writer in the batch
+class ({n['v latency, neighbour batch (its IOPS)']:.0f} IOPS). See docs/qos.md, "Priority classes".
 """)
         log(f"wrote {OUT}/qos.md")
     return 0

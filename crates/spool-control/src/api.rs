@@ -331,6 +331,9 @@ pub struct VolumeQosParams {
     /// Fair-share weight against the other busy volumes (1..=10000; 0: the default, 100).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
+    /// Scheduling class: "latency", "normal" or "batch".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<spool_pool::Priority>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub clear: bool,
 }
@@ -350,6 +353,7 @@ impl VolumeQosParams {
             write_bps: bps(&self.write_bps, "write_bps")?,
             burst_ms: self.burst_ms,
             weight: self.weight,
+            priority: self.priority,
         })
     }
 }

@@ -121,6 +121,8 @@ struct RawQos {
     burst: Option<RateValue>,
     /// Fair-share weight (1..=10000; default 100).
     weight: Option<u32>,
+    /// "latency", "normal" (default) or "batch".
+    priority: Option<spool_pool::Priority>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -438,6 +440,7 @@ fn qos_limits(q: &RawQos) -> Result<spool_pool::QosLimits, QosError> {
             None => spool_pool::qos::DEFAULT_BURST_MS,
         },
         weight: q.weight.unwrap_or(0),
+        priority: q.priority.unwrap_or_default(),
     })
 }
 

@@ -177,6 +177,9 @@ pub fn describe(q: Option<&QosLimits>) -> String {
     if q.weight != 0 {
         parts.push(format!("weight {}", q.weight));
     }
+    if !q.priority.is_normal() {
+        parts.push(format!("priority {}", q.priority.name()));
+    }
     parts.join(", ")
 }
 
@@ -194,6 +197,7 @@ pub struct QosChange {
     pub burst_ms: Option<u32>,
     /// Fair-share weight (0: back to the default).
     pub weight: Option<u32>,
+    pub priority: Option<spool_pool::Priority>,
 }
 
 impl QosChange {
@@ -219,6 +223,9 @@ impl QosChange {
         }
         if let Some(w) = self.weight {
             q.weight = w;
+        }
+        if let Some(p) = self.priority {
+            q.priority = p;
         }
         q
     }

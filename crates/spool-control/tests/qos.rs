@@ -362,3 +362,48 @@ fn weights_are_set_kept_and_reset() {
     let d2 = Spoold::start(&format!("{CFG}[volumes.qos]\nweight = 50\n"));
     assert_eq!(qos(&d2, "b")["weight"], json!(50));
 }
+
+/// The scheduling class reaches the running queue threads: batch puts them in SCHED_BATCH at
+/// nice 19 (read back from /proc), normal takes them back.
+#[test]
+fn priority_class_moves_the_running_queue_threads() {
+    let d = Spoold::start(CFG);
+    let _c = connect(&d.socket("b"), 1, false).unwrap();
+    let pid = d.worker_pid();
+    // (policy, nice) of the queue thread "q0-b", from /proc/PID/task/TID/stat.
+    let class = || -> Option<(u64, i64)> {
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .ok()?
+            .flatten()
+        {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if comm.trim() == "q0-b" {
+                let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+                let f: Vec<&str> = stat[stat.rfind(')')? + 2..].split_whitespace().collect();
+                // Fields 19 (nice) and 41 (policy) of stat(5), counted after the name.
+                return Some((f[38].parse().ok()?, f[16].parse().ok()?));
+            }
+        }
+        None
+    };
+    let wait_for = |want: (u64, i64)| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while class() != Some(want) {
+            assert!(
+                Instant::now() < deadline,
+                "queue thread class {:?}, want {want:?}",
+                class()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    wait_for((0, 0));
+    let (ok, out, err) = spoolctl(&d, &["volume", "qos", "b", "--priority", "batch"]);
+    assert!(ok && out.contains("priority batch"), "{out}{err}");
+    assert_eq!(qos(&d, "b")["priority"], json!("batch"));
+    wait_for((libc::SCHED_BATCH as u64, 19));
+    let (ok, _, err) = spoolctl(&d, &["volume", "qos", "b", "--priority", "normal"]);
+    assert!(ok, "{err}");
+    assert_eq!(qos(&d, "b"), Value::Null);
+    wait_for((0, 0));
+}

@@ -27,7 +27,7 @@ pub use layout::{Segment, VolumeLayout};
 pub use legs::Relocated;
 pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
-pub use qos::QosLimits;
+pub use qos::{Priority, QosLimits};
 
 use members::Member;
 use metadata::{PoolTable, Record};

@@ -46,6 +46,45 @@ pub struct QosLimits {
     /// Fair-share weight against the other busy volumes (1..=10000; 0: the default, 100).
     #[serde(default, skip_serializing_if = "is_zero32")]
     pub weight: u32,
+    /// Scheduling class of the volume's worker threads.
+    #[serde(default, skip_serializing_if = "Priority::is_normal")]
+    pub priority: Priority,
+}
+
+/// Which volumes go first for the CPU when volumes compete for it (LeapIO's idea: serve the
+/// latency-sensitive before the batch).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Worker threads at the kernel's normal priority.
+    #[default]
+    Normal,
+    /// Never held back by the fair share; its workers run at the normal CPU priority.
+    Latency,
+    /// Worker threads behind the others (`SCHED_BATCH`, lowest CFS weight): they never
+    /// preempt a woken thread and yield the CPU to anyone else who wants it.
+    Batch,
+}
+
+impl Priority {
+    pub fn is_normal(&self) -> bool {
+        *self == Priority::Normal
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Priority::Normal => "normal",
+            Priority::Latency => "latency",
+            Priority::Batch => "batch",
+        }
+    }
+
+    /// "normal", "latency" or "batch".
+    pub fn parse(s: &str) -> Option<Priority> {
+        [Priority::Normal, Priority::Latency, Priority::Batch]
+            .into_iter()
+            .find(|p| p.name() == s)
+    }
 }
 
 fn is_zero32(v: &u32) -> bool {
@@ -66,6 +105,7 @@ impl Default for QosLimits {
             write_bps: 0,
             burst_ms: DEFAULT_BURST_MS,
             weight: 0,
+            priority: Priority::Normal,
         }
     }
 }
@@ -78,7 +118,7 @@ impl QosLimits {
 
     /// No limit and the default weight: nothing worth keeping.
     pub fn is_default(&self) -> bool {
-        self.is_unlimited() && self.weight == 0
+        self.is_unlimited() && self.weight == 0 && self.priority.is_normal()
     }
 
     /// Each limit by name, as spoolctl and the RPC spell them.

@@ -115,6 +115,9 @@ pub struct QosLimits {
     /// Fair-share weight; absent: the default (100).
     #[serde(default, skip_serializing_if = "is_zero32")]
     pub weight: u32,
+    /// Scheduling class; absent: normal.
+    #[serde(default, skip_serializing_if = "spool_pool::Priority::is_normal")]
+    pub priority: spool_pool::Priority,
 }
 
 fn is_zero32(v: &u32) -> bool {
@@ -132,6 +135,7 @@ impl From<spool_pool::QosLimits> for QosLimits {
             write_bps: q.write_bps,
             burst_ms: q.burst_ms,
             weight: q.weight,
+            priority: q.priority,
         }
     }
 }
@@ -147,6 +151,7 @@ impl From<QosLimits> for spool_pool::QosLimits {
             write_bps: q.write_bps,
             burst_ms: q.burst_ms,
             weight: q.weight,
+            priority: q.priority,
         }
     }
 }

@@ -255,6 +255,8 @@ pub struct QueueWorker {
     share: Arc<VolumeShare>,
     share_group: Arc<ShareGroup>,
     fair_share: bool,
+    /// The scheduling class this thread is in.
+    pub(super) priority: spool_pool::Priority,
     /// Whether this queue counts as busy in the share group (requests waiting or in flight).
     share_busy: bool,
     /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
@@ -350,6 +352,7 @@ impl QueueWorker {
             share: spec.share,
             share_group: spec.share_group,
             fair_share: spec.fair_share,
+            priority: spool_pool::Priority::Normal,
             share_busy: false,
             now_ticks: 0,
             qos_seen,
@@ -436,6 +439,16 @@ impl QueueWorker {
         self.qos = is_limited(limits).then(|| self.qos_shared.clone());
         self.throttled = None;
         tracing::debug!(volume = %self.volume, queue = self.index, limits = ?limits, "I/O limits changed");
+        self.follow_priority();
+    }
+
+    /// Puts this worker thread in its volume's scheduling class when it changed.
+    pub(super) fn follow_priority(&mut self) {
+        let p = self.layout.qos.map(|q| q.priority).unwrap_or_default();
+        if p != self.priority {
+            self.priority = p;
+            set_thread_priority(p, &self.volume);
+        }
     }
 
     /// Tells the guest to look at the used ring (one interrupt on its call eventfd).
@@ -444,5 +457,29 @@ impl QueueWorker {
         if let Some(call) = self.call.load().as_ref() {
             let _ = (&**call).write(&1u64.to_ne_bytes());
         }
+    }
+}
+
+/// Puts the calling thread in scheduling class `p` (docs/qos.md, "Priority classes"): batch
+/// as `SCHED_BATCH` at nice 19, latency and normal as `SCHED_OTHER` at nice 0. Raising the
+/// latency class above normal was measured to hurt: a polling worker at a higher priority
+/// takes the core from its own client. Failures are logged; the thread keeps running as it
+/// was.
+fn set_thread_priority(p: spool_pool::Priority, volume: &str) {
+    use spool_pool::Priority;
+    let (policy, nice) = match p {
+        Priority::Normal => (libc::SCHED_OTHER, 0),
+        Priority::Latency => (libc::SCHED_OTHER, 0),
+        Priority::Batch => (libc::SCHED_BATCH, 19),
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 is the calling thread; `param` is on our stack for the call's duration
+    // and only read. No memory is shared with anyone.
+    let r1 = unsafe { libc::sched_setscheduler(0, policy, &param) };
+    // SAFETY: integers only; on Linux PRIO_PROCESS with a thread id sets that thread's nice.
+    let r2 = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) };
+    if r1 != 0 || r2 != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(volume = %volume, priority = p.name(), "cannot set the worker thread's scheduling class: {e}");
     }
 }

@@ -49,6 +49,7 @@ impl QueueWorker {
         // Completions a previous process put in the used ring just before it died may not
         // have been signalled: one (possibly spurious) interrupt lets the guest see them.
         self.stats.queue(self.index).set_state(QueueState::Running);
+        self.follow_priority();
         self.signal_guest();
         self.replay_journal();
         while !self.stop.load(Ordering::Acquire) {
@@ -280,7 +281,11 @@ impl QueueWorker {
     #[inline]
     fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
-        if self.fair_share && !self.share_group.may_take(&self.share) {
+        // The latency class is never held back (its clock still runs, holding the others).
+        if self.fair_share
+            && self.priority != spool_pool::Priority::Latency
+            && !self.share_group.may_take(&self.share)
+        {
             return self.yield_share();
         }
         self.vq.prefetch(&self.host);

@@ -210,6 +210,10 @@ pub struct QosArgs {
     /// more than they get.
     #[arg(long)]
     pub weight: Option<u32>,
+    /// Scheduling class of the volume's worker threads: latency (ahead of the others),
+    /// normal, or batch (behind everyone, never preempting).
+    #[arg(long, value_parser = ["latency", "normal", "batch"])]
+    pub priority: Option<String>,
     /// Remove every limit first (options given with it then apply alone).
     #[arg(long)]
     pub clear: bool,

@@ -167,6 +167,7 @@ fn qos(a: &QosArgs) -> Result<Request, CtlError> {
         write_bps: bw(&a.write_bw, "--write-bw")?,
         burst_ms: a.burst.as_deref().map(parse_burst_ms).transpose()?,
         weight: a.weight,
+        priority: a.priority.as_deref().and_then(spool_pool::Priority::parse),
         clear: a.clear,
     })
 }
