@@ -6,8 +6,8 @@
 # shared machine's drift hits both sides alike. Result: the median of the per-pair IOPS
 # ratios (new/old) with a 95% bootstrap interval over connections (sides swapped between
 # connections). The old revision is built in a git worktree with its own target directory.
-# Sides: old, ctl (a second old), cur (this checkout) on tmpfs files; nold, ncur on the null
-# device (names starting with n are the null-device sides). Writes docs/benchmarks/ab-REV.json
+# Sides: old, ctl (a second old), cur (this checkout) on tmpfs files; nold, nctl (a second
+# old), ncur on the null device (names starting with n are the null-device sides). Writes docs/benchmarks/ab-REV.json
 # and .md.
 #   usage: scripts/bench-ab-rev.sh OLD_REV [SECONDS per case, default 24]
 set -euo pipefail
@@ -26,9 +26,9 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null; [[ -n "${KEEP:-}" ]] || rm -rf "$work"; }
 trap cleanup EXIT
 sock() { echo "$work/$1/vhost/v.sock"; }
-for side in old cur ctl nold ncur; do
+for side in old cur ctl nold ncur nctl; do
     bin=target/release/spoold
-    [[ $side == old || $side == ctl || $side == nold ]] && bin=$tree-target/release/spoold
+    [[ $side == old || $side == ctl || $side == nold || $side == nctl ]] && bin=$tree-target/release/spoold
     if [[ $side == n* ]]; then device="path = \"n-$side\"
 null = \"untouched\""; else device="path = \"$work/$side.img\""; fi
     cat > "$work/$side.toml" <<EOC
@@ -55,7 +55,8 @@ done
 out="$work/results.jsonl"
 reps=8
 cases=("cur old randread 32" "cur old randwrite 32" "cur old randread 1" "cur old randwrite 1"
-       "ctl old randread 32" "ctl old randread 1" "ncur nold randread 32" "ncur nold randread 1")
+       "ctl old randread 32" "ctl old randread 1" "ncur nold randread 32" "ncur nold randread 1"
+       "nctl nold randread 32" "nctl nold randread 1")
 for c in "${cases[@]}"; do
     set -- $c
     for rep in $(seq "$reps"); do
@@ -88,7 +89,7 @@ def med_ci(runs, n=2000):
     return statistics.median([x for run in runs for x in run]), meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 res = []
-for subject, base, dev in (("cur", "old", "tmpfs file, journal on"), ("ctl", "old", "control: old against old"), ("ncur", "nold", "null device, journal on")):
+for subject, base, dev in (("cur", "old", "tmpfs file, journal on"), ("ctl", "old", "control: old against old"), ("ncur", "nold", "null device, journal on"), ("nctl", "nold", "control: null, old against old")):
     for rw in ("randread", "randwrite"):
         for qd in (32, 1):
             runs = runs_of(subject, base, rw, qd)
