@@ -96,7 +96,16 @@ num_queues = 1
     load.stop.store(true, Ordering::Release);
     t.join().unwrap();
     assert_eq!(load.errors(), 0);
-    let m = scrape(port);
+    // Workers publish their counts every 1024 poll rounds and before they sleep: within a
+    // millisecond or so the scrape is exact.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut m = scrape(port);
+    while requests(&m, "read") + requests(&m, "write") < load.ok()
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        m = scrape(port);
+    }
     let (reads, writes) = (requests(&m, "read"), requests(&m, "write"));
     assert_eq!(reads + writes, load.ok(), "{m}");
     assert_eq!(

@@ -135,66 +135,79 @@ fn bucket_of_ticks(ticks: u64, us_per_tick: u64) -> usize {
     ((64 - (us - 1).leading_zeros()) as usize).min(LATENCY_BUCKETS - 1)
 }
 
-/// One reap's completions, summed locally and added to the queue's counters once.
-pub struct Batch<'a> {
-    q: &'a QueueStats,
+/// A worker's counts not yet published: plain integers in the worker's own memory, added to
+/// per request (no shared cache line, no atomic), and added to its [`QueueStats`] by
+/// [`Self::publish`] every so many poll rounds, before it sleeps and when it stops.
+pub struct Tally {
     us_per_tick: u64,
-    now: u64,
     ops: [u64; 3],
     bytes: [u64; 3],
     errors: [u64; 3],
     ticks: [u64; 3],
+    buckets: [[u64; LATENCY_BUCKETS]; 3],
+    rounds: u64,
 }
 
-impl Batch<'_> {
-    /// A request of `kind`, `bytes` long, `ok` or not, taken at `taken` ([`now_ticks`]).
-    #[inline]
-    pub fn add(&mut self, kind: OpKind, bytes: u64, ok: bool, taken: u64) {
-        let k = kind as usize;
-        self.ops[k] += 1;
-        self.bytes[k] += bytes;
-        self.errors[k] += u64::from(!ok);
-        let lat = self.now.saturating_sub(taken);
-        self.ticks[k] += lat;
-        bump(
-            &self.q.ops[k].buckets[bucket_of_ticks(lat, self.us_per_tick)],
-            1,
-        );
-    }
-}
-
-impl Drop for Batch<'_> {
-    fn drop(&mut self) {
-        for (k, c) in self.q.ops.iter().enumerate() {
-            if self.ops[k] > 0 {
-                bump(&c.ops, self.ops[k]);
-                bump(&c.bytes, self.bytes[k]);
-                bump(&c.errors, self.errors[k]);
-                bump(&c.latency_sum, self.ticks[k]);
-            }
-        }
-    }
-}
-
-impl QueueStats {
-    /// Counts the requests one reap completes at `now` ([`now_ticks`]), added to these
-    /// counters when the batch is dropped.
-    #[inline]
-    pub fn batch(&self, now: u64) -> Batch<'_> {
-        Batch {
-            q: self,
+impl Default for Tally {
+    fn default() -> Self {
+        Tally {
             us_per_tick: us_per_tick(),
-            now,
             ops: [0; 3],
             bytes: [0; 3],
             errors: [0; 3],
             ticks: [0; 3],
+            buckets: [[0; LATENCY_BUCKETS]; 3],
+            rounds: 0,
         }
     }
+}
 
-    /// One completed request (see [`Self::batch`]).
+impl Tally {
+    /// A request of `kind`, `bytes` long, `ok` or not, taken at `taken` and completed at
+    /// `now` ([`now_ticks`] readings).
+    #[inline]
+    pub fn add(&mut self, kind: OpKind, bytes: u64, ok: bool, taken: u64, now: u64) {
+        let k = kind as usize;
+        self.ops[k] += 1;
+        self.bytes[k] += bytes;
+        self.errors[k] += u64::from(!ok);
+        let lat = now.saturating_sub(taken);
+        self.ticks[k] += lat;
+        self.buckets[k][bucket_of_ticks(lat, self.us_per_tick)] += 1;
+    }
+
+    /// One poll round (the worker's heartbeat).
+    #[inline]
+    pub fn round(&mut self) {
+        self.rounds += 1;
+    }
+
+    /// Adds the counts to `q` and starts again from zero.
+    pub fn publish(&mut self, q: &QueueStats) {
+        for (k, c) in q.ops.iter().enumerate() {
+            if self.ops[k] == 0 {
+                continue;
+            }
+            bump(&c.ops, std::mem::take(&mut self.ops[k]));
+            bump(&c.bytes, std::mem::take(&mut self.bytes[k]));
+            bump(&c.errors, std::mem::take(&mut self.errors[k]));
+            bump(&c.latency_sum, std::mem::take(&mut self.ticks[k]));
+            for (b, n) in c.buckets.iter().zip(&mut self.buckets[k]) {
+                if *n > 0 {
+                    bump(b, std::mem::take(n));
+                }
+            }
+        }
+        bump(&q.rounds, std::mem::take(&mut self.rounds));
+    }
+}
+
+impl QueueStats {
+    /// One completed request, published at once (a [`Tally`] of one).
     pub fn complete(&self, kind: OpKind, bytes: u64, ok: bool, taken: u64, now: u64) {
-        self.batch(now).add(kind, bytes, ok, taken);
+        let mut t = Tally::default();
+        t.add(kind, bytes, ok, taken, now);
+        t.publish(self);
     }
 
     #[inline]
@@ -218,11 +231,6 @@ impl QueueStats {
     #[inline]
     pub fn throttled(&self) {
         bump(&self.throttled, 1);
-    }
-
-    #[inline]
-    pub fn round(&self) {
-        bump(&self.rounds, 1);
     }
 
     /// The heartbeat: poll rounds so far.

@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use super::QueueWorker;
 use crate::request::GuestMemory;
-use crate::stats::{now_ticks, OpKind};
+use crate::stats::now_ticks;
 
 impl QueueWorker {
     /// Reaps device completions; completes finished requests to the guest. Returns whether
@@ -27,26 +27,18 @@ impl QueueWorker {
             }
             return any;
         }
-        self.now_ticks = now_ticks();
+        let now = self.round_now();
         let mut used: SmallVec<[(u16, u32); 32]> = SmallVec::new();
-        let mut counted: SmallVec<[(OpKind, u32, u64, bool); 32]> = SmallVec::new();
         for head in finished {
             if let Some(inf) = self.slots[head as usize].take() {
                 self.in_flight -= 1;
-                let c = (inf.kind, inf.bytes, inf.taken, inf.ok());
+                let (kind, bytes, taken, ok) = (inf.kind, inf.bytes, inf.taken, inf.ok());
                 if let Some(len) = self.settle(head, inf) {
                     used.push((head, len));
-                    counted.push(c);
+                    self.tally.add(kind, bytes as u64, ok, taken, now);
                 }
             }
         }
-        let q = self.stats.queue(self.index);
-        let mut batch = q.batch(self.now_ticks);
-        for (kind, bytes, taken, ok) in counted {
-            batch.add(kind, bytes as u64, ok, taken);
-        }
-        drop(batch);
-        q.set_in_flight(self.in_flight as u64);
         self.complete_used_batch(mem, &used);
         if self.in_flight == 0 && !self.retired_maps.is_empty() {
             // Nothing taken under an earlier memory map is in flight any more.
@@ -87,7 +79,8 @@ impl QueueWorker {
         any
     }
 
-    /// This round's clock, read once per busy round (see `now_ticks`).
+    /// This round's clock, read at most once per round (see `now_ticks`): a request taken and
+    /// completed in the same round counts as under a microsecond.
     #[inline]
     pub(super) fn round_now(&mut self) -> u64 {
         if self.now_ticks == 0 {

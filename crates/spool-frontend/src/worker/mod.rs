@@ -55,7 +55,7 @@ use crate::qos::{is_limited, VolumeQos};
 use crate::ratelimit::{self, LogLimit};
 use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
 use crate::share::{ShareGroup, VolumeShare};
-use crate::stats::VolumeStats;
+use crate::stats::{Tally, VolumeStats};
 use crate::vring::JournaledQueue;
 use replay::ReplayGuard;
 use slots::{Inflight, SlotBufs};
@@ -262,6 +262,8 @@ pub struct QueueWorker {
     /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
     /// are stamped when taken and measured when completed with one read per busy round.
     now_ticks: u64,
+    /// Counts not yet published to `stats`.
+    tally: Tally,
     #[cfg(test)]
     queue_factory: Option<QueueFactory>,
 }
@@ -355,6 +357,7 @@ impl QueueWorker {
             priority: spool_pool::Priority::Normal,
             share_busy: false,
             now_ticks: 0,
+            tally: Tally::default(),
             qos_seen,
             qos_shared: spec.qos,
             throttled: None,

@@ -59,8 +59,6 @@ impl QueueWorker {
                 idle_rounds = 0;
                 continue;
             }
-            // The round's clock is stale once a round passes idle.
-            self.now_ticks = 0;
             // Reading the clock costs more than a poll round: look only every 64 idle rounds.
             // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
             // the worker awake, or nothing would ever wake it for their completions.
@@ -85,8 +83,10 @@ impl QueueWorker {
             }
         }
         // Stopping: the drain's wait is bounded by its own timeout, not the watchdog's.
+        self.publish_stats();
         self.stats.queue(self.index).set_state(QueueState::Idle);
         self.drain();
+        self.publish_stats();
         self.set_share_busy(false);
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
         self.vq.into_queue()
@@ -103,9 +103,11 @@ impl QueueWorker {
         self.check_memory_faults(&mem);
         self.check_health(&mem);
         self.rounds = self.rounds.wrapping_add(1);
-        self.stats.queue(self.index).round();
+        self.tally.round();
+        self.now_ticks = 0;
         if self.rounds.is_multiple_of(1024) {
             self.sweep_timeouts();
+            self.publish_stats();
         }
         mem
     }
@@ -200,6 +202,7 @@ impl QueueWorker {
     /// Sleeps in epoll until a kick, a wake-up, a device completion, or `wait_ms`, and
     /// clears what woke it.
     fn wait_for_events(&mut self, wait_ms: i32, events: &mut [EpollEvent]) {
+        self.publish_stats();
         let stats = self.stats.queue(self.index);
         stats.set_state(QueueState::Asleep);
         let waited = self.epoll.wait(wait_ms, events);
@@ -321,6 +324,13 @@ impl QueueWorker {
             std::thread::sleep(SHARE_PAUSE);
         }
         false
+    }
+
+    /// Adds this thread's counts to the queue's shared counters (see `stats::Tally`).
+    pub(super) fn publish_stats(&mut self) {
+        let q = self.stats.queue(self.index);
+        self.tally.publish(q);
+        q.set_in_flight(self.in_flight as u64);
     }
 
     /// Tells the share group when this queue becomes busy or idle.
