@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian 12 machine: QEMU 7.2 (system emulator
-# and qemu-storage-daemon), fio and a static busybox for the test guest, and systemd (run as a
-# private user manager by the systemd test, never as this machine's init). The machine may carry
+# and qemu-storage-daemon), fio and a static busybox for the test guest, systemd (run as a
+# private user manager by the systemd test, never as this machine's init), libvirt, and Ceph's
+# monitor, OSD and client tools (a private test cluster). The machine may carry
 # bookworm-backports' qemu-utils; Debian refuses to mix it with bookworm's
 # qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
 set -euo pipefail
@@ -17,6 +18,11 @@ command -v unshare >/dev/null || need+=(util-linux)
 # The libvirt test runs a private libvirtd (tests/libvirt.rs).
 [ -x /usr/sbin/libvirtd ] || need+=(libvirt-daemon-driver-qemu libvirt-daemon)
 command -v virsh >/dev/null || need+=(libvirt-clients)
+# The Ceph tests start a private single-node cluster (scripts/ceph-cluster.sh); spoold loads
+# librbd1/librados2 (ceph-common's dependencies) at run time for rbd: devices.
+command -v ceph-mon >/dev/null || need+=(ceph-mon)
+command -v ceph-osd >/dev/null || need+=(ceph-osd)
+command -v rbd >/dev/null || need+=(ceph-common)
 # libvirtd's QEMU driver resolves its default user at start even when qemu.conf overrides it;
 # libvirt-daemon-system's postinst would create it (we do not install that package: it wants
 # systemd as init).

@@ -56,6 +56,8 @@ pub enum ConfigError {
     Qos { volume: String, source: QosError },
     #[error("volume {0} is listed twice")]
     DuplicateVolume(String),
+    #[error("ceph.id: {0:?} is not a client id (the name after \"client.\", e.g. \"admin\")")]
+    CephId(String),
     #[error("metrics.listen: {0:?} is not an address and port (e.g. \"127.0.0.1:9420\")")]
     MetricsListen(String),
     #[error("health.{0} must be positive")]
@@ -188,6 +190,15 @@ struct RawConfig {
     health: RawHealth,
     #[serde(default)]
     metrics: RawMetrics,
+    #[serde(default)]
+    ceph: RawCeph,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawCeph {
+    conf: Option<PathBuf>,
+    id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -279,6 +290,8 @@ pub struct Config {
     pub health: HealthConfig,
     /// `[metrics] listen`: where the Prometheus endpoint listens (off when unset).
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `[ceph]`: the cluster `rbd:POOL/IMAGE` devices are on (docs/ceph.md).
+    pub ceph: spool_devices::CephOptions,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -315,12 +328,15 @@ num_queues = 2
 }
 
 /// Makes config paths absolute: relative to the config file's directory; `nvme:DDDD:BB:DD.F`
-/// names a controller, not a file.
+/// names a controller and `rbd:POOL/IMAGE` an RBD image, not files.
 struct Base<'a>(&'a Path);
 
 impl Base<'_> {
     fn abs(&self, p: &Path) -> PathBuf {
-        if p.is_absolute() || p.to_str().is_some_and(|s| s.starts_with("nvme:")) {
+        if p.is_absolute()
+            || p.to_str()
+                .is_some_and(|s| s.starts_with("nvme:") || s.starts_with("rbd:"))
+        {
             p.to_path_buf()
         } else {
             self.0.join(p)
@@ -469,6 +485,18 @@ fn health(h: &RawHealth, base: &Base) -> Result<HealthConfig, ConfigError> {
     })
 }
 
+fn ceph(c: &RawCeph, base: &Base) -> Result<spool_devices::CephOptions, ConfigError> {
+    let d = spool_devices::CephOptions::default();
+    let id = c.id.clone().unwrap_or(d.id);
+    if id.is_empty() || id.starts_with("client.") || id.contains(['\0', ' ']) {
+        return Err(ConfigError::CephId(id));
+    }
+    Ok(spool_devices::CephOptions {
+        conf: c.conf.as_deref().map(|p| base.abs(p)).unwrap_or(d.conf),
+        id,
+    })
+}
+
 impl Config {
     /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Config, ConfigError> {
@@ -486,9 +514,11 @@ impl Config {
             ),
             None => None,
         };
+        let ceph = ceph(&raw.ceph, &base)?;
         Ok(Config {
             health,
             metrics_listen,
+            ceph,
             rpc_socket: raw
                 .rpc_socket
                 .as_deref()

@@ -89,6 +89,8 @@ pub struct OpenOptions {
     /// Fault rules armed from the moment the device opens (crash tests arm theirs here, see
     /// [`FaultRule::crash_on_write_from_env`]).
     pub faults: Vec<FaultRule>,
+    /// The Ceph cluster `rbd:POOL/IMAGE` devices are on (config `[ceph]`).
+    pub ceph: crate::CephOptions,
 }
 
 /// What a backend is, as far as callers above the devices layer care.

@@ -51,12 +51,20 @@ impl Device {
     /// Opens (and with `create_size`, creates) a device and takes an exclusive lock on it.
     /// A path `nvme:DDDD:BB:DD.F` opens namespace 1 of an NVMe controller through VFIO
     /// (VFIO gives one process the device at a time, which is the lock); anything else is a
-    /// regular file or a block device.
+    /// regular file or a block device. `rbd:POOL/IMAGE` is a Ceph RBD image on the cluster
+    /// `opts.ceph` names (created with `create_size` when missing).
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Device> {
-        let backend: Box<dyn PoolDevice> = match path.to_str().and_then(|p| p.strip_prefix("nvme:"))
-        {
-            Some(bdf) => Box::new(NvmeBackend::open(bdf, !opts.no_nvme_sgl)?),
-            None => Box::new(FileBackend::open(path, opts)?),
+        let name = path.to_str().unwrap_or_default();
+        let backend: Box<dyn PoolDevice> = if let Some(bdf) = name.strip_prefix("nvme:") {
+            Box::new(NvmeBackend::open(bdf, !opts.no_nvme_sgl)?)
+        } else if let Some(image) = name.strip_prefix("rbd:") {
+            Box::new(crate::RbdBackend::open(
+                image,
+                &opts.ceph,
+                opts.create_size,
+            )?)
+        } else {
+            Box::new(FileBackend::open(path, opts)?)
         };
         Ok(Self::from_box(backend, &opts.faults))
     }

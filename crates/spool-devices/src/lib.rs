@@ -2,7 +2,7 @@
 //!
 //! Owns: the [`PoolDevice`] trait and its backends, each in its own module (files and block
 //! devices: size, O_DIRECT probe, exclusive lock; NVMe controllers through Spool's userspace
-//! driver; the null device), synchronous metadata I/O, the per-worker asynchronous
+//! driver; Ceph RBD images through librbd; the null device), synchronous metadata I/O, the per-worker asynchronous
 //! [`DeviceQueue`] that moves data between a device and caller-supplied memory (io_uring or
 //! inline for files, queue pairs for NVMe), and [`Device`], the wrapper that stacks fault
 //! injection in front of every queue and a health cell (the state the data path obeys) on
@@ -21,6 +21,7 @@ pub mod mirror;
 mod null;
 mod nvme;
 mod queue;
+mod rbd;
 
 pub use backend::{
     BackendInfo, ControllerStatus, ErrorLogRecord, OpenOptions, PoolDevice, Probe, SmartHealth,
@@ -34,6 +35,7 @@ pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
+pub use rbd::{CephOptions, RbdBackend, RbdQueue};
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
 /// reset, are the backend that keeps some today). The daemon supplies a [`handoff::Keeper`]

@@ -95,6 +95,8 @@ pub struct PoolOptions {
     pub mirror_dir: Option<std::path::PathBuf>,
     /// Bytes per second a mirror's resync or rebuild may copy (0: unlimited).
     pub resync_rate: u64,
+    /// The Ceph cluster of `rbd:POOL/IMAGE` devices (config `[ceph]`).
+    pub ceph: spool_devices::CephOptions,
 }
 
 impl Default for PoolOptions {
@@ -108,6 +110,7 @@ impl Default for PoolOptions {
             startup_faults: Vec::new(),
             mirror_dir: None,
             resync_rate: DEFAULT_RESYNC_RATE,
+            ceph: Default::default(),
         }
     }
 }

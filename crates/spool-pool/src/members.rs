@@ -31,6 +31,7 @@ pub(crate) fn open_spec(s: &DeviceSpec, opts: &PoolOptions) -> Result<Device> {
         no_direct: opts.no_direct,
         no_nvme_sgl: !opts.nvme_sgl,
         faults: opts.startup_faults.clone(),
+        ceph: opts.ceph.clone(),
     };
     Ok(match s.null {
         Some(reads) => Device::open_null(

@@ -121,6 +121,7 @@ pub(super) fn open_pool(
         startup_faults: startup_faults(),
         mirror_dir: Some(cfg.state_dir.join("mirror")),
         resync_rate: cfg.resync_rate,
+        ceph: cfg.ceph.clone(),
     };
     Ok(Pool::open(&specs, opts)?)
 }

@@ -1,6 +1,7 @@
 //! Shared helpers: run the real spoold binary and drive it with the real libblkio client.
 #![allow(dead_code)]
 
+pub mod ceph;
 pub mod guest;
 pub mod libvirt;
 pub mod load;

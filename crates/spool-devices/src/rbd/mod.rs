@@ -1,0 +1,381 @@
+//! The RBD backend: a Ceph RBD image as a device (`rbd:POOL/IMAGE`), through librbd's
+//! asynchronous C API (issue 20; docs/ceph.md). Ceph is the distributed engine: replication,
+//! placement and recovery are the cluster's; this backend only moves requests.
+//!
+//! The process keeps one cluster connection per (ceph.conf, client id), shared by every image
+//! it opens ([`Cluster`]); connecting is the slow part (a monitor round trip and
+//! authentication), so it is done once per process. Images spoold creates have the layering
+//! feature only: without exclusive-lock, a worker restarted after a crash does not wait for
+//! the dead process's lock to time out. librbd's cache is off: a write is complete when the
+//! OSDs have it, not when this process's memory does (a killed worker loses nothing).
+//!
+//! Owns: the connection registry, opening (and creating) images, synchronous metadata I/O,
+//! the probe. The data path is [`queue::RbdQueue`].
+//! Must not know: health cells and fault injection (the [`crate::Device`] wrapper), pools.
+
+mod ffi;
+mod queue;
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use crate::backend::{check_range, BackendInfo, PoolDevice, Probe};
+use crate::queue::DeviceQueue;
+use crate::{Error, Result};
+
+pub use queue::RbdQueue;
+
+/// Where the cluster is and who we are to it (config `[ceph]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CephOptions {
+    /// The cluster's ceph.conf (monitors; the keyring is found as Ceph finds it).
+    pub conf: PathBuf,
+    /// The client id (`admin` is `client.admin`).
+    pub id: String,
+}
+
+impl Default for CephOptions {
+    fn default() -> Self {
+        CephOptions {
+            conf: PathBuf::from("/etc/ceph/ceph.conf"),
+            id: "admin".into(),
+        }
+    }
+}
+
+/// How long a health probe waits for the cluster to answer a read.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A connected librados cluster handle.
+#[derive(Debug)]
+pub(crate) struct Cluster {
+    handle: ffi::rados_t,
+}
+
+// SAFETY: librados cluster handles are thread-safe (the library's own locking); the handle
+// is only shut down in Drop, when no image of it is left (images hold an Arc).
+unsafe impl Send for Cluster {}
+// SAFETY: as above.
+unsafe impl Sync for Cluster {}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: the handle was connected by `connect` and nothing uses it any more.
+        unsafe { (ffi::loaded().rados_shutdown)(self.handle) };
+    }
+}
+
+fn cstring(path: &Path, what: &str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::Invalid {
+        path: path.display().to_string(),
+        msg: format!("{what} contains a NUL byte"),
+    })
+}
+
+/// A librados/librbd return code as an error.
+fn rc(path: &Path, what: &'static str, r: i64) -> Result<i64> {
+    if r < 0 {
+        Err(Error::io(
+            path,
+            what,
+            std::io::Error::from_raw_os_error(-r as i32),
+        ))
+    } else {
+        Ok(r)
+    }
+}
+
+impl Cluster {
+    /// The process's connection for `opts`, made on first use.
+    fn get(opts: &CephOptions, path: &Path) -> Result<Arc<Cluster>> {
+        static CLUSTERS: Mutex<Option<HashMap<CephOptions, Weak<Cluster>>>> = Mutex::new(None);
+        let mut all = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
+        let all = all.get_or_insert_with(HashMap::new);
+        if let Some(c) = all.get(opts).and_then(Weak::upgrade) {
+            return Ok(c);
+        }
+        let c = Arc::new(Self::connect(opts, path)?);
+        all.insert(opts.clone(), Arc::downgrade(&c));
+        Ok(c)
+    }
+
+    fn connect(opts: &CephOptions, path: &Path) -> Result<Cluster> {
+        ffi::api().map_err(|msg| Error::Invalid {
+            path: path.display().to_string(),
+            msg,
+        })?;
+        let name = cstring(path, "ceph client id", &format!("client.{}", opts.id))?;
+        let conf = cstring(path, "ceph.conf path", &opts.conf.display().to_string())?;
+        let mut handle: ffi::rados_t = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the strings are NUL-terminated and outlive the call.
+        let r = unsafe {
+            (ffi::loaded().rados_create2)(&mut handle, c"ceph".as_ptr(), name.as_ptr(), 0)
+        };
+        rc(path, "rados_create2", r as i64)?;
+        let c = Cluster { handle };
+        // SAFETY: a created handle and a NUL-terminated path.
+        let r = unsafe { (ffi::loaded().rados_conf_read_file)(c.handle, conf.as_ptr()) };
+        if r < 0 {
+            return Err(Error::Invalid {
+                path: path.display().to_string(),
+                msg: format!(
+                    "cannot read ceph config {}: {}",
+                    opts.conf.display(),
+                    std::io::Error::from_raw_os_error(-r)
+                ),
+            });
+        }
+        // A cluster that cannot be reached fails the start-up in bounded time. No librbd
+        // cache: a write it acknowledged from this process's memory would be lost with a
+        // killed worker, and no restart may lose a completed write.
+        for (k, v) in [
+            (c"client_mount_timeout", c"30"),
+            (c"rados_mon_op_timeout", c"30"),
+            (c"rbd_cache", c"false"),
+        ] {
+            // SAFETY: a created handle; static NUL-terminated strings.
+            unsafe { (ffi::loaded().rados_conf_set)(c.handle, k.as_ptr(), v.as_ptr()) };
+        }
+        // SAFETY: a configured handle.
+        let r = unsafe { (ffi::loaded().rados_connect)(c.handle) };
+        rc(path, "connect to the ceph cluster", r as i64)?;
+        Ok(c)
+    }
+}
+
+/// An open image (with its pool's I/O context and the connection it came from).
+#[derive(Debug)]
+pub(crate) struct Image {
+    handle: ffi::rbd_image_t,
+    ioctx: ffi::rados_ioctx_t,
+    _cluster: Arc<Cluster>,
+}
+
+// SAFETY: librbd image handles are thread-safe for I/O (the library serializes internally);
+// closed only in Drop, when no queue holds the image any more (queues hold an Arc).
+unsafe impl Send for Image {}
+// SAFETY: as above.
+unsafe impl Sync for Image {}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        // SAFETY: opened by `RbdBackend::open`; no queue or completion refers to it any more
+        // (each in-flight completion's context holds an Arc of the image's queue state, and
+        // queues hold the image).
+        unsafe {
+            (ffi::loaded().rbd_close)(self.handle);
+            (ffi::loaded().rados_ioctx_destroy)(self.ioctx);
+        }
+    }
+}
+
+/// An RBD image as a pool device.
+#[derive(Debug)]
+pub struct RbdBackend {
+    path: PathBuf,
+    size: u64,
+    image: Arc<Image>,
+}
+
+impl RbdBackend {
+    /// Opens `POOL/IMAGE` on the cluster `ceph` names; with `create_size`, creates the image
+    /// first when it does not exist.
+    pub fn open(spec: &str, ceph: &CephOptions, create_size: Option<u64>) -> Result<Self> {
+        let path = PathBuf::from(format!("rbd:{spec}"));
+        let (pool, name) = spec
+            .split_once('/')
+            .filter(|(p, n)| !p.is_empty() && !n.is_empty() && !n.contains('/'))
+            .ok_or_else(|| Error::Invalid {
+                path: path.display().to_string(),
+                msg: "an RBD device is named rbd:POOL/IMAGE".into(),
+            })?;
+        let cluster = Cluster::get(ceph, &path)?;
+        let cpool = cstring(&path, "pool name", pool)?;
+        let cname = cstring(&path, "image name", name)?;
+        let mut ioctx: ffi::rados_ioctx_t = std::ptr::null_mut();
+        // SAFETY: a connected cluster, a NUL-terminated name, an out-pointer to a local.
+        let r = unsafe {
+            (ffi::loaded().rados_ioctx_create)(cluster.handle, cpool.as_ptr(), &mut ioctx)
+        };
+        if r < 0 {
+            return Err(Error::Invalid {
+                path: path.display().to_string(),
+                msg: format!(
+                    "cannot open ceph pool {pool}: {}",
+                    std::io::Error::from_raw_os_error(-r)
+                ),
+            });
+        }
+        let handle = match open_image(ioctx, &cname) {
+            Err(r) if r == -libc::ENOENT && create_size.is_some() => {
+                let size = create_size.unwrap_or_default();
+                let mut order = 0;
+                // SAFETY: a valid I/O context, a NUL-terminated name, an out-pointer.
+                let r = unsafe {
+                    (ffi::loaded().rbd_create2)(
+                        ioctx,
+                        cname.as_ptr(),
+                        size,
+                        ffi::RBD_FEATURE_LAYERING,
+                        &mut order,
+                    )
+                };
+                tracing::info!(image = %spec, size, "created RBD image");
+                if r < 0 {
+                    Err(r)
+                } else {
+                    open_image(ioctx, &cname)
+                }
+            }
+            other => other,
+        };
+        let handle = match handle {
+            Ok(h) => h,
+            Err(r) => {
+                // SAFETY: created above, used by nothing else.
+                unsafe { (ffi::loaded().rados_ioctx_destroy)(ioctx) };
+                return Err(Error::io(
+                    &path,
+                    "open RBD image",
+                    std::io::Error::from_raw_os_error(-r),
+                ));
+            }
+        };
+        let image = Arc::new(Image {
+            handle,
+            ioctx,
+            _cluster: cluster,
+        });
+        let mut size = 0u64;
+        // SAFETY: an open image and an out-pointer to a local.
+        rc(&path, "get the image size", unsafe {
+            (ffi::loaded().rbd_get_size)(image.handle, &mut size)
+        } as i64)?;
+        let size = size - size % crate::SECTOR_SIZE;
+        crate::backend::check_size(&path, size)?;
+        Ok(RbdBackend { path, size, image })
+    }
+}
+
+fn open_image(
+    ioctx: ffi::rados_ioctx_t,
+    name: &CString,
+) -> std::result::Result<ffi::rbd_image_t, i32> {
+    let mut image: ffi::rbd_image_t = std::ptr::null_mut();
+    // SAFETY: a valid I/O context, a NUL-terminated name, an out-pointer; no snapshot.
+    let r = unsafe { (ffi::loaded().rbd_open)(ioctx, name.as_ptr(), &mut image, std::ptr::null()) };
+    if r < 0 {
+        Err(r)
+    } else {
+        Ok(image)
+    }
+}
+
+impl RbdBackend {
+    /// Waits until every completed write is durable in the cluster.
+    fn flush(&self) -> Result<()> {
+        // SAFETY: an open image.
+        let r = unsafe { (ffi::loaded().rbd_flush)(self.image.handle) };
+        rc(&self.path, "flush", r as i64).map(drop)
+    }
+}
+
+impl PoolDevice for RbdBackend {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            backend: "rbd",
+            direct_align: None,
+            inline_io: false,
+        }
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_range(&self.path, self.size, offset, buf.len() as u64)?;
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = &mut buf[done..];
+            // SAFETY: an open image; `rest` is writable for its length.
+            let r = unsafe {
+                (ffi::loaded().rbd_read2)(
+                    self.image.handle,
+                    offset + done as u64,
+                    rest.len(),
+                    rest.as_mut_ptr().cast::<c_char>(),
+                    0,
+                )
+            };
+            let n = rc(&self.path, "read", r as i64)? as usize;
+            if n == 0 {
+                return Err(Error::io(
+                    &self.path,
+                    "read",
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
+        check_range(&self.path, self.size, offset, buf.len() as u64)?;
+        // SAFETY: an open image; `buf` is readable for its length. librbd writes it all or
+        // fails.
+        let r = unsafe {
+            (ffi::loaded().rbd_write2)(
+                self.image.handle,
+                offset,
+                buf.len(),
+                buf.as_ptr().cast::<c_char>(),
+                0,
+            )
+        };
+        rc(&self.path, "write", r as i64)?;
+        self.flush()
+    }
+
+    fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(&self.path, self.size, offset, len)?;
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(1 << 30);
+            // SAFETY: an open image; no buffers.
+            let r = unsafe {
+                (ffi::loaded().rbd_write_zeroes)(self.image.handle, offset + done, n as usize, 0, 0)
+            };
+            rc(&self.path, "write zeroes", r as i64)?;
+            done += n;
+        }
+        self.flush()
+    }
+
+    fn open_queue(&self, _depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        Ok(Box::new(RbdQueue::new(self.image.clone())?))
+    }
+
+    /// Presence is the connection itself (an image cannot be unplugged); reads that do not
+    /// come back are the workers' timeouts to report.
+    fn presence(&self) -> Option<Probe> {
+        Some(Probe::Ok)
+    }
+
+    /// A read of the first sector, waited for at most [`PROBE_TIMEOUT`] (an unreachable
+    /// cluster holds the read, it does not fail it).
+    fn probe(&self) -> Probe {
+        match queue::read_with_timeout(&self.image, 0, 512, PROBE_TIMEOUT) {
+            Ok(()) => Probe::Ok,
+            Err(e) => Probe::Failed(e),
+        }
+    }
+}
