@@ -140,6 +140,15 @@ fn generated(b: &mut Bytes) -> PoolTable {
                         .collect(),
                 })
                 .collect(),
+            // An RBD image (format version 4) on some volumes, valid names or not.
+            rbd: match b.u8() % 4 {
+                0 => Some(spool_pool::metadata::RbdImage {
+                    pool: ["rbd", "", "a/b", "p"][(b.u8() % 4) as usize].into(),
+                    image: ["img", "x@snap", " ", "i"][(b.u8() % 4) as usize].into(),
+                    created: b.u8() % 2 == 0,
+                }),
+                _ => None,
+            },
         })
         .collect();
     PoolTable {

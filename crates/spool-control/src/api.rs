@@ -267,7 +267,9 @@ impl std::fmt::Display for ErrnoArg {
 #[serde(deny_unknown_fields)]
 pub struct VolumeCreateParams {
     pub name: String,
-    pub size: SizeValue,
+    /// Required, except when attaching an existing RBD image (then its size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<SizeValue>,
     #[serde(default)]
     pub read_only: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -275,6 +277,10 @@ pub struct VolumeCreateParams {
     /// Copies to keep: 1 (plain, the default), 2 or 3 (mirrored on distinct devices).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mirror: Option<u8>,
+    /// Keep the data in Ceph RBD (docs/ceph.md): `POOL` creates image POOL/NAME,
+    /// `POOL/IMAGE` attaches an existing image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rbd: Option<String>,
 }
 
 /// `volume_mirror`: `action` "add" (one more copy, rebuilt online) or "remove" (copy `leg`,
@@ -296,6 +302,9 @@ pub struct VolumeDeleteParams {
     /// Disconnect a connected client first.
     #[serde(default)]
     pub force: bool,
+    /// Also remove an attached RBD image (one spoold created is removed anyway).
+    #[serde(default)]
+    pub remove_image: bool,
 }
 
 /// `volume_resize`.

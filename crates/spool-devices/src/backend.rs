@@ -74,6 +74,11 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
     fn as_mirror(&self) -> Option<&crate::mirror::MirrorBackend> {
         None
     }
+
+    /// The RBD image, when this backend is one (resizing and removing it are the pool's).
+    fn as_rbd(&self) -> Option<&crate::RbdBackend> {
+        None
+    }
 }
 
 /// How to open a device.

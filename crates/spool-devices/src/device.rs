@@ -239,6 +239,10 @@ impl PoolDevice for Device {
     fn as_mirror(&self) -> Option<&crate::mirror::MirrorBackend> {
         self.backend.as_mirror()
     }
+
+    fn as_rbd(&self) -> Option<&crate::RbdBackend> {
+        self.backend.as_rbd()
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ mod ceph;
 
 use std::time::{Duration, Instant};
 
-use spool_devices::{CephOptions, Device, DeviceIo, DeviceQueue, OpenOptions, Probe};
+use spool_devices::{CephOptions, Device, DeviceIo, DeviceQueue, OpenOptions, Probe, RbdBackend};
 
 fn open(cluster: &ceph::CephCluster, name: &str, create: Option<u64>) -> Result<Device, String> {
     let opts = OpenOptions {
@@ -166,9 +166,36 @@ fn rbd_images_serve_io_and_hold_it_while_the_osd_is_down() {
     assert_eq!(dev.backend().probe(), Probe::Ok);
     drop(q);
 
+    // Grow, never shrink; exists; remove.
+    let ceph = CephOptions {
+        conf: cluster.conf.clone(),
+        id: "admin".into(),
+    };
+    let rbd = dev.backend().as_rbd().expect("an RBD backend");
+    rbd.resize(128 << 20).unwrap();
+    assert_eq!(dev.size(), 128 << 20);
+    assert!(rbd
+        .resize(64 << 20)
+        .unwrap_err()
+        .to_string()
+        .contains("shrinking"));
+    assert!(cluster
+        .rbd(&["info", "rbd/dev0"])
+        .unwrap()
+        .contains("128 MiB"));
+    assert!(RbdBackend::exists("rbd/dev0", &ceph).unwrap());
+    assert!(!RbdBackend::exists("rbd/nothere", &ceph).unwrap());
+    drop(dev);
+    RbdBackend::remove("rbd/dev0", &ceph).unwrap();
+    assert!(!RbdBackend::exists("rbd/dev0", &ceph).unwrap());
+    let err = RbdBackend::remove("rbd/dev0", &ceph)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("remove the RBD image"), "{err}");
+
     // Clear errors.
     let err = open(&cluster, "rbd:nopool", None).unwrap_err();
-    assert!(err.contains("rbd:POOL/IMAGE"), "{err}");
+    assert!(err.contains("named POOL/IMAGE"), "{err}");
     let err = open(&cluster, "rbd:nosuchpool/x", Some(1 << 20)).unwrap_err();
     assert!(err.contains("pool nosuchpool"), "{err}");
     let err = open(&cluster, "rbd:rbd/missing", None).unwrap_err();
@@ -180,6 +207,6 @@ fn rbd_images_serve_io_and_hold_it_while_the_osd_is_down() {
         },
         ..Default::default()
     };
-    let err = Device::open(std::path::Path::new("rbd:rbd/dev0"), &opts).unwrap_err();
+    let err = Device::open(std::path::Path::new("rbd:rbd/x"), &opts).unwrap_err();
     assert!(err.to_string().contains("cannot read ceph config"), "{err}");
 }

@@ -60,6 +60,7 @@ impl Pool {
             opts,
             left_out,
             mirrors: Default::default(),
+            rbd_devices: Default::default(),
         };
         if needs_write {
             let t = pool.table.clone();

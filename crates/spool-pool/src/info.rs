@@ -56,6 +56,8 @@ pub struct VolumeInfo {
     pub copies: u8,
     /// A mirrored volume's legs (fewer than `copies`: degraded).
     pub legs: Vec<LegInfo>,
+    /// `POOL/IMAGE` of a volume on an RBD image (docs/ceph.md).
+    pub rbd: Option<String>,
 }
 
 /// One copy of a mirrored volume.
@@ -183,6 +185,7 @@ impl Pool {
             qos: v.qos,
             copies: v.copies.max(1),
             legs,
+            rbd: v.rbd.as_ref().map(|r| r.spec()),
         }
     }
 

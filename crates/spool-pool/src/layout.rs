@@ -109,11 +109,35 @@ impl VolumeLayout {
     }
 }
 
+/// A volume that is one segment of `len` bytes at the start of `dev` (a mirror device, an
+/// RBD image).
+fn one_segment(v: &VolumeEntry, len: u64, dev: Arc<Device>) -> VolumeLayout {
+    VolumeLayout {
+        uuid: v.uuid,
+        name: v.name.clone(),
+        size: v.size,
+        read_only: v.read_only,
+        num_queues: v.num_queues,
+        segments: vec![Segment {
+            logical: 0,
+            len,
+            device: 0,
+            offset: 0,
+        }],
+        devices: vec![dev],
+        qos: v.qos,
+    }
+}
+
 impl Pool {
     /// The data-path view of a volume. Fails when one of its devices is missing (for a
     /// mirrored volume: when no synced leg is present).
     pub fn layout(&self, id: &str) -> Result<VolumeLayout> {
         let v = &self.table.volumes[self.find(id)?];
+        if let Some(r) = &v.rbd {
+            let dev = self.rbd_device(v, r)?;
+            return Ok(one_segment(v, dev.size(), dev));
+        }
         if v.is_mirrored() {
             let dev = self.mirror_device(v)?;
             let len = v.legs[0]
@@ -121,21 +145,7 @@ impl Pool {
                 .iter()
                 .map(|e| self.table.min_extent << e.order)
                 .sum();
-            return Ok(VolumeLayout {
-                uuid: v.uuid,
-                name: v.name.clone(),
-                size: v.size,
-                read_only: v.read_only,
-                num_queues: v.num_queues,
-                segments: vec![Segment {
-                    logical: 0,
-                    len,
-                    device: 0,
-                    offset: 0,
-                }],
-                devices: vec![dev],
-                qos: v.qos,
-            });
+            return Ok(one_segment(v, len, dev));
         }
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();

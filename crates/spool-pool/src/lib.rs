@@ -16,6 +16,7 @@ mod members;
 pub mod metadata;
 mod mirror;
 pub mod qos;
+mod rbd;
 mod volumes;
 
 use std::path::Path;
@@ -28,6 +29,7 @@ pub use legs::Relocated;
 pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
 pub use qos::{Priority, QosLimits};
+pub use rbd::RbdTarget;
 
 use members::Member;
 use metadata::{PoolTable, Record};
@@ -126,6 +128,8 @@ pub struct Pool {
     /// The mirror device of each mirrored volume being served, kept while its legs stay
     /// the same (workers compare device handles: a new one resets their queues).
     mirrors: std::sync::Mutex<layout::MirrorCache>,
+    /// The device of each RBD volume in use.
+    rbd_devices: std::sync::Mutex<rbd::RbdCache>,
 }
 
 impl Pool {

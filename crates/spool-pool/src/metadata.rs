@@ -17,9 +17,10 @@ use spool_devices::Device;
 pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// Newest record format version this spoold reads and writes. Readers refuse records with
 /// a higher version. A table is written as version 1 unless it uses something version 1
-/// cannot say (volume QoS limits: version 2; mirrored volumes: version 3), so an older spoold refuses a table it would
+/// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
+/// images: version 4), so an older spoold refuses a table it would
 /// otherwise rewrite without them, and still reads every table that needs nothing new.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -57,7 +58,7 @@ pub fn check_volume_name(name: &str) -> Result<(), String> {
 }
 
 /// `name` shortened and escaped for an error message.
-fn printable(name: &str) -> String {
+pub(crate) fn printable(name: &str) -> String {
     let mut s: String = name.chars().take(MAX_NAME_LEN).collect();
     if s.len() < name.len() {
         s.push('…');
@@ -110,6 +111,27 @@ pub struct VolumeEntry {
     /// is then empty. Fewer legs than `copies`: the volume runs degraded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub legs: Vec<LegEntry>,
+    /// A volume whose data is a Ceph RBD image (format version 4; docs/ceph.md): no extents,
+    /// no legs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rbd: Option<RbdImage>,
+}
+
+/// The RBD image a volume's data lives in.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RbdImage {
+    pub pool: String,
+    pub image: String,
+    /// Created by this pool (deleting the volume removes it); false: an existing image was
+    /// attached, and is removed only when asked.
+    pub created: bool,
+}
+
+impl RbdImage {
+    /// `POOL/IMAGE`.
+    pub fn spec(&self) -> String {
+        format!("{}/{}", self.pool, self.image)
+    }
 }
 
 fn is_zero(n: &u8) -> bool {
@@ -130,6 +152,22 @@ pub struct LegEntry {
 }
 
 impl VolumeEntry {
+    /// A new volume (fresh UUID) with no data placed yet: no extents, legs or image.
+    pub fn new(name: &str, size: u64, read_only: bool, num_queues: u16) -> VolumeEntry {
+        VolumeEntry {
+            uuid: Uuid::new_v4(),
+            name: name.into(),
+            size,
+            read_only,
+            num_queues,
+            extents: Vec::new(),
+            qos: None,
+            copies: 0,
+            legs: Vec::new(),
+            rbd: None,
+        }
+    }
+
     /// Whether the volume keeps mirrored copies.
     pub fn is_mirrored(&self) -> bool {
         self.copies > 0
@@ -155,7 +193,9 @@ impl VolumeEntry {
 impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
-        if self
+        if self.volumes.iter().any(|v| v.rbd.is_some()) {
+            4
+        } else if self
             .volumes
             .iter()
             .any(|v| v.is_mirrored() || !v.legs.is_empty())
@@ -264,6 +304,9 @@ impl PoolTable {
         }
         if let Some(q) = &v.qos {
             q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
+        }
+        if let Some(r) = &v.rbd {
+            return crate::rbd::validate(v, r).map_err(|why| format!("{what}: {why}"));
         }
         crate::mirror::validate_legs(v).map_err(|why| format!("{what}: {why}"))?;
         for (leg, extents) in v.copies_extents().into_iter().enumerate() {
@@ -540,6 +583,38 @@ mod tests {
     use super::*;
     use spool_devices::OpenOptions;
 
+    /// A volume on an RBD image has no extents, names Ceph accepts, and needs format 4.
+    #[test]
+    fn rbd_volumes_validate_and_need_format_4() {
+        let mut t = table();
+        assert_eq!(t.format_version(), 1);
+        let mut v = t.volumes[0].clone();
+        v.name = "r".into();
+        v.uuid = Uuid::new_v4();
+        v.extents.clear();
+        v.rbd = Some(RbdImage {
+            pool: "rbd".into(),
+            image: "r".into(),
+            created: true,
+        });
+        t.volumes.push(v.clone());
+        t.validate().unwrap();
+        assert_eq!(t.format_version(), 4);
+        for (pool, image) in [("", "r"), ("a/b", "r"), ("rbd", "x@snap"), ("rbd", "a b")] {
+            let mut bad = t.clone();
+            bad.volumes[1].rbd = Some(RbdImage {
+                pool: pool.into(),
+                image: image.into(),
+                created: false,
+            });
+            let e = bad.validate().unwrap_err();
+            assert!(e.contains("volume 'r': rbd"), "{e}");
+        }
+        let mut bad = t.clone();
+        bad.volumes[1].extents = t.volumes[0].extents.clone();
+        assert!(bad.validate().unwrap_err().contains("has extents"));
+    }
+
     fn table() -> PoolTable {
         let device = Uuid::new_v4();
         PoolTable {
@@ -565,6 +640,7 @@ mod tests {
                 qos: None,
                 copies: 0,
                 legs: Vec::new(),
+                rbd: None,
             }],
         }
     }
@@ -697,6 +773,7 @@ mod tests {
                     qos: None,
                     copies: 0,
                     legs: Vec::new(),
+                    rbd: None,
                 },
                 VolumeEntry {
                     uuid: Uuid::from_u128(11),
@@ -708,6 +785,7 @@ mod tests {
                     qos: None,
                     copies: 0,
                     legs: Vec::new(),
+                    rbd: None,
                 },
             ],
         }

@@ -4,12 +4,10 @@
 //! space), scrubbing new extents (a volume never reads another tenant's old data) and the
 //! argument checks of the volume operations. Must not know: the data path, virtio.
 
-use uuid::Uuid;
-
 use crate::metadata::{self, ExtentEntry, LegEntry, VolumeEntry, MAX_QUEUES};
 use crate::{Error, Pool, QosLimits, Result, VolumeInfo};
 
-fn valid_name(name: &str) -> Result<()> {
+pub(crate) fn valid_name(name: &str) -> Result<()> {
     metadata::check_volume_name(name).map_err(Error::InvalidArgument)
 }
 
@@ -130,7 +128,7 @@ impl Pool {
         Ok(())
     }
 
-    fn check_size(size: u64) -> Result<()> {
+    pub(crate) fn check_size(size: u64) -> Result<()> {
         if size == 0 || !size.is_multiple_of(512) {
             return Err(Error::InvalidArgument(format!(
                 "volume size {size} must be a positive multiple of 512 bytes"
@@ -205,17 +203,7 @@ impl Pool {
         self.check_copies(copies)?;
         let bytes = self.round_up(size)?;
         self.check_space(bytes.saturating_mul(copies as u64))?;
-        let mut v = VolumeEntry {
-            uuid: Uuid::new_v4(),
-            name: name.into(),
-            size,
-            read_only,
-            num_queues,
-            extents: Vec::new(),
-            qos: None,
-            copies: 0,
-            legs: Vec::new(),
-        };
+        let mut v = VolumeEntry::new(name, size, read_only, num_queues);
         if copies > 1 {
             v.copies = copies;
             for (slot, extents) in self.allocate_legs(bytes, copies)?.into_iter().enumerate() {
@@ -256,7 +244,16 @@ impl Pool {
 
     /// Deletes a volume and frees its extents. The caller stops serving it first.
     pub fn delete_volume(&mut self, id: &str) -> Result<VolumeInfo> {
+        self.delete_volume_with(id, false)
+    }
+
+    /// [`Self::delete_volume`]; a volume on an RBD image this pool did not create (attached)
+    /// keeps the image unless `remove_image`.
+    pub fn delete_volume_with(&mut self, id: &str, remove_image: bool) -> Result<VolumeInfo> {
         let i = self.find(id)?;
+        if self.table.volumes[i].rbd.is_some() {
+            return self.delete_rbd_volume(i, remove_image);
+        }
         let mut table = self.table.clone();
         let v = table.volumes.remove(i);
         let info = self.volume_info(&v);
@@ -278,6 +275,9 @@ impl Pool {
                 "volume '{}' is {} bytes; shrinking to {new_size} would destroy data and is not supported",
                 old.name, old.size
             )));
+        }
+        if old.rbd.is_some() {
+            return self.resize_rbd_volume(i, new_size);
         }
         let have = self.round_up(old.size)?;
         let need = self.round_up(new_size)?;

@@ -88,6 +88,9 @@ pub struct VolumeInfo {
     /// Its I/O limits; absent when it has none.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub qos: Option<QosLimits>,
+    /// `POOL/IMAGE` of a volume on a Ceph RBD image (docs/ceph.md).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub rbd: Option<String>,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -169,6 +172,7 @@ impl From<spool_pool::VolumeInfo> for VolumeInfo {
             devices: v.devices,
             online: v.online,
             qos: v.qos.map(QosLimits::from),
+            rbd: v.rbd,
         }
     }
 }

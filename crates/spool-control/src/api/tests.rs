@@ -25,10 +25,11 @@ fn params_are_written_as_spoolctl_always_wrote_them() {
     assert_eq!(wire(&add), r#"{"force":false,"path":"/d.img"}"#);
     let create = VolumeCreateParams {
         name: "v".into(),
-        size: SizeValue::Bytes(4096),
+        size: Some(SizeValue::Bytes(4096)),
         read_only: false,
         num_queues: Some(2),
         mirror: None,
+        rbd: None,
     };
     assert_eq!(
         wire(&create),
@@ -65,6 +66,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         devices: vec![],
         online: true,
         qos: None,
+        rbd: None,
     };
     let v = Volume {
         info,

@@ -46,15 +46,27 @@ impl Daemon {
     }
 
     fn volume_create(&self, p: api::VolumeCreateParams) -> Result<Volume, RpcError> {
-        let size = size_arg(&p.size, "size")?;
+        let size = p.size.as_ref().map(|s| size_arg(s, "size")).transpose()?;
         let queues = p.num_queues.unwrap_or(DEFAULT_QUEUES);
-        let v = self.pool().create_volume_copies(
-            &p.name,
-            size,
-            p.read_only,
-            queues,
-            p.mirror.unwrap_or(1),
-        )?;
+        let v = match &p.rbd {
+            Some(target) => {
+                if p.mirror.is_some_and(|m| m > 1) {
+                    return Err(RpcError::InvalidParams(
+                        "an RBD volume is replicated by Ceph: mirror does not apply".into(),
+                    ));
+                }
+                let target = spool_pool::RbdTarget::parse(target)?;
+                self.pool()
+                    .create_rbd_volume(&p.name, size, p.read_only, queues, &target)?
+            }
+            None => self.pool().create_volume_copies(
+                &p.name,
+                size.ok_or_else(|| RpcError::InvalidParams("size is required".into()))?,
+                p.read_only,
+                queues,
+                p.mirror.unwrap_or(1),
+            )?,
+        };
         if let Err(e) = self.serve(&v) {
             return Err(RpcError::NotServed(e.to_string()));
         }
@@ -133,7 +145,10 @@ impl Daemon {
                 return Err(stuck(n));
             }
         }
-        Ok(self.pool().delete_volume(&v.uuid.to_string())?.into())
+        Ok(self
+            .pool()
+            .delete_volume_with(&v.uuid.to_string(), p.remove_image)?
+            .into())
     }
 
     /// A volume and how it is served.

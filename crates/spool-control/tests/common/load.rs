@@ -27,10 +27,21 @@ pub struct Load {
 impl Load {
     /// Starts the workload over the first `vol` bytes of the volume at `sock`.
     pub fn start(sock: std::path::PathBuf, vol: u64) -> (Arc<Load>, std::thread::JoinHandle<()>) {
+        Self::start_patient(sock, vol, Duration::from_secs(10))
+    }
+
+    /// Like `start`, calling a request hung only after `hang_after` (a storage outage that
+    /// holds I/O for longer is expected).
+    pub fn start_patient(
+        sock: std::path::PathBuf,
+        vol: u64,
+        hang_after: Duration,
+    ) -> (Arc<Load>, std::thread::JoinHandle<()>) {
         let l = Arc::new(Load::default());
         let l2 = l.clone();
         let t = std::thread::spawn(move || {
             let mut c = connect(&sock, 1, false).expect("connect");
+            c.hang_after = hang_after;
             let blocks = (vol as usize / BLK) as u64;
             let mut round = 0u64;
             while !l2.stop.load(Ordering::Acquire) {
@@ -88,8 +99,12 @@ impl Load {
     }
     /// Waits until `counter` grew by `n`.
     pub fn wait_more(counter: &AtomicU64, n: u64, what: &str) {
+        Self::wait_more_for(counter, n, what, Duration::from_secs(20))
+    }
+    /// `wait_more` with its own deadline.
+    pub fn wait_more_for(counter: &AtomicU64, n: u64, what: &str, limit: Duration) {
         let start = counter.load(Ordering::Relaxed);
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + limit;
         while counter.load(Ordering::Relaxed) < start + n {
             assert!(Instant::now() < deadline, "{what}");
             std::thread::sleep(Duration::from_millis(5));

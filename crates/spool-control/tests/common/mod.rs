@@ -291,6 +291,8 @@ pub struct Client_ {
     pub queues: Vec<Blkioq>,
     pub region: MemoryRegion,
     pub capacity: u64,
+    /// How long `wait` waits for a completion before calling the request hung.
+    pub hang_after: Duration,
 }
 
 pub const REGION: usize = 8 << 20;
@@ -312,6 +314,7 @@ pub fn connect(sock: &Path, num_queues: i32, read_only: bool) -> Result<Client_,
         queues: out.queues,
         region,
         capacity,
+        hang_after: Duration::from_secs(10),
     })
 }
 
@@ -333,7 +336,7 @@ impl Client_ {
         let mut comps: Vec<MaybeUninit<Completion>> =
             (0..n.max(1)).map(|_| MaybeUninit::uninit()).collect();
         while out.len() < n {
-            let mut t = Duration::from_secs(10);
+            let mut t = self.hang_after;
             let got = self.queues[q]
                 .do_io(&mut comps[..n - out.len()], 1, Some(&mut t), None)
                 .expect("do_io");

@@ -69,6 +69,8 @@ api! {
         fn rbd_create2(io: rados_ioctx_t, name: *const c_char, size: u64, features: u64, order: *mut c_int) -> c_int;
         fn rbd_open(io: rados_ioctx_t, name: *const c_char, image: *mut rbd_image_t, snap_name: *const c_char) -> c_int;
         fn rbd_close(image: rbd_image_t) -> c_int;
+        fn rbd_remove(io: rados_ioctx_t, name: *const c_char) -> c_int;
+        fn rbd_resize(image: rbd_image_t, size: u64) -> c_int;
         fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
         fn rbd_read2(image: rbd_image_t, ofs: u64, len: usize, buf: *mut c_char, op_flags: c_int) -> isize;
         fn rbd_write2(image: rbd_image_t, ofs: u64, len: usize, buf: *const c_char, op_flags: c_int) -> isize;

@@ -19,6 +19,7 @@ mod queue;
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -176,7 +177,8 @@ impl Drop for Image {
 #[derive(Debug)]
 pub struct RbdBackend {
     path: PathBuf,
-    size: u64,
+    /// Grows with [`RbdBackend::resize`].
+    size: AtomicU64,
     image: Arc<Image>,
 }
 
@@ -184,31 +186,10 @@ impl RbdBackend {
     /// Opens `POOL/IMAGE` on the cluster `ceph` names; with `create_size`, creates the image
     /// first when it does not exist.
     pub fn open(spec: &str, ceph: &CephOptions, create_size: Option<u64>) -> Result<Self> {
-        let path = PathBuf::from(format!("rbd:{spec}"));
-        let (pool, name) = spec
-            .split_once('/')
-            .filter(|(p, n)| !p.is_empty() && !n.is_empty() && !n.contains('/'))
-            .ok_or_else(|| Error::Invalid {
-                path: path.display().to_string(),
-                msg: "an RBD device is named rbd:POOL/IMAGE".into(),
-            })?;
+        let (path, pool, name) = parse(spec)?;
         let cluster = Cluster::get(ceph, &path)?;
-        let cpool = cstring(&path, "pool name", pool)?;
+        let ioctx = pool_context(&cluster, &path, pool)?;
         let cname = cstring(&path, "image name", name)?;
-        let mut ioctx: ffi::rados_ioctx_t = std::ptr::null_mut();
-        // SAFETY: a connected cluster, a NUL-terminated name, an out-pointer to a local.
-        let r = unsafe {
-            (ffi::loaded().rados_ioctx_create)(cluster.handle, cpool.as_ptr(), &mut ioctx)
-        };
-        if r < 0 {
-            return Err(Error::Invalid {
-                path: path.display().to_string(),
-                msg: format!(
-                    "cannot open ceph pool {pool}: {}",
-                    std::io::Error::from_raw_os_error(-r)
-                ),
-            });
-        }
         let handle = match open_image(ioctx, &cname) {
             Err(r) if r == -libc::ENOENT && create_size.is_some() => {
                 let size = create_size.unwrap_or_default();
@@ -223,7 +204,9 @@ impl RbdBackend {
                         &mut order,
                     )
                 };
-                tracing::info!(image = %spec, size, "created RBD image");
+                if r >= 0 {
+                    tracing::info!(image = %spec, size, "created RBD image");
+                }
                 if r < 0 {
                     Err(r)
                 } else {
@@ -256,8 +239,43 @@ impl RbdBackend {
         } as i64)?;
         let size = size - size % crate::SECTOR_SIZE;
         crate::backend::check_size(&path, size)?;
-        Ok(RbdBackend { path, size, image })
+        Ok(RbdBackend {
+            path,
+            size: AtomicU64::new(size),
+            image,
+        })
     }
+}
+
+/// `POOL/IMAGE` as (device path, pool, image).
+fn parse(spec: &str) -> Result<(PathBuf, &str, &str)> {
+    let path = PathBuf::from(format!("rbd:{spec}"));
+    match spec.split_once('/') {
+        Some((p, n)) if !p.is_empty() && !n.is_empty() && !n.contains('/') => Ok((path, p, n)),
+        _ => Err(Error::Invalid {
+            path: path.display().to_string(),
+            msg: "an RBD image is named POOL/IMAGE".into(),
+        }),
+    }
+}
+
+/// An I/O context on `pool` (the caller destroys it).
+fn pool_context(cluster: &Cluster, path: &Path, pool: &str) -> Result<ffi::rados_ioctx_t> {
+    let cpool = cstring(path, "pool name", pool)?;
+    let mut ioctx: ffi::rados_ioctx_t = std::ptr::null_mut();
+    // SAFETY: a connected cluster, a NUL-terminated name, an out-pointer to a local.
+    let r =
+        unsafe { (ffi::loaded().rados_ioctx_create)(cluster.handle, cpool.as_ptr(), &mut ioctx) };
+    if r < 0 {
+        return Err(Error::Invalid {
+            path: path.display().to_string(),
+            msg: format!(
+                "cannot open ceph pool {pool}: {}",
+                std::io::Error::from_raw_os_error(-r)
+            ),
+        });
+    }
+    Ok(ioctx)
 }
 
 fn open_image(
@@ -275,6 +293,47 @@ fn open_image(
 }
 
 impl RbdBackend {
+    /// Grows the image to `size` bytes (a multiple of 512; shrinking is refused).
+    pub fn resize(&self, size: u64) -> Result<()> {
+        crate::backend::check_size(&self.path, size)?;
+        if size < self.size() {
+            return Err(Error::Invalid {
+                path: self.path.display().to_string(),
+                msg: format!("shrinking the image to {size} bytes would destroy data"),
+            });
+        }
+        // SAFETY: an open image.
+        let r = unsafe { (ffi::loaded().rbd_resize)(self.image.handle, size) };
+        rc(&self.path, "resize the image", r as i64)?;
+        self.size.store(size, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether image `POOL/IMAGE` exists (an error: the cluster or pool cannot be reached).
+    pub fn exists(spec: &str, ceph: &CephOptions) -> Result<bool> {
+        match Self::open(spec, ceph, None) {
+            Ok(_) => Ok(true),
+            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes image `POOL/IMAGE` and its data (no handle of this process may be open on it;
+    /// a client elsewhere that still has it open makes this fail with EBUSY).
+    pub fn remove(spec: &str, ceph: &CephOptions) -> Result<()> {
+        let (path, pool, name) = parse(spec)?;
+        let cluster = Cluster::get(ceph, &path)?;
+        let ioctx = pool_context(&cluster, &path, pool)?;
+        let cname = cstring(&path, "image name", name)?;
+        // SAFETY: a valid I/O context and a NUL-terminated name.
+        let r = unsafe { (ffi::loaded().rbd_remove)(ioctx, cname.as_ptr()) };
+        // SAFETY: created above, used by nothing else.
+        unsafe { (ffi::loaded().rados_ioctx_destroy)(ioctx) };
+        rc(&path, "remove the RBD image", r as i64).map(drop)
+    }
+
     /// Waits until every completed write is durable in the cluster.
     fn flush(&self) -> Result<()> {
         // SAFETY: an open image.
@@ -289,7 +348,7 @@ impl PoolDevice for RbdBackend {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Acquire)
     }
 
     fn info(&self) -> BackendInfo {
@@ -301,7 +360,7 @@ impl PoolDevice for RbdBackend {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        check_range(&self.path, self.size, offset, buf.len() as u64)?;
+        check_range(&self.path, self.size(), offset, buf.len() as u64)?;
         let mut done = 0;
         while done < buf.len() {
             let rest = &mut buf[done..];
@@ -329,7 +388,7 @@ impl PoolDevice for RbdBackend {
     }
 
     fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
-        check_range(&self.path, self.size, offset, buf.len() as u64)?;
+        check_range(&self.path, self.size(), offset, buf.len() as u64)?;
         // SAFETY: an open image; `buf` is readable for its length. librbd writes it all or
         // fails.
         let r = unsafe {
@@ -346,7 +405,7 @@ impl PoolDevice for RbdBackend {
     }
 
     fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
-        check_range(&self.path, self.size, offset, len)?;
+        check_range(&self.path, self.size(), offset, len)?;
         let mut done = 0;
         while done < len {
             let n = (len - done).min(1 << 30);
@@ -372,6 +431,10 @@ impl PoolDevice for RbdBackend {
 
     /// A read of the first sector, waited for at most [`PROBE_TIMEOUT`] (an unreachable
     /// cluster holds the read, it does not fail it).
+    fn as_rbd(&self) -> Option<&RbdBackend> {
+        Some(self)
+    }
+
     fn probe(&self) -> Probe {
         match queue::read_with_timeout(&self.image, 0, 512, PROBE_TIMEOUT) {
             Ok(()) => Probe::Ok,

@@ -122,8 +122,9 @@ pub enum VolumeCmd {
     /// Create a volume.
     Create {
         name: String,
-        /// Capacity, e.g. 10G (a multiple of 512 bytes).
-        size: String,
+        /// Capacity, e.g. 10G (a multiple of 512 bytes); leave it out to attach an RBD image
+        /// at its own size.
+        size: Option<String>,
         #[arg(long)]
         read_only: bool,
         /// Number of virtqueues (1-64).
@@ -133,6 +134,10 @@ pub enum VolumeCmd {
         /// no data, and the volume rebuilds online onto a replacement.
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
         mirror: Option<u8>,
+        /// Keep the data in Ceph RBD ([ceph] in the config): POOL creates image POOL/NAME,
+        /// POOL/IMAGE attaches an existing image (docs/ceph.md).
+        #[arg(long, value_name = "POOL[/IMAGE]")]
+        rbd: Option<String>,
     },
     /// Delete a volume (its data is lost).
     Delete {
@@ -140,6 +145,10 @@ pub enum VolumeCmd {
         /// Disconnect a connected client first.
         #[arg(long)]
         force: bool,
+        /// Also remove the RBD image of a volume that attached one (an image spoold created
+        /// is removed anyway).
+        #[arg(long)]
+        remove_image: bool,
     },
     /// Grow a volume to SIZE.
     Resize { id: String, size: String },

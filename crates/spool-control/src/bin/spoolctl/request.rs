@@ -126,16 +126,23 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             read_only,
             queues,
             mirror,
+            rbd,
         } => build::<api::VolumeCreate>(api::VolumeCreateParams {
             name: name.clone(),
-            size: size(sz)?,
+            size: sz.as_deref().map(size).transpose()?,
             read_only: *read_only,
             num_queues: Some(*queues),
             mirror: *mirror,
+            rbd: rbd.clone(),
         }),
-        VolumeCmd::Delete { id, force } => build::<api::VolumeDelete>(api::VolumeDeleteParams {
+        VolumeCmd::Delete {
+            id,
+            force,
+            remove_image,
+        } => build::<api::VolumeDelete>(api::VolumeDeleteParams {
             id: id.clone(),
             force: *force,
+            remove_image: *remove_image,
         }),
         VolumeCmd::Resize { id, size: sz } => build::<api::VolumeResize>(api::VolumeResizeParams {
             id: id.clone(),
