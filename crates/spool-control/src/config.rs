@@ -190,8 +190,7 @@ struct RawConfig {
     health: RawHealth,
     #[serde(default)]
     metrics: RawMetrics,
-    #[serde(default)]
-    ceph: RawCeph,
+    ceph: Option<RawCeph>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -292,6 +291,9 @@ pub struct Config {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// `[ceph]`: the cluster `rbd:POOL/IMAGE` devices are on (docs/ceph.md).
     pub ceph: spool_devices::CephOptions,
+    /// The config has a `[ceph]` table: workers connect to the cluster as they start (a
+    /// standby long before it serves), so a restart does not wait for the connection.
+    pub ceph_configured: bool,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -514,11 +516,12 @@ impl Config {
             ),
             None => None,
         };
-        let ceph = ceph(&raw.ceph, &base)?;
+        let ceph = ceph(&raw.ceph.clone().unwrap_or_default(), &base)?;
         Ok(Config {
             health,
             metrics_listen,
             ceph,
+            ceph_configured: raw.ceph.is_some(),
             rpc_socket: raw
                 .rpc_socket
                 .as_deref()

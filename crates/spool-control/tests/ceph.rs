@@ -126,6 +126,19 @@ fn an_rbd_pool_survives_worker_kills_upgrades_and_an_osd_restart_under_load() {
     );
 }
 
+/// Waits until spoold has seen the client of `volume` go.
+fn wait_disconnected(d: &Spoold, volume: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = d.rpc("volume_show", json!({ "id": volume })).unwrap();
+        if v["connected"] == json!(false) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Volumes whose data is an RBD image: created on spoold A (image POOL/NAME), attached by
 /// spoold B (another host's stand-in, its own state directory and pool) which reads what A
 /// wrote, resized and served through a worker kill on B, kept on the cluster when B deletes
@@ -227,6 +240,7 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     assert_eq!(c.read_sync(0, 40 << 20, data.len()), (0, data.clone()));
     drop(c);
     // B's attachment goes; the image stays.
+    wait_disconnected(&b, "w1");
     ctl(&b, &["volume", "delete", "w1"]);
     assert!(cluster.rbd(&["ls", "rbd"]).unwrap().contains("v1"));
 
@@ -236,6 +250,7 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     let mut c = connect(&a.socket("v1"), 1, false).unwrap();
     assert_eq!(c.read_sync(0, 1 << 20, data.len()), (0, data.clone()));
     drop(c);
+    wait_disconnected(&a, "v1");
     // A deletes the volume it created: the image goes with it. B's killed worker still had
     // the image open, and the cluster keeps a dead client's watch for up to 30 s: until then
     // the delete is refused, saying so, and the volume is kept.

@@ -298,6 +298,23 @@ fn serve(
     force: bool,
     link: Option<&Arc<KeeperLink>>,
 ) -> Result<(), WorkerError> {
+    if cfg.ceph_configured {
+        // Connected while a standby waits (or while an upgrade candidate is previewed), not
+        // in the restart's stall; the pool's devices find the connection made.
+        let ceph = cfg.ceph.clone();
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            match spool_devices::warm_up_ceph(&ceph) {
+                Ok(()) => tracing::debug!(
+                    ms = t.elapsed().as_secs_f64() * 1e3,
+                    "connected to the ceph cluster ahead of need"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot connect to the ceph cluster ahead of need")
+                }
+            }
+        });
+    }
     let keeping = link.map(take_over).transpose()?;
     // From here on this worker serves: a standby may have waited long for the store, and
     // the config may have changed meanwhile.

@@ -147,6 +147,16 @@ impl Cluster {
     }
 }
 
+/// Connects to the cluster `ceph` names ahead of need and keeps the connection for the life of
+/// the process, so that the first image opened later does not wait for it (a standby worker
+/// does this while it waits to take over).
+pub fn warm_up(ceph: &CephOptions) -> Result<()> {
+    static WARM: Mutex<Vec<Arc<Cluster>>> = Mutex::new(Vec::new());
+    let c = Cluster::get(ceph, Path::new("rbd:"))?;
+    WARM.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+    Ok(())
+}
+
 /// An open image (with its pool's I/O context and the connection it came from).
 #[derive(Debug)]
 pub(crate) struct Image {
