@@ -32,29 +32,26 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, OUT, REPO, ctl, log  # noqa: E402
+from benchlib import BIN, OUT, REPO, ctl, log, wait_socket  # noqa: E402
 
 SIZE = 256 << 20
 CASES = [("4K randread QD1", "randread", 1), ("4K randwrite QD1", "randwrite", 1),
          ("4K randread QD32", "randread", 32), ("4K randwrite QD32", "randwrite", 32)]
 
 
-def cluster(cmd, d):
-    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "ceph-cluster.sh"), cmd, d],
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster(cmd, d, *extra):
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "ceph-cluster.sh"), cmd, d, *extra],
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"ceph-cluster.sh {cmd}: {r.stdout}{r.stderr}")
     return r.stdout.strip()
-
-
-def wait_socket(path, proc, what, timeout=30):
-    t = time.time()
-    while not os.path.exists(path):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.returncode}")
-        if time.time() - t > timeout:
-            raise RuntimeError(f"{what} did not create {path}")
-        time.sleep(0.01)
 
 
 def bench(sock, rw, bs, qd, runtime, extra=()):
@@ -108,7 +105,7 @@ def qsd_restarts(work, conf, sock, n):
         proc.wait()
         t = time.monotonic()
         proc = start_qsd(work, conf, sock)
-        wait_socket(sock, proc, "qemu-storage-daemon")
+        wait_socket(sock, proc, "qemu-storage-daemon", settle=0)
         while True:
             r = subprocess.run([f"{BIN}/spool-bench", "--socket", sock, "--rw", "randread", "--iodepth", "1",
                                 "--runtime", "0.01", "--warmup", "0", "--size", str(SIZE), "--json"],
@@ -139,7 +136,7 @@ def main():
     work = tempfile.mkdtemp(prefix="spool-bench-ceph-")
     cdir = os.path.join(work, "ceph")
     t = time.monotonic()
-    conf = cluster("start", cdir)
+    conf = cluster("start", cdir, str(free_port()))
     log(f"cluster up in {time.monotonic() - t:.1f} s")
     spool = dict(dir=os.path.join(work, "spoold"))
     os.makedirs(spool["dir"])
@@ -208,8 +205,8 @@ def main():
                     f"{s['lat_mean_us']:.0f} / {s['p99_us']:.0f} | {q['lat_mean_us']:.0f} / {q['p99_us']:.0f} |\n")
         f.write("\n## What a restart costs a client\n\n| server | restarts | median ms | max ms | what the client sees |\n|---|---|---|---|---|\n")
         f.write(f"| spoold, worker SIGKILL under load | {len(stalls)} | {pct(stalls, 0.5):.1f} | {max(stalls, default=float('nan')):.1f} | "
-                f"a stall; same connection; {errors} errors (of which \"open devices\", mostly the cluster connection: "
-                f"median {pct(opens, 0.5):.1f} ms) |\n")
+                f"a stall on the same connection, {errors} client errors (phase \"open devices\": median "
+                f"{pct(opens, 0.5):.1f} ms; the cluster connection was made ahead of need) |\n")
         f.write(f"| qemu-storage-daemon, SIGKILL and start again | {len(gaps)} | {pct(gaps, 0.5):.1f} | {max(gaps, default=float('nan')):.1f} | "
                 "its connection is gone: time until a new client's first request completes (QEMU adds its reconnect delay, ≥ 1 s) |\n")
     print(open(os.path.join(OUT, f"ceph{suffix}.md")).read())

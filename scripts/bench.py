@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, OUT, REPO, log  # noqa: E402
+from benchlib import BIN, OUT, REPO, log, wait_socket  # noqa: E402
 
 VOL = 512 << 20
 
@@ -40,17 +40,6 @@ CASES = [
     ("4K write QD1", "write", 4096, 1, 1, True),
 ]
 QUICK_CASES = ["4K randread QD32", "4K randread QD1"]
-
-
-def wait_socket(path, proc, what, timeout=20):
-    t = time.time()
-    while not os.path.exists(path):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.returncode}")
-        if time.time() - t > timeout:
-            raise RuntimeError(f"{what} did not create {path}")
-        time.sleep(0.05)
-    time.sleep(0.1)
 
 
 def stop(proc):

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(REPO, "target", "release")
@@ -20,3 +21,16 @@ def ctl(sock, *args):
     if r.returncode != 0:
         raise RuntimeError(f"spoolctl {' '.join(args)}: {r.stderr.strip()}")
     return json.loads(r.stdout)
+
+
+def wait_socket(path, proc, what, timeout=20, settle=0.1):
+    """Waits until `proc` (named `what` in errors) has created the socket `path`, then `settle`
+    seconds more (for it to start listening)."""
+    t = time.time()
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {proc.returncode}")
+        if time.time() - t > timeout:
+            raise RuntimeError(f"{what} did not create {path}")
+        time.sleep(0.01)
+    time.sleep(settle)

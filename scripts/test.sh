@@ -31,5 +31,6 @@ python3 scripts/bench-failures.py --quick
 python3 scripts/bench-qos.py --quick
 python3 scripts/bench-share.py --quick
 python3 scripts/bench-mirror.py --quick
+python3 scripts/bench-ceph.py --quick
 scripts/bench-journal.sh --quick
 echo "== all tests passed"

@@ -193,10 +193,17 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for v in &t.volumes {
-        let sum = v.extents.iter().try_fold(0u64, |a, e| {
-            a.checked_add(t.min_extent.checked_shl(e.order)?)
-        });
-        assert_eq!(sum, v.size.checked_next_multiple_of(t.min_extent));
+        if v.rbd.is_some() {
+            // Its data is an RBD image: nothing of it is on the pool's devices.
+            assert!(v.extents.is_empty() && v.legs.is_empty() && v.copies == 0);
+            continue;
+        }
+        for extents in v.copies_extents() {
+            let sum = extents.iter().try_fold(0u64, |a, e| {
+                a.checked_add(t.min_extent.checked_shl(e.order)?)
+            });
+            assert_eq!(sum, v.size.checked_next_multiple_of(t.min_extent));
+        }
     }
     let again = encode(&Record {
         generation: r.generation,
