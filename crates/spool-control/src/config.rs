@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::qos::{QosError, RateValue};
 use crate::size::parse_size;
 
+mod ceph;
+
 /// A size written as a number of bytes or a string with a suffix.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -56,6 +58,10 @@ pub enum ConfigError {
     Qos { volume: String, source: QosError },
     #[error("volume {0} is listed twice")]
     DuplicateVolume(String),
+    #[error("volume {0}: size is required")]
+    VolumeSize(String),
+    #[error("volume {volume}: rbd: {msg}")]
+    Rbd { volume: String, msg: String },
     #[error("ceph.id: {0:?} is not a client id (the name after \"client.\", e.g. \"admin\")")]
     CephId(String),
     #[error("metrics.listen: {0:?} is not an address and port (e.g. \"127.0.0.1:9420\")")]
@@ -100,7 +106,8 @@ struct RawDevice {
 #[serde(deny_unknown_fields)]
 struct RawVolume {
     name: String,
-    size: SizeValue,
+    /// Required, except for an attached RBD image (`rbd = "POOL/IMAGE"`: its size).
+    size: Option<SizeValue>,
     #[serde(default)]
     read_only: bool,
     num_queues: Option<u16>,
@@ -108,6 +115,8 @@ struct RawVolume {
     mirror: Option<u8>,
     /// `[volumes.qos]`: the volume's I/O limits, declared.
     qos: Option<RawQos>,
+    /// Keep the data in Ceph RBD: "POOL" (image POOL/NAME) or "POOL/IMAGE" (attach).
+    rbd: Option<String>,
 }
 
 /// `[volumes.qos]` as written: rates as numbers or strings ("20k", "200M"), burst with a unit.
@@ -260,6 +269,9 @@ pub struct VolumeConfig {
     /// Its I/O limits when `[volumes.qos]` is present (all rates 0 = none), applied when
     /// spoold starts; `None` leaves whatever the pool table holds.
     pub qos: Option<spool_pool::QosLimits>,
+    /// `rbd = "POOL"` or `"POOL/IMAGE"` (docs/ceph.md), checked; `size` is 0 for an attached
+    /// image at its own size.
+    pub rbd: Option<String>,
 }
 
 /// The validated daemon configuration.
@@ -403,7 +415,12 @@ fn devices(raw: &[RawDevice], base: &Base) -> Result<Vec<DeviceConfig>, ConfigEr
 fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
     let mut volumes: Vec<VolumeConfig> = Vec::new();
     for v in raw {
-        let size = v.size.bytes(format!("volume {}: size", v.name))?;
+        ceph::check_rbd_volume(v)?;
+        let size = match &v.size {
+            Some(s) => s.bytes(format!("volume {}: size", v.name))?,
+            None if v.rbd.is_some() => 0,
+            None => return Err(ConfigError::VolumeSize(v.name.clone())),
+        };
         let queues = v.num_queues.unwrap_or(DEFAULT_QUEUES);
         if !(1..=64).contains(&queues) {
             return Err(ConfigError::Queues {
@@ -437,6 +454,7 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
             num_queues: queues,
             copies,
             qos,
+            rbd: v.rbd.clone(),
         });
     }
     Ok(volumes)
@@ -487,18 +505,6 @@ fn health(h: &RawHealth, base: &Base) -> Result<HealthConfig, ConfigError> {
     })
 }
 
-fn ceph(c: &RawCeph, base: &Base) -> Result<spool_devices::CephOptions, ConfigError> {
-    let d = spool_devices::CephOptions::default();
-    let id = c.id.clone().unwrap_or(d.id);
-    if id.is_empty() || id.starts_with("client.") || id.contains(['\0', ' ']) {
-        return Err(ConfigError::CephId(id));
-    }
-    Ok(spool_devices::CephOptions {
-        conf: c.conf.as_deref().map(|p| base.abs(p)).unwrap_or(d.conf),
-        id,
-    })
-}
-
 impl Config {
     /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Config, ConfigError> {
@@ -516,7 +522,7 @@ impl Config {
             ),
             None => None,
         };
-        let ceph = ceph(&raw.ceph.clone().unwrap_or_default(), &base)?;
+        let ceph = ceph::options(&raw.ceph.clone().unwrap_or_default(), &base)?;
         Ok(Config {
             health,
             metrics_listen,
@@ -612,6 +618,22 @@ mod tests {
                 "volume a: size",
             ),
             (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"",
+                "volume a: size is required",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nrbd = \"rbd\"",
+                "volume a: rbd: a size is needed",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nrbd = \"rbd/x@snap\"",
+                "volume a: rbd: rbd image",
+            ),
+            (
+                "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\nrbd = \"rbd\"\nmirror = 2",
+                "replicated by Ceph",
+            ),
+            (
                 "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = 512\nnum_queues = 0",
                 "num_queues",
             ),
@@ -674,6 +696,21 @@ size = "1M"
         .unwrap();
         let empty = c.volumes[0].qos.unwrap();
         assert!(empty.is_unlimited() && empty.burst_ms == 1000);
+    }
+
+    #[test]
+    fn rbd_volumes_name_a_pool_or_an_image() {
+        let c = Config::parse(
+            "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = \"1G\"\nrbd = \"rbd\"\n[[volumes]]\nname = \"b\"\nrbd = \"rbd/img\"",
+            Path::new("/"),
+        )
+        .unwrap();
+        assert_eq!(c.volumes[0].rbd.as_deref(), Some("rbd"));
+        assert_eq!(
+            (c.volumes[1].rbd.as_deref(), c.volumes[1].size),
+            (Some("rbd/img"), 0)
+        );
+        assert!(!c.ceph_configured);
     }
 
     #[test]

@@ -155,7 +155,17 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
         cluster.conf.display()
     );
     let mut a = Spoold::start(&local);
-    let b = Spoold::start(&local);
+    // B declares a volume on RBD in its config: created (image rbd/cfg) when B starts.
+    let b = Spoold::start(&format!(
+        "{local}[[volumes]]\nname = \"cfg\"\nsize = \"16M\"\nnum_queues = 1\nrbd = \"rbd\"\n"
+    ));
+    assert!(cluster
+        .rbd(&["info", "rbd/cfg"])
+        .unwrap()
+        .contains("16 MiB"));
+    let mut c = connect(&b.socket("cfg"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 0, &pattern(3, 0, 4096)), 0);
+    drop(c);
     let ctl = |d: &Spoold, args: &[&str]| {
         let (ok, out, err) = spoolctl(d, args);
         assert!(ok, "spoolctl {args:?}: {out}{err}");

@@ -204,6 +204,8 @@ impl Daemon {
         let mut pool = self.pool();
         for v in &self.cfg.volumes {
             match pool.volume(&v.name) {
+                // An attached image at its own size (size 0 in the config).
+                Ok(_) if v.size == 0 => {}
                 Ok(have) if have.size < v.size => {
                     pool.resize_volume(&v.name, v.size)?;
                 }
@@ -213,11 +215,23 @@ impl Daemon {
                 ),
                 Ok(_) => {}
                 Err(_) => {
-                    pool.create_volume_copies(&v.name, v.size, v.read_only, v.num_queues, v.copies)
-                        .map_err(|source| StartError::Volume {
-                            name: v.name.clone(),
-                            source,
-                        })?;
+                    let made = match &v.rbd {
+                        Some(r) => spool_pool::RbdTarget::parse(r).and_then(|t| {
+                            let size = (v.size > 0).then_some(v.size);
+                            pool.create_rbd_volume(&v.name, size, v.read_only, v.num_queues, &t)
+                        }),
+                        None => pool.create_volume_copies(
+                            &v.name,
+                            v.size,
+                            v.read_only,
+                            v.num_queues,
+                            v.copies,
+                        ),
+                    };
+                    made.map_err(|source| StartError::Volume {
+                        name: v.name.clone(),
+                        source,
+                    })?;
                 }
             }
         }
