@@ -96,6 +96,11 @@ pub struct OpenOptions {
     pub faults: Vec<FaultRule>,
     /// The Ceph cluster `rbd:POOL/IMAGE` devices are on (config `[ceph]`).
     pub ceph: crate::CephOptions,
+    /// How long a file device's lock may stay taken before the open fails with `Busy`: a
+    /// worker taking over from a killed one waits out the kernel's teardown of the dead
+    /// process's descriptors (io_uring requests still in flight keep its file, and with it
+    /// the lock, for a moment). Zero: fail at once.
+    pub lock_wait: std::time::Duration,
 }
 
 /// What a backend is, as far as callers above the devices layer care.

@@ -60,7 +60,7 @@ impl FileBackend {
                 msg: "not a regular file or a block device".into(),
             });
         };
-        let buffered = open_locked(path)?;
+        let buffered = open_locked(path, opts.lock_wait)?;
         let size = if block {
             block_device_size(&buffered).map_err(|e| Error::io(path, "BLKGETSIZE64", e))?
         } else {
@@ -223,22 +223,26 @@ fn stat_or_create(path: &Path, create_size: Option<u64>) -> Result<std::fs::Meta
 
 /// Opens the buffered descriptor and takes the exclusive lock that keeps a second spoold off
 /// the device.
-fn open_locked(path: &Path) -> Result<File> {
+fn open_locked(path: &Path, lock_wait: std::time::Duration) -> Result<File> {
     let buffered = StdOpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| Error::io(path, "open", e))?;
+    let deadline = std::time::Instant::now() + lock_wait;
     // SAFETY: flock on a descriptor we own; no memory is involved.
-    if unsafe { libc::flock(buffered.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    while unsafe { libc::flock(buffered.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(Error::io(path, "lock", err));
+        }
+        if std::time::Instant::now() >= deadline {
             return Err(Error::Busy {
                 path: path.display().to_string(),
             });
         }
-        return Err(Error::io(path, "lock", err));
+        std::thread::sleep(std::time::Duration::from_millis(2));
     }
     Ok(buffered)
 }
@@ -317,6 +321,17 @@ mod tests {
             Err(Error::Busy { .. }) => {}
             other => panic!("expected Busy, got {other:?}"),
         }
+        // With `lock_wait`, it waits for the holder to let go (a dead worker's teardown).
+        let holder = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            drop(dev);
+        });
+        let waiting = OpenOptions {
+            lock_wait: std::time::Duration::from_secs(5),
+            ..Default::default()
+        };
+        crate::Device::open(&p, &waiting).expect("the lock, once the holder let go");
+        holder.join().unwrap();
     }
 
     #[test]

@@ -99,6 +99,9 @@ pub struct PoolOptions {
     pub resync_rate: u64,
     /// The Ceph cluster of `rbd:POOL/IMAGE` devices (config `[ceph]`).
     pub ceph: spool_devices::CephOptions,
+    /// How long a device's lock may stay taken before it counts as in use (a worker taking
+    /// over from a killed one: the dead process's descriptors close asynchronously).
+    pub lock_wait: std::time::Duration,
 }
 
 impl Default for PoolOptions {
@@ -113,6 +116,7 @@ impl Default for PoolOptions {
             mirror_dir: None,
             resync_rate: DEFAULT_RESYNC_RATE,
             ceph: Default::default(),
+            lock_wait: std::time::Duration::ZERO,
         }
     }
 }

@@ -122,6 +122,12 @@ pub(super) fn open_pool(
         mirror_dir: Some(cfg.state_dir.join("mirror")),
         resync_rate: cfg.resync_rate,
         ceph: cfg.ceph.clone(),
+        // Taking over from a killed or stopped worker: its descriptors, and with them the
+        // devices' locks, may outlive it for a moment (io_uring teardown is asynchronous).
+        lock_wait: match keeping {
+            Some(k) if k.restored().info.reason != "first-start" => Duration::from_secs(2),
+            _ => Duration::ZERO,
+        },
     };
     Ok(Pool::open(&specs, opts)?)
 }
