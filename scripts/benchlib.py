@@ -34,3 +34,11 @@ def wait_socket(path, proc, what, timeout=20, settle=0.1):
             raise RuntimeError(f"{what} did not create {path}")
         time.sleep(0.01)
     time.sleep(settle)
+
+
+def bin_dir():
+    """Where the release binaries are: $SPOOL_TARGET_DIR/release when set (a build outside the
+    work tree, e.g. `CARGO_TARGET_DIR=/work/target-bench cargo build --release`), else
+    target/release of this checkout (BIN)."""
+    t = os.environ.get("SPOOL_TARGET_DIR")
+    return os.path.join(t, "release") if t else BIN

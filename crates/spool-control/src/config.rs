@@ -62,6 +62,8 @@ pub enum ConfigError {
     VolumeSize(String),
     #[error("volume {volume}: rbd: {msg}")]
     Rbd { volume: String, msg: String },
+    #[error("ceph.claim_wait_ms: {0} is more than 600000 (10 minutes)")]
+    CephClaimWait(u64),
     #[error("ceph.id: {0:?} is not a client id (the name after \"client.\", e.g. \"admin\")")]
     CephId(String),
     #[error("metrics.listen: {0:?} is not an address and port (e.g. \"127.0.0.1:9420\")")]
@@ -207,6 +209,7 @@ struct RawConfig {
 struct RawCeph {
     conf: Option<PathBuf>,
     id: Option<String>,
+    claim_wait_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -306,6 +309,9 @@ pub struct Config {
     /// The config has a `[ceph]` table: workers connect to the cluster as they start (a
     /// standby long before it serves), so a restart does not wait for the connection.
     pub ceph_configured: bool,
+    /// `[ceph] claim_wait_ms`: how long a VM's start on this host waits for another host to
+    /// give an RBD volume back (a migration's source draining), default 10 s.
+    pub ceph_claim_wait_ms: u64,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -528,6 +534,7 @@ impl Config {
             metrics_listen,
             ceph,
             ceph_configured: raw.ceph.is_some(),
+            ceph_claim_wait_ms: ceph::claim_wait_ms(raw.ceph.as_ref())?,
             rpc_socket: raw
                 .rpc_socket
                 .as_deref()

@@ -151,7 +151,7 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
         return;
     };
     let local = format!(
-        "[ceph]\nconf = \"{}\"\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"64M\"\n",
+        "[ceph]\nconf = \"{}\"\nclaim_wait_ms = 1000\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"64M\"\n",
         cluster.conf.display()
     );
     let mut a = Spoold::start(&local);
@@ -240,6 +240,38 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     );
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["size"], json!(32u64 << 20), "{v}");
+
+    // The fence: while A serves v1, B may not serve the same image, not even after A's
+    // worker is killed (the lock is A's, not its process's); once A's client is gone, B may.
+    let ua = a.rpc("pool_show", json!({})).unwrap()["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut held = connect(&a.socket("v1"), 1, false).unwrap();
+    assert_eq!(held.read_sync(0, 1 << 20, 4096).0, 0);
+    let locks = cluster.rbd(&["lock", "ls", "rbd/v1"]).unwrap();
+    assert!(locks.contains(&ua), "A serves v1 without its lock: {locks}");
+    let refused = |why: &str| {
+        let t = Instant::now();
+        assert!(
+            connect(&b.socket("w1"), 1, false).is_err(),
+            "B served an image A serves ({why})"
+        );
+        assert!(t.elapsed() >= Duration::from_millis(900), "B did not wait");
+        assert!(b.log().contains("served by another host"), "{}", b.log());
+    };
+    refused("A's client connected");
+    a.kill_worker();
+    assert_eq!(held.read_sync(0, 1 << 20, 4096).0, 0);
+    refused("A's worker killed, its client still connected");
+    drop(held);
+    wait_disconnected(&a, "v1");
+    let locks = cluster.rbd(&["lock", "ls", "rbd/v1"]).unwrap();
+    assert!(
+        !locks.contains(&ua),
+        "A kept its lock after its client left: {locks}"
+    );
+
     let mut c = connect(&b.socket("w1"), 1, false).unwrap();
     assert_eq!(c.read_sync(0, 1 << 20, data.len()), (0, data.clone()));
     // Grown on B: the image grows; the client keeps working through a worker kill.

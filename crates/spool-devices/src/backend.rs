@@ -79,6 +79,20 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
     fn as_rbd(&self) -> Option<&crate::RbdBackend> {
         None
     }
+
+    /// Claims a device that other hosts can open too (an RBD image) for `owner`, one spoold,
+    /// before serving from it: fails while another owner holds it after waiting up to
+    /// `wait`. `trusted`: the owner is known to hold it already (a session continued from an
+    /// earlier process), so only count the claim. Devices of this host alone have nothing
+    /// to claim (the default).
+    fn claim(&self, _owner: &str, _trusted: bool, _wait: std::time::Duration) -> Result<()> {
+        Ok(())
+    }
+
+    /// Gives back one [`PoolDevice::claim`]; the last one lets other hosts in.
+    fn release_claim(&self, _owner: &str) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// How to open a device.

@@ -243,6 +243,14 @@ impl PoolDevice for Device {
     fn as_rbd(&self) -> Option<&crate::RbdBackend> {
         self.backend.as_rbd()
     }
+
+    fn claim(&self, owner: &str, trusted: bool, wait: std::time::Duration) -> Result<()> {
+        self.backend.claim(owner, trusted, wait)
+    }
+
+    fn release_claim(&self, owner: &str) -> Result<()> {
+        self.backend.release_claim(owner)
+    }
 }
 
 #[cfg(test)]

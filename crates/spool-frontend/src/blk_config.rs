@@ -19,6 +19,7 @@ pub const BLK_SIZE: u32 = 512;
 /// Virtio feature bits offered for a volume.
 pub fn features(read_only: bool) -> u64 {
     let mut f = (1u64 << VIRTIO_F_VERSION_1)
+        | VHOST_F_LOG_ALL
         | (1 << VIRTIO_RING_F_EVENT_IDX)
         | (1 << VIRTIO_RING_F_INDIRECT_DESC)
         | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
@@ -34,6 +35,10 @@ pub fn features(read_only: bool) -> u64 {
     }
     f
 }
+
+/// `VHOST_F_LOG_ALL`: the frontend may turn on dirty-page logging (live migration,
+/// `crate::dirty_log`); QEMU refuses to migrate a VM whose backend does not offer it.
+pub const VHOST_F_LOG_ALL: u64 = 1 << 26;
 
 /// Size of the config space we serve (the virtio 1.2 layout up to the secure-erase fields;
 /// reads beyond it return zeroes).

@@ -9,6 +9,7 @@
 //! the control plane (config files, RPC).
 
 pub mod blk_config;
+pub mod dirty_log;
 pub mod hostmem;
 pub mod memory;
 pub mod qos;
@@ -96,6 +97,13 @@ pub struct FrontendSettings {
     pub share_group: Arc<share::ShareGroup>,
     /// Whether workers hold their volume to its fair share (docs/qos.md).
     pub fair_share: bool,
+    /// Who claims devices that other hosts can open too (`PoolDevice::claim`: RBD images)
+    /// before serving from them: one spoold, the same across its restarts (spoold uses its
+    /// pool's UUID). Empty: claim nothing.
+    pub owner: String,
+    /// How long a queue start waits for another host to give a claimed device back (a
+    /// migration's source draining) before the frontend is refused.
+    pub claim_wait: Duration,
 }
 
 impl Default for FrontendSettings {
@@ -109,6 +117,8 @@ impl Default for FrontendSettings {
             clock: Arc::default(),
             share_group: Arc::default(),
             fair_share: true,
+            owner: String::new(),
+            claim_wait: Duration::from_secs(10),
         }
     }
 }

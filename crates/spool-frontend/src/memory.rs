@@ -12,6 +12,8 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+
+use crate::dirty_log::DirtyLog;
 use spool_sigbus::Watch;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -30,6 +32,8 @@ pub const MAX_MEM_SLOTS: u64 = 64;
 pub struct GuestMemory {
     mem: GuestMemoryMmap<()>,
     owned: Vec<Arc<OwnedMapping>>,
+    /// The migration's dirty log while the frontend has logging on (`VHOST_F_LOG_ALL`).
+    log: Option<Arc<DirtyLog>>,
 }
 
 impl Deref for GuestMemory {
@@ -47,6 +51,7 @@ impl GuestMemory {
         Ok(GuestMemory {
             mem: GuestMemoryMmap::from_ranges(ranges)?,
             owned: Vec::new(),
+            log: None,
         })
     }
 
@@ -61,6 +66,13 @@ impl GuestMemory {
         self.owned
             .iter()
             .any(|m| m.watch.as_ref().is_some_and(Watch::faulted))
+            || self.log.as_ref().is_some_and(|l| l.faulted())
+    }
+
+    /// The dirty log to mark what is written into this memory, while a migration logs.
+    #[inline]
+    pub fn dirty_log(&self) -> Option<&DirtyLog> {
+        self.log.as_deref()
     }
 }
 
@@ -129,6 +141,10 @@ impl Drop for DmaRegistration {
 pub struct MemoryTable {
     maps: Vec<Mapping>,
     shared: Arc<ArcSwap<GuestMemory>>,
+    /// The frontend's dirty log (SET_LOG_BASE), and whether logging is on (VHOST_F_LOG_ALL
+    /// acked): workers see the log in the published map only while both hold.
+    log: Option<Arc<DirtyLog>>,
+    logging: bool,
     /// Most regions this table holds.
     limit: u64,
 }
@@ -158,7 +174,7 @@ pub enum MemoryError {
 /// its file raises SIGBUS on first access. A file sealed against shrinking (QEMU's memfd
 /// backend seals by default) cannot be cut short later either; any other can, which the
 /// SIGBUS watch on the mapping covers.
-fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
+pub(crate) fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
     let m = file
         .metadata()
         .map_err(|e| format!("cannot stat its descriptor: {e}"))?;
@@ -180,7 +196,7 @@ fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
     Ok(())
 }
 
-fn page_size() -> u64 {
+pub(crate) fn page_size() -> u64 {
     // SAFETY: sysconf takes and returns integers only.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
@@ -262,6 +278,8 @@ impl MemoryTable {
         MemoryTable {
             maps: Vec::new(),
             shared: Arc::new(ArcSwap::from_pointee(GuestMemory::default())),
+            log: None,
+            logging: false,
             limit: limit.min(MAX_MEM_SLOTS),
         }
     }
@@ -281,9 +299,39 @@ impl MemoryTable {
             GuestMemoryMmap::from_arc_regions(maps.iter().map(|m| m.region.clone()).collect())
                 .map_err(|e| MemoryError::Layout(e.to_string()))?;
         let owned = maps.iter().map(|m| m.owned.clone()).collect();
-        self.shared.store(Arc::new(GuestMemory { mem, owned }));
+        let log = self.log.clone().filter(|_| self.logging);
+        self.shared.store(Arc::new(GuestMemory { mem, owned, log }));
         self.maps = maps;
         Ok(())
+    }
+
+    /// Takes the frontend's dirty log (SET_LOG_BASE), replacing any earlier one.
+    pub fn set_log(&mut self, log: DirtyLog) -> Result<(), MemoryError> {
+        self.log = Some(Arc::new(log));
+        self.publish(self.maps.clone())
+    }
+
+    /// Turns logging on or off (VHOST_F_LOG_ALL in SET_FEATURES). Off forgets the log: the
+    /// frontend sends a new one before it logs again.
+    pub fn set_logging(&mut self, on: bool) -> Result<(), MemoryError> {
+        if on == self.logging && (on || self.log.is_none()) {
+            return Ok(());
+        }
+        self.logging = on;
+        if !on {
+            self.log = None;
+        }
+        self.publish(self.maps.clone())
+    }
+
+    /// The dirty log the frontend gave, if any (logging on or not).
+    pub fn log(&self) -> Option<&Arc<DirtyLog>> {
+        self.log.as_ref()
+    }
+
+    /// Whether the frontend has logging on and gave a log.
+    pub fn logging(&self) -> bool {
+        self.logging && self.log.is_some()
     }
 
     /// Replaces the whole table (SET_MEM_TABLE).

@@ -442,6 +442,10 @@ impl Serve {
             // Queues are drained and stopped: their resume points went to the keeper, and the
             // connection stays open there for the next process.
         } else {
+            // The frontend is gone (or spoold stops): another host may serve the volume.
+            if let Ok(mut s) = session.lock() {
+                s.release_claims();
+            }
             self.forget();
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }

@@ -18,7 +18,10 @@ use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 
-use crate::blk_config;
+use spool_devices::{Device, PoolDevice};
+
+use crate::blk_config::{self, VHOST_F_LOG_ALL};
+use crate::dirty_log::DirtyLog;
 use crate::memory::MemoryTable;
 use crate::queue_start::{start_queue, QueueConfig, StartError};
 use crate::worker::WorkerHandle;
@@ -51,6 +54,10 @@ pub struct Session {
     acked_protocol: u64,
     mem: MemoryTable,
     vrings: Vec<Vring>,
+    /// The devices this session claimed for this host before its first queue started
+    /// (`PoolDevice::claim`: an RBD image other hosts could serve), given back when the
+    /// frontend has stopped every queue or gone away. Empty: nothing claimed.
+    claimed: Vec<Arc<Device>>,
 }
 
 fn invalid(msg: &str, ctx: &VolumeContext) -> VhostError {
@@ -63,15 +70,16 @@ impl Session {
     pub fn new(ctx: Arc<VolumeContext>) -> Self {
         let n = ctx.num_queues() as usize;
         // The state deposit carries the connection, three eventfds per queue and one
-        // descriptor per region in one message: advertise only slots that fit, so a session
-        // is never kept with a stale memory table.
-        let fit = (ctx.settings().state_fd_limit as u64).saturating_sub(1 + 3 * n as u64);
+        // descriptor per region, and the dirty log's, in one message: advertise only slots
+        // that fit, so a session is never kept with a stale memory table.
+        let fit = (ctx.settings().state_fd_limit as u64).saturating_sub(2 + 3 * n as u64);
         Session {
             mem: MemoryTable::with_limit(fit),
             ctx,
             acked_features: 0,
             acked_protocol: 0,
             vrings: (0..n).map(|_| Vring::default()).collect(),
+            claimed: Vec::new(),
         }
     }
 
@@ -116,11 +124,65 @@ impl Session {
         (self.acked_features, self.acked_protocol)
     }
 
+    /// Claims the volume's devices for this host before its first queue starts (trusted
+    /// when continuing a session an earlier process of this spoold had claimed them for).
+    fn claim(&mut self, trusted: bool) -> Result<(), String> {
+        let owner = &self.ctx.settings().owner;
+        if !self.claimed.is_empty() || owner.is_empty() {
+            return Ok(());
+        }
+        let layout = self.ctx.layout().load_full();
+        let wait = self.ctx.settings().claim_wait;
+        for d in &layout.devices {
+            if let Err(e) = d.claim(owner, trusted, wait) {
+                self.release_claims();
+                return Err(e.to_string());
+            }
+            self.claimed.push(d.clone());
+        }
+        if self.claimed.is_empty() {
+            // A volume always has a device; remember that the claim was made all the same.
+            tracing::debug!(volume = %self.ctx.name(), "no device to claim");
+        }
+        Ok(())
+    }
+
+    /// Gives the claims back once no queue runs (the frontend stopped them all, drained, or
+    /// went away): another host may serve the volume from now on.
+    pub(crate) fn release_claims(&mut self) {
+        if self.vrings.iter().any(|v| v.worker.is_some()) {
+            return;
+        }
+        let owner = &self.ctx.settings().owner;
+        for d in self.claimed.drain(..) {
+            if let Err(e) = d.release_claim(owner) {
+                tracing::warn!(volume = %self.ctx.name(), error = %e, "cannot give back the claim on a device");
+            }
+        }
+    }
+
+    /// Marks ring `index`'s whole used ring in the dirty log when the frontend logs (after
+    /// its worker stopped: the last completions and avail_event are in it).
+    fn log_used_ring(&self, index: usize) {
+        let v = &self.vrings[index];
+        let mem = self.mem.shared().load_full();
+        if let (Some(log), Some(used)) = (mem.dirty_log(), self.mem.vva_to_gpa(v.used)) {
+            log.mark(used.0, 4 + 8 * v.size as u64 + 2);
+        }
+    }
+
     fn maybe_start(&mut self, index: usize, restored: bool) -> VhostResult<()> {
         let v = &self.vrings[index];
         if !v.started || !v.enabled || v.worker.is_some() {
             return Ok(());
         }
+        if let Err(why) = self.claim(restored) {
+            return Err(invalid(
+                &format!("volume cannot be served by this host now: {why}"),
+                &self.ctx,
+            ));
+        }
+        let v = &self.vrings[index];
         let cfg = QueueConfig {
             index: index as u16,
             size: v.size,
@@ -143,17 +205,25 @@ impl Session {
             }
             Err(e @ StartError::Journal { .. }) => {
                 tracing::error!(volume = %self.ctx.name(), queue = index, "{e}");
+                self.release_claims();
                 Err(VhostError::InvalidParam)
             }
-            Err(e) => Err(invalid(&e.to_string(), &self.ctx)),
+            Err(e) => {
+                self.release_claims();
+                Err(invalid(&e.to_string(), &self.ctx))
+            }
         }
     }
 
     fn reset(&mut self) {
         self.stop_all();
+        self.release_claims();
         let n = self.vrings.len();
         self.vrings = (0..n).map(|_| Vring::default()).collect();
         self.acked_features = 0;
+        if let Err(e) = self.mem.set_logging(false) {
+            tracing::warn!(volume = %self.ctx.name(), error = %e, "cannot republish guest memory");
+        }
     }
 }
 
@@ -191,6 +261,10 @@ impl VhostUserBackendReqHandlerMut for Session {
             ));
         }
         self.acked_features = features;
+        // QEMU turns VHOST_F_LOG_ALL on for the length of a live migration, queues running.
+        self.mem
+            .set_logging(features & VHOST_F_LOG_ALL != 0)
+            .map_err(|e| invalid(&e.to_string(), &self.ctx))?;
         if !self.protocol_negotiated() {
             // Without VHOST_USER_F_PROTOCOL_FEATURES rings are enabled from the start.
             for v in &mut self.vrings {
@@ -233,9 +307,9 @@ impl VhostUserBackendReqHandlerMut for Session {
         available: u64,
         _log: u64,
     ) -> VhostResult<()> {
-        if flags.contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG) {
-            return Err(invalid("dirty logging is not supported", &self.ctx));
-        }
+        // With VHOST_VRING_F_LOG the frontend asks that used-ring writes be logged at guest
+        // address `log`: the used ring's own guest address, which the workers mark already.
+        let _ = flags;
         let v = self.vring(index)?;
         v.desc = descriptor;
         v.used = used;
@@ -254,7 +328,11 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_vring_base(&mut self, index: u32) -> VhostResult<VhostUserVringState> {
         self.vring(index)?;
+        // Stopping drains: every request taken completes (and is logged) before the base is
+        // reported, so a migration's destination resumes exactly where this ring ends.
         self.stop_worker(index as usize);
+        self.log_used_ring(index as usize);
+        self.release_claims();
         let v = &mut self.vrings[index as usize];
         v.started = false;
         // GET_VRING_BASE stops the ring; the kick fd is closed by the frontend.
@@ -295,7 +373,8 @@ impl VhostUserBackendReqHandlerMut for Session {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::RESET_DEVICE)
+            | VhostUserProtocolFeatures::RESET_DEVICE
+            | VhostUserProtocolFeatures::LOG_SHMFD)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {
@@ -411,7 +490,13 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(VhostError::InvalidOperation("shmem"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VhostResult<()> {
-        Err(VhostError::InvalidOperation("dirty logging"))
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VhostResult<()> {
+        let map = DirtyLog::map(file, log.mmap_size, log.mmap_offset)
+            .map_err(|e| invalid(&format!("dirty log: {e}"), &self.ctx))?;
+        self.mem
+            .set_log(map)
+            .map_err(|e| invalid(&e.to_string(), &self.ctx))?;
+        tracing::info!(volume = %self.ctx.name(), size = log.mmap_size, "dirty log set (live migration)");
+        Ok(())
     }
 }

@@ -16,6 +16,15 @@ pub(super) fn options(c: &RawCeph, base: &Base) -> Result<spool_devices::CephOpt
     })
 }
 
+/// `[ceph] claim_wait_ms`: 10 s by default, at most 10 minutes.
+pub(super) fn claim_wait_ms(c: Option<&RawCeph>) -> Result<u64, ConfigError> {
+    match c.and_then(|c| c.claim_wait_ms) {
+        None => Ok(10_000),
+        Some(ms) if ms <= 600_000 => Ok(ms),
+        Some(ms) => Err(ConfigError::CephClaimWait(ms)),
+    }
+}
+
 /// A volume that names an RBD pool or image: a name Ceph accepts, no mirror (Ceph
 /// replicates), and a size unless an existing image is attached.
 pub(super) fn check_rbd_volume(v: &RawVolume) -> Result<(), ConfigError> {

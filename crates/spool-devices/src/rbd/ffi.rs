@@ -84,6 +84,10 @@ api! {
         fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
         fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
         fn rbd_aio_write_zeroes(image: rbd_image_t, off: u64, len: usize, c: rbd_completion_t, zero_flags: c_int, op_flags: c_int) -> c_int;
+        fn rbd_lock_exclusive(image: rbd_image_t, cookie: *const c_char) -> c_int;
+        fn rbd_unlock(image: rbd_image_t, cookie: *const c_char) -> c_int;
+        fn rbd_break_lock(image: rbd_image_t, client: *const c_char, cookie: *const c_char) -> c_int;
+        fn rbd_list_lockers(image: rbd_image_t, exclusive: *mut c_int, tag: *mut c_char, tag_len: *mut usize, clients: *mut c_char, clients_len: *mut usize, cookies: *mut c_char, cookies_len: *mut usize, addrs: *mut c_char, addrs_len: *mut usize) -> isize;
     }
 }
 

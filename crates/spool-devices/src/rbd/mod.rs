@@ -13,8 +13,11 @@
 //! the probe. The data path is [`queue::RbdQueue`].
 //! Must not know: health cells and fault injection (the [`crate::Device`] wrapper), pools.
 
+mod claim;
 mod ffi;
 mod queue;
+
+pub use claim::Locker;
 
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
@@ -190,6 +193,8 @@ pub struct RbdBackend {
     /// Grows with [`RbdBackend::resize`].
     size: AtomicU64,
     image: Arc<Image>,
+    /// This process's claims on the image (`claim.rs`).
+    claims: Mutex<usize>,
 }
 
 impl RbdBackend {
@@ -253,6 +258,7 @@ impl RbdBackend {
             path,
             size: AtomicU64::new(size),
             image,
+            claims: Mutex::new(0),
         })
     }
 }
@@ -441,6 +447,14 @@ impl PoolDevice for RbdBackend {
 
     /// A read of the first sector, waited for at most [`PROBE_TIMEOUT`] (an unreachable
     /// cluster holds the read, it does not fail it).
+    fn claim(&self, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
+        RbdBackend::claim(self, owner, trusted, wait)
+    }
+
+    fn release_claim(&self, owner: &str) -> Result<()> {
+        RbdBackend::release_claim(self, owner)
+    }
+
     fn as_rbd(&self) -> Option<&RbdBackend> {
         Some(self)
     }

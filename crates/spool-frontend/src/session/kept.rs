@@ -11,11 +11,15 @@ use serde::{Deserialize, Serialize};
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 
 use super::{Session, MAX_QUEUE_SIZE};
+use crate::blk_config::VHOST_F_LOG_ALL;
+use crate::dirty_log::DirtyLog;
 use crate::VolumeContext;
 
 /// Version of [`SessionState`]; a worker refuses state of a newer format (the upgrade is then
 /// refused and the old worker keeps serving). Documented in docs/upgrade.md.
-pub const SESSION_STATE_FORMAT: u32 = 1;
+pub const SESSION_STATE_FORMAT: u32 = 2;
+/// The format of state without a dirty log, which binaries before format 2 read too.
+const FORMAT_WITHOUT_LOG: u32 = 1;
 
 /// Everything a new process needs to continue a live vhost-user connection, besides the
 /// descriptors (which travel next to it; fields name their index in that list).
@@ -29,6 +33,18 @@ pub struct SessionState {
     pub acked_protocol: u64,
     pub regions: Vec<RegionState>,
     pub vrings: Vec<VringState>,
+    /// A live migration's dirty log (format 2: a binary that could not keep marking it must
+    /// refuse the state rather than continue the session without it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<LogState>,
+}
+
+/// The frontend's dirty log (SET_LOG_BASE).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LogState {
+    pub fd: usize,
+    pub size: u64,
+    pub offset: u64,
 }
 
 /// One guest memory region (as in SET_MEM_TABLE).
@@ -94,14 +110,27 @@ impl Session {
                 err: v.err.as_ref().map(|f| push(f.as_raw_fd())),
             })
             .collect();
+        let log = self.mem.log().map(|l| {
+            let (file, size, offset) = l.parts();
+            LogState {
+                fd: push(file.as_raw_fd()),
+                size,
+                offset,
+            }
+        });
         let st = SessionState {
-            format: SESSION_STATE_FORMAT,
+            format: if log.is_some() {
+                SESSION_STATE_FORMAT
+            } else {
+                FORMAT_WITHOUT_LOG
+            },
             volume: self.ctx.uuid(),
             conn: 0,
             acked_features: self.acked_features,
             acked_protocol: self.acked_protocol,
             regions,
             vrings,
+            log,
         };
         (st, fds)
     }
@@ -157,6 +186,13 @@ impl Session {
             rfiles.push(take(r.fd, "memory region")?);
         }
         s.mem.set(&regions, rfiles).map_err(|e| e.to_string())?;
+        if let Some(l) = &st.log {
+            let log = DirtyLog::map(take(l.fd, "dirty log")?, l.size, l.offset)?;
+            s.mem.set_log(log).map_err(|e| e.to_string())?;
+        }
+        s.mem
+            .set_logging(st.acked_features & VHOST_F_LOG_ALL != 0)
+            .map_err(|e| e.to_string())?;
         for (v, vs) in s.vrings.iter_mut().zip(&st.vrings) {
             if vs.size > MAX_QUEUE_SIZE || (vs.size != 0 && !vs.size.is_power_of_two()) {
                 return Err(format!("kept queue size {} is invalid", vs.size));

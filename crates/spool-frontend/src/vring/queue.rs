@@ -16,6 +16,7 @@ use super::ring::{
     USED_HEADER,
 };
 use super::{ChainWalker, RingError, Step};
+use crate::dirty_log::DirtyLog;
 use crate::hostmem::HostMap;
 use crate::request::GuestMemory;
 
@@ -335,6 +336,25 @@ impl JournaledQueue {
     /// forward when the ring's used index matches the journal's, all back otherwise). One
     /// index store per batch instead of one per request also spares the cache line the
     /// guest polls from bouncing between the cores for every completion.
+    /// Guest address and length of the used ring (flags, index, entries, avail_event): what a
+    /// migration's dirty log must cover after the ring was written.
+    pub fn used_ring_range(&self) -> (u64, u64) {
+        (
+            self.queue.used_ring(),
+            USED_HEADER + USED_ELEM * self.queue.size() as u64 + 2,
+        )
+    }
+
+    /// Marks every device-writable buffer of the chain at `head` in `log` (before the chain
+    /// is completed: the device has written what it will write).
+    pub fn log_chain(&mut self, mem: &HostMap, head: u16, log: &DirtyLog) {
+        for d in self.chain(mem, head) {
+            if d.is_write_only() {
+                log.mark(d.addr().0, d.len() as u64);
+            }
+        }
+    }
+
     pub fn complete_batch(
         &mut self,
         mem: &HostMap,

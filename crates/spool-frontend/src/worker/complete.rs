@@ -105,8 +105,17 @@ impl QueueWorker {
         }
         // Algorithm 1, steps 10-14, for the batch as a whole.
         self.refresh_host(mem);
+        if let Some(log) = mem.dirty_log() {
+            for &(head, _) in done {
+                self.vq.log_chain(&self.host, head, log);
+            }
+        }
         if let Err(e) = self.vq.complete_batch(&self.host, done, &mut |_| {}) {
             self.fail_queue(&e.to_string());
+        }
+        if let Some(log) = mem.dirty_log() {
+            let (used, len) = self.vq.used_ring_range();
+            log.mark(used, len);
         }
         self.need_notify = true;
         if !self.served_one {

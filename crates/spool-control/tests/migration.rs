@@ -1,0 +1,283 @@
+//! A real QEMU guest (TCG) on an RBD volume, served by spoold on a real single-node Ceph
+//! cluster (scripts/ceph-cluster.sh), runs fio with crc32c verification through worker
+//! SIGKILLs, upgrades and an OSD restart on spoold A, then live-migrates between two spoolds
+//! (A and B: separate state directories and pools standing in for two hosts, the same
+//! cluster) A → B → A → B. Passes only with zero fio errors and verify failures: the blocks
+//! fio wrote through one host read back through the other, and the guest memory the
+//! migration carried (data read from the disk, used rings) is what spoold wrote there,
+//! which holds only if spoold's dirty log marked it. Runs when SPOOL_E2E=1.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::ceph::CephCluster;
+use common::guest::{assert_pass, enabled, qemu};
+use common::qmp::Qmp;
+use common::Spoold;
+use serde_json::json;
+
+/// One guest process: QEMU, its QMP connection and where its console goes.
+struct Vm {
+    child: Child,
+    qmp: Qmp,
+    console: PathBuf,
+}
+
+impl Vm {
+    /// Starts QEMU on `sock` running the verifying `killtest` job for `runtime` s; with
+    /// `incoming`, as a migration's destination listening there.
+    fn start(sock: &Path, dir: &Path, tag: &str, runtime: u64, incoming: Option<&Path>) -> Vm {
+        let console = dir.join(format!("{tag}.console"));
+        let qmp = dir.join(format!("{tag}.qmp"));
+        let mut c = qemu(
+            sock,
+            "killtest",
+            2,
+            &format!("spool.runtime={runtime}"),
+            runtime + 400,
+        );
+        c.args([
+            "-qmp",
+            &format!("unix:{},server=on,wait=off", qmp.display()),
+        ]);
+        if let Some(i) = incoming {
+            c.args(["-incoming", &format!("unix:{}", i.display())]);
+        }
+        let child = c
+            .stdout(std::fs::File::create(&console).unwrap())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join(format!("{tag}.stderr"))).unwrap(),
+            ))
+            .spawn()
+            .expect("qemu-system-x86_64 must be installed");
+        let qmp = Qmp::connect(&qmp);
+        Vm {
+            child,
+            qmp,
+            console,
+        }
+    }
+
+    fn console(&self) -> String {
+        std::fs::read_to_string(&self.console).unwrap_or_default()
+    }
+
+    fn assert_running(&mut self, what: &str, a: &Spoold, b: &Spoold) {
+        assert!(
+            self.child.try_wait().unwrap().is_none(),
+            "{what}: the guest exited early: {}\n--- A ---\n{}\n--- B ---\n{}",
+            self.console(),
+            a.log(),
+            b.log()
+        );
+    }
+}
+
+/// Migrates `src` to a new QEMU on `dst_sock`; returns the destination and the downtime
+/// QEMU reports (ms).
+fn migrate(src: &mut Vm, dst_sock: &Path, dir: &Path, tag: &str, runtime: u64) -> (Vm, f64) {
+    let incoming = dir.join(format!("{tag}.migrate"));
+    let mut dst = Vm::start(dst_sock, dir, tag, runtime, Some(&incoming));
+    let t = Instant::now();
+    while !incoming.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{tag}: no incoming socket"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    src.qmp
+        .execute(
+            "migrate-set-parameters",
+            json!({ "max-bandwidth": 4u64 << 30, "downtime-limit": 500 }),
+        )
+        .unwrap();
+    src.qmp
+        .execute(
+            "migrate",
+            json!({ "uri": format!("unix:{}", incoming.display()) }),
+        )
+        .unwrap_or_else(|e| panic!("{tag}: migrate refused: {e}"));
+    let t = Instant::now();
+    let info = loop {
+        let info = src.qmp.execute("query-migrate", json!({})).unwrap();
+        match info["status"].as_str() {
+            Some("completed") => break info,
+            Some("failed") | Some("cancelled") => panic!("{tag}: migration {info}"),
+            _ => {}
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(240),
+            "{tag}: migration did not complete: {info}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let t = Instant::now();
+    loop {
+        let st = dst.qmp.execute("query-status", json!({})).unwrap();
+        if st["status"] == json!("running") {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{tag}: destination not running: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = src.qmp.execute("quit", json!({}));
+    let _ = src.child.wait();
+    let downtime = info["downtime"].as_f64().unwrap_or(f64::NAN);
+    eprintln!(
+        "{tag}: migrated in {:.1} s, downtime {downtime} ms ({} MiB sent)",
+        info["total-time"].as_f64().unwrap_or(0.0) / 1000.0,
+        info["ram"]["transferred"].as_u64().unwrap_or(0) >> 20
+    );
+    (dst, downtime)
+}
+
+fn count(env: &str, default: usize) -> usize {
+    std::env::var(env)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Who holds the image's lock (`rbd lock ls`), as spoold's cookie says: "pool UUID".
+fn lock_holder(cluster: &CephCluster) -> String {
+    cluster.rbd(&["lock", "ls", "rbd/vm"]).unwrap_or_default()
+}
+
+fn pool_uuid(d: &Spoold) -> String {
+    d.rpc("pool_show", json!({})).unwrap()["uuid"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
+    if !enabled() {
+        return;
+    }
+    let Some(cluster) = CephCluster::start("migrate") else {
+        return;
+    };
+    let rounds = count("SPOOL_RBD_ROUNDS", 10);
+    let migrations = count("SPOOL_MIGRATIONS", 3);
+    let base = format!(
+        "[io]\npoll_idle_us = 20\n[ceph]\nconf = \"{}\"\nclaim_wait_ms = 5000\n\
+         [[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"64M\"\n",
+        cluster.conf.display()
+    );
+    let a = Spoold::start(&format!(
+        "{base}[[volumes]]\nname = \"vm\"\nsize = \"96M\"\nnum_queues = 2\nrbd = \"rbd\"\n"
+    ));
+    let b = Spoold::start(&format!(
+        "{base}[[volumes]]\nname = \"vm\"\nnum_queues = 2\nrbd = \"rbd/vm\"\n"
+    ));
+    let (ua, ub) = (pool_uuid(&a), pool_uuid(&b));
+    let dir = a.dir.path().to_path_buf();
+    let runtime = 60 + 3 * rounds as u64 + 40 * migrations as u64;
+    let mut vm = Vm::start(&a.socket("vm"), &dir, "vm0", runtime, None);
+    let t = Instant::now();
+    while !vm.console().contains("SPOOL-E2E: disk") {
+        assert!(
+            t.elapsed() < Duration::from_secs(240),
+            "guest did not start"
+        );
+        vm.assert_running("boot", &a, &b);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let held = lock_holder(&cluster);
+    assert!(
+        held.contains(&ua),
+        "A serves the VM but holds no lock: {held}"
+    );
+
+    // Worker SIGKILLs and upgrades on A under the guest's load.
+    let (mut kills, mut upgrades) = (Vec::new(), Vec::new());
+    for k in 0..rounds {
+        std::thread::sleep(Duration::from_millis(300 + (k as u64 * 137) % 400));
+        vm.assert_running("kill", &a, &b);
+        a.kill_worker();
+        kills.push(
+            a.status()["last_restart"]["stall_ms"]
+                .as_f64()
+                .unwrap_or(f64::NAN),
+        );
+        std::thread::sleep(Duration::from_millis(300 + (k as u64 * 71) % 400));
+        let r = a
+            .upgrade(None)
+            .unwrap_or_else(|e| panic!("round {k}: upgrade failed: {e:?}"));
+        assert_eq!(r["outcome"], json!("ok"), "{r}");
+        upgrades.push(r["stall_ms"].as_f64().unwrap_or(f64::NAN));
+    }
+    let held = lock_holder(&cluster);
+    assert!(
+        held.contains(&ua),
+        "the lock left A across its restarts: {held}"
+    );
+
+    // The OSD stops under load: the guest's I/O is held, then resumes.
+    vm.assert_running("osd", &a, &b);
+    cluster.stop_osd();
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.start_osd();
+    let t = Instant::now();
+    let served = |d: &Spoold| {
+        d.rpc("volume_stats", json!({ "id": "vm" }))
+            .unwrap()
+            .to_string()
+    };
+    let before = served(&a);
+    while served(&a) == before && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "OSD restart: I/O moving again after {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+
+    // Live migrations A → B → A → B.
+    let mut downtimes = Vec::new();
+    for m in 0..migrations {
+        vm.assert_running("migration", &a, &b);
+        let (to, uuid) = if m % 2 == 0 { (&b, &ub) } else { (&a, &ua) };
+        let (next, downtime) = migrate(
+            &mut vm,
+            &to.socket("vm"),
+            &dir,
+            &format!("vm{}", m + 1),
+            runtime,
+        );
+        vm = next;
+        downtimes.push(downtime);
+        let held = lock_holder(&cluster);
+        assert!(
+            held.contains(uuid.as_str()),
+            "migration {m}: the destination serves without the lock: {held}"
+        );
+    }
+
+    let status = vm.child.wait().unwrap();
+    let console = vm.console();
+    eprintln!(
+        "rbd guest: qemu {status}; kill stalls {kills:?} ms; upgrade stalls {upgrades:?} ms; \
+         migration downtimes {downtimes:?} ms"
+    );
+    let (la, lb) = (a.log(), b.log());
+    assert!(
+        la.contains("dirty log set") && lb.contains("dirty log set"),
+        "a migration ran without spoold's dirty log"
+    );
+    if !console.contains("SPOOL-E2E: PASS") {
+        panic!(
+            "guest failed after migrating:\n{}\n--- A ---\n{la}\n--- B ---\n{lb}",
+            console
+        );
+    }
+    assert_pass(&console, &a, "killtest");
+}

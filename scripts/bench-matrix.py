@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""spoold against qemu-storage-daemon, side by side (issue 18): a matrix of block size,
+direction, queue depth, queues per client and volumes, interleaved so that the noise of this
+shared machine hits both equally.
+
+Backends, all running for the whole run on tmpfs (/dev/shm), each with its own device file
+of 3 volumes, every volume written once in full, sequentially, by the same client (1 MiB
+writes, QD4) before anything is measured, so the files have the same layout:
+
+  spoold                      one device file, volumes v0..v2 (4 queues each), default config
+  qsd aio=native,direct       one file, three raw nodes (offset i x VOL) exported over
+                              vhost-user-blk (4 queues each), no iothread
+  qsd aio=native,direct,iot   the same with one iothread for every export (QEMU 7.2 keeps a
+                              node graph in one AioContext: exports of one file share it)
+
+Each row runs in rounds of A B C C B A (A = spoold, B/C = the two qsd setups; the order
+flips each round) of short runs; the table keeps each backend's median and compares spoold
+with the better qsd setup of the row. Client: spool-bench (libblkio), poll queues when the
+row has one client thread (1 queue, 1 volume), interrupt-driven queues otherwise (more
+polling threads than cores starve each other). 3 volumes = three spool-bench processes at
+once, one per volume, total IOPS.
+
+    scripts/bench-matrix.py           # 32 rows, about 7 minutes on 2 cores
+    scripts/bench-matrix.py --quick   # smoke run (CI): 3 rows, tiny runs, under a minute
+Binaries: $SPOOL_TARGET_DIR/release (or target/release); --bin-dir overrides.
+Results: docs/benchmarks/matrix.{md,json,png} (--quick: in a temporary directory, or --out).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import OUT, bin_dir, log, wait_socket  # noqa: E402
+
+NVOLS = 3
+QUEUES = 4
+# Rows: (block size, rw). 4K is random, 128K sequential.
+WORKLOADS = [(4096, "randread"), (4096, "randwrite"), (131072, "read"), (131072, "write")]
+QUICK_ROWS = [(4096, "randread", 1, 1, 1), (4096, "randwrite", 32, 4, 3), (131072, "read", 32, 1, 1)]
+BACKENDS = ["spoold", "qsd", "qsd-iot"]
+LABELS = {"spoold": "spoold", "qsd": "qsd aio=native,direct",
+          "qsd-iot": "qsd aio=native,direct,iothread"}
+
+
+def all_rows():
+    return [(bs, rw, qd, q, v) for bs, rw in WORKLOADS for qd in (1, 32) for q in (1, 4)
+            for v in (1, NVOLS)]
+
+
+def row_name(r):
+    bs, rw, qd, q, v = r
+    return f"{bs // 1024}K {rw} QD{qd} {q}q {v}vol"
+
+
+def stop(proc):
+    if proc and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Backend:
+    def __init__(self, name, work, vol, bins):
+        self.name, self.dir = name, os.path.join(work, name)
+        os.makedirs(self.dir)
+        self.log = open(os.path.join(self.dir, "log"), "w")
+        if name == "spoold":
+            vols = "".join(f'[[volumes]]\nname = "v{i}"\nsize = {vol}\nnum_queues = {QUEUES}\n'
+                           for i in range(NVOLS))
+            cfg = os.path.join(self.dir, "spoold.toml")
+            with open(cfg, "w") as f:
+                f.write(f'state_dir = "{self.dir}/state"\n[journal]\ndir = "{self.dir}/journal"\n'
+                        f'[[devices]]\npath = "{self.dir}/dev.img"\n'
+                        f'create_size = "{NVOLS * vol + (16 << 20)}"\n{vols}')
+            cmd = [os.path.join(bins, "spoold"), "-c", cfg]
+            self.sockets = [os.path.join(self.dir, "state", "vhost", f"v{i}.sock") for i in range(NVOLS)]
+        else:
+            img = os.path.join(self.dir, "q.img")
+            with open(img, "wb") as f:
+                f.truncate(NVOLS * vol)
+            cmd = ["qemu-storage-daemon", "--blockdev",
+                   f"driver=file,node-name=base,filename={img},cache.direct=on,aio=native"]
+            if name == "qsd-iot":
+                cmd += ["--object", "iothread,id=io0"]
+            self.sockets = [os.path.join(self.dir, f"v{i}.sock") for i in range(NVOLS)]
+            # Every node before any export: QEMU 7.2 aborts (qemu_mutex_unlock_impl) when a raw
+            # node is added on a file node an iothread export already moved to its context.
+            for i in range(NVOLS):
+                cmd += ["--blockdev", f"driver=raw,node-name=v{i},file=base,offset={i * vol},size={vol}"]
+            for i, sock in enumerate(self.sockets):
+                cmd += ["--export", f"type=vhost-user-blk,id=e{i},node-name=v{i},addr.type=unix,"
+                        f"addr.path={sock},writable=on,num-queues={QUEUES}"
+                        + (",iothread=io0" if name == "qsd-iot" else "")]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        for s in self.sockets:
+            wait_socket(s, self.proc, name)
+
+    def tail(self):
+        with open(os.path.join(self.dir, "log")) as f:
+            return f.read()[-3000:]
+
+
+def bench_cmd(bins, sock, row, runtime, warmup, vol):
+    bs, rw, qd, q, v = row
+    cmd = [os.path.join(bins, "spool-bench"), "--socket", sock, "--rw", rw, "--bs", str(bs),
+           "--iodepth", str(qd), "--queues", str(q), "--runtime", str(runtime), "--warmup", str(warmup),
+           "--size", str(vol), "--json"]
+    if q * v == 1:
+        cmd.append("--poll")
+    return cmd
+
+
+def fill(bins, sock, vol):
+    """Every block written once, sequentially (see the module doc: the layout of a tmpfs file
+    decides how fast it reads)."""
+    r = subprocess.run([os.path.join(bins, "spool-bench"), "--socket", sock, "--rw", "write", "--bs",
+                        "1048576", "--iodepth", "4", "--fill", "--warmup", "0", "--size", str(vol), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"filling {sock}: {r.stderr.strip()} {r.stdout.strip()}")
+
+
+def measure(bins, b, row, runtime, warmup, vol):
+    """One run of `row` against backend b: total IOPS of all its clients, mean latency."""
+    v = row[4]
+    procs = [subprocess.Popen(bench_cmd(bins, s, row, runtime, warmup, vol), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for s in b.sockets[:v]]
+    outs = []
+    for p in procs:
+        o, e = p.communicate(timeout=runtime * 4 + 60)
+        if p.returncode != 0:
+            raise RuntimeError(f"spool-bench on {b.name} {row_name(row)}: {e.strip()}\n{b.tail()}")
+        outs.append(json.loads(o))
+    iops = sum(o["iops"] for o in outs)
+    lat = sum(o["lat_mean_us"] * o["iops"] for o in outs) / iops if iops else 0
+    return iops, lat
+
+
+def busy_jiffies():
+    """CPU time of the whole machine (all cores), in seconds."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def tree_cpu(root):
+    """utime + stime of `root` and its descendants (threads that ended included), seconds."""
+    kids, stats = {}, {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            kids.setdefault(int(rest[1]), []).append(int(p))
+            stats[int(p)] = int(rest[11]) + int(rest[12])
+    total, todo = 0, [root]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0)
+        todo += kids.get(p, [])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def ours(backends):
+    """CPU seconds used by this benchmark: backends' trees, finished clients, this script."""
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    m = resource.getrusage(resource.RUSAGE_SELF)
+    return (sum(tree_cpu(b.proc.pid) for b in backends.values()) + c.ru_utime + c.ru_stime
+            + m.ru_utime + m.ru_stime)
+
+
+def run_row(bins, backends, row, rounds, runtime, warmup, vol):
+    t0, busy0, ours0 = time.time(), busy_jiffies(), ours(backends)
+    samples = {n: [] for n in BACKENDS}
+    lats = {n: [] for n in BACKENDS}
+    for k in range(rounds):
+        order = BACKENDS + BACKENDS[::-1]
+        if k % 2:
+            order = order[::-1]
+        for n in order:
+            i, l = measure(bins, backends[n], row, runtime, warmup, vol)
+            samples[n].append(i)
+            lats[n].append(l)
+    foreign = max(0.0, (busy_jiffies() - busy0) - (ours(backends) - ours0)) / (time.time() - t0)
+    med = {n: statistics.median(samples[n]) for n in BACKENDS}
+    best = max(("qsd", "qsd-iot"), key=lambda n: med[n])
+    bs, rw, qd, q, v = row
+    target = 1.2 if bs == 4096 else 1.0
+    ratio = med["spoold"] / med[best]
+    r = dict(row=row_name(row), bs=bs, rw=rw, iodepth=qd, queues=q, volumes=v, poll_client=q * v == 1,
+             iops={n: med[n] for n in BACKENDS}, iops_runs={n: [round(x) for x in samples[n]] for n in BACKENDS},
+             lat_mean_us={n: statistics.median(lats[n]) for n in BACKENDS}, best_qsd=best,
+             ratio=ratio, ratio_qsd=med["spoold"] / med["qsd"], ratio_qsd_iot=med["spoold"] / med["qsd-iot"],
+             target=target, met=ratio >= target, foreign_cores=foreign,
+             spread={n: (max(samples[n]) - min(samples[n])) / med[n] if med[n] else 0 for n in BACKENDS})
+    log(f"   {r['row']:28} spoold {med['spoold'] / 1e3:7.1f}K  qsd {med['qsd'] / 1e3:7.1f}K  "
+        f"qsd-iot {med['qsd-iot'] / 1e3:7.1f}K  ratio {ratio:.2f} ({'met' if r['met'] else 'MISSED'} {target}), others {foreign:.2f} cores")
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 3 rows, tiny runs (CI)")
+    ap.add_argument("--runtime", type=float, help="seconds per run (default 0.7; quick 0.15)")
+    ap.add_argument("--rounds", type=int, help="rounds of A B C C B A per row (default 2; quick 1)")
+    ap.add_argument("--bin-dir", default=bin_dir(), help="where spoold and spool-bench are")
+    ap.add_argument("--out", help="directory for the results (default docs/benchmarks; with --quick a "
+                                  "temporary directory, so a smoke run never overwrites the real results)")
+    args = ap.parse_args()
+    out = args.out or (tempfile.mkdtemp(prefix="spool-matrix-quick.") if args.quick else OUT)
+    runtime = args.runtime or (0.15 if args.quick else 0.7)
+    warmup = 0.1 if args.quick else 0.25
+    rounds = args.rounds or (1 if args.quick else 2)
+    vol = (64 if args.quick else 256) << 20
+    rows = QUICK_ROWS if args.quick else all_rows()
+    for b in ("spoold", "spool-bench"):
+        if not os.access(os.path.join(args.bin_dir, b), os.X_OK):
+            sys.exit(f"{args.bin_dir}/{b} missing: cargo build --release --bin spoold --bin spool-bench "
+                     "(set SPOOL_TARGET_DIR to its target directory)")
+    work = tempfile.mkdtemp(prefix="spool-matrix.", dir="/dev/shm")
+    backends, results = {}, []
+    t0 = time.time()
+    try:
+        for n in BACKENDS:
+            backends[n] = Backend(n, work, vol, args.bin_dir)
+            for s in backends[n].sockets:
+                fill(args.bin_dir, s, vol)
+        log(f"== {len(rows)} rows, {rounds} round(s) of A B C C B A, {runtime} s runs "
+            f"(+{warmup} s warm-up); setup {time.time() - t0:.1f} s")
+        for row in rows:
+            results.append(run_row(args.bin_dir, backends, row, rounds, runtime, warmup, vol))
+    finally:
+        for b in backends.values():
+            stop(b.proc)
+        shutil.rmtree(work, ignore_errors=True)
+    doc = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               machine=f"{os.cpu_count()} cores, {cpu_model()}", runtime_s=runtime, warmup_s=warmup,
+               rounds=rounds, samples_per_backend=2 * rounds, volume_bytes=vol, volumes=NVOLS,
+               queues_per_volume=QUEUES, wall_s=round(time.time() - t0, 1), backends=LABELS, rows=results,
+               qsd_version=qsd_version())
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "matrix.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    write_md(doc, os.path.join(out, "matrix.md"), args.quick)
+    plot(doc, os.path.join(out, "matrix.png"))
+    met = sum(r["met"] for r in results)
+    log(f"{met} of {len(results)} rows meet the target; {time.time() - t0:.0f} s; results in {out}/matrix.*")
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def qsd_version():
+    r = subprocess.run(["qemu-storage-daemon", "--version"], capture_output=True, text=True)
+    return r.stdout.splitlines()[0] if r.returncode == 0 and r.stdout else "unknown"
+
+
+def write_md(doc, path, quick):
+    rows = doc["rows"]
+    with open(path, "w") as f:
+        f.write("# spoold against qemu-storage-daemon: the matrix (issue 18)\n\n")
+        f.write(f"`scripts/bench-matrix.py{' --quick' if quick else ''}`, {doc['date']} ({doc['machine']}, "
+                f"{doc['qsd_version']}), {doc['wall_s']:.0f} s in all. All three backends run at once on "
+                f"tmpfs, each on its own file of {doc['volumes']} volumes of {doc['volume_bytes'] >> 20} MiB "
+                "(spoold: one device, default config; qsd: raw nodes at offsets of one file, aio=native, "
+                "cache.direct=on, without and with one iothread), each volume written once in full "
+                "sequentially by the client first. Each row: "
+                f"{doc['rounds']} round(s) of A B C C B A (order flipped each round), "
+                f"{doc['runtime_s']} s runs after {doc['warmup_s']} s warm-up, so {doc['samples_per_backend']} "
+                "runs per backend; the medians are shown. 4K is random, 128K sequential. Client: spool-bench "
+                "(libblkio); poll queues with one client thread (1q 1vol), interrupt-driven queues "
+                "otherwise; 3vol = three clients at once on three volumes of one device, total IOPS.\n\n")
+        f.write("Ratio = spoold / the better qsd setup of the row. Target: at least 1.0 on every row, "
+                "1.2 on 4K rows.\n\n")
+        f.write("| row | spoold | qsd | qsd iothread | ratio | target | met | spread s/q/qi | others |\n"
+                "|---|---|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            i, sp = r["iops"], r["spread"]
+            best = "qsd" if r["best_qsd"] == "qsd" else "iot"
+            f.write(f"| {r['row']} | {fmt(i['spoold'])} | {fmt(i['qsd'])} | {fmt(i['qsd-iot'])} | "
+                    f"**{r['ratio']:.2f}×** ({best}) | {r['target']:.1f} | {'yes' if r['met'] else '**no**'} | "
+                    f"{100 * sp['spoold']:.0f}/{100 * sp['qsd']:.0f}/{100 * sp['qsd-iot']:.0f}% | "
+                    f"{r.get('foreign_cores', 0):.2f} |\n")
+        met = sum(r["met"] for r in rows)
+        four = [r for r in rows if r["bs"] == 4096]
+        big = [r for r in rows if r["bs"] != 4096]
+        f.write(f"\nIOPS (K = 1000). Spread: (max - min) / median of each backend's runs in the row. "
+                "Others: cores used on average by processes outside this benchmark during the row (the "
+                "machine is shared; /proc/stat busy time less the backends', clients' and script's own).\n\n"
+                f"**{met} of {len(rows)} rows meet the target**: {sum(r['met'] for r in four)} of {len(four)} "
+                f"4K rows reach 1.2×, {sum(r['met'] for r in big)} of {len(big)} 128K rows reach 1.0×. "
+                f"Rows at 1.0× or more: {sum(r['ratio'] >= 1.0 for r in rows)} of {len(rows)}.\n")
+        f.write("\n![ratios](matrix.png)\n" if not quick else "")
+
+
+def fmt(x):
+    return f"{x / 1e3:.0f}K" if x >= 1e4 else f"{x / 1e3:.1f}K"
+
+
+def plot(doc, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    rows = doc["rows"]
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    names = [r["row"] for r in rows]
+    colors = ["tab:green" if r["met"] else ("tab:orange" if r["ratio"] >= 1.0 else "tab:red") for r in rows]
+    ax.barh(names, [r["ratio"] for r in rows], color=colors)
+    ax.axvline(1.0, color="black", lw=1)
+    ax.axvline(1.2, color="black", lw=1, ls="--")
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_xlabel("spoold IOPS / best qemu-storage-daemon IOPS (median of interleaved runs)")
+    ax.set_title("spoold vs qsd (tmpfs): green = target met (1.2x on 4K, 1.0x on 128K), "
+                 "orange = >= 1.0x only, red = < 1.0x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
