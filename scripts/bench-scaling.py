@@ -120,6 +120,26 @@ def delta(a, b):
     return tot
 
 
+def busy_s():
+    """Busy CPU time of the whole machine (all but idle and iowait), seconds."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / HZ
+
+
+def procs_cpu(procs):
+    """utime + stime of the running processes `procs` (all their threads), seconds."""
+    t = 0
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+            t += int(rest[11]) + int(rest[12])
+        except OSError:
+            pass
+    return t / HZ
+
+
 class Spoold:
     def __init__(self, work, bins, cpus):
         vols = "".join(f'[[volumes]]\nname = "v{i}"\nsize = {VOL}\nnum_queues = {QUEUES}\n'
@@ -164,9 +184,9 @@ def busy_run(bins, sp, n, ccpus, runtime, warmup):
     procs = clients(bins, sp.sockets[:n], ccpus, runtime, warmup)
     # Inside the clients' window: their queue threads end with the connection.
     time.sleep(max(0.0, t + warmup + 0.05 - time.time()))
-    a, ta = sample(sp.proc.pid), time.time()
+    a, ta, ba, ca = sample(sp.proc.pid), time.time(), busy_s(), procs_cpu(procs)
     time.sleep(max(0.0, t + warmup + runtime - 0.1 - time.time()))
-    b, tb = sample(sp.proc.pid), time.time()
+    b, tb, bb, cb = sample(sp.proc.pid), time.time(), busy_s(), procs_cpu(procs)
     res = []
     for p in procs:
         o, e = p.communicate(timeout=runtime * 4 + 60)
@@ -181,7 +201,8 @@ def busy_run(bins, sp, n, ccpus, runtime, warmup):
                 spoold_cpu_s=d["cpu_s"], spoold_run_s=d["run_s"], window_s=tb - ta,
                 cpu_us_per_io=1e6 * d["run_s"] / ios if ios else None,
                 cpu_us_per_io_ticks=1e6 * d["cpu_s"] / ios if ios else None,
-                cpus_allowed=d["cpus_allowed"])
+                cpus_allowed=d["cpus_allowed"], clients_cores=(cb - ca) / (tb - ta),
+                others_cores=max(0.0, (bb - ba) - d["cpu_s"] - (cb - ca)) / (tb - ta))
 
 
 def idle_run(bins, sp, secs, connected):
@@ -225,7 +246,14 @@ def main():
     ap.add_argument("--reps", type=int, help="repetitions, placements in A B C / C B A order (default 2)")
     ap.add_argument("--bin-dir", default=bin_dir(), help="where spoold and spool-bench are")
     ap.add_argument("--out", help="results directory (default docs/benchmarks; --quick: a temporary one)")
+    ap.add_argument("--summary-only", action="store_true",
+                    help="run nothing: write scaling.md again from scaling.json (in --out or docs/benchmarks)")
     args = ap.parse_args()
+    if args.summary_only:
+        d = args.out or OUT
+        with open(os.path.join(d, "scaling.json")) as f:
+            write_md(json.load(f), os.path.join(d, "scaling.md"), False)
+        return
     out = args.out or (tempfile.mkdtemp(prefix="spool-scaling-quick.") if args.quick else OUT)
     runtime = args.runtime or (0.5 if args.quick else 5.0)
     warmup = 0.2 if args.quick else 1.0
@@ -254,7 +282,8 @@ def main():
                                  **busy_run(args.bin_dir, sp, n, ccpus, runtime, warmup))
                         runs.append(r)
                         log(f"   {name:32} N={n}: {r['iops'] / 1e3:7.1f}K IOPS, {r['cpu_us_per_io']:.2f} µs CPU/IO, "
-                            f"spoold {r['spoold_run_s'] / r['window_s']:.2f} cores, allowed {r['cpus_allowed']}")
+                            f"spoold {r['spoold_run_s'] / r['window_s']:.2f} cores, allowed {r['cpus_allowed']}, "
+                            f"others {r['others_cores']:.2f} cores")
                     if rep == 0 and ccpus is None:
                         for connected in (True, False):
                             idle.append(dict(placement=name, m=len(scpus.split(",")),
@@ -289,7 +318,8 @@ def summarize(runs):
         out.append(dict(placement=p, m=rs[0]["m"], n=n, iops=med("iops"), iops_runs=[round(r["iops"]) for r in rs],
                         cpu_us_per_io=med("cpu_us_per_io"),
                         spoold_cores=statistics.median(r["spoold_run_s"] / r["window_s"] for r in rs),
-                        lat_mean_us=med("lat_mean_us")))
+                        lat_mean_us=med("lat_mean_us"),
+                        others_cores=statistics.median(r.get("others_cores", 0) for r in rs)))
     return out
 
 
@@ -318,12 +348,14 @@ def write_md(doc, path, quick):
                 "(placements in A B C, then C B A order), medians. CPU per I/O: spoold's run time (schedstat, "
                 "every thread of its process tree) over most of the clients' measured window / the I/Os completed "
                 "in it (their rate × its length).\n\n")
-        f.write("| placement | N | total IOPS | runs | per I/O spoold CPU | spoold cores busy | mean latency |\n"
-                "|---|---|---|---|---|---|---|\n")
+        f.write("| placement | N | total IOPS | runs | per I/O spoold CPU | spoold cores busy | mean latency "
+                "| others |\n|---|---|---|---|---|---|---|---|\n")
         for r in s:
             f.write(f"| {r['placement']} | {r['n']} | {r['iops'] / 1e3:.0f}K | "
                     f"{', '.join(f'{x / 1e3:.0f}K' for x in r['iops_runs'])} | {r['cpu_us_per_io']:.2f} µs | "
-                    f"{r['spoold_cores']:.2f} | {r['lat_mean_us']:.0f} µs |\n")
+                    f"{r['spoold_cores']:.2f} | {r['lat_mean_us']:.0f} µs | {r.get('others_cores', 0):.2f} |\n")
+        f.write("\nOthers: cores used by processes outside this benchmark during the window (the machine is "
+                "shared; /proc/stat busy time less spoold's and the clients').\n")
         if doc["idle"]:
             f.write("\n## Idle: all 4 volumes connected (clients stopped, nothing in flight), and none\n\n"
                     "| spoold on | clients | CPU | wake-ups/s | by thread (run ms/s, wake-ups/s) |\n"

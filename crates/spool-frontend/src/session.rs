@@ -7,6 +7,7 @@
 //! continue the connection (the kept state, snapshot and restore) is in `session/kept.rs`.
 
 use std::fs::File;
+use std::io::Write;
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
@@ -140,10 +141,7 @@ impl Session {
             }
             self.claimed.push(d.clone());
         }
-        if self.claimed.is_empty() {
-            // A volume always has a device; remember that the claim was made all the same.
-            tracing::debug!(volume = %self.ctx.name(), "no device to claim");
-        }
+        tracing::info!(volume = %self.ctx.name(), trusted, "volume claimed for this host");
         Ok(())
     }
 
@@ -154,6 +152,9 @@ impl Session {
             return;
         }
         let owner = &self.ctx.settings().owner;
+        if !self.claimed.is_empty() {
+            tracing::info!(volume = %self.ctx.name(), "volume claim given back");
+        }
         for d in self.claimed.drain(..) {
             if let Err(e) = d.release_claim(owner) {
                 tracing::warn!(volume = %self.ctx.name(), error = %e, "cannot give back the claim on a device");
@@ -359,6 +360,12 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
         let v = self.vring(index as u32)?;
+        // QEMU sends the call fd after the kick that started the queue, so completions made
+        // before it (a migration's source draining, or the first round here) may not have
+        // been signalled to the guest: one interrupt, possibly spurious, lets it see them.
+        if let (Some(f), true) = (&fd, v.worker.is_some()) {
+            let _ = (&*f).write(&1u64.to_ne_bytes());
+        }
         v.call.store(fd.map(Arc::new));
         Ok(())
     }

@@ -6,7 +6,11 @@
 //! for the source to drain, and a second host never serves a volume the first still writes.
 //!
 //! The claim is an RBD advisory exclusive lock (`rbd lock ls` shows it) whose cookie names
-//! the owner: one spoold (its pool), not one process. A worker that is killed leaves the lock
+//! the owner: one spoold (its pool), not one process. It is taken through librados' object
+//! locks on the image's header object, as librbd's own `rbd_lock_exclusive` does, but
+//! without librbd's header-update notification: that waits for every watcher of the image
+//! to answer, and a killed worker's watch lingers for 30 s, so each lock or unlock took 5 s
+//! (the notify timeout) — in a migration's downtime. A worker that is killed leaves the lock
 //! in place, and the worker that takes over finds its own owner's cookie and goes on without
 //! a cluster round trip or a lock to wait out; a whole spoold that is lost leaves the lock
 //! too, and a new host is let in only when an operator removes it (`rbd lock rm`, which also
@@ -19,8 +23,16 @@ use std::ffi::{c_char, CString};
 
 use std::time::{Duration, Instant};
 
-use super::{ffi, RbdBackend};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use super::{ffi, Image, RbdBackend};
 use crate::{Error, Result};
+
+/// librbd's name for an image's advisory lock.
+const LOCK_NAME: &str = "rbd_lock";
+/// How long a dead predecessor's cluster client stays blocklisted (the cluster's default).
+const BLOCKLIST_S: u32 = 3600;
 
 /// How often a claim waiting for another owner asks again.
 const RETRY: Duration = Duration::from_millis(20);
@@ -41,65 +53,109 @@ fn cookie(owner: &str) -> String {
     format!("spoold {owner}")
 }
 
+/// An image's lock as this process holds it: the count of its claims.
+#[derive(Debug)]
+pub(super) struct Fence {
+    image: Arc<Image>,
+    path: PathBuf,
+    claims: Mutex<usize>,
+}
+
 impl RbdBackend {
+    /// Claims the image for `owner` (one spoold): see [`Fence::claim`].
+    pub fn claim(&self, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
+        self.fence.claim(owner, trusted, wait)
+    }
+
+    /// Gives back one claim of `owner`: see [`Fence::release_claim`].
+    pub fn release_claim(&self, owner: &str) -> Result<()> {
+        self.fence.release_claim(owner)
+    }
+
+    /// This process's claims on the image (0: it serves nothing on it).
+    pub fn claims(&self) -> usize {
+        *self.fence.claims.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Who holds the image's advisory lock.
+    pub fn lockers(&self) -> Result<Vec<Locker>> {
+        self.fence.lockers()
+    }
+}
+
+impl Fence {
+    pub(super) fn new(image: Arc<Image>, path: PathBuf) -> Arc<Fence> {
+        Arc::new(Fence {
+            image,
+            path,
+            claims: Mutex::new(0),
+        })
+    }
+
     /// Claims the image for `owner` (one spoold). With `trusted`, the caller knows this owner
     /// already holds it (a session continued from a process that had claimed it) and only
     /// counts the claim. Otherwise it takes the lock, or finds it held under `owner`'s
     /// cookie (by a process of the same spoold that was killed); while another owner holds
     /// it, it asks again every 20 ms for up to `wait`, then fails naming the holder.
-    pub fn claim(&self, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
+    ///
+    /// A trusted first claim takes the lock over in the background: the lock is still the
+    /// killed or upgraded predecessor's, whose cluster client is blocklisted (so a process
+    /// that is not quite dead can never write again) before the lock is taken under this
+    /// process's client. Neither the restart nor a later migration waits for that.
+    fn claim(self: &Arc<Self>, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
+        let cookie = cookie(owner);
         let mut count = self.claims.lock().unwrap_or_else(|p| p.into_inner());
-        if *count > 0 || trusted {
+        if *count > 0 {
             *count += 1;
             return Ok(());
         }
-        let cookie = cookie(owner);
-        let c = self.cstr("lock cookie", &cookie)?;
+        if trusted {
+            *count = 1;
+            self.take_over_later(&cookie);
+            return Ok(());
+        }
         let deadline = Instant::now() + wait;
         loop {
-            // SAFETY: an open image and a NUL-terminated cookie.
-            let r = unsafe { (ffi::loaded().rbd_lock_exclusive)(self.image.handle, c.as_ptr()) };
-            let held_by = match r {
-                0 => None,
-                r if r == -libc::EEXIST => None,
-                r if r == -libc::EBUSY => {
-                    let lockers = self.lockers()?;
-                    if lockers.iter().any(|l| l.cookie == cookie) {
-                        None
-                    } else {
-                        lockers.into_iter().next()
-                    }
-                }
-                r => {
-                    return Err(Error::io(
-                        &self.path,
-                        "lock the RBD image",
-                        std::io::Error::from_raw_os_error(-r),
-                    ))
-                }
-            };
-            let Some(other) = held_by else {
-                *count += 1;
+            if self.try_lock(&cookie)? {
+                *count = 1;
                 return Ok(());
-            };
-            if Instant::now() >= deadline {
-                return Err(Error::Invalid {
-                    path: self.path.display().to_string(),
-                    msg: format!(
-                        "served by another host: {} ({} at {}) holds the image's lock; \
-                         if that host is gone for good, remove the lock with `rbd lock rm`",
-                        other.cookie, other.client, other.addr
-                    ),
-                });
             }
-            std::thread::sleep(RETRY);
+            let lockers = self.lockers()?;
+            if lockers.iter().any(|l| l.cookie == cookie) {
+                *count = 1;
+                self.take_over_later(&cookie);
+                return Ok(());
+            }
+            match lockers.into_iter().next() {
+                Some(other) if Instant::now() >= deadline => {
+                    return Err(Error::Invalid {
+                        path: self.path.display().to_string(),
+                        msg: format!(
+                            "served by another host: {} ({} at {}) holds the image's lock; \
+                             if that host is gone for good, remove the lock with `rbd lock rm`",
+                            other.cookie, other.client, other.addr
+                        ),
+                    })
+                }
+                // Given back between the two calls: at once again.
+                None => continue,
+                Some(_) => std::thread::sleep(RETRY),
+            }
         }
     }
 
+    fn take_over_later(self: &Arc<Self>, cookie: &str) {
+        let (me, cookie) = (self.clone(), cookie.to_string());
+        let _ = std::thread::Builder::new()
+            .name("rbd-fence".into())
+            .spawn(move || me.take_over(&cookie));
+    }
+
     /// Gives back one claim of `owner`; the last one removes the lock, whichever process of
-    /// this owner took it. Never `rbd_break_lock` on this process's own lock: librbd would
-    /// blocklist this very client, cutting every image of the process off the cluster.
-    pub fn release_claim(&self, owner: &str) -> Result<()> {
+    /// this owner took it. A lock an earlier process of this owner took (a killed or
+    /// upgraded worker) is broken, and that process's cluster client blocklisted first, so
+    /// that it can never write again.
+    fn release_claim(&self, owner: &str) -> Result<()> {
         let mut count = self.claims.lock().unwrap_or_else(|p| p.into_inner());
         if *count == 0 {
             return Ok(());
@@ -109,47 +165,114 @@ impl RbdBackend {
             return Ok(());
         }
         let cookie = cookie(owner);
-        let c = self.cstr("lock cookie", &cookie)?;
-        // SAFETY: an open image and a NUL-terminated cookie.
-        let r = unsafe { (ffi::loaded().rbd_unlock)(self.image.handle, c.as_ptr()) };
+        let (oid, name, c) = (self.header()?, cs(LOCK_NAME), self.cstr("cookie", &cookie)?);
+        // SAFETY: the image's I/O context and NUL-terminated strings.
+        let r = unsafe {
+            (ffi::loaded().rados_unlock)(self.image.ioctx, oid.as_ptr(), name.as_ptr(), c.as_ptr())
+        };
         if r == 0 {
             return Ok(());
         }
         if r != -libc::ENOENT {
-            return Err(Error::io(
-                &self.path,
-                "unlock the RBD image",
-                std::io::Error::from_raw_os_error(-r),
-            ));
+            return Err(self.err("unlock the RBD image", r));
         }
-        // Not this process's lock: an earlier process of this owner took it (a killed or
-        // upgraded worker). Breaking it blocklists that process's cluster client too
-        // (librbd's `rbd_blocklist_on_break_lock`), so it can never write again.
         for l in self.lockers()?.into_iter().filter(|l| l.cookie == cookie) {
-            let client = self.cstr("lock client", &l.client)?;
-            let c = self.cstr("lock cookie", &cookie)?;
-            // SAFETY: an open image and two NUL-terminated strings.
-            let r = unsafe {
-                (ffi::loaded().rbd_break_lock)(self.image.handle, client.as_ptr(), c.as_ptr())
-            };
-            if r < 0 && r != -libc::ENOENT {
-                return Err(Error::io(
-                    &self.path,
-                    "unlock the RBD image",
-                    std::io::Error::from_raw_os_error(-r),
-                ));
-            }
+            self.break_lock(&l, &cookie)?;
         }
         Ok(())
     }
 
-    /// This process's claims on the image (0: it serves nothing on it).
-    pub fn claims(&self) -> usize {
-        *self.claims.lock().unwrap_or_else(|p| p.into_inner())
+    /// Takes the lock under this process's client from an earlier process of the same owner
+    /// (see [`Fence::claim`]); nothing if every claim was given back meanwhile.
+    fn take_over(&self, cookie: &str) {
+        let count = self.claims.lock().unwrap_or_else(|p| p.into_inner());
+        if *count == 0 {
+            return;
+        }
+        let r = (|| -> Result<usize> {
+            let mut fenced = 0;
+            if self.try_lock(cookie)? {
+                return Ok(0);
+            }
+            for l in self.lockers()?.into_iter().filter(|l| l.cookie == cookie) {
+                self.break_lock(&l, cookie)?;
+                fenced += 1;
+            }
+            self.try_lock(cookie)?;
+            Ok(fenced)
+        })();
+        drop(count);
+        match r {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(image = %self.path.display(), fenced = n, "took the image's lock over from an earlier process of this spoold (its cluster client blocklisted)")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take the image's lock over; it stays the earlier process's, and is given back all the same")
+            }
+        }
+    }
+
+    /// One attempt at the lock: whether this client holds it now.
+    fn try_lock(&self, cookie: &str) -> Result<bool> {
+        let (oid, name, c) = (self.header()?, cs(LOCK_NAME), self.cstr("cookie", cookie)?);
+        let desc = cs("spoold serves this image");
+        // SAFETY: the image's I/O context and NUL-terminated strings; no duration.
+        let r = unsafe {
+            (ffi::loaded().rados_lock_exclusive)(
+                self.image.ioctx,
+                oid.as_ptr(),
+                name.as_ptr(),
+                c.as_ptr(),
+                desc.as_ptr(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        match r {
+            0 => Ok(true),
+            r if r == -libc::EEXIST => Ok(true),
+            r if r == -libc::EBUSY => Ok(false),
+            r => Err(self.err("lock the RBD image", r)),
+        }
+    }
+
+    /// Blocklists the lock holder `l` (another process of this owner) and breaks its lock.
+    fn break_lock(&self, l: &Locker, cookie: &str) -> Result<()> {
+        let (oid, name, c) = (self.header()?, cs(LOCK_NAME), self.cstr("cookie", cookie)?);
+        let mut addr = self.cstr("locker address", &l.addr)?.into_bytes_with_nul();
+        // SAFETY: a connected cluster and a NUL-terminated address in a buffer we own (the
+        // C API takes it as mutable; it does not write it).
+        let r = unsafe {
+            (ffi::loaded().rados_blocklist_add)(
+                self.image.cluster.handle,
+                addr.as_mut_ptr() as *mut c_char,
+                BLOCKLIST_S,
+            )
+        };
+        if r < 0 {
+            tracing::warn!(image = %self.path.display(), client = %l.client, "cannot blocklist the earlier holder of the lock: {}", std::io::Error::from_raw_os_error(-r));
+        }
+        let client = self.cstr("lock client", &l.client)?;
+        // SAFETY: the image's I/O context and NUL-terminated strings.
+        let r = unsafe {
+            (ffi::loaded().rados_break_lock)(
+                self.image.ioctx,
+                oid.as_ptr(),
+                name.as_ptr(),
+                client.as_ptr(),
+                c.as_ptr(),
+            )
+        };
+        if r < 0 && r != -libc::ENOENT {
+            return Err(self.err("break the RBD image's lock", r));
+        }
+        Ok(())
     }
 
     /// Who holds the image's advisory lock.
-    pub fn lockers(&self) -> Result<Vec<Locker>> {
+    fn lockers(&self) -> Result<Vec<Locker>> {
+        let (oid, name) = (self.header()?, cs(LOCK_NAME));
         let mut lens = [256usize; 4];
         for _ in 0..8 {
             let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n.max(1)]).collect();
@@ -158,11 +281,14 @@ impl RbdBackend {
                 unreachable!("four buffers")
             };
             let [tl, cl, kl, al] = &mut lens;
-            // SAFETY: an open image; every buffer is as long as the length passed with it,
-            // which librbd reads and updates (to the size needed, with -ERANGE).
+            // SAFETY: the image's I/O context, NUL-terminated names; every buffer is as long
+            // as the length passed with it, which librados reads and updates (to the size
+            // needed, with -ERANGE).
             let r = unsafe {
-                (ffi::loaded().rbd_list_lockers)(
-                    self.image.handle,
+                (ffi::loaded().rados_list_lockers)(
+                    self.image.ioctx,
+                    oid.as_ptr(),
+                    name.as_ptr(),
                     &mut exclusive,
                     tag.as_mut_ptr() as *mut c_char,
                     tl,
@@ -178,11 +304,7 @@ impl RbdBackend {
                 continue;
             }
             if r < 0 {
-                return Err(Error::io(
-                    &self.path,
-                    "list the RBD image's lockers",
-                    std::io::Error::from_raw_os_error(-r as i32),
-                ));
+                return Err(self.err("list the RBD image's lockers", r as i32));
             }
             let n = r as usize;
             let split = |b: &[u8], len: usize| -> Vec<String> {
@@ -209,7 +331,33 @@ impl RbdBackend {
         })
     }
 
+    /// The image's header object, which carries its advisory lock (`rbd_header.ID`).
+    fn header(&self) -> Result<CString> {
+        let mut id = [0u8; 64];
+        // SAFETY: an open image and a buffer of the length passed.
+        let r = unsafe {
+            (ffi::loaded().rbd_get_id)(self.image.handle, id.as_mut_ptr() as *mut c_char, id.len())
+        };
+        if r < 0 {
+            return Err(self.err("read the RBD image's id (a format 2 image)", r));
+        }
+        let id = id.split(|&c| c == 0).next().unwrap_or_default();
+        self.cstr(
+            "image id",
+            &format!("rbd_header.{}", String::from_utf8_lossy(id)),
+        )
+    }
+
+    fn err(&self, what: &'static str, r: i32) -> Error {
+        Error::io(&self.path, what, std::io::Error::from_raw_os_error(-r))
+    }
+
     fn cstr(&self, what: &str, s: &str) -> Result<CString> {
         super::cstring(&self.path, what, s)
     }
+}
+
+/// A constant as a C string.
+fn cs(s: &str) -> CString {
+    CString::new(s).unwrap_or_default()
 }

@@ -64,6 +64,11 @@ api! {
         fn rados_shutdown(cluster: rados_t) -> ();
         fn rados_ioctx_create(cluster: rados_t, pool_name: *const c_char, ioctx: *mut rados_ioctx_t) -> c_int;
         fn rados_ioctx_destroy(io: rados_ioctx_t) -> ();
+        fn rados_lock_exclusive(io: rados_ioctx_t, oid: *const c_char, name: *const c_char, cookie: *const c_char, desc: *const c_char, duration: *mut libc::timeval, flags: u8) -> c_int;
+        fn rados_unlock(io: rados_ioctx_t, oid: *const c_char, name: *const c_char, cookie: *const c_char) -> c_int;
+        fn rados_break_lock(io: rados_ioctx_t, oid: *const c_char, name: *const c_char, client: *const c_char, cookie: *const c_char) -> c_int;
+        fn rados_list_lockers(io: rados_ioctx_t, oid: *const c_char, name: *const c_char, exclusive: *mut c_int, tag: *mut c_char, tag_len: *mut usize, clients: *mut c_char, clients_len: *mut usize, cookies: *mut c_char, cookies_len: *mut usize, addrs: *mut c_char, addrs_len: *mut usize) -> isize;
+        fn rados_blocklist_add(cluster: rados_t, client_address: *mut c_char, expire_seconds: u32) -> c_int;
     }
     "librbd.so.1" => {
         fn rbd_create2(io: rados_ioctx_t, name: *const c_char, size: u64, features: u64, order: *mut c_int) -> c_int;
@@ -84,10 +89,7 @@ api! {
         fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
         fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
         fn rbd_aio_write_zeroes(image: rbd_image_t, off: u64, len: usize, c: rbd_completion_t, zero_flags: c_int, op_flags: c_int) -> c_int;
-        fn rbd_lock_exclusive(image: rbd_image_t, cookie: *const c_char) -> c_int;
-        fn rbd_unlock(image: rbd_image_t, cookie: *const c_char) -> c_int;
-        fn rbd_break_lock(image: rbd_image_t, client: *const c_char, cookie: *const c_char) -> c_int;
-        fn rbd_list_lockers(image: rbd_image_t, exclusive: *mut c_int, tag: *mut c_char, tag_len: *mut usize, clients: *mut c_char, clients_len: *mut usize, cookies: *mut c_char, cookies_len: *mut usize, addrs: *mut c_char, addrs_len: *mut usize) -> isize;
+        fn rbd_get_id(image: rbd_image_t, id: *mut c_char, id_len: usize) -> c_int;
     }
 }
 

@@ -165,7 +165,7 @@ pub fn warm_up(ceph: &CephOptions) -> Result<()> {
 pub(crate) struct Image {
     handle: ffi::rbd_image_t,
     ioctx: ffi::rados_ioctx_t,
-    _cluster: Arc<Cluster>,
+    cluster: Arc<Cluster>,
 }
 
 // SAFETY: librbd image handles are thread-safe for I/O (the library serializes internally);
@@ -193,8 +193,8 @@ pub struct RbdBackend {
     /// Grows with [`RbdBackend::resize`].
     size: AtomicU64,
     image: Arc<Image>,
-    /// This process's claims on the image (`claim.rs`).
-    claims: Mutex<usize>,
+    /// The serving fence: this process's claims on the image (`claim.rs`).
+    fence: Arc<claim::Fence>,
 }
 
 impl RbdBackend {
@@ -245,7 +245,7 @@ impl RbdBackend {
         let image = Arc::new(Image {
             handle,
             ioctx,
-            _cluster: cluster,
+            cluster,
         });
         let mut size = 0u64;
         // SAFETY: an open image and an out-pointer to a local.
@@ -255,10 +255,10 @@ impl RbdBackend {
         let size = size - size % crate::SECTOR_SIZE;
         crate::backend::check_size(&path, size)?;
         Ok(RbdBackend {
+            fence: claim::Fence::new(image.clone(), path.clone()),
             path,
             size: AtomicU64::new(size),
             image,
-            claims: Mutex::new(0),
         })
     }
 }
