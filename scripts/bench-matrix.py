@@ -349,8 +349,11 @@ NOTES = """
   worker holds a core its client needs to submit the next request, and they take turns in
   scheduler slices instead of handing requests over.
 - **128K.** Each request is a 128 KiB copy (spoold on tmpfs does it synchronously in the
-  worker, with `preadv`/`pwritev`; qsd in `io_submit`), so per-request overhead matters little
-  and spoold's cheaper request path shows less; what decides these rows is who gets CPU.
+  worker, with `preadv`/`pwritev`; qsd in `io_submit`), so spoold's cheaper request path
+  matters little. spoold lost most 128K rows, including some with other load near zero
+  (128K read QD32 4q 3vol: qsd with an iothread copied twice as fast). Not explained yet;
+  the likeliest cause is the same one: up to 12 polling workers splitting two cores in
+  scheduler slices, where qsd's one iothread copies without interruption. Not profiled.
 - **Noise.** The machine is shared: compare rows by their "others" column. A row where others
   used a core measures spoold with one core for the clients, itself and everyone else.
 - scaling.md has the same effect across volumes and cores, with spoold confined by taskset.
