@@ -1,7 +1,10 @@
 //! The metrics endpoint and `volume stats` through the real spoold and the real libblkio
 //! client: what a scrape reports matches what the client itself counted, during load (never
 //! ahead of it) and after it (exactly); a worker restart keeps the scrape target; bad
-//! requests get HTTP errors, not a dead endpoint.
+//! requests get HTTP errors, not a dead endpoint. And every counter that only moves on a rare
+//! event moves when that event happens: journal recoveries and resubmissions after worker
+//! kills (matching the worker's log), QoS throttling (only for the capped volume), device
+//! errors and resets after an injected fault (matching `device_health`), upgrades.
 
 mod common;
 
@@ -12,6 +15,7 @@ use std::time::Duration;
 
 use common::load::{Load, BLK};
 use common::{spoolctl, Spoold};
+use serde_json::json;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -209,4 +213,245 @@ fn a_taken_metrics_port_is_a_clear_start_up_error() {
         err.contains(&format!("metrics endpoint 127.0.0.1:{port}")) && err.contains("in use"),
         "{err}"
     );
+}
+
+/// A config with the metrics endpoint on `port` and `volumes` (name, queues) of 16 MiB.
+fn config(port: u16, volumes: &[(&str, u16)], extra: &str) -> String {
+    let mut c = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{port}\"\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"96M\"\n{extra}\n"
+    );
+    for (name, queues) in volumes {
+        c += &format!("[[volumes]]\nname = \"{name}\"\nsize = \"16M\"\nnum_queues = {queues}\n");
+    }
+    c
+}
+
+fn per_volume(text: &str, name: &str, volume: &str) -> u64 {
+    sample(text, &format!("{name}{{volume=\"{volume}\"}}")) as u64
+}
+
+/// What the log since `from` says the new worker did: (queues recovered from their journal,
+/// requests resubmitted from it).
+fn recovery_in_log(log: &str) -> (u64, u64) {
+    let mut recovered = 0;
+    let mut resubmitted = 0;
+    for l in log.lines() {
+        if l.contains("recovered queue from its journal") {
+            recovered += 1;
+        }
+        if l.contains("resubmitting requests recovered from the journal") {
+            let n = l
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("count=")?.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no count in {l}"));
+            resubmitted += n;
+        }
+    }
+    (recovered, resubmitted)
+}
+
+/// Worker SIGKILLs under a load: each new worker's journal counters say what its log says,
+/// until some kill has caught requests in flight (so both counters have moved).
+#[test]
+fn journal_recoveries_and_resubmissions_match_the_log_after_worker_kills() {
+    let port = free_port();
+    let d = Spoold::start(&config(port, &[("m", 1)], ""));
+    let (load, t) = Load::start(d.socket("m"), 16 << 20);
+    load.wait_progress(64);
+    let (mut recovered, mut resubmitted, mut kills) = (0, 0, 0);
+    for kill in 0..40 {
+        kills = kill;
+        if recovered > 0 && resubmitted > 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10 + (kill * 17) % 40));
+        let from = d.log().len();
+        d.kill_worker();
+        load.wait_progress(16);
+        // The worker logs before it counts: wait until the two agree (and stay so).
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let (logged, m) = loop {
+            let logged = recovery_in_log(&d.log()[from..]);
+            let m = scrape(port);
+            let counted = (
+                per_volume(&m, "spool_volume_journal_recoveries_total", "m"),
+                per_volume(&m, "spool_volume_resubmitted_requests_total", "m"),
+            );
+            if counted == logged || std::time::Instant::now() > deadline {
+                assert_eq!(counted, logged, "kill {kill}: metrics against the log\n{m}");
+                break (logged, m);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(logged.0 <= 1, "one queue, one recovery per worker: {m}");
+        recovered += logged.0;
+        resubmitted += logged.1;
+    }
+    assert!(
+        recovered > 0 && resubmitted > 0,
+        "no kill caught a request in flight ({recovered} recoveries, {resubmitted} resubmitted)"
+    );
+    eprintln!("{kills} kills: {recovered} journal recoveries, {resubmitted} requests resubmitted");
+    load.stop.store(true, Ordering::Release);
+    t.join().unwrap();
+    assert_eq!((load.errors(), load.corrupt()), (0, 0));
+}
+
+/// An IOPS cap under load: the capped volume's throttled rounds rise, an uncapped volume's
+/// under the same load stay zero; lifting the cap stops the count.
+#[test]
+fn qos_throttling_is_counted_for_the_capped_volume_only() {
+    let port = free_port();
+    let d = Spoold::start(&config(port, &[("capped", 1), ("free", 1)], ""));
+    let (ok, _, err) = spoolctl(
+        &d,
+        &[
+            "volume", "qos", "capped", "--iops", "400", "--burst", "10ms",
+        ],
+    );
+    assert!(ok, "{err}");
+    let (lc, tc) = Load::start(d.socket("capped"), 16 << 20);
+    let (lf, tf) = Load::start(d.socket("free"), 16 << 20);
+    lc.wait_progress(200);
+    lf.wait_progress(200);
+    let m = scrape(port);
+    let capped = per_volume(&m, "spool_volume_qos_throttled_rounds_total", "capped");
+    assert!(
+        capped > 0,
+        "a capped volume under load was never throttled:\n{m}"
+    );
+    assert_eq!(
+        per_volume(&m, "spool_volume_qos_throttled_rounds_total", "free"),
+        0,
+        "{m}"
+    );
+    // Lifting the cap stops the count.
+    let (ok, _, err) = spoolctl(&d, &["volume", "qos", "capped", "--clear"]);
+    assert!(ok, "{err}");
+    lc.wait_progress(100);
+    let before = per_volume(
+        &scrape(port),
+        "spool_volume_qos_throttled_rounds_total",
+        "capped",
+    );
+    assert!(before >= capped);
+    lc.wait_progress(200);
+    let m = scrape(port);
+    assert_eq!(
+        per_volume(&m, "spool_volume_qos_throttled_rounds_total", "capped"),
+        before,
+        "throttled without a cap: {m}"
+    );
+    for l in [&lc, &lf] {
+        l.stop.store(true, Ordering::Release);
+    }
+    tc.join().unwrap();
+    tf.join().unwrap();
+    assert_eq!(lc.errors() + lf.errors(), 0);
+}
+
+/// An injected path error under load: the device's path-error counter and its reset counter
+/// rise and say what `device_health` says; the other classes stay zero.
+#[test]
+fn device_errors_and_resets_are_counted_by_class() {
+    let port = free_port();
+    let health = "[health]\nio_timeout_ms = 300\nreset_timeout_ms = 1500\npoll_interval_ms = 50\n";
+    let d = Spoold::start(&config(port, &[("m", 1)], health));
+    let v = d.rpc("volume_show", json!({"id": "m"})).unwrap();
+    let dev = v["devices"][0].as_str().unwrap().to_string();
+    let (load, t) = Load::start(d.socket("m"), 16 << 20);
+    load.wait_progress(100);
+    let labels = |h: &serde_json::Value| {
+        format!("device=\"{dev}\",path=\"{}\"", h["path"].as_str().unwrap())
+    };
+    let h = d.rpc("device_health", json!({"id": dev})).unwrap()[0].clone();
+    let m = scrape(port);
+    assert_eq!(
+        sample(&m, &format!("spool_device_resets_total{{{}}}", labels(&h))),
+        0.0
+    );
+    d.rpc(
+        "device_inject",
+        json!({"id": dev, "kind": "transient", "op": "write"}),
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let h = loop {
+        let h = d.rpc("device_health", json!({"id": dev})).unwrap()[0].clone();
+        if h["state"] == json!("healthy") && h["counters"]["resets"].as_u64().unwrap() >= 1 {
+            break h;
+        }
+        assert!(std::time::Instant::now() < deadline, "no reset: {h}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    load.wait_progress(50);
+    let m = scrape(port);
+    let l = labels(&h);
+    let class = |c: &str| {
+        sample(
+            &m,
+            &format!("spool_device_errors_total{{{l},class=\"{c}\"}}"),
+        )
+    };
+    assert_eq!(
+        class("path"),
+        h["counters"]["path_errors"].as_f64().unwrap(),
+        "{h}\n{m}"
+    );
+    assert!(class("path") >= 1.0, "{h}\n{m}");
+    for c in ["media", "timeout", "gone", "request"] {
+        assert_eq!(class(c), 0.0, "{c}: {m}");
+    }
+    let resets = sample(&m, &format!("spool_device_resets_total{{{l}}}"));
+    assert_eq!(resets, h["counters"]["resets"].as_f64().unwrap(), "{m}");
+    assert!(resets >= 1.0);
+    assert_eq!(
+        sample(&m, &format!("spool_device_state{{{l},state=\"healthy\"}}")),
+        1.0
+    );
+    load.stop.store(true, Ordering::Release);
+    t.join().unwrap();
+    assert_eq!(
+        load.errors(),
+        0,
+        "a path error is held and resubmitted, not failed"
+    );
+}
+
+/// An upgrade under load is counted as one, next to the crash restart before it.
+#[test]
+fn upgrades_are_counted_by_kind() {
+    let port = free_port();
+    let d = Spoold::start(&config(port, &[("m", 1)], ""));
+    let (load, t) = Load::start(d.socket("m"), 16 << 20);
+    load.wait_progress(64);
+    let m = scrape(port);
+    assert!(!m.contains("spool_restarts_total{kind=\"upgrade\"}"), "{m}");
+    d.kill_worker();
+    load.wait_progress(64);
+    let r = d.upgrade(None).expect("upgrade");
+    assert_eq!(r["outcome"], json!("ok"), "{r}");
+    load.wait_progress(64);
+    let m = scrape(port);
+    let status = d.status();
+    let counts = &status["last_restart"]["counts"];
+    assert_eq!(counts["upgrade"], json!(1), "{status}");
+    assert_eq!(
+        sample(&m, "spool_restarts_total{kind=\"upgrade\"}"),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "spool_restarts_total{kind=\"crash-restart\"}"),
+        1.0,
+        "{m}"
+    );
+    let stall = sample(&m, "spool_last_restart_stall_seconds{kind=\"upgrade\"}");
+    assert!(
+        (stall - r["stall_ms"].as_f64().unwrap() / 1e3).abs() < 1e-9,
+        "{r}\n{m}"
+    );
+    load.stop.store(true, Ordering::Release);
+    t.join().unwrap();
+    assert_eq!((load.errors(), load.corrupt()), (0, 0));
 }
