@@ -418,9 +418,25 @@ fn device_errors_and_resets_are_counted_by_class() {
     );
 }
 
-/// An upgrade under load is counted as one, next to the crash restart before it.
+/// Seconds of each phase of a restart report, summed by name.
+fn phase_seconds(r: &serde_json::Value) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    for p in r["phases"].as_array().unwrap() {
+        *out.entry(p["name"].as_str().unwrap().to_string())
+            .or_default() += p["ms"].as_f64().unwrap() / 1e3;
+    }
+    out
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+/// Upgrades under load are counted next to the crash restart before them, and the restart
+/// history keeps each kind's stalls and phases: the crash's phases are still there after the
+/// upgrades (the last-restart gauges only show the last upgrade).
 #[test]
-fn upgrades_are_counted_by_kind() {
+fn upgrades_are_counted_and_each_kinds_stalls_and_phases_kept() {
     let port = free_port();
     let d = Spoold::start(&config(port, &[("m", 1)], ""));
     let (load, t) = Load::start(d.socket("m"), 16 << 20);
@@ -428,17 +444,34 @@ fn upgrades_are_counted_by_kind() {
     let m = scrape(port);
     assert!(!m.contains("spool_restarts_total{kind=\"upgrade\"}"), "{m}");
     d.kill_worker();
+    // The keeper tells the new worker its report just after it serves.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let crash = loop {
+        let s = d.status();
+        if s["last_restart"]["kind"] == json!("crash-restart") {
+            break s["last_restart"].clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "{s}");
+        std::thread::sleep(Duration::from_millis(5));
+    };
     load.wait_progress(64);
-    let r = d.upgrade(None).expect("upgrade");
-    assert_eq!(r["outcome"], json!("ok"), "{r}");
-    load.wait_progress(64);
+    let mut upgrades = Vec::new();
+    for _ in 0..2 {
+        let r = d.upgrade(None).expect("upgrade");
+        assert_eq!(r["outcome"], json!("ok"), "{r}");
+        upgrades.push(r);
+        load.wait_progress(64);
+    }
     let m = scrape(port);
     let status = d.status();
-    let counts = &status["last_restart"]["counts"];
-    assert_eq!(counts["upgrade"], json!(1), "{status}");
+    assert_eq!(
+        status["last_restart"]["counts"]["upgrade"],
+        json!(2),
+        "{status}"
+    );
     assert_eq!(
         sample(&m, "spool_restarts_total{kind=\"upgrade\"}"),
-        1.0,
+        2.0,
         "{m}"
     );
     assert_eq!(
@@ -446,11 +479,65 @@ fn upgrades_are_counted_by_kind() {
         1.0,
         "{m}"
     );
+    // The last-restart gauges: the second upgrade.
     let stall = sample(&m, "spool_last_restart_stall_seconds{kind=\"upgrade\"}");
     assert!(
-        (stall - r["stall_ms"].as_f64().unwrap() / 1e3).abs() < 1e-9,
-        "{r}\n{m}"
+        close(stall, upgrades[1]["stall_ms"].as_f64().unwrap() / 1e3),
+        "{m}"
     );
+    assert!(
+        !m.contains("spool_last_restart_stall_seconds{kind=\"crash-restart\"}"),
+        "{m}"
+    );
+    // The history: a stall histogram per kind, and each kind's phases summed.
+    let hist = |what: &str, kind: &str| {
+        sample(
+            &m,
+            &format!("spool_restart_stall_seconds_{what}{{kind=\"{kind}\"}}"),
+        )
+    };
+    assert_eq!(hist("count", "crash-restart"), 1.0, "{m}");
+    assert_eq!(hist("count", "upgrade"), 2.0, "{m}");
+    let crash_stall = crash["stall_ms"].as_f64().unwrap() / 1e3;
+    assert!(
+        close(hist("sum", "crash-restart"), crash_stall),
+        "{crash}\n{m}"
+    );
+    let upgrade_stalls: f64 = upgrades
+        .iter()
+        .map(|r| r["stall_ms"].as_f64().unwrap() / 1e3)
+        .sum();
+    assert!(close(hist("sum", "upgrade"), upgrade_stalls), "{m}");
+    assert_eq!(
+        sample(
+            &m,
+            "spool_restart_stall_seconds_bucket{le=\"+Inf\",kind=\"upgrade\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    let crash_phases = phase_seconds(&crash);
+    assert!(crash_phases.contains_key("wake standby"), "{crash}");
+    for (phase, secs) in &crash_phases {
+        let got = sample(
+            &m,
+            &format!(
+                "spool_restart_phase_seconds_total{{kind=\"crash-restart\",phase=\"{phase}\"}}"
+            ),
+        );
+        assert!(close(got, *secs), "{phase}: {got} against {secs}\n{m}");
+    }
+    let mut upgrade_phases = phase_seconds(&upgrades[0]);
+    for (phase, secs) in phase_seconds(&upgrades[1]) {
+        *upgrade_phases.entry(phase).or_default() += secs;
+    }
+    for (phase, secs) in &upgrade_phases {
+        let got = sample(
+            &m,
+            &format!("spool_restart_phase_seconds_total{{kind=\"upgrade\",phase=\"{phase}\"}}"),
+        );
+        assert!(close(got, *secs), "{phase}: {got} against {secs}\n{m}");
+    }
     load.stop.store(true, Ordering::Release);
     t.join().unwrap();
     assert_eq!((load.errors(), load.corrupt()), (0, 0));
