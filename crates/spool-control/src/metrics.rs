@@ -184,21 +184,33 @@ impl Snapshot {
             "Poll rounds in which the volume's I/O limits held requests back.",
             each(|v| v.qos_throttled_rounds),
         )?;
+        self.encode_volume_gauges(enc)
+    }
+
+    fn encode_volume_gauges(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+        let each = |f: fn(&VolumeStats) -> f64| {
+            self.volumes
+                .iter()
+                .map(move |v| (vol(v), f(v)))
+                .collect::<Vec<_>>()
+        };
         gauges(
             enc,
             "spool_volume_in_flight",
             "Requests taken from the guest and not yet completed.",
-            each(|v| v.in_flight)
-                .into_iter()
-                .map(|(l, n)| (l, n as f64)),
+            each(|v| v.in_flight as f64),
         )?;
         gauges(
             enc,
             "spool_volume_queues",
             "Virtqueues the volume offers.",
-            each(|v| v.queues as u64)
-                .into_iter()
-                .map(|(l, n)| (l, n as f64)),
+            each(|v| f64::from(v.queues)),
+        )?;
+        gauges(
+            enc,
+            "spool_volume_queue_size",
+            "Negotiated virtqueue size (descriptors per queue; the largest of the served queues, 0 without a frontend).",
+            each(|v| v.queue_size as f64),
         )
     }
 

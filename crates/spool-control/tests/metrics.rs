@@ -90,6 +90,20 @@ num_queues = 1
             "{m}"
         );
         assert!(done >= last, "a counter went backwards: {done} < {last}");
+        // The virtqueue size the client negotiated, as the worker logged it.
+        let log = d.log();
+        let size: f64 = log
+            .lines()
+            .find(|l| l.contains("queue started volume=m"))
+            .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("size=")))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no queue start in the log: {log}"));
+        assert!(size >= 2.0);
+        assert_eq!(
+            sample(&m, "spool_volume_queue_size{volume=\"m\"}"),
+            size,
+            "{m}"
+        );
         assert!(
             done <= load.ok() + 8,
             "{done} reported, client saw {}",
@@ -295,6 +309,12 @@ fn journal_recoveries_and_resubmissions_match_the_log_after_worker_kills() {
     load.stop.store(true, Ordering::Release);
     t.join().unwrap();
     assert_eq!((load.errors(), load.corrupt()), (0, 0));
+    // The client is gone: no queue is served, the queue size says so.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while per_volume(&scrape(port), "spool_volume_queue_size", "m") != 0 {
+        assert!(std::time::Instant::now() < deadline, "{}", scrape(port));
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// An IOPS cap under load: the capped volume's throttled rounds rise, an uncapped volume's
