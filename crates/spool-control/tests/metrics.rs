@@ -46,6 +46,19 @@ fn scrape(port: u16) -> String {
     out
 }
 
+/// A scrape that shows `series` (the keeper tells a new worker its restart report just after
+/// the worker serves, so a scrape right after a restart may not have it yet).
+fn scrape_with(port: u16, series: &str) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = scrape(port);
+        if m.lines().any(|l| l.starts_with(series)) || std::time::Instant::now() > deadline {
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// The value of the sample whose name and labels are exactly `series`.
 fn sample(text: &str, series: &str) -> f64 {
     text.lines()
@@ -197,7 +210,7 @@ num_queues = 1
     // A worker restart: the same port answers at once (the keeper kept the socket), the
     // counters start again, and the restart is counted.
     d.kill_worker();
-    let m = scrape(port);
+    let m = scrape_with(port, "spool_restarts_total{kind=\"crash-restart\"} ");
     assert!(requests(&m, "write") < writes, "{m}");
     assert_eq!(
         sample(&m, "spool_restarts_total{kind=\"crash-restart\"}"),
@@ -482,7 +495,7 @@ fn upgrades_are_counted_and_each_kinds_stalls_and_phases_kept() {
         upgrades.push(r);
         load.wait_progress(64);
     }
-    let m = scrape(port);
+    let m = scrape_with(port, "spool_restarts_total{kind=\"upgrade\"} 2");
     let status = d.status();
     assert_eq!(
         status["last_restart"]["counts"]["upgrade"],
