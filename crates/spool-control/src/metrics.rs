@@ -16,6 +16,7 @@ use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use spool_frontend::stats::{LATENCY_BUCKETS, OP_NAMES};
+use spool_keeper::proto::{KindHistory, STALL_BUCKETS_MS};
 
 use crate::api::{DeviceHealthReport, OpStats, Status, VolumeStats};
 
@@ -88,6 +89,20 @@ fn histogram(m: &mut MetricEncoder, o: &OpStats) -> std::fmt::Result {
         .collect();
     let count = o.buckets.iter().sum();
     m.encode_histogram::<NoLabelSet>(o.mean_us * o.ops as f64 * 1e-6, count, &buckets, None)
+}
+
+/// The stall histogram of one kind of restart (bounds `STALL_BUCKETS_MS`, then +Inf).
+fn stall_histogram(m: &mut MetricEncoder, h: &KindHistory) -> std::fmt::Result {
+    let buckets: Vec<(f64, u64)> = h
+        .stall_buckets
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let bound = STALL_BUCKETS_MS.get(i).map_or(f64::MAX, |ms| ms / 1e3);
+            (bound, *n)
+        })
+        .collect();
+    m.encode_histogram::<NoLabelSet>(h.stall_sum_ms / 1e3, h.count(), &buckets, None)
 }
 
 fn per_op(v: &VolumeStats) -> [(&'static str, &OpStats); 3] {
@@ -169,21 +184,33 @@ impl Snapshot {
             "Poll rounds in which the volume's I/O limits held requests back.",
             each(|v| v.qos_throttled_rounds),
         )?;
+        self.encode_volume_gauges(enc)
+    }
+
+    fn encode_volume_gauges(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+        let each = |f: fn(&VolumeStats) -> f64| {
+            self.volumes
+                .iter()
+                .map(move |v| (vol(v), f(v)))
+                .collect::<Vec<_>>()
+        };
         gauges(
             enc,
             "spool_volume_in_flight",
             "Requests taken from the guest and not yet completed.",
-            each(|v| v.in_flight)
-                .into_iter()
-                .map(|(l, n)| (l, n as f64)),
+            each(|v| v.in_flight as f64),
         )?;
         gauges(
             enc,
             "spool_volume_queues",
             "Virtqueues the volume offers.",
-            each(|v| v.queues as u64)
-                .into_iter()
-                .map(|(l, n)| (l, n as f64)),
+            each(|v| f64::from(v.queues)),
+        )?;
+        gauges(
+            enc,
+            "spool_volume_queue_size",
+            "Negotiated virtqueue size (descriptors per queue; the largest of the served queues, 0 without a frontend).",
+            each(|v| v.queue_size as f64),
         )
     }
 
@@ -250,6 +277,32 @@ impl Snapshot {
             last.into_iter()
                 .flat_map(|r| r.counts.iter())
                 .map(|(k, n)| (vec![("kind", k.clone())], *n)),
+        )?;
+        let history = last.into_iter().flat_map(|r| r.history.iter());
+        let mut m = enc.encode_descriptor(
+            "spool_restart_stall_seconds",
+            "Stalls of every restart and upgrade so far, by kind, as the keeper measured them.",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (kind, h) in history.clone() {
+            let labels = vec![("kind", kind.clone())];
+            stall_histogram(&mut m.encode_family(&labels)?, h)?;
+        }
+        family(
+            enc,
+            "spool_restart_phase_seconds",
+            "Each phase's duration summed over every restart and upgrade of a kind.",
+            MetricType::Counter,
+            history.flat_map(|(kind, h)| {
+                h.phase_sum_ms.iter().map(move |(phase, ms)| {
+                    (
+                        vec![("kind", kind.clone()), ("phase", phase.clone())],
+                        ms / 1e3,
+                    )
+                })
+            }),
+            |m, v: f64| m.encode_counter::<NoLabelSet, _, f64>(&v, None),
         )?;
         gauges(
             enc,

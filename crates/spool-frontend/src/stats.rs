@@ -64,6 +64,8 @@ pub struct QueueStats {
     throttled: AtomicU64,
     /// Poll rounds: the worker's heartbeat.
     rounds: AtomicU64,
+    /// The virtqueue's negotiated size while a worker serves it (0 when none does).
+    size: AtomicU64,
     /// [`QueueState`] of the queue's worker thread.
     state: AtomicU8,
 }
@@ -233,6 +235,11 @@ impl QueueStats {
         bump(&self.throttled, 1);
     }
 
+    /// Set by the queue's worker thread as it starts (the negotiated size) and stops (0).
+    pub fn set_size(&self, size: u16) {
+        self.size.store(u64::from(size), Ordering::Relaxed);
+    }
+
     /// The heartbeat: poll rounds so far.
     pub fn rounds(&self) -> u64 {
         self.rounds.load(Ordering::Relaxed)
@@ -302,6 +309,8 @@ pub struct VolumeStatsSnapshot {
     pub recoveries: u64,
     pub throttled_rounds: u64,
     pub rounds: u64,
+    /// The largest negotiated size of the volume's served virtqueues (0: none served).
+    pub queue_size: u64,
 }
 
 impl VolumeStats {
@@ -350,6 +359,7 @@ impl VolumeStats {
             s.recoveries += get(&q.recoveries);
             s.throttled_rounds += get(&q.throttled);
             s.rounds += get(&q.rounds);
+            s.queue_size = s.queue_size.max(get(&q.size));
         }
         s
     }
@@ -389,7 +399,11 @@ mod tests {
         let (c, d) = ticks_after(600_000);
         v.queue(1).complete(OpKind::Read, 4096, false, c, d);
         v.queue(7).complete(OpKind::Write, 1, true, 0, 1); // beyond the count: not reported
+        v.queue(0).set_size(128);
+        v.queue(1).set_size(256);
+        v.queue(7).set_size(1024);
         let s = v.snapshot();
+        assert_eq!(s.queue_size, 256);
         assert_eq!(s.ops[0].ops, 100);
         assert_eq!(s.ops[0].bytes, 409_600);
         assert_eq!(s.ops[0].errors, 1);

@@ -78,6 +78,50 @@ pub struct RestartReport {
     /// `keeper-restart`, …), as the keeper counted them, this one included.
     #[serde(default)]
     pub counts: std::collections::BTreeMap<String, u64>,
+    /// Every restart and upgrade so far by kind (the keys of `counts`): stall histogram and
+    /// phase totals, so that one kind's phases are not lost when another follows.
+    #[serde(default)]
+    pub history: RestartHistory,
+}
+
+/// Upper bounds (ms) of the restart-stall histogram's buckets; one more bucket counts slower.
+pub const STALL_BUCKETS_MS: [f64; 12] = [
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
+];
+
+/// Restarts and upgrades by kind (as in `RestartReport::counts`).
+pub type RestartHistory = std::collections::BTreeMap<String, KindHistory>;
+
+/// The restarts of one kind, accumulated by the keeper.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+pub struct KindHistory {
+    /// Stalls per bucket of [`STALL_BUCKETS_MS`] (not cumulative; the last: slower).
+    pub stall_buckets: Vec<u64>,
+    /// Sum of the stalls, ms.
+    pub stall_sum_ms: f64,
+    /// Each phase's duration summed over these restarts, ms.
+    pub phase_sum_ms: std::collections::BTreeMap<String, f64>,
+}
+
+impl KindHistory {
+    /// Adds one restart.
+    pub fn add(&mut self, r: &RestartReport) {
+        self.stall_buckets.resize(STALL_BUCKETS_MS.len() + 1, 0);
+        let b = STALL_BUCKETS_MS
+            .iter()
+            .position(|&le| r.stall_ms <= le)
+            .unwrap_or(STALL_BUCKETS_MS.len());
+        self.stall_buckets[b] += 1;
+        self.stall_sum_ms += r.stall_ms;
+        for p in &r.phases {
+            *self.phase_sum_ms.entry(p.name.clone()).or_default() += p.ms;
+        }
+    }
+
+    /// Restarts counted.
+    pub fn count(&self) -> u64 {
+        self.stall_buckets.iter().sum()
+    }
 }
 
 /// Every message on the channel.
@@ -290,6 +334,39 @@ impl Channel {
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};
+
+    #[test]
+    fn a_kinds_history_buckets_stalls_and_sums_phases() {
+        let mut h = KindHistory::default();
+        let r = |stall_ms: f64, spawn: f64| RestartReport {
+            stall_ms,
+            phases: vec![Phase {
+                name: "spawn worker".into(),
+                ms: spawn,
+            }],
+            ..Default::default()
+        };
+        h.add(&r(0.5, 0.25));
+        h.add(&r(7.0, 3.0));
+        h.add(&r(9000.0, 1.0));
+        assert_eq!(h.count(), 3);
+        assert_eq!(h.stall_buckets.len(), STALL_BUCKETS_MS.len() + 1);
+        assert_eq!(h.stall_buckets[0], 1, "0.5 ms <= 1 ms");
+        assert_eq!(h.stall_buckets[3], 1, "7 ms <= 10 ms");
+        assert_eq!(
+            h.stall_buckets[STALL_BUCKETS_MS.len()],
+            1,
+            "slower than every bound"
+        );
+        assert_eq!(h.stall_sum_ms, 9007.5);
+        assert_eq!(h.phase_sum_ms["spawn worker"], 4.25);
+        // Reports of keepers before the history still parse.
+        let old: RestartReport = serde_json::from_str(
+            r#"{"kind":"upgrade","old_pid":1,"new_pid":2,"binary":"b","began_us":0,"phases":[],"stall_ms":1.0,"outcome":"ok"}"#,
+        )
+        .unwrap();
+        assert!(old.history.is_empty());
+    }
 
     #[test]
     fn messages_and_descriptors_cross_the_channel() {

@@ -34,7 +34,7 @@ use fdstore::FdStore;
 use upgrade::{Stage, Upgrade};
 
 use crate::now_us;
-use crate::proto::{crc, Msg, Phase, RestartReport, StartInfo, PROTOCOL_VERSION};
+use crate::proto::{crc, Msg, Phase, RestartHistory, RestartReport, StartInfo, PROTOCOL_VERSION};
 use crate::systemd::{self, Notifier};
 
 /// How the keeper runs its workers.
@@ -111,6 +111,8 @@ struct Keeper {
     last_watchdog: Instant,
     /// Restarts and upgrades by kind (see `RestartReport::counts`).
     restarts: BTreeMap<String, u64>,
+    /// Their stalls and phases by kind (see `RestartReport::history`).
+    history: RestartHistory,
 }
 
 fn status_text(s: &std::process::ExitStatus) -> String {
@@ -178,6 +180,7 @@ pub fn run(cfg: KeeperConfig) -> ExitCode {
         sd: Notifier::from_env().map(FdStore::new),
         last_watchdog: Instant::now(),
         restarts: BTreeMap::new(),
+        history: RestartHistory::new(),
     };
     let reason = k.restore_from_systemd();
     let binary = k.cfg.binary.clone();
@@ -375,7 +378,7 @@ impl Keeper {
 
     pub(super) fn publish_store(&mut self) {
         if let Some(sd) = self.sd.as_mut() {
-            sd.publish(&self.store, self.generation, &self.restarts);
+            sd.publish(&self.store, self.generation, &self.restarts, &self.history);
         }
     }
 
@@ -389,7 +392,7 @@ impl Keeper {
         let n = inherited.len();
         let restored = sd.restore(inherited);
         let reason = match restored {
-            Some((store, generation, restarts)) if !store.is_empty() => {
+            Some((store, generation, restarts, history)) if !store.is_empty() => {
                 tracing::info!(
                     descriptors = n,
                     entries = store.len(),
@@ -398,6 +401,7 @@ impl Keeper {
                 self.store = store;
                 self.generation = generation;
                 self.restarts = restarts;
+                self.history = history;
                 "keeper-restart"
             }
             _ => "first-start",
@@ -452,8 +456,10 @@ impl Keeper {
         } else {
             format!("{}-failed", r.kind)
         };
-        *self.restarts.entry(kind).or_default() += 1;
+        *self.restarts.entry(kind.clone()).or_default() += 1;
         r.counts = self.restarts.clone();
+        self.history.entry(kind).or_default().add(&r);
+        r.history = self.history.clone();
         self.publish_store();
         self.sd_notify(&format!(
             "READY=1\nSTATUS=serving (worker {}); last {}: {} ({:.1} ms)",

@@ -60,6 +60,9 @@ pub struct VolumeStats {
     pub rejected: u64,
     pub in_flight: u64,
     pub queues: u16,
+    /// The negotiated virtqueue size (the largest of the served queues; 0: no frontend).
+    #[serde(default)]
+    pub queue_size: u64,
     /// Requests resubmitted from the journal, and queues recovered from it, since start.
     pub resubmitted: u64,
     pub journal_recoveries: u64,
@@ -86,6 +89,7 @@ impl VolumeStats {
             rejected: s.rejected,
             in_flight: s.in_flight,
             queues,
+            queue_size: s.queue_size,
             resubmitted: s.resubmitted,
             journal_recoveries: s.recoveries,
             qos_throttled_rounds: s.throttled_rounds,

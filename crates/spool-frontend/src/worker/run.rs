@@ -49,6 +49,7 @@ impl QueueWorker {
         // Completions a previous process put in the used ring just before it died may not
         // have been signalled: one (possibly spurious) interrupt lets the guest see them.
         self.stats.queue(self.index).set_state(QueueState::Running);
+        self.stats.queue(self.index).set_size(self.vq.size());
         self.follow_priority();
         self.signal_guest();
         self.replay_journal();
@@ -85,6 +86,7 @@ impl QueueWorker {
         // Stopping: the drain's wait is bounded by its own timeout, not the watchdog's.
         self.publish_stats();
         self.stats.queue(self.index).set_state(QueueState::Idle);
+        self.stats.queue(self.index).set_size(0);
         self.drain();
         self.publish_stats();
         self.set_share_busy(false);

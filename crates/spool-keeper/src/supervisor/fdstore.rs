@@ -20,6 +20,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use serde::{Deserialize, Serialize};
 
 use super::Kept;
+use crate::proto::RestartHistory;
 use crate::systemd::{Inherited, Notifier};
 
 const INDEX_PREFIX: &str = "index-";
@@ -34,6 +35,9 @@ struct Index {
     /// Restarts and upgrades by kind, continued by the next keeper.
     #[serde(default)]
     restarts: BTreeMap<String, u64>,
+    /// Their stalls and phases by kind, continued by the next keeper.
+    #[serde(default)]
+    history: RestartHistory,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -43,8 +47,13 @@ struct IndexEntry {
     fds: Vec<String>,
 }
 
-/// A store rebuilt from systemd's, its worker generation and restart counts.
-pub(super) type Restored = (BTreeMap<String, Kept>, u64, BTreeMap<String, u64>);
+/// A store rebuilt from systemd's, its worker generation, restart counts and history.
+pub(super) type Restored = (
+    BTreeMap<String, Kept>,
+    u64,
+    BTreeMap<String, u64>,
+    RestartHistory,
+);
 
 /// What identifies an open file cheaply; equal ids are confirmed with kcmp(2).
 pub(super) type FileId = (u64, u64);
@@ -152,11 +161,13 @@ impl FdStore {
         store: &BTreeMap<String, Kept>,
         generation: u64,
         restarts: &BTreeMap<String, u64>,
+        history: &RestartHistory,
     ) {
         let index = Index {
             format: INDEX_FORMAT,
             generation,
             restarts: restarts.clone(),
+            history: history.clone(),
             entries: store
                 .iter()
                 .map(|(k, v)| IndexEntry {
@@ -241,7 +252,7 @@ impl FdStore {
                 },
             );
         }
-        Some((store, ix.generation, ix.restarts))
+        Some((store, ix.generation, ix.restarts, ix.history))
     }
 }
 
@@ -310,6 +321,7 @@ mod tests {
             format: INDEX_FORMAT,
             generation: 7,
             restarts: BTreeMap::new(),
+            history: RestartHistory::new(),
             entries: vec![
                 IndexEntry {
                     key: "vol/a".into(),
@@ -334,7 +346,7 @@ mod tests {
                 ),
             ])
             .expect("the older, intact index");
-        let (store, generation, _) = got;
+        let (store, generation, _, _) = got;
         assert_eq!(generation, 7);
         assert_eq!(
             store.keys().collect::<Vec<_>>(),
@@ -345,7 +357,7 @@ mod tests {
         assert_eq!(sd.next_fd, 4);
         assert_eq!(sd.index, 6, "the next index is newer than every one seen");
         // Publishing drops the unreadable indexes systemd still holds.
-        sd.publish(&store, generation, &BTreeMap::new());
+        sd.publish(&store, generation, &BTreeMap::new(), &RestartHistory::new());
         assert!(sd.held.contains("index-7") && sd.held.contains("fd-3"));
         assert!(!sd.held.contains("index-5") && !sd.held.contains("index-4"));
     }

@@ -81,6 +81,7 @@ impl Keeper {
             all.extend(phases);
             let report = RestartReport {
                 counts: Default::default(),
+                history: Default::default(),
                 kind: start.reason.clone(),
                 old_pid: start.old_pid,
                 new_pid: pid,

@@ -182,6 +182,7 @@ impl Keeper {
             tracing::error!("keeper: {why}");
             self.set_report(RestartReport {
                 counts: Default::default(),
+                history: Default::default(),
                 kind: "upgrade".into(),
                 old_pid: self.worker.as_ref().map(|w| w.pid).unwrap_or(0),
                 new_pid: 0,
@@ -260,6 +261,7 @@ impl Keeper {
         };
         self.last_report = Some(RestartReport {
             counts: Default::default(),
+            history: Default::default(),
             kind: "upgrade".into(),
             outcome: outcome.clone(),
             binary: u.binary.display().to_string(),
@@ -315,6 +317,7 @@ impl Keeper {
         all.extend(phases);
         let report = RestartReport {
             counts: Default::default(),
+            history: Default::default(),
             kind: "upgrade".into(),
             old_pid: u.old_pid,
             new_pid: c.pid,
