@@ -30,6 +30,8 @@ python3 scripts/bench-restart.py --quick
 python3 scripts/bench-failures.py --quick
 python3 scripts/bench-qos.py --quick
 python3 scripts/bench-share.py --quick
+python3 scripts/bench-matrix.py --quick
+python3 scripts/bench-scaling.py --quick
 python3 scripts/bench-mirror.py --quick
 python3 scripts/bench-ceph.py --quick
 scripts/bench-journal.sh --quick

@@ -308,6 +308,15 @@ impl MemoryTable {
     /// Takes the frontend's dirty log (SET_LOG_BASE), replacing any earlier one.
     pub fn set_log(&mut self, log: DirtyLog) -> Result<(), MemoryError> {
         self.log = Some(Arc::new(log));
+        self.republish()
+    }
+
+    /// Publishes the current regions again (the log changed). Without regions there is
+    /// nothing to publish: the next table carries the log.
+    fn republish(&mut self) -> Result<(), MemoryError> {
+        if self.maps.is_empty() {
+            return Ok(());
+        }
         self.publish(self.maps.clone())
     }
 
@@ -321,7 +330,7 @@ impl MemoryTable {
         if !on {
             self.log = None;
         }
-        self.publish(self.maps.clone())
+        self.republish()
     }
 
     /// The dirty log the frontend gave, if any (logging on or not).

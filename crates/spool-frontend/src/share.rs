@@ -89,9 +89,41 @@ pub struct ShareGroup {
     change: Mutex<()>,
     /// Volumes with a busy queue.
     busy: AtomicU32,
+    /// Queue workers of the process not asleep in epoll (see [`Self::crowded`]).
+    awake: AtomicU32,
+}
+
+/// The cores this process may run on (its affinity mask), asked once.
+fn cores() -> u32 {
+    static CORES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1)
+    })
 }
 
 impl ShareGroup {
+    /// A worker is awake (it started, or woke from epoll).
+    #[inline]
+    pub fn wake(&self) {
+        self.awake.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A worker goes to sleep in epoll (or stops).
+    #[inline]
+    pub fn doze(&self) {
+        self.awake.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Whether more workers are awake than the process has cores: then a worker with no
+    /// work sleeps at once instead of polling for `poll_idle`, because polling would only
+    /// take the core from a worker (or a client) that has work. With fewer workers than
+    /// cores, polling keeps its latency benefit. One relaxed load.
+    #[inline]
+    pub fn crowded(&self) -> bool {
+        self.awake.load(Ordering::Relaxed) > cores()
+    }
     /// A new volume's share in the group (removed with [`Self::leave`]).
     pub fn join(&self, weight: u32) -> Arc<VolumeShare> {
         let s = Arc::new(VolumeShare::new(weight));

@@ -53,6 +53,7 @@ impl QueueWorker {
         self.follow_priority();
         self.signal_guest();
         self.replay_journal();
+        self.share_group.wake();
         while !self.stop.load(Ordering::Acquire) {
             let mem = self.begin_round();
             if self.poll_round(&mem) {
@@ -64,8 +65,10 @@ impl QueueWorker {
             // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
             // the worker awake, or nothing would ever wake it for their completions.
             idle_rounds += 1;
+            // More workers awake than cores: sleep now, polling would only take a core from a
+            // worker or client with work (docs/qos.md, "Scaling").
             if !idle_rounds.is_multiple_of(64)
-                || last_work.elapsed() < self.poll_idle
+                || (last_work.elapsed() < self.poll_idle && !self.share_group.crowded())
                 || self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
             {
                 std::hint::spin_loop();
@@ -83,6 +86,7 @@ impl QueueWorker {
                 last_work = Instant::now();
             }
         }
+        self.share_group.doze();
         // Stopping: the drain's wait is bounded by its own timeout, not the watchdog's.
         self.publish_stats();
         self.stats.queue(self.index).set_state(QueueState::Idle);
@@ -207,7 +211,9 @@ impl QueueWorker {
         self.publish_stats();
         let stats = self.stats.queue(self.index);
         stats.set_state(QueueState::Asleep);
+        self.share_group.doze();
         let waited = self.epoll.wait(wait_ms, events);
+        self.share_group.wake();
         stats.set_state(QueueState::Running);
         let n = match waited {
             Ok(n) => n,
