@@ -54,6 +54,9 @@ LABELS = {"spoold": "spoold", "qsd": "qsd aio=native,direct",
           "qsd-iot": "qsd aio=native,direct,iothread"}
 
 
+SPOOLD_EXTRA = ""
+
+
 def all_rows():
     return [(bs, rw, qd, q, v) for bs, rw in WORKLOADS for qd in (1, 32) for q in (1, 4)
             for v in (1, NVOLS)]
@@ -86,7 +89,7 @@ class Backend:
             with open(cfg, "w") as f:
                 f.write(f'state_dir = "{self.dir}/state"\n[journal]\ndir = "{self.dir}/journal"\n'
                         f'[[devices]]\npath = "{self.dir}/dev.img"\n'
-                        f'create_size = "{NVOLS * vol + (16 << 20)}"\n{vols}')
+                        f'create_size = "{NVOLS * vol + (16 << 20)}"\n{vols}\n{SPOOLD_EXTRA}\n')
             cmd = [os.path.join(bins, "spoold"), "-c", cfg]
             self.sockets = [os.path.join(self.dir, "state", "vhost", f"v{i}.sock") for i in range(NVOLS)]
         else:
@@ -228,6 +231,9 @@ def main():
                                   "temporary directory, so a smoke run never overwrites the real results)")
     ap.add_argument("--poll-single", action="store_true",
                     help="poll queues (a busy-polling client) in rows with one client thread, as bench.py")
+    ap.add_argument("--only", help="run only the rows whose name contains this (e.g. '128K read')")
+    ap.add_argument("--spoold-extra", default="",
+                    help="TOML appended to spoold's config (e.g. '[io]\\nfair_share = false')")
     ap.add_argument("--summary-only", action="store_true",
                     help="run nothing: write matrix.md and matrix.png again from matrix.json (in --out or "
                          "docs/benchmarks)")
@@ -247,6 +253,10 @@ def main():
     rounds = args.rounds or (1 if args.quick else 2)
     vol = (64 if args.quick else 256) << 20
     rows = QUICK_ROWS if args.quick else all_rows()
+    if args.only:
+        rows = [r for r in rows if args.only in row_name(r)]
+    global SPOOLD_EXTRA
+    SPOOLD_EXTRA = args.spoold_extra.replace("\\n", "\n")
     for b in ("spoold", "spool-bench"):
         if not os.access(os.path.join(args.bin_dir, b), os.X_OK):
             sys.exit(f"{args.bin_dir}/{b} missing: cargo build --release --bin spoold --bin spool-bench "

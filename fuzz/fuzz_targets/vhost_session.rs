@@ -47,6 +47,7 @@ const SET_FEATURES: u32 = 2;
 const SET_OWNER: u32 = 3;
 const RESET_OWNER: u32 = 4;
 const SET_MEM_TABLE: u32 = 5;
+const SET_LOG_BASE: u32 = 6;
 const SET_VRING_NUM: u32 = 8;
 const SET_VRING_ADDR: u32 = 9;
 const SET_VRING_BASE: u32 = 10;
@@ -887,6 +888,7 @@ fuzz_target!(|data: &[u8]| {
         clock: Default::default(),
         share_group: Default::default(),
         fair_share: cfg & 32 != 0,
+        ..Default::default()
     };
     spool_journal::remove_volume_journals(&env.journals, VOLUME);
     let ctx = VolumeContext::new(layout(read_only, 2), settings);
@@ -1052,14 +1054,39 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             20 => {
-                // SET_FEATURES / SET_PROTOCOL_FEATURES with any bits.
-                let code = if b.u8() & 1 == 0 {
-                    SET_FEATURES
-                } else {
-                    SET_PROTOCOL_FEATURES
-                };
-                let v = b.u64();
-                c.send(code, &v.to_le_bytes(), &[], ack);
+                // SET_FEATURES / SET_PROTOCOL_FEATURES with any bits (VHOST_F_LOG_ALL and
+                // LOG_SHMFD among them), or SET_LOG_BASE: a guest memfd as the dirty log, of
+                // any size and offset (it may not hold them, and may be truncated later).
+                match b.u8() % 3 {
+                    0 | 1 => {
+                        let code = if b.u8() & 1 == 0 {
+                            SET_FEATURES
+                        } else {
+                            SET_PROTOCOL_FEATURES
+                        };
+                        let v = b.u64();
+                        c.send(code, &v.to_le_bytes(), &[], ack);
+                    }
+                    _ => {
+                        let size = match b.u8() % 4 {
+                            0 => 0,
+                            1 => 64,
+                            2 => b.u32() as u64,
+                            _ => 1 << 20,
+                        };
+                        let offset = match b.u8() % 3 {
+                            0 => 0,
+                            1 => b.u16() as u64,
+                            _ => b.u64(),
+                        };
+                        if let Some(m) = c.mem(b.u8() as usize % 3) {
+                            let mut p = size.to_le_bytes().to_vec();
+                            p.extend_from_slice(&offset.to_le_bytes());
+                            c.send_raw(SET_LOG_BASE, 1, 16, &p, &[m.fd.as_raw_fd()]);
+                            c.reply();
+                        }
+                    }
+                }
             }
             21 => {
                 // Garbage: any code and flags, a size that may lie, any payload, descriptors.

@@ -319,3 +319,50 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     ctl(&a, &["volume", "delete", "e", "--remove-image"]);
     assert!(!cluster.rbd(&["ls", "rbd"]).unwrap().contains("ext"));
 }
+
+/// An unreachable cluster (the OSD stopped for good) holds the guest's I/O, without error,
+/// for the I/O timeout, and then fails it cleanly: errors, never corrupt data, spoold and the
+/// client's connection alive, a health event for the device.
+#[test]
+fn an_unreachable_cluster_holds_io_then_fails_it_cleanly() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(cluster) = CephCluster::start("outage") else {
+        return;
+    };
+    let mut d = Spoold::start(&format!(
+        "{}\n[health]\nio_timeout_ms = 2000\nreset_timeout_ms = 4000\n",
+        config(&cluster, "pool1")
+    ));
+    let (load, t) = Load::start_patient(d.socket("a"), 64 << 20, Duration::from_secs(120));
+    load.wait_progress(64);
+    cluster.stop_osd();
+    let down = Instant::now();
+    Load::wait_more_for(
+        &load.errors,
+        1,
+        "I/O was never failed while the cluster was unreachable",
+        Duration::from_secs(120),
+    );
+    let held = down.elapsed();
+    assert!(
+        held >= Duration::from_secs(2),
+        "failed after {held:?}, before the 2 s I/O timeout"
+    );
+    load.stop.store(true, Ordering::Release);
+    t.join().unwrap();
+    assert_eq!(load.corrupt(), 0);
+    assert!(d.running(), "spoold died\n{}", d.log());
+    let log = d.log();
+    assert_eq!(log.matches("frontend connected").count(), 1, "{log}");
+    let events = d.rpc("events_list", json!({})).unwrap().to_string();
+    assert!(
+        events.contains("rbd:rbd/pool1"),
+        "no health event: {events}"
+    );
+    eprintln!(
+        "cluster unreachable: I/O held {held:?}, then {} requests failed ({} completed)",
+        load.errors(),
+        load.ok()
+    );
+    cluster.start_osd();
+}
