@@ -323,7 +323,12 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
 /// An unreachable cluster (the OSD stopped for good) holds the guest's I/O, without error,
 /// for the I/O timeout, and then fails it cleanly: errors, never corrupt data, spoold and the
 /// client's connection alive, a health event for the device.
+///
+/// Fails today, which is why it is ignored: the device is reset and then isolated on time,
+/// but requests inside librbd cannot be aborted, so they stay in flight and the client waits
+/// for ever (docs/ceph.md, "Not done yet"). Run it with `--ignored` once that is built.
 #[test]
+#[ignore = "issue 20: an unreachable cluster's requests are held for ever, not failed"]
 fn an_unreachable_cluster_holds_io_then_fails_it_cleanly() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let Some(cluster) = CephCluster::start("outage") else {
