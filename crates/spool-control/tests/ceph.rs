@@ -324,11 +324,10 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
 /// for the I/O timeout, and then fails it cleanly: errors, never corrupt data, spoold and the
 /// client's connection alive, a health event for the device.
 ///
-/// Fails today, which is why it is ignored: the device is reset and then isolated on time,
-/// but requests inside librbd cannot be aborted, so they stay in flight and the client waits
-/// for ever (docs/ceph.md, "Not done yet"). Run it with `--ignored` once that is built.
+/// librbd cannot take an operation back: once the device is isolated the queue gives its
+/// operations up (reads land in buffers of their own, so a late completion touches nothing
+/// of the guest's), and the requests fail.
 #[test]
-#[ignore = "issue 20: an unreachable cluster's requests are held for ever, not failed"]
 fn an_unreachable_cluster_holds_io_then_fails_it_cleanly() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let Some(cluster) = CephCluster::start("outage") else {

@@ -320,6 +320,14 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
         }
         n + self.inner.abort()
     }
+
+    fn abandon(&mut self) -> usize {
+        let n = self.hung.len();
+        for t in self.hung.drain(..) {
+            self.done.push_back((t, -libc::ECANCELED));
+        }
+        n + self.inner.abandon()
+    }
 }
 
 #[cfg(test)]

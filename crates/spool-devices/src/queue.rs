@@ -96,6 +96,13 @@ pub trait DeviceQueue: Send {
     fn abort(&mut self) -> usize {
         0
     }
+    /// The device was declared failed: give up even what `abort` cannot take back (an
+    /// operation a network storage holds for ever), completing it with -ECANCELED, as long
+    /// as nothing of the caller's buffers is touched afterwards. Returns how many. By
+    /// default the same as `abort`.
+    fn abandon(&mut self) -> usize {
+        self.abort()
+    }
 }
 
 /// A boxed queue is a queue: what lets a wrapper (fault injection) stack on the queue of any
@@ -141,6 +148,10 @@ impl<Q: DeviceQueue + ?Sized> DeviceQueue for Box<Q> {
 
     fn abort(&mut self) -> usize {
         (**self).abort()
+    }
+
+    fn abandon(&mut self) -> usize {
+        (**self).abandon()
     }
 }
 

@@ -139,6 +139,9 @@ impl Cluster {
             (c"client_mount_timeout", c"30"),
             (c"rados_mon_op_timeout", c"30"),
             (c"rbd_cache", c"false"),
+            // Writes copied when submitted: a write given up (`RbdQueue::abandon`) must not
+            // read guest memory later.
+            (c"rbd_disable_zero_copy_writes", c"true"),
         ] {
             // SAFETY: a created handle; static NUL-terminated strings.
             unsafe { (ffi::loaded().rados_conf_set)(c.handle, k.as_ptr(), v.as_ptr()) };

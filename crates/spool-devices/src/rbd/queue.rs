@@ -3,7 +3,14 @@
 //! shared list and, when the worker sleeps, signals its eventfd; the worker reaps the list.
 //! librbd dispatches on submit, so `kick` has nothing to do.
 //!
-//! Owns: submission, the completion callback, reaping, the timed probe read.
+//! librbd cannot take an operation back, and a cluster that is gone holds it for ever. So
+//! that a device declared failed can still fail its requests to the guest cleanly
+//! ([`DeviceQueue::abandon`]), no operation touches guest memory after it was given up: reads
+//! land in a buffer of the operation's own and are copied into the guest's buffers by the
+//! callback, under the operation's lock, only if it was not given up; writes are copied by
+//! librbd when submitted (`rbd_disable_zero_copy_writes`, set at connect).
+//!
+//! Owns: submission, the completion callback, reaping, giving up, the timed probe read.
 //! Must not know: health, pools, what the requests are for.
 
 use std::ffi::{c_int, c_void};
@@ -25,12 +32,37 @@ struct Shared {
     event: File,
 }
 
+/// Where an operation is: with librbd, completed, or given up by the queue.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum State {
+    InFlight,
+    Done,
+    Abandoned,
+}
+
+/// What the queue and an operation's callback share: its state, and for a read the guest's
+/// buffers to copy into (valid while the operation is in flight: the `submit` contract).
+struct Ctl {
+    tag: u64,
+    state: Mutex<State>,
+    guest: Vec<(usize, usize)>,
+}
+
+// SAFETY: `guest` holds addresses of guest memory, written only under `state`'s lock while
+// the operation is in flight (when the submitter guarantees the memory is alive).
+unsafe impl Send for Ctl {}
+// SAFETY: as above.
+unsafe impl Sync for Ctl {}
+
 /// One request's context, owned by its completion until the callback runs.
 struct Op {
     shared: Arc<Shared>,
-    tag: u64,
+    ctl: Arc<Ctl>,
     /// Reads report the bytes read, as the file backends do; everything else 0.
     read: bool,
+    /// A read's own buffer (librbd reads into it), and the iovec that describes it.
+    bounce: Vec<u8>,
+    iov: libc::iovec,
 }
 
 /// The completion callback (a librbd thread).
@@ -49,11 +81,35 @@ extern "C" fn on_complete(c: ffi::rbd_completion_t, arg: *mut c_void) {
         r if op.read => r.min(i32::MAX as isize) as i32,
         _ => 0,
     };
+    let mut state = op.ctl.state.lock().unwrap_or_else(|e| e.into_inner());
+    if *state == State::Abandoned {
+        // Given up: the request was completed without us, its guest memory may be gone.
+        return;
+    }
+    if op.read && r > 0 {
+        let mut from = 0usize;
+        let n = (r as usize).min(op.bounce.len());
+        for &(addr, len) in &op.ctl.guest {
+            if from >= n {
+                break;
+            }
+            let k = len.min(n - from);
+            // SAFETY: the operation is in flight (not abandoned, checked under the lock the
+            // queue takes to abandon it), so its guest buffers are alive and ours to fill
+            // until the worker reaps it; `from + k <= bounce.len()`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(op.bounce.as_ptr().add(from), addr as *mut u8, k)
+            };
+            from += k;
+        }
+    }
+    *state = State::Done;
+    drop(state);
     op.shared
         .done
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .push((op.tag, res));
+        .push((op.ctl.tag, res));
     if op.shared.notify.load(Ordering::SeqCst) {
         let _ = (&op.shared.event).write(&1u64.to_ne_bytes());
     }
@@ -67,6 +123,8 @@ pub struct RbdQueue {
     /// refused (they complete with its error).
     local: Vec<(u64, i32)>,
     in_flight: usize,
+    /// Operations submitted and not yet reaped (for `abandon`).
+    live: Vec<Arc<Ctl>>,
 }
 
 impl RbdQueue {
@@ -80,17 +138,40 @@ impl RbdQueue {
             }),
             local: Vec::with_capacity(256),
             in_flight: 0,
+            live: Vec::with_capacity(256),
         })
     }
 }
 
 impl DeviceQueue for RbdQueue {
     unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
-        let op = Box::new(Op {
-            shared: self.shared.clone(),
+        let mut guest = Vec::new();
+        if let DeviceIo::Read { iov, iovcnt, .. } = io {
+            for i in 0..iovcnt as usize {
+                // SAFETY: `iov` points to `iovcnt` entries (the `submit` contract).
+                let v = unsafe { &*iov.add(i) };
+                guest.push((v.iov_base as usize, v.iov_len));
+            }
+        }
+        let ctl = Arc::new(Ctl {
             tag,
-            read: matches!(io, DeviceIo::Read { .. }),
+            state: Mutex::new(State::InFlight),
+            guest,
         });
+        let len: usize = ctl.guest.iter().map(|g| g.1).sum();
+        let mut op = Box::new(Op {
+            shared: self.shared.clone(),
+            ctl: ctl.clone(),
+            read: matches!(io, DeviceIo::Read { .. }),
+            bounce: vec![0u8; len],
+            iov: libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: len,
+            },
+        });
+        op.iov.iov_base = op.bounce.as_mut_ptr().cast();
+        // The box's heap contents do not move when it is leaked.
+        let bounce_iov: *const libc::iovec = &op.iov;
         let arg = Box::into_raw(op).cast::<c_void>();
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // SAFETY: `arg` is a leaked box the callback takes back; out-pointer to a local.
@@ -105,12 +186,9 @@ impl DeviceQueue for RbdQueue {
             // until it completes.
             unsafe {
                 match io {
-                    DeviceIo::Read {
-                        offset,
-                        iov,
-                        iovcnt,
-                        ..
-                    } => (ffi::loaded().rbd_aio_readv)(img, iov, iovcnt as c_int, offset, c),
+                    DeviceIo::Read { offset, .. } => {
+                        (ffi::loaded().rbd_aio_readv)(img, bounce_iov, 1, offset, c)
+                    }
                     DeviceIo::Write {
                         offset,
                         iov,
@@ -135,6 +213,8 @@ impl DeviceQueue for RbdQueue {
             // SAFETY: the callback will not run for a refused request: the box is ours.
             drop(unsafe { Box::from_raw(arg.cast::<Op>()) });
             self.local.push((tag, r));
+        } else {
+            self.live.push(ctl);
         }
         self.in_flight += 1;
     }
@@ -156,6 +236,8 @@ impl DeviceQueue for RbdQueue {
             done(tag, res);
         }
         self.in_flight -= n.min(self.in_flight);
+        self.live
+            .retain(|c| *c.state.lock().unwrap_or_else(|e| e.into_inner()) == State::InFlight);
         n
     }
 
@@ -177,6 +259,27 @@ impl DeviceQueue for RbdQueue {
 
     fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    /// Gives up every operation librbd still holds: each completes with -ECANCELED on the
+    /// next reap, and its callback, whenever it comes, touches nothing of the guest's.
+    fn abandon(&mut self) -> usize {
+        let mut n = 0;
+        for c in self.live.drain(..) {
+            let mut state = c.state.lock().unwrap_or_else(|e| e.into_inner());
+            if *state == State::InFlight {
+                *state = State::Abandoned;
+                self.local.push((c.tag, -libc::ECANCELED));
+                n += 1;
+            }
+        }
+        if n > 0 {
+            tracing::warn!(
+                operations = n,
+                "gave up RBD operations the cluster never completed"
+            );
+        }
+        n
     }
 }
 

@@ -106,7 +106,13 @@ impl QueueWorker {
             if epoch != self.seen_epochs[d] {
                 self.seen_epochs[d] = epoch;
                 tracing::debug!(volume = %self.volume, queue = self.index, device = d, state = state.name(), "device health changed");
-                self.devices[d].abort();
+                if state == HealthState::Failed {
+                    // Isolated: what it still holds will never be served; give it up (a
+                    // network device's operations included) so the requests fail cleanly.
+                    self.devices[d].abandon();
+                } else {
+                    self.devices[d].abort();
+                }
                 changed = true;
             }
         }
