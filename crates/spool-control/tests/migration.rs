@@ -24,6 +24,7 @@ struct Vm {
     child: Child,
     qmp: Qmp,
     console: PathBuf,
+    stderr: PathBuf,
 }
 
 impl Vm {
@@ -31,6 +32,7 @@ impl Vm {
     /// `incoming`, as a migration's destination listening there.
     fn start(sock: &Path, dir: &Path, tag: &str, runtime: u64, incoming: Option<&Path>) -> Vm {
         let console = dir.join(format!("{tag}.console"));
+        let stderr = dir.join(format!("{tag}.stderr"));
         let qmp = dir.join(format!("{tag}.qmp"));
         let mut c = qemu(
             sock,
@@ -48,9 +50,7 @@ impl Vm {
         }
         let child = c
             .stdout(std::fs::File::create(&console).unwrap())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join(format!("{tag}.stderr"))).unwrap(),
-            ))
+            .stderr(Stdio::from(std::fs::File::create(&stderr).unwrap()))
             .spawn()
             .expect("qemu-system-x86_64 must be installed");
         let qmp = Qmp::connect(&qmp);
@@ -58,6 +58,7 @@ impl Vm {
             child,
             qmp,
             console,
+            stderr,
         }
     }
 
@@ -68,8 +69,9 @@ impl Vm {
     fn assert_running(&mut self, what: &str, a: &Spoold, b: &Spoold) {
         assert!(
             self.child.try_wait().unwrap().is_none(),
-            "{what}: the guest exited early: {}\n--- A ---\n{}\n--- B ---\n{}",
+            "{what}: the guest exited early: {}\n--- QEMU ---\n{}\n--- A ---\n{}\n--- B ---\n{}",
             self.console(),
+            std::fs::read_to_string(&self.stderr).unwrap_or_default(),
             a.log(),
             b.log()
         );
