@@ -42,7 +42,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import OUT, bin_dir, log, wait_socket  # noqa: E402
+from benchlib import OUT, bin_dir, cpu_model, log, wait_socket  # noqa: E402
 
 NVOLS = 3
 QUEUES = 4
@@ -289,17 +289,6 @@ def main():
     plot(doc, os.path.join(out, "matrix.png"))
     met = sum(r["met"] for r in results)
     log(f"{met} of {len(results)} rows meet the target; {time.time() - t0:.0f} s; results in {out}/matrix.*")
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def qsd_version():

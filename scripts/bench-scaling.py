@@ -40,7 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import OUT, bin_dir, log, wait_socket  # noqa: E402
+from benchlib import OUT, bin_dir, cpu_model, log, wait_socket  # noqa: E402
 
 NVOLS = 4
 QUEUES = 2
@@ -321,17 +321,6 @@ def summarize(runs):
                         lat_mean_us=med("lat_mean_us"),
                         others_cores=statistics.median(r.get("others_cores", 0) for r in rs)))
     return out
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def write_md(doc, path, quick):

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, OUT, REPO, log, wait_socket  # noqa: E402
+from benchlib import BIN, OUT, REPO, cpu_model, log, wait_socket  # noqa: E402
 
 VOL = 512 << 20
 
@@ -473,18 +473,6 @@ def targets(res):
         out.append(("tmpfs: 4K randread QD1 mean latency", f"{t1['lat_mean_us']:.2f} µs",
                     f"{best['lat_mean_us']:.2f} µs ({best['label']})", t1["lat_mean_us"] <= best["lat_mean_us"]))
     return out
-
-
-def cpu_model():
-    """The CPU's model name (results differ between the machines this runs on)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def journal_targets():

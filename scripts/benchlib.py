@@ -42,3 +42,15 @@ def bin_dir():
     target/release of this checkout (BIN)."""
     t = os.environ.get("SPOOL_TARGET_DIR")
     return os.path.join(t, "release") if t else BIN
+
+
+def cpu_model():
+    """The CPU's model name (results differ between the machines this runs on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
