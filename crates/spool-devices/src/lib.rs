@@ -35,7 +35,7 @@ pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
-pub use rbd::{warm_up as warm_up_ceph, CephOptions, Locker as RbdLocker, RbdBackend, RbdQueue};
+pub use rbd::{warm_up as warm_up_ceph, CephOptions, RbdBackend, RbdQueue};
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
 /// reset, are the backend that keeps some today). The daemon supplies a [`handoff::Keeper`]

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use super::{ffi, Image, RbdBackend};
+use super::{ffi, Image};
 use crate::{Error, Result};
 
 /// librbd's name for an image's advisory lock.
@@ -39,10 +39,10 @@ const RETRY: Duration = Duration::from_millis(20);
 
 /// One holder of an image's advisory lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Locker {
+pub(super) struct Locker {
     /// The cluster client holding it (`client.4151`).
     pub client: String,
-    /// Whose it is: the owner string given to [`RbdBackend::claim`].
+    /// Whose it is: the cookie of the owner given to [`Fence::claim`].
     pub cookie: String,
     /// The client's address.
     pub addr: String,
@@ -59,28 +59,8 @@ pub(super) struct Fence {
     image: Arc<Image>,
     path: PathBuf,
     claims: Mutex<usize>,
-}
-
-impl RbdBackend {
-    /// Claims the image for `owner` (one spoold): see [`Fence::claim`].
-    pub fn claim(&self, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
-        self.fence.claim(owner, trusted, wait)
-    }
-
-    /// Gives back one claim of `owner`: see [`Fence::release_claim`].
-    pub fn release_claim(&self, owner: &str) -> Result<()> {
-        self.fence.release_claim(owner)
-    }
-
-    /// This process's claims on the image (0: it serves nothing on it).
-    pub fn claims(&self) -> usize {
-        *self.fence.claims.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Who holds the image's advisory lock.
-    pub fn lockers(&self) -> Result<Vec<Locker>> {
-        self.fence.lockers()
-    }
+    /// Addresses of earlier processes' cluster clients this process blocklisted already.
+    fenced: Mutex<Vec<String>>,
 }
 
 impl Fence {
@@ -89,6 +69,7 @@ impl Fence {
             image,
             path,
             claims: Mutex::new(0),
+            fenced: Mutex::new(Vec::new()),
         })
     }
 
@@ -98,11 +79,17 @@ impl Fence {
     /// cookie (by a process of the same spoold that was killed); while another owner holds
     /// it, it asks again every 20 ms for up to `wait`, then fails naming the holder.
     ///
-    /// A trusted first claim takes the lock over in the background: the lock is still the
-    /// killed or upgraded predecessor's, whose cluster client is blocklisted (so a process
-    /// that is not quite dead can never write again) before the lock is taken under this
-    /// process's client. Neither the restart nor a later migration waits for that.
-    fn claim(self: &Arc<Self>, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
+    /// A trusted first claim fences the predecessor in the background: the lock stays the
+    /// killed or upgraded predecessor's (under this owner's cookie, so it is ours), and that
+    /// process's cluster client is blocklisted, so a process that is not quite dead can
+    /// never write again. The restart does not wait for it, and giving the lock back later
+    /// does not blocklist again.
+    pub(super) fn claim(
+        self: &Arc<Self>,
+        owner: &str,
+        trusted: bool,
+        wait: Duration,
+    ) -> Result<()> {
         let cookie = cookie(owner);
         let mut count = self.claims.lock().unwrap_or_else(|p| p.into_inner());
         if *count > 0 {
@@ -155,7 +142,7 @@ impl Fence {
     /// this owner took it. A lock an earlier process of this owner took (a killed or
     /// upgraded worker) is broken, and that process's cluster client blocklisted first, so
     /// that it can never write again.
-    fn release_claim(&self, owner: &str) -> Result<()> {
+    pub(super) fn release_claim(&self, owner: &str) -> Result<()> {
         let mut count = self.claims.lock().unwrap_or_else(|p| p.into_inner());
         if *count == 0 {
             return Ok(());
@@ -182,33 +169,34 @@ impl Fence {
         Ok(())
     }
 
-    /// Takes the lock under this process's client from an earlier process of the same owner
+    /// Fences the earlier process of the same owner that holds the lock
     /// (see [`Fence::claim`]); nothing if every claim was given back meanwhile.
     fn take_over(&self, cookie: &str) {
         let count = self.claims.lock().unwrap_or_else(|p| p.into_inner());
         if *count == 0 {
             return;
         }
+        // The lock stays as it is (under this owner's cookie): breaking it to take it again
+        // would leave it free for a moment, and another host waiting for it would get in.
         let r = (|| -> Result<usize> {
-            let mut fenced = 0;
             if self.try_lock(cookie)? {
                 return Ok(0);
             }
+            let mut fenced = 0;
             for l in self.lockers()?.into_iter().filter(|l| l.cookie == cookie) {
-                self.break_lock(&l, cookie)?;
+                self.blocklist(&l);
                 fenced += 1;
             }
-            self.try_lock(cookie)?;
             Ok(fenced)
         })();
         drop(count);
         match r {
             Ok(0) => {}
             Ok(n) => {
-                tracing::info!(image = %self.path.display(), fenced = n, "took the image's lock over from an earlier process of this spoold (its cluster client blocklisted)")
+                tracing::info!(image = %self.path.display(), fenced = n, "fenced the earlier process of this spoold holding the image's lock (its cluster client blocklisted)")
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot take the image's lock over; it stays the earlier process's, and is given back all the same")
+                tracing::warn!(error = %e, "cannot fence the earlier process holding the image's lock; the lock is given back all the same")
             }
         }
     }
@@ -237,10 +225,17 @@ impl Fence {
         }
     }
 
-    /// Blocklists the lock holder `l` (another process of this owner) and breaks its lock.
-    fn break_lock(&self, l: &Locker, cookie: &str) -> Result<()> {
-        let (oid, name, c) = (self.header()?, cs(LOCK_NAME), self.cstr("cookie", cookie)?);
-        let mut addr = self.cstr("locker address", &l.addr)?.into_bytes_with_nul();
+    /// Blocklists the cluster client of lock holder `l` (an earlier process of this owner),
+    /// once per process, so that it can never write again.
+    fn blocklist(&self, l: &Locker) {
+        let mut fenced = self.fenced.lock().unwrap_or_else(|p| p.into_inner());
+        if fenced.contains(&l.addr) {
+            return;
+        }
+        let Ok(addr) = self.cstr("locker address", &l.addr) else {
+            return;
+        };
+        let mut addr = addr.into_bytes_with_nul();
         // SAFETY: a connected cluster and a NUL-terminated address in a buffer we own (the
         // C API takes it as mutable; it does not write it).
         let r = unsafe {
@@ -252,7 +247,16 @@ impl Fence {
         };
         if r < 0 {
             tracing::warn!(image = %self.path.display(), client = %l.client, "cannot blocklist the earlier holder of the lock: {}", std::io::Error::from_raw_os_error(-r));
+        } else {
+            fenced.push(l.addr.clone());
         }
+    }
+
+    /// Blocklists the lock holder `l` (another process of this owner) unless done already,
+    /// and breaks its lock.
+    fn break_lock(&self, l: &Locker, cookie: &str) -> Result<()> {
+        self.blocklist(l);
+        let (oid, name, c) = (self.header()?, cs(LOCK_NAME), self.cstr("cookie", cookie)?);
         let client = self.cstr("lock client", &l.client)?;
         // SAFETY: the image's I/O context and NUL-terminated strings.
         let r = unsafe {

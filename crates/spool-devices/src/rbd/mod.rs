@@ -17,8 +17,6 @@ mod claim;
 mod ffi;
 mod queue;
 
-pub use claim::Locker;
-
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
@@ -451,11 +449,11 @@ impl PoolDevice for RbdBackend {
     /// A read of the first sector, waited for at most [`PROBE_TIMEOUT`] (an unreachable
     /// cluster holds the read, it does not fail it).
     fn claim(&self, owner: &str, trusted: bool, wait: Duration) -> Result<()> {
-        RbdBackend::claim(self, owner, trusted, wait)
+        self.fence.claim(owner, trusted, wait)
     }
 
     fn release_claim(&self, owner: &str) -> Result<()> {
-        RbdBackend::release_claim(self, owner)
+        self.fence.release_claim(owner)
     }
 
     fn as_rbd(&self) -> Option<&RbdBackend> {
