@@ -721,6 +721,23 @@ size = "1M"
     }
 
     #[test]
+    fn the_ceph_claim_wait_has_a_default_and_a_bound() {
+        let parse = |t: &str| Config::parse(&format!("state_dir = \"/x\"\n{t}"), Path::new("/"));
+        assert_eq!(parse("").unwrap().ceph_claim_wait_ms, 10_000);
+        assert_eq!(
+            parse("[ceph]\nclaim_wait_ms = 0")
+                .unwrap()
+                .ceph_claim_wait_ms,
+            0
+        );
+        let e = parse("[ceph]\nclaim_wait_ms = 600001")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("claim_wait_ms") && e.contains("600000"), "{e}");
+        assert!(parse("[ceph]\nclaim_wait_ms = -1").is_err());
+    }
+
+    #[test]
     fn relative_paths_are_relative_to_the_config_file() {
         let c = Config::parse(
             "state_dir = \"st\"\n[[devices]]\npath = \"d.img\"\ncreate_size = 1048576",
