@@ -78,7 +78,9 @@ def stop(proc):
 
 
 class Backend:
-    def __init__(self, name, work, vol, bins):
+    def __init__(self, name, work, vol, bins, shared=None):
+        """spoold, or a qsd setup serving the bytes of spoold's volumes in place (`shared`:
+        spoold's device file and each volume's offset in it)."""
         self.name, self.dir = name, os.path.join(work, name)
         os.makedirs(self.dir)
         self.log = open(os.path.join(self.dir, "log"), "w")
@@ -86,25 +88,25 @@ class Backend:
             vols = "".join(f'[[volumes]]\nname = "v{i}"\nsize = {vol}\nnum_queues = {QUEUES}\n'
                            for i in range(NVOLS))
             cfg = os.path.join(self.dir, "spoold.toml")
+            self.device = f"{self.dir}/dev.img"
             with open(cfg, "w") as f:
                 f.write(f'state_dir = "{self.dir}/state"\n[journal]\ndir = "{self.dir}/journal"\n'
-                        f'[[devices]]\npath = "{self.dir}/dev.img"\n'
+                        f'[[devices]]\npath = "{self.device}"\n'
                         f'create_size = "{NVOLS * vol + (16 << 20)}"\n{vols}\n{SPOOLD_EXTRA}\n')
             cmd = [os.path.join(bins, "spoold"), "-c", cfg]
             self.sockets = [os.path.join(self.dir, "state", "vhost", f"v{i}.sock") for i in range(NVOLS)]
         else:
-            img = os.path.join(self.dir, "q.img")
-            with open(img, "wb") as f:
-                f.truncate(NVOLS * vol)
+            img, offsets = shared
+            # locking=off: spoold holds the file; the runs take turns, never overlap.
             cmd = ["qemu-storage-daemon", "--blockdev",
-                   f"driver=file,node-name=base,filename={img},cache.direct=on,aio=native"]
+                   f"driver=file,node-name=base,filename={img},cache.direct=on,aio=native,locking=off"]
             if name == "qsd-iot":
                 cmd += ["--object", "iothread,id=io0"]
             self.sockets = [os.path.join(self.dir, f"v{i}.sock") for i in range(NVOLS)]
             # Every node before any export: QEMU 7.2 aborts (qemu_mutex_unlock_impl) when a raw
             # node is added on a file node an iothread export already moved to its context.
             for i in range(NVOLS):
-                cmd += ["--blockdev", f"driver=raw,node-name=v{i},file=base,offset={i * vol},size={vol}"]
+                cmd += ["--blockdev", f"driver=raw,node-name=v{i},file=base,offset={offsets[i]},size={vol}"]
             for i, sock in enumerate(self.sockets):
                 cmd += ["--export", f"type=vhost-user-blk,id=e{i},node-name=v{i},addr.type=unix,"
                         f"addr.path={sock},writable=on,num-queues={QUEUES}"
@@ -112,6 +114,21 @@ class Backend:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         for s in self.sockets:
             wait_socket(s, self.proc, name)
+
+    def volume_offsets(self, bins, vol):
+        """Where each of spoold's volumes lies in its device file (`volume show` extent map)."""
+        offsets = []
+        for i in range(NVOLS):
+            r = subprocess.run([os.path.join(bins, "spoolctl"), "--socket",
+                                os.path.join(self.dir, "state", "spoold.sock"), "--json", "volume", "show",
+                                f"v{i}"], capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise RuntimeError(f"spoolctl volume show v{i}: {r.stderr.strip()}")
+            m = json.loads(r.stdout)["extent_map"]
+            if len(m) != 1 or m[0]["len"] < vol:
+                raise RuntimeError(f"volume v{i} is not one extent: {m}")
+            offsets.append(m[0]["offset"])
+        return offsets
 
     def tail(self):
         with open(os.path.join(self.dir, "log")) as f:
@@ -257,18 +274,20 @@ def main():
         rows = [r for r in rows if args.only in row_name(r)]
     global SPOOLD_EXTRA
     SPOOLD_EXTRA = args.spoold_extra.replace("\\n", "\n")
-    for b in ("spoold", "spool-bench"):
+    for b in ("spoold", "spoolctl", "spool-bench"):
         if not os.access(os.path.join(args.bin_dir, b), os.X_OK):
-            sys.exit(f"{args.bin_dir}/{b} missing: cargo build --release --bin spoold --bin spool-bench "
+            sys.exit(f"{args.bin_dir}/{b} missing: cargo build --release --bin spoold --bin spoolctl --bin spool-bench "
                      "(set SPOOL_TARGET_DIR to its target directory)")
     work = tempfile.mkdtemp(prefix="spool-matrix.", dir="/dev/shm")
     backends, results = {}, []
     t0 = time.time()
     try:
-        for n in BACKENDS:
-            backends[n] = Backend(n, work, vol, args.bin_dir)
-            for s in backends[n].sockets:
-                fill(args.bin_dir, s, vol)
+        sp = backends["spoold"] = Backend("spoold", work, vol, args.bin_dir)
+        for s in sp.sockets:
+            fill(args.bin_dir, s, vol)
+        shared = (sp.device, sp.volume_offsets(args.bin_dir, vol))
+        for n in BACKENDS[1:]:
+            backends[n] = Backend(n, work, vol, args.bin_dir, shared)
         log(f"== {len(rows)} rows, {rounds} round(s) of A B C C B A, {runtime} s runs "
             f"(+{warmup} s warm-up); setup {time.time() - t0:.1f} s")
         for row in rows:

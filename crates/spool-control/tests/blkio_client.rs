@@ -108,6 +108,40 @@ num_queues = 1
     let (r, back) = c.read_sync(0, off, 3 << 20);
     assert_eq!(r, 0);
     assert!(back == data);
+    // The extent map says where those bytes are: read them from the device files.
+    let devices = d.rpc("device_list", json!({})).unwrap();
+    let path_of = |uuid: &serde_json::Value| {
+        let dev = devices
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["uuid"] == *uuid);
+        dev.unwrap()["path"].as_str().unwrap().to_string()
+    };
+    let map = v["extent_map"].as_array().unwrap();
+    let covered: u64 = map.iter().map(|e| e["len"].as_u64().unwrap()).sum();
+    assert!(covered >= 12 << 20, "{v}");
+    let mut found = 0;
+    for e in map {
+        let (vo, len) = (
+            e["volume_offset"].as_u64().unwrap(),
+            e["len"].as_u64().unwrap(),
+        );
+        let (from, to) = (off.max(vo), (off + (3 << 20)).min(vo + len));
+        if from >= to {
+            continue;
+        }
+        let file = std::fs::File::open(path_of(&e["device"])).unwrap();
+        let mut buf = vec![0u8; (to - from) as usize];
+        let at = e["offset"].as_u64().unwrap() + from - vo;
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, at).unwrap();
+        assert!(
+            buf[..] == data[(from - off) as usize..(to - off) as usize],
+            "{e}"
+        );
+        found += to - from;
+    }
+    assert_eq!(found, 3 << 20, "the map covers the written range: {v}");
 }
 
 /// Metadata and data survive a graceful restart and a SIGKILL of spoold.

@@ -29,10 +29,16 @@ fn spoolctl_manages_volumes() {
     let (ok, out, _) = spoolctl(&d, &["volume", "list"]);
     assert!(ok);
     assert!(out.contains("cfgvol") && out.contains("web"), "{out}");
+    let (ok, out, _) = spoolctl(&d, &["volume", "show", "web"]);
+    assert!(
+        ok && out.contains("extents:") && out.contains("DEVICE"),
+        "{out}"
+    );
     let (ok, out, _) = spoolctl(&d, &["--json", "volume", "show", "web"]);
     assert!(ok);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["num_queues"], json!(4));
+    assert_eq!(v["extent_map"][0]["volume_offset"], json!(0), "{v}");
     assert!(d.socket("web").exists());
     let uuid = v["uuid"].as_str().unwrap().to_string();
     let (ok, out, err) = spoolctl(&d, &["volume", "resize", &uuid, "32M"]);

@@ -58,6 +58,19 @@ pub struct VolumeInfo {
     pub legs: Vec<LegInfo>,
     /// `POOL/IMAGE` of a volume on an RBD image (docs/ceph.md).
     pub rbd: Option<String>,
+    /// Where its data lies, extent by extent, each copy in volume order.
+    pub extent_map: Vec<ExtentInfo>,
+}
+
+/// One extent of a volume: `len` bytes at `offset` on `device`, holding the volume's bytes
+/// from `volume_offset` (of the mirror leg in slot `copy`; 0 for a plain volume).
+#[derive(Debug, Clone, Serialize)]
+pub struct ExtentInfo {
+    pub copy: u8,
+    pub volume_offset: u64,
+    pub device: Uuid,
+    pub offset: u64,
+    pub len: u64,
 }
 
 /// One copy of a mirrored volume.
@@ -186,7 +199,35 @@ impl Pool {
             copies: v.copies.max(1),
             legs,
             rbd: v.rbd.as_ref().map(|r| r.spec()),
+            extent_map: self.extent_map(v),
         }
+    }
+
+    fn extent_map(&self, v: &VolumeEntry) -> Vec<ExtentInfo> {
+        let mut map = Vec::new();
+        let copies: Vec<(u8, &[crate::metadata::ExtentEntry])> = match v.is_mirrored() {
+            true => v
+                .legs
+                .iter()
+                .map(|l| (l.slot, l.extents.as_slice()))
+                .collect(),
+            false => vec![(0, v.extents.as_slice())],
+        };
+        for (copy, extents) in copies {
+            let mut volume_offset = 0;
+            for e in extents {
+                let len = self.table.min_extent << e.order;
+                map.push(ExtentInfo {
+                    copy,
+                    volume_offset,
+                    device: e.device,
+                    offset: e.offset,
+                    len,
+                });
+                volume_offset += len;
+            }
+        }
+        map
     }
 
     /// All volumes.

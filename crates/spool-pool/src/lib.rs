@@ -23,7 +23,7 @@ use std::path::Path;
 
 use uuid::Uuid;
 
-pub use info::{DeviceInfo, LeftOut, LegInfo, PoolInfo, Replacement, VolumeInfo};
+pub use info::{DeviceInfo, ExtentInfo, LeftOut, LegInfo, PoolInfo, Replacement, VolumeInfo};
 pub use layout::{Segment, VolumeLayout};
 pub use legs::Relocated;
 pub use members::DeviceSpec;

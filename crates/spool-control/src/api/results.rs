@@ -91,6 +91,20 @@ pub struct VolumeInfo {
     /// `POOL/IMAGE` of a volume on a Ceph RBD image (docs/ceph.md).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub rbd: Option<String>,
+    /// Where its data lies on the pool's devices (empty on RBD).
+    #[serde(default)]
+    pub extent_map: Vec<ExtentInfo>,
+}
+
+/// One extent of a volume: `len` bytes at byte `offset` of `device`, holding the bytes of
+/// copy `copy` (the mirror leg's slot; 0 for a plain volume) from `volume_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtentInfo {
+    pub copy: u8,
+    pub volume_offset: u64,
+    pub device: Uuid,
+    pub offset: u64,
+    pub len: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -173,6 +187,17 @@ impl From<spool_pool::VolumeInfo> for VolumeInfo {
             online: v.online,
             qos: v.qos.map(QosLimits::from),
             rbd: v.rbd,
+            extent_map: v
+                .extent_map
+                .into_iter()
+                .map(|e| ExtentInfo {
+                    copy: e.copy,
+                    volume_offset: e.volume_offset,
+                    device: e.device,
+                    offset: e.offset,
+                    len: e.len,
+                })
+                .collect(),
         }
     }
 }

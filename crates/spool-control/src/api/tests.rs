@@ -67,6 +67,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         online: true,
         qos: None,
         rbd: None,
+        extent_map: vec![],
     };
     let v = Volume {
         info,

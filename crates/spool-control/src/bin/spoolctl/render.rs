@@ -147,7 +147,7 @@ fn volumes_table(vs: &[Volume]) -> String {
     table(rows)
 }
 
-/// One volume: its table row, and its I/O limits.
+/// One volume: its table row, its I/O limits, its mirror and where its data lies.
 fn volume(v: &Volume) {
     println!("{}", volumes_table(std::slice::from_ref(v)));
     let limits = v.info.qos.map(spool_pool::QosLimits::from);
@@ -157,6 +157,19 @@ fn volume(v: &Volume) {
     );
     if let Some(m) = &v.mirror {
         super::mirror::status(m);
+    }
+    if !v.info.extent_map.is_empty() {
+        let mut rows = vec![header(&["COPY", "AT", "DEVICE", "OFFSET", "LEN"])];
+        rows.extend(v.info.extent_map.iter().map(|e| {
+            vec![
+                e.copy.to_string(),
+                format_size(e.volume_offset),
+                e.device.to_string(),
+                e.offset.to_string(),
+                format_size(e.len),
+            ]
+        }));
+        println!("extents:\n{}", table(rows));
     }
 }
 
