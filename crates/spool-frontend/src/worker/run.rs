@@ -38,12 +38,33 @@ fn qos_cost(req: &request::Request) -> Option<Cost> {
     }
 }
 
+/// How often the scheduler took this thread's core while it could still run (involuntary
+/// context switches, `getrusage(RUSAGE_THREAD)`): a thread wanted the core we were polling.
+#[derive(Default)]
+struct Preemptions(i64);
+
+impl Preemptions {
+    /// Whether this thread was preempted since the last look. One syscall, looked at only
+    /// every 64 idle poll rounds.
+    fn since_last_look(&mut self) -> bool {
+        let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+        // SAFETY: getrusage fills the struct we pass, which lives on our stack.
+        if unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) } != 0 {
+            return false;
+        }
+        // SAFETY: getrusage succeeded, so it initialised the struct.
+        let n = unsafe { ru.assume_init() }.ru_nivcsw;
+        std::mem::replace(&mut self.0, n) != n
+    }
+}
+
 impl QueueWorker {
     /// The worker thread: polls until stopped, then drains and gives the queue back.
     pub(super) fn run(mut self) -> Queue {
         tracing::debug!(volume = %self.volume, queue = self.index, "worker started");
         let mut last_work = Instant::now();
         let mut idle_rounds = 0u32;
+        let mut preempted = Preemptions::default();
         let mut events = vec![EpollEvent::default(); 8];
         self.set_device_events(false);
         // Completions a previous process put in the used ring just before it died may not
@@ -65,10 +86,13 @@ impl QueueWorker {
             // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
             // the worker awake, or nothing would ever wake it for their completions.
             idle_rounds += 1;
-            // More workers awake than cores: sleep now, polling would only take a core from a
+            // More workers awake than cores, or the scheduler took this core for another
+            // thread while we polled: sleep now, polling would only take a core from a
             // worker or client with work (docs/qos.md, "Scaling").
             if !idle_rounds.is_multiple_of(64)
-                || (last_work.elapsed() < self.poll_idle && !self.share_group.crowded())
+                || (last_work.elapsed() < self.poll_idle
+                    && !self.share_group.crowded()
+                    && !preempted.since_last_look())
                 || self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
             {
                 std::hint::spin_loop();
@@ -428,5 +452,59 @@ impl QueueWorker {
         if self.vq.needs_notification(&self.host) {
             self.signal_guest();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Preemptions;
+
+    /// Pins the calling thread to `cpu`.
+    fn pin(cpu: usize) {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity only
+        // read and write that set, which lives on our stack.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+
+    /// A polling thread sharing its core with another runnable thread is told so; one alone
+    /// on its core that only sleeps is not.
+    #[test]
+    fn preemption_is_seen_only_when_another_thread_wants_the_core() {
+        let alone = std::thread::spawn(|| {
+            let mut p = Preemptions::default();
+            p.since_last_look();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            p.since_last_look()
+        });
+        assert!(!alone.join().unwrap(), "sleeping is not being preempted");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let rival = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                pin(0);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        pin(0);
+        let mut p = Preemptions::default();
+        p.since_last_look();
+        let t = std::time::Instant::now();
+        let mut seen = false;
+        while !seen && t.elapsed() < std::time::Duration::from_secs(5) {
+            std::hint::spin_loop();
+            seen = p.since_last_look();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        rival.join().unwrap();
+        assert!(
+            seen,
+            "two spinning threads on one core: the scheduler must switch them"
+        );
     }
 }
