@@ -359,19 +359,31 @@ def write_md(doc, path, quick):
 NOTES = """
 ## Reading it
 
+- **The same bytes.** qemu-storage-daemon serves spoold's own device file, at the offsets
+  `spoolctl volume show` gives for each volume (`extent_map`), so every backend reads and
+  writes the same tmpfs pages. Until 2026-11-25 each backend had its own file, laid down the
+  same way, and that alone decided 128K rows: tmpfs gives a file whatever physical pages are
+  free, and a file whose pages were scattered (2.2 contiguous pages per run on average,
+  against 10.2 for the other backend's, read through /proc/self/pagemap) read 128K at 57K
+  IOPS where the other read 83K, whichever daemon served it. The 128K read rows went from
+  0.53-0.70x to 0.86-2.56x with nothing else changed.
 - **spoold polls, qsd sleeps.** Each connected queue of spoold is a thread that spins while
   it has work and for `poll_idle` (50 µs) after; qemu-storage-daemon blocks in its event
   loop. Where spoold's threads and the clients' have a core each, polling wins (the 4K QD32
-  rows). Where they do not (4 queues or 3 volumes at QD1: up to 12 worker and 12 client
-  threads on 2 cores; or any row while other work takes a core, see "others"), a spinning
-  worker holds a core its client needs to submit the next request, and they take turns in
-  scheduler slices instead of handing requests over.
-- **128K.** Each request is a 128 KiB copy (spoold on tmpfs does it synchronously in the
-  worker, with `preadv`/`pwritev`; qsd in `io_submit`), so spoold's cheaper request path
-  matters little. spoold lost most 128K rows, including some with other load near zero
-  (128K read QD32 4q 3vol: qsd with an iothread copied twice as fast). Not explained yet;
-  the likeliest cause is the same one: up to 12 polling workers splitting two cores in
-  scheduler slices, where qsd's one iothread copies without interruption. Not profiled.
+  rows). Where they do not (4 queues and 3 volumes at QD1: 12 worker and 12 client threads on
+  2 cores), each request costs spoold two wake-ups (its worker's and the client's) where
+  qsd's one thread takes the requests of all twelve queues in one wake-up: the 4q 3vol QD1
+  rows are the ones spoold loses at 4K. Workers stop polling once the scheduler preempts them
+  (docs/qos.md, Scaling), which helped the 4q 1vol rows; serving several queues from one
+  thread is what is left to try.
+- **128K writes to one file from several threads.** tmpfs takes the file's inode lock for
+  every write, and writes from several cores to one inode cost spoold about 2.5x the copy
+  time per byte of one thread writing (perf: `copy_folio_from_iter_atomic`,
+  `rwsem_spin_on_owner`). Three volumes on three device files instead of one: 114-118K IOPS
+  at 128K write QD32 1q, against 65K on one file (same spoold, same clients). qsd's one
+  iothread writes from one core, so the 3-volume 128K write rows are the ones it wins. A
+  lock in spoold around the writes (tried) did not help: the cost is the cores taking turns
+  on one inode, not the spinning. On an NVMe device there is no inode.
 - **Noise.** The machine is shared: compare rows by their "others" column. A row where others
   used a core measures spoold with one core for the clients, itself and everyone else.
 - scaling.md has the same effect across volumes and cores, with spoold confined by taskset.

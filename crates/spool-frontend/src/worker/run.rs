@@ -341,6 +341,13 @@ impl QueueWorker {
             self.share.charge(taken);
             self.set_share_busy(true);
         }
+        if self.throttled.is_some() {
+            // Held back by its own limits, the volume cannot use a fair share, so it must not
+            // hold the others to its pace (a capped QD128 writer held a QD1 reader to the
+            // writer's cap: p99 178 µs against 63 µs uncapped). Taking again after the wait
+            // makes it busy again, at the slowest busy clock.
+            self.set_share_busy(false);
+        }
         taken > 0
     }
 

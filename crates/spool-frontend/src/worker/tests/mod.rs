@@ -341,3 +341,34 @@ fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
     assert_eq!(h.submitted().len(), 5);
     assert!(h.w.qos.is_none() && h.w.throttled.is_none());
 }
+
+#[test]
+fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
+    use spool_pool::QosLimits;
+    let mut h = Harness::new(2);
+    h.w.qos_shared.set_manual_now(1);
+    h.w.share = h.w.share_group.join(100);
+    // Another volume, busy.
+    let other = h.w.share_group.join(100);
+    h.w.share_group.queue_busy(&other);
+    let mut l = (*h.w.layout).clone();
+    l.qos = Some(QosLimits {
+        iops: 1,
+        ..Default::default()
+    });
+    h.w.layout_src.store(Arc::new(l));
+    for k in 0..3 {
+        h.post_read(k);
+    }
+    h.round();
+    assert!(
+        h.w.throttled.is_some(),
+        "the third request waits for its budget"
+    );
+    // The other runs well ahead of this one in service.
+    other.charge(10 * crate::share::WINDOW);
+    assert!(
+        h.w.share_group.may_take(&other),
+        "the capped volume, requests waiting in its ring, must not hold the other back"
+    );
+}
