@@ -376,14 +376,17 @@ NOTES = """
   rows are the ones spoold loses at 4K. Workers stop polling once the scheduler preempts them
   (docs/qos.md, Scaling), which helped the 4q 1vol rows; serving several queues from one
   thread is what is left to try.
-- **128K writes to one file from several threads.** tmpfs takes the file's inode lock for
-  every write, and writes from several cores to one inode cost spoold about 2.5x the copy
-  time per byte of one thread writing (perf: `copy_folio_from_iter_atomic`,
-  `rwsem_spin_on_owner`). Three volumes on three device files instead of one: 114-118K IOPS
-  at 128K write QD32 1q, against 65K on one file (same spoold, same clients). qsd's one
-  iothread writes from one core, so the 3-volume 128K write rows are the ones it wins. A
-  lock in spoold around the writes (tried) did not help: the cost is the cores taking turns
-  on one inode, not the spinning. On an NVMe device there is no inode.
+- **128K writes to one file from several threads.** tmpfs takes the file's inode lock
+  (`i_rwsem`) for every write, so the writes to one device file are serial whoever makes
+  them, and a writer waiting for the lock spins on it while the holder runs. Three volumes
+  at 128K write QD32 1q, same spoold build and clients, perf over the run: on one device
+  file 56K IOPS with 39% of spoold's CPU in `rwsem_spin_on_owner`; on three device files
+  (one volume each) 100K IOPS and no spinning; the copy per write cost the same in both.
+  qsd writes from one thread, so it never waits for the lock, and its serial writes came
+  out faster (the 3-volume 128K write rows are the ones it wins); why its time per write
+  under the lock is lower than spoold's is not explained yet. A lock in spoold around the writes (tried, per write and per
+  batch of a round) did not help: the writes stay serial. On an NVMe device there is no
+  inode and no such lock.
 - **Noise.** The machine is shared: compare rows by their "others" column. A row where others
   used a core measures spoold with one core for the clients, itself and everyone else.
 - scaling.md has the same effect across volumes and cores, with spoold confined by taskset.
