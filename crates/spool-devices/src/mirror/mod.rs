@@ -227,8 +227,10 @@ pub(crate) struct Shared {
     /// The health cell of the `Device` wrapping this mirror (set once it exists).
     pub(crate) health: OnceLock<Arc<DeviceHealth>>,
     pub(crate) progress: Arc<resync::ProgressCell>,
-    /// Set when the backend is dropped: the background thread ends.
+    /// Set when the backend is dropped (or replaced by one with other regions): the
+    /// background thread ends, and sets `stopped` when it has.
     pub(crate) stop: AtomicBool,
+    pub(crate) stopped: AtomicBool,
     /// Regions found needing a resync when the mirror was opened (after a crash).
     pub(crate) resync_at_open: u64,
 }
@@ -331,6 +333,9 @@ impl MirrorBackend {
         let reuse = previous
             .and_then(MirrorBackend::of)
             .filter(|m| m.shared.regions.shift == shift && m.shared.regions.writes.len() == n);
+        if let (Some(prev), None) = (previous.and_then(MirrorBackend::of), reuse) {
+            prev.stop_resync();
+        }
         let (regions, progress, resync_at_open) = match reuse {
             Some(m) => {
                 prepare_legs(&spec, &m.shared.regions, Found::Kept);
@@ -362,6 +367,7 @@ impl MirrorBackend {
             health: OnceLock::new(),
             progress,
             stop: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             resync_at_open,
         });
         if resync_at_open > 0 && reuse.is_none() {
@@ -407,6 +413,22 @@ impl MirrorBackend {
             if r.bitmap.byte(i).load(Ordering::Acquire) & INTENT != 0 {
                 r.try_clear_intent(i, r.gens[i].load(Ordering::SeqCst));
             }
+        }
+    }
+
+    /// Ends the background thread and waits for it (bounded): a mirror replacing this one
+    /// with other regions (a resize) maps the same bitmap, and this thread, copying and
+    /// clearing by its own region counts, would clear the new mirror's bits behind its back
+    /// (a stale region its counts never see copied; an intent bit cleared under a write).
+    fn stop_resync(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let t0 = std::time::Instant::now();
+        while !self.shared.stopped.load(Ordering::Acquire) {
+            if t0.elapsed() > std::time::Duration::from_secs(5) {
+                tracing::error!(mirror = %self.path.display(), "the previous mirror's resync thread did not stop");
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 

@@ -26,8 +26,7 @@ use super::bitmap::{stale, INTENT};
 use super::Shared;
 use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
 
-/// A leg device with commands outstanding and no completion for this long is hung, when the
-/// worker asks (it asks only after its own I/O timeout).
+/// A leg device with commands outstanding and no completion this long is hung (on `abort`).
 const HUNG: Duration = Duration::from_millis(100);
 
 /// Sub-operation tags: op index << 2 | slot (slot 3: a flush, which is per device).
@@ -91,8 +90,7 @@ pub struct MirrorQueue {
 }
 
 // SAFETY: the raw iovec pointers in `ops` belong to the caller of `submit`, which keeps them
-// valid until completion (the `DeviceQueue::submit` contract); the queue is used by one
-// worker thread at a time, like every device queue.
+// valid until completion (`DeviceQueue::submit`); one worker thread at a time uses the queue.
 unsafe impl Send for MirrorQueue {}
 
 impl MirrorQueue {
@@ -587,5 +585,15 @@ impl DeviceQueue for MirrorQueue {
             }
         }
         n
+    }
+}
+
+impl Drop for MirrorQueue {
+    /// Writes in flight leave their regions (a reset resubmits them), or those never resync.
+    fn drop(&mut self) {
+        let writes = |o: &&Op| matches!(o.kind, Kind::Write | Kind::Zeroes);
+        for op in self.ops.iter().flatten().filter(writes) {
+            self.shared.regions.leave(op.regions.0, op.regions.1);
+        }
     }
 }

@@ -88,6 +88,7 @@ fn run(weak: Weak<Shared>) {
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
+            shared.stopped.store(true, Ordering::Release);
             return;
         }
         keep_health(&shared);
