@@ -3,13 +3,16 @@
 direction, queue depth, queues per client and volumes, interleaved so that the noise of this
 shared machine hits both equally.
 
-Backends, all running for the whole run on tmpfs (/dev/shm), each with its own device file
-of 3 volumes, every volume written once in full, sequentially, by the same client (1 MiB
-writes, QD4) before anything is measured, so the files have the same layout:
+Backends, all running for the whole run on tmpfs (/dev/shm) and serving the same bytes:
+spoold's device file, whose 3 volumes are written once in full, sequentially, through spoold
+(1 MiB writes, QD4) before anything is measured. qsd serves that same file at the offsets
+`spoolctl volume show` gives (the extent map), so every backend reads and writes the same
+physical pages (a tmpfs file's page layout alone moves 128K rows by up to 2x):
 
   spoold                      one device file, volumes v0..v2 (4 queues each), default config
-  qsd aio=native,direct       one file, three raw nodes (offset i x VOL) exported over
-                              vhost-user-blk (4 queues each), no iothread
+  qsd aio=native,direct       spoold's file, three raw nodes at the volumes' offsets, exported
+                              over vhost-user-blk (4 queues each), no iothread, locking=off
+                              (the runs take turns, never overlap)
   qsd aio=native,direct,iot   the same with one iothread for every export (QEMU 7.2 keeps a
                               node graph in one AioContext: exports of one file share it)
 
@@ -321,10 +324,11 @@ def write_md(doc, path, quick):
         f.write("# spoold against qemu-storage-daemon: the matrix (issue 18)\n\n")
         f.write(f"`scripts/bench-matrix.py{' --quick' if quick else ''}`, {doc['date']} ({doc['machine']}, "
                 f"{doc['qsd_version']}), {doc['wall_s']:.0f} s in all. All three backends run at once on "
-                f"tmpfs, each on its own file of {doc['volumes']} volumes of {doc['volume_bytes'] >> 20} MiB "
-                "(spoold: one device, default config; qsd: raw nodes at offsets of one file, aio=native, "
-                "cache.direct=on, without and with one iothread), each volume written once in full "
-                "sequentially by the client first. Each row: "
+                f"tmpfs and serve the same bytes: spoold's device file of {doc['volumes']} volumes of "
+                f"{doc['volume_bytes'] >> 20} MiB (spoold: default config; qsd: raw nodes at the volumes' "
+                "offsets in that file, from `spoolctl volume show`, aio=native, cache.direct=on, without and "
+                "with one iothread), each volume written once in full sequentially by the client first. "
+                "Each row: "
                 f"{doc['rounds']} round(s) of A B C C B A (order flipped each round), "
                 f"{doc['runtime_s']} s runs after {doc['warmup_s']} s warm-up, so {doc['samples_per_backend']} "
                 "runs per backend; the medians are shown. 4K is random, 128K sequential. Client: spool-bench "
