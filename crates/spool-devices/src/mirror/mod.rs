@@ -228,7 +228,7 @@ pub(crate) struct Shared {
     pub(crate) health: OnceLock<Arc<DeviceHealth>>,
     pub(crate) progress: Arc<resync::ProgressCell>,
     /// Set when the backend is dropped (or replaced by one with other regions): the
-    /// background thread ends, and sets `stopped` when it has.
+    /// background thread ends, and sets `stopped` when it has (`resync::start`).
     pub(crate) stop: AtomicBool,
     pub(crate) stopped: AtomicBool,
     /// Regions found needing a resync when the mirror was opened (after a crash).
@@ -333,9 +333,31 @@ impl MirrorBackend {
         let reuse = previous
             .and_then(MirrorBackend::of)
             .filter(|m| m.shared.regions.shift == shift && m.shared.regions.writes.len() == n);
-        if let (Some(prev), None) = (previous.and_then(MirrorBackend::of), reuse) {
-            prev.stop_resync();
+        // Other regions over the same bitmap file (a resize): the previous mirror's thread
+        // would copy and clear by its own counts behind the new one's back, and the bitmap
+        // may be rewritten under it. It ends first; if this open fails, it runs again.
+        let replaced = match reuse {
+            None => previous
+                .and_then(MirrorBackend::of)
+                .filter(|m| m.stop_resync()),
+            Some(_) => None,
+        };
+        let opened = Self::open_regions(spec, &path, reuse);
+        if let (Err(_), Some(m)) = (&opened, replaced) {
+            m.shared.stop.store(false, Ordering::Release);
+            m.shared.stopped.store(false, Ordering::Release);
+            let _ = resync::start(&m.shared);
         }
+        opened
+    }
+
+    fn open_regions(
+        spec: MirrorSpec,
+        path: &Path,
+        reuse: Option<&MirrorBackend>,
+    ) -> Result<Arc<Device>> {
+        let shift = region_shift(spec.size);
+        let n = spec.size.div_ceil(1 << shift).max(1) as usize;
         let (regions, progress, resync_at_open) = match reuse {
             Some(m) => {
                 prepare_legs(&spec, &m.shared.regions, Found::Kept);
@@ -347,7 +369,7 @@ impl MirrorBackend {
             }
             None => {
                 let (bitmap, found) = Bitmap::open(spec.bitmap.as_deref(), n, shift)
-                    .map_err(|e| Error::io(&path, "open write-intent bitmap", e))?;
+                    .map_err(|e| Error::io(path, "open write-intent bitmap", e))?;
                 let regions = Regions {
                     shift,
                     bitmap,
@@ -375,7 +397,7 @@ impl MirrorBackend {
         }
         let backend = MirrorBackend {
             shared: shared.clone(),
-            path,
+            path: path.to_path_buf(),
         };
         let dev = Arc::new(Device::new(backend, &[]));
         let _ = shared.health.set(dev.health().clone());
@@ -416,20 +438,19 @@ impl MirrorBackend {
         }
     }
 
-    /// Ends the background thread and waits for it (bounded): a mirror replacing this one
-    /// with other regions (a resize) maps the same bitmap, and this thread, copying and
-    /// clearing by its own region counts, would clear the new mirror's bits behind its back
-    /// (a stale region its counts never see copied; an intent bit cleared under a write).
-    fn stop_resync(&self) {
+    /// Ends the background thread and waits for it (bounded: a copy in progress finishes
+    /// first); false, logged, when it did not end in time.
+    fn stop_resync(&self) -> bool {
         self.shared.stop.store(true, Ordering::Release);
         let t0 = std::time::Instant::now();
         while !self.shared.stopped.load(Ordering::Acquire) {
             if t0.elapsed() > std::time::Duration::from_secs(5) {
                 tracing::error!(mirror = %self.path.display(), "the previous mirror's resync thread did not stop");
-                return;
+                return false;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
+        true
     }
 
     /// Regions resynced because the mirror was not shut down cleanly.

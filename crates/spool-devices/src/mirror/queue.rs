@@ -587,13 +587,3 @@ impl DeviceQueue for MirrorQueue {
         n
     }
 }
-
-impl Drop for MirrorQueue {
-    /// Writes in flight leave their regions (a reset resubmits them), or those never resync.
-    fn drop(&mut self) {
-        let writes = |o: &&Op| matches!(o.kind, Kind::Write | Kind::Zeroes);
-        for op in self.ops.iter().flatten().filter(writes) {
-            self.shared.regions.leave(op.regions.0, op.regions.1);
-        }
-    }
-}
