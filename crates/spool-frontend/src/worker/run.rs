@@ -339,7 +339,6 @@ impl QueueWorker {
         };
         if taken > 0 {
             self.share.charge(taken);
-            self.set_share_busy(true);
         }
         if self.throttled.is_some() {
             // Held back by its own limits, the volume cannot use a fair share, so it must not
@@ -347,6 +346,8 @@ impl QueueWorker {
             // writer's cap: p99 178 µs against 63 µs uncapped). Taking again after the wait
             // makes it busy again, at the slowest busy clock.
             self.set_share_busy(false);
+        } else if taken > 0 {
+            self.set_share_busy(true);
         }
         taken > 0
     }
