@@ -888,6 +888,8 @@ fuzz_target!(|data: &[u8]| {
         clock: Default::default(),
         share_group: Default::default(),
         fair_share: cfg & 32 != 0,
+        // Queues served by one thread (a poll group) or a thread each.
+        volume_threads: usize::from(cfg & 64 != 0),
         ..Default::default()
     };
     spool_journal::remove_volume_journals(&env.journals, VOLUME);

@@ -9,6 +9,9 @@ use crate::qos::{QosError, RateValue};
 use crate::size::parse_size;
 
 mod ceph;
+mod io;
+
+use io::{volume_threads, RawIo};
 
 /// A size written as a number of bytes or a string with a suffix.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -68,6 +71,8 @@ pub enum ConfigError {
     CephId(String),
     #[error("metrics.listen: {0:?} is not an address and port (e.g. \"127.0.0.1:9420\")")]
     MetricsListen(String),
+    #[error("io.volume_threads: {0} must be 0 (a thread per queue) to 64")]
+    VolumeThreads(u32),
     #[error("health.{0} must be positive")]
     NotPositive(&'static str),
     #[error("{path}: {source}")]
@@ -136,14 +141,6 @@ struct RawQos {
     weight: Option<u32>,
     /// "latency", "normal" (default) or "batch".
     priority: Option<spool_pool::Priority>,
-}
-
-#[derive(Debug, Clone, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawIo {
-    poll_idle_us: Option<u64>,
-    nvme_sgl: Option<bool>,
-    fair_share: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -299,6 +296,8 @@ pub struct Config {
     /// `[io] fair_share`: busy volumes share by weight (docs/qos.md); off: the kernel's
     /// scheduler alone decides, for the most total throughput.
     pub fair_share: bool,
+    /// `[io] volume_threads`: threads serving one volume's queues (0: one per queue).
+    pub volume_threads: usize,
     /// Journal directory; `None` = journal disabled (Spool-NoJ, benchmarks only).
     pub journal_dir: Option<PathBuf>,
     pub health: HealthConfig,
@@ -559,6 +558,7 @@ impl Config {
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),
             nvme_sgl: raw.io.nvme_sgl.unwrap_or(true),
             fair_share: raw.io.fair_share.unwrap_or(true),
+            volume_threads: volume_threads(raw.io.volume_threads)?,
             journal_dir: raw.journal.enabled.then(|| {
                 raw.journal
                     .dir
@@ -735,6 +735,21 @@ size = "1M"
             .to_string();
         assert!(e.contains("claim_wait_ms") && e.contains("600000"), "{e}");
         assert!(parse("[ceph]\nclaim_wait_ms = -1").is_err());
+    }
+
+    /// `[io] volume_threads`: the cores by default, 0 (a thread per queue) to 64, nothing else.
+    #[test]
+    fn volume_threads_defaults_to_the_cores_and_is_bounded() {
+        let parse =
+            |io: &str| Config::parse(&format!("state_dir = \"/x\"\n[io]\n{io}"), Path::new("/"));
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(parse("").unwrap().volume_threads, cores.min(64));
+        assert_eq!(parse("volume_threads = 0").unwrap().volume_threads, 0);
+        assert_eq!(parse("volume_threads = 64").unwrap().volume_threads, 64);
+        let e = parse("volume_threads = 65").unwrap_err().to_string();
+        assert!(e.contains("io.volume_threads: 65 must be 0"), "{e}");
+        assert!(parse("volume_threads = -1").is_err());
+        assert!(parse("volume_threads = \"all\"").is_err());
     }
 
     #[test]

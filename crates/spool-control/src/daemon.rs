@@ -116,6 +116,7 @@ impl Daemon {
                 clock: Arc::default(),
                 share_group: Arc::default(),
                 fair_share: cfg.fair_share,
+                volume_threads: cfg.volume_threads,
                 // One spoold, the same across its restarts and upgrades: its pool.
                 owner: format!("pool {}", pool.info().uuid),
                 claim_wait: Duration::from_millis(cfg.ceph_claim_wait_ms),

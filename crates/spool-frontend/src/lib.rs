@@ -97,6 +97,10 @@ pub struct FrontendSettings {
     pub share_group: Arc<share::ShareGroup>,
     /// Whether workers hold their volume to its fair share (docs/qos.md).
     pub fair_share: bool,
+    /// How many threads serve one volume's queues (queue `i` is served by thread
+    /// `i % volume_threads`, so a volume with fewer queues has fewer threads); 0: a thread per
+    /// queue (docs/qos.md, "Scaling").
+    pub volume_threads: usize,
     /// Who claims devices that other hosts can open too (`PoolDevice::claim`: RBD images)
     /// before serving from them: one spoold, the same across its restarts (spoold uses its
     /// pool's UUID). Empty: claim nothing.
@@ -117,6 +121,7 @@ impl Default for FrontendSettings {
             clock: Arc::default(),
             share_group: Arc::default(),
             fair_share: true,
+            volume_threads: 0,
             owner: String::new(),
             claim_wait: Duration::from_secs(10),
         }
@@ -134,6 +139,9 @@ pub struct VolumeContext {
     abandoned: Arc<std::sync::atomic::AtomicU64>,
     stats: Arc<stats::VolumeStats>,
     share: Arc<share::VolumeShare>,
+    /// The threads serving the volume's queues (`settings.volume_threads` of them, started
+    /// as their first queue starts).
+    groups: std::sync::Mutex<Vec<Option<worker::PollGroup>>>,
 }
 
 impl Drop for VolumeContext {
@@ -193,6 +201,7 @@ impl VolumeContext {
             abandoned: Arc::default(),
             stats: Arc::new(stats::VolumeStats::new(layout_queues)),
             share,
+            groups: Default::default(),
         })
     }
 
@@ -213,6 +222,29 @@ impl VolumeContext {
         self.qos.configure(layout.qos.as_ref(), self.qos.now());
         self.share.set_weight(layout.qos.map_or(0, |q| q.weight));
         self.layout.store(Arc::new(layout));
+    }
+
+    /// The thread that serves queue `index`: None when each queue has a thread of its own
+    /// (`volume_threads` = 0).
+    pub(crate) fn poll_group(&self, index: u16) -> std::io::Result<Option<worker::PollGroup>> {
+        let n = self.settings.volume_threads;
+        if n == 0 {
+            return Ok(None);
+        }
+        let slot = index as usize % n;
+        let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        if groups.len() < n {
+            groups.resize_with(n, || None);
+        }
+        if groups[slot].is_none() {
+            // Named after the first queue it serves: "q0-web" serves queues 0, n, 2n...
+            let name = format!("q{slot}-{}", self.name);
+            groups[slot] = Some(worker::PollGroup::new(
+                &name,
+                self.settings.share_group.clone(),
+            )?);
+        }
+        Ok(groups[slot].as_ref().map(|g| g.handle()))
     }
 
     /// The token buckets every queue of the volume shares (inactive without limits).

@@ -118,7 +118,12 @@ pub fn start_queue(
         share_group: ctx.settings().share_group.clone(),
         fair_share: ctx.settings().fair_share,
     };
-    let w = WorkerHandle::spawn(spec).map_err(|source| StartError::Worker { index, source })?;
+    let worker_error = |source| StartError::Worker { index, source };
+    let w = match ctx.poll_group(index).map_err(worker_error)? {
+        Some(group) => WorkerHandle::spawn_in(&group, spec),
+        None => WorkerHandle::spawn(spec),
+    }
+    .map_err(worker_error)?;
     tracing::info!(volume = %ctx.name(), queue = index, size = cfg.size, next_avail = r.next_avail, "queue started");
     Ok(w)
 }

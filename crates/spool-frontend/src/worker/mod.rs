@@ -26,6 +26,7 @@
 
 mod complete;
 mod dispatch;
+mod group;
 mod recovery;
 mod replay;
 mod run;
@@ -37,8 +38,8 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use arc_swap::Cache;
@@ -57,6 +58,7 @@ use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
 use crate::share::{ShareGroup, VolumeShare};
 use crate::stats::{Tally, VolumeStats};
 use crate::vring::JournaledQueue;
+pub use group::PollGroup;
 use replay::ReplayGuard;
 use slots::{Inflight, SlotBufs};
 
@@ -100,30 +102,37 @@ pub struct WorkerSpec {
     pub fair_share: bool,
 }
 
-/// Handle to a running worker.
+/// Handle to a running worker (a queue served by a [`PollGroup`]'s thread).
 pub struct WorkerHandle {
     stop: Arc<AtomicBool>,
     reset: Arc<AtomicBool>,
     wake: EventFd,
-    thread: Option<JoinHandle<Queue>>,
+    group: PollGroup,
+    /// Where the queue comes back once stopped (None once taken).
+    back: Option<Receiver<Queue>>,
 }
 
 impl WorkerHandle {
-    /// Starts a worker thread.
+    /// Starts a worker on a thread of its own.
     pub fn spawn(spec: WorkerSpec) -> std::io::Result<WorkerHandle> {
+        let name = format!("q{}-{}", spec.index, spec.volume);
+        let group = PollGroup::new(&name, spec.share_group.clone())?;
+        Self::spawn_in(&group, spec)
+    }
+
+    /// Starts a worker in `group`: its thread serves this queue next to the group's others.
+    pub fn spawn_in(group: &PollGroup, spec: WorkerSpec) -> std::io::Result<WorkerHandle> {
         let stop = Arc::new(AtomicBool::new(false));
         let reset = Arc::new(AtomicBool::new(false));
         let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
         let worker = QueueWorker::new(spec, stop.clone(), reset.clone(), wake.try_clone()?)?;
-        let name = format!("q{}-{}", worker.index, worker.volume);
-        let thread = std::thread::Builder::new()
-            .name(name.chars().take(15).collect())
-            .spawn(move || worker.run())?;
+        let back = group.join(worker)?;
         Ok(WorkerHandle {
             stop,
             reset,
             wake,
-            thread: Some(thread),
+            group: group.handle(),
+            back: Some(back),
         })
     }
 
@@ -138,19 +147,21 @@ impl WorkerHandle {
     /// Stops the worker after the requests it holds have completed (bounded wait), and gives
     /// the queue back (its `next_avail` is what GET_VRING_BASE reports).
     pub fn stop(mut self) -> Option<Queue> {
+        self.stop_and_wait()
+    }
+
+    fn stop_and_wait(&mut self) -> Option<Queue> {
+        let back = self.back.take()?;
         self.stop.store(true, Ordering::Release);
+        self.group.attend();
         let _ = self.wake.write(1);
-        self.thread.take().and_then(|t| t.join().ok())
+        back.recv().ok()
     }
 }
 
 impl Drop for WorkerHandle {
     fn drop(&mut self) {
-        if let Some(t) = self.thread.take() {
-            self.stop.store(true, Ordering::Release);
-            let _ = self.wake.write(1);
-            let _ = t.join();
-        }
+        let _ = self.stop_and_wait();
     }
 }
 
@@ -452,6 +463,12 @@ impl QueueWorker {
             self.priority = p;
             set_thread_priority(p, &self.volume);
         }
+    }
+
+    /// The frontend's current memory map.
+    #[inline]
+    pub(super) fn current_memory(&mut self) -> Arc<GuestMemory> {
+        self.mem.load().clone()
     }
 
     /// Tells the guest to look at the used ring (one interrupt on its call eventfd).

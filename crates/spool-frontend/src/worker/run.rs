@@ -8,7 +8,7 @@
 use std::io::Read;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use virtio_queue::Queue;
 use vmm_sys_util::epoll::EpollEvent;
@@ -41,12 +41,12 @@ fn qos_cost(req: &request::Request) -> Option<Cost> {
 /// How often the scheduler took this thread's core while it could still run (involuntary
 /// context switches, `getrusage(RUSAGE_THREAD)`): a thread wanted the core we were polling.
 #[derive(Default)]
-struct Preemptions(i64);
+pub(super) struct Preemptions(i64);
 
 impl Preemptions {
     /// Whether this thread was preempted since the last look. One syscall, looked at only
     /// every 64 idle poll rounds.
-    fn since_last_look(&mut self) -> bool {
+    pub(super) fn since_last_look(&mut self) -> bool {
         let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
         // SAFETY: getrusage fills the struct we pass, which lives on our stack.
         if unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) } != 0 {
@@ -59,13 +59,9 @@ impl Preemptions {
 }
 
 impl QueueWorker {
-    /// The worker thread: polls until stopped, then drains and gives the queue back.
-    pub(super) fn run(mut self) -> Queue {
+    /// What a queue does once, on its thread, before its first poll round.
+    pub(super) fn start(&mut self) {
         tracing::debug!(volume = %self.volume, queue = self.index, "worker started");
-        let mut last_work = Instant::now();
-        let mut idle_rounds = 0u32;
-        let mut preempted = Preemptions::default();
-        let mut events = vec![EpollEvent::default(); 8];
         self.set_device_events(false);
         // Completions a previous process put in the used ring just before it died may not
         // have been signalled: one (possibly spurious) interrupt lets the guest see them.
@@ -74,44 +70,17 @@ impl QueueWorker {
         self.follow_priority();
         self.signal_guest();
         self.replay_journal();
-        self.share_group.wake();
-        while !self.stop.load(Ordering::Acquire) {
-            let mem = self.begin_round();
-            if self.poll_round(&mem) {
-                last_work = Instant::now();
-                idle_rounds = 0;
-                continue;
-            }
-            // Reading the clock costs more than a poll round: look only every 64 idle rounds.
-            // A polled device (userspace NVMe: no interrupts) with commands outstanding keeps
-            // the worker awake, or nothing would ever wake it for their completions.
-            idle_rounds += 1;
-            // More workers awake than cores, or the scheduler took this core for another
-            // thread while we polled: sleep now, polling would only take a core from a
-            // worker or client with work (docs/qos.md, "Scaling").
-            if !idle_rounds.is_multiple_of(64)
-                || (last_work.elapsed() < self.poll_idle
-                    && !self.share_group.crowded()
-                    && !preempted.since_last_look())
-                || self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
-            {
-                std::hint::spin_loop();
-                continue;
-            }
-            // Idle for `poll_idle`: the volume no longer holds the others to its share.
-            if self.in_flight == 0 && !self.vq.has_avail(&self.host) {
-                self.set_share_busy(false);
-            }
-            let slept = match self.throttled {
-                Some(wait_ns) if !self.broken => self.sleep_throttled(&mem, wait_ns, &mut events),
-                _ => self.sleep(&mem, &mut events),
-            };
-            if slept {
-                last_work = Instant::now();
-            }
-        }
-        self.share_group.doze();
-        // Stopping: the drain's wait is bounded by its own timeout, not the watchdog's.
+    }
+
+    /// Whether the queue was asked to stop.
+    #[inline]
+    pub(super) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Stopping: drains (bounded by its own timeout, not the watchdog's) and gives the queue
+    /// back.
+    pub(super) fn finish(mut self) -> Queue {
         self.publish_stats();
         self.stats.queue(self.index).set_state(QueueState::Idle);
         self.stats.queue(self.index).set_size(0);
@@ -120,6 +89,110 @@ impl QueueWorker {
         self.set_share_busy(false);
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
         self.vq.into_queue()
+    }
+
+    /// Whether the worker must keep polling although idle: a polled device (userspace NVMe:
+    /// no interrupts) with commands outstanding, or nothing would ever wake it for their
+    /// completions.
+    #[inline]
+    pub(super) fn must_poll(&self) -> bool {
+        self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
+    }
+
+    /// Idle for `poll_idle`: the volume no longer holds the others to its share.
+    pub(super) fn note_idle(&mut self) {
+        if self.in_flight == 0 && !self.vq.has_avail(&self.host) {
+            self.set_share_busy(false);
+        }
+    }
+
+    /// Whether the next sleep is the throttled kind (a QoS bucket in debt: the guest's
+    /// requests wait in its ring, so no kick is asked for).
+    #[inline]
+    fn sleeps_throttled(&self) -> bool {
+        self.throttled.is_some() && !self.broken
+    }
+
+    /// Event-driven mode, first half: asks the guest (unless throttled) and the devices to
+    /// wake us and checks once more. Returns false when work turned up (the caller then
+    /// calls [`Self::after_sleep`] without sleeping).
+    pub(super) fn prepare_sleep(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        if !self.sleeps_throttled() {
+            match self.vq.enable_notification(mem) {
+                Ok(true) => return false,
+                Ok(false) => {}
+                Err(e) => self.fail_queue(&e.to_string()),
+            }
+        }
+        self.set_device_events(true);
+        if self.reap(mem) {
+            self.set_device_events(false);
+            self.notify(mem);
+            return false;
+        }
+        self.sweep_timeouts();
+        self.publish_stats();
+        self.stats.queue(self.index).set_state(QueueState::Asleep);
+        true
+    }
+
+    /// How long this queue may sleep: until a throttled queue may take again (at most
+    /// [`MAX_THROTTLED_SLEEP_MS`], so new limits, stop and reset are seen soon), else
+    /// [`Self::sleep_ms`].
+    pub(super) fn sleep_budget_ms(&self) -> i32 {
+        match self.throttled {
+            Some(wait_ns) if !self.broken => {
+                let ms = wait_ns.div_ceil(1_000_000).clamp(1, MAX_THROTTLED_SLEEP_MS) as i32;
+                ms.min(self.sleep_ms())
+            }
+            _ => self.sleep_ms(),
+        }
+    }
+
+    /// Event-driven mode, second half: clears what woke the queue (`n` events from its own
+    /// epoll, or a look of its own when the thread slept on another), and goes back to
+    /// polling with guest notifications and device events off.
+    pub(super) fn after_sleep(&mut self, mem: &Arc<GuestMemory>, events: &mut [EpollEvent]) {
+        let n = self.epoll.wait(0, events).unwrap_or_default();
+        self.clear_events(&events[..n]);
+        self.wake_up(mem);
+    }
+
+    /// Back to polling after a sleep whose events are cleared.
+    fn wake_up(&mut self, mem: &Arc<GuestMemory>) {
+        self.stats.queue(self.index).set_state(QueueState::Running);
+        if !self.broken && !self.sleeps_throttled() {
+            let _ = self.vq.disable_notification(mem);
+        }
+        self.set_device_events(false);
+    }
+
+    /// Sleeps on this queue's own epoll alone (a thread serving one queue): [`Self::after_sleep`]
+    /// without its second look.
+    pub(super) fn sleep_alone(
+        &mut self,
+        mem: &Arc<GuestMemory>,
+        wait_ms: i32,
+        events: &mut [EpollEvent],
+    ) {
+        let n = match self.epoll.wait(wait_ms, events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+            Err(e) => {
+                tracing::error!(volume = %self.volume, error = %e, "epoll failed");
+                std::thread::sleep(Duration::from_millis(1));
+                0
+            }
+        };
+        self.clear_events(&events[..n]);
+        self.wake_up(mem);
+    }
+
+    /// The descriptor of this queue's epoll (kick, wake and device completions): a thread
+    /// serving several queues sleeps on an epoll of these.
+    pub(super) fn epoll_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.epoll.as_raw_fd()
     }
 
     /// The checks at the start of each round; returns the memory map to use for it.
@@ -166,57 +239,6 @@ impl QueueWorker {
         work
     }
 
-    /// Event-driven mode: asks the guest and the devices to wake us, re-checks, sleeps.
-    /// Returns false when work turned up before it slept.
-    fn sleep(&mut self, mem: &Arc<GuestMemory>, events: &mut [EpollEvent]) -> bool {
-        match self.vq.enable_notification(mem) {
-            Ok(true) => return false,
-            Ok(false) => {}
-            Err(e) => {
-                self.fail_queue(&e.to_string());
-            }
-        }
-        self.set_device_events(true);
-        if self.reap(mem) {
-            self.set_device_events(false);
-            self.notify(mem);
-            return false;
-        }
-        self.sweep_timeouts();
-        self.wait_for_events(self.sleep_ms(), events);
-        if !self.broken {
-            let _ = self.vq.disable_notification(mem);
-        }
-        self.set_device_events(false);
-        true
-    }
-
-    /// Event-driven mode while a QoS bucket is in debt: the guest's requests wait in its
-    /// avail ring, so no kick is asked for; sleeps until the debt is paid (at most
-    /// [`MAX_THROTTLED_SLEEP_MS`], so new limits, stop and reset are seen soon), woken early
-    /// by device completions and the wake eventfd. Returns false when completions turned up
-    /// before it slept.
-    #[cold]
-    #[inline(never)]
-    fn sleep_throttled(
-        &mut self,
-        mem: &Arc<GuestMemory>,
-        wait_ns: u64,
-        events: &mut [EpollEvent],
-    ) -> bool {
-        self.set_device_events(true);
-        if self.reap(mem) {
-            self.set_device_events(false);
-            self.notify(mem);
-            return false;
-        }
-        self.sweep_timeouts();
-        let ms = wait_ns.div_ceil(1_000_000).clamp(1, MAX_THROTTLED_SLEEP_MS) as i32;
-        self.wait_for_events(ms.min(self.sleep_ms()), events);
-        self.set_device_events(false);
-        true
-    }
-
     /// How long sleeping in epoll may last: until the next timeout sweep is due while
     /// requests are in flight, 5 ms while requests are held, else a second.
     fn sleep_ms(&self) -> i32 {
@@ -229,27 +251,10 @@ impl QueueWorker {
         }
     }
 
-    /// Sleeps in epoll until a kick, a wake-up, a device completion, or `wait_ms`, and
-    /// clears what woke it.
-    fn wait_for_events(&mut self, wait_ms: i32, events: &mut [EpollEvent]) {
-        self.publish_stats();
-        let stats = self.stats.queue(self.index);
-        stats.set_state(QueueState::Asleep);
-        self.share_group.doze();
-        let waited = self.epoll.wait(wait_ms, events);
-        self.share_group.wake();
-        stats.set_state(QueueState::Running);
-        let n = match waited {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
-            Err(e) => {
-                tracing::error!(volume = %self.volume, error = %e, "epoll failed");
-                std::thread::sleep(Duration::from_millis(1));
-                0
-            }
-        };
+    /// Clears what woke the queue: reads its kick and wake eventfds, acks device events.
+    fn clear_events(&mut self, events: &[EpollEvent]) {
         let mut buf = [0u8; 8];
-        for ev in &events[..n] {
+        for ev in events {
             match ev.data() {
                 TOKEN_KICK => {
                     let _ = (&self.kick).read(&mut buf);

@@ -1,0 +1,310 @@
+//! Poll groups: one thread serving one or more queues of a volume (docs/qos.md, "Scaling").
+//!
+//! A queue per thread polls best while every thread has a core; with more queues than cores
+//! each request costs two wake-ups (the queue's thread and the client's), and the threads take
+//! turns at the cores. A poll group runs several queues' poll rounds in one loop, sleeps once
+//! for all of them (on an epoll of their epolls: kicks, wake-ups and device completions of any
+//! member wake the thread), and takes what every member's guest published in one wake-up.
+//!
+//! A group belongs to one volume, so what is per thread (the scheduling class, the pause of a
+//! volume ahead of its fair share, a throttled volume's wait) is the volume's anyway. A thread
+//! starts when its first queue joins and ends when its last queue stopped; a group of one is
+//! the thread per queue that `[io] volume_threads = 0` asks for.
+//!
+//! Owns: the group thread's loop (when to poll, when to sleep), members joining and leaving.
+//! Must not know: what a poll round does to a request (`QueueWorker`), the vhost-user protocol.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use virtio_queue::Queue;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::run::Preemptions;
+use super::QueueWorker;
+use crate::share::ShareGroup;
+
+/// The epoll token of the group's own wake eventfd in each member's epoll.
+pub(super) const TOKEN_GROUP: u64 = u64::MAX;
+
+/// A queue in a group, and where its queue goes back when it stopped.
+struct Member {
+    worker: QueueWorker,
+    done: SyncSender<Queue>,
+}
+
+/// What the group's thread and the queues' handles share.
+struct Shared {
+    /// Queues waiting to join, and whether a thread is running.
+    state: Mutex<GroupState>,
+    /// Set when a queue joined or was asked to stop: the thread looks at its members.
+    attention: AtomicBool,
+    /// Written when a queue joins (watched by every member's epoll).
+    wake: EventFd,
+    name: String,
+    share_group: Arc<ShareGroup>,
+}
+
+#[derive(Default)]
+struct GroupState {
+    joining: Vec<Member>,
+    running: bool,
+}
+
+/// One thread's worth of a volume's queues.
+pub struct PollGroup {
+    shared: Arc<Shared>,
+}
+
+impl PollGroup {
+    /// A group whose thread will be called `name` (at most 15 characters are kept).
+    pub fn new(name: &str, share_group: Arc<ShareGroup>) -> std::io::Result<PollGroup> {
+        Ok(PollGroup {
+            shared: Arc::new(Shared {
+                state: Mutex::default(),
+                attention: AtomicBool::new(false),
+                wake: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?,
+                name: name.chars().take(15).collect(),
+                share_group,
+            }),
+        })
+    }
+
+    /// Hands `worker` to the group's thread (starting it if none runs). The queue comes back
+    /// on the returned receiver once the worker was stopped and drained.
+    pub(super) fn join(&self, worker: QueueWorker) -> std::io::Result<Receiver<Queue>> {
+        use std::os::fd::AsRawFd;
+        let (done, back) = sync_channel(1);
+        worker.epoll.ctl(
+            ControlOperation::Add,
+            self.shared.wake.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_GROUP),
+        )?;
+        let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.joining.push(Member { worker, done });
+        self.shared.attention.store(true, Ordering::Release);
+        if st.running {
+            let _ = self.shared.wake.write(1);
+        } else {
+            let shared = self.shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(self.shared.name.clone())
+                .spawn(move || run(shared));
+            match spawned {
+                Ok(_) => st.running = true,
+                Err(e) => {
+                    st.joining.pop();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(back)
+    }
+
+    /// Tells the thread to look at its members (one of them was asked to stop).
+    pub(super) fn attend(&self) {
+        self.shared.attention.store(true, Ordering::Release);
+    }
+
+    /// The same group (for a queue's handle).
+    pub(crate) fn handle(&self) -> PollGroup {
+        PollGroup {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The group's thread: takes new members, stops those asked to, polls every member each
+/// round, and after `poll_idle` without work sleeps once for all of them.
+fn run(shared: Arc<Shared>) {
+    let mut members: Vec<Member> = Vec::new();
+    let mut events = vec![EpollEvent::default(); 16];
+    let mut idle = Idle::new();
+    let epoll = match Epoll::new() {
+        Ok(e) => e,
+        Err(e) => {
+            // Nothing to sleep on: the members are given back unserved (their handles see
+            // no queue) rather than left hanging.
+            tracing::error!(group = %shared.name, error = %e, "cannot create the poll group's epoll");
+            let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.joining.clear();
+            st.running = false;
+            return;
+        }
+    };
+    shared.share_group.wake();
+    loop {
+        if shared.attention.swap(false, Ordering::AcqRel) || members.is_empty() {
+            let _ = shared.wake.read();
+            if !attend(&shared, &epoll, &mut members) {
+                break;
+            }
+            idle.work();
+        }
+        let mut work = false;
+        for m in &mut members {
+            let mem = m.worker.begin_round();
+            work |= m.worker.poll_round(&mem);
+        }
+        if work {
+            idle.work();
+            continue;
+        }
+        if !idle.may_sleep(&shared.share_group, &members) {
+            std::hint::spin_loop();
+            continue;
+        }
+        if sleep(&shared.share_group, &epoll, &mut members, &mut events) {
+            idle.work();
+        }
+    }
+    shared.share_group.doze();
+}
+
+/// Takes the queues waiting to join and stops those asked to stop. Returns false when the
+/// group has no queue left (the thread ends; a queue joining later starts a new one).
+fn attend(shared: &Shared, epoll: &Epoll, members: &mut Vec<Member>) -> bool {
+    let mut i = 0;
+    while i < members.len() {
+        if members[i].worker.stopping() {
+            let m = members.swap_remove(i);
+            let _ = epoll.ctl(
+                ControlOperation::Delete,
+                m.worker.epoll_fd(),
+                EpollEvent::default(),
+            );
+            let _ = m.done.send(m.worker.finish());
+        } else {
+            i += 1;
+        }
+    }
+    let lock = || shared.state.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        // Started outside the lock (a start replays the queue's journal): a session adding
+        // another queue meanwhile does not wait for it.
+        let joining = std::mem::take(&mut lock().joining);
+        for mut m in joining {
+            let watched = epoll.ctl(
+                ControlOperation::Add,
+                m.worker.epoll_fd(),
+                EpollEvent::new(EventSet::IN, 0),
+            );
+            if let Err(e) = watched {
+                // Dropping the member drops its sender: its handle sees no queue back.
+                tracing::error!(group = %shared.name, error = %e, "cannot watch a queue in its poll group");
+                continue;
+            }
+            m.worker.start();
+            members.push(m);
+        }
+        if !members.is_empty() {
+            return true;
+        }
+        // No queue left: the thread ends, unless one joined since (under the lock a joining
+        // queue sees `running` and leaves the start to us, or starts a new thread).
+        let mut st = lock();
+        if st.joining.is_empty() {
+            st.running = false;
+            return false;
+        }
+    }
+}
+
+/// When an idle group stops polling: after `poll_idle` without work, at once when more
+/// threads are awake than cores or the scheduler took this core for another thread.
+struct Idle {
+    last_work: Instant,
+    rounds: u32,
+    preempted: Preemptions,
+}
+
+impl Idle {
+    fn new() -> Self {
+        Idle {
+            last_work: Instant::now(),
+            rounds: 0,
+            preempted: Preemptions::default(),
+        }
+    }
+
+    #[inline]
+    fn work(&mut self) {
+        self.last_work = Instant::now();
+        self.rounds = 0;
+    }
+
+    /// Reading the clock costs more than a poll round: looks only every 64 idle rounds.
+    #[inline]
+    fn may_sleep(&mut self, share_group: &ShareGroup, members: &[Member]) -> bool {
+        self.rounds += 1;
+        if !self.rounds.is_multiple_of(64) {
+            return false;
+        }
+        let poll_idle = members
+            .iter()
+            .map(|m| m.worker.poll_idle)
+            .max()
+            .unwrap_or(Duration::ZERO);
+        // More threads awake than cores, or the scheduler took this core for another thread
+        // while we polled: sleep now, polling would only take a core from a worker or client
+        // with work (docs/qos.md, "Scaling").
+        if self.last_work.elapsed() < poll_idle
+            && !share_group.crowded()
+            && !self.preempted.since_last_look()
+        {
+            return false;
+        }
+        !members.iter().any(|m| m.worker.must_poll())
+    }
+}
+
+/// Event-driven mode for the whole group: every member asks to be woken and checks once
+/// more; if none found work, the thread sleeps until any member's kick, wake-up or device
+/// completion (or the shortest of their sleep budgets). Returns whether it slept.
+fn sleep(
+    group: &ShareGroup,
+    epoll: &Epoll,
+    members: &mut [Member],
+    events: &mut [EpollEvent],
+) -> bool {
+    let mut ready = true;
+    let mut wait_ms = i32::MAX;
+    for m in members.iter_mut() {
+        m.worker.note_idle();
+        let mem = m.worker.current_memory();
+        if !m.worker.prepare_sleep(&mem) {
+            ready = false;
+            break;
+        }
+        wait_ms = wait_ms.min(m.worker.sleep_budget_ms());
+    }
+    if ready {
+        group.doze();
+        match members {
+            // One queue: its own epoll is the only one to sleep on (no second look).
+            [m] => {
+                let mem = m.worker.current_memory();
+                m.worker.sleep_alone(&mem, wait_ms, events);
+                group.wake();
+                return true;
+            }
+            _ => {
+                if let Err(e) = epoll.wait(wait_ms, events) {
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        tracing::error!(error = %e, "poll group epoll failed");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        group.wake();
+    }
+    for m in members.iter_mut() {
+        let mem = m.worker.current_memory();
+        m.worker.after_sleep(&mem, events);
+    }
+    ready
+}
