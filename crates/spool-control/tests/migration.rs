@@ -243,7 +243,12 @@ fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
         );
         vm = next;
         downtimes.push(downtime);
+        // A destination QEMU that died releases the lock: say so, with its stderr and the
+        // guest's console, rather than only that the lock is gone.
         let held = lock_holder(&cluster);
+        if !held.contains(uuid.as_str()) {
+            vm.assert_running(&format!("migration {m}"), &a, &b);
+        }
         assert!(
             held.contains(uuid.as_str()),
             "migration {m}: the destination serves without the lock: {held}"

@@ -23,7 +23,7 @@ use virtio_queue::Queue;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::run::Preemptions;
+use super::run::{Preemptions, SHARE_PAUSE};
 use super::QueueWorker;
 use crate::share::ShareGroup;
 
@@ -46,6 +46,9 @@ struct Shared {
     wake: EventFd,
     name: String,
     share_group: Arc<ShareGroup>,
+    /// The drain window the members share (a hung device costs the thread one drain
+    /// timeout, not one per queue: `recovery::drain_deadline`).
+    drain_window: Arc<Mutex<Option<Instant>>>,
 }
 
 #[derive(Default)]
@@ -69,6 +72,7 @@ impl PollGroup {
                 wake: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?,
                 name: name.chars().take(15).collect(),
                 share_group,
+                drain_window: Arc::default(),
             }),
         })
     }
@@ -138,16 +142,22 @@ fn run(shared: Arc<Shared>) {
     shared.share_group.wake();
     loop {
         if shared.attention.swap(false, Ordering::AcqRel) || members.is_empty() {
-            let _ = shared.wake.read();
             if !attend(&shared, &epoll, &mut members) {
                 break;
             }
             idle.work();
         }
         let mut work = false;
+        let mut stepped_aside = false;
         for m in &mut members {
             let mem = m.worker.begin_round();
             work |= m.worker.poll_round(&mem);
+            stepped_aside |= m.worker.take_stepped_aside();
+        }
+        if stepped_aside {
+            // The volume is ahead of its fair share: off the core for a moment, once for
+            // every queue of this thread.
+            std::thread::sleep(SHARE_PAUSE);
         }
         if work {
             idle.work();
@@ -164,28 +174,20 @@ fn run(shared: Arc<Shared>) {
     shared.share_group.doze();
 }
 
-/// Takes the queues waiting to join and stops those asked to stop. Returns false when the
-/// group has no queue left (the thread ends; a queue joining later starts a new one).
+/// Takes the queues waiting to join and stops those asked to stop (joiners first: a queue
+/// may be asked to stop before its thread took it). Returns false when the group has no
+/// queue left (the thread ends; a queue joining later starts a new one).
 fn attend(shared: &Shared, epoll: &Epoll, members: &mut Vec<Member>) -> bool {
-    let mut i = 0;
-    while i < members.len() {
-        if members[i].worker.stopping() {
-            let m = members.swap_remove(i);
-            let _ = epoll.ctl(
-                ControlOperation::Delete,
-                m.worker.epoll_fd(),
-                EpollEvent::default(),
-            );
-            let _ = m.done.send(m.worker.finish());
-        } else {
-            i += 1;
-        }
-    }
     let lock = || shared.state.lock().unwrap_or_else(|e| e.into_inner());
     loop {
-        // Started outside the lock (a start replays the queue's journal): a session adding
-        // another queue meanwhile does not wait for it.
-        let joining = std::mem::take(&mut lock().joining);
+        // The wake-up is read with the joiners it announced (`join` writes it under the
+        // lock), so neither is left behind. Started outside the lock (a start replays the
+        // queue's journal): a session adding another queue meanwhile does not wait for it.
+        let joining = {
+            let mut st = lock();
+            let _ = shared.wake.read();
+            std::mem::take(&mut st.joining)
+        };
         for mut m in joining {
             let watched = epoll.ctl(
                 ControlOperation::Add,
@@ -197,8 +199,23 @@ fn attend(shared: &Shared, epoll: &Epoll, members: &mut Vec<Member>) -> bool {
                 tracing::error!(group = %shared.name, error = %e, "cannot watch a queue in its poll group");
                 continue;
             }
+            m.worker.drain_window = shared.drain_window.clone();
             m.worker.start();
             members.push(m);
+        }
+        let mut i = 0;
+        while i < members.len() {
+            if members[i].worker.stopping() {
+                let m = members.swap_remove(i);
+                let _ = epoll.ctl(
+                    ControlOperation::Delete,
+                    m.worker.epoll_fd(),
+                    EpollEvent::default(),
+                );
+                let _ = m.done.send(m.worker.finish());
+            } else {
+                i += 1;
+            }
         }
         if !members.is_empty() {
             return true;

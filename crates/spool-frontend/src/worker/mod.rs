@@ -178,6 +178,9 @@ const STOP_DRAIN: Duration = Duration::from_secs(5);
 /// Short in unit tests, whose scripted commands that never complete would wait it out.
 #[cfg(test)]
 const STOP_DRAIN: Duration = Duration::from_millis(20);
+/// The least a drain waits inside a window another queue of its thread opened (see
+/// `recovery::drain_deadline`).
+const MIN_DRAIN: Duration = Duration::from_millis(250);
 /// A sweep runs every `io_timeout / TIMEOUT_SWEEPS`; a request seen in flight by more than
 /// `TIMEOUT_SWEEPS` sweeps has been in flight for at least `io_timeout`.
 const TIMEOUT_SWEEPS: u32 = 4;
@@ -268,6 +271,12 @@ pub struct QueueWorker {
     fair_share: bool,
     /// The scheduling class this thread is in.
     pub(super) priority: spool_pool::Priority,
+    /// Set when the volume was ahead of its fair share with requests waiting: the thread
+    /// pauses after the round (see `group.rs`).
+    stepped_aside: bool,
+    /// The drain window this queue's thread shares between its queues (see
+    /// `recovery::quiesce`).
+    drain_window: Arc<std::sync::Mutex<Option<Instant>>>,
     /// Whether this queue counts as busy in the share group (requests waiting or in flight).
     share_busy: bool,
     /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
@@ -367,6 +376,8 @@ impl QueueWorker {
             fair_share: spec.fair_share,
             priority: spool_pool::Priority::Normal,
             share_busy: false,
+            stepped_aside: false,
+            drain_window: Arc::default(),
             now_ticks: 0,
             tally: Tally::default(),
             qos_seen,

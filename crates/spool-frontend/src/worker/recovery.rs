@@ -17,7 +17,7 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent};
 
 use super::slots::{write_status, Inflight};
-use super::{QueueWorker, STOP_DRAIN, TIMEOUT_SWEEPS};
+use super::{QueueWorker, MIN_DRAIN, STOP_DRAIN, TIMEOUT_SWEEPS};
 use crate::ratelimit::{LogLimit, Verdict};
 use crate::request::{self, GuestMemory, SECTOR};
 
@@ -238,7 +238,7 @@ impl QueueWorker {
     /// up to [`STOP_DRAIN`] for their completions (completing them to the guest or dropping
     /// them, as `mode` says), and quarantines the commands that still did not come back.
     fn quiesce(&mut self, mode: Quiesce) {
-        let deadline = Instant::now() + STOP_DRAIN;
+        let deadline = self.drain_deadline();
         for d in &mut self.devices {
             d.abort();
         }
@@ -265,11 +265,29 @@ impl QueueWorker {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
+        if !self.quiesce_waiting(mode) {
+            // Drained in time: the device answers, so the next drain gets a window of its own.
+            *self.drain_window.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
         if mode == Quiesce::Complete && self.in_flight > 0 {
             tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
         }
         if mode == Quiesce::Discard || self.in_flight > 0 {
             self.quarantine_stuck();
+        }
+    }
+
+    /// Until when [`Self::quiesce`] waits: [`STOP_DRAIN`] from now, or, when another queue of
+    /// this thread opened a drain window that is still open (a device reset reaches every
+    /// queue of the volume, and one thread drains its queues one after another), the end of
+    /// that window, but at least [`MIN_DRAIN`]: a hung device costs the thread one window,
+    /// not one per queue.
+    fn drain_deadline(&self) -> Instant {
+        let now = Instant::now();
+        let mut window = self.drain_window.lock().unwrap_or_else(|e| e.into_inner());
+        match *window {
+            Some(end) if end > now => end.max(now + MIN_DRAIN),
+            _ => *window.insert(now + STOP_DRAIN),
         }
     }
 

@@ -13,14 +13,16 @@ use std::time::Duration;
 use virtio_queue::Queue;
 use vmm_sys_util::epoll::EpollEvent;
 
+use super::group::TOKEN_GROUP;
 use super::{QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_KICK, TOKEN_WAKE};
 use crate::hostmem::HostMap;
 use crate::qos::{Cost, VolumeQos};
 use crate::request::{self, GuestMemory, Op};
 use crate::stats::QueueState;
 
-/// How long a worker ahead of its fair share steps aside before looking again.
-const SHARE_PAUSE: Duration = Duration::from_micros(50);
+/// How long a thread whose volume is ahead of its fair share steps aside before looking
+/// again (once per poll round of its group, however many of its queues stepped aside).
+pub(super) const SHARE_PAUSE: Duration = Duration::from_micros(50);
 
 /// Longest sleep of a throttled worker, so that a lowered or lifted limit, a stop or a
 /// reset is seen well within 100 ms.
@@ -262,6 +264,8 @@ impl QueueWorker {
                 TOKEN_WAKE => {
                     let _ = self.wake.read();
                 }
+                // A queue joined the thread: the group reads its eventfd with the joiners.
+                TOKEN_GROUP => {}
                 t => {
                     let d = (t - TOKEN_DEVICE) as usize;
                     if let Some(q) = self.devices.get(d) {
@@ -364,11 +368,18 @@ impl QueueWorker {
     fn yield_share(&mut self) -> bool {
         if self.vq.has_avail(&self.host) {
             self.set_share_busy(true);
-            // Off the core for a moment (not a yield, which on a busy core hands it straight
-            // back and burns it in system calls): about a window's worth of service elsewhere.
-            std::thread::sleep(SHARE_PAUSE);
+            // The thread goes off the core for a moment after this round (`SHARE_PAUSE`, once
+            // for all its queues; not a yield, which on a busy core hands it straight back and
+            // burns it in system calls): about a window's worth of service elsewhere.
+            self.stepped_aside = true;
         }
         false
+    }
+
+    /// Whether this queue stepped aside for the fair share since the last look (clears it).
+    #[inline]
+    pub(super) fn take_stepped_aside(&mut self) -> bool {
+        std::mem::take(&mut self.stepped_aside)
     }
 
     /// Adds this thread's counts to the queue's shared counters (see `stats::Tally`).

@@ -26,6 +26,7 @@ use super::{QueueWorker, WorkerSpec};
 use crate::queue_start::{resume, ResumeFrom, RingView};
 use crate::request::{GuestMemory, Limits, SECTOR};
 
+mod group;
 mod harness;
 use harness::*;
 
