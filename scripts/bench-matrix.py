@@ -371,15 +371,27 @@ NOTES = """
   against 10.2 for the other backend's, read through /proc/self/pagemap) read 128K at 57K
   IOPS where the other read 83K, whichever daemon served it. The 128K read rows went from
   0.53-0.70x to 0.86-2.56x with nothing else changed.
-- **spoold polls, qsd sleeps.** Each connected queue of spoold is a thread that spins while
-  it has work and for `poll_idle` (50 µs) after; qemu-storage-daemon blocks in its event
-  loop. Where spoold's threads and the clients' have a core each, polling wins (the 4K QD32
-  rows). Where they do not (4 queues and 3 volumes at QD1: 12 worker and 12 client threads on
-  2 cores), each request costs spoold two wake-ups (its worker's and the client's) where
-  qsd's one thread takes the requests of all twelve queues in one wake-up: the 4q 3vol QD1
-  rows are the ones spoold loses at 4K. Workers stop polling once the scheduler preempts them
-  (docs/qos.md, Scaling), which helped the 4q 1vol rows; serving several queues from one
-  thread is what is left to try.
+- **This machine changed.** Until 2026-11-25 01:34 the matrix ran on an AMD EPYC; from
+  19:36 the same 2-core machine is an Intel Xeon, where both daemons run every row at other
+  speeds (4K randread QD32 1q 1vol: spoold 577K and qsd 392K on the EPYC, 349K and 373K on
+  the Xeon with the same build). Compare ratios within one run, and runs of one machine.
+- **spoold polls, qsd sleeps.** spoold's threads spin while they have work and for
+  `poll_idle` (50 µs) after; qemu-storage-daemon blocks in its event loop. Until 2026-11-25
+  each connected queue had a thread: with 4 queues and 3 volumes at QD1 (12 worker and 12
+  client threads on 2 cores) each request cost spoold two wake-ups where qsd's one thread
+  took the requests of all twelve queues in one. Now a volume's queues share `[io]
+  volume_threads` threads (default: the cores), each sleeping once for all its queues
+  (docs/qos.md, Scaling): on the Xeon, in runs minutes apart, the 4q 3vol QD1 rows went from
+  106K to 150-176K IOPS (4K randread) and 105K to 115-139K (4K randwrite).
+- **Batches on inline devices.** On tmpfs a request is done when spoold submits it (the copy
+  runs in the worker), and the guest sees it when the round completes it. A round that took
+  a whole QD32 batch kept 32 done requests from the client until the last was copied, and the
+  client from refilling its ring meanwhile; perf showed the worker idle while the client woke.
+  A round now takes at most 4 requests on such devices while its thread has its core (it asks
+  `getrusage` every 2048 rounds whether it was preempted; if so it takes everything, small
+  batches then cost more wake-ups than they save): 4K QD32 1q 1vol went from 349K to 584K
+  (randread) and 315K to 553K (randwrite). NVMe, io_uring and RBD queues complete
+  asynchronously and keep taking everything.
 - **128K writes to one file from several threads.** tmpfs takes the file's inode lock
   (`i_rwsem`) for every write, so the writes to one device file are serial whoever makes
   them, and a writer waiting for the lock spins on it while the holder runs. Three volumes

@@ -147,6 +147,7 @@ fn run(shared: Arc<Shared>) {
             }
             idle.work();
         }
+        idle.look_at_contention(&mut members);
         let mut work = false;
         let mut stepped_aside = false;
         for m in &mut members {
@@ -236,7 +237,13 @@ struct Idle {
     last_work: Instant,
     rounds: u32,
     preempted: Preemptions,
+    /// Rounds since the last look at contention, and that look's own count.
+    since_contention: u32,
+    contention: Preemptions,
 }
+
+/// Every how many rounds the thread asks whether it was preempted (one `getrusage`).
+const CONTENTION_ROUNDS: u32 = 2048;
 
 impl Idle {
     fn new() -> Self {
@@ -244,6 +251,25 @@ impl Idle {
             last_work: Instant::now(),
             rounds: 0,
             preempted: Preemptions::default(),
+            since_contention: 0,
+            contention: Preemptions::default(),
+        }
+    }
+
+    /// Every [`CONTENTION_ROUNDS`] rounds: whether the scheduler took this thread's core for
+    /// another thread since the last look; the members take smaller batches only while not
+    /// (`INLINE_TAKE_BUDGET`).
+    #[inline]
+    fn look_at_contention(&mut self, members: &mut [Member]) {
+        self.since_contention += 1;
+        if self.since_contention < CONTENTION_ROUNDS {
+            return;
+        }
+        self.since_contention = 0;
+        // Every member, every look: one that joined since takes the thread's state.
+        let contended = self.contention.since_last_look();
+        for m in members {
+            m.worker.set_contended(contended);
         }
     }
 

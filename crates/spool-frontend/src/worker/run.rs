@@ -337,7 +337,8 @@ impl QueueWorker {
             Some(q) => self.take_limited(mem, q.clone()),
             None => {
                 let mut n = 0;
-                while let Some(head) = self.pop_head() {
+                while n < self.take_budget {
+                    let Some(head) = self.pop_head() else { break };
                     n += 1;
                     let chain = self.vq.chain(&self.host, head);
                     let parsed = request::parse(head, chain, &self.host, &self.limits);
@@ -424,7 +425,7 @@ impl QueueWorker {
     fn take_limited(&mut self, mem: &Arc<GuestMemory>, q: Arc<VolumeQos>) -> u64 {
         q.refill(q.now());
         let mut taken = 0;
-        loop {
+        while taken < self.take_budget {
             if !q.may_take() {
                 self.stats.queue(self.index).throttled();
                 self.throttled = Some(q.wait_ns());

@@ -90,6 +90,15 @@ pub(super) fn pollable_file() -> std::fs::File {
 
 impl Harness {
     pub(super) fn new(request_retries: u32) -> Harness {
+        let device = Arc::new(
+            Device::open_null("w", SIZE, NullReads::Untouched, &Default::default()).unwrap(),
+        );
+        Self::on(request_retries, device)
+    }
+
+    /// The harness with `device` in the volume's layout (its queues are still the scripted
+    /// ones: the layout's device decides only what the worker knows of it).
+    pub(super) fn on(request_retries: u32, device: Arc<Device>) -> Harness {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(GuestMemory::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap());
         let mut q = Queue::new(QSIZE).unwrap();
@@ -111,9 +120,6 @@ impl Harness {
             used_idx: 0,
         };
         resume(&mut j, view, ResumeFrom::Frontend(0), &mut |_| {}).unwrap();
-        let device = Arc::new(
-            Device::open_null("w", SIZE, NullReads::Untouched, &Default::default()).unwrap(),
-        );
         let health = device.health().clone();
         let layout = VolumeLayout {
             uuid: Uuid::new_v4(),

@@ -373,3 +373,31 @@ fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
         "the capped volume, requests waiting in its ring, must not hold the other back"
     );
 }
+
+/// On a volume whose devices do their I/O inline (a file on tmpfs), a round takes at most
+/// `INLINE_TAKE_BUDGET` requests, so the guest sees the first ones complete while the rest
+/// wait; the next round takes the rest. On other devices, or with the thread's cores
+/// contended, a round takes everything.
+#[test]
+fn a_round_on_inline_devices_takes_a_bounded_batch() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let opts = spool_devices::OpenOptions {
+        create_size: Some(SIZE),
+        ..Default::default()
+    };
+    let file = Arc::new(Device::open(&dir.path().join("d.img"), &opts).unwrap());
+    assert!(file.inline_io(), "a file on tmpfs does its I/O inline");
+    let budget = super::INLINE_TAKE_BUDGET as usize;
+    for (mut h, first) in [
+        (Harness::on(0, file), budget),
+        (Harness::new(0), budget + 1),
+    ] {
+        for k in 0..=budget as u16 {
+            h.post_read(k);
+        }
+        h.round();
+        assert_eq!(h.submitted().len(), first);
+        h.round();
+        assert_eq!(h.submitted().len(), budget + 1);
+    }
+}
