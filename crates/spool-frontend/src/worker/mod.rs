@@ -409,6 +409,11 @@ impl QueueWorker {
     /// Opens queues for devices the layout gained (a grown volume may span new devices; the
     /// pool keeps existing device indices stable).
     fn open_device_queues(&mut self) -> std::io::Result<()> {
+        // From the layout, whether or not every queue below opens.
+        let inline = |d: &Arc<spool_devices::Device>| d.inline_io();
+        self.inline_devices =
+            !self.layout.devices.is_empty() && self.layout.devices.iter().all(inline);
+        self.set_contended(self.contended);
         let depth = (self.slots.len() as u32 * 2).max(64);
         while self.devices.len() < self.layout.devices.len() {
             let d = self.devices.len();
@@ -423,10 +428,6 @@ impl QueueWorker {
             self.seen_epochs
                 .push(self.layout.devices[d].health().load().1);
         }
-        let inline = |d: &Arc<spool_devices::Device>| d.inline_io();
-        self.inline_devices =
-            !self.layout.devices.is_empty() && self.layout.devices.iter().all(inline);
-        self.set_contended(self.contended);
         Ok(())
     }
 
