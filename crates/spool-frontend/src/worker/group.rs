@@ -142,9 +142,18 @@ fn run(shared: Arc<Shared>) {
     shared.share_group.wake();
     loop {
         if shared.attention.swap(false, Ordering::AcqRel) || members.is_empty() {
-            if !attend(&shared, &epoll, &mut members) {
-                break;
+            let mut stopped = Vec::new();
+            if !attend(&shared, &epoll, &mut members, &mut stopped) {
+                // The thread's descriptors (its epoll, the group's wake eventfd when this
+                // was the last reference) are closed before the last queue goes back: a
+                // stopped queue's handle sees nothing of the group left open.
+                drop(epoll);
+                shared.share_group.doze();
+                drop(shared);
+                send_back(stopped);
+                return;
             }
+            send_back(stopped);
             idle.work();
         }
         idle.look_at_contention(&mut members);
@@ -172,13 +181,24 @@ fn run(shared: Arc<Shared>) {
             idle.work();
         }
     }
-    shared.share_group.doze();
+}
+
+/// Gives stopped queues back to their handles.
+fn send_back(stopped: Vec<(SyncSender<Queue>, Queue)>) {
+    for (done, queue) in stopped {
+        let _ = done.send(queue);
+    }
 }
 
 /// Takes the queues waiting to join and stops those asked to stop (joiners first: a queue
 /// may be asked to stop before its thread took it). Returns false when the group has no
 /// queue left (the thread ends; a queue joining later starts a new one).
-fn attend(shared: &Shared, epoll: &Epoll, members: &mut Vec<Member>) -> bool {
+fn attend(
+    shared: &Shared,
+    epoll: &Epoll,
+    members: &mut Vec<Member>,
+    stopped: &mut Vec<(SyncSender<Queue>, Queue)>,
+) -> bool {
     let lock = || shared.state.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         // The wake-up is read with the joiners it announced (`join` writes it under the
@@ -213,7 +233,7 @@ fn attend(shared: &Shared, epoll: &Epoll, members: &mut Vec<Member>) -> bool {
                     m.worker.epoll_fd(),
                     EpollEvent::default(),
                 );
-                let _ = m.done.send(m.worker.finish());
+                stopped.push((m.done, m.worker.finish()));
             } else {
                 i += 1;
             }
