@@ -32,7 +32,7 @@ impl Qmp {
             reader: BufReader::new(s.try_clone().unwrap()),
             writer: s,
         };
-        let greeting = q.line();
+        let greeting = q.line().expect("QMP greeting");
         assert!(
             greeting.get("QMP").is_some(),
             "not a QMP greeting: {greeting}"
@@ -41,19 +41,25 @@ impl Qmp {
         q
     }
 
-    fn line(&mut self) -> Value {
+    /// The next message, or `{"io": ...}` when QEMU closed the connection.
+    fn line(&mut self) -> Result<Value, Value> {
         let mut l = String::new();
-        let n = self.reader.read_line(&mut l).expect("QMP read");
-        assert!(n > 0, "QMP connection closed");
-        serde_json::from_str(&l).unwrap_or_else(|e| panic!("QMP sent {l:?}: {e}"))
+        match self.reader.read_line(&mut l) {
+            Ok(0) => Err(json!({ "io": "QMP connection closed" })),
+            Ok(_) => Ok(serde_json::from_str(&l).unwrap_or_else(|e| panic!("QMP sent {l:?}: {e}"))),
+            Err(e) => Err(json!({ "io": e.to_string() })),
+        }
     }
 
-    /// Runs `cmd`: its return value, or the error QEMU gave.
+    /// Runs `cmd`: its return value, or the error QEMU gave (`{"io": ...}` when QEMU was
+    /// gone before it answered).
     pub fn execute(&mut self, cmd: &str, args: Value) -> Result<Value, Value> {
         let msg = json!({ "execute": cmd, "arguments": args });
-        writeln!(self.writer, "{msg}").expect("QMP write");
+        if let Err(e) = writeln!(self.writer, "{msg}") {
+            return Err(json!({ "io": e.to_string() }));
+        }
         loop {
-            let v = self.line();
+            let v = self.line()?;
             if let Some(r) = v.get("return") {
                 return Ok(r.clone());
             }
