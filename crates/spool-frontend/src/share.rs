@@ -12,13 +12,22 @@
 //! yields its core, which is what lets the others catch up when they share one. A volume that
 //! becomes busy again starts at the slowest busy clock, so being idle earns no credit.
 //!
-//! "Busy" means a queue of the volume has requests in flight or waiting in its ring.
+//! "Busy" means a queue of the volume has requests in flight or waiting in its ring, or the
+//! volume lingers: a volume whose queues ran deep (more than one request in flight) and then
+//! drained is presumed to come back, and stays busy for [`LINGER`]. Its client was most
+//! likely only off its core (a client that shares cores with others drains its queues every
+//! time the scheduler takes it off); treating that as idleness let the others run free and
+//! made it forfeit its lag on return, so weights did not hold (1:2:4 came out 71% off with
+//! spoold on one core and the clients on the other). A client at QD1 does not linger: its
+//! ring is empty between any two requests, and holding the others to its pace would waste
+//! what it leaves.
 //!
 //! Owns: [`ShareGroup`] (the volumes of one process) and [`VolumeShare`] (one volume's
-//! weight, clock and busy queues). Must not know: rings, devices, time.
+//! weight, clock and busy queues). Must not know: rings, devices.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
@@ -30,14 +39,23 @@ pub const MAX_WEIGHT: u32 = 10_000;
 const UNIT: u64 = 1 << 16;
 /// How many requests (at the default weight) a volume may run ahead of the slowest busy one:
 /// enough to keep a queue's pipeline full between checks, small against a second of service.
-pub const WINDOW: u64 = 64;
+pub const WINDOW: u64 = 256;
+/// How long a volume whose queues ran deep stays busy after they drained (a few of the
+/// scheduler's time slices: about how long a client waits for a core on a busy machine).
+pub const LINGER: Duration = Duration::from_millis(4);
+/// The `state` bit of a lingering volume (the rest of `state` counts its busy queues).
+const LINGERING: u32 = 1 << 31;
 
 /// One volume's share.
 #[derive(Debug)]
 pub struct VolumeShare {
     weight: AtomicU32,
     vclock: AtomicU64,
-    busy_queues: AtomicU32,
+    /// Busy queues, plus [`LINGERING`]: one word, so that a queue becoming busy and the
+    /// linger ending cannot both count the volume in or out of the group's `busy`.
+    state: AtomicU32,
+    /// When it began to linger (ns since [`epoch`]).
+    idle_at: AtomicU64,
 }
 
 impl VolumeShare {
@@ -45,7 +63,8 @@ impl VolumeShare {
         VolumeShare {
             weight: AtomicU32::new(clamp(weight)),
             vclock: AtomicU64::new(0),
-            busy_queues: AtomicU32::new(0),
+            state: AtomicU32::new(0),
+            idle_at: AtomicU64::new(0),
         }
     }
 
@@ -59,7 +78,7 @@ impl VolumeShare {
     }
 
     fn busy(&self) -> bool {
-        self.busy_queues.load(Ordering::Relaxed) > 0
+        self.state.load(Ordering::Relaxed) != 0
     }
 
     /// Charges `n` requests taken.
@@ -72,6 +91,12 @@ impl VolumeShare {
     fn vclock(&self) -> u64 {
         self.vclock.load(Ordering::Relaxed)
     }
+}
+
+/// Nanoseconds since the first call (a process-wide monotonic clock).
+fn now_ns() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
 fn clamp(w: u32) -> u32 {
@@ -87,8 +112,13 @@ fn clamp(w: u32) -> u32 {
 pub struct ShareGroup {
     members: ArcSwap<Vec<Arc<VolumeShare>>>,
     change: Mutex<()>,
-    /// Volumes with a busy queue.
+    /// Volumes with a busy queue (or lingering).
     busy: AtomicU32,
+    /// The latest clock of a volume that went idle: where a volume that becomes busy while
+    /// no other is starts, so a clock left behind while others ran alone earns no credit
+    /// (a writer starting at 0 next to a reader that had run alone held the reader back
+    /// until it had caught up millions of requests).
+    floor: AtomicU64,
     /// Queue workers of the process not asleep in epoll (see [`Self::crowded`]).
     awake: AtomicU32,
 }
@@ -144,19 +174,47 @@ impl ShareGroup {
             .cloned()
             .collect();
         self.members.store(Arc::new(v));
-        if s.busy_queues.swap(0, Ordering::AcqRel) > 0 {
+        if s.state.swap(0, Ordering::AcqRel) != 0 {
             self.busy.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
     /// The slowest busy volume's clock other than `me`'s (None: no other volume is busy).
+    /// Ends the linger of volumes whose [`LINGER`] is over.
     fn slowest_other(&self, me: &VolumeShare) -> Option<u64> {
+        let mut now = None;
         self.members
             .load()
             .iter()
-            .filter(|m| !std::ptr::eq(m.as_ref(), me) && m.busy())
+            .filter(|m| !std::ptr::eq(m.as_ref(), me) && self.still_busy(m, &mut now))
             .map(|m| m.vclock())
             .min()
+    }
+
+    /// Whether `m` is busy, ending its linger if it is over (`now` is read once, and only
+    /// when some volume lingers).
+    fn still_busy(&self, m: &VolumeShare, now: &mut Option<u64>) -> bool {
+        match m.state.load(Ordering::Acquire) {
+            0 => false,
+            LINGERING => {
+                let t = *now.get_or_insert_with(now_ns);
+                let since = m.idle_at.load(Ordering::Relaxed);
+                if t.saturating_sub(since) < LINGER.as_nanos() as u64 {
+                    return true;
+                }
+                if m.state
+                    .compare_exchange(LINGERING, 0, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    self.floor.fetch_max(m.vclock(), Ordering::Relaxed);
+                    self.busy.fetch_sub(1, Ordering::AcqRel);
+                    return false;
+                }
+                // A queue of it became busy meanwhile.
+                true
+            }
+            _ => true,
+        }
     }
 
     /// Whether `me` may take requests now. One relaxed load when no other volume is busy.
@@ -173,18 +231,43 @@ impl ShareGroup {
 
     /// A queue of `me` became busy (requests waiting or in flight).
     pub fn queue_busy(&self, me: &VolumeShare) {
-        if me.busy_queues.fetch_add(1, Ordering::AcqRel) == 0 {
-            // Idle time earns no credit: start no further back than the slowest busy clock.
-            if let Some(min) = self.slowest_other(me) {
-                me.vclock.fetch_max(min, Ordering::Relaxed);
-            }
+        let before = me
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                Some((s & !LINGERING) + 1)
+            })
+            .unwrap_or_else(|s| s);
+        if before == 0 {
+            // Idle time earns no credit: start no further back than the slowest busy clock,
+            // or where the last volume to go idle left off.
+            let start = self
+                .slowest_other(me)
+                .unwrap_or_else(|| self.floor.load(Ordering::Relaxed));
+            me.vclock.fetch_max(start, Ordering::Relaxed);
             self.busy.fetch_add(1, Ordering::AcqRel);
         }
+        // From lingering: still counted, and its clock kept (the others were held to it).
     }
 
-    /// A queue of `me` became idle.
-    pub fn queue_idle(&self, me: &VolumeShare) {
-        if me.busy_queues.fetch_sub(1, Ordering::AcqRel) == 1 {
+    /// A queue of `me` became idle; `deep`: it had more than one request in flight at some
+    /// point since it became busy (the last such queue makes the volume linger).
+    pub fn queue_idle(&self, me: &VolumeShare, deep: bool) {
+        if deep {
+            // Before the state says so: whoever sees it lingering sees when it began.
+            me.idle_at.store(now_ns(), Ordering::Relaxed);
+        }
+        let before = me
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                Some(if s == 1 && deep {
+                    LINGERING
+                } else {
+                    s.saturating_sub(1)
+                })
+            })
+            .unwrap_or_else(|s| s);
+        if before == 1 && !deep {
+            self.floor.fetch_max(me.vclock(), Ordering::Relaxed);
             self.busy.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -220,12 +303,65 @@ mod tests {
         assert!(c.vclock() >= a.vclock().min(b.vclock()));
         assert!(g.may_take(&c));
         // Alone, a volume is never held back, however far ahead.
-        g.queue_idle(&b);
-        g.queue_idle(&c);
+        g.queue_idle(&b, false);
+        g.queue_idle(&c, false);
         a.charge(1_000_000);
         assert!(g.may_take(&a));
         g.leave(&b);
         assert_eq!(g.members.load().len(), 2);
+    }
+
+    /// A volume whose queues ran deep and drained stays busy for `LINGER` (its client was
+    /// most likely off its core): the others stay within a window of its clock, and it keeps
+    /// its place when it comes back. After `LINGER` it is idle; a QD1 queue is idle at once.
+    #[test]
+    fn a_deep_volume_that_drains_lingers_then_goes_idle() {
+        let g = ShareGroup::default();
+        let (a, b) = (g.join(100), g.join(100));
+        g.queue_busy(&a);
+        g.queue_busy(&b);
+        g.queue_idle(&b, true);
+        a.charge(WINDOW + 1);
+        assert!(!g.may_take(&a), "a lingering volume holds the others");
+        g.queue_busy(&b);
+        assert!(
+            b.vclock() < a.vclock(),
+            "back within LINGER, it keeps its place"
+        );
+        assert!(g.may_take(&b));
+        assert_eq!(g.busy.load(Ordering::Relaxed), 2);
+        g.queue_idle(&b, true);
+        std::thread::sleep(LINGER + Duration::from_millis(1));
+        assert!(g.may_take(&a), "the linger is over");
+        assert_eq!(g.busy.load(Ordering::Relaxed), 1);
+        g.queue_busy(&b);
+        assert!(
+            b.vclock() >= a.vclock(),
+            "back after LINGER, it earned nothing"
+        );
+        g.queue_idle(&b, false);
+        assert_eq!(
+            g.busy.load(Ordering::Relaxed),
+            1,
+            "a shallow queue does not linger"
+        );
+        a.charge(10 * WINDOW);
+        assert!(g.may_take(&a));
+    }
+
+    /// A volume that becomes busy while no other is starts where the last volume to go idle
+    /// left off: a clock left behind earns no credit against a volume that ran alone.
+    #[test]
+    fn a_volume_starting_alone_starts_where_the_last_one_left_off() {
+        let g = ShareGroup::default();
+        let (v, w) = (g.join(100), g.join(100));
+        g.queue_busy(&v);
+        v.charge(1_000_000);
+        g.queue_idle(&v, false);
+        g.queue_busy(&w);
+        assert!(w.vclock() >= v.vclock());
+        g.queue_busy(&v);
+        assert!(g.may_take(&v), "v is not held back by w's old clock");
     }
 
     #[test]

@@ -294,6 +294,8 @@ pub struct QueueWorker {
     contended: bool,
     /// Whether this queue counts as busy in the share group (requests waiting or in flight).
     share_busy: bool,
+    /// Whether it had more than one request in flight since it became busy (`share::LINGER`).
+    share_deep: bool,
     /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
     /// are stamped when taken and measured when completed with one read per busy round.
     now_ticks: u64,
@@ -391,6 +393,7 @@ impl QueueWorker {
             fair_share: spec.fair_share,
             priority: spool_pool::Priority::Normal,
             share_busy: false,
+            share_deep: false,
             stepped_aside: false,
             take_budget: u64::MAX,
             inline_devices: false,

@@ -88,7 +88,7 @@ impl QueueWorker {
         self.stats.queue(self.index).set_size(0);
         self.drain();
         self.publish_stats();
-        self.set_share_busy(false);
+        self.set_share_idle(false);
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
         self.vq.into_queue()
     }
@@ -104,7 +104,7 @@ impl QueueWorker {
     /// Idle for `poll_idle`: the volume no longer holds the others to its share.
     pub(super) fn note_idle(&mut self) {
         if self.in_flight == 0 && !self.vq.has_avail(&self.host) {
-            self.set_share_busy(false);
+            self.set_share_idle(true);
         }
     }
 
@@ -355,9 +355,10 @@ impl QueueWorker {
             // hold the others to its pace (a capped QD128 writer held a QD1 reader to the
             // writer's cap: p99 178 µs against 63 µs uncapped). Taking again after the wait
             // makes it busy again, at the slowest busy clock.
-            self.set_share_busy(false);
+            self.set_share_idle(false);
         } else if taken > 0 {
-            self.set_share_busy(true);
+            self.set_share_busy();
+            self.share_deep |= self.in_flight > 1;
         }
         taken > 0
     }
@@ -368,7 +369,7 @@ impl QueueWorker {
     #[inline(never)]
     fn yield_share(&mut self) -> bool {
         if self.vq.has_avail(&self.host) {
-            self.set_share_busy(true);
+            self.set_share_busy();
             // The thread goes off the core for a moment after this round (`SHARE_PAUSE`, once
             // for all its queues; not a yield, which on a busy core hands it straight back and
             // burns it in system calls): about a window's worth of service elsewhere.
@@ -390,16 +391,24 @@ impl QueueWorker {
         q.set_in_flight(self.in_flight as u64);
     }
 
-    /// Tells the share group when this queue becomes busy or idle.
+    /// Tells the share group that this queue became busy.
     #[inline]
-    pub(super) fn set_share_busy(&mut self, busy: bool) {
-        if busy != self.share_busy {
-            self.share_busy = busy;
-            if busy {
-                self.share_group.queue_busy(&self.share);
-            } else {
-                self.share_group.queue_idle(&self.share);
-            }
+    pub(super) fn set_share_busy(&mut self) {
+        if !self.share_busy {
+            self.share_busy = true;
+            self.share_group.queue_busy(&self.share);
+        }
+    }
+
+    /// Tells the share group that this queue became idle; `may_linger`: whether the volume
+    /// may stay busy for a while if the queue ran deep (`share::LINGER`), as a queue whose
+    /// client is off its core does. Not when it stops or its own limits hold it.
+    #[inline]
+    pub(super) fn set_share_idle(&mut self, may_linger: bool) {
+        if self.share_busy {
+            self.share_busy = false;
+            let deep = std::mem::take(&mut self.share_deep) && may_linger;
+            self.share_group.queue_idle(&self.share, deep);
         }
     }
 

@@ -374,6 +374,38 @@ fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
     );
 }
 
+/// A queue that had more than one request in flight and drained leaves its volume busy
+/// for `share::LINGER` (its client was most likely off its core), holding a volume far ahead
+/// of it; a queue that ran at QD1 leaves it idle at once.
+#[test]
+fn a_queue_that_ran_deep_and_drained_keeps_its_volume_busy_for_a_while() {
+    for depth in [2u16, 1] {
+        let mut h = Harness::new(2);
+        h.w.share = h.w.share_group.join(100);
+        let other = h.w.share_group.join(100);
+        h.w.share_group.queue_busy(&other);
+        let heads: Vec<u16> = (0..depth).map(|k| h.post_read(k)).collect();
+        h.round();
+        for head in heads {
+            h.device_completes(head, LEN as i32);
+        }
+        h.round();
+        assert_eq!(h.used().len(), depth as usize);
+        h.w.note_idle();
+        other.charge(10 * crate::share::WINDOW);
+        assert_eq!(
+            h.w.share_group.may_take(&other),
+            depth == 1,
+            "depth {depth}: the drained volume {} the other back",
+            if depth == 1 {
+                "must not hold"
+            } else {
+                "lingers and holds"
+            }
+        );
+    }
+}
+
 /// On a volume whose devices do their I/O inline (a file on tmpfs), a round takes at most
 /// `INLINE_TAKE_BUDGET` requests, so the guest sees the first ones complete while the rest
 /// wait; the next round takes the rest. On other devices, or with the thread's cores
