@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,6 +172,7 @@ def main():
     finally:
         p.terminate()
         p.wait()
+        shutil.rmtree(work, ignore_errors=True)  # the legs' files in /dev/shm otherwise
     if not args.quick:
         write_report(out)
 

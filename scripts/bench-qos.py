@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -186,6 +187,7 @@ def main():
     finally:
         p.terminate()
         p.wait()
+        shutil.rmtree(work, ignore_errors=True)  # 512 MiB of /dev/shm otherwise
     rows["date"] = datetime.date.today().isoformat()
     rows["runtime_s"] = secs
     if not args.quick:

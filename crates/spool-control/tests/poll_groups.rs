@@ -9,10 +9,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{connect, pattern, write_rounds_until, Spoold};
-
-/// What a worker logs when it resubmits requests a killed worker had in flight.
-const RECOVERED: &str = "resubmitting requests recovered from the journal";
+use common::{
+    connect, kill_workers_until_recovered, pattern, write_rounds_until, Spoold, RECOVERED,
+};
 
 fn config(threads: u32) -> String {
     format!(
@@ -129,20 +128,7 @@ fn a_group_thread_ends_with_its_queues_and_starts_again_with_new_ones() {
 fn worker_kills_under_load_with_grouped_queues_lose_nothing() {
     let d = Arc::new(Spoold::start(&config(1)));
     let mut c = connect(&d.socket("b"), 4, false).unwrap();
-    let killer = {
-        let d = d.clone();
-        std::thread::spawn(move || {
-            // 5 kills, then more (up to 40) until one caught a request in flight and the next
-            // worker resubmitted it from the journal.
-            for i in 0..40u64 {
-                if i >= 5 && d.log().contains(RECOVERED) {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20 + (i * 37) % 60));
-                d.kill_worker();
-            }
-        })
-    };
+    let killer = kill_workers_until_recovered(d.clone(), 5);
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     killer.join().unwrap();
     assert!(rounds >= 5);

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{connect, pattern, write_rounds_until, Spoold};
+use common::{
+    connect, kill_workers_until_recovered, pattern, write_rounds_until, Spoold, RECOVERED,
+};
 use serde_json::json;
 
 const ONE_VOLUME: &str = r#"
@@ -21,9 +23,6 @@ name = "a"
 size = "64M"
 num_queues = 2
 "#;
-
-/// What a worker logs when it resubmits requests a killed worker had in flight.
-const RECOVERED: &str = "resubmitting requests recovered from the journal";
 
 fn kills() -> usize {
     std::env::var("SPOOL_WORKER_KILLS")
@@ -38,22 +37,7 @@ fn worker_sigkill_under_load_is_invisible_to_the_client() {
     let keeper = d.keeper_pid();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
     let n = kills();
-    let killer = {
-        let d = d.clone();
-        std::thread::spawn(move || {
-            let mut pids = vec![d.worker_pid()];
-            // `n` kills, then more (up to 4n in all) until one has caught a request in
-            // flight: on a loaded machine the client may be between requests at every kill.
-            for i in 0..4 * n {
-                if i >= n && d.log().contains(RECOVERED) {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20 + (i as u64 * 37) % 60));
-                pids.push(d.kill_worker());
-            }
-            pids
-        })
-    };
+    let killer = kill_workers_until_recovered(d.clone(), n);
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     let pids = killer.join().unwrap();
     let n = pids.len() - 1;

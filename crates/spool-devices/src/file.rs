@@ -15,8 +15,10 @@ use std::fs::{File, OpenOptions as StdOpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::backend::{check_range, check_size, BackendInfo, OpenOptions, PoolDevice, Probe};
+use crate::file_map::FileMap;
 use crate::{DeviceQueue, Error, Result, SECTOR_SIZE};
 
 /// A regular file or block device opened as a pool device.
@@ -32,6 +34,9 @@ pub struct FileBackend {
     /// The file system cannot do non-blocking I/O (tmpfs): io_uring would punt every request
     /// to a kernel worker thread, so queues run inline instead.
     inline_io: bool,
+    /// With `inline_io`: the file mapped shared, for the inline queues' writes (no inode
+    /// lock; see [`crate::file_map`]).
+    map: Option<Arc<FileMap>>,
 }
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -74,6 +79,11 @@ impl FileBackend {
         };
         tracing::debug!(path = %path.display(), size, direct = direct.is_some(), direct_align, "device opened");
         let inline_io = !block && on_tmpfs(&buffered);
+        let map = if inline_io {
+            FileMap::new(buffered.as_raw_fd(), size).map(Arc::new)
+        } else {
+            None
+        };
         Ok(FileBackend {
             path: path.to_path_buf(),
             block,
@@ -82,6 +92,7 @@ impl FileBackend {
             direct,
             direct_align,
             inline_io,
+            map,
         })
     }
 
@@ -134,7 +145,10 @@ impl PoolDevice for FileBackend {
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
         let buffered = self.buffered.as_raw_fd();
         if self.inline_io {
-            return Ok(Box::new(crate::InlineQueue::new(buffered)?));
+            return Ok(Box::new(crate::InlineQueue::with_map(
+                buffered,
+                self.map.clone(),
+            )?));
         }
         Ok(Box::new(crate::UringQueue::new(
             buffered,

@@ -15,6 +15,7 @@ mod backend;
 mod device;
 mod fault;
 mod file;
+mod file_map;
 mod health;
 mod inline;
 pub mod mirror;

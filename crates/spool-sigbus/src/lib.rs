@@ -31,6 +31,8 @@ struct Slot {
     start: AtomicUsize,
     len: AtomicUsize,
     fill: AtomicU8,
+    /// Set when the handler begins on the mapping, before it covers it (see [`Watch::hit`]).
+    hit: AtomicBool,
     faulted: AtomicBool,
 }
 
@@ -39,6 +41,7 @@ const EMPTY: Slot = Slot {
     start: AtomicUsize::new(0),
     len: AtomicUsize::new(0),
     fill: AtomicU8::new(0),
+    hit: AtomicBool::new(false),
     faulted: AtomicBool::new(false),
 };
 static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
@@ -86,6 +89,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut
             // SAFETY: `start` is loaded (Acquire) before `len`, which `watch` stores before
             // `start`, so both are one watch's; owners clear the slot before unmapping and
             // touch nothing there meanwhile, so a fault here means it is still live.
+            s.hit.store(true, Ordering::SeqCst);
             if unsafe { cover(start, len, s.fill.load(Ordering::Acquire)) } {
                 s.faulted.store(true, Ordering::Release);
                 FAULTS.fetch_add(1, Ordering::AcqRel);
@@ -208,6 +212,7 @@ pub fn watch(start: usize, len: usize, fill: u8) -> Option<usize> {
         {
             s.len.store(len, Ordering::Release);
             s.fill.store(fill, Ordering::Release);
+            s.hit.store(false, Ordering::Release);
             s.faulted.store(false, Ordering::Release);
             s.start.store(start, Ordering::Release);
             HIGH.fetch_max(i + 1, Ordering::AcqRel);
@@ -222,6 +227,16 @@ pub fn faulted(slot: usize) -> bool {
     TABLE
         .get(slot)
         .is_some_and(|s| s.faulted.load(Ordering::Acquire))
+}
+
+/// Whether a fault on the mapping in `slot` began: set before the handler covers it, so a
+/// store that landed in the cover is always followed by a `hit` that reads true (a store
+/// into the mapping, a `SeqCst` fence, then `hit`). For writers that must never report a
+/// store into dummy memory as done.
+pub fn hit(slot: usize) -> bool {
+    TABLE
+        .get(slot)
+        .is_some_and(|s| s.hit.load(Ordering::SeqCst))
 }
 
 /// Stops watching `slot` (before the mapping is unmapped).
@@ -261,6 +276,12 @@ impl Watch {
     /// Whether the mapping faulted (its contents are now dummy memory).
     pub fn faulted(&self) -> bool {
         self.slot.is_some_and(faulted)
+    }
+
+    /// Whether a fault on the mapping began (see [`hit`]); true for an unwatched mapping,
+    /// whose stores cannot be vouched for.
+    pub fn hit(&self) -> bool {
+        self.slot.is_none_or(hit)
     }
 }
 

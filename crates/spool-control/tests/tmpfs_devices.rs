@@ -1,0 +1,86 @@
+//! Device files on tmpfs: the worker writes by copying into a shared mapping of the file
+//! (spool-devices `file_map.rs`: no inode lock) and reads with `preadv` through the
+//! descriptor. Through the real spoold and the real libblkio client: the mapping is in use,
+//! what was copied into it reads back through the descriptor, while another volume of the
+//! same file is written at the same time, through worker SIGKILLs (the journal resubmits
+//! what a killed worker had in flight) and after the whole daemon restarted.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::{
+    connect, kill_workers_until_recovered, pattern, write_rounds_until, Spoold, BS, RECOVERED,
+};
+
+fn config(dev: &Path) -> String {
+    format!(
+        r#"
+[[devices]]
+path = "{}"
+create_size = "96M"
+[[volumes]]
+name = "a"
+size = "16M"
+num_queues = 2
+[[volumes]]
+name = "b"
+size = "16M"
+num_queues = 2
+"#,
+        dev.display()
+    )
+}
+
+#[test]
+fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let dev = shm.path().join("d0.img");
+    let d = Arc::new(Spoold::start(&config(&dev)));
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", d.worker_pid())).unwrap();
+    assert!(
+        maps.contains(dev.to_str().unwrap()),
+        "the worker does not map its tmpfs device file:\n{maps}"
+    );
+
+    // Volume b is written at the same time as a, from its own thread, into the same file.
+    let stop = Arc::new(AtomicBool::new(false));
+    let neighbour = {
+        let (d, stop) = (d.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut c = connect(&d.socket("b"), 2, false).unwrap();
+            write_rounds_until(&mut c, &|| stop.load(Ordering::Relaxed), 3)
+        })
+    };
+    let killer = kill_workers_until_recovered(d.clone(), 5);
+    let mut c = connect(&d.socket("a"), 2, false).unwrap();
+    // Every write completes and every block then reads back its last write (checked inside).
+    let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
+    killer.join().unwrap();
+    assert!(
+        d.log().contains(RECOVERED),
+        "no kill caught a request in flight"
+    );
+    stop.store(true, Ordering::Relaxed);
+    let neighbour_rounds = neighbour.join().unwrap();
+    drop(c);
+
+    // A new daemon reads the file through its descriptor: the copies were in the file.
+    let mut d = Arc::try_unwrap(d).unwrap_or_else(|_| panic!("spoold still shared"));
+    d.stop();
+    d.spawn();
+    for (vol, last) in [("a", rounds - 1), ("b", neighbour_rounds - 1)] {
+        let mut c = connect(&d.socket(vol), 2, false).unwrap();
+        for blk in 0..64usize {
+            let off = (blk * BS) as u64;
+            let (r, data) = c.read_sync(blk % 2, off, BS);
+            assert_eq!(r, 0);
+            assert!(
+                data == pattern(last, off, BS),
+                "volume {vol}, block {blk}: not its last write (round {last}) after a restart"
+            );
+        }
+    }
+}
