@@ -128,7 +128,7 @@ fn a_group_thread_ends_with_its_queues_and_starts_again_with_new_ones() {
 fn worker_kills_under_load_with_grouped_queues_lose_nothing() {
     let d = Arc::new(Spoold::start(&config(1)));
     let mut c = connect(&d.socket("b"), 4, false).unwrap();
-    let killer = kill_workers_until_recovered(d.clone(), 5);
+    let killer = kill_workers_until_recovered(d.clone(), 5, 40);
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     killer.join().unwrap();
     assert!(rounds >= 5);

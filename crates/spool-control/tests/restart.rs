@@ -37,7 +37,7 @@ fn worker_sigkill_under_load_is_invisible_to_the_client() {
     let keeper = d.keeper_pid();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
     let n = kills();
-    let killer = kill_workers_until_recovered(d.clone(), n);
+    let killer = kill_workers_until_recovered(d.clone(), n, 4 * n);
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     let pids = killer.join().unwrap();
     let n = pids.len() - 1;

@@ -34,6 +34,19 @@ num_queues = 2
     )
 }
 
+/// Resident KiB of `pid`'s mapping of `file` (from /proc/PID/smaps).
+fn mapped_kib(pid: u32, file: &Path) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut lines = smaps
+        .lines()
+        .skip_while(|l| !l.ends_with(file.to_str().unwrap()));
+    assert!(lines.next().is_some(), "{} not mapped", file.display());
+    lines
+        .find_map(|l| l.strip_prefix("Rss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 #[test]
 fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
     let shm = tempfile::tempdir_in("/dev/shm").unwrap();
@@ -46,16 +59,20 @@ fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
     );
 
     // Volume b is written at the same time as a, from its own thread, into the same file.
+    // Both connect before the first kill.
+    let mut c = connect(&d.socket("a"), 2, false).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
+    let (connected, wait_connected) = std::sync::mpsc::channel();
     let neighbour = {
         let (d, stop) = (d.clone(), stop.clone());
         std::thread::spawn(move || {
             let mut c = connect(&d.socket("b"), 2, false).unwrap();
+            connected.send(()).unwrap();
             write_rounds_until(&mut c, &|| stop.load(Ordering::Relaxed), 3)
         })
     };
-    let killer = kill_workers_until_recovered(d.clone(), 5);
-    let mut c = connect(&d.socket("a"), 2, false).unwrap();
+    wait_connected.recv().unwrap();
+    let killer = kill_workers_until_recovered(d.clone(), 5, 40);
     // Every write completes and every block then reads back its last write (checked inside).
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     killer.join().unwrap();
@@ -65,6 +82,15 @@ fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
     );
     stop.store(true, Ordering::Relaxed);
     let neighbour_rounds = neighbour.join().unwrap();
+    // The writes went into the mapping: the serving worker's mapping of the file has pages
+    // (a write through the descriptor would leave it untouched).
+    let last = pattern(rounds - 1, 0, BS);
+    assert_eq!(c.write_sync(0, 0, &last), 0);
+    let resident = mapped_kib(d.worker_pid(), &dev);
+    assert!(
+        resident > 0,
+        "the worker's mapping of the file is untouched"
+    );
     drop(c);
 
     // A new daemon reads the file through its descriptor: the copies were in the file.

@@ -12,7 +12,10 @@
 //! was truncated under us. The mapping is watched by spool-sigbus, which covers it with
 //! anonymous memory; a copy checks the watch afterwards, and a copy that may have gone into
 //! the cover (or any after it) is done again with `pwritev`, which reports the error (ENOSPC)
-//! or writes the data. From then on every write of the device takes the descriptor.
+//! or writes the data. From then on every write of the device takes the descriptor. A copy
+//! whose source faulted (a frontend truncated its guest memory, covered with zeroes by the
+//! frontend's watch) fails with EFAULT, as `pwritev` from that memory did, rather than store
+//! the zeroes as the guest's data.
 //!
 //! Owns: the mapping and its watch. Must not know: queues, requests, volumes.
 
@@ -72,8 +75,9 @@ impl FileMap {
     }
 
     /// Copies the `iovcnt` buffers of `iov` to `offset` of the file. Some(bytes written), or
-    /// None when the caller must write through the descriptor instead: the range is not
-    /// inside the mapping, or a fault hit it (before or during this copy).
+    /// Some(-EFAULT) when a source buffer is in a watched mapping a fault hit (its bytes are
+    /// the cover's), or None when the caller must write through the descriptor instead: the
+    /// range is not inside the mapping, or a fault hit it (before or during this copy).
     ///
     /// # Safety
     /// `iov` points to `iovcnt` iovecs over readable buffers that stay valid for the call.
@@ -107,6 +111,17 @@ impl FileMap {
         if self.broken() {
             return None;
         }
+        // A source that faulted (a frontend truncated its guest memory) was covered with
+        // zeroes, and the copy took them: the write fails, as `pwritev` failed with EFAULT,
+        // rather than storing zeroes as the guest's data. One load unless a fault ever
+        // happened in this process.
+        if spool_sigbus::hits() != 0
+            && iov
+                .iter()
+                .any(|v| spool_sigbus::hit_in(v.iov_base as usize, v.iov_len))
+        {
+            return Some(-libc::EFAULT);
+        }
         Some(total as i32)
     }
 }
@@ -137,6 +152,15 @@ mod tests {
             .unwrap()
     }
 
+    /// A 1 MiB file on tmpfs, mapped.
+    fn mapped_file() -> (tempfile::TempDir, std::fs::File, FileMap) {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let f = rw(&dir.path().join("d"));
+        f.set_len(1 << 20).unwrap();
+        let m = FileMap::new(f.as_raw_fd(), 1 << 20).expect("mapped");
+        (dir, f, m)
+    }
+
     fn iov(b: &[u8]) -> libc::iovec {
         libc::iovec {
             iov_base: b.as_ptr() as *mut libc::c_void,
@@ -148,10 +172,7 @@ mod tests {
     /// mapping are left to the descriptor.
     #[test]
     fn copies_are_the_files_bytes_and_out_of_range_writes_are_declined() {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let f = rw(&dir.path().join("d"));
-        f.set_len(1 << 20).unwrap();
-        let m = FileMap::new(f.as_raw_fd(), 1 << 20).expect("mapped");
+        let (_dir, f, m) = mapped_file();
         let (a, b) = (vec![1u8; 3000], vec![2u8; 1096]);
         let v = [iov(&a), iov(&b)];
         // SAFETY: two iovecs over live buffers.
@@ -164,15 +185,49 @@ mod tests {
         assert!(!m.broken());
     }
 
+    /// A source buffer in watched memory that faults while it is copied (a frontend that
+    /// truncated its guest memory): the write fails with EFAULT, as `pwritev` did, instead of
+    /// completing with the cover's zeroes as the guest's data (the failed write's blocks are
+    /// undefined, as after a `pwritev` cut short by the fault).
+    #[test]
+    fn a_source_that_faults_fails_the_write_with_efault() {
+        let (dir, _f, m) = mapped_file();
+        let guest = rw(&dir.path().join("guest"));
+        guest.set_len(8192).unwrap();
+        // SAFETY: a new shared mapping of a file we hold; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                guest.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let watch = spool_sigbus::Watch::new(p as usize, 8192, 0);
+        assert!(watch.is_watched());
+        guest.set_len(0).unwrap();
+        let v = [libc::iovec {
+            iov_base: p,
+            iov_len: 4096,
+        }];
+        // SAFETY: one iovec over our mapping; its pages are gone, and the load's SIGBUS is
+        // covered by the watch.
+        assert_eq!(unsafe { m.write(0, v.as_ptr(), 1) }, Some(-libc::EFAULT));
+        assert!(watch.faulted() && !m.broken());
+        drop(watch);
+        // SAFETY: our mapping (now the cover), no longer watched.
+        unsafe { libc::munmap(p, 8192) };
+    }
+
     /// A file truncated under the mapping: the copy faults, the watch covers it, and the
     /// write is declined (the caller's `pwritev` then reports or writes it), as is every
     /// write after it.
     #[test]
     fn a_copy_that_faults_is_declined_and_so_is_every_later_one() {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let f = rw(&dir.path().join("d"));
-        f.set_len(1 << 20).unwrap();
-        let m = FileMap::new(f.as_raw_fd(), 1 << 20).expect("mapped");
+        let (_dir, f, m) = mapped_file();
         let a = vec![7u8; 4096];
         let v = [iov(&a)];
         // SAFETY: one iovec over a live buffer.

@@ -49,6 +49,8 @@ static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
 static HIGH: AtomicUsize = AtomicUsize::new(0);
 /// Faults handled so far, process-wide.
 static FAULTS: AtomicU64 = AtomicU64::new(0);
+/// Faults begun so far, process-wide: counted before the cover, like each slot's `hit`.
+static HITS: AtomicU64 = AtomicU64::new(0);
 static INSTALL: Once = Once::new();
 
 /// Maps anonymous memory filled with `fill` over `[start, start+len)`; true on success.
@@ -90,6 +92,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut
             // `start`, so both are one watch's; owners clear the slot before unmapping and
             // touch nothing there meanwhile, so a fault here means it is still live.
             s.hit.store(true, Ordering::SeqCst);
+            HITS.fetch_add(1, Ordering::SeqCst);
             if unsafe { cover(start, len, s.fill.load(Ordering::Acquire)) } {
                 s.faulted.store(true, Ordering::Release);
                 FAULTS.fetch_add(1, Ordering::AcqRel);
@@ -237,6 +240,30 @@ pub fn hit(slot: usize) -> bool {
     TABLE
         .get(slot)
         .is_some_and(|s| s.hit.load(Ordering::SeqCst))
+}
+
+/// Faults begun so far in this process (see [`hit`]): 0 means no watched mapping was ever
+/// covered, so no copy can have read or written a cover.
+#[inline]
+pub fn hits() -> u64 {
+    HITS.load(Ordering::SeqCst)
+}
+
+/// Whether `[start, start+len)` overlaps a watched mapping a fault hit: its bytes there may
+/// be the cover's, not the owner's. A scan of the slots in use: for after [`hits`] said so.
+pub fn hit_in(start: usize, len: usize) -> bool {
+    let high = HIGH.load(Ordering::Acquire).min(SLOTS);
+    TABLE[..high].iter().any(|s| {
+        let (a, l) = (
+            s.start.load(Ordering::Acquire),
+            s.len.load(Ordering::Acquire),
+        );
+        a != 0
+            && a != usize::MAX
+            && s.hit.load(Ordering::SeqCst)
+            && start < a.saturating_add(l)
+            && a < start.saturating_add(len)
+    })
 }
 
 /// Stops watching `slot` (before the mapping is unmapped).

@@ -393,17 +393,18 @@ pub const BS: usize = 64 * 1024;
 /// What a worker logs when it resubmits requests a killed worker had in flight.
 pub const RECOVERED: &str = "resubmitting requests recovered from the journal";
 
-/// A thread that SIGKILLs `d`'s worker `n` times, then more (up to `4n` in all) until one
+/// A thread that SIGKILLs `d`'s worker `min` times, then more (up to `max` in all) until one
 /// kill caught a request in flight (on a loaded machine the client may be between requests
 /// at every kill); it returns the pids of the first worker and of each one after a kill.
 pub fn kill_workers_until_recovered(
     d: std::sync::Arc<Spoold>,
-    n: usize,
+    min: usize,
+    max: usize,
 ) -> std::thread::JoinHandle<Vec<u32>> {
     std::thread::spawn(move || {
         let mut pids = vec![d.worker_pid()];
-        for i in 0..4 * n {
-            if i >= n && d.log().contains(RECOVERED) {
+        for i in 0..max {
+            if i >= min && d.log().contains(RECOVERED) {
                 break;
             }
             std::thread::sleep(Duration::from_millis(20 + (i as u64 * 37) % 60));
