@@ -392,17 +392,21 @@ NOTES = """
   batches then cost more wake-ups than they save): 4K QD32 1q 1vol went from 349K to 584K
   (randread) and 315K to 553K (randwrite). NVMe, io_uring and RBD queues complete
   asynchronously and keep taking everything.
-- **128K writes to one file from several threads.** tmpfs takes the file's inode lock
-  (`i_rwsem`) for every write, so the writes to one device file are serial whoever makes
-  them, and a writer waiting for the lock spins on it while the holder runs. Three volumes
-  at 128K write QD32 1q, same spoold build and clients, perf over the run: on one device
-  file 56K IOPS with 39% of spoold's CPU in `rwsem_spin_on_owner`; on three device files
-  (one volume each) 100K IOPS and no spinning; the copy per write cost the same in both.
-  qsd writes from one thread, so it never waits for the lock, and its serial writes came
-  out faster (the 3-volume 128K write rows are the ones it wins); why its time per write
-  under the lock is lower than spoold's is not explained yet. A lock in spoold around the writes (tried, per write and per
-  batch of a round) did not help: the writes stay serial. On an NVMe device there is no
-  inode and no such lock.
+- **Writes to one file from several threads.** tmpfs takes the file's inode lock
+  (`i_rwsem`) for every write, so the writes to one device file were serial whoever made
+  them, and a writer waiting for the lock spun on it while the holder ran (three volumes at
+  128K write QD32 1q: 56K IOPS on one device file with 39% of spoold's CPU in
+  `rwsem_spin_on_owner`, 100K on three files). Since 2026-11-25 spoold writes by copying into
+  a shared mapping of the device file (spool-devices `file_map.rs`), which takes no lock:
+  every write row went to 1.7-6.6x.
+- **Reads by copy.** `preadv` of a tmpfs file looks each page up in the page cache and copies
+  it with the kernel's per-page copy, which cost more than the copy itself on this machine
+  (a C loop, one thread: 4K random reads 263K/s with `preadv`, 739K/s by `memcpy` out of a
+  mapping; 128K sequential 17K/s and 36K/s). Since 2026-11-26 spoold reads out of the same
+  mapping, over pages known to hold data only (a read fault on a hole would allocate it;
+  holes are read with `preadv`). Alternating the build before and after twice on the QD32 4q
+  read rows: 4K 1vol 510K/528K -> 875K/883K, 4K 3vol 462K/455K -> 701K/764K, 128K 1vol
+  37K/36K -> 82K/73K, 128K 3vol 35K/31K -> 73K/55K. qsd reads with `preadv`.
 - **Noise.** The machine is shared: compare rows by their "others" column. A row where others
   used a core measures spoold with one core for the clients, itself and everyone else.
 - scaling.md has the same effect across volumes and cores, with spoold confined by taskset.

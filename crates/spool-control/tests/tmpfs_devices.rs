@@ -1,9 +1,10 @@
-//! Device files on tmpfs: the worker writes by copying into a shared mapping of the file
-//! (spool-devices `file_map.rs`: no inode lock) and reads with `preadv` through the
-//! descriptor. Through the real spoold and the real libblkio client: the mapping is in use,
-//! what was copied into it reads back through the descriptor, while another volume of the
-//! same file is written at the same time, through worker SIGKILLs (the journal resubmits
-//! what a killed worker had in flight) and after the whole daemon restarted.
+//! Device files on tmpfs: the worker reads and writes by copying out of and into a shared
+//! mapping of the file (spool-devices `file_map.rs`: no inode lock, no per-page lookups), and
+//! reads holes through the descriptor. Through the real spoold and the real libblkio client:
+//! the mapping is in use, what was copied into it is in the file, while another volume of the
+//! same file is written at the same time, through worker SIGKILLs (the journal resubmits what
+//! a killed worker had in flight) and after the whole daemon restarted, whose reads come out
+//! of its mapping; reading space never written allocates nothing.
 
 mod common;
 
@@ -109,4 +110,25 @@ fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
             );
         }
     }
+    // Those reads came out of the mapping: the new worker wrote nothing, yet its mapping of
+    // the file has pages now (`preadv` would leave it untouched).
+    assert!(
+        mapped_kib(d.worker_pid(), &dev) > 0,
+        "the new worker's reads did not go through its mapping"
+    );
+    // Space never written reads as zeroes and stays a hole: a read fault through the mapping
+    // would have given the file a page for each (a thin device filled by a guest's reads).
+    let held = allocated(&dev);
+    let mut c = connect(&d.socket("b"), 2, false).unwrap();
+    for blk in 192..256usize {
+        let (r, data) = c.read_sync(blk % 2, (blk * BS) as u64, BS);
+        assert_eq!(r, 0);
+        assert!(data.iter().all(|&x| x == 0), "block {blk} never written");
+    }
+    assert_eq!(allocated(&dev), held, "reading holes allocated tmpfs pages");
+}
+
+/// Bytes of tmpfs memory `file` holds.
+fn allocated(file: &Path) -> u64 {
+    std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(file).unwrap()) * 512
 }

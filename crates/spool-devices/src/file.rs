@@ -34,8 +34,8 @@ pub struct FileBackend {
     /// The file system cannot do non-blocking I/O (tmpfs): io_uring would punt every request
     /// to a kernel worker thread, so queues run inline instead.
     inline_io: bool,
-    /// With `inline_io`: the file mapped shared, for the inline queues' writes (no inode
-    /// lock; see [`crate::file_map`]).
+    /// With `inline_io`: the file mapped shared, for the inline queues' reads and writes (no
+    /// inode lock, no per-page lookups; see [`crate::file_map`]).
     map: Option<Arc<FileMap>>,
 }
 
@@ -137,6 +137,9 @@ impl PoolDevice for FileBackend {
 
     fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
         check_range(&self.path, self.size, offset, len)?;
+        if let Some(m) = &self.map {
+            m.forget(offset, len);
+        }
         zero_file_range(&self.buffered, &self.path, offset, len)
     }
 

@@ -326,8 +326,11 @@ impl QueueWorker {
     fn take_and_submit(&mut self, mem: &Arc<GuestMemory>) -> bool {
         self.refresh_host(mem);
         // The latency class is never held back (its clock still runs, holding the others).
+        // An empty ring is not asked about: an idle poll round would read every busy
+        // volume's clock (cache lines their threads write) for nothing.
         if self.fair_share
             && self.priority != spool_pool::Priority::Latency
+            && self.vq.has_avail(&self.host)
             && !self.share_group.may_take(&self.share)
         {
             return self.yield_share();
