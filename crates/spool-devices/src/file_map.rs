@@ -28,6 +28,12 @@
 //! again with `preadv`; one whose destination faulted (truncated guest memory) fails with
 //! EFAULT, as `preadv` into it did.
 //!
+//! What it costs: the worker's page tables map every page it read or wrote, and a killed
+//! worker's exit unmaps them before its descriptors (and the device's `flock`) go, so a
+//! restart after a kill waits for that: about 300 ns a page here (a C loop: 60 ms for
+//! 768 MiB all mapped, on a loaded machine), the kind of cost its mappings of guest memory
+//! already had. Page tables take 0.2% of what is mapped.
+//!
 //! Owns: the mapping, its watch, which pages are known to hold data. Must not know: queues,
 //! requests, volumes.
 
