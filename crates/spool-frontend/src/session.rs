@@ -33,6 +33,11 @@ pub use kept::{RestoreClock, SessionState, SESSION_STATE_FORMAT};
 
 pub use crate::queue_start::MAX_QUEUE_SIZE;
 
+/// How long a session waits for its workers to finish the rounds they were in when a dirty
+/// log was published (`wait_for_workers_on_new_map`): a round takes microseconds, a worker
+/// thread preempted on a crowded host some milliseconds.
+const PASS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[derive(Default)]
 struct Vring {
     size: u16,
@@ -93,6 +98,30 @@ impl Session {
 
     fn protocol_negotiated(&self) -> bool {
         self.acked_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
+    }
+
+    /// Waits until every running worker finished the round it was in (at most
+    /// [`PASS_WAIT`]): rounds begun before the call may still write into guest memory under
+    /// the map they loaded, without the dirty log just published. QEMU syncs the log (and
+    /// sends the pages it names) as soon as SET_FEATURES or SET_LOG_BASE is answered; a write
+    /// made after that under the old map would reach the guest on this host only.
+    fn wait_for_workers_on_new_map(&self) {
+        let tickets: Vec<_> = self
+            .vrings
+            .iter()
+            .filter_map(|v| v.worker.as_ref())
+            .map(|w| (w, w.ask_pass()))
+            .collect();
+        let deadline = std::time::Instant::now() + PASS_WAIT;
+        while !tickets.iter().all(|(w, t)| w.passed(*t)) {
+            if std::time::Instant::now() > deadline {
+                // Only a thread held up outside its rounds gets here (a drain loads the
+                // current map for every completion).
+                tracing::warn!(volume = %self.ctx.name(), "a worker did not finish its round in time for the dirty log; going on");
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
     }
 
     fn stop_worker(&mut self, index: usize) {
@@ -263,9 +292,13 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         self.acked_features = features;
         // QEMU turns VHOST_F_LOG_ALL on for the length of a live migration, queues running.
+        let was_logging = self.mem.logging();
         self.mem
             .set_logging(features & VHOST_F_LOG_ALL != 0)
             .map_err(|e| invalid(&e.to_string(), &self.ctx))?;
+        if self.mem.logging() && !was_logging {
+            self.wait_for_workers_on_new_map();
+        }
         if !self.protocol_negotiated() {
             // Without VHOST_USER_F_PROTOCOL_FEATURES rings are enabled from the start.
             for v in &mut self.vrings {
@@ -503,6 +536,11 @@ impl VhostUserBackendReqHandlerMut for Session {
         self.mem
             .set_log(map)
             .map_err(|e| invalid(&e.to_string(), &self.ctx))?;
+        if self.mem.logging() {
+            // A log replaced while logging (QEMU resizes it): marks must go to the new one
+            // before QEMU syncs and drops the old one.
+            self.wait_for_workers_on_new_map();
+        }
         tracing::info!(volume = %self.ctx.name(), size = log.mmap_size, "dirty log set (live migration)");
         Ok(())
     }

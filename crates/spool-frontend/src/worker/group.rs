@@ -11,10 +11,15 @@
 //! starts when its first queue joins and ends when its last queue stopped; a group of one is
 //! the thread per queue that `[io] volume_threads = 0` asks for.
 //!
+//! A session that publishes a memory map whose writes must be marked (a migration's dirty log
+//! turned on or replaced) waits until the thread has passed the top of its loop once since:
+//! a round that loaded the earlier map may still be writing into guest memory unmarked, and
+//! the frontend syncs its log as soon as the message is answered ([`PollGroup::ask_pass`]).
+//!
 //! Owns: the group thread's loop (when to poll, when to sleep), members joining and leaving.
 //! Must not know: what a poll round does to a request (`QueueWorker`), the vhost-user protocol.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,6 +54,10 @@ struct Shared {
     /// The drain window the members share (a hung device costs the thread one drain
     /// timeout, not one per queue: `recovery::drain_deadline`).
     drain_window: Arc<Mutex<Option<Instant>>>,
+    /// Passes asked for (`PollGroup::ask_pass`), and the last one the thread made: it has
+    /// been at the top of its loop, between rounds, since that ask.
+    passes_asked: AtomicU64,
+    passes_made: AtomicU64,
 }
 
 #[derive(Default)]
@@ -73,8 +82,33 @@ impl PollGroup {
                 name: name.chars().take(15).collect(),
                 share_group,
                 drain_window: Arc::default(),
+                passes_asked: AtomicU64::new(0),
+                passes_made: AtomicU64::new(0),
             }),
         })
+    }
+
+    /// Asks the thread to pass the top of its loop (between two rounds) once; returns the
+    /// ticket [`Self::passed`] takes. Whatever was published before the ask (a memory map)
+    /// is what every round after the pass loads: a session waits for the pass before
+    /// answering a frontend that relies on it. The thread must be woken if it sleeps (a
+    /// member's wake eventfd).
+    pub(super) fn ask_pass(&self) -> u64 {
+        // SeqCst: ordered after the caller's publication, which the thread's fence after
+        // reading the ask then sees.
+        self.shared.passes_asked.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Whether the thread passed the top of its loop since the ask that gave `ticket`, or
+    /// no longer runs.
+    pub(super) fn passed(&self, ticket: u64) -> bool {
+        self.shared.passes_made.load(Ordering::Acquire) >= ticket
+            || !self
+                .shared
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .running
     }
 
     /// Hands `worker` to the group's thread (starting it if none runs). The queue comes back
@@ -140,7 +174,17 @@ fn run(shared: Arc<Shared>) {
         }
     };
     shared.share_group.wake();
+    let mut passes = 0;
     loop {
+        // Between rounds: no round of this thread is writing into guest memory. One relaxed
+        // load of a line only a session's rare ask writes.
+        let asked = shared.passes_asked.load(Ordering::Relaxed);
+        if asked != passes {
+            // Pairs with the ask: the rounds from here load what was published before it.
+            fence(Ordering::SeqCst);
+            passes = asked;
+            shared.passes_made.store(asked, Ordering::Release);
+        }
         if shared.attention.swap(false, Ordering::AcqRel) || members.is_empty() {
             let mut stopped = Vec::new();
             if !attend(&shared, &epoll, &mut members, &mut stopped) {

@@ -144,6 +144,21 @@ impl WorkerHandle {
         let _ = self.wake.write(1);
     }
 
+    /// Asks the worker's thread to finish the round it is in and pass the top of its loop
+    /// (waking it if it sleeps); returns the ticket [`Self::passed`] takes. After the pass,
+    /// every write the worker makes into guest memory uses a memory map published before the
+    /// ask: a dirty log turned on by then marks it.
+    pub fn ask_pass(&self) -> u64 {
+        let ticket = self.group.ask_pass();
+        let _ = self.wake.write(1);
+        ticket
+    }
+
+    /// Whether the worker's thread passed since the ask that gave `ticket`.
+    pub fn passed(&self, ticket: u64) -> bool {
+        self.group.passed(ticket)
+    }
+
     /// Stops the worker after the requests it holds have completed (bounded wait), and gives
     /// the queue back (its `next_avail` is what GET_VRING_BASE reports).
     pub fn stop(mut self) -> Option<Queue> {

@@ -93,3 +93,42 @@ fn queues_of_one_group_are_served_by_its_thread() {
     assert_eq!(ja.stop(&group).next_avail(), 1);
     assert_eq!(jb.stop(&group).next_avail(), 1);
 }
+
+/// A pass asked for while the thread is in a round comes only once that round ended: a
+/// session that published a dirty log waits for the pass before answering QEMU, so no round
+/// that loaded the earlier map (without the log) writes into guest memory after the answer.
+#[test]
+fn a_pass_asked_during_a_round_comes_after_it() {
+    let group = PollGroup::new("t", Arc::default()).unwrap();
+    let mut a = Harness::new(0);
+    let ha = a.post_read(0);
+    let (ja, a) = join(&group, &mut Some(a));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while a.submitted().is_empty() {
+        assert!(Instant::now() < deadline, "request submitted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Idle, the thread passes as soon as it is woken.
+    let t = group.ask_pass();
+    let _ = ja.wake.write(1);
+    while !group.passed(t) {
+        assert!(Instant::now() < deadline, "an idle thread passed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The device's lock held: every round reaps the device, so the thread is soon held
+    // inside one (or inside the checks before a sleep, also mid-loop).
+    let held = lock(&a.script);
+    std::thread::sleep(Duration::from_millis(50));
+    let t = group.ask_pass();
+    let _ = ja.wake.write(1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!group.passed(t), "passed while a round was under way");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !group.passed(t) {
+        assert!(Instant::now() < deadline, "passed once the round ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    a.device_completes(ha, LEN as i32);
+    ja.stop(&group);
+}
