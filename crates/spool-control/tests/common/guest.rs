@@ -68,6 +68,19 @@ pub fn qemu(
     extra: &str,
     timeout_s: u64,
 ) -> Command {
+    qemu_tcg(sock, job, queues, extra, timeout_s, "multi")
+}
+
+/// [`qemu`] with TCG's threading chosen: `multi` (a host thread per vCPU) or `single` (one
+/// thread runs both vCPUs in turn).
+pub fn qemu_tcg(
+    sock: &std::path::Path,
+    job: &str,
+    queues: u16,
+    extra: &str,
+    timeout_s: u64,
+    thread: &str,
+) -> Command {
     let g = guest_dir();
     let mut c = Command::new("timeout");
     c.arg(timeout_s.to_string())
@@ -76,7 +89,7 @@ pub fn qemu(
             "-machine",
             "q35",
             "-accel",
-            "tcg,thread=multi",
+            &format!("tcg,thread={thread}"),
             "-smp",
             "2",
             "-m",
