@@ -51,6 +51,9 @@ struct Vring {
     enabled: bool,
     started: bool,
     worker: Option<WorkerHandle>,
+    /// How long the last stop of this ring's worker took (its drain), until GET_VRING_BASE
+    /// reports it: in a migration, part of the guest's downtime.
+    drained_in: Option<std::time::Duration>,
 }
 
 /// State of one frontend connection.
@@ -127,9 +130,11 @@ impl Session {
     fn stop_worker(&mut self, index: usize) {
         let v = &mut self.vrings[index];
         if let Some(w) = v.worker.take() {
+            let t = std::time::Instant::now();
             if let Some(q) = w.stop() {
                 v.base = q.next_avail();
             }
+            v.drained_in = Some(t.elapsed());
         }
     }
 
@@ -371,7 +376,8 @@ impl VhostUserBackendReqHandlerMut for Session {
         v.started = false;
         // GET_VRING_BASE stops the ring; the kick fd is closed by the frontend.
         v.kick = None;
-        tracing::info!(volume = %self.ctx.name(), queue = index, base = v.base, "queue stopped");
+        let drain_ms = v.drained_in.take().map(|d| d.as_secs_f64() * 1e3);
+        tracing::info!(volume = %self.ctx.name(), queue = index, base = v.base, drain_ms, "queue stopped");
         Ok(VhostUserVringState::new(index, v.base as u32))
     }
 
