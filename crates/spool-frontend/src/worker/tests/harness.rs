@@ -23,6 +23,30 @@ pub(super) struct Script {
 pub(super) struct ScriptedQueue {
     pub(super) script: Arc<Mutex<Script>>,
     pub(super) event: EventFd,
+    pub(super) waits: Arc<LockWaits>,
+}
+
+/// How often the worker's device queues went for the script's lock, and got it: while a test
+/// holds the lock, `tries > got` says the worker waits for it (inside a device call).
+#[derive(Default)]
+pub(super) struct LockWaits {
+    tries: AtomicU64,
+    got: AtomicU64,
+}
+
+impl LockWaits {
+    pub(super) fn waiting(&self) -> bool {
+        self.tries.load(Ordering::SeqCst) > self.got.load(Ordering::SeqCst)
+    }
+}
+
+impl ScriptedQueue {
+    fn lock(&self) -> MutexGuard<'_, Script> {
+        self.waits.tries.fetch_add(1, Ordering::SeqCst);
+        let g = lock(&self.script);
+        self.waits.got.fetch_add(1, Ordering::SeqCst);
+        g
+    }
 }
 
 pub(super) fn lock(s: &Mutex<Script>) -> MutexGuard<'_, Script> {
@@ -31,7 +55,7 @@ pub(super) fn lock(s: &Mutex<Script>) -> MutexGuard<'_, Script> {
 
 impl DeviceQueue for ScriptedQueue {
     unsafe fn submit(&mut self, _io: DeviceIo, tag: u64) {
-        let mut s = lock(&self.script);
+        let mut s = self.lock();
         s.submitted.push(tag);
         s.outstanding.push(tag);
     }
@@ -39,7 +63,7 @@ impl DeviceQueue for ScriptedQueue {
         Ok(())
     }
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
-        let ready: Vec<_> = lock(&self.script).done.drain(..).collect();
+        let ready: Vec<_> = self.lock().done.drain(..).collect();
         for &(tag, res) in &ready {
             done(tag, res);
         }
@@ -50,11 +74,11 @@ impl DeviceQueue for ScriptedQueue {
     }
     fn ack_completion_event(&self) {}
     fn in_flight(&self) -> usize {
-        let s = lock(&self.script);
+        let s = self.lock();
         s.outstanding.len() + s.done.len()
     }
     fn abort(&mut self) -> usize {
-        let mut s = lock(&self.script);
+        let mut s = self.lock();
         s.aborts += 1;
         let Some(res) = s.abort_with else { return 0 };
         let tags = std::mem::take(&mut s.outstanding);
@@ -79,6 +103,7 @@ pub(super) struct Harness {
     pub(super) script: Arc<Mutex<Script>>,
     pub(super) health: Arc<DeviceHealth>,
     pub(super) avail: u16,
+    pub(super) waits: Arc<LockWaits>,
     pub(super) _dir: tempfile::TempDir,
 }
 
@@ -181,11 +206,14 @@ impl Harness {
         let wake = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let mut w = QueueWorker::assemble(spec, stop, reset, wake).unwrap();
         let s = script.clone();
+        let waits = Arc::new(LockWaits::default());
+        let r = waits.clone();
         w.queue_factory = Some(Box::new(move |_d| {
             lock(&s).opened += 1;
             Ok(Box::new(ScriptedQueue {
                 script: s.clone(),
                 event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+                waits: r.clone(),
             }) as Box<dyn DeviceQueue>)
         }));
         w.open_device_queues().unwrap();
@@ -195,6 +223,7 @@ impl Harness {
             script,
             health,
             avail: 0,
+            waits,
             _dir: dir,
         }
     }
