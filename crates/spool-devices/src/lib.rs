@@ -36,7 +36,10 @@ pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
-pub use rbd::{warm_up as warm_up_ceph, CephOptions, RbdBackend, RbdQueue};
+pub use rbd::{
+    close_connections as close_ceph_connections, warm_up as warm_up_ceph, CephConnections,
+    CephOptions, RbdBackend, RbdQueue,
+};
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
 /// reset, are the backend that keeps some today). The daemon supplies a [`handoff::Keeper`]

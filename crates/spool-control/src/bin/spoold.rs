@@ -259,15 +259,47 @@ fn worker(cfg: Config, load: LoadConfig, force: bool, link: Option<Arc<KeeperLin
     if link.is_some() {
         end_worker_on_panic();
     }
-    match serve(cfg, load, force, link.as_ref()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(WorkerError::Reported) => ExitCode::FAILURE,
+    let code = match serve(cfg, load, force, link.as_ref()) {
+        Ok(()) => 0,
+        Err(WorkerError::Reported) => 1,
         Err(e) => {
             eprintln!("spoold: error: {e}");
             if let (Some(l), Some(reason)) = (&link, e.keeper_reason()) {
                 let _ = l.failed(&reason);
             }
-            ExitCode::FAILURE
+            1
+        }
+    };
+    leave_ceph(code);
+    if code == 0 {
+        tracing::info!("stopped");
+    }
+    ExitCode::from(code)
+}
+
+/// Ends the worker's use of Ceph before the process exits. While a cluster connection lives,
+/// librados runs threads of its own, and `exit(3)` runs the library's static destructors under
+/// them: a SIGSEGV at exit (Ceph tracker 36732; it failed a graceful stop in CI). Connections
+/// no image uses any more are shut down (after a stop the daemon is gone and its images are
+/// closed, so their watches leave the cluster now, not 30 s later); if one is still in use (a
+/// handoff leaves its images to the exit, a connection is still being made) the process leaves
+/// here with `_exit(2)`, without exit handlers, as Ceph's own tools do.
+fn leave_ceph(code: u8) {
+    let t = std::time::Instant::now();
+    match spool_devices::close_ceph_connections() {
+        spool_devices::CephConnections::Closed { any: false } => {}
+        spool_devices::CephConnections::Closed { any: true } => tracing::info!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "closed the ceph cluster connection"
+        ),
+        spool_devices::CephConnections::InUse => {
+            tracing::info!("a ceph connection is still in use: leaving without exit handlers");
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+            let _ = std::io::stderr().flush();
+            // SAFETY: _exit(2) takes no pointers; it ends the process without running exit
+            // handlers or destructors, which is the point (see above).
+            unsafe { libc::_exit(i32::from(code)) }
         }
     }
 }
@@ -354,7 +386,6 @@ fn serve(
     }
     stop_when_told(&daemon, link, events.recv().ok());
     let _ = std::fs::remove_file(&rpc_path);
-    tracing::info!("stopped");
     Ok(())
 }
 
@@ -396,6 +427,7 @@ fn stop_when_told(daemon: &Daemon, link: Option<&Arc<KeeperLink>>, event: Option
             }
             // Devices and journals are released when this process exits; the keeper hands
             // over once it has.
+            leave_ceph(0);
             std::process::exit(0);
         }
         Some(Event::Keeper(_)) => {

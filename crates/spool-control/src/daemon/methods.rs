@@ -30,7 +30,7 @@ impl Daemon {
             None => rpc::bind(&self.cfg.rpc_socket)?,
         };
         self.keep_rpc_listener(&listener);
-        rpc::serve(listener, Arc::new(method_table()), self.clone())
+        rpc::serve(listener, Arc::new(method_table()), Arc::downgrade(self))
     }
 
     /// What the keeper left for the RPC socket.

@@ -33,6 +33,8 @@ pub enum RpcError {
     NoKeeper,
     #[error("cannot reach the keeper: {0}")]
     Keeper(std::io::Error),
+    #[error("spoold is stopping: it takes no more requests")]
+    Stopping,
 }
 
 impl RpcError {
@@ -51,7 +53,8 @@ impl RpcError {
             | RpcError::NotServed(_)
             | RpcError::Health(_)
             | RpcError::NoKeeper
-            | RpcError::Keeper(_) => -32000,
+            | RpcError::Keeper(_)
+            | RpcError::Stopping => -32000,
         }
     }
 }

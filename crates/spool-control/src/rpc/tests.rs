@@ -68,3 +68,34 @@ fn notifications_and_deferred_methods_get_no_answer_now() {
     let r = ask(r#"{"jsonrpc":"2.0","id":8,"method":"daemon_upgrade","params":{"b":1}}"#);
     assert_eq!(r.unwrap()["error"]["code"], json!(-32602));
 }
+
+/// The socket's threads hold the context only while they answer: once its owner drops it
+/// (the daemon stopped, and its devices must close), a request gets a clear error, with its id.
+#[test]
+fn a_socket_whose_context_is_gone_answers_that_spoold_is_stopping() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rpc.sock");
+    let ctx = std::sync::Arc::new(Ctx);
+    serve(
+        bind(&path).unwrap(),
+        std::sync::Arc::new(table()),
+        std::sync::Arc::downgrade(&ctx),
+    )
+    .unwrap();
+    let call = |line: &str| {
+        let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        writeln!(s, "{line}").unwrap();
+        let mut out = String::new();
+        BufReader::new(s).read_line(&mut out).unwrap();
+        serde_json::from_str::<Value>(&out).unwrap()
+    };
+    let r = call(r#"{"jsonrpc":"2.0","id":7,"method":"pool_show"}"#);
+    assert_eq!(r["error"]["message"], json!(RpcError::NoKeeper.to_string()));
+    drop(ctx);
+    let r = call(r#"{"jsonrpc":"2.0","id":8,"method":"pool_show"}"#);
+    assert_eq!(
+        r,
+        json!({"jsonrpc": "2.0", "id": 8, "error": {"code": -32000, "message": "spoold is stopping: it takes no more requests"}})
+    );
+}

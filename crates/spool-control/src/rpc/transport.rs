@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use serde_json::Value;
 
@@ -15,11 +15,12 @@ use super::{error_response, MethodTable, RpcError};
 pub const MAX_REQUEST: usize = 1 << 20;
 
 /// Serves `listener` on a background thread: every connection on its own thread, each request
-/// dispatched through `table` with `ctx`.
+/// dispatched through `table` with `ctx`. The threads hold `ctx` only while they answer a
+/// request: once its owner drops it (the daemon stopped), requests are answered with an error.
 pub fn serve<C: Send + Sync + 'static>(
     listener: UnixListener,
     table: Arc<MethodTable<C>>,
-    ctx: Arc<C>,
+    ctx: Weak<C>,
 ) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("rpc".into())
@@ -67,7 +68,7 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-fn serve_conn<C: 'static>(conn: UnixStream, table: &MethodTable<C>, ctx: &C) {
+fn serve_conn<C: 'static>(conn: UnixStream, table: &MethodTable<C>, ctx: &Weak<C>) {
     let Ok(mut out) = conn.try_clone() else {
         return;
     };
@@ -91,7 +92,16 @@ fn serve_conn<C: 'static>(conn: UnixStream, table: &MethodTable<C>, ctx: &C) {
         if line.trim().is_empty() {
             continue;
         }
-        if let Some(resp) = table.handle_line(ctx, line.trim(), Some(&out)) {
+        let Some(ctx) = ctx.upgrade() else {
+            let id = serde_json::from_str::<Value>(line.trim())
+                .ok()
+                .and_then(|v| v.get("id").cloned())
+                .unwrap_or(Value::Null);
+            let r = error_response(id, RpcError::Stopping);
+            let _ = writeln!(out, "{r}");
+            return;
+        };
+        if let Some(resp) = table.handle_line(&ctx, line.trim(), Some(&out)) {
             if writeln!(out, "{resp}").is_err() {
                 return;
             }

@@ -4,13 +4,14 @@
 //!
 //! The process keeps one cluster connection per (ceph.conf, client id), shared by every image
 //! it opens ([`Cluster`]); connecting is the slow part (a monitor round trip and
-//! authentication), so it is done once per process. Images spoold creates have the layering
-//! feature only: without exclusive-lock, a worker restarted after a crash does not wait for
-//! the dead process's lock to time out. librbd's cache is off: a write is complete when the
+//! authentication), so it is done once per process. Before the process exits it closes its
+//! connections ([`close_connections`]): librados' threads must not outlive `exit(3)`. Images
+//! spoold creates have the layering feature only: without exclusive-lock, a worker restarted
+//! after a crash does not wait for the dead process's lock to time out. librbd's cache is off: a write is complete when the
 //! OSDs have it, not when this process's memory does (a killed worker loses nothing).
 //!
-//! Owns: the connection registry, opening (and creating) images, synchronous metadata I/O,
-//! the probe. The data path is [`queue::RbdQueue`].
+//! Owns: the connection registry (and its closing), opening (and creating) images, synchronous
+//! metadata I/O, the probe. The data path is [`queue::RbdQueue`].
 //! Must not know: health cells and fault injection (the [`crate::Device`] wrapper), pools.
 
 mod claim;
@@ -93,9 +94,14 @@ fn rc(path: &Path, what: &'static str, r: i64) -> Result<i64> {
 impl Cluster {
     /// The process's connection for `opts`, made on first use.
     fn get(opts: &CephOptions, path: &Path) -> Result<Arc<Cluster>> {
-        static CLUSTERS: Mutex<Option<HashMap<CephOptions, Weak<Cluster>>>> = Mutex::new(None);
-        let mut all = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
-        let all = all.get_or_insert_with(HashMap::new);
+        let mut reg = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
+        if reg.closed {
+            return Err(Error::Invalid {
+                path: path.display().to_string(),
+                msg: "this process is exiting: its ceph connections are closed".into(),
+            });
+        }
+        let all = reg.clusters.get_or_insert_with(HashMap::new);
         if let Some(c) = all.get(opts).and_then(Weak::upgrade) {
             return Ok(c);
         }
@@ -151,14 +157,63 @@ impl Cluster {
     }
 }
 
-/// Connects to the cluster `ceph` names ahead of need and keeps the connection for the life of
-/// the process, so that the first image opened later does not wait for it (a standby worker
-/// does this while it waits to take over).
+/// The process's cluster connections (one per [`CephOptions`]), and whether it has closed them
+/// for good ([`close_connections`]).
+struct Registry {
+    clusters: Option<HashMap<CephOptions, Weak<Cluster>>>,
+    closed: bool,
+}
+
+static CLUSTERS: Mutex<Registry> = Mutex::new(Registry {
+    clusters: None,
+    closed: false,
+});
+
+/// Connections [`warm_up`] made, kept until [`close_connections`].
+static WARM: Mutex<Vec<Arc<Cluster>>> = Mutex::new(Vec::new());
+
+/// Connects to the cluster `ceph` names ahead of need and keeps the connection until the
+/// process closes its connections, so that the first image opened later does not wait for it
+/// (a standby worker does this while it waits to take over).
 pub fn warm_up(ceph: &CephOptions) -> Result<()> {
-    static WARM: Mutex<Vec<Arc<Cluster>>> = Mutex::new(Vec::new());
     let c = Cluster::get(ceph, Path::new("rbd:"))?;
     WARM.lock().unwrap_or_else(|e| e.into_inner()).push(c);
     Ok(())
+}
+
+/// How [`close_connections`] left this process's cluster connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CephConnections {
+    /// Every one is shut down (`rados_shutdown`), `any` if there were some: the process may
+    /// exit normally.
+    Closed { any: bool },
+    /// One is still in use (an image open, a connection being made): librados' threads keep
+    /// running, and `exit(3)` would run the library's static destructors under them (a
+    /// SIGSEGV at exit, Ceph tracker 36732). The process must leave with `_exit(2)`.
+    InUse,
+}
+
+/// Shuts down every cluster connection of this process that no image uses any more, and makes
+/// any later connection attempt fail (the process is exiting). Call it once nothing is served.
+pub fn close_connections() -> CephConnections {
+    let mut reg = match CLUSTERS.try_lock() {
+        Ok(r) => r,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        // A connection is being made (`rados_connect`, up to `client_mount_timeout`): it
+        // cannot be shut down until it returns, and it must not be waited for.
+        Err(std::sync::TryLockError::WouldBlock) => return CephConnections::InUse,
+    };
+    reg.closed = true;
+    // The last handle of a connection shuts it down (`Cluster`'s Drop).
+    drop(std::mem::take(
+        &mut *WARM.lock().unwrap_or_else(|e| e.into_inner()),
+    ));
+    match &reg.clusters {
+        Some(all) if all.values().any(|c| c.strong_count() > 0) => CephConnections::InUse,
+        all => CephConnections::Closed {
+            any: all.as_ref().is_some_and(|a| !a.is_empty()),
+        },
+    }
 }
 
 /// An open image (with its pool's I/O context and the connection it came from).
