@@ -13,11 +13,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use common::raw::{
-    GuestMem, RawFrontend, Ring, GET_PROTOCOL_FEATURES, SET_FEATURES, SET_OWNER,
-    SET_PROTOCOL_FEATURES, SET_VRING_BASE, SET_VRING_CALL, SET_VRING_ENABLE, SET_VRING_KICK,
-    SET_VRING_NUM, T_IN, T_OUT, VVA,
-};
+use common::raw::{GuestMem, RawFrontend, Ring, SET_FEATURES, T_IN, T_OUT};
 use common::Spoold;
 
 const SET_LOG_BASE: u32 = 6;
@@ -69,20 +65,14 @@ fn session(d: &Spoold, mem: &GuestMem, ring: &Ring, log_all: bool) -> RawFronten
         0,
         "spoold does not offer VHOST_F_LOG_ALL"
     );
-    let _ = fe.send(SET_OWNER, &[], &[]);
-    let features = VERSION_1 | PROTOCOL_FEATURES | if log_all { LOG_ALL } else { 0 };
-    let _ = fe.send(SET_FEATURES, &features.to_le_bytes(), &[]);
-    let proto = fe.ask(GET_PROTOCOL_FEATURES, &[]).unwrap();
+    let proto = ring.start_enabled(
+        &mut fe,
+        mem,
+        if log_all { LOG_ALL } else { 0 },
+        LOG_SHMFD,
+        0,
+    );
     assert_ne!(proto & LOG_SHMFD, 0, "spoold does not offer LOG_SHMFD");
-    let _ = fe.send(SET_PROTOCOL_FEATURES, &LOG_SHMFD.to_le_bytes(), &[]);
-    fe.set_mem_table(&[(0, mem.size as u64, VVA, 0)], &[mem.fd.as_raw_fd()]);
-    fe.vring_u32(SET_VRING_NUM, 0, ring.size as u32);
-    fe.set_vring_addr(0, VVA + ring.desc, VVA + ring.used, VVA + ring.avail);
-    fe.vring_u32(SET_VRING_BASE, 0, 0);
-    fe.set_vring_fd(SET_VRING_CALL, 0, ring.call.as_raw_fd());
-    fe.set_vring_fd(SET_VRING_KICK, 0, ring.kick.as_raw_fd());
-    fe.vring_u32(SET_VRING_ENABLE, 0, 1);
-    fe.sync().unwrap();
     fe
 }
 

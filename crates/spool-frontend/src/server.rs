@@ -436,7 +436,11 @@ impl Serve {
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let detach = self.mode.load(Ordering::Acquire) == DETACH;
         if let Ok(mut s) = session.lock() {
-            s.stop_all();
+            if detach {
+                s.stop_all_for_handoff();
+            } else {
+                s.stop_all();
+            }
         }
         if detach && self.save(&session, &stream) == Deposit::Kept {
             // Queues are drained and stopped: their resume points went to the keeper, and the

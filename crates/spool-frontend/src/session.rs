@@ -128,10 +128,22 @@ impl Session {
     }
 
     fn stop_worker(&mut self, index: usize) {
+        self.stop_worker_as(index, false);
+    }
+
+    /// Stops ring `index`'s worker: for the frontend (every request it took is completed
+    /// first) or, with `handoff`, for the next worker process (held requests stay in the
+    /// journal).
+    fn stop_worker_as(&mut self, index: usize, handoff: bool) {
         let v = &mut self.vrings[index];
         if let Some(w) = v.worker.take() {
             let t = std::time::Instant::now();
-            if let Some(q) = w.stop() {
+            let q = if handoff {
+                w.stop_for_handoff()
+            } else {
+                w.stop()
+            };
+            if let Some(q) = q {
                 v.base = q.next_avail();
             }
             v.drained_in = Some(t.elapsed());
@@ -147,10 +159,18 @@ impl Session {
         }
     }
 
-    /// Stops every worker (disconnect, reset).
+    /// Stops every worker (disconnect, reset): every request taken is completed.
     pub fn stop_all(&mut self) {
         for i in 0..self.vrings.len() {
             self.stop_worker(i);
+        }
+    }
+
+    /// Stops every worker for an upgrade's handoff, the connection kept for the next
+    /// process: what a resetting device holds stays INFLIGHT in the journals.
+    pub fn stop_all_for_handoff(&mut self) {
+        for i in 0..self.vrings.len() {
+            self.stop_worker_as(i, true);
         }
     }
 

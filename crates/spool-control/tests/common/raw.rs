@@ -305,6 +305,36 @@ impl Ring {
         fe.set_vring_fd(SET_VRING_KICK, 0, self.kick.as_raw_fd());
     }
 
+    /// The session QEMU runs: VERSION_1, protocol features (`proto` of those offered:
+    /// rings then start disabled), plus `extra` features; one memory region covering `mem`
+    /// at gpa 0; ring 0's size, addresses, base `base`, call and kick, then
+    /// SET_VRING_ENABLE 1. Returns the protocol features offered.
+    pub fn start_enabled(
+        &self,
+        fe: &mut RawFrontend,
+        mem: &GuestMem,
+        extra: u64,
+        proto: u64,
+        base: u16,
+    ) -> u64 {
+        const VERSION_1: u64 = 1 << 32;
+        const PROTOCOL_FEATURES: u64 = 1 << 30;
+        let _ = fe.send(SET_OWNER, &[], &[]);
+        let features = VERSION_1 | PROTOCOL_FEATURES | extra;
+        let _ = fe.send(SET_FEATURES, &features.to_le_bytes(), &[]);
+        let offered = fe.ask(GET_PROTOCOL_FEATURES, &[]).unwrap();
+        let _ = fe.send(SET_PROTOCOL_FEATURES, &(offered & proto).to_le_bytes(), &[]);
+        fe.set_mem_table(&[(0, mem.size as u64, VVA, 0)], &[mem.fd.as_raw_fd()]);
+        fe.vring_u32(SET_VRING_NUM, 0, self.size as u32);
+        fe.set_vring_addr(0, VVA + self.desc, VVA + self.used, VVA + self.avail);
+        fe.vring_u32(SET_VRING_BASE, 0, base as u32);
+        fe.set_vring_fd(SET_VRING_CALL, 0, self.call.as_raw_fd());
+        fe.set_vring_fd(SET_VRING_KICK, 0, self.kick.as_raw_fd());
+        fe.vring_u32(SET_VRING_ENABLE, 0, 1);
+        fe.sync().unwrap();
+        offered
+    }
+
     pub fn set_desc(&self, mem: &GuestMem, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let d = self.desc + 16 * i as u64;
         mem.write(d, addr);

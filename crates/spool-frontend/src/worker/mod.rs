@@ -105,6 +105,8 @@ pub struct WorkerSpec {
 /// Handle to a running worker (a queue served by a [`PollGroup`]'s thread).
 pub struct WorkerHandle {
     stop: Arc<AtomicBool>,
+    /// Set before `stop` for an upgrade's handoff (see `recovery::StopKind`).
+    handoff: Arc<AtomicBool>,
     reset: Arc<AtomicBool>,
     wake: EventFd,
     group: PollGroup,
@@ -126,9 +128,11 @@ impl WorkerHandle {
         let reset = Arc::new(AtomicBool::new(false));
         let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
         let worker = QueueWorker::new(spec, stop.clone(), reset.clone(), wake.try_clone()?)?;
+        let handoff = worker.handoff.clone();
         let back = group.join(worker)?;
         Ok(WorkerHandle {
             stop,
+            handoff,
             reset,
             wake,
             group: group.handle(),
@@ -159,9 +163,19 @@ impl WorkerHandle {
         self.group.passed(ticket)
     }
 
-    /// Stops the worker after the requests it holds have completed (bounded wait), and gives
-    /// the queue back (its `next_avail` is what GET_VRING_BASE reports).
+    /// Stops the worker once every request it took is completed into the used ring (held
+    /// ones waited for up to the drain window, then failed: docs/failures.md), and gives the
+    /// queue back: its `next_avail` is what GET_VRING_BASE reports, and no request below it
+    /// is left unanswered.
     pub fn stop(mut self) -> Option<Queue> {
+        self.stop_and_wait()
+    }
+
+    /// Stops the worker for an upgrade's handoff, the connection staying open: requests
+    /// held for a resetting device stay INFLIGHT in the journal for the next worker (which
+    /// resubmits them) instead of being waited for.
+    pub fn stop_for_handoff(mut self) -> Option<Queue> {
+        self.handoff.store(true, Ordering::Release);
         self.stop_and_wait()
     }
 
@@ -244,6 +258,8 @@ pub struct QueueWorker {
     serial: [u8; ID_LEN],
     poll_idle: Duration,
     stop: Arc<AtomicBool>,
+    /// The stop is an upgrade's handoff (see `recovery::StopKind`).
+    handoff: Arc<AtomicBool>,
     wake: EventFd,
     epoll: Epoll,
     need_notify: bool,
@@ -376,6 +392,7 @@ impl QueueWorker {
             serial: spec.serial,
             poll_idle: spec.poll_idle,
             stop,
+            handoff: Arc::default(),
             wake,
             epoll,
             need_notify: false,

@@ -21,6 +21,17 @@ use super::{QueueWorker, MIN_DRAIN, STOP_DRAIN, TIMEOUT_SWEEPS};
 use crate::ratelimit::{LogLimit, Verdict};
 use crate::request::{self, GuestMemory, SECTOR};
 
+/// Why a queue stops, which decides what becomes of the requests it still holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum StopKind {
+    /// The frontend stops the ring (GET_VRING_BASE, SET_VRING_ENABLE 0, a disconnect, a
+    /// reset, spoold shutting down): every request taken ends in the used ring first.
+    Frontend,
+    /// The queue goes to the next worker process with its connection (an upgrade's
+    /// handoff): what is held stays INFLIGHT in the journal for that worker to resubmit.
+    Handoff,
+}
+
 /// What [`QueueWorker::quiesce`] does with completions while it waits for the devices.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Quiesce {
@@ -229,9 +240,105 @@ impl QueueWorker {
         }
     }
 
-    /// Completes what is in flight before handing the queue back.
-    pub(super) fn drain(&mut self) {
-        self.quiesce(Quiesce::Complete);
+    /// Settles what the queue took before handing it back, as `kind` says: a frontend's
+    /// stop completes every request into the used ring (see [`Self::settle_all`]); a
+    /// handoff to the next worker (a journaled queue) completes what the devices finish in
+    /// the window and leaves the rest INFLIGHT in the journal, which that worker resubmits.
+    pub(super) fn drain(&mut self, kind: StopKind) {
+        if kind == StopKind::Handoff && self.vq.journaled_inflight().is_some() {
+            self.quiesce(Quiesce::Complete);
+        } else {
+            self.settle_all();
+        }
+    }
+
+    /// Whether a request taken from the ring has not been completed to the guest: in flight
+    /// at a device, held for a resetting device, or cancelled and not submitted again.
+    fn unsettled(&self) -> bool {
+        self.in_flight > 0 || !self.held.is_empty() || !self.cancelled.is_empty()
+    }
+
+    /// A frontend's stop (docs/failures.md, "Stopping a queue"): the base it is answered
+    /// with is a promise that every request below it is in the used ring, so nothing taken
+    /// may be left behind. Until the drain window ([`STOP_DRAIN`]) closes, runs the rounds'
+    /// recovery without taking new requests: completions, health changes (held requests
+    /// dispatched again once their device is back), resets, cancelled requests submitted
+    /// again, timeouts reported. Past the window, what the devices still hold is aborted
+    /// (and quarantined if it does not come back), and every request still not completed is
+    /// failed with an I/O error status. The guest sees latency first, an error only past
+    /// the window; the journal is left with no INFLIGHT head.
+    fn settle_all(&mut self) {
+        let deadline = self.drain_deadline();
+        while self.unsettled() && Instant::now() < deadline {
+            if self.reset.swap(false, Ordering::AcqRel) {
+                self.reset_devices();
+            }
+            let mem = self.mem.load().clone();
+            self.check_health(&mem);
+            for d in 0..self.devices.len() {
+                let _ = self.devices[d].kick();
+            }
+            let mut progress = self.reap(&mem);
+            if !self.cancelled.is_empty() {
+                for h in std::mem::take(&mut self.cancelled) {
+                    self.resubmit_head(h, &mem);
+                }
+                progress = true;
+            }
+            self.sweep_timeouts();
+            self.notify(&mem);
+            if !progress {
+                // Held requests wait for the health monitor (milliseconds at best).
+                let pause = if self.in_flight > 0 { 50 } else { 500 };
+                std::thread::sleep(Duration::from_micros(pause));
+            }
+        }
+        if !self.unsettled() {
+            *self.drain_window.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            return;
+        }
+        // Past the window: abort, wait what is left of it (at least MIN_DRAIN) and
+        // quarantine commands that never come back; then fail everything not completed.
+        if self.in_flight > 0 {
+            self.quiesce(Quiesce::Complete);
+        }
+        self.fail_unsettled();
+    }
+
+    /// Completes every request still taken with an I/O error status: held and cancelled
+    /// heads (re-read from their chains), and requests whose commands a device never gave
+    /// back (quarantined: their memory maps stay alive, so their status bytes can be written).
+    #[cold]
+    fn fail_unsettled(&mut self) {
+        let mem = self.mem.load().clone();
+        self.refresh_host(&mem);
+        let ioerr = VIRTIO_BLK_S_IOERR as u8;
+        let mut done: Vec<(u16, u32)> = Vec::new();
+        for h in 0..self.slots.len() {
+            if let Some(inf) = self.slots[h].take() {
+                self.in_flight -= 1;
+                write_status(inf.status, ioerr);
+                done.push((h as u16, 1));
+            }
+        }
+        let mut taken = std::mem::take(&mut self.held);
+        taken.append(&mut self.cancelled);
+        for head in taken {
+            let walker = self.vq.chain(&self.host, head);
+            match request::parse(head, walker, &self.host, &self.limits) {
+                Ok(req) => write_status(req.status_host, ioerr),
+                Err(rej) => {
+                    if let Some(a) = rej.status_addr {
+                        self.host.write(a.0, &[ioerr]);
+                    }
+                }
+            }
+            self.retries[head as usize] = 0;
+            done.push((head, 1));
+        }
+        tracing::error!(volume = %self.volume, queue = self.index, failed = done.len(), window_ms = STOP_DRAIN.as_millis() as u64, "queue stopped while requests were still held or in flight past the drain window: failed them with an I/O error");
+        self.complete_used_batch(&mem, &done);
+        self.notify(&mem);
     }
 
     /// Makes the devices let go of our buffers: aborts what they hold (hung commands), waits

@@ -14,6 +14,7 @@ use virtio_queue::Queue;
 use vmm_sys_util::epoll::EpollEvent;
 
 use super::group::TOKEN_GROUP;
+use super::recovery::StopKind;
 use super::{QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_KICK, TOKEN_WAKE};
 use crate::hostmem::HostMap;
 use crate::qos::{Cost, VolumeQos};
@@ -86,7 +87,12 @@ impl QueueWorker {
         self.publish_stats();
         self.stats.queue(self.index).set_state(QueueState::Idle);
         self.stats.queue(self.index).set_size(0);
-        self.drain();
+        let kind = if self.handoff.load(Ordering::Acquire) {
+            StopKind::Handoff
+        } else {
+            StopKind::Frontend
+        };
+        self.drain(kind);
         self.publish_stats();
         self.set_share_idle(false);
         tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");

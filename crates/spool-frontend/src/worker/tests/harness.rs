@@ -14,6 +14,9 @@ pub(super) struct Script {
     /// What an abort does to outstanding commands: completes them with this negative errno,
     /// or (None) leaves them hung.
     pub(super) abort_with: Option<i32>,
+    /// Commands submitted from now on complete at once with this result (None: they wait
+    /// for the test).
+    pub(super) complete_at_once: Option<i32>,
     /// Queues opened on the device (a reset opens new ones).
     pub(super) opened: usize,
     pub(super) aborts: usize,
@@ -57,7 +60,10 @@ impl DeviceQueue for ScriptedQueue {
     unsafe fn submit(&mut self, _io: DeviceIo, tag: u64) {
         let mut s = self.lock();
         s.submitted.push(tag);
-        s.outstanding.push(tag);
+        match s.complete_at_once {
+            Some(res) => s.done.push_back((tag, res)),
+            None => s.outstanding.push(tag),
+        }
     }
     fn kick(&mut self) -> std::io::Result<()> {
         Ok(())
@@ -198,6 +204,7 @@ impl Harness {
             outstanding: vec![],
             done: VecDeque::new(),
             abort_with: Some(-libc::ECANCELED),
+            complete_at_once: None,
             opened: 0,
             aborts: 0,
         }));

@@ -22,6 +22,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::dispatch::slice_iov;
+use super::recovery::StopKind;
 use super::{QueueWorker, WorkerSpec};
 use crate::queue_start::{resume, ResumeFrom, RingView};
 use crate::request::{GuestMemory, Limits, SECTOR};
@@ -248,18 +249,68 @@ fn a_device_reset_while_requests_are_held_resubmits_each_once_on_new_queues() {
 }
 
 #[test]
-fn stop_completes_what_the_devices_finish_and_leaves_the_rest_in_the_journal() {
+fn a_handoff_completes_what_the_devices_finish_and_leaves_the_rest_in_the_journal() {
     let mut h = Harness::new(2);
     let a = h.post_read(0);
     let b = h.post_read(1);
     h.round();
     h.device_completes(a, LEN as i32);
     // `b` hangs and its abort comes back cancelled: not completed, kept for the next process.
-    h.w.drain();
+    h.w.drain(StopKind::Handoff);
     assert_eq!(h.used(), vec![(a, LEN + 1)]);
     assert_eq!(h.status(b), UNWRITTEN);
     assert_eq!(h.journaled(), vec![b]);
     assert_eq!(h.w.abandoned.load(Ordering::Acquire), 0);
+}
+
+#[test]
+fn a_frontend_stop_waits_for_a_held_request_and_completes_it_once_its_device_is_back() {
+    let mut h = after_error(libc::EIO);
+    assert_eq!(h.w.held, vec![0]);
+    assert_eq!(h.state(), HealthState::Resetting);
+    // The monitor brought the device back as the stop began; the device completes the
+    // resubmitted read. The stop must wait for it, not answer with it outstanding.
+    h.health.set(HealthState::Healthy);
+    lock(&h.script).complete_at_once = Some(LEN as i32);
+    h.w.drain(StopKind::Frontend);
+    assert_eq!(h.submitted(), vec![0, 0]);
+    assert_eq!(h.status(0), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(0, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+    assert!(h.w.held.is_empty());
+}
+
+#[test]
+fn a_frontend_stop_fails_what_stays_held_past_the_window_and_leaves_no_inflight_head() {
+    let mut h = after_error(libc::EIO);
+    let b = h.post_read(1);
+    h.round();
+    // The device stays resetting: both are held, then both fail past the window.
+    assert_eq!(h.w.held, vec![0, b]);
+    h.w.drain(StopKind::Frontend);
+    assert_eq!(h.status(0), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(h.status(b), VIRTIO_BLK_S_IOERR as u8);
+    let mut used = h.used();
+    used.sort();
+    assert_eq!(used, vec![(0, 1), (b, 1)]);
+    assert!(h.journaled().is_empty());
+    assert!(h.w.held.is_empty() && h.w.cancelled.is_empty());
+    assert_eq!(h.w.in_flight, 0);
+}
+
+#[test]
+fn a_frontend_stop_submits_a_cancelled_request_again_and_completes_it() {
+    let mut h = Harness::new(2);
+    let a = h.post_read(0);
+    h.round();
+    // A queue pair lost under the request (an NVMe abort): it comes back cancelled.
+    h.device_completes(a, -libc::ECANCELED);
+    lock(&h.script).complete_at_once = Some(LEN as i32);
+    h.w.drain(StopKind::Frontend);
+    assert_eq!(h.submitted(), vec![a as u64, a as u64]);
+    assert_eq!(h.status(a), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(a, LEN + 1)]);
+    assert!(h.journaled().is_empty());
 }
 
 #[test]
@@ -285,17 +336,31 @@ fn a_reset_quarantines_a_command_that_never_completes_and_resubmits_its_request(
 }
 
 #[test]
-fn stop_quarantines_a_command_that_never_completes_and_keeps_it_in_the_journal() {
+fn a_handoff_quarantines_a_command_that_never_completes_and_keeps_it_in_the_journal() {
     let mut h = Harness::new(2);
     lock(&h.script).abort_with = None;
     let a = h.post_read(0);
     h.round();
-    h.w.drain();
+    h.w.drain(StopKind::Handoff);
     assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
     assert!(h.w.devices.is_empty());
     assert_eq!(h.status(a), UNWRITTEN);
     assert!(h.used().is_empty());
     assert_eq!(h.journaled(), vec![a]);
+}
+
+#[test]
+fn a_frontend_stop_quarantines_a_command_that_never_completes_and_fails_its_request() {
+    let mut h = Harness::new(2);
+    lock(&h.script).abort_with = None;
+    let a = h.post_read(0);
+    h.round();
+    h.w.drain(StopKind::Frontend);
+    assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
+    assert!(h.w.devices.is_empty());
+    assert_eq!(h.status(a), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(h.used(), vec![(a, 1)]);
+    assert!(h.journaled().is_empty());
 }
 
 #[test]

@@ -1,0 +1,195 @@
+//! A stopped queue answers for every request it took (docs/failures.md, "Stopping a queue").
+//! QEMU stops a ring with SET_VRING_ENABLE 0 and GET_VRING_BASE at the end of every
+//! migration, at `stop`, at savevm and before a vhost restart, and carries the base it gets
+//! to the destination (or to `cont`): a request below that base that is not in the used ring
+//! is one the guest waits for for ever. Driven through the real socket with a hand-built
+//! frontend (`common::raw`) on a file device whose faults spoold's own injection layer
+//! makes: a stop while the device resets waits for the held request and completes it; a stop
+//! past the drain window fails it with an I/O error; either way the base equals the used
+//! index, and a fresh connection after it replays nothing from the journal.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::raw::{GuestMem, RawFrontend, Ring, GET_VRING_BASE, SET_VRING_ENABLE, T_IN, T_OUT};
+use common::Spoold;
+use serde_json::{json, Value};
+
+const CFG: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "vm"
+size = "8M"
+num_queues = 1
+[health]
+io_timeout_ms = 400
+poll_interval_ms = 50
+reset_timeout_ms = 30000
+"#;
+
+const OK: u8 = 0;
+const IOERR: u8 = 1;
+
+fn device(s: &Spoold) -> String {
+    let v = s.rpc("volume_show", json!({"id": "vm"})).unwrap();
+    v["devices"][0].as_str().unwrap().to_string()
+}
+
+fn inject(s: &Spoold, rule: Value) {
+    let mut p = rule;
+    p["id"] = json!(device(s));
+    s.rpc("device_inject", p).unwrap();
+}
+
+fn state(s: &Spoold) -> String {
+    let h = s.rpc("device_health", json!({"id": device(s)})).unwrap();
+    let h = if h.is_array() { h[0].clone() } else { h };
+    h["state"].as_str().unwrap().to_string()
+}
+
+/// Stops ring 0 as QEMU does; returns the base and how long spoold took to answer.
+fn stop_ring(fe: &mut RawFrontend) -> (u16, Duration) {
+    let t = Instant::now();
+    let mut p = 0u32.to_le_bytes().to_vec();
+    p.extend_from_slice(&0u32.to_le_bytes());
+    fe.send(SET_VRING_ENABLE, &p, &[]).unwrap();
+    let v = fe.ask(GET_VRING_BASE, &p).unwrap();
+    ((v >> 32) as u16, t.elapsed())
+}
+
+/// One running session on a fresh spoold, ring 0 enabled.
+fn start() -> (Spoold, GuestMem, Ring, RawFrontend) {
+    let s = Spoold::start(CFG);
+    let mem = GuestMem::new(1 << 20);
+    let ring = Ring::new(16);
+    let mut fe = RawFrontend::connect(&s.socket("vm"));
+    fe.sync().unwrap();
+    ring.start_enabled(&mut fe, &mem, 0, 0, 0);
+    (s, mem, ring, fe)
+}
+
+/// Posts a 4 KiB request of `ty` in `slot` (descriptors 3*slot..).
+fn post(ring: &mut Ring, mem: &GuestMem, slot: u16, ty: u32) {
+    ring.prepare(mem, slot * 3, slot as u64, ty, slot as u64 * 8, 4096);
+    ring.post(mem, slot * 3);
+}
+
+/// Waits until the device is in `want`.
+fn wait_state(s: &Spoold, want: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state(s) != want {
+        assert!(Instant::now() < deadline, "device never became {want}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// After the stop, a new connection (a migration's destination, or `cont` after a
+/// reconnect) at the stopped base must find nothing to replay: the used index stays.
+fn reconnect_replays_nothing(s: &Spoold, mem: &GuestMem, ring: &Ring, base: u16) {
+    let mut fe = RawFrontend::connect(&s.socket("vm"));
+    fe.sync().unwrap();
+    ring.start_enabled(&mut fe, mem, 0, 0, base);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        ring.used_idx(mem),
+        base,
+        "a fresh connection completed a request again"
+    );
+    let log = s.log();
+    assert!(
+        !log.contains("recovered queue from its journal"),
+        "the journal was replayed into a fresh connection:\n{log}"
+    );
+}
+
+#[test]
+fn a_stop_while_the_device_resets_waits_for_the_held_read_and_completes_it() {
+    let (s, mem, mut ring, mut fe) = start();
+    // The link goes down for 1.5 s on reads: the read fails with a path error and is held
+    // while the device resets.
+    inject(
+        &s,
+        json!({"kind": "link-down", "op": "read", "duration_ms": 1500}),
+    );
+    post(&mut ring, &mem, 0, T_IN);
+    wait_state(&s, "resetting");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        ring.used_idx(&mem),
+        0,
+        "the read completed despite the link-down"
+    );
+    let (base, took) = stop_ring(&mut fe);
+    assert_eq!(base, 1);
+    assert_eq!(
+        ring.used_idx(&mem),
+        base,
+        "GET_VRING_BASE answered past a request it never completed"
+    );
+    assert_eq!(
+        ring.status(&mem, 0),
+        OK,
+        "within the window the guest sees latency only"
+    );
+    assert!(
+        took >= Duration::from_millis(300),
+        "answered at once ({took:?})"
+    );
+    drop(fe);
+    reconnect_replays_nothing(&s, &mem, &ring, base);
+}
+
+#[test]
+fn a_stop_fails_a_request_still_held_past_the_drain_window() {
+    let (s, mem, mut ring, mut fe) = start();
+    // A write that goes through first, then a link that stays down for 30 s.
+    post(&mut ring, &mem, 0, T_OUT);
+    assert_eq!(ring.wait_used(&mem, 1, Duration::from_secs(10)).len(), 1);
+    inject(
+        &s,
+        json!({"kind": "link-down", "op": "any", "duration_ms": 30000}),
+    );
+    post(&mut ring, &mem, 1, T_IN);
+    wait_state(&s, "resetting");
+    let (base, took) = stop_ring(&mut fe);
+    assert_eq!(base, 2);
+    assert_eq!(
+        ring.used_idx(&mem),
+        base,
+        "the base counts a request never completed"
+    );
+    assert_eq!(
+        ring.status(&mem, 1),
+        IOERR,
+        "past the window the request fails"
+    );
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(20),
+        "the stop did not wait for its window ({took:?})"
+    );
+    assert!(s.log().contains("failed them with an I/O error"));
+    drop(fe);
+    s.rpc("device_clear_faults", json!({"id": device(&s)}))
+        .unwrap();
+    reconnect_replays_nothing(&s, &mem, &ring, base);
+}
+
+#[test]
+fn a_stop_while_a_command_hangs_times_it_out_resubmits_it_and_completes_it() {
+    let (s, mem, mut ring, mut fe) = start();
+    // The next read hangs in the device (once): the timeout sweep reports it after
+    // io_timeout_ms, the device is reset, and the read is submitted again.
+    inject(&s, json!({"kind": "timeout", "op": "read", "count": 1}));
+    post(&mut ring, &mem, 0, T_IN);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(ring.used_idx(&mem), 0, "the hung read completed");
+    let (base, _) = stop_ring(&mut fe);
+    assert_eq!(base, 1);
+    assert_eq!(ring.used_idx(&mem), base);
+    assert_eq!(ring.status(&mem, 0), OK);
+    drop(fe);
+    reconnect_replays_nothing(&s, &mem, &ring, base);
+}
