@@ -193,3 +193,33 @@ fn a_stop_while_a_command_hangs_times_it_out_resubmits_it_and_completes_it() {
     drop(fe);
     reconnect_replays_nothing(&s, &mem, &ring, base);
 }
+
+#[test]
+fn a_new_frontend_after_a_crash_never_gets_the_old_frontends_requests() {
+    let (mut s, mem, mut ring, _fe) = start();
+    // A read that never completes, not even on abort: INFLIGHT in the journal when spoold
+    // (keeper and worker) dies.
+    inject(&s, json!({"kind": "stuck", "op": "read"}));
+    post(&mut ring, &mem, 0, T_IN);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(ring.used_idx(&mem), 0);
+    s.kill();
+    s.spawn();
+    // Another guest (a new QEMU process: a restarted VM, a migration's destination) whose
+    // rings sit at the same guest addresses, with one write posted at avail index 0, head
+    // 6: the journal's indices (head 0 taken at index 0) look consistent with its ring.
+    let mem2 = GuestMem::new(1 << 20);
+    let mut ring2 = Ring::new(16);
+    post(&mut ring2, &mem2, 2, T_OUT);
+    let mut fe2 = RawFrontend::connect(&s.socket("vm"));
+    fe2.sync().unwrap();
+    ring2.start_enabled(&mut fe2, &mem2, 0, 0, 0);
+    let used = ring2.wait_used(&mem2, 1, Duration::from_secs(10));
+    assert_eq!(
+        used,
+        vec![(6, 1)],
+        "the new guest's request was skipped or another's completed in its ring:\n{}",
+        s.log()
+    );
+    assert_eq!(ring2.status(&mem2, 2), OK);
+}

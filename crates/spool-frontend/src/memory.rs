@@ -411,6 +411,16 @@ impl MemoryTable {
             .collect()
     }
 
+    /// The object (memfd or file) holding the frontend's virtual address `vva`: it tells a
+    /// reconnecting frontend from a new one (see `spool_journal::MemoryId`).
+    pub fn memory_id(&self, vva: u64) -> Option<spool_journal::MemoryId> {
+        let m = self
+            .maps
+            .iter()
+            .find(|m| vva >= m.vva && vva - m.vva < m.size)?;
+        spool_journal::MemoryId::of(&m.owned.file)
+    }
+
     /// Number of regions.
     pub fn len(&self) -> usize {
         self.maps.len()

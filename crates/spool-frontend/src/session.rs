@@ -33,9 +33,10 @@ pub use kept::{RestoreClock, SessionState, SESSION_STATE_FORMAT};
 
 pub use crate::queue_start::MAX_QUEUE_SIZE;
 
-/// How long a session waits for its workers to finish the rounds they were in when a dirty
-/// log was published (`wait_for_workers_on_new_map`): a round takes microseconds, a worker
-/// thread preempted on a crowded host some milliseconds.
+/// How often a session waiting for its workers to finish the rounds they were in when a
+/// dirty log was published (`wait_for_workers_on_new_map`) says it still waits: a round
+/// takes microseconds, a worker thread preempted on a crowded host some milliseconds; one
+/// that never passes is a wedged worker, which the keeper's watchdog replaces.
 const PASS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Default)]
@@ -103,11 +104,13 @@ impl Session {
         self.acked_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
     }
 
-    /// Waits until every running worker finished the round it was in (at most
-    /// [`PASS_WAIT`]): rounds begun before the call may still write into guest memory under
-    /// the map they loaded, without the dirty log just published. QEMU syncs the log (and
-    /// sends the pages it names) as soon as SET_FEATURES or SET_LOG_BASE is answered; a write
-    /// made after that under the old map would reach the guest on this host only.
+    /// Waits until every running worker finished the round it was in: rounds begun before
+    /// the call may still write into guest memory under the map they loaded, without the
+    /// dirty log just published. QEMU syncs the log (and sends the pages it names) as soon as
+    /// SET_FEATURES or SET_LOG_BASE is answered; a write made after that under the old map
+    /// would reach the guest on this host only, so the answer waits for as long as it takes
+    /// (warning every [`PASS_WAIT`]): a worker that never passes is wedged, and the keeper's
+    /// watchdog replaces the process.
     fn wait_for_workers_on_new_map(&self) {
         let tickets: Vec<_> = self
             .vrings
@@ -115,13 +118,12 @@ impl Session {
             .filter_map(|v| v.worker.as_ref())
             .map(|w| (w, w.ask_pass()))
             .collect();
-        let deadline = std::time::Instant::now() + PASS_WAIT;
+        let start = std::time::Instant::now();
+        let mut warned = start;
         while !tickets.iter().all(|(w, t)| w.passed(*t)) {
-            if std::time::Instant::now() > deadline {
-                // Only a thread held up outside its rounds gets here (a drain loads the
-                // current map for every completion).
-                tracing::warn!(volume = %self.ctx.name(), "a worker did not finish its round in time for the dirty log; going on");
-                return;
+            if warned.elapsed() >= PASS_WAIT {
+                warned = std::time::Instant::now();
+                tracing::warn!(volume = %self.ctx.name(), waited_ms = start.elapsed().as_millis() as u64, "a worker has not finished its round for the dirty log yet; the frontend waits for it");
             }
             std::thread::sleep(std::time::Duration::from_micros(20));
         }
@@ -249,6 +251,7 @@ impl Session {
             call: v.call.clone(),
             event_idx: self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0,
             restored,
+            memory: self.mem.memory_id(v.used),
         };
         let mem = &self.mem;
         match start_queue(&self.ctx, cfg, mem.shared(), |a| {

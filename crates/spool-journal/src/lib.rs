@@ -100,6 +100,32 @@ pub struct RingAddrs {
     pub used: u64,
 }
 
+/// Which object the frontend's guest memory lives in (the device and inode numbers of the
+/// memfd or file holding the used ring). The same QEMU process sends the same memfds again
+/// when it reconnects after spoold died; a new QEMU process (a migration's destination, a
+/// restarted VM) has new ones. Kept at bytes 76..92 of the header, outside the checksum
+/// (readers before it ignore those bytes; an unknown value is all zeroes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl MemoryId {
+    /// The object behind `file`, or None when it cannot be told.
+    pub fn of(file: &File) -> Option<MemoryId> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata().ok()?;
+        Some(MemoryId {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+        .filter(|id| *id != MemoryId::default())
+    }
+}
+
+const MEMORY_ID_OFF: usize = 76;
+
 /// The static header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
@@ -338,6 +364,30 @@ impl Journal {
         h.rings = rings;
         self.write_header(&h);
         Ok(())
+    }
+
+    /// The frontend memory this generation was started for (None: not recorded, a journal
+    /// of an older spoold or one whose frontend's memory could not be told).
+    pub fn frontend_memory(&self) -> Option<MemoryId> {
+        let b = self.bytes(MEMORY_ID_OFF, 16);
+        let id = MemoryId {
+            dev: u64::from_le_bytes(b[0..8].try_into().expect("8")),
+            ino: u64::from_le_bytes(b[8..16].try_into().expect("8")),
+        };
+        (id != MemoryId::default()).then_some(id)
+    }
+
+    /// Records the frontend memory of the current generation (right after
+    /// [`Self::new_generation`], which clears it).
+    pub fn set_frontend_memory(&mut self, id: Option<MemoryId>) {
+        let id = id.unwrap_or_default();
+        let mut b = [0u8; 16];
+        b[0..8].copy_from_slice(&id.dev.to_le_bytes());
+        b[8..16].copy_from_slice(&id.ino.to_le_bytes());
+        // SAFETY: 76 + 16 <= HEADER_LEN <= self.len (see `write_header`); `&mut self` means
+        // no reference into the mapping is alive.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.ptr.add(MEMORY_ID_OFF), 16) };
+        fence(Ordering::Release);
     }
 
     #[inline]

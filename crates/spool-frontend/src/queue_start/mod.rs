@@ -20,7 +20,7 @@ use crate::memory::GuestMemory;
 use crate::request::{Limits, SECTOR};
 use crate::worker::{WorkerHandle, WorkerSpec};
 use crate::VolumeContext;
-use spool_journal::{Journal, ReplayRecord, RingAddrs};
+use spool_journal::{Journal, MemoryId, ReplayRecord, RingAddrs};
 
 mod resume;
 
@@ -43,6 +43,8 @@ pub struct QueueConfig<'a> {
     pub event_idx: bool,
     /// The session was restored in a new process (no SET_VRING_BASE was sent to it).
     pub restored: bool,
+    /// The memory object holding the rings (None: unknown).
+    pub memory: Option<MemoryId>,
 }
 
 /// Why a queue did not start.
@@ -187,6 +189,7 @@ fn build_queue(
         size: cfg.size,
         avail_idx,
         used_idx,
+        memory: cfg.memory,
     };
     Ok((q, view))
 }

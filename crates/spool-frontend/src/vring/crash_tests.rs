@@ -168,6 +168,7 @@ fn start(
             size: QSIZE,
             avail_idx,
             used_idx,
+            memory: None,
         };
         let r = resume(&mut j, view, ResumeFrom::Frontend(base), &mut |_| c.tick()).unwrap();
         q.set_next_avail(r.next_avail);

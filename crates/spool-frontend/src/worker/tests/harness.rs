@@ -149,6 +149,7 @@ impl Harness {
             size: QSIZE,
             avail_idx: 0,
             used_idx: 0,
+            memory: None,
         };
         resume(&mut j, view, ResumeFrom::Frontend(0), &mut |_| {}).unwrap();
         let health = device.health().clone();
