@@ -110,12 +110,23 @@ impl QueueWorker {
                 self.vq.log_chain(&self.host, head, log);
             }
         }
+        #[cfg(feature = "test-hooks")]
+        if let Some(map) = crate::dirty_log::test_write_map() {
+            for &(head, _) in done {
+                self.vq.log_chain(&self.host, head, map);
+            }
+        }
         if let Err(e) = self.vq.complete_batch(&self.host, done, &mut |_| {}) {
             self.fail_queue(&e.to_string());
         }
         if let Some(log) = mem.dirty_log() {
             let (used, len) = self.vq.used_ring_range();
             log.mark(used, len);
+        }
+        #[cfg(feature = "test-hooks")]
+        if let Some(map) = crate::dirty_log::test_write_map() {
+            let (used, len) = self.vq.used_ring_range();
+            map.mark(used, len);
         }
         self.need_notify = true;
         if !self.served_one {

@@ -297,10 +297,10 @@ impl QueueWorker {
             *self.drain_window.lock().unwrap_or_else(|e| e.into_inner()) = None;
             return;
         }
-        // Past the window: abort, wait what is left of it (at least MIN_DRAIN) and
-        // quarantine commands that never come back; then fail everything not completed.
+        // Past the window: abort, give aborted commands MIN_DRAIN to come back, give up or
+        // quarantine those that do not; then fail everything not completed.
         if self.in_flight > 0 {
-            self.quiesce(Quiesce::Complete);
+            self.quiesce_until(Quiesce::Complete, Instant::now() + MIN_DRAIN);
         }
         self.fail_unsettled();
     }
@@ -346,6 +346,11 @@ impl QueueWorker {
     /// them, as `mode` says), and quarantines the commands that still did not come back.
     fn quiesce(&mut self, mode: Quiesce) {
         let deadline = self.drain_deadline();
+        self.quiesce_until(mode, deadline);
+    }
+
+    /// [`Self::quiesce`] with its deadline given.
+    fn quiesce_until(&mut self, mode: Quiesce, deadline: Instant) {
         for d in &mut self.devices {
             d.abort();
         }
@@ -375,12 +380,46 @@ impl QueueWorker {
         if !self.quiesce_waiting(mode) {
             // Drained in time: the device answers, so the next drain gets a window of its own.
             *self.drain_window.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        } else {
+            self.abandon_outstanding(mode);
         }
         if mode == Quiesce::Complete && self.in_flight > 0 {
             tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
         }
         if mode == Quiesce::Discard || self.in_flight > 0 {
             self.quarantine_stuck();
+        }
+    }
+
+    /// Past the drain window: what a device can give up so that it never touches our
+    /// buffers again (a network device's operations: a late librbd callback then copies
+    /// nothing into guest memory) is given up, and comes back cancelled (completed to the
+    /// guest or dropped, as `mode` says); only what cannot be given up is left for
+    /// [`Self::quarantine_stuck`]. Without this, a request resubmitted and completed after a
+    /// reset could have its buffer, reused by the guest since, overwritten by the first
+    /// read's late data.
+    #[cold]
+    fn abandon_outstanding(&mut self, mode: Quiesce) {
+        let mut given_up = 0;
+        for d in &mut self.devices {
+            if d.in_flight() > 0 {
+                given_up += d.abandon();
+            }
+        }
+        if given_up == 0 {
+            return;
+        }
+        tracing::warn!(volume = %self.volume, queue = self.index, operations = given_up, "device operations abandoned after the drain window");
+        match mode {
+            Quiesce::Complete => {
+                let mem = self.mem.load().clone();
+                self.reap(&mem);
+            }
+            Quiesce::Discard => {
+                for d in &mut self.devices {
+                    d.reap(&mut |_, _| {});
+                }
+            }
         }
     }
 

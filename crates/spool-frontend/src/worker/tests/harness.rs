@@ -17,6 +17,10 @@ pub(super) struct Script {
     /// Commands submitted from now on complete at once with this result (None: they wait
     /// for the test).
     pub(super) complete_at_once: Option<i32>,
+    /// What giving up (`abandon`) does to outstanding commands, where an abort cannot take
+    /// them back (an RBD operation): completes them with this negative errno; None: as abort.
+    pub(super) abandon_with: Option<i32>,
+    pub(super) abandons: usize,
     /// Queues opened on the device (a reset opens new ones).
     pub(super) opened: usize,
     pub(super) aborts: usize,
@@ -82,6 +86,17 @@ impl DeviceQueue for ScriptedQueue {
     fn in_flight(&self) -> usize {
         let s = self.lock();
         s.outstanding.len() + s.done.len()
+    }
+    fn abandon(&mut self) -> usize {
+        let mut s = self.lock();
+        let Some(res) = s.abandon_with else {
+            drop(s);
+            return self.abort();
+        };
+        s.abandons += 1;
+        let tags = std::mem::take(&mut s.outstanding);
+        s.done.extend(tags.iter().map(|&t| (t, res)));
+        tags.len()
     }
     fn abort(&mut self) -> usize {
         let mut s = self.lock();
@@ -206,6 +221,8 @@ impl Harness {
             done: VecDeque::new(),
             abort_with: Some(-libc::ECANCELED),
             complete_at_once: None,
+            abandon_with: None,
+            abandons: 0,
             opened: 0,
             aborts: 0,
         }));

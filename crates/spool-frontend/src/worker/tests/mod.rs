@@ -336,6 +336,56 @@ fn a_reset_quarantines_a_command_that_never_completes_and_resubmits_its_request(
 }
 
 #[test]
+fn a_reset_gives_up_an_operation_it_can_abandon_instead_of_quarantining_it() {
+    let mut h = Harness::new(2);
+    // An RBD operation the cluster holds: an abort cannot take it back, abandoning can (its
+    // late callback then writes nothing into guest memory).
+    {
+        let mut s = lock(&h.script);
+        s.abort_with = None;
+        s.abandon_with = Some(-libc::ECANCELED);
+    }
+    let a = h.post_read(0);
+    h.round();
+    h.w.reset.store(true, Ordering::Release);
+    h.round();
+    assert_eq!(lock(&h.script).abandons, 1);
+    assert_eq!(
+        h.w.abandoned.load(Ordering::Acquire),
+        0,
+        "nothing quarantined"
+    );
+    assert_eq!(h.submitted(), vec![a as u64, a as u64]);
+    h.device_completes(a, LEN as i32);
+    h.round();
+    assert_eq!(h.status(a), VIRTIO_BLK_S_OK as u8);
+    assert_eq!(h.used(), vec![(a, LEN + 1)]);
+    assert!(h.journaled().is_empty());
+}
+
+#[test]
+fn a_frontend_stop_fails_an_abandoned_operation_past_the_window() {
+    let mut h = Harness::new(2);
+    {
+        let mut s = lock(&h.script);
+        s.abort_with = None;
+        s.abandon_with = Some(-libc::ECANCELED);
+    }
+    let a = h.post_read(0);
+    h.round();
+    h.w.drain(StopKind::Frontend);
+    assert_eq!(lock(&h.script).abandons, 1);
+    assert_eq!(
+        h.w.abandoned.load(Ordering::Acquire),
+        0,
+        "nothing quarantined"
+    );
+    assert_eq!(h.status(a), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(h.used(), vec![(a, 1)]);
+    assert!(h.journaled().is_empty());
+}
+
+#[test]
 fn a_handoff_quarantines_a_command_that_never_completes_and_keeps_it_in_the_journal() {
     let mut h = Harness::new(2);
     lock(&h.script).abort_with = None;
