@@ -71,15 +71,7 @@ pub fn resume(
         let h = journal.header();
         let last = journal.last_avail();
         let jused = journal.used_idx();
-        // A fresh connection from another frontend process (a migration's destination, a
-        // restarted VM) has its guest memory in another object, even when its rings sit at
-        // the same guest addresses: the journal's requests are not its own, whatever the
-        // indices say. A restored session keeps the very same memory. Unknown on either
-        // side: the index check alone decides, as before the journal recorded it.
-        let same_memory = match (from, journal.frontend_memory(), view.memory) {
-            (ResumeFrom::Frontend(_), Some(j), Some(v)) => j == v,
-            _ => true,
-        };
+        let same_memory = same_memory(journal, &view, from);
         let same_ring = h.queue_size == size && h.rings == view.rings && same_memory;
         // The journal's used index leads the ring's by the batch being completed, if any
         // (at most the queue size: `JournaledQueue::complete_batch`).
@@ -130,6 +122,19 @@ pub fn resume(
         recovered: false,
         note: None,
     })
+}
+
+/// Whether the journal was written for this frontend's memory. A fresh connection from
+/// another frontend process (a migration's destination, a restarted VM) has its guest memory
+/// in another object, even when its rings sit at the same guest addresses: the journal's
+/// requests are not its own, whatever the indices say. A restored session keeps the very
+/// same memory. Unknown on either side: the index check alone decides, as before the journal
+/// recorded it.
+fn same_memory(journal: &Journal, view: &RingView, from: ResumeFrom) -> bool {
+    match (from, journal.frontend_memory(), view.memory) {
+        (ResumeFrom::Frontend(_), Some(j), Some(v)) => j == v,
+        _ => true,
+    }
 }
 
 /// Reads the avail and used indices of a ring.
