@@ -98,6 +98,11 @@ impl DirtyLog {
         let first = gpa / LOG_PAGE;
         let last = gpa.saturating_add(len - 1) / LOG_PAGE;
         let base = self.addr + self.skip;
+        // The writes being marked must be visible before a bit is found set and left alone:
+        // x86 lets a store pass a later load, so without the fence QEMU could clear a bit we
+        // just saw set (its sync's atomic exchange) and copy the page before our write
+        // reached memory, leaving the write unsent and unmarked.
+        std::sync::atomic::fence(Ordering::SeqCst);
         for page in first..=last {
             let byte = page / 8;
             if byte >= self.size {
@@ -125,6 +130,31 @@ impl DirtyLog {
         (&self.file, self.size, self.offset)
     }
 }
+
+/// Test hook (docs/upgrade.md, "Test hooks"): with `SPOOL_TEST_WRITE_MAP=PATH` (an existing
+/// file of at least [`TEST_WRITE_MAP_SIZE`] bytes), every guest page this process writes
+/// (the same ranges the dirty log is marked with, whether or not a log is on) is also marked
+/// there, one bit per page. The migration test compares the guest's RAM on both sides of a
+/// migration and asks this map whether a page that came over wrong was one spoold wrote.
+/// Only built with the `test-hooks` feature.
+#[cfg(feature = "test-hooks")]
+pub fn test_write_map() -> Option<&'static DirtyLog> {
+    static MAP: std::sync::OnceLock<Option<DirtyLog>> = std::sync::OnceLock::new();
+    MAP.get_or_init(|| {
+        let path = std::env::var_os("SPOOL_TEST_WRITE_MAP")?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .ok()?;
+        DirtyLog::map(file, TEST_WRITE_MAP_SIZE, 0).ok()
+    })
+    .as_ref()
+}
+
+/// Bytes of the test write map: one bit per page of the first 64 GiB of guest memory.
+#[cfg(feature = "test-hooks")]
+pub const TEST_WRITE_MAP_SIZE: u64 = 2 << 20;
 
 impl Drop for DirtyLog {
     fn drop(&mut self) {

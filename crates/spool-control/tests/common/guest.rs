@@ -81,6 +81,23 @@ pub fn qemu_tcg(
     timeout_s: u64,
     thread: &str,
 ) -> Command {
+    qemu_tcg_on(sock, job, queues, extra, timeout_s, thread, MEMFD_RAM)
+}
+
+/// The guest's RAM as QEMU's usual shared memfd.
+pub const MEMFD_RAM: &str = "memory-backend-memfd,id=mem,size=512M,share=on";
+
+/// [`qemu_tcg`] with the guest's RAM given by `memory` (a `-object` memory backend with
+/// id `mem`, shared: vhost-user needs it).
+pub fn qemu_tcg_on(
+    sock: &std::path::Path,
+    job: &str,
+    queues: u16,
+    extra: &str,
+    timeout_s: u64,
+    thread: &str,
+    memory: &str,
+) -> Command {
     let g = guest_dir();
     let mut c = Command::new("timeout");
     c.arg(timeout_s.to_string())
@@ -102,12 +119,7 @@ pub fn qemu_tcg(
                 .map(|d| vec!["-L".to_string(), d])
                 .unwrap_or_default(),
         )
-        .args([
-            "-object",
-            "memory-backend-memfd,id=mem,size=512M,share=on",
-            "-numa",
-            "node,memdev=mem",
-        ])
+        .args(["-object", memory, "-numa", "node,memdev=mem"])
         .arg("-kernel")
         .arg(g.join("vmlinuz"))
         .arg("-initrd")
