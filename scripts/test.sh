@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs QEMU, fio and the guest kernel from
 # Debian packages if missing, then runs lint, unit, property, libblkio integration, real-VM
-# end-to-end (on QEMU 7.2, and the kill and upgrade tests also on QEMU 10.0), systemd and fuzz
-# smoke tests.
+# end-to-end (on QEMU 7.2, and the kill, upgrade, stop and live-migration tests also on QEMU
+# 10.0), systemd and fuzz smoke tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -14,11 +14,11 @@ echo "== guest image"
 scripts/build-guest.sh
 echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"
 SPOOL_E2E=1 cargo test --workspace
-echo "== the guest kill, upgrade and systemd tests again on QEMU 10.0 (bookworm-backports)"
+echo "== the guest kill, upgrade, stop, migration and systemd tests again on QEMU 10.0 (bookworm-backports)"
 q10=$(scripts/install-qemu10.sh)
 SPOOL_E2E=1 SPOOL_QEMU=$q10 SPOOL_QEMU_DATA=$(dirname "$(dirname "$q10")")/share/qemu \
-    cargo test -p spool-control --test e2e_qemu --test systemd -- \
-    vm_runs_fio_verify vm_survives keeper_death
+    cargo test -p spool-control --test e2e_qemu --test systemd --test migration -- \
+    vm_runs_fio_verify vm_survives vm_stopped keeper_death a_vm_on_rbd
 echo "== userspace NVMe driver in a TCG guest (VFIO, intel-iommu, QEMU's emulated NVMe)"
 python3 scripts/test-nvme.py
 echo "== fuzz smoke"

@@ -9,11 +9,12 @@
 //! **Every migration is checked page by page.** Both QEMUs keep guest RAM in files under
 //! /dev/shm, the destination starts paused (`-S`), and when the migration completes the test
 //! compares the two RAM files before the destination runs: a differing page is a write the
-//! migration did not carry. Each spoold marks every guest page it writes in a map of its own
-//! (the `SPOOL_TEST_WRITE_MAP` test hook), so the test tells a page spoold wrote (its dirty
-//! log missed it: the test fails at once) from one only the guest's vCPUs wrote (QEMU's own
-//! TCG dirty tracking lost it: the migration is rolled back, the destination quit unrun and
-//! the source continued, and done again, as an operator would; counted and printed, never
+//! migration did not carry. Each spoold records every guest page it writes, with a CRC32C of
+//! the page as it left it (the `SPOOL_TEST_WRITE_MAP` witness), so the test tells a page that
+//! still holds what spoold wrote (its write was not carried, its dirty log missed it: the test
+//! fails at once) from one holding a write of the guest's own (QEMU's TCG dirty tracking lost
+//! it: the migration is rolled back, the destination quit unrun and the source continued, and
+//! done again, as an operator would; counted and printed, never
 //! silent). docs/ceph.md has the counts, and the control: the same check with QEMU's own
 //! virtio-blk and no spoold (`migration_soak` with `SPOOL_SOAK_FILE`).
 //!
@@ -149,8 +150,8 @@ fn write_map(name: &str) -> WriteMap {
     WriteMap(p)
 }
 
-/// Bytes of a write map (spool_frontend::dirty_log::TEST_WRITE_MAP_SIZE).
-const WRITE_MAP_SIZE: usize = 2 << 20;
+/// Bytes of a write map (spool_frontend::test_witness::SIZE: a u64 per page of 4 GiB).
+const WRITE_MAP_SIZE: usize = 8 << 20;
 
 /// Clears a write map in place (spoold has it mapped: the file must keep its size).
 fn clear_write_map(p: &Path) {
@@ -160,11 +161,14 @@ fn clear_write_map(p: &Path) {
 }
 
 /// What the page check found: guest-physical addresses of the pages whose contents differ
-/// between the source's RAM and the destination's before the destination ran, and of those
-/// the pages the source's spoold wrote during the migration.
+/// between the source's RAM and the destination's before the destination ran (with the
+/// number of differing bytes); of those, the pages whose source content is still what the
+/// source's spoold last wrote there (its write was not carried: `spoold_wrote`), and the
+/// pages spoold wrote during the migration that the guest wrote again since (`rewritten`).
 struct PageCheck {
     differing: Vec<(u64, usize)>,
     spoold_wrote: Vec<u64>,
+    rewritten: Vec<u64>,
 }
 
 /// Compares two RAM files page by page (the memdev holds guest-physical 0..512M: with
@@ -173,10 +177,12 @@ fn page_check(src: &Path, dst: &Path, map: Option<&Path>) -> PageCheck {
     use std::io::Read;
     const PAGE: usize = 4096;
     let written = map.map(|m| std::fs::read(m).unwrap()).unwrap_or_default();
-    let was_written = |page: usize| {
+    // The witness: per page, 0 or `1 << 32 | crc32c` of what spoold last wrote there.
+    let witness = |page: usize| {
         written
-            .get(page / 8)
-            .is_some_and(|b| b & (1 << (page % 8)) != 0)
+            .get(page * 8..page * 8 + 8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+            .unwrap_or(0)
     };
     let (mut a, mut b) = (
         std::fs::File::open(src).unwrap(),
@@ -186,6 +192,7 @@ fn page_check(src: &Path, dst: &Path, map: Option<&Path>) -> PageCheck {
     let mut check = PageCheck {
         differing: Vec::new(),
         spoold_wrote: Vec::new(),
+        rewritten: Vec::new(),
     };
     let mut at = 0usize;
     loop {
@@ -198,9 +205,12 @@ fn page_check(src: &Path, dst: &Path, map: Option<&Path>) -> PageCheck {
             if pa != pb {
                 let page = at / PAGE + i;
                 let bytes = pa.iter().zip(pb).filter(|(x, y)| x != y).count();
-                check.differing.push(((page * PAGE) as u64, bytes));
-                if was_written(page) {
-                    check.spoold_wrote.push((page * PAGE) as u64);
+                let gpa = (page * PAGE) as u64;
+                check.differing.push((gpa, bytes));
+                match witness(page) {
+                    0 => {}
+                    w if w == 1 << 32 | crc32c::crc32c(pa) as u64 => check.spoold_wrote.push(gpa),
+                    _ => check.rewritten.push(gpa),
                 }
             }
         }
@@ -368,15 +378,16 @@ fn migrate_once(
     wait_incoming(&mut dst, tag);
     let check = page_check(&src.ram, &dst.ram, src_map);
     eprintln!(
-        "{tag}: page check: {} page(s) differ, {} of them written by the source's spoold",
+        "{tag}: page check: {} page(s) differ; {} hold what the source's spoold wrote, {} spoold wrote and the guest since",
         check.differing.len(),
-        check.spoold_wrote.len()
+        check.spoold_wrote.len(),
+        check.rewritten.len()
     );
     if !check.differing.is_empty() {
         let report = page_report(&src.ram, &dst.ram, &check);
         if !check.spoold_wrote.is_empty() {
             panic!(
-                "{tag}: the destination's RAM differs from the source's before it ran in pages the source's spoold wrote: {} page(s), {} written by spoold\n{report}\n--- the source's spoold ---\n{}",
+                "{tag}: the destination's RAM differs from the source's before it ran: {} page(s), {} of them still holding what the source's spoold wrote (its write was not carried)\n{report}\n--- the source's spoold ---\n{}",
                 check.differing.len(),
                 check.spoold_wrote.len(),
                 source.spoold.map(|d| d.log()).unwrap_or_default()
@@ -448,9 +459,11 @@ fn page_report(src: &Path, dst: &Path, check: &PageCheck) -> String {
             .map(|i| format!("+{i:#x} {:02x}->{:02x}", pb[i], pa[i]))
             .collect();
         let who = if check.spoold_wrote.contains(&gpa) {
-            "spoold wrote it"
+            "holds what spoold wrote"
+        } else if check.rewritten.contains(&gpa) {
+            "spoold wrote it, the guest since"
         } else {
-            "not spoold"
+            "only the guest wrote it"
         };
         out.push(format!(
             "  gpa {gpa:#x}: {n} byte(s) differ ({who}; destination->source: {})",

@@ -131,31 +131,6 @@ impl DirtyLog {
     }
 }
 
-/// Test hook (docs/upgrade.md, "Test hooks"): with `SPOOL_TEST_WRITE_MAP=PATH` (an existing
-/// file of at least [`TEST_WRITE_MAP_SIZE`] bytes), every guest page this process writes
-/// (the same ranges the dirty log is marked with, whether or not a log is on) is also marked
-/// there, one bit per page. The migration test compares the guest's RAM on both sides of a
-/// migration and asks this map whether a page that came over wrong was one spoold wrote.
-/// Only built with the `test-hooks` feature.
-#[cfg(feature = "test-hooks")]
-pub fn test_write_map() -> Option<&'static DirtyLog> {
-    static MAP: std::sync::OnceLock<Option<DirtyLog>> = std::sync::OnceLock::new();
-    MAP.get_or_init(|| {
-        let path = std::env::var_os("SPOOL_TEST_WRITE_MAP")?;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .ok()?;
-        DirtyLog::map(file, TEST_WRITE_MAP_SIZE, 0).ok()
-    })
-    .as_ref()
-}
-
-/// Bytes of the test write map: one bit per page of the first 64 GiB of guest memory.
-#[cfg(feature = "test-hooks")]
-pub const TEST_WRITE_MAP_SIZE: u64 = 2 << 20;
-
 impl Drop for DirtyLog {
     fn drop(&mut self) {
         drop(self.watch.take());

@@ -20,6 +20,8 @@ mod server;
 mod session;
 pub mod share;
 pub mod stats;
+#[cfg(feature = "test-hooks")]
+pub mod test_witness;
 pub mod vring;
 pub mod worker;
 

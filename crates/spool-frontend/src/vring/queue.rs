@@ -348,9 +348,15 @@ impl JournaledQueue {
     /// Marks every device-writable buffer of the chain at `head` in `log` (before the chain
     /// is completed: the device has written what it will write).
     pub fn log_chain(&mut self, mem: &HostMap, head: u16, log: &DirtyLog) {
+        self.written_by_device(mem, head, |gpa, len| log.mark(gpa, len));
+    }
+
+    /// Hands every device-writable buffer (guest address, length) of the chain at `head` to
+    /// `f`.
+    pub fn written_by_device(&mut self, mem: &HostMap, head: u16, mut f: impl FnMut(u64, u64)) {
         for d in self.chain(mem, head) {
             if d.is_write_only() {
-                log.mark(d.addr().0, d.len() as u64);
+                f(d.addr().0, d.len() as u64);
             }
         }
     }

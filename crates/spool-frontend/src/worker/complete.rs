@@ -111,9 +111,11 @@ impl QueueWorker {
             }
         }
         #[cfg(feature = "test-hooks")]
-        if let Some(map) = crate::dirty_log::test_write_map() {
+        if let Some(w) = crate::test_witness::witness() {
             for &(head, _) in done {
-                self.vq.log_chain(&self.host, head, map);
+                let host = &self.host;
+                self.vq
+                    .written_by_device(host, head, |gpa, len| w.record(host, gpa, len));
             }
         }
         if let Err(e) = self.vq.complete_batch(&self.host, done, &mut |_| {}) {
@@ -124,9 +126,9 @@ impl QueueWorker {
             log.mark(used, len);
         }
         #[cfg(feature = "test-hooks")]
-        if let Some(map) = crate::dirty_log::test_write_map() {
+        if let Some(w) = crate::test_witness::witness() {
             let (used, len) = self.vq.used_ring_range();
-            map.mark(used, len);
+            w.record(&self.host, used, len);
         }
         self.need_notify = true;
         if !self.served_one {
