@@ -413,3 +413,89 @@ fn a_stopped_spoold_closes_its_images_and_its_cluster_connection() {
         d.spawn();
     }
 }
+
+/// Every worker that dies is fenced by the one after it, not only the first (issue 31). The
+/// image's lock stays with the process that first took it, so the lock alone named only that
+/// one, and every successor blocklisted it again: a worker killed later was never
+/// blocklisted, and its writes still in the network could land after its successor's. Each
+/// worker now records itself on the image before it serves, and the next one blocklists every
+/// recorded predecessor. Each worker's client is told by its watch on the image (`rbd
+/// status`), independently of that mechanism.
+#[test]
+fn every_killed_worker_is_blocklisted_by_its_successor() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(cluster) = CephCluster::start("fence") else {
+        return;
+    };
+    let d = Spoold::start(&format!(
+        "[ceph]\nconf = \"{}\"\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"64M\"\n[[volumes]]\nname = \"img\"\nsize = \"16M\"\nnum_queues = 1\nrbd = \"rbd\"\n",
+        cluster.conf.display()
+    ));
+    let mut c = connect(&d.socket("img"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 0, &pattern(9, 0, 4096)), 0);
+    // The addresses watching the image: the live worker's, and a dead one's for a while.
+    let watchers = || -> Vec<String> {
+        let out = cluster.rbd(&["status", "rbd/img"]).unwrap();
+        out.split_whitespace()
+            .filter_map(|w| w.strip_prefix("watcher="))
+            .map(str::to_string)
+            .collect()
+    };
+    let mut seen = watchers();
+    assert_eq!(seen.len(), 1, "one worker watches the image: {seen:?}");
+    let mut current = seen[0].clone();
+    let mut killed = Vec::new();
+    for k in 0..3u64 {
+        d.kill_worker();
+        killed.push(current.clone());
+        // The client's connection survives the kill: its next write completes.
+        assert_eq!(c.write_sync(0, 4096 * (k + 1), &pattern(k, 0, 4096)), 0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        current = loop {
+            if let Some(new) = watchers().into_iter().find(|w| !seen.contains(w)) {
+                break new;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kill {k}: no new worker watches the image"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        seen.push(current.clone());
+    }
+    // The last successor fences in the background: wait for the blocklist to name them all.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let blocklist = cluster.ceph(&["osd", "blocklist", "ls"]).unwrap();
+        let missing: Vec<_> = killed
+            .iter()
+            .filter(|a| !blocklist.contains(a.as_str()))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "killed workers not blocklisted: {missing:?} (killed {killed:?})\n{blocklist}\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        !cluster
+            .ceph(&["osd", "blocklist", "ls"])
+            .unwrap()
+            .contains(current.as_str()),
+        "the live worker was blocklisted"
+    );
+    for k in 0..4u64 {
+        let (rc, data) = c.read_sync(0, 4096 * k, 4096);
+        assert_eq!(rc, 0);
+        let want = if k == 0 {
+            pattern(9, 0, 4096)
+        } else {
+            pattern(k - 1, 0, 4096)
+        };
+        assert_eq!(data, want, "block {k}");
+    }
+}

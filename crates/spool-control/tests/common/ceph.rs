@@ -69,6 +69,11 @@ impl CephCluster {
         run(&["start-osd", &self.dir.display().to_string()]).unwrap();
     }
 
+    /// Runs the `ceph` tool on this cluster.
+    pub fn ceph(&self, args: &[&str]) -> Result<String, String> {
+        output(Command::new("ceph").arg("-c").arg(&self.conf).args(args))
+    }
+
     /// Runs the `rbd` tool on this cluster.
     pub fn rbd(&self, args: &[&str]) -> Result<String, String> {
         output(Command::new("rbd").arg("-c").arg(&self.conf).args(args))

@@ -12,11 +12,13 @@
 //! to answer, and a killed worker's watch lingers for 30 s, so each lock or unlock took 5 s
 //! (the notify timeout) — in a migration's downtime. A worker that is killed leaves the lock
 //! in place, and the worker that takes over finds its own owner's cookie and goes on without
-//! a cluster round trip or a lock to wait out; a whole spoold that is lost leaves the lock
+//! a lock to wait out (one round trip records it on the image: `Fence::enlist`, so that
+//! its own successor can blocklist it in turn); a whole spoold that is lost leaves the lock
 //! too, and a new host is let in only when an operator removes it (`rbd lock rm`, which also
 //! blocklists the old client: docs/ceph.md).
 //!
-//! Owns: the lock calls and the count of this process's claims. Must not know: who serves
+//! Owns: the lock calls, the records of the processes that served the image, and the count
+//! of this process's claims. Must not know: who serves
 //! what (the frontend decides when to claim and release).
 
 use std::ffi::{c_char, CString};
@@ -31,6 +33,9 @@ use crate::{Error, Result};
 
 /// librbd's name for an image's advisory lock.
 const LOCK_NAME: &str = "rbd_lock";
+/// Prefix of the header object's attributes that record which processes served the image
+/// (`Fence::enlist`).
+const SERVED_BY: &str = "spoold.served_by.";
 /// How long a dead predecessor's cluster client stays blocklisted (the cluster's default).
 const BLOCKLIST_S: u32 = 3600;
 
@@ -97,6 +102,7 @@ impl Fence {
             return Ok(());
         }
         if trusted {
+            self.enlist(&cookie);
             *count = 1;
             self.take_over_later(&cookie);
             return Ok(());
@@ -104,11 +110,13 @@ impl Fence {
         let deadline = Instant::now() + wait;
         loop {
             if self.try_lock(&cookie)? {
+                self.enlist(&cookie);
                 *count = 1;
                 return Ok(());
             }
             let lockers = self.lockers()?;
             if lockers.iter().any(|l| l.cookie == cookie) {
+                self.enlist(&cookie);
                 *count = 1;
                 self.take_over_later(&cookie);
                 return Ok(());
@@ -157,6 +165,9 @@ impl Fence {
         let r = unsafe {
             (ffi::loaded().rados_unlock)(self.image.ioctx, oid.as_ptr(), name.as_ptr(), c.as_ptr())
         };
+        if let Err(e) = self.fence_enlisted(&cookie, true) {
+            tracing::warn!(error = %e, "cannot fence the earlier processes that served the image");
+        }
         if r == 0 {
             return Ok(());
         }
@@ -184,10 +195,10 @@ impl Fence {
             }
             let mut fenced = 0;
             for l in self.lockers()?.into_iter().filter(|l| l.cookie == cookie) {
-                self.blocklist(&l);
+                self.blocklist(&l.addr, &l.client);
                 fenced += 1;
             }
-            Ok(fenced)
+            Ok(fenced + self.fence_enlisted(cookie, false)?)
         })();
         drop(count);
         match r {
@@ -199,6 +210,131 @@ impl Fence {
                 tracing::warn!(error = %e, "cannot fence the earlier process holding the image's lock; the lock is given back all the same")
             }
         }
+    }
+
+    /// This process's cluster client address (as `rados_list_lockers` and the blocklist
+    /// write it).
+    fn own_addr(&self) -> Option<String> {
+        let mut p: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a connected cluster; librados allocates the string, freed below.
+        let r = unsafe { (ffi::loaded().rados_getaddrs)(self.image.cluster.handle, &mut p) };
+        if r < 0 || p.is_null() {
+            return None;
+        }
+        // SAFETY: a NUL-terminated string librados allocated, read once and then freed.
+        let s = unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: allocated by librados for the caller to free.
+        unsafe { (ffi::loaded().rados_buffer_free)(p) };
+        // An address vector prints as `[v2:ADDR,v1:ADDR]`; a client has one legacy address.
+        let s = s.trim_matches(|c| c == '[' || c == ']');
+        let a = s.split(',').next()?.trim();
+        Some(
+            a.strip_prefix("v1:")
+                .or(a.strip_prefix("any:"))
+                .unwrap_or(a)
+                .to_string(),
+        )
+    }
+
+    /// Records, before this process serves the image for `cookie`, that it does: an
+    /// attribute `spoold.served_by.ADDRESS` = cookie on the header object. The lock stays
+    /// with the process that first took it (breaking it to take it again would free it for a
+    /// moment), so the lock alone names only that one; the records name every later process
+    /// of the owner, and the next one to take over blocklists them all
+    /// ([`Self::fence_enlisted`]): a worker killed at any point never writes after its
+    /// successor. One cluster round trip, in a takeover's stall.
+    fn enlist(&self, cookie: &str) {
+        let r = (|| -> Result<()> {
+            let me = self.own_addr().ok_or_else(|| Error::Invalid {
+                path: self.path.display().to_string(),
+                msg: "cannot tell this process's cluster address".into(),
+            })?;
+            let (oid, name) = (
+                self.header()?,
+                self.cstr("attribute", &format!("{SERVED_BY}{me}"))?,
+            );
+            // SAFETY: the image's I/O context, NUL-terminated names, and `cookie`'s bytes for
+            // its length.
+            let r = unsafe {
+                (ffi::loaded().rados_setxattr)(
+                    self.image.ioctx,
+                    oid.as_ptr(),
+                    name.as_ptr(),
+                    cookie.as_ptr() as *const c_char,
+                    cookie.len(),
+                )
+            };
+            if r < 0 {
+                return Err(self.err("record this process on the RBD image", r));
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "a worker killed from now on may not be fenced by the next one");
+        }
+    }
+
+    /// Blocklists every other process recorded as serving the image for `cookie`
+    /// ([`Self::enlist`]) and removes its record (with `all`, this process's own too: the
+    /// claim is given back). Returns how many were fenced.
+    fn fence_enlisted(&self, cookie: &str, all: bool) -> Result<usize> {
+        let me = self.own_addr().unwrap_or_default();
+        let oid = self.header()?;
+        let mut fenced = 0;
+        for addr in self.enlisted(cookie)? {
+            if addr != me {
+                self.blocklist(&addr, "an earlier worker");
+                fenced += 1;
+            } else if !all {
+                continue;
+            }
+            let name = self.cstr("attribute", &format!("{SERVED_BY}{addr}"))?;
+            // SAFETY: the image's I/O context and NUL-terminated names.
+            unsafe { (ffi::loaded().rados_rmxattr)(self.image.ioctx, oid.as_ptr(), name.as_ptr()) };
+        }
+        Ok(fenced)
+    }
+
+    /// The addresses recorded as serving the image for `cookie`.
+    fn enlisted(&self, cookie: &str) -> Result<Vec<String>> {
+        let oid = self.header()?;
+        let f = ffi::loaded();
+        let mut it: ffi::rados_xattrs_iter_t = std::ptr::null_mut();
+        // SAFETY: the image's I/O context, a NUL-terminated name, an out-pointer to a local.
+        let r = unsafe { (f.rados_getxattrs)(self.image.ioctx, oid.as_ptr(), &mut it) };
+        if r < 0 {
+            return Err(self.err("list the RBD image's attributes", r));
+        }
+        let mut out = Vec::new();
+        loop {
+            let (mut name, mut val, mut len): (*const c_char, *const c_char, usize) =
+                (std::ptr::null(), std::ptr::null(), 0);
+            // SAFETY: a live iterator; librados points `name`/`val` at its own buffers,
+            // valid until the next call, and sets both to null at the end.
+            let r = unsafe { (f.rados_getxattrs_next)(it, &mut name, &mut val, &mut len) };
+            if r < 0 || name.is_null() {
+                break;
+            }
+            // SAFETY: `name` is NUL-terminated and `val` holds `len` bytes (see above).
+            let (n, v) = unsafe {
+                (
+                    std::ffi::CStr::from_ptr(name)
+                        .to_string_lossy()
+                        .into_owned(),
+                    std::slice::from_raw_parts(val as *const u8, len).to_vec(),
+                )
+            };
+            if let Some(addr) = n.strip_prefix(SERVED_BY) {
+                if v == cookie.as_bytes() {
+                    out.push(addr.to_string());
+                }
+            }
+        }
+        // SAFETY: the iterator from `rados_getxattrs`, ended once.
+        unsafe { (f.rados_getxattrs_end)(it) };
+        Ok(out)
     }
 
     /// One attempt at the lock: whether this client holds it now.
@@ -225,14 +361,14 @@ impl Fence {
         }
     }
 
-    /// Blocklists the cluster client of lock holder `l` (an earlier process of this owner),
-    /// once per process, so that it can never write again.
-    fn blocklist(&self, l: &Locker) {
+    /// Blocklists the cluster client at `at` (`client`: who it is, for the log), an earlier
+    /// process of this owner, once per process, so that it can never write again.
+    fn blocklist(&self, at: &str, client: &str) {
         let mut fenced = self.fenced.lock().unwrap_or_else(|p| p.into_inner());
-        if fenced.contains(&l.addr) {
+        if fenced.iter().any(|a| a == at) {
             return;
         }
-        let Ok(addr) = self.cstr("locker address", &l.addr) else {
+        let Ok(addr) = self.cstr("locker address", at) else {
             return;
         };
         let mut addr = addr.into_bytes_with_nul();
@@ -246,16 +382,16 @@ impl Fence {
             )
         };
         if r < 0 {
-            tracing::warn!(image = %self.path.display(), client = %l.client, "cannot blocklist the earlier holder of the lock: {}", std::io::Error::from_raw_os_error(-r));
+            tracing::warn!(image = %self.path.display(), client = %client, "cannot blocklist an earlier process that served the image: {}", std::io::Error::from_raw_os_error(-r));
         } else {
-            fenced.push(l.addr.clone());
+            fenced.push(at.to_string());
         }
     }
 
     /// Blocklists the lock holder `l` (another process of this owner) unless done already,
     /// and breaks its lock.
     fn break_lock(&self, l: &Locker, cookie: &str) -> Result<()> {
-        self.blocklist(l);
+        self.blocklist(&l.addr, &l.client);
         let (oid, name, c) = (self.header()?, cs(LOCK_NAME), self.cstr("cookie", cookie)?);
         let client = self.cstr("lock client", &l.client)?;
         // SAFETY: the image's I/O context and NUL-terminated strings.

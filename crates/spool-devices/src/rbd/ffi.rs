@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 
 pub type rados_t = *mut c_void;
 pub type rados_ioctx_t = *mut c_void;
+pub type rados_xattrs_iter_t = *mut c_void;
 pub type rbd_image_t = *mut c_void;
 pub type rbd_completion_t = *mut c_void;
 pub type rbd_callback_t = extern "C" fn(rbd_completion_t, *mut c_void);
@@ -69,6 +70,13 @@ api! {
         fn rados_break_lock(io: rados_ioctx_t, oid: *const c_char, name: *const c_char, client: *const c_char, cookie: *const c_char) -> c_int;
         fn rados_list_lockers(io: rados_ioctx_t, oid: *const c_char, name: *const c_char, exclusive: *mut c_int, tag: *mut c_char, tag_len: *mut usize, clients: *mut c_char, clients_len: *mut usize, cookies: *mut c_char, cookies_len: *mut usize, addrs: *mut c_char, addrs_len: *mut usize) -> isize;
         fn rados_blocklist_add(cluster: rados_t, client_address: *mut c_char, expire_seconds: u32) -> c_int;
+        fn rados_getaddrs(cluster: rados_t, addrs: *mut *mut c_char) -> c_int;
+        fn rados_buffer_free(buf: *mut c_char) -> ();
+        fn rados_setxattr(io: rados_ioctx_t, o: *const c_char, name: *const c_char, buf: *const c_char, len: usize) -> c_int;
+        fn rados_rmxattr(io: rados_ioctx_t, o: *const c_char, name: *const c_char) -> c_int;
+        fn rados_getxattrs(io: rados_ioctx_t, oid: *const c_char, iter: *mut rados_xattrs_iter_t) -> c_int;
+        fn rados_getxattrs_next(iter: rados_xattrs_iter_t, name: *mut *const c_char, val: *mut *const c_char, len: *mut usize) -> c_int;
+        fn rados_getxattrs_end(iter: rados_xattrs_iter_t) -> ();
     }
     "librbd.so.1" => {
         fn rbd_create2(io: rados_ioctx_t, name: *const c_char, size: u64, features: u64, order: *mut c_int) -> c_int;
