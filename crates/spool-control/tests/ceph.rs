@@ -488,6 +488,31 @@ fn every_killed_worker_is_blocklisted_by_its_successor() {
             .contains(current.as_str()),
         "the live worker was blocklisted"
     );
+    // The fenced workers' records are gone: only the live worker's is left (else every
+    // takeover would blocklist every worker there ever was again).
+    let info = cluster.rbd(&["info", "rbd/img"]).unwrap();
+    let id = info
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("id: "))
+        .unwrap_or_else(|| panic!("no image id: {info}"))
+        .to_string();
+    let header = format!("rbd_header.{id}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let attrs = cluster.rados(&["-p", "rbd", "listxattr", &header]).unwrap();
+        let records: Vec<&str> = attrs
+            .lines()
+            .filter(|l| l.starts_with("spoold.served_by."))
+            .collect();
+        if records == [format!("spoold.served_by.{current}").as_str()] {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "records left on the image: {records:?} (live worker {current})"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     for k in 0..4u64 {
         let (rc, data) = c.read_sync(0, 4096 * k, 4096);
         assert_eq!(rc, 0);

@@ -357,31 +357,10 @@ fn vm_stopped_during_a_link_down_resumes_with_no_error_and_no_hang() {
     let console = d.dir.path().join("stop.console");
     let qmp_path = d.dir.path().join("stop.qmp");
     let runtime = 30u64;
-    let mut vm = common::guest::qemu(
-        &d.socket("vm"),
-        "killtest",
-        2,
-        &format!("spool.runtime={runtime}"),
-        runtime + 300,
-    )
-    .args([
-        "-qmp",
-        &format!("unix:{},server=on,wait=off", qmp_path.display()),
-    ])
-    .stdout(std::fs::File::create(&console).unwrap())
-    .stderr(std::process::Stdio::null())
-    .spawn()
-    .expect("qemu-system-x86_64 must be installed");
+    let qmp_arg = format!("unix:{},server=on,wait=off", qmp_path.display());
+    let mut vm =
+        common::guest::start_killtest_with(&d.socket("vm"), runtime, &console, &["-qmp", &qmp_arg]);
     let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
-    let deadline = Instant::now() + std::time::Duration::from_secs(120);
-    while !read_console().contains("SPOOL-E2E: disk") {
-        assert!(
-            Instant::now() < deadline,
-            "guest did not start: {}",
-            read_console()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
     let mut qmp = common::qmp::Qmp::connect(&qmp_path);
     std::thread::sleep(std::time::Duration::from_secs(2));
     for round in 0..3 {

@@ -219,21 +219,24 @@ fn page_check(src: &Path, dst: &Path, map: Option<&Path>) -> PageCheck {
     check
 }
 
+/// A QMP query to the destination QEMU; one that is gone fails the test with its console and
+/// stderr.
+fn ask_destination(dst: &mut Vm, tag: &str, query: &str) -> serde_json::Value {
+    dst.qmp.execute(query, json!({})).unwrap_or_else(|e| {
+        panic!(
+            "{tag}: the destination QEMU is gone ({e}; {:?}): {}\n--- its stderr ---\n{}",
+            dst.child.try_wait(),
+            dst.console(),
+            std::fs::read_to_string(&dst.stderr).unwrap_or_default()
+        )
+    })
+}
+
 /// Waits until the paused destination has taken the whole migration in.
 fn wait_incoming(dst: &mut Vm, tag: &str) {
     let t = Instant::now();
     loop {
-        let info = dst
-            .qmp
-            .execute("query-migrate", json!({}))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{tag}: the destination QEMU is gone ({e}; {:?}): {}\n--- its stderr ---\n{}",
-                    dst.child.try_wait(),
-                    dst.console(),
-                    std::fs::read_to_string(&dst.stderr).unwrap_or_default()
-                )
-            });
+        let info = ask_destination(dst, tag, "query-migrate");
         match info["status"].as_str() {
             Some("completed") => return,
             Some("failed") => panic!("{tag}: incoming migration {info}"),
@@ -400,17 +403,7 @@ fn migrate_once(
     dst.qmp.execute("cont", json!({})).unwrap();
     let t = Instant::now();
     loop {
-        let st = dst
-            .qmp
-            .execute("query-status", json!({}))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{tag}: the destination QEMU is gone ({e}; {:?}): {}\n--- its stderr ---\n{}",
-                    dst.child.try_wait(),
-                    dst.console(),
-                    std::fs::read_to_string(&dst.stderr).unwrap_or_default()
-                )
-            });
+        let st = ask_destination(&mut dst, tag, "query-status");
         if st["status"] == json!("running") {
             break;
         }

@@ -74,6 +74,11 @@ impl CephCluster {
         output(Command::new("ceph").arg("-c").arg(&self.conf).args(args))
     }
 
+    /// Runs the `rados` tool on this cluster.
+    pub fn rados(&self, args: &[&str]) -> Result<String, String> {
+        output(Command::new("rados").arg("-c").arg(&self.conf).args(args))
+    }
+
     /// Runs the `rbd` tool on this cluster.
     pub fn rbd(&self, args: &[&str]) -> Result<String, String> {
         output(Command::new("rbd").arg("-c").arg(&self.conf).args(args))

@@ -263,6 +263,16 @@ pub fn start_killtest(
     runtime: u64,
     console: &std::path::Path,
 ) -> std::process::Child {
+    start_killtest_with(sock, runtime, console, &[])
+}
+
+/// [`start_killtest`] with more QEMU arguments (a QMP socket, say).
+pub fn start_killtest_with(
+    sock: &std::path::Path,
+    runtime: u64,
+    console: &std::path::Path,
+    args: &[&str],
+) -> std::process::Child {
     let mut vm = qemu(
         sock,
         "killtest",
@@ -270,6 +280,7 @@ pub fn start_killtest(
         &format!("spool.runtime={runtime}"),
         runtime + 300,
     )
+    .args(args)
     .stdout(std::fs::File::create(console).unwrap())
     .stderr(std::process::Stdio::null())
     .spawn()

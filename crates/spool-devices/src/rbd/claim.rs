@@ -112,6 +112,9 @@ impl Fence {
             if self.try_lock(&cookie)? {
                 self.enlist(&cookie);
                 *count = 1;
+                // Records an earlier claim of this owner left (processes that are gone):
+                // fenced and removed in the background.
+                self.take_over_later(&cookie);
                 return Ok(());
             }
             let lockers = self.lockers()?;
@@ -165,9 +168,6 @@ impl Fence {
         let r = unsafe {
             (ffi::loaded().rados_unlock)(self.image.ioctx, oid.as_ptr(), name.as_ptr(), c.as_ptr())
         };
-        if let Err(e) = self.fence_enlisted(&cookie, true) {
-            tracing::warn!(error = %e, "cannot fence the earlier processes that served the image");
-        }
         if r == 0 {
             return Ok(());
         }
@@ -189,18 +189,25 @@ impl Fence {
         }
         // The lock stays as it is (under this owner's cookie): breaking it to take it again
         // would leave it free for a moment, and another host waiting for it would get in.
-        let r = (|| -> Result<usize> {
+        let holders = (|| -> Result<Vec<Locker>> {
             if self.try_lock(cookie)? {
-                return Ok(0);
+                return Ok(Vec::new());
             }
-            let mut fenced = 0;
-            for l in self.lockers()?.into_iter().filter(|l| l.cookie == cookie) {
-                self.blocklist(&l.addr, &l.client);
-                fenced += 1;
-            }
-            Ok(fenced + self.fence_enlisted(cookie, false)?)
+            Ok(self
+                .lockers()?
+                .into_iter()
+                .filter(|l| l.cookie == cookie)
+                .collect())
         })();
         drop(count);
+        // Not under the claims' lock: blocklisting is a monitor command (it makes a new OSD
+        // map), and a claim given back meanwhile (a migration's drain) must not wait for it.
+        let r = holders.and_then(|holders| {
+            for l in &holders {
+                self.blocklist(&l.addr, &l.client);
+            }
+            Ok(holders.len() + self.fence_enlisted(cookie)?)
+        });
         match r {
             Ok(0) => {}
             Ok(n) => {
@@ -277,19 +284,18 @@ impl Fence {
     }
 
     /// Blocklists every other process recorded as serving the image for `cookie`
-    /// ([`Self::enlist`]) and removes its record (with `all`, this process's own too: the
-    /// claim is given back). Returns how many were fenced.
-    fn fence_enlisted(&self, cookie: &str, all: bool) -> Result<usize> {
+    /// ([`Self::enlist`]; only one process of an owner lives at a time, so the others are
+    /// gone or going) and removes its record. Returns how many were fenced.
+    fn fence_enlisted(&self, cookie: &str) -> Result<usize> {
         let me = self.own_addr().unwrap_or_default();
         let oid = self.header()?;
         let mut fenced = 0;
         for addr in self.enlisted(cookie)? {
-            if addr != me {
-                self.blocklist(&addr, "an earlier worker");
-                fenced += 1;
-            } else if !all {
+            if addr == me {
                 continue;
             }
+            self.blocklist(&addr, "an earlier worker");
+            fenced += 1;
             let name = self.cstr("attribute", &format!("{SERVED_BY}{addr}"))?;
             // SAFETY: the image's I/O context and NUL-terminated names.
             unsafe { (ffi::loaded().rados_rmxattr)(self.image.ioctx, oid.as_ptr(), name.as_ptr()) };

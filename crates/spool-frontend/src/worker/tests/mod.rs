@@ -335,16 +335,18 @@ fn a_reset_quarantines_a_command_that_never_completes_and_resubmits_its_request(
     assert!(h.journaled().is_empty());
 }
 
+/// The scripted device as RBD behaves: an abort cannot take a command back, abandoning it
+/// can (its late callback then writes nothing into guest memory).
+fn like_rbd(h: &Harness) {
+    let mut s = lock(&h.script);
+    s.abort_with = None;
+    s.abandon_with = Some(-libc::ECANCELED);
+}
+
 #[test]
 fn a_reset_gives_up_an_operation_it_can_abandon_instead_of_quarantining_it() {
     let mut h = Harness::new(2);
-    // An RBD operation the cluster holds: an abort cannot take it back, abandoning can (its
-    // late callback then writes nothing into guest memory).
-    {
-        let mut s = lock(&h.script);
-        s.abort_with = None;
-        s.abandon_with = Some(-libc::ECANCELED);
-    }
+    like_rbd(&h);
     let a = h.post_read(0);
     h.round();
     h.w.reset.store(true, Ordering::Release);
@@ -366,11 +368,7 @@ fn a_reset_gives_up_an_operation_it_can_abandon_instead_of_quarantining_it() {
 #[test]
 fn a_frontend_stop_fails_an_abandoned_operation_past_the_window() {
     let mut h = Harness::new(2);
-    {
-        let mut s = lock(&h.script);
-        s.abort_with = None;
-        s.abandon_with = Some(-libc::ECANCELED);
-    }
+    like_rbd(&h);
     let a = h.post_read(0);
     h.round();
     h.w.drain(StopKind::Frontend);
