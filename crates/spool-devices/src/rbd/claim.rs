@@ -110,11 +110,11 @@ impl Fence {
         let deadline = Instant::now() + wait;
         loop {
             if self.try_lock(&cookie)? {
+                // Records an earlier claim of this owner left (processes that are gone) are
+                // fenced by the next take-over; no thread of ours may hold the image past a
+                // graceful stop (it must close for its watch to leave the cluster).
                 self.enlist(&cookie);
                 *count = 1;
-                // Records an earlier claim of this owner left (processes that are gone):
-                // fenced and removed in the background.
-                self.take_over_later(&cookie);
                 return Ok(());
             }
             let lockers = self.lockers()?;

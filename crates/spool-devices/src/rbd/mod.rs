@@ -146,6 +146,12 @@ impl Cluster {
             // Writes copied when submitted: a write given up (`RbdQueue::abandon`) must not
             // read guest memory later.
             (c"rbd_disable_zero_copy_writes", c"true"),
+            // An operation sent with an old OSD map (a standby's warm connection, idle while
+            // an OSD restarted at a new address) waits until it is called laggy and the map
+            // is asked for: 10 s by default, checked every 5 s, which was a worker
+            // takeover's whole stall after an OSD restart (docs/ceph.md). 1 s and 1 s.
+            (c"objecter_timeout", c"1"),
+            (c"objecter_tick_interval", c"1"),
         ] {
             // SAFETY: a created handle; static NUL-terminated strings.
             unsafe { (ffi::loaded().rados_conf_set)(c.handle, k.as_ptr(), v.as_ptr()) };
