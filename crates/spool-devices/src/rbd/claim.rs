@@ -36,6 +36,8 @@ const LOCK_NAME: &str = "rbd_lock";
 /// Prefix of the header object's attributes that record which processes served the image
 /// (`Fence::enlist`).
 const SERVED_BY: &str = "spoold.served_by.";
+/// How long a claim waits for its record ([`Fence::enlist`]) to reach the cluster.
+const ENLIST_WAIT: Duration = Duration::from_millis(200);
 /// How long a dead predecessor's cluster client stays blocklisted (the cluster's default).
 const BLOCKLIST_S: u32 = 3600;
 
@@ -251,7 +253,8 @@ impl Fence {
     /// moment), so the lock alone names only that one; the records name every later process
     /// of the owner, and the next one to take over blocklists them all
     /// ([`Self::fence_enlisted`]): a worker killed at any point never writes after its
-    /// successor. One cluster round trip, in a takeover's stall.
+    /// successor. One cluster round trip in a takeover's stall, waited for at most
+    /// [`ENLIST_WAIT`]: a cluster that does not answer must not hold a restart.
     fn enlist(&self, cookie: &str) {
         let r = (|| -> Result<()> {
             let me = self.own_addr().ok_or_else(|| Error::Invalid {
@@ -262,19 +265,49 @@ impl Fence {
                 self.header()?,
                 self.cstr("attribute", &format!("{SERVED_BY}{me}"))?,
             );
-            // SAFETY: the image's I/O context, NUL-terminated names, and `cookie`'s bytes for
-            // its length.
+            let f = ffi::loaded();
+            let mut c: ffi::rados_completion_t = std::ptr::null_mut();
+            // SAFETY: an out-pointer to a local; no callback.
+            let r = unsafe { (f.rados_aio_create_completion2)(std::ptr::null_mut(), None, &mut c) };
+            if r < 0 {
+                return Err(self.err("record this process on the RBD image", r));
+            }
+            // SAFETY: the image's I/O context, a live completion, NUL-terminated names and
+            // `cookie`'s bytes for its length (librados copies name and value when the call
+            // is made).
             let r = unsafe {
-                (ffi::loaded().rados_setxattr)(
+                (f.rados_aio_setxattr)(
                     self.image.ioctx,
                     oid.as_ptr(),
+                    c,
                     name.as_ptr(),
                     cookie.as_ptr() as *const c_char,
                     cookie.len(),
                 )
             };
+            // A cluster that does not answer (an OSD down) must not hold a restart: the
+            // record goes on in the background past ENLIST_WAIT.
+            let deadline = Instant::now() + ENLIST_WAIT;
+            // SAFETY: `c` is the live completion made above (released only below).
+            let complete = || unsafe { (f.rados_aio_is_complete)(c) } != 0;
+            while r == 0 && !complete() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            let done = r == 0 && complete();
+            let r = if done {
+                // SAFETY: as above; the operation is complete.
+                unsafe { (f.rados_aio_get_return_value)(c) }
+            } else {
+                r
+            };
+            // Released even while in flight: librados frees it once the operation is done.
+            // SAFETY: the completion made above, released once; not used afterwards.
+            unsafe { (f.rados_aio_release)(c) };
             if r < 0 {
                 return Err(self.err("record this process on the RBD image", r));
+            }
+            if !done {
+                tracing::warn!(image = %self.path.display(), "the cluster did not record this worker in time; serving anyway (a kill now may leave it unfenced)");
             }
             Ok(())
         })();
