@@ -278,7 +278,8 @@ const RETRY_PAUSE: Duration = Duration::from_secs(2);
 /// page by page: a differing page is a write that the migration did not carry. One that the
 /// source's spoold wrote fails the test at once: spoold's dirty log missed it. Differing
 /// pages that spoold did not write are the guest's own writes that QEMU's TCG dirty
-/// tracking lost (the control without spoold loses them too: docs/ceph.md); the destination
+/// tracking lost (seen only after spoold's worker restarted during or just before the copy,
+/// never in the control without spoold; why is open: docs/ceph.md); the destination
 /// would run a corrupt kernel, so the migration is rolled back as an operator would (the
 /// destination quit unrun, the source continued) and tried again, and the test says so.
 fn migrate(
