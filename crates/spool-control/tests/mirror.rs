@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 /// Goes on after the common header's `[pool]` table; `@AUTO@` is `auto_rebuild`.
 const CFG: &str = r#"
-resync_rate = "16M"
+resync_rate = "@RATE@"
 auto_rebuild = @AUTO@
 [[devices]]
 path = "@DIR@/d0.img"
@@ -47,7 +47,15 @@ poll_interval_ms = 50
 const LOADED: u64 = 16 << 20;
 
 fn start(auto_rebuild: bool) -> Spoold {
-    Spoold::start(&CFG.replace("@AUTO@", &auto_rebuild.to_string()))
+    start_copying_at(auto_rebuild, "16M")
+}
+
+/// `start` with the background copy at `rate` bytes per second.
+fn start_copying_at(auto_rebuild: bool, rate: &str) -> Spoold {
+    Spoold::start(
+        &CFG.replace("@AUTO@", &auto_rebuild.to_string())
+            .replace("@RATE@", rate),
+    )
 }
 
 fn mirror(s: &Spoold) -> Value {
@@ -374,4 +382,163 @@ fn mirrors_the_pool_cannot_hold_are_refused_clearly() {
     assert!(out.contains("mirror: 3 copies, 3 current"), "{out}");
     let e = s.rpc("volume_verify", json!({"id": "plain"})).unwrap_err();
     assert!(e.message.contains("not mirrored"), "{}", e.message);
+}
+
+/// The regions a kill leaves with writes in flight are out of sync, not stale: the leg
+/// serving their reads failing at once (here its device gets media errors on every
+/// operation right after the worker restarts, while the copy, at 2 MiB/s, has most of them
+/// still to do) costs the guest nothing, because the other leg holds every acknowledged
+/// write there. (Before, every leg but that one was stale there: writes failed and reads
+/// waited for ever.)
+#[test]
+fn a_leg_failing_right_after_a_worker_kill_costs_no_io() {
+    let s = start_copying_at(false, "2M");
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(300);
+    let source = leg_device(&mirror(&s), 0);
+    s.kill_worker();
+    s.rpc(
+        "device_inject",
+        json!({"id": source, "kind": "media", "op": "any"}),
+    )
+    .unwrap();
+    let at = mirror(&s);
+    eprintln!(
+        "at the failure: {} regions in doubt, {} bytes still out of sync",
+        at["resync_at_open"], at["out_of_sync_bytes"]
+    );
+    l.wait_progress(500);
+    let m = wait_mirror(&s, "degraded on leg 1 alone, in sync", |m| {
+        m["state"] == json!("degraded")
+            && m["legs"][1]["state"] == json!("current")
+            && m["out_of_sync_bytes"] == json!(0)
+    });
+    assert_eq!(m["regions_without_current"], json!(0), "{m}");
+    assert_eq!(m["legs"][0]["state"], json!("unusable"), "{m}");
+    l.wait_progress(300);
+    stop(&l, t);
+}
+
+/// Goes on after the common header's `[pool]` table: a 3-way mirror over three of four
+/// devices (the fourth takes the leg that fails first).
+const CFG3: &str = r#"
+resync_rate = "2M"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "32M"
+[[devices]]
+path = "@DIR@/d1.img"
+create_size = "32M"
+[[devices]]
+path = "@DIR@/d2.img"
+create_size = "32M"
+[[devices]]
+path = "@DIR@/d3.img"
+create_size = "32M"
+[[volumes]]
+name = "m"
+size = "16M"
+num_queues = 1
+mirror = 3
+[health]
+io_timeout_ms = 300
+reset_timeout_ms = 1500
+poll_interval_ms = 50
+"#;
+
+/// A 3-way mirror, two failures in a row with a kill between: leg 2's device fails and the
+/// leg is rebuilt on the spare device; during that rebuild the worker is killed and, at
+/// once, leg 0's device (the read source of the regions the kill left in doubt) fails too.
+/// Leg 1 holds every acknowledged write: no guest error, the rebuild finishes from it, and
+/// the two current copies are identical.
+#[test]
+fn a_3_way_mirror_survives_two_failures_with_a_kill_during_the_rebuild() {
+    let s = Spoold::start(CFG3);
+    let (l, t) = Load::start(s.socket("m"), 16 << 20);
+    l.wait_progress(300);
+    let m = mirror(&s);
+    let (first, second) = (leg_device(&m, 2), leg_device(&m, 0));
+    s.rpc(
+        "device_inject",
+        json!({"id": first, "kind": "media", "op": "write"}),
+    )
+    .unwrap();
+    wait_mirror(&s, "rebuilding leg 2 elsewhere", |m| {
+        m["state"] == json!("rebuilding") && !m["legs"][2].to_string().contains(&first)
+    });
+    l.wait_progress(100);
+    s.kill_worker();
+    s.rpc(
+        "device_inject",
+        json!({"id": second, "kind": "media", "op": "any"}),
+    )
+    .unwrap();
+    l.wait_progress(500);
+    let done = wait_mirror(&s, "rebuilt from leg 1", |m| {
+        m["legs"][1]["state"] == json!("current")
+            && m["legs"][2]["state"] == json!("current")
+            && m["remaining_bytes"] == json!(0)
+    });
+    assert_eq!(done["regions_without_current"], json!(0), "{done}");
+    l.wait_progress(200);
+    stop(&l, t);
+    assert_identical(&s);
+}
+
+/// Regions no usable leg is current in (here: leg 1 missed writes during a link-down and is
+/// still catching up at 1 MiB/s when leg 0's device fails for good) are shown, wait, and
+/// are resolved only by an operator: `volume mirror accept` makes a named usable leg current
+/// there, and the mirror serves again.
+#[test]
+fn regions_with_no_current_copy_wait_for_an_operator_to_accept_a_leg() {
+    let s = start_copying_at(false, "1M");
+    let m = mirror(&s);
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(200);
+    s.rpc(
+        "device_inject",
+        json!({"id": leg_device(&m, 1), "kind": "link-down", "duration_ms": 1500}),
+    )
+    .unwrap();
+    wait_mirror(&s, "leg 1 catching up", |m| {
+        m["legs"][1]["state"] == json!("catching-up")
+    });
+    stop(&l, t);
+    s.rpc(
+        "device_inject",
+        json!({"id": leg_device(&m, 0), "kind": "media", "op": "any"}),
+    )
+    .unwrap();
+    let m = wait_mirror(&s, "without a current copy", |m| {
+        m["state"] == json!("no-current-copy")
+    });
+    assert!(m["regions_without_current"].as_u64().unwrap() > 0, "{m}");
+    let events = || {
+        s.rpc("events_list", json!({"since": 0}))
+            .unwrap()
+            .to_string()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !events().contains("no usable current copy") {
+        assert!(Instant::now() < deadline, "no event: {}", events());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (ok, out, err) = spoolctl(&s, &["volume", "show", "m"]);
+    assert!(ok && out.contains("NO usable current copy"), "{out}{err}");
+    let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "accept", "m"]);
+    assert!(!ok && err.contains("needs the leg"), "{err}");
+    let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "accept", "m", "--leg", "0"]);
+    assert!(!ok && err.contains("not a usable leg"), "{err}");
+    let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "accept", "m", "--leg", "1"]);
+    assert!(ok, "{err}");
+    let m = wait_mirror(&s, "served from leg 1", |m| {
+        m["state"] == json!("degraded") && m["legs"][1]["state"] == json!("current")
+    });
+    assert_eq!(m["regions_without_current"], json!(0), "{m}");
+    let ev = events();
+    assert!(ev.contains("accepted leg 1 as current"), "{ev}");
+    // The volume serves again: a fresh workload writes and verifies.
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(200);
+    stop(&l, t);
 }

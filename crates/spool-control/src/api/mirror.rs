@@ -24,8 +24,10 @@ pub struct MirrorLeg {
 pub struct MirrorStatus {
     /// Copies the volume keeps; fewer current legs: degraded.
     pub copies: u8,
-    /// "healthy", "degraded" (fewer current legs than copies), "rebuilding" (copying to a
-    /// usable leg) or "offline".
+    /// "healthy"; "degraded" (fewer current legs than copies); "rebuilding" (copying to a
+    /// usable leg); "resyncing" (regions left out of sync by an unclean stop, every copy
+    /// current); "no-current-copy" (some regions have no usable current leg: reads there wait
+    /// for a device to come back or an operator to accept a leg); or "offline".
     pub state: String,
     pub legs: Vec<MirrorLeg>,
     /// Copying since it last started: bytes done, bytes left, bytes per second, seconds left.
@@ -41,6 +43,15 @@ pub struct MirrorStatus {
     pub resync_at_open: u64,
     pub regions_copied: u64,
     pub region_size: u64,
+    /// Bytes out of sync after an unclean stop (every current leg holds every acknowledged
+    /// write there; one serves reads until the resync makes them agree).
+    #[serde(default)]
+    pub out_of_sync_bytes: u64,
+    /// Regions with no usable current leg, and the volume offsets of the first few.
+    #[serde(default)]
+    pub regions_without_current: u64,
+    #[serde(default)]
+    pub without_current_offsets: Vec<u64>,
 }
 
 /// `volume_verify`: the legs compared region by region.
@@ -83,14 +94,16 @@ impl MirrorStatus {
             .collect();
         let current = legs.iter().filter(|l| l.state == "current").count();
         let copying = legs.iter().any(|l| l.state == "catching-up");
+        let p = progress.as_ref();
         let state = match () {
             _ if !info.online => "offline",
+            _ if p.is_some_and(|p| p.regions_without_current > 0) => "no-current-copy",
             _ if copying => "rebuilding",
+            _ if p.is_some_and(|p| p.out_of_sync_bytes > 0) => "resyncing",
             _ if progress.is_some() && current < info.copies as usize => "degraded",
             _ if progress.is_none() && legs.len() < info.copies as usize => "degraded",
             _ => "healthy",
         };
-        let p = progress.as_ref();
         let copied = p.map_or(0, |p| p.copied_bytes);
         let remaining = p.map_or(0, |p| p.remaining_bytes);
         MirrorStatus {
@@ -108,6 +121,9 @@ impl MirrorStatus {
             resync_at_open: p.map_or(0, |p| p.resync_at_open),
             regions_copied: p.map_or(0, |p| p.regions_copied),
             region_size: p.map_or(0, |p| p.region_size),
+            out_of_sync_bytes: p.map_or(0, |p| p.out_of_sync_bytes),
+            regions_without_current: p.map_or(0, |p| p.regions_without_current),
+            without_current_offsets: p.map_or(Vec::new(), |p| p.without_current_offsets.clone()),
         }
     }
 }

@@ -27,18 +27,28 @@ impl Daemon {
         self.pool().mirror(&v.uuid.to_string()).ok().flatten()
     }
 
-    /// Compares a mirrored volume's copies.
-    fn volume_verify(&self, p: IdParams) -> Result<api::VerifyResult, RpcError> {
-        let v = self.pool().volume(&p.id)?;
+    /// The mirror device of mirrored volume `v`, or why there is none (`why`: what a plain
+    /// volume lacks for the request).
+    fn served_mirror(
+        &self,
+        v: &VolumeInfo,
+        why: &str,
+    ) -> Result<Arc<spool_devices::Device>, RpcError> {
         if v.copies < 2 {
             return Err(RpcError::InvalidParams(format!(
-                "volume '{}' is not mirrored: there is nothing to compare",
+                "volume '{}' is not mirrored: {why}",
                 v.name
             )));
         }
-        let m = self.mirror_of(&v).ok_or_else(|| {
+        self.mirror_of(v).ok_or_else(|| {
             RpcError::InvalidParams(format!("volume '{}' has no complete copy present", v.name))
-        })?;
+        })
+    }
+
+    /// Compares a mirrored volume's copies.
+    fn volume_verify(&self, p: IdParams) -> Result<api::VerifyResult, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        let m = self.served_mirror(&v, "there is nothing to compare")?;
         let r = MirrorBackend::of(&m)
             .expect("a mirror device")
             .verify()
@@ -60,15 +70,49 @@ impl Daemon {
             match p.action.as_str() {
                 "add" => pool.add_leg(&p.id)?,
                 "remove" => pool.remove_leg(&p.id, p.leg)?,
+                "accept" => {
+                    drop(pool);
+                    return self.accept_leg(&p.id, p.leg);
+                }
                 other => {
                     return Err(RpcError::InvalidParams(format!(
-                        "action \"{other}\" must be \"add\" or \"remove\""
+                        "action \"{other}\" must be \"add\", \"remove\" or \"accept\""
                     )))
                 }
             }
         };
         self.republish(&v);
         let v = self.pool().volume(&p.id)?;
+        Ok(self.volume_view(v))
+    }
+
+    /// Makes leg `leg` current where no usable leg is (docs/mirror.md, "Regions with no
+    /// current copy"): the operator's decision, never spoold's.
+    fn accept_leg(&self, id: &str, leg: Option<u8>) -> Result<Volume, RpcError> {
+        let v = self.pool().volume(id)?;
+        let Some(leg) = leg else {
+            return Err(RpcError::InvalidParams(
+                "accept needs the leg (slot) whose bytes become current".into(),
+            ));
+        };
+        let m = self.served_mirror(&v, "there is no leg to accept")?;
+        let n = MirrorBackend::of(&m)
+            .expect("a mirror device")
+            .accept_leg(leg)
+            .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+        if let Some(&device) = v
+            .legs
+            .iter()
+            .find(|l| l.slot == leg)
+            .and_then(|l| l.devices.first())
+        {
+            let reason = format!(
+                "volume {}: an operator accepted leg {leg} as current in {n} regions that had no current copy",
+                v.name
+            );
+            self.monitor
+                .note(device, &self.device_path(device), "mirror", reason);
+        }
         Ok(self.volume_view(v))
     }
 
@@ -160,6 +204,16 @@ impl Daemon {
                     m.remaining_bytes,
                     m.rate,
                     m.eta_secs.map_or("-".into(), |s| s.to_string())
+                ),
+                "resyncing" => format!(
+                    "volume {}: resyncing {} bytes left out of sync by an unclean stop ({current} of {} copies current)",
+                    v.name, m.out_of_sync_bytes, m.copies
+                ),
+                "no-current-copy" => format!(
+                    "volume {}: {} regions have no usable current copy (first at byte {}): reads there wait; see docs/mirror.md",
+                    v.name,
+                    m.regions_without_current,
+                    m.without_current_offsets.first().copied().unwrap_or(0)
                 ),
                 state => format!(
                     "volume {}: mirror {state}, {current} of {} copies current",

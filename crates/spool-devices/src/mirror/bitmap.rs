@@ -3,9 +3,13 @@
 //! is a single atomic store).
 //!
 //! A region's byte says: [`INTENT`] (a write may be in flight there: after a crash the legs
-//! may differ) and, for each leg slot, whether that leg missed writes or was never copied
-//! there ([`stale`]). A bit set to 1 is made durable (`msync`) before the write it guards
-//! goes out; bits are cleared lazily and never synced (a lost clear only costs a resync).
+//! may differ); for each leg slot, whether that leg missed an acknowledged write or was never
+//! copied there ([`stale`]); and whether the region is *out of sync* and which leg serves its
+//! reads until it is resynced ([`out_of_sync`]: md's resync after an unclean stop, where the
+//! legs may differ only in writes no one saw complete, so every leg not stale there holds
+//! every acknowledged write). A bit set to 1 is made durable (`msync`) before the write it
+//! guards goes out; bits are cleared lazily and never synced (a lost clear only costs a
+//! resync).
 //! The header records, per slot, which leg its stale bits belong to, so a rebuild resumes
 //! after a restart instead of starting over.
 //!
@@ -18,14 +22,37 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// A write may be in flight in the region.
 pub const INTENT: u8 = 0x80;
+/// The out-of-sync field: 0 (in sync) or the slot + 1 of the leg that serves the region's
+/// reads until it is resynced.
+pub const SYNC_SOURCE: u8 = 0x30;
+const SYNC_SHIFT: u32 = 4;
 /// Header bytes before the region bytes (one page).
 const HEADER: usize = 4096;
-const MAGIC: [u8; 8] = *b"SPOOLMB1";
+/// Written by this version. Version 1 (no out-of-sync field) is read too: its regions are
+/// all in sync. A version-1 daemon finds a version-2 bitmap unusable and resyncs everything
+/// (so a downgrade is safe, not quick).
+const MAGIC: [u8; 8] = *b"SPOOLMB2";
+const MAGIC_V1: [u8; 8] = *b"SPOOLMB1";
 
 /// The stale bit of leg slot `slot` (0..3).
 #[inline]
 pub const fn stale(slot: u8) -> u8 {
     1 << slot
+}
+
+/// The out-of-sync field of a region whose reads leg `slot` serves.
+#[inline]
+pub const fn out_of_sync(slot: u8) -> u8 {
+    (slot + 1) << SYNC_SHIFT
+}
+
+/// The leg serving reads of an out-of-sync region whose byte is `byte` (None: in sync).
+#[inline]
+pub const fn sync_source(byte: u8) -> Option<u8> {
+    match (byte & SYNC_SOURCE) >> SYNC_SHIFT {
+        0 => None,
+        s => Some(s - 1),
+    }
 }
 
 /// How a bitmap was found when opened.
@@ -120,8 +147,10 @@ impl Bitmap {
         if found == Found::Fresh || b._file.is_none() {
             b.write_header(regions, region_shift);
         } else {
-            // A grown volume: record the new region count.
+            // A grown volume: record the new region count (and this version).
             b.header_u64(16).store(regions as u64, Ordering::Relaxed);
+            b.header_u64(0)
+                .store(u64::from_le_bytes(MAGIC), Ordering::Relaxed);
         }
         Ok((b, found))
     }
@@ -209,7 +238,7 @@ fn check_header(f: &File, regions: usize, region_shift: u32) -> std::io::Result<
         return Ok(Found::Fresh);
     }
     let at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
-    let ok = h[0..8] == MAGIC
+    let ok = (h[0..8] == MAGIC || h[0..8] == MAGIC_V1)
         && at(8) == region_shift as u64
         && at(16) <= regions as u64
         && f.metadata()?.len() >= HEADER as u64 + at(16);

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use super::Shared;
-use crate::{DeviceIo, DeviceQueue, Error, IoVec, Result};
+use crate::{DeviceIo, DeviceQueue, Error, ErrorReport, IoVec, Result, Signal};
 
 /// A byte buffer whose usable part is page aligned (what O_DIRECT and DMA want).
 #[derive(Default)]
@@ -76,8 +76,11 @@ impl LegIo {
 
     /// Submits `io` and waits for its completion. A command that does not come back within
     /// 10 s is aborted; the wait goes on until the queue gives it back (the buffers it
-    /// points at belong to the caller until then).
+    /// points at belong to the caller until then). An error is reported to the device's
+    /// health, as the data path's are (a copy reading a failing source must get it
+    /// isolated, or the copy would retry it for ever while another leg could serve).
     fn run(&mut self, shared: &Shared, d: usize, io: DeviceIo) -> Result<()> {
+        let write = !matches!(io, DeviceIo::Read { .. });
         let path = shared
             .spec
             .devices
@@ -94,6 +97,16 @@ impl LegIo {
             let _ = q.kick();
             q.reap(&mut |_, r| res = Some(r));
             if let Some(r) = res {
+                if r < 0 && r != -libc::ECANCELED {
+                    if let Some(dev) = shared.spec.devices.get(d) {
+                        dev.health().report(ErrorReport {
+                            signal: Signal::Errno(-r),
+                            offset: 0,
+                            len: 0,
+                            write,
+                        });
+                    }
+                }
                 return match r {
                     r if r >= 0 => Ok(()),
                     r => Err(Error::io(

@@ -19,20 +19,24 @@
 pub mod bitmap;
 mod legio;
 mod queue;
+mod regions;
 mod resync;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_sync;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 pub use queue::MirrorQueue;
+pub(crate) use regions::Regions;
 pub use resync::{LegProgress, Progress, Verify};
 
 use crate::backend::{BackendInfo, PoolDevice, Probe};
 use crate::{Device, DeviceHealth, DeviceQueue, Error, HealthState, Result};
-use bitmap::{Bitmap, Found, INTENT};
+use bitmap::{Bitmap, Found, INTENT, SYNC_SOURCE};
 
 /// Most legs a mirror has (slots 0..3).
 pub const MAX_LEGS: usize = 3;
@@ -96,93 +100,6 @@ pub fn create_clean_bitmap(path: &Path, size: u64) -> std::io::Result<()> {
 pub fn region_shift(size: u64) -> u32 {
     let bits = 64 - size.max(1).leading_zeros();
     20u32.max(bits.saturating_sub(22))
-}
-
-/// The per-region state shared by every queue of one mirror.
-pub(crate) struct Regions {
-    pub(crate) shift: u32,
-    pub(crate) bitmap: Bitmap,
-    /// Writes in flight per region (| CLEARING).
-    pub(crate) writes: Box<[AtomicU32]>,
-    /// Writes ever started per region (the copy's race check).
-    pub(crate) gens: Box<[AtomicU32]>,
-    /// Regions marked stale, per slot.
-    pub(crate) stale: [AtomicU64; MAX_LEGS],
-}
-
-impl Regions {
-    /// The regions `[offset, offset + len)` touches (`len` > 0).
-    #[inline]
-    pub(crate) fn span(&self, offset: u64, len: u64) -> (usize, usize) {
-        let first = (offset >> self.shift) as usize;
-        let last = ((offset + len.max(1) - 1) >> self.shift) as usize;
-        (first, last.min(self.writes.len() - 1))
-    }
-
-    /// A write enters regions `first..=last`: counts it, and returns whether the bitmap bytes
-    /// needed `want` set (then the caller syncs them before the write goes out).
-    pub(crate) fn enter(&self, first: usize, last: usize, want: u8) -> bool {
-        let mut changed = false;
-        for r in first..=last {
-            if self.writes[r].fetch_add(1, Ordering::SeqCst) & CLEARING != 0 {
-                while self.writes[r].load(Ordering::SeqCst) & CLEARING != 0 {
-                    std::hint::spin_loop();
-                }
-            }
-            self.gens[r].fetch_add(1, Ordering::SeqCst);
-            changed |= self.mark(r, want);
-        }
-        changed
-    }
-
-    /// A write leaves regions `first..=last`.
-    pub(crate) fn leave(&self, first: usize, last: usize) {
-        for r in first..=last {
-            self.writes[r].fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-
-    /// Sets `bits` in region `r`'s byte; returns whether any was new (stale counts follow).
-    pub(crate) fn mark(&self, r: usize, bits: u8) -> bool {
-        let b = self.bitmap.byte(r);
-        if b.load(Ordering::Acquire) & bits == bits {
-            return false;
-        }
-        let old = b.fetch_or(bits, Ordering::AcqRel);
-        for s in 0..MAX_LEGS as u8 {
-            if bits & !old & bitmap::stale(s) != 0 {
-                self.stale[s as usize].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        bits & !old != 0
-    }
-
-    /// Clears the stale bits of `slots_mask` in region `r`.
-    pub(crate) fn unmark(&self, r: usize, slots_mask: u8) {
-        let old = self.bitmap.byte(r).fetch_and(!slots_mask, Ordering::AcqRel);
-        for s in 0..MAX_LEGS as u8 {
-            if old & slots_mask & bitmap::stale(s) != 0 {
-                self.stale[s as usize].fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Clears region `r`'s intent bit if no write is in flight there and none started since
-    /// `gen` was seen; never races a write entering (see [`Regions::enter`]).
-    pub(crate) fn try_clear_intent(&self, r: usize, gen: u32) -> bool {
-        if self.writes[r]
-            .compare_exchange(0, CLEARING, Ordering::SeqCst, Ordering::SeqCst)
-            .is_err()
-        {
-            return false;
-        }
-        let cleared = self.gens[r].load(Ordering::SeqCst) == gen;
-        if cleared {
-            self.bitmap.byte(r).fetch_and(!INTENT, Ordering::AcqRel);
-        }
-        self.writes[r].fetch_and(!CLEARING, Ordering::SeqCst);
-        cleared
-    }
 }
 
 /// A run of the volume where every leg stays on one device: `dev[slot]` (or [`MISSING`],
@@ -370,13 +287,7 @@ impl MirrorBackend {
             None => {
                 let (bitmap, found) = Bitmap::open(spec.bitmap.as_deref(), n, shift)
                     .map_err(|e| Error::io(path, "open write-intent bitmap", e))?;
-                let regions = Regions {
-                    shift,
-                    bitmap,
-                    writes: (0..n).map(|_| AtomicU32::new(0)).collect(),
-                    gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
-                    stale: Default::default(),
-                };
+                let regions = Regions::new(bitmap, shift);
                 prepare_legs(&spec, &regions, found);
                 let intents = prepare_intents(&spec, &regions, found);
                 (Arc::new(regions), Default::default(), intents)
@@ -453,6 +364,39 @@ impl MirrorBackend {
         true
     }
 
+    /// An operator's decision for regions where no usable leg is current (every leg missed
+    /// acknowledged writes there, or the only current one's device failed): leg `slot`'s
+    /// bytes become the region's content and are copied to the other legs. Whatever
+    /// acknowledged writes that leg missed there are lost, which is why spoold never does
+    /// this by itself. Returns how many regions changed; the leg must be usable.
+    pub fn accept_leg(&self, slot: u8) -> Result<u64> {
+        let all = self.shared.all_slots();
+        if all & bitmap::stale(slot) == 0 || self.shared.writable() & bitmap::stale(slot) == 0 {
+            return Err(Error::io(
+                &self.path,
+                "accept leg",
+                std::io::Error::other(format!(
+                    "leg {slot} is not a usable leg of this mirror (see `volume show`)"
+                )),
+            ));
+        }
+        let (r, healthy) = (&self.shared.regions, self.shared.healthy());
+        let n = r.bitmap.regions();
+        let mut changed = 0;
+        for i in 0..n {
+            let (off, len) = self.shared.region_range(i);
+            if self.shared.current(healthy, off, len, (i, i)) == 0 {
+                r.accept(i, all, slot);
+                changed += 1;
+            }
+        }
+        if changed > 0 {
+            r.bitmap.sync(0, n - 1);
+            tracing::warn!(mirror = %self.path.display(), slot, regions = changed, "an operator accepted a leg as current where no leg was: acknowledged writes it missed there are lost");
+        }
+        Ok(changed)
+    }
+
     /// Regions resynced because the mirror was not shut down cleanly.
     pub fn resync_at_open(&self) -> u64 {
         self.shared.resync_at_open
@@ -487,9 +431,14 @@ fn prepare_legs(spec: &MirrorSpec, regions: &Regions, found: Found) {
     regions.bitmap.sync_header();
 }
 
-/// Marks at a fresh open what a crash left in doubt (every region when the bitmap was lost):
-/// each region with intent has every leg but one current leg marked stale. Returns how many
-/// regions had intent.
+/// Marks at a fresh open what a crash left in doubt; returns how many regions had intent.
+///
+/// With the bitmap kept, a region with intent is *out of sync*, not stale: a write is
+/// acknowledged only once every usable leg took it (and a leg that missed one is marked stale
+/// first), so every leg not stale there holds every acknowledged write, and the legs differ
+/// at most in writes no one saw complete. The region's reads go to one such leg (a synced
+/// one, present if any, lowest slot) until the resync copies it to the others. With the
+/// bitmap lost nothing is known of what a leg missed: every leg but that one is stale.
 fn prepare_intents(spec: &MirrorSpec, regions: &Regions, found: Found) -> u64 {
     let n = regions.bitmap.regions();
     let all: u8 = spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot));
@@ -504,29 +453,31 @@ fn prepare_intents(spec: &MirrorSpec, regions: &Regions, found: Found) -> u64 {
             continue;
         }
         intents += 1;
-        // Copy from the first synced leg not itself stale here (present or not: a missing
-        // leg's region stays in doubt until it is back).
+        // A missing leg's region stays in doubt until it is back.
         let src = spec
             .legs
             .iter()
             .filter(|l| l.synced && v & bitmap::stale(l.slot) == 0)
-            .min_by_key(|l| (l.pieces.iter().any(|p| p.device == MISSING), l.slot));
-        if let Some(s) = src {
-            regions.mark(r, all & !bitmap::stale(s.slot));
-        }
+            .min_by_key(|l| {
+                (
+                    l.pieces.iter().any(|p| p.device == MISSING),
+                    Some(l.slot) != bitmap::sync_source(v),
+                    l.slot,
+                )
+            });
+        let Some(s) = src else { continue };
+        let to = match found {
+            Found::Fresh => v | (all & !bitmap::stale(s.slot)),
+            Found::Kept => match bitmap::sync_source(v) {
+                Some(old) if old == s.slot => v,
+                // The recorded source cannot serve: it is copied to like any other.
+                Some(old) => (v & !SYNC_SOURCE) | bitmap::out_of_sync(s.slot) | bitmap::stale(old),
+                None => v | bitmap::out_of_sync(s.slot),
+            },
+        };
+        b.store(to, Ordering::Release);
     }
-    // Stale counts of bits found in the file (mark only counts the bits it sets).
-    for s in 0..MAX_LEGS {
-        regions.stale[s].store(0, Ordering::Relaxed);
-    }
-    for r in 0..n {
-        let v = regions.bitmap.byte(r).load(Ordering::Acquire);
-        for s in 0..MAX_LEGS as u8 {
-            if v & bitmap::stale(s) != 0 {
-                regions.stale[s as usize].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
+    regions.recount();
     regions.bitmap.sync(0, n - 1);
     intents
 }

@@ -18,7 +18,6 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -169,14 +168,10 @@ impl MirrorQueue {
         let _ = (&self.event).write(&1u64.to_ne_bytes());
     }
 
-    /// Legs usable for the op's range that hold current data in every region of it.
+    /// Legs a read of the op may go to (see [`Shared::readable`]).
     fn readable(&self, op: &Op) -> u8 {
-        let regions = op.regions;
-        let mut mask = self.shared.usable(self.healthy, op.offset, op.len);
-        for r in regions.0..=regions.1 {
-            mask &= !self.shared.regions.bitmap.byte(r).load(Ordering::Acquire);
-        }
-        mask & 0b111
+        self.shared
+            .readable(self.healthy, op.offset, op.len, op.regions)
     }
 
     /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches. (Borrows the
@@ -237,7 +232,9 @@ impl MirrorQueue {
     fn submit_write(&mut self, i: usize) -> bool {
         let op = self.ops[i].as_ref().expect("live op");
         let writable = self.shared.usable(self.healthy, op.offset, op.len);
-        let current = self.readable(op);
+        let current = self
+            .shared
+            .current(self.healthy, op.offset, op.len, op.regions);
         if current == 0 {
             return false;
         }
@@ -289,8 +286,11 @@ impl MirrorQueue {
         op.split.clear();
         if op.kind == Kind::Read && op.failed != 0 {
             let (first, last) = op.regions;
-            if op.media != 0 {
-                // Repair: the leg's range is rewritten from a good copy by the resync thread.
+            // Repair: the leg's range is rewritten from a good copy by the resync thread;
+            // only when another leg holds every acknowledged write there (marking the only
+            // copy stale would leave nothing to read: the read fails as on a plain device).
+            let holders = self.shared.current(!0, op.offset, op.len, (first, last));
+            if op.media != 0 && holders & !op.media != 0 {
                 for r in first..=last {
                     self.shared.regions.mark(r, op.media);
                 }

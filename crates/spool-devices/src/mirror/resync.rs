@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::bitmap::{stale, INTENT};
+use super::bitmap::{stale, sync_source, INTENT, SYNC_SOURCE};
 use super::legio::{AlignedBuf, LegIo};
 use super::{Shared, MAX_LEGS, MISSING};
 use crate::{Error, HealthState, Result};
@@ -59,6 +59,13 @@ pub struct Progress {
     /// in all since the mirror was opened.
     pub resync_at_open: u64,
     pub regions_copied: u64,
+    /// Bytes in regions out of sync (after an unclean stop): every current leg holds every
+    /// acknowledged write there, one serves the reads until the resync makes them agree.
+    pub out_of_sync_bytes: u64,
+    /// Regions where no leg is current, and the volume offsets of the first few: nothing
+    /// can be read there until an operator accepts a leg (`MirrorBackend::accept_leg`).
+    pub regions_without_current: u64,
+    pub without_current_offsets: Vec<u64>,
 }
 
 /// What [`verify`] found.
@@ -137,8 +144,9 @@ fn keep_health(shared: &Shared) {
     }
 }
 
-/// Copies every region where a usable leg is stale from a usable current one; returns
-/// whether it copied anything.
+/// Copies every region where a usable leg is stale, or that is out of sync, from a usable
+/// current leg (an out-of-sync region: from its read source); returns whether it copied
+/// anything.
 fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
     let healthy = shared.healthy();
     let n = shared.regions.bitmap.regions();
@@ -148,17 +156,24 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
             break;
         }
         let byte = shared.regions.bitmap.byte(r).load(Ordering::Acquire);
-        if byte & 0b111 == 0 {
+        if byte & (0b111 | SYNC_SOURCE) == 0 {
             continue;
         }
         let (off, len) = region_range(shared, r);
         let writable = shared.usable(healthy, off, len);
-        let targets = byte & writable & 0b111;
-        let sources = writable & !byte & 0b111;
-        if targets == 0 || sources == 0 {
+        let current = writable & !byte & 0b111;
+        let (source, targets) = match shared.regions.read_source(r, current) {
+            // Every usable leg but the source gets the source's bytes.
+            Some(s) => (s, writable & !stale(s) & 0b111),
+            None if sync_source(byte).is_some() => continue,
+            None => match current {
+                0 => continue,
+                c => (c.trailing_zeros() as u8, byte & writable & 0b111),
+            },
+        };
+        if targets == 0 && sync_source(byte).is_none() {
             continue;
         }
-        let source = sources.trailing_zeros() as u8;
         match copy_region(shared, io, buf, (r, source, targets)) {
             Ok(true) => {
                 any = true;
@@ -223,11 +238,7 @@ fn throttle(shared: &Shared) {
 
 /// Volume byte range of region `r`.
 fn region_range(shared: &Shared, r: usize) -> (u64, u64) {
-    let off = (r as u64) << shared.regions.shift;
-    (
-        off,
-        (1u64 << shared.regions.shift).min(shared.spec.size.saturating_sub(off)),
-    )
+    shared.region_range(r)
 }
 
 /// Waits (briefly) until no write is in flight in region `r`; returns the generation seen
@@ -247,7 +258,9 @@ fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
 }
 
 /// Copies region `r` from leg `source` to the legs in `targets`; true when the copy counts
-/// (no write reached the region meanwhile).
+/// (no write reached the region meanwhile). An out-of-sync region is in sync afterwards: the
+/// legs copied to agree with the source, and the legs that were not (not usable now) are
+/// marked stale there, so they are copied to before they are read.
 fn copy_region(
     shared: &Shared,
     io: &mut LegIo,
@@ -258,20 +271,33 @@ fn copy_region(
         return Ok(false);
     };
     let (off, len) = region_range(shared, r);
-    let buf = buf.get(len as usize);
-    leg_read(shared, io, source, off, buf)?;
-    for t in 0..MAX_LEGS as u8 {
-        if targets & stale(t) != 0 {
-            leg_write(shared, io, t, off, Some(&mut *buf), len)?;
+    if targets != 0 {
+        let buf = buf.get(len as usize);
+        leg_read(shared, io, source, off, buf)?;
+        for t in 0..MAX_LEGS as u8 {
+            if targets & stale(t) != 0 {
+                leg_write(shared, io, t, off, Some(&mut *buf), len)?;
+            }
         }
     }
     if shared.regions.gens[r].load(Ordering::SeqCst) != g {
         return Ok(false);
     }
-    shared.regions.unmark(r, targets);
+    let others = shared.all_slots() & !targets & !stale(source);
+    let (_, after) = shared.regions.update(r, |b| match sync_source(b) {
+        Some(s) if s == source => (b & !targets & !SYNC_SOURCE) | others,
+        Some(_) => b,
+        None => b & !targets,
+    });
+    if sync_source(after).is_some() {
+        // The source moved meanwhile (its leg failed): copied again from the new one.
+        return Ok(false);
+    }
+    if others != 0 {
+        shared.regions.bitmap.sync(r, r);
+    }
     if shared.regions.gens[r].load(Ordering::SeqCst) != g {
         // A write came in between: it may have found a target unusable and marked it.
-        let (off, len) = region_range(shared, r);
         let usable = shared.usable(shared.healthy(), off, len);
         shared.regions.mark(r, targets & !usable);
     }
@@ -376,11 +402,8 @@ fn leg_write(
 
 /// Synchronous read from a current leg (not the data path).
 pub(crate) fn read_current(shared: &Shared, buf: &mut [u8], off: u64) -> Result<()> {
-    let (first, last) = shared.regions.span(off, buf.len() as u64);
-    let mut mask = shared.usable(shared.healthy(), off, buf.len() as u64);
-    for r in first..=last {
-        mask &= !shared.regions.bitmap.byte(r).load(Ordering::Acquire);
-    }
+    let regions = shared.regions.span(off, buf.len() as u64);
+    let mask = shared.readable(shared.healthy(), off, buf.len() as u64, regions);
     match (0..MAX_LEGS as u8).find(|s| mask & stale(*s) != 0) {
         Some(s) => {
             let mut aligned = AlignedBuf::default();
@@ -444,7 +467,8 @@ pub(crate) fn verify(shared: &Shared) -> Result<Verify> {
             let legs: Vec<u8> = (0..MAX_LEGS as u8)
                 .filter(|s| usable & !byte & stale(*s) != 0)
                 .collect();
-            if byte & shared.all_slots() & 0b111 != 0 || legs.len() < 2 {
+            // A usable leg still being copied to, or the region out of sync: not compared.
+            if byte & usable & 0b111 != 0 || sync_source(byte).is_some() || legs.len() < 2 {
                 v.regions_skipped += 1;
                 break;
             }
@@ -498,11 +522,14 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
             }
         })
         .collect();
+    let out_of_sync_bytes = shared.regions.out_of_sync.load(Ordering::Relaxed) * size;
     let remaining_bytes: u64 = legs
         .iter()
         .filter(|l| l.state == "catching-up")
         .map(|l| l.stale_bytes)
-        .sum();
+        .sum::<u64>()
+        + out_of_sync_bytes;
+    let (regions_without_current, without_current_offsets) = shared.without_current();
     let copied = shared.progress.copied.load(Ordering::Relaxed);
     let started = *shared
         .progress
@@ -525,5 +552,8 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
         eta_secs: (rate > 0).then(|| remaining_bytes / rate),
         resync_at_open: shared.resync_at_open,
         regions_copied: shared.progress.resynced.load(Ordering::Relaxed),
+        out_of_sync_bytes,
+        regions_without_current,
+        without_current_offsets,
     }
 }

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::{DeviceIo, FaultEffect, FaultOps, FaultRule, IoVec, OpenOptions};
 
-const MIB: u64 = 1 << 20;
-const SIZE: u64 = 8 * MIB;
+pub(super) const MIB: u64 = 1 << 20;
+pub(super) const SIZE: u64 = 8 * MIB;
 
-fn file_device(dir: &Path, name: &str) -> Arc<Device> {
+pub(super) fn file_device(dir: &Path, name: &str) -> Arc<Device> {
     let opts = OpenOptions {
         create_size: Some(16 * MIB),
         no_direct: true,
@@ -23,7 +23,7 @@ fn file_device(dir: &Path, name: &str) -> Arc<Device> {
 
 /// Leg 0 on device 0 at 1 MiB; leg 1 on device 1 in two pieces (at 1 MiB and 9 MiB), so
 /// requests can straddle a piece boundary.
-fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> MirrorSpec {
+pub(super) fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> MirrorSpec {
     if !dir.join("bitmap").exists() && synced1 {
         // A new volume: both legs zeroed files, identical.
         create_clean_bitmap(&dir.join("bitmap"), SIZE).unwrap();
@@ -71,7 +71,7 @@ fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> MirrorSpec {
 }
 
 /// A rule failing `ops` on the whole device with `errno`, `count` times (None: until cleared).
-fn errno_rule(ops: FaultOps, errno: i32, count: Option<u64>) -> FaultRule {
+pub(super) fn errno_rule(ops: FaultOps, errno: i32, count: Option<u64>) -> FaultRule {
     FaultRule {
         effect: FaultEffect::Errno(errno),
         ops,
@@ -84,13 +84,13 @@ fn errno_rule(ops: FaultOps, errno: i32, count: Option<u64>) -> FaultRule {
 }
 
 /// Two file devices and a new mirror over them (identical, zeroed legs).
-fn setup(d: &Path) -> (Vec<Arc<Device>>, Arc<Device>) {
+pub(super) fn setup(d: &Path) -> (Vec<Arc<Device>>, Arc<Device>) {
     let devs = vec![file_device(d, "a"), file_device(d, "b")];
     let m = MirrorBackend::open(spec(d, devs.clone(), true)).unwrap();
     (devs, m)
 }
 
-fn leg_bytes(dev: &Device, offsets: &[(u64, u64)]) -> Vec<u8> {
+pub(super) fn leg_bytes(dev: &Device, offsets: &[(u64, u64)]) -> Vec<u8> {
     let mut out = Vec::new();
     for &(off, len) in offsets {
         let mut b = vec![0u8; len as usize];
@@ -100,14 +100,14 @@ fn leg_bytes(dev: &Device, offsets: &[(u64, u64)]) -> Vec<u8> {
     out
 }
 
-fn legs_of(devs: &[Arc<Device>]) -> (Vec<u8>, Vec<u8>) {
+pub(super) fn legs_of(devs: &[Arc<Device>]) -> (Vec<u8>, Vec<u8>) {
     let a = leg_bytes(&devs[0], &[(MIB, SIZE)]);
     let b = leg_bytes(&devs[1], &[(MIB, SIZE / 2), (9 * MIB, SIZE / 2)]);
     (a, b)
 }
 
 /// Runs one request through `q` and returns its result.
-fn run(q: &mut dyn DeviceQueue, write: bool, offset: u64, buf: &mut [u8]) -> i32 {
+pub(super) fn run(q: &mut dyn DeviceQueue, write: bool, offset: u64, buf: &mut [u8]) -> i32 {
     let iov = [IoVec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
@@ -138,7 +138,7 @@ fn run(q: &mut dyn DeviceQueue, write: bool, offset: u64, buf: &mut [u8]) -> i32
     }
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+pub(super) fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !f() {
         assert!(

@@ -155,13 +155,20 @@ pub enum VolumeCmd {
     /// Compare a mirrored volume's copies region by region (a scrub) and report
     /// differences.
     Verify { id: String },
-    /// Add a copy to a volume (a plain volume becomes a mirror; the copy is rebuilt online)
-    /// or remove one (the last complete copy is never removed).
+    /// Add a copy to a volume (a plain volume becomes a mirror; the copy is rebuilt online),
+    /// remove one (the last complete copy is never removed), or accept a leg as current
+    /// where no usable copy is (state no-current-copy).
+    ///
+    /// accept --leg N makes leg N's bytes the volume's content in every region that has no
+    /// usable current copy, and copies them to the other legs. Acknowledged writes that leg
+    /// missed there are LOST: use it only when the leg holding them is gone for good (see
+    /// docs/mirror.md, "Regions with no current copy").
     Mirror {
-        #[arg(value_parser = ["add", "remove"])]
+        #[arg(value_parser = ["add", "remove", "accept"])]
         action: String,
         id: String,
-        /// The leg to remove (default: one that is not current, else the newest).
+        /// The leg to remove (default: one that is not current, else the newest), or to
+        /// accept (required).
         #[arg(long)]
         leg: Option<u8>,
     },

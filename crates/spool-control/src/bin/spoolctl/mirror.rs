@@ -25,6 +25,19 @@ pub fn status(m: &MirrorStatus) {
             format_size(m.rate),
         );
     }
+    if m.regions_without_current > 0 {
+        println!(
+            "  {} regions have NO usable current copy (first at offsets {:?}): reads there wait\n  \
+             for a device to come back; see docs/mirror.md before `volume mirror accept`",
+            m.regions_without_current, m.without_current_offsets
+        );
+    }
+    if m.out_of_sync_bytes > 0 {
+        println!(
+            "  out of sync after an unclean stop: {} (every copy holds every acknowledged write)",
+            format_size(m.out_of_sync_bytes)
+        );
+    }
     if m.resync_at_open > 0 {
         println!(
             "  resynced after an unclean stop: {} regions of {}",

@@ -1,0 +1,260 @@
+//! The per-region state every queue and the background thread of one mirror share: the
+//! write-intent bitmap's bytes, writes in flight and started per region, and the counts the
+//! control plane shows (stale regions per leg, regions out of sync).
+//!
+//! Which leg may serve a read is decided here ([`Shared::readable`]): a leg usable over the
+//! range and not stale in any region of it; in a region out of sync after an unclean stop,
+//! only the leg recorded as that region's read source (md's rule: one leg answers until the
+//! resync makes them agree, so a block whose last write no one saw complete reads the same
+//! every time). When that leg cannot serve, the source moves to another leg holding every
+//! acknowledged write there, and the leg it leaves is marked stale in the region (copied
+//! before it is read there again).
+//!
+//! Owns: the region byte transitions and their counts. Must not know: queues, devices' I/O.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::bitmap::{out_of_sync, stale, sync_source, Bitmap, INTENT, SYNC_SOURCE};
+use super::{Shared, CLEARING, MAX_LEGS};
+
+/// The per-region state shared by every queue of one mirror.
+pub(crate) struct Regions {
+    pub(crate) shift: u32,
+    pub(crate) bitmap: Bitmap,
+    /// Writes in flight per region (| CLEARING).
+    pub(crate) writes: Box<[AtomicU32]>,
+    /// Writes ever started per region (the copy's race check).
+    pub(crate) gens: Box<[AtomicU32]>,
+    /// Regions marked stale, per slot.
+    pub(crate) stale: [AtomicU64; MAX_LEGS],
+    /// Regions out of sync (a read source recorded).
+    pub(crate) out_of_sync: AtomicU64,
+}
+
+impl Regions {
+    pub(crate) fn new(bitmap: Bitmap, shift: u32) -> Regions {
+        let n = bitmap.regions();
+        Regions {
+            shift,
+            bitmap,
+            writes: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            stale: Default::default(),
+            out_of_sync: AtomicU64::new(0),
+        }
+    }
+
+    /// The regions `[offset, offset + len)` touches (`len` > 0).
+    #[inline]
+    pub(crate) fn span(&self, offset: u64, len: u64) -> (usize, usize) {
+        let first = (offset >> self.shift) as usize;
+        let last = ((offset + len.max(1) - 1) >> self.shift) as usize;
+        (first, last.min(self.writes.len() - 1))
+    }
+
+    /// A write enters regions `first..=last`: counts it, and returns whether the bitmap bytes
+    /// needed `want` set (then the caller syncs them before the write goes out).
+    pub(crate) fn enter(&self, first: usize, last: usize, want: u8) -> bool {
+        let mut changed = false;
+        for r in first..=last {
+            if self.writes[r].fetch_add(1, Ordering::SeqCst) & CLEARING != 0 {
+                while self.writes[r].load(Ordering::SeqCst) & CLEARING != 0 {
+                    std::hint::spin_loop();
+                }
+            }
+            self.gens[r].fetch_add(1, Ordering::SeqCst);
+            changed |= self.mark(r, want);
+        }
+        changed
+    }
+
+    /// A write leaves regions `first..=last`.
+    pub(crate) fn leave(&self, first: usize, last: usize) {
+        for r in first..=last {
+            self.writes[r].fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Sets `bits` in region `r`'s byte; returns whether any was new (stale counts follow).
+    pub(crate) fn mark(&self, r: usize, bits: u8) -> bool {
+        let b = self.bitmap.byte(r);
+        if b.load(Ordering::Acquire) & bits == bits {
+            return false;
+        }
+        let old = b.fetch_or(bits, Ordering::AcqRel);
+        self.count(old, old | bits);
+        bits & !old != 0
+    }
+
+    /// Clears the stale bits of `slots_mask` in region `r`.
+    pub(crate) fn unmark(&self, r: usize, slots_mask: u8) {
+        let old = self
+            .bitmap
+            .byte(r)
+            .fetch_and(!(slots_mask & 0b111), Ordering::AcqRel);
+        self.count(old, old & !(slots_mask & 0b111));
+    }
+
+    /// Changes region `r`'s byte to `f(byte)` atomically (counts follow); returns the byte
+    /// before and after.
+    pub(crate) fn update(&self, r: usize, f: impl Fn(u8) -> u8) -> (u8, u8) {
+        let b = self.bitmap.byte(r);
+        let mut old = b.load(Ordering::Acquire);
+        loop {
+            let new = f(old);
+            if new == old {
+                return (old, old);
+            }
+            match b.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    self.count(old, new);
+                    return (old, new);
+                }
+                Err(v) => old = v,
+            }
+        }
+    }
+
+    /// Keeps the stale and out-of-sync counts right for a byte changed from `old` to `new`.
+    fn count(&self, old: u8, new: u8) {
+        for s in 0..MAX_LEGS as u8 {
+            match (old & stale(s) != 0, new & stale(s) != 0) {
+                (false, true) => self.stale[s as usize].fetch_add(1, Ordering::Relaxed),
+                (true, false) => self.stale[s as usize].fetch_sub(1, Ordering::Relaxed),
+                _ => 0,
+            };
+        }
+        match (sync_source(old).is_some(), sync_source(new).is_some()) {
+            (false, true) => self.out_of_sync.fetch_add(1, Ordering::Relaxed),
+            (true, false) => self.out_of_sync.fetch_sub(1, Ordering::Relaxed),
+            _ => 0,
+        };
+    }
+
+    /// Recounts stale and out-of-sync regions from the bytes (after they were set in bulk).
+    pub(crate) fn recount(&self) {
+        for s in &self.stale {
+            s.store(0, Ordering::Relaxed);
+        }
+        self.out_of_sync.store(0, Ordering::Relaxed);
+        for r in 0..self.bitmap.regions() {
+            self.count(0, self.bitmap.byte(r).load(Ordering::Acquire));
+        }
+    }
+
+    /// Clears region `r`'s intent bit if no write is in flight there and none started since
+    /// `gen` was seen; never races a write entering (see [`Regions::enter`]).
+    pub(crate) fn try_clear_intent(&self, r: usize, gen: u32) -> bool {
+        if self.writes[r]
+            .compare_exchange(0, CLEARING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
+        let cleared = self.gens[r].load(Ordering::SeqCst) == gen;
+        if cleared {
+            self.bitmap.byte(r).fetch_and(!INTENT, Ordering::AcqRel);
+        }
+        self.writes[r].fetch_and(!CLEARING, Ordering::SeqCst);
+        cleared
+    }
+
+    /// The leg serving reads of out-of-sync region `r` when the legs in `current` (usable,
+    /// not stale there) can: its recorded source if that is one of them, else the lowest
+    /// slot of them, which becomes the source (durably) while the leg it replaces is marked
+    /// stale. `None` when the region is in sync or none of `current` can serve it.
+    pub(crate) fn read_source(&self, r: usize, current: u8) -> Option<u8> {
+        let byte = self.bitmap.byte(r).load(Ordering::Acquire);
+        let src = sync_source(byte)?;
+        if current & stale(src) != 0 {
+            return Some(src);
+        }
+        let (_, new) = self.update(r, |b| match sync_source(b) {
+            Some(s) if current & stale(s) == 0 && current != 0 => {
+                let to = current.trailing_zeros() as u8;
+                (b & !SYNC_SOURCE) | out_of_sync(to) | stale(s)
+            }
+            _ => b,
+        });
+        self.bitmap.sync(r, r);
+        sync_source(new).filter(|s| current & stale(*s) != 0)
+    }
+
+    /// Makes leg `slot` the only current leg of region `r` (the operator's decision where no
+    /// usable leg is current; see `MirrorBackend::accept_leg`): every other leg of `all` (the
+    /// mirror's slots) is stale there and will be copied from it.
+    pub(crate) fn accept(&self, r: usize, all: u8, slot: u8) {
+        self.update(r, |b| ((b | all) & !stale(slot)) & !SYNC_SOURCE);
+    }
+}
+
+impl Shared {
+    /// Legs usable (when the devices in `healthy` are) over `[offset, offset + len)` and
+    /// not stale in any of its regions `regions`: those holding every acknowledged write.
+    #[inline]
+    pub(crate) fn current(
+        &self,
+        healthy: u64,
+        offset: u64,
+        len: u64,
+        regions: (usize, usize),
+    ) -> u8 {
+        let mut mask = self.usable(healthy, offset, len);
+        for r in regions.0..=regions.1 {
+            mask &= !self.regions.bitmap.byte(r).load(Ordering::Acquire);
+        }
+        mask & 0b111
+    }
+
+    /// The legs a read of `[offset, offset + len)` (regions `regions`) may go to: the
+    /// [`Shared::current`] ones, narrowed to the read source of every out-of-sync region it
+    /// touches. (A read over two out-of-sync regions whose sources differ, possible only
+    /// after a source moved, goes to the first one's.)
+    #[inline]
+    pub(crate) fn readable(
+        &self,
+        healthy: u64,
+        offset: u64,
+        len: u64,
+        regions: (usize, usize),
+    ) -> u8 {
+        let current = self.current(healthy, offset, len, regions);
+        let mut mask = current;
+        for r in regions.0..=regions.1 {
+            if self.regions.bitmap.byte(r).load(Ordering::Acquire) & SYNC_SOURCE == 0 {
+                continue;
+            }
+            if let Some(s) = self.regions.read_source(r, current) {
+                if mask & stale(s) != 0 {
+                    mask = stale(s);
+                }
+            }
+        }
+        mask
+    }
+
+    /// Regions where no usable leg is current now (every leg stale there, or the legs that
+    /// are not on devices that failed or are resetting): nothing can be read there until a
+    /// device comes back or an operator accepts a leg. How many, and the first few offsets.
+    pub(crate) fn without_current(&self) -> (u64, Vec<u64>) {
+        let (mut n, mut first) = (0, Vec::new());
+        let healthy = self.healthy();
+        for r in 0..self.regions.bitmap.regions() {
+            let (off, len) = self.region_range(r);
+            if self.current(healthy, off, len, (r, r)) == 0 {
+                n += 1;
+                if first.len() < 16 {
+                    first.push(off);
+                }
+            }
+        }
+        (n, first)
+    }
+
+    /// Volume byte range of region `r`.
+    pub(crate) fn region_range(&self, r: usize) -> (u64, u64) {
+        let off = (r as u64) << self.regions.shift;
+        let len = (1u64 << self.regions.shift).min(self.spec.size.saturating_sub(off));
+        (off, len)
+    }
+}
