@@ -52,6 +52,12 @@ pub struct MirrorStatus {
     pub regions_without_current: u64,
     #[serde(default)]
     pub without_current_offsets: Vec<u64>,
+    /// Write-intent bitmap syncs since the worker opened the mirror, and their mean
+    /// latency in µs (a write to a quiet region waits for one).
+    #[serde(default)]
+    pub bitmap_syncs: u64,
+    #[serde(default)]
+    pub bitmap_sync_us: f64,
 }
 
 /// `volume_verify`: the legs compared region by region.
@@ -124,6 +130,8 @@ impl MirrorStatus {
             out_of_sync_bytes: p.map_or(0, |p| p.out_of_sync_bytes),
             regions_without_current: p.map_or(0, |p| p.regions_without_current),
             without_current_offsets: p.map_or(Vec::new(), |p| p.without_current_offsets.clone()),
+            bitmap_syncs: p.map_or(0, |p| p.bitmap_syncs),
+            bitmap_sync_us: p.map_or(0.0, |p| p.bitmap_sync_us),
         }
     }
 }

@@ -5,6 +5,7 @@ pub mod ceph;
 pub mod guest;
 pub mod libvirt;
 pub mod load;
+pub mod mirror_events;
 pub mod qmp;
 pub mod systemd;
 

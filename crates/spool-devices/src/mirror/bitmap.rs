@@ -72,6 +72,9 @@ pub struct Bitmap {
     regions: usize,
     /// Kept open for msync's sake only; the mapping outlives nothing.
     _file: Option<File>,
+    /// Syncs made, and the time they took (ns): what the intent bits cost the data path.
+    syncs: AtomicU64,
+    sync_ns: AtomicU64,
 }
 
 // SAFETY: the mapping is only accessed through atomics (`byte`, `slot_id`), and it lives as
@@ -118,31 +121,14 @@ impl Bitmap {
                 (Some(f), found)
             }
         };
-        let fd = file.as_ref().map_or(-1, |f| f.as_raw_fd());
-        let flags = match &file {
-            Some(_) => libc::MAP_SHARED,
-            None => libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-        };
-        // SAFETY: a fresh mapping of `map_len` bytes of our own file (or anonymous memory);
-        // the result is checked before use and unmapped in Drop.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
+        let base = map_shared(file.as_ref(), map_len)?;
         let b = Bitmap {
-            base: base as *mut u8,
+            base,
             map_len,
             regions,
             _file: file,
+            syncs: AtomicU64::new(0),
+            sync_ns: AtomicU64::new(0),
         };
         if found == Found::Fresh || b._file.is_none() {
             b.write_header(regions, region_shift);
@@ -200,10 +186,19 @@ impl Bitmap {
         self.sync_bytes(HEADER + first, HEADER + last + 1);
     }
 
+    /// Syncs made since the bitmap was opened, and the nanoseconds they took.
+    pub fn syncs(&self) -> (u64, u64) {
+        (
+            self.syncs.load(Ordering::Relaxed),
+            self.sync_ns.load(Ordering::Relaxed),
+        )
+    }
+
     fn sync_bytes(&self, from: usize, to: usize) {
         if self._file.is_none() {
             return;
         }
+        let t0 = std::time::Instant::now();
         let page = 4096;
         let start = from / page * page;
         let end = to.min(self.map_len).div_ceil(page) * page;
@@ -219,6 +214,9 @@ impl Bitmap {
         if rc != 0 {
             tracing::warn!(error = %std::io::Error::last_os_error(), "msync of the mirror write-intent bitmap failed");
         }
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        self.sync_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 }
 
@@ -227,6 +225,31 @@ impl Drop for Bitmap {
         // SAFETY: our own mapping of `map_len` bytes; nothing refers to it after drop.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.map_len) };
     }
+}
+
+/// Maps `len` bytes of `file` (or of anonymous memory) shared, read-write; the caller
+/// unmaps them (`munmap`) when done.
+pub(crate) fn map_shared(file: Option<&File>, len: usize) -> std::io::Result<*mut u8> {
+    let (fd, flags) = match file {
+        Some(f) => (f.as_raw_fd(), libc::MAP_SHARED),
+        None => (-1, libc::MAP_SHARED | libc::MAP_ANONYMOUS),
+    };
+    // SAFETY: a fresh mapping of `len` bytes of a file we hold open (or anonymous memory);
+    // the result is checked before use, and unmapped by its owner's Drop.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(base as *mut u8)
 }
 
 /// Whether `f` holds a usable bitmap for `regions` regions of `1 << region_shift` bytes (a

@@ -17,6 +17,7 @@
 //! Must not know: volumes, extents or pool metadata (the pool describes the legs), virtio.
 
 pub mod bitmap;
+mod iov;
 mod legio;
 mod queue;
 mod regions;
@@ -25,6 +26,7 @@ mod resync;
 mod tests;
 #[cfg(test)]
 mod tests_sync;
+mod writes;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +35,7 @@ use std::sync::{Arc, OnceLock};
 pub use queue::MirrorQueue;
 pub(crate) use regions::Regions;
 pub use resync::{LegProgress, Progress, Verify};
+use writes::WriteCounts;
 
 use crate::backend::{BackendInfo, PoolDevice, Probe};
 use crate::{Device, DeviceHealth, DeviceQueue, Error, HealthState, Result};
@@ -84,6 +87,13 @@ pub struct MirrorSpec {
     pub bitmap: Option<PathBuf>,
     /// Bytes per second the background copy may use (0: unlimited).
     pub resync_rate: u64,
+}
+
+/// Where the write counters of the mirror whose bitmap is at `bitmap` live (see [`writes`]).
+fn writes_path(bitmap: &Path) -> PathBuf {
+    let mut p = bitmap.as_os_str().to_owned();
+    p.push(".writes");
+    PathBuf::from(p)
 }
 
 /// Writes the bitmap of a new mirrored volume whose legs are identical (freshly zeroed), so
@@ -158,6 +168,17 @@ impl Shared {
         let mut mask = 0;
         for (i, d) in self.spec.devices.iter().enumerate() {
             if d.health().state() == HealthState::Healthy {
+                mask |= 1 << i;
+            }
+        }
+        mask
+    }
+
+    /// The devices not isolated now (healthy, or resetting and so may come back).
+    pub(crate) fn alive(&self) -> u64 {
+        let mut mask = 0;
+        for (i, d) in self.spec.devices.iter().enumerate() {
+            if !d.health().state().isolated() {
                 mask |= 1 << i;
             }
         }
@@ -287,9 +308,16 @@ impl MirrorBackend {
             None => {
                 let (bitmap, found) = Bitmap::open(spec.bitmap.as_deref(), n, shift)
                     .map_err(|e| Error::io(path, "open write-intent bitmap", e))?;
-                let regions = Regions::new(bitmap, shift);
+                let counts = spec.bitmap.as_deref().map(writes_path);
+                let left = match (&counts, found) {
+                    (Some(c), Found::Kept) => WriteCounts::left_behind(c, n),
+                    _ => None,
+                };
+                let writes = WriteCounts::create(counts.as_deref(), n)
+                    .map_err(|e| Error::io(path, "create the write counters", e))?;
+                let regions = Regions::new(bitmap, shift, writes);
                 prepare_legs(&spec, &regions, found);
-                let intents = prepare_intents(&spec, &regions, found);
+                let intents = prepare_intents(&spec, &regions, found, left.as_deref());
                 (Arc::new(regions), Default::default(), intents)
             }
         };
@@ -439,7 +467,15 @@ fn prepare_legs(spec: &MirrorSpec, regions: &Regions, found: Found) {
 /// at most in writes no one saw complete. The region's reads go to one such leg (a synced
 /// one, present if any, lowest slot) until the resync copies it to the others. With the
 /// bitmap lost nothing is known of what a leg missed: every leg but that one is stale.
-fn prepare_intents(spec: &MirrorSpec, regions: &Regions, found: Found) -> u64 {
+///
+/// `left` (from [`WriteCounts::left_behind`]: the predecessor was a process of this boot)
+/// says exactly which regions had writes in flight: only those intent regions are in doubt.
+fn prepare_intents(
+    spec: &MirrorSpec,
+    regions: &Regions,
+    found: Found,
+    left: Option<&[bool]>,
+) -> u64 {
     let n = regions.bitmap.regions();
     let all: u8 = spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot));
     let mut intents = 0;
@@ -449,7 +485,7 @@ fn prepare_intents(spec: &MirrorSpec, regions: &Regions, found: Found) -> u64 {
             b.fetch_or(INTENT, Ordering::AcqRel);
         }
         let v = b.load(Ordering::Acquire);
-        if v & INTENT == 0 {
+        if v & INTENT == 0 || left.is_some_and(|l| !l[r]) {
             continue;
         }
         intents += 1;

@@ -8,8 +8,10 @@
 //! Reads go to one leg holding current data in every region they touch, in turn, and move to
 //! the next such leg when one fails (a media error also marks the range stale on the failed
 //! leg, so it is rewritten from a good copy). A flush goes to every device of a usable leg.
-//! With no usable leg at all a request fails with a path error (`ENOLINK`), which the worker
-//! holds until the mirror's health changes.
+//! With no usable leg holding every acknowledged write of its range a request fails with a
+//! path error (`ENOLINK`), which the worker holds until the mirror's health changes (the
+//! mirror is resetting until such a leg is usable again), or, when no such leg is left on a
+//! device that may come back, with `ENOMEDIUM` (failed, not held).
 //!
 //! Owns: request splitting over legs, per-request results, the leg device queues' epochs.
 //! Must not know: virtio, the pool.
@@ -22,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, INTENT};
+use super::iov::split_iov;
 use super::Shared;
 use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
 
@@ -172,6 +175,22 @@ impl MirrorQueue {
     fn readable(&self, op: &Op) -> u8 {
         self.shared
             .readable(self.healthy, op.offset, op.len, op.regions)
+    }
+
+    /// Why op `i` found no leg to go to: a path error (`ENOLINK`, held by the worker until
+    /// the mirror's health changes) while a leg holding every acknowledged write of its range
+    /// is on devices that may come back (resetting); `ENOMEDIUM` (the request fails, the
+    /// volume serves on) when no such leg is left (regions with no current copy: an
+    /// operator's decision, docs/mirror.md).
+    #[cold]
+    fn no_leg_errno(&self, i: usize) -> i32 {
+        let op = self.ops[i].as_ref().expect("live op");
+        let alive = self.shared.alive();
+        match op.kind {
+            Kind::Flush => -libc::ENOLINK,
+            _ if self.shared.current(alive, op.offset, op.len, op.regions) != 0 => -libc::ENOLINK,
+            _ => -libc::ENOMEDIUM,
+        }
     }
 
     /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches. (Borrows the
@@ -391,29 +410,6 @@ fn watch(ep: RawFd, fd: RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The part `[at, at + n)` of the bytes `iov` describes, as its own iovec array.
-fn split_iov(iov: &[IoVec], mut at: u64, mut n: u64) -> Box<[IoVec]> {
-    let mut out = Vec::new();
-    for v in iov {
-        let l = v.iov_len as u64;
-        if at >= l {
-            at -= l;
-            continue;
-        }
-        let take = (l - at).min(n);
-        out.push(IoVec {
-            iov_base: (v.iov_base as usize + at as usize) as *mut libc::c_void,
-            iov_len: take as usize,
-        });
-        n -= take;
-        at = 0;
-        if n == 0 {
-            break;
-        }
-    }
-    out.into_boxed_slice()
-}
-
 impl DeviceQueue for MirrorQueue {
     unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
         self.check_epochs();
@@ -469,10 +465,11 @@ impl DeviceQueue for MirrorQueue {
             Kind::Flush => self.submit_flush(i),
         };
         if !started {
+            let res = self.no_leg_errno(i);
             self.ops[i] = None;
             self.free.push(i);
             self.in_flight -= 1;
-            self.finish_now(tag, -libc::ENOLINK);
+            self.finish_now(tag, res);
         }
     }
 

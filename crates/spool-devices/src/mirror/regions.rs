@@ -15,14 +15,15 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::bitmap::{out_of_sync, stale, sync_source, Bitmap, INTENT, SYNC_SOURCE};
+use super::writes::WriteCounts;
 use super::{Shared, CLEARING, MAX_LEGS};
 
 /// The per-region state shared by every queue of one mirror.
 pub(crate) struct Regions {
     pub(crate) shift: u32,
     pub(crate) bitmap: Bitmap,
-    /// Writes in flight per region (| CLEARING).
-    pub(crate) writes: Box<[AtomicU32]>,
+    /// Writes in flight per region (| CLEARING), where a killed worker's successor reads them.
+    pub(crate) writes: WriteCounts,
     /// Writes ever started per region (the copy's race check).
     pub(crate) gens: Box<[AtomicU32]>,
     /// Regions marked stale, per slot.
@@ -32,12 +33,12 @@ pub(crate) struct Regions {
 }
 
 impl Regions {
-    pub(crate) fn new(bitmap: Bitmap, shift: u32) -> Regions {
+    pub(crate) fn new(bitmap: Bitmap, shift: u32, writes: WriteCounts) -> Regions {
         let n = bitmap.regions();
         Regions {
             shift,
             bitmap,
-            writes: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            writes,
             gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
             stale: Default::default(),
             out_of_sync: AtomicU64::new(0),

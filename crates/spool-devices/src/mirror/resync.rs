@@ -66,6 +66,10 @@ pub struct Progress {
     /// can be read there until an operator accepts a leg (`MirrorBackend::accept_leg`).
     pub regions_without_current: u64,
     pub without_current_offsets: Vec<u64>,
+    /// Write-intent bitmap syncs since the mirror was opened, and their mean latency (µs):
+    /// what crash consistency costs the data path (a write to a quiet region waits for one).
+    pub bitmap_syncs: u64,
+    pub bitmap_sync_us: f64,
 }
 
 /// What [`verify`] found.
@@ -108,13 +112,51 @@ fn run(weak: Weak<Shared>) {
     }
 }
 
-/// Healthy while every stripe has a usable leg; failed when some stripe has every leg on a
-/// missing or isolated device; resetting otherwise (a device may come back).
+/// Healthy while every stripe has a usable leg and every region a usable current one;
+/// failed when some stripe has every leg on a missing or isolated device; resetting
+/// otherwise: some stripe has no usable leg, or some region's current legs are all on
+/// resetting devices (a device may come back: the worker holds requests meanwhile, and
+/// would otherwise burn their retries on each region it cannot serve).
 fn keep_health(shared: &Shared) {
     let Some(cell) = shared.health.get() else {
         return;
     };
     let healthy = shared.healthy();
+    let to = match stripes_health(shared, healthy) {
+        HealthState::Healthy if waiting_region(shared, healthy) => HealthState::Resetting,
+        h => h,
+    };
+    let state = cell.state();
+    if state != to {
+        cell.set(to);
+        match to {
+            HealthState::Healthy => {
+                tracing::info!(mirror = %shared.spec.name, "a current leg is usable everywhere again: mirror healthy")
+            }
+            _ => {
+                tracing::error!(mirror = %shared.spec.name, state = to.name(), "part of the mirror has no usable current leg")
+            }
+        }
+    }
+}
+
+/// Whether some region has no usable current leg but a current leg on a resetting device.
+/// (Scanned only while a device resets and some leg is stale somewhere: otherwise a usable
+/// leg is current wherever one is.)
+fn waiting_region(shared: &Shared, healthy: u64) -> bool {
+    let (r, alive) = (&shared.regions, shared.alive());
+    if alive == healthy || r.stale.iter().all(|s| s.load(Ordering::Relaxed) == 0) {
+        return false;
+    }
+    (0..r.bitmap.regions()).any(|i| {
+        let (off, len) = region_range(shared, i);
+        shared.current(healthy, off, len, (i, i)) == 0
+            && shared.current(alive, off, len, (i, i)) != 0
+    })
+}
+
+/// The mirror's health as its stripes say (see [`keep_health`]).
+fn stripes_health(shared: &Shared, healthy: u64) -> HealthState {
     let gone = |d: usize| d == MISSING || shared.spec.devices[d].health().state().isolated();
     let mut to = HealthState::Healthy;
     for s in &shared.stripes {
@@ -130,18 +172,7 @@ fn keep_health(shared: &Shared) {
         }
         to = HealthState::Resetting;
     }
-    let state = cell.state();
-    if state != to {
-        cell.set(to);
-        match to {
-            HealthState::Healthy => {
-                tracing::info!(mirror = %shared.spec.name, "a leg is usable everywhere again: mirror healthy")
-            }
-            _ => {
-                tracing::error!(mirror = %shared.spec.name, state = to.name(), "part of the mirror has no usable leg")
-            }
-        }
-    }
+    to
 }
 
 /// Copies every region where a usable leg is stale, or that is out of sync, from a usable
@@ -181,7 +212,9 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
             }
             Ok(false) => {}
             Err(e) => {
+                // The device's health has the error: the next pass sees what it decided.
                 tracing::warn!(mirror = %shared.spec.name, region = r, error = %e, "copying a mirror region failed; will retry");
+                break;
             }
         }
     }
@@ -530,6 +563,7 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
         .sum::<u64>()
         + out_of_sync_bytes;
     let (regions_without_current, without_current_offsets) = shared.without_current();
+    let (syncs, sync_ns) = shared.regions.bitmap.syncs();
     let copied = shared.progress.copied.load(Ordering::Relaxed);
     let started = *shared
         .progress
@@ -555,5 +589,7 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
         out_of_sync_bytes,
         regions_without_current,
         without_current_offsets,
+        bitmap_syncs: syncs,
+        bitmap_sync_us: sync_ns as f64 / 1000.0 / syncs.max(1) as f64,
     }
 }

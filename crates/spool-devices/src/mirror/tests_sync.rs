@@ -8,20 +8,53 @@ use std::sync::atomic::Ordering;
 use super::tests::*;
 use super::*;
 use crate::FaultOps;
+use bitmap::INTENT;
 
-/// What a kill mid-write leaves: region 2 has intent and leg 0 holds a write (of 9s) that
-/// leg 1 never got and no one saw complete. Returns the devices (the mirror is gone).
+/// What a kill mid-write leaves: a write (of 9s) in flight in region 2, which reached leg 0
+/// and not leg 1 and which no one saw complete. Returns the devices (the mirror is gone).
 fn crash_with_region_2_differing(d: &Path) -> Vec<Arc<Device>> {
     let devs = vec![file_device(d, "a"), file_device(d, "b")];
     let m = MirrorBackend::open(spec(d, devs.clone(), true)).unwrap();
     let mut q = m.open_queue(64).unwrap();
     assert_eq!(run(&mut *q, true, 2 * MIB, &mut [1u8; 4096]), 0);
+    // Entered (its intent durable) and never left: the process died with it in flight.
+    let regions = &MirrorBackend::of(&m).unwrap().shared.regions;
+    regions.enter(2, 2, INTENT);
+    regions.bitmap.sync(2, 2);
     devs[0]
         .write_at_durable(&[9u8; 4096], MIB + 2 * MIB)
         .unwrap();
     drop(q);
     drop(m);
     devs
+}
+
+#[test]
+fn after_a_kill_only_the_regions_with_writes_in_flight_are_in_doubt() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    {
+        let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let mut q = m.open_queue(64).unwrap();
+        for r in 0..6 {
+            assert_eq!(run(&mut *q, true, r * MIB, &mut [2u8; 4096]), 0);
+        }
+        // Region 3's next write is in flight when the worker dies; the other five regions
+        // have intent (written less than a second ago) and nothing in flight.
+        MirrorBackend::of(&m)
+            .unwrap()
+            .shared
+            .regions
+            .enter(3, 3, INTENT);
+    }
+    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    assert_eq!(mirror.resync_at_open(), 1, "region 3 only");
+    // After a reboot (the counters say nothing) all six are in doubt.
+    drop(m);
+    std::fs::remove_file(d.path().join("bitmap.writes")).unwrap();
+    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+    assert_eq!(MirrorBackend::of(&m).unwrap().resync_at_open(), 6);
 }
 
 #[test]
@@ -118,8 +151,9 @@ fn regions_with_no_current_leg_are_shown_and_an_operator_can_accept_a_leg() {
     assert_eq!(run(&mut *q, true, 4 * MIB, &mut [3u8; 4096]), 0);
     // What a second failure can leave: both legs stale in region 4.
     mirror.shared.regions.mark(4, 0b11);
+    // No leg that may come back holds it: the request fails (not held for ever).
     let mut back = vec![0u8; 4096];
-    assert_eq!(run(&mut *q, false, 4 * MIB, &mut back), -libc::ENOLINK);
+    assert_eq!(run(&mut *q, false, 4 * MIB, &mut back), -libc::ENOMEDIUM);
     let p = mirror.progress();
     assert_eq!(
         (p.regions_without_current, p.without_current_offsets.clone()),
@@ -139,4 +173,36 @@ fn regions_with_no_current_leg_are_shown_and_an_operator_can_accept_a_leg() {
     let (a, b) = legs_of(&devs);
     assert_eq!(a, b);
     assert_eq!(mirror.shared.regions.stale[1].load(Ordering::Relaxed), 0);
+}
+
+/// During a rebuild the only current leg's device resets: requests to regions not yet
+/// copied wait (the mirror is resetting, so the worker holds them without spending their
+/// retries), and the mirror is healthy again once that device is back.
+#[test]
+fn the_only_current_leg_resetting_makes_the_mirror_wait_not_fail() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    let mut s = spec(d.path(), devs.clone(), false);
+    s.resync_rate = 1; // leg 1 stays stale almost everywhere
+    let m = MirrorBackend::open(s).unwrap();
+    let mut q = m.open_queue(64).unwrap();
+    devs[0].health().set(HealthState::Resetting);
+    assert_eq!(
+        run(&mut *q, true, 5 * MIB, &mut [1u8; 4096]),
+        -libc::ENOLINK
+    );
+    wait_until("mirror resetting", || {
+        m.health().state() == HealthState::Resetting
+    });
+    devs[0].health().set(HealthState::Healthy);
+    wait_until("mirror healthy", || {
+        m.health().state() == HealthState::Healthy
+    });
+    assert_eq!(run(&mut *q, true, 5 * MIB, &mut [1u8; 4096]), 0);
+    // Gone for good: what only it held fails at once instead of waiting.
+    devs[0].health().set(HealthState::Failed);
+    assert_eq!(
+        run(&mut *q, true, 5 * MIB, &mut [1u8; 4096]),
+        -libc::ENOMEDIUM
+    );
 }
