@@ -292,3 +292,54 @@ fn a_wedged_queue_thread_is_restarted_by_the_worker_watchdog() {
         t0.elapsed().as_secs_f64()
     );
 }
+
+/// A pool on null devices (benchmarks: the software path alone) keeps its volumes across a
+/// worker kill and an upgrade: the null devices' metadata is kept with the keeper, so the
+/// next worker opens the same pool, serves the same volume (same UUID) and carries on the
+/// kept connection. (Before, it made a new pool, released the kept session as "a volume
+/// that is not served", and the client's requests never completed.)
+#[test]
+fn a_pool_on_null_devices_keeps_its_volumes_across_a_kill_and_an_upgrade() {
+    let d = Spoold::start(
+        r#"
+[[devices]]
+path = "null0"
+null = "zero"
+create_size = "1G"
+
+[[volumes]]
+name = "n"
+size = "64M"
+num_queues = 1
+"#,
+    );
+    let uuid = || d.rpc("volume_show", json!({"id": "n"})).unwrap()["uuid"].clone();
+    let before = uuid();
+    let mut c = connect(&d.socket("n"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 0, &[7u8; 4096]), 0);
+    for restart in ["kill", "upgrade"] {
+        match restart {
+            "kill" => {
+                d.kill_worker();
+            }
+            _ => {
+                d.upgrade(None).unwrap();
+            }
+        }
+        assert_eq!(uuid(), before, "a new pool after the {restart}");
+        assert_eq!(
+            c.write_sync(0, 8192, &[8u8; 4096]),
+            0,
+            "after the {restart}"
+        );
+        let (r, data) = c.read_sync(0, 0, 4096);
+        assert_eq!(r, 0, "after the {restart}");
+        assert!(data.iter().all(|&b| b == 0), "null = \"zero\" reads zeroes");
+    }
+    assert!(
+        !d.log()
+            .contains("kept state of a volume that is not served"),
+        "{}",
+        d.log()
+    );
+}

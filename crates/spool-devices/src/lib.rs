@@ -42,10 +42,11 @@ pub use rbd::{
 };
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
-/// reset, are the backend that keeps some today). The daemon supplies a [`handoff::Keeper`]
-/// and offers back what the previous worker left under [`handoff::PREFIX`].
+/// reset; the null devices' metadata, so a benchmark pool keeps its volumes). The daemon
+/// supplies a [`handoff::Keeper`] and offers back what the previous worker left under
+/// [`handoff::PREFIXES`].
 pub mod handoff {
-    pub use spool_nvme::handoff::{offer, set_keeper, Keeper, PREFIX};
+    pub use spool_nvme::handoff::{offer, set_keeper, Keeper, PREFIX, PREFIXES};
 }
 
 /// Makes `[addr, addr+len)` of this process reachable by DMA from every NVMe controller, so

@@ -4,7 +4,9 @@
 //! Reads either leave the guest's buffers untouched (SPDK's null bdev, qsd
 //! `read-zeroes=off`) or zero them (qsd `read-zeroes=on`): [`NullReads`] makes the choice
 //! explicit so benchmarks compare like with like. Pool metadata written to a null device is
-//! kept in an anonymous memfd for the life of the process, so a pool on null devices opens.
+//! kept in an anonymous memfd, so a pool on null devices opens; the memfd is deposited with
+//! the keeper (`handoff`), so the next worker opens the same pool and its volumes, and the
+//! kept connections carry on across a kill or an upgrade (crash and upgrade benchmarks).
 //!
 //! Must not know: health cells and fault injection (the [`crate::Device`] wrapper).
 
@@ -102,10 +104,20 @@ impl NullBackend {
     pub fn open(name: &str, size: u64, reads: NullReads) -> Result<Self> {
         let path = PathBuf::from(format!("null:{name}"));
         check_size(&path, size)?;
-        let metadata = memfd(&format!("spool-null-{name}"), &path)?;
-        metadata
-            .set_len(size)
-            .map_err(|e| Error::io(&path, "set size", e))?;
+        let key = format!("{}{name}", spool_nvme::handoff::NULL_PREFIX);
+        let kept = spool_nvme::handoff::take(&key)
+            .and_then(|(_, files)| files.into_iter().next())
+            .filter(|f| f.metadata().is_ok_and(|m| m.len() == size));
+        let metadata = match kept {
+            Some(f) => f,
+            None => {
+                let f = memfd(&format!("spool-null-{name}"), &path)?;
+                f.set_len(size)
+                    .map_err(|e| Error::io(&path, "set size", e))?;
+                f
+            }
+        };
+        spool_nvme::handoff::keep(&key, String::new(), &[metadata.as_raw_fd()]);
         Ok(NullBackend {
             path,
             size,

@@ -6,7 +6,9 @@
 //! after a resubmitted one) and carries on, without a controller reset.
 //!
 //! This module only moves descriptors: the daemon supplies a [`Keeper`] (its keeper link)
-//! and offers what the previous worker left with [`offer`].
+//! and offers what the previous worker left with [`offer`]. Other backends of the devices
+//! layer keep theirs through it too, under their own prefix in [`PREFIXES`] (the null
+//! device's metadata memfd: a pool on null devices survives a worker restart).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -27,13 +29,17 @@ static OFFERED: Mutex<Option<Offered>> = Mutex::new(None);
 
 /// Key prefix of everything this driver deposits.
 pub const PREFIX: &str = "nvme/";
+/// Key prefix of the null devices' metadata (`null/NAME`).
+pub const NULL_PREFIX: &str = "null/";
+/// Every prefix deposited through this module: what the daemon offers back.
+pub const PREFIXES: [&str; 2] = [PREFIX, NULL_PREFIX];
 
 /// Deposit descriptors with `k` from now on.
 pub fn set_keeper(k: Arc<dyn Keeper>) {
     *KEEPER.lock().unwrap_or_else(|p| p.into_inner()) = Some(k);
 }
 
-/// Hands over what the previous worker deposited under [`PREFIX`].
+/// Hands over what the previous worker deposited under [`PREFIXES`].
 pub fn offer(key: String, value: String, files: Vec<File>) {
     OFFERED
         .lock()
@@ -42,7 +48,8 @@ pub fn offer(key: String, value: String, files: Vec<File>) {
         .insert(key, (value, files));
 }
 
-pub(crate) fn take(key: &str) -> Option<(String, Vec<File>)> {
+/// What the previous worker deposited under `key`, taken (once).
+pub fn take(key: &str) -> Option<(String, Vec<File>)> {
     OFFERED
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -66,7 +73,8 @@ pub(crate) fn has_keeper() -> bool {
     KEEPER.lock().unwrap_or_else(|p| p.into_inner()).is_some()
 }
 
-pub(crate) fn keep(key: &str, value: String, fds: &[RawFd]) {
+/// Deposits `value` and copies of `fds` under `key` (nothing without a keeper).
+pub fn keep(key: &str, value: String, fds: &[RawFd]) {
     if let Some(k) = KEEPER.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
         k.put(key, value, fds);
     }

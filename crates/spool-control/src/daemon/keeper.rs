@@ -51,7 +51,7 @@ impl spool_devices::handoff::Keeper for DeviceKeeper {
         if let Err(e) = self.0.put(key, value, fds) {
             tracing::error!(
                 key,
-                "cannot deposit an NVMe controller with the keeper: {e}; a crash now resets it"
+                "cannot deposit device state with the keeper: {e}; a crash now loses it (an NVMe controller is reset, a null pool starts anew)"
             );
         }
     }

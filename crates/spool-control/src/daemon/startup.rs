@@ -106,9 +106,11 @@ pub(super) fn open_pool(
     if let Some(k) = keeping {
         use spool_devices::handoff as h;
         h::set_keeper(Arc::new(DeviceKeeper(k.link.clone())));
-        for key in k.keys(kept::DEVICE_PREFIX) {
-            if let Some((value, files)) = k.take(&key) {
-                h::offer(key, value, files);
+        for prefix in h::PREFIXES {
+            for key in k.keys(prefix) {
+                if let Some((value, files)) = k.take(&key) {
+                    h::offer(key, value, files);
+                }
             }
         }
     }
