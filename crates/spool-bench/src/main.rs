@@ -75,6 +75,10 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Connect and start the queues, then issue no request for warm-up + runtime seconds:
+    /// what a connected guest doing no I/O costs the server (measure its CPU meanwhile).
+    #[arg(long)]
+    idle: bool,
     /// Write a completion timeline (CSV: millisecond since start, successful and failed
     /// completions in it) for
     /// stall plots; restarts show up as gaps.

@@ -317,6 +317,13 @@ pub(crate) fn run(args: &Args) -> Result<Report, BenchError> {
     let stop = warm + Duration::from_secs_f64(args.runtime);
     let warm = if args.fill { Duration::ZERO } else { warm };
     let clock = Clock { start, warm, stop };
+    if args.idle {
+        // Connected, rings started, nothing asked: the queues stay open until we return.
+        std::thread::sleep(stop);
+        drop(queues);
+        let cpu1 = args.server_pid.and_then(cpu_ticks);
+        return Ok(report(args, &[], start, args.runtime, cpu0.zip(cpu1)));
+    }
     let results: Vec<QueueResult> = std::thread::scope(|s| {
         let handles: Vec<_> = queues
             .into_iter()
