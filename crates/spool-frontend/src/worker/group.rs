@@ -210,7 +210,9 @@ fn run(shared: Arc<Shared>) {
         }
         if stepped_aside {
             // The volume is ahead of its fair share: off the core for a moment, once for
-            // every queue of this thread.
+            // every queue of this thread. Rounds are slow now: the look at contention is
+            // due by the clock too, or the share's view of this thread would go stale.
+            idle.look_at_sharing_soon(&members);
             std::thread::sleep(SHARE_PAUSE);
         }
         if work {
@@ -304,10 +306,31 @@ struct Idle {
     /// Rounds since the last look at contention, and that look's own count.
     since_contention: u32,
     contention: Preemptions,
+    /// The fair share's window on contention: since when, preemptions since it began (a
+    /// count of its own), and this thread's run-queue wait (ns, its schedstat) then.
+    window_start: Instant,
+    share_preemptions: Preemptions,
+    window_wait: Option<u64>,
+    schedstat: Option<std::fs::File>,
+    last_look: Instant,
+    /// The end of the last window that found this thread's core shared.
+    contended_since: Option<Instant>,
 }
 
 /// Every how many rounds the thread asks whether it was preempted (one `getrusage`).
 const CONTENTION_ROUNDS: u32 = 2048;
+/// The fair share looks at preemptions over windows this long ...
+const SHARE_WINDOW: Duration = Duration::from_millis(20);
+/// ... and calls the thread's core shared when it lost it this many times in one (150 a
+/// second and more: another runnable thread takes turns with it; the few preemptions a
+/// second of the kernel's own threads on an otherwise free core are not that) ...
+const SHARE_PREEMPTIONS: u64 = 3;
+/// ... or when it waited for a core this share of the window (threads that give way by
+/// sleeping are not preempted, but they wait to run again; wake-ups on a free core wait a
+/// few microseconds, a few percent of a busy queue's time at most).
+const SHARE_WAIT_PERCENT: u64 = 15;
+/// How often a thread that keeps giving way for the fair share looks at contention.
+const FORCED_LOOK: Duration = Duration::from_millis(2);
 
 impl Idle {
     fn new() -> Self {
@@ -317,7 +340,29 @@ impl Idle {
             preempted: Preemptions::default(),
             since_contention: 0,
             contention: Preemptions::default(),
+            window_start: Instant::now(),
+            share_preemptions: {
+                // Counted from now (the thread's earlier preemptions are not this window's).
+                let mut p = Preemptions::default();
+                p.count_since_last_look();
+                p
+            },
+            window_wait: None,
+            // Opened by the thread itself: `thread-self` names it for good.
+            schedstat: std::fs::File::open("/proc/thread-self/schedstat").ok(),
+            last_look: Instant::now(),
+            // Presumed shared until CONTENDED_HOLD of windows say otherwise.
+            contended_since: Some(Instant::now()),
         }
+    }
+
+    /// This thread's time spent waiting for a core so far (ns), from its schedstat.
+    fn run_wait(&self) -> Option<u64> {
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 96];
+        let n = self.schedstat.as_ref()?.read_at(&mut b, 0).ok()?;
+        let text = std::str::from_utf8(&b[..n]).ok()?;
+        text.split_whitespace().nth(1)?.parse().ok()
     }
 
     /// Every [`CONTENTION_ROUNDS`] rounds: whether the scheduler took this thread's core for
@@ -332,9 +377,50 @@ impl Idle {
         self.since_contention = 0;
         // Every member, every look: one that joined since takes the thread's state.
         let contended = self.contention.since_last_look();
-        for m in members {
+        for m in members.iter_mut() {
             m.worker.set_contended(contended);
         }
+        self.look_at_sharing(members);
+    }
+
+    /// [`Self::look_at_sharing`] for a thread that keeps giving way (its rounds are slow:
+    /// it looks by the clock, at most every [`FORCED_LOOK`]).
+    fn look_at_sharing_soon(&mut self, members: &[Member]) {
+        if self.last_look.elapsed() >= FORCED_LOOK {
+            self.look_at_sharing(members);
+        }
+    }
+
+    /// Whether this thread's core is shared, for the fair share (share.rs), which holds a
+    /// volume back only where cores are shared: over windows of [`SHARE_WINDOW`], it is
+    /// when the thread was preempted [`SHARE_PREEMPTIONS`] times or waited to run
+    /// [`SHARE_WAIT_PERCENT`] of the window, and it stays so until `CONTENDED_HOLD` passed
+    /// without that.
+    fn look_at_sharing(&mut self, members: &[Member]) {
+        self.last_look = Instant::now();
+        let elapsed = self.window_start.elapsed();
+        if elapsed < SHARE_WINDOW {
+            return;
+        }
+        let preempted = self.share_preemptions.count_since_last_look();
+        let wait = self.run_wait();
+        let waited = match (self.window_wait, wait) {
+            (Some(a), Some(b)) => b.saturating_sub(a) * 100,
+            _ => 0,
+        };
+        if preempted >= SHARE_PREEMPTIONS
+            || waited >= elapsed.as_nanos() as u64 * SHARE_WAIT_PERCENT
+        {
+            self.contended_since = Some(Instant::now());
+        }
+        let contended = self
+            .contended_since
+            .is_some_and(|t| t.elapsed() < crate::share::CONTENDED_HOLD);
+        if let Some(m) = members.first() {
+            m.worker.share.set_contended(contended);
+        }
+        self.window_start = Instant::now();
+        self.window_wait = wait;
     }
 
     #[inline]

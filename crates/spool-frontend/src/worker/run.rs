@@ -50,14 +50,19 @@ impl Preemptions {
     /// Whether this thread was preempted since the last look. One syscall, looked at only
     /// every 64 idle poll rounds.
     pub(super) fn since_last_look(&mut self) -> bool {
+        self.count_since_last_look() != 0
+    }
+
+    /// How many times this thread was preempted since the last look.
+    pub(super) fn count_since_last_look(&mut self) -> u64 {
         let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
         // SAFETY: getrusage fills the struct we pass, which lives on our stack.
         if unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) } != 0 {
-            return false;
+            return 0;
         }
         // SAFETY: getrusage succeeded, so it initialised the struct.
         let n = unsafe { ru.assume_init() }.ru_nivcsw;
-        std::mem::replace(&mut self.0, n) != n
+        n.saturating_sub(std::mem::replace(&mut self.0, n)) as u64
     }
 }
 

@@ -462,9 +462,11 @@ fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
     let mut h = Harness::new(2);
     h.w.qos_shared.set_manual_now(1);
     h.w.share = h.w.share_group.join(100);
-    // Another volume, busy.
+    // Another volume, busy; their threads take turns at a core.
     let other = h.w.share_group.join(100);
     h.w.share_group.queue_busy(&other);
+    h.w.share.set_contended(true);
+    other.set_contended(true);
     let mut l = (*h.w.layout).clone();
     l.qos = Some(QosLimits {
         iops: 1,
@@ -497,6 +499,9 @@ fn a_queue_that_ran_deep_and_drained_keeps_its_volume_busy_for_a_while() {
         h.w.share = h.w.share_group.join(100);
         let other = h.w.share_group.join(100);
         h.w.share_group.queue_busy(&other);
+        // Their threads take turns at a core (else nobody is held back).
+        h.w.share.set_contended(true);
+        other.set_contended(true);
         let heads: Vec<u16> = (0..depth).map(|k| h.post_read(k)).collect();
         h.round();
         for head in heads {
