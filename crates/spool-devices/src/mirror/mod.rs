@@ -26,6 +26,7 @@ mod resync;
 mod tests;
 #[cfg(test)]
 mod tests_sync;
+mod verify;
 mod writes;
 
 use std::path::{Path, PathBuf};
@@ -34,7 +35,8 @@ use std::sync::{Arc, OnceLock};
 
 pub use queue::MirrorQueue;
 pub(crate) use regions::Regions;
-pub use resync::{LegProgress, Progress, Verify};
+pub use resync::{LegProgress, Progress};
+pub use verify::Verify;
 use writes::WriteCounts;
 
 use crate::backend::{BackendInfo, PoolDevice, Probe};
@@ -357,7 +359,7 @@ impl MirrorBackend {
     /// Compares the legs region by region (a scrub); regions with writes in flight are
     /// compared again until quiet.
     pub fn verify(&self) -> Result<Verify> {
-        resync::verify(&self.shared)
+        verify::verify(&self.shared)
     }
 
     /// Whether leg `slot` holds a complete, current copy (present, nothing stale).

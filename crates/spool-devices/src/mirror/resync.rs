@@ -1,14 +1,15 @@
 //! The mirror's background thread and its synchronous I/O: copying stale regions from a
 //! current leg (resync after a crash, catching up a leg that missed writes, rebuilding a new
 //! leg), rate-limited; clearing intent bits of quiet regions; keeping the mirror's health
-//! (healthy while a leg is usable); and comparing legs ([`verify`]).
+//! (healthy while every region has a usable current leg), also during a long pass; the leg
+//! I/O that `verify` shares.
 //!
 //! A region is copied only while no write is in flight there, and the copy counts only if no
 //! write started there meanwhile (the region's generation is unchanged); otherwise it is
 //! copied again on a later pass. Reads never go to a leg stale in the region, so a copy in
 //! progress is never seen.
 //!
-//! Owns: [`Progress`], [`Verify`]. Must not know: the data path's queues, the pool.
+//! Owns: [`Progress`]. Must not know: the data path's queues, the pool.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -70,18 +71,6 @@ pub struct Progress {
     /// what crash consistency costs the data path (a write to a quiet region waits for one).
     pub bitmap_syncs: u64,
     pub bitmap_sync_us: f64,
-}
-
-/// What [`verify`] found.
-#[derive(Debug, Clone, Default)]
-pub struct Verify {
-    pub regions: u64,
-    pub bytes_compared: u64,
-    /// Regions where some legs were stale (known to differ until copied): not compared.
-    pub regions_skipped: u64,
-    /// Regions where current legs differ, and the volume offsets of the first few.
-    pub regions_differing: u64,
-    pub first_differences: Vec<u64>,
 }
 
 pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
@@ -182,9 +171,15 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
     let healthy = shared.healthy();
     let n = shared.regions.bitmap.regions();
     let mut any = false;
+    let mut health_kept = Instant::now();
     for r in 0..n {
         if shared.stop.load(Ordering::Acquire) {
             break;
+        }
+        if health_kept.elapsed() >= IDLE_TICK {
+            // A pass over a big volume is long even unthrottled.
+            keep_health(shared);
+            health_kept = Instant::now();
         }
         let byte = shared.regions.bitmap.byte(r).load(Ordering::Acquire);
         if byte & (0b111 | SYNC_SOURCE) == 0 {
@@ -248,7 +243,8 @@ fn note_copied(shared: &Shared, r: usize) {
     throttle(shared);
 }
 
-/// Sleeps so the copy stays under the configured rate.
+/// Sleeps so the copy stays under the configured rate, keeping the mirror's health every
+/// [`IDLE_TICK`] meanwhile.
 fn throttle(shared: &Shared) {
     let rate = shared.spec.resync_rate;
     let Some((t0, c0)) = *shared
@@ -264,19 +260,25 @@ fn throttle(shared: &Shared) {
     }
     let copied = shared.progress.copied.load(Ordering::Relaxed) - c0;
     let due = Duration::from_secs_f64(copied as f64 / rate as f64);
-    if let Some(wait) = due.checked_sub(t0.elapsed()) {
-        std::thread::sleep(wait);
+    // In slices: a pass over a big volume at a low rate lasts hours, and the mirror's
+    // health (a current leg's device resetting) and a stop must not wait for it.
+    while let Some(wait) = due.checked_sub(t0.elapsed()) {
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        std::thread::sleep(wait.min(IDLE_TICK));
+        keep_health(shared);
     }
 }
 
 /// Volume byte range of region `r`.
-fn region_range(shared: &Shared, r: usize) -> (u64, u64) {
+pub(super) fn region_range(shared: &Shared, r: usize) -> (u64, u64) {
     shared.region_range(r)
 }
 
 /// Waits (briefly) until no write is in flight in region `r`; returns the generation seen
 /// before, or `None` when writes kept coming.
-fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
+pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
     let t0 = Instant::now();
     loop {
         let g = shared.regions.gens[r].load(Ordering::SeqCst);
@@ -394,7 +396,13 @@ fn leg_pieces(
     Ok(())
 }
 
-fn leg_read(shared: &Shared, io: &mut LegIo, slot: u8, off: u64, buf: &mut [u8]) -> Result<()> {
+pub(super) fn leg_read(
+    shared: &Shared,
+    io: &mut LegIo,
+    slot: u8,
+    off: u64,
+    buf: &mut [u8],
+) -> Result<()> {
     leg_pieces(shared, slot, off, buf.len() as u64, |d, o, n, at| {
         io.rw(
             shared,
@@ -483,52 +491,6 @@ pub(crate) fn write_all_legs(
     }
     shared.regions.leave(first, last);
     res
-}
-
-/// Compares the current legs region by region.
-pub(crate) fn verify(shared: &Shared) -> Result<Verify> {
-    let mut v = Verify::default();
-    let n = shared.regions.bitmap.regions();
-    let (mut a, mut b) = (AlignedBuf::default(), AlignedBuf::default());
-    let mut io = LegIo::default();
-    for r in 0..n {
-        v.regions += 1;
-        for _attempt in 0..50 {
-            let byte = shared.regions.bitmap.byte(r).load(Ordering::Acquire);
-            let (off, len) = region_range(shared, r);
-            let usable = shared.usable(shared.healthy(), off, len);
-            let legs: Vec<u8> = (0..MAX_LEGS as u8)
-                .filter(|s| usable & !byte & stale(*s) != 0)
-                .collect();
-            // A usable leg still being copied to, or the region out of sync: not compared.
-            if byte & usable & 0b111 != 0 || sync_source(byte).is_some() || legs.len() < 2 {
-                v.regions_skipped += 1;
-                break;
-            }
-            let Some(g) = quiet_gen(shared, r) else {
-                continue;
-            };
-            let (a, b) = (a.get(len as usize), b.get(len as usize));
-            leg_read(shared, &mut io, legs[0], off, a)?;
-            let mut differ = false;
-            for &l in &legs[1..] {
-                leg_read(shared, &mut io, l, off, b)?;
-                differ |= a != b;
-            }
-            if shared.regions.gens[r].load(Ordering::SeqCst) != g {
-                continue;
-            }
-            v.bytes_compared += len * legs.len() as u64;
-            if differ {
-                v.regions_differing += 1;
-                if v.first_differences.len() < 16 {
-                    v.first_differences.push(off);
-                }
-            }
-            break;
-        }
-    }
-    Ok(v)
 }
 
 /// The mirror's progress as the control plane shows it.
