@@ -410,18 +410,14 @@ impl MirrorBackend {
                 )),
             ));
         }
-        let (r, healthy) = (&self.shared.regions, self.shared.healthy());
-        let n = r.bitmap.regions();
+        let r = &self.shared.regions;
         let mut changed = 0;
-        for i in 0..n {
-            let (off, len) = self.shared.region_range(i);
-            if self.shared.current(healthy, off, len, (i, i)) == 0 {
-                r.accept(i, all, slot);
-                changed += 1;
-            }
+        for i in self.shared.regions_without_current() {
+            r.accept(i, all, slot);
+            changed += 1;
         }
         if changed > 0 {
-            r.bitmap.sync(0, n - 1);
+            r.bitmap.sync(0, r.bitmap.regions() - 1);
             tracing::warn!(mirror = %self.path.display(), slot, regions = changed, "an operator accepted a leg as current where no leg was: acknowledged writes it missed there are lost");
         }
         Ok(changed)

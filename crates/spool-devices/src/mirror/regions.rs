@@ -200,11 +200,27 @@ impl Shared {
         len: u64,
         regions: (usize, usize),
     ) -> u8 {
+        self.current_and_sync(healthy, offset, len, regions).0
+    }
+
+    /// [`Shared::current`], and whether some region of the range is out of sync (one pass
+    /// over the region bytes: the read path's).
+    #[inline]
+    fn current_and_sync(
+        &self,
+        healthy: u64,
+        offset: u64,
+        len: u64,
+        regions: (usize, usize),
+    ) -> (u8, bool) {
         let mut mask = self.usable(healthy, offset, len);
+        let mut out_of_sync = false;
         for r in regions.0..=regions.1 {
-            mask &= !self.regions.bitmap.byte(r).load(Ordering::Acquire);
+            let b = self.regions.bitmap.byte(r).load(Ordering::Acquire);
+            mask &= !b;
+            out_of_sync |= b & SYNC_SOURCE != 0;
         }
-        mask & 0b111
+        (mask & 0b111, out_of_sync)
     }
 
     /// The legs a read of `[offset, offset + len)` (regions `regions`) may go to: the
@@ -219,12 +235,12 @@ impl Shared {
         len: u64,
         regions: (usize, usize),
     ) -> u8 {
-        let current = self.current(healthy, offset, len, regions);
+        let (current, out_of_sync) = self.current_and_sync(healthy, offset, len, regions);
+        if !out_of_sync {
+            return current;
+        }
         let mut mask = current;
         for r in regions.0..=regions.1 {
-            if self.regions.bitmap.byte(r).load(Ordering::Acquire) & SYNC_SOURCE == 0 {
-                continue;
-            }
             if let Some(s) = self.regions.read_source(r, current) {
                 if mask & stale(s) != 0 {
                     mask = stale(s);
@@ -239,17 +255,22 @@ impl Shared {
     /// device comes back or an operator accepts a leg. How many, and the first few offsets.
     pub(crate) fn without_current(&self) -> (u64, Vec<u64>) {
         let (mut n, mut first) = (0, Vec::new());
-        let healthy = self.healthy();
-        for r in 0..self.regions.bitmap.regions() {
-            let (off, len) = self.region_range(r);
-            if self.current(healthy, off, len, (r, r)) == 0 {
-                n += 1;
-                if first.len() < 16 {
-                    first.push(off);
-                }
+        for r in self.regions_without_current() {
+            n += 1;
+            if first.len() < 16 {
+                first.push(self.region_range(r).0);
             }
         }
         (n, first)
+    }
+
+    /// The regions of [`Shared::without_current`], in order.
+    pub(crate) fn regions_without_current(&self) -> impl Iterator<Item = usize> + '_ {
+        let healthy = self.healthy();
+        (0..self.regions.bitmap.regions()).filter(move |&r| {
+            let (off, len) = self.region_range(r);
+            self.current(healthy, off, len, (r, r)) == 0
+        })
     }
 
     /// Volume byte range of region `r`.
