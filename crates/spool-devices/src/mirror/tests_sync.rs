@@ -206,3 +206,37 @@ fn the_only_current_leg_resetting_makes_the_mirror_wait_not_fail() {
         -libc::ENOMEDIUM
     );
 }
+
+/// Damaged state files lose nothing: a write-counters file that is short, of another magic
+/// or another region count says nothing (the intent bits decide), and a region byte whose
+/// read source names a slot with no leg, or the fourth slot value, still serves from a
+/// current leg and resyncs.
+#[test]
+fn damaged_write_counters_and_read_sources_are_not_trusted() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = crash_with_region_2_differing(d.path());
+    let counts = d.path().join("bitmap.writes");
+    for bad in [vec![], b"SPOOLWC1".to_vec(), vec![0xffu8; 4096]] {
+        std::fs::write(&counts, &bad).unwrap();
+        // Region 3: a read source in slot 2, where this mirror has no leg.
+        let (bitmap, _) = Bitmap::open(Some(&d.path().join("bitmap")), 8, 20).unwrap();
+        bitmap
+            .byte(3)
+            .fetch_or(INTENT | bitmap::out_of_sync(2), Ordering::AcqRel);
+        bitmap.sync(3, 3);
+        drop(bitmap);
+        let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let mirror = MirrorBackend::of(&m).unwrap();
+        assert!(mirror.resync_at_open() >= 2, "intent bits decide");
+        let mut q = m.open_queue(64).unwrap();
+        let mut back = vec![0u8; 4096];
+        assert_eq!(run(&mut *q, false, 3 * MIB, &mut back), 0);
+        assert_eq!(run(&mut *q, false, 2 * MIB, &mut back), 0);
+        wait_until("resynced", || {
+            let p = mirror.progress();
+            p.out_of_sync_bytes == 0 && p.remaining_bytes == 0
+        });
+        let (a, b) = legs_of(&devs);
+        assert_eq!(a, b);
+    }
+}
