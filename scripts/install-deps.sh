@@ -15,6 +15,8 @@ command -v objcopy >/dev/null || need+=(binutils)
 # The systemd test runs a real (user) service manager: tests/systemd.rs.
 [ -x /lib/systemd/systemd ] || need+=(systemd)
 command -v unshare >/dev/null || need+=(util-linux)
+# The encryption test checks the on-device layout with OpenSSL's AES-XTS (tests/encryption.rs).
+/usr/bin/python3 -c 'import cryptography' 2>/dev/null || need+=(python3-cryptography)
 # The libvirt test runs a private libvirtd (tests/libvirt.rs).
 [ -x /usr/sbin/libvirtd ] || need+=(libvirt-daemon-driver-qemu libvirt-daemon)
 command -v virsh >/dev/null || need+=(libvirt-clients)

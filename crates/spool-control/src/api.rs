@@ -83,6 +83,8 @@ methods! {
         "compare a mirrored volume's copies region by region (a scrub)";
     VolumeMirror = "volume_mirror", VolumeMirrorParams => Volume,
         "add a copy to a volume (a plain one becomes a mirror) or remove one, online";
+    VolumeRekey = "volume_rekey", RekeyParams => RekeyResult,
+        "rewrap every encrypted volume's data key under a new key-encryption key (no data is touched)";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     VolumeStatsGet = "volume_stats", VolumeStatsParams => Vec<VolumeStats>,
@@ -281,6 +283,28 @@ pub struct VolumeCreateParams {
     /// `POOL/IMAGE` attaches an existing image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rbd: Option<String>,
+    /// Encrypt the volume's data under a data key of its own (docs/encryption.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub encrypt: bool,
+}
+
+/// `volume_rekey`: where the new key-encryption key is (default: the configured source,
+/// read again, after the operator put the new key there).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RekeyParams {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<String>,
+}
+
+/// What `volume_rekey` did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RekeyResult {
+    /// Data keys rewrapped (one per encrypted volume).
+    pub rewrapped: usize,
+    /// The id of the key-encryption key in use now, and of the one before.
+    pub kek_id: String,
+    pub old_kek_id: String,
 }
 
 /// `volume_mirror`: `action` "add" (one more copy, rebuilt online) or "remove" (copy `leg`,

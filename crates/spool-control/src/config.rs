@@ -9,7 +9,13 @@ use crate::qos::{QosError, RateValue};
 use crate::size::parse_size;
 
 mod ceph;
+mod encryption;
+mod health;
 mod io;
+
+pub use encryption::{read_private, KeySource};
+pub use health::HealthConfig;
+use health::{health, RawHealth};
 
 use io::{volume_threads, RawIo};
 
@@ -73,6 +79,8 @@ pub enum ConfigError {
     MetricsListen(String),
     #[error("io.volume_threads: {0} must be 0 (a thread per queue) to 64")]
     VolumeThreads(u32),
+    #[error("encryption: {0}")]
+    Encryption(String),
     #[error("health.{0} must be positive")]
     NotPositive(&'static str),
     #[error("{path}: {source}")]
@@ -124,6 +132,9 @@ struct RawVolume {
     qos: Option<RawQos>,
     /// Keep the data in Ceph RBD: "POOL" (image POOL/NAME) or "POOL/IMAGE" (attach).
     rbd: Option<String>,
+    /// Encrypt the volume's data (when it is created; docs/encryption.md).
+    #[serde(default)]
+    encrypt: bool,
 }
 
 /// `[volumes.qos]` as written: rates as numbers or strings ("20k", "200M"), burst with a unit.
@@ -164,20 +175,6 @@ impl Default for RawJournal {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawHealth {
-    media_errors_to_fail: Option<u32>,
-    io_timeout_ms: Option<u64>,
-    reset_timeout_ms: Option<u64>,
-    poll_interval_ms: Option<u64>,
-    request_retries: Option<u32>,
-    worker_watchdog_ms: Option<u64>,
-    hook: Option<String>,
-    #[serde(default)]
-    spares: Vec<PathBuf>,
-}
-
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -199,6 +196,8 @@ struct RawConfig {
     #[serde(default)]
     metrics: RawMetrics,
     ceph: Option<RawCeph>,
+    #[serde(default)]
+    encryption: encryption::RawEncryption,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -213,40 +212,6 @@ struct RawCeph {
 #[serde(deny_unknown_fields)]
 struct RawMetrics {
     listen: Option<String>,
-}
-
-/// Failure handling (docs/failures.md).
-#[derive(Debug, Clone, PartialEq)]
-pub struct HealthConfig {
-    pub media_errors_to_fail: u32,
-    pub io_timeout_ms: u64,
-    pub reset_timeout_ms: u64,
-    pub poll_interval_ms: u64,
-    pub request_retries: u32,
-    /// The keeper restarts a worker whose queue threads stop making progress for this long
-    /// (0: never). Default: twice `io_timeout_ms`, at least 10 s, so that no wait bounded by
-    /// the I/O timeout is taken for a wedge.
-    pub worker_watchdog_ms: u64,
-    /// Shell command run on every health event.
-    pub hook: Option<String>,
-    /// Blank devices (paths) that automatically replace a failed or removed device, first
-    /// existing one first: a spare file, or a block device that appears when hot-plugged.
-    pub spares: Vec<PathBuf>,
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        HealthConfig {
-            media_errors_to_fail: 1,
-            io_timeout_ms: 30_000,
-            reset_timeout_ms: 10_000,
-            poll_interval_ms: 1_000,
-            request_retries: 3,
-            worker_watchdog_ms: 60_000,
-            hook: None,
-            spares: Vec::new(),
-        }
-    }
 }
 
 /// A device to put in the pool.
@@ -272,6 +237,8 @@ pub struct VolumeConfig {
     /// `rbd = "POOL"` or `"POOL/IMAGE"` (docs/ceph.md), checked; `size` is 0 for an attached
     /// image at its own size.
     pub rbd: Option<String>,
+    /// Encrypted when created (docs/encryption.md).
+    pub encrypt: bool,
 }
 
 /// The validated daemon configuration.
@@ -311,6 +278,8 @@ pub struct Config {
     /// `[ceph] claim_wait_ms`: how long a VM's start on this host waits for another host to
     /// give an RBD volume back (a migration's source draining), default 10 s.
     pub ceph_claim_wait_ms: u64,
+    /// `[encryption]`: where the key-encryption key comes from (docs/encryption.md).
+    pub encryption: Option<KeySource>,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -460,6 +429,7 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
             copies,
             qos,
             rbd: v.rbd.clone(),
+            encrypt: v.encrypt,
         });
     }
     Ok(volumes)
@@ -485,31 +455,6 @@ fn qos_limits(q: &RawQos) -> Result<spool_pool::QosLimits, QosError> {
     })
 }
 
-fn health(h: &RawHealth, base: &Base) -> Result<HealthConfig, ConfigError> {
-    let d = HealthConfig::default();
-    let positive = |v: Option<u64>, def: u64, what| match v {
-        Some(0) => Err(ConfigError::NotPositive(what)),
-        Some(v) => Ok(v),
-        None => Ok(def),
-    };
-    Ok(HealthConfig {
-        media_errors_to_fail: positive(
-            h.media_errors_to_fail.map(u64::from),
-            d.media_errors_to_fail as u64,
-            "media_errors_to_fail",
-        )? as u32,
-        io_timeout_ms: positive(h.io_timeout_ms, d.io_timeout_ms, "io_timeout_ms")?,
-        reset_timeout_ms: positive(h.reset_timeout_ms, d.reset_timeout_ms, "reset_timeout_ms")?,
-        poll_interval_ms: positive(h.poll_interval_ms, d.poll_interval_ms, "poll_interval_ms")?,
-        request_retries: h.request_retries.unwrap_or(d.request_retries),
-        worker_watchdog_ms: h
-            .worker_watchdog_ms
-            .unwrap_or_else(|| (2 * h.io_timeout_ms.unwrap_or(d.io_timeout_ms)).max(10_000)),
-        hook: h.hook.clone().filter(|s| !s.trim().is_empty()),
-        spares: h.spares.iter().map(|p| base.abs(p)).collect(),
-    })
-}
-
 impl Config {
     /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Config, ConfigError> {
@@ -528,7 +473,18 @@ impl Config {
             None => None,
         };
         let ceph = ceph::options(&raw.ceph.clone().unwrap_or_default(), &base)?;
+        let encryption = match raw.encryption.source()? {
+            Some(KeySource::File(p)) => Some(KeySource::File(base.abs(&p))),
+            other => other,
+        };
+        if let Some(v) = volumes.iter().find(|v| v.encrypt && v.rbd.is_some()) {
+            return Err(ConfigError::Encryption(format!(
+                "volume {}: RBD volumes cannot be encrypted by spoold yet (use Ceph's own encryption)",
+                v.name
+            )));
+        }
         Ok(Config {
+            encryption,
             health,
             metrics_listen,
             ceph,

@@ -17,7 +17,7 @@ pub const MAX_DISCARD_SEG: u32 = 32;
 pub const BLK_SIZE: u32 = 512;
 
 /// Virtio feature bits offered for a volume.
-pub fn features(read_only: bool) -> u64 {
+pub fn features(read_only: bool, encrypted: bool) -> u64 {
     let mut f = (1u64 << VIRTIO_F_VERSION_1)
         | VHOST_F_LOG_ALL
         | (1 << VIRTIO_RING_F_EVENT_IDX)
@@ -31,7 +31,12 @@ pub fn features(read_only: bool) -> u64 {
     if read_only {
         f |= 1 << VIRTIO_BLK_F_RO;
     } else {
-        f |= (1 << VIRTIO_BLK_F_DISCARD) | (1 << VIRTIO_BLK_F_WRITE_ZEROES);
+        f |= 1 << VIRTIO_BLK_F_DISCARD;
+        // Zeroes on the device would decrypt to noise: an encrypted volume's guest writes
+        // zeroes as data (its kernel falls back to that), as on dm-crypt.
+        if !encrypted {
+            f |= 1 << VIRTIO_BLK_F_WRITE_ZEROES;
+        }
     }
     f
 }
@@ -78,9 +83,17 @@ mod tests {
         assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 4);
         assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);
         assert_eq!(
-            features(true) & (1 << VIRTIO_BLK_F_RO),
+            features(true, false) & (1 << VIRTIO_BLK_F_RO),
             1 << VIRTIO_BLK_F_RO
         );
-        assert_eq!(features(true) & (1 << VIRTIO_BLK_F_DISCARD), 0);
+        assert_eq!(features(true, false) & (1 << VIRTIO_BLK_F_DISCARD), 0);
+        let zeroes = 1 << VIRTIO_BLK_F_WRITE_ZEROES;
+        assert_eq!(features(false, false) & zeroes, zeroes);
+        assert_eq!(
+            features(false, true) & zeroes,
+            0,
+            "encrypted: no write-zeroes"
+        );
+        assert_ne!(features(false, true) & (1 << VIRTIO_BLK_F_DISCARD), 0);
     }
 }

@@ -307,7 +307,11 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_features(&mut self) -> VhostResult<u64> {
-        Ok(blk_config::features(self.ctx.layout().load().read_only))
+        let layout = self.ctx.layout().load();
+        Ok(blk_config::features(
+            layout.read_only,
+            layout.cipher.is_some(),
+        ))
     }
 
     fn set_features(&mut self, features: u64) -> VhostResult<()> {

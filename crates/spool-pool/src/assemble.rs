@@ -61,6 +61,7 @@ impl Pool {
             left_out,
             mirrors: Default::default(),
             rbd_devices: Default::default(),
+            ciphers: Default::default(),
         };
         if needs_write {
             let t = pool.table.clone();

@@ -60,6 +60,8 @@ pub struct VolumeInfo {
     pub rbd: Option<String>,
     /// Where its data lies, extent by extent, each copy in volume order.
     pub extent_map: Vec<ExtentInfo>,
+    /// Its data is encrypted (docs/encryption.md).
+    pub encrypted: bool,
 }
 
 /// One extent of a volume: `len` bytes at `offset` on `device`, holding the volume's bytes
@@ -200,6 +202,7 @@ impl Pool {
             legs,
             rbd: v.rbd.as_ref().map(|r| r.spec()),
             extent_map: self.extent_map(v),
+            encrypted: v.encryption.is_some(),
         }
     }
 

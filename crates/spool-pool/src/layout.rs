@@ -72,6 +72,9 @@ pub struct VolumeLayout {
     /// I/O limits the workers enforce (None: unlimited, and no cost).
     pub qos: Option<QosLimits>,
     pub devices: Vec<Arc<Device>>,
+    /// An encrypted volume's cipher (docs/encryption.md): the frontend wraps each device
+    /// queue in a `spool_crypt::CryptQueue` with the segments' volume offsets as tweaks.
+    pub cipher: Option<crate::encryption::VolumeCipher>,
 }
 
 impl VolumeLayout {
@@ -111,7 +114,12 @@ impl VolumeLayout {
 
 /// A volume that is one segment of `len` bytes at the start of `dev` (a mirror device, an
 /// RBD image).
-fn one_segment(v: &VolumeEntry, len: u64, dev: Arc<Device>) -> VolumeLayout {
+fn one_segment(
+    v: &VolumeEntry,
+    len: u64,
+    dev: Arc<Device>,
+    cipher: Option<crate::encryption::VolumeCipher>,
+) -> VolumeLayout {
     VolumeLayout {
         uuid: v.uuid,
         name: v.name.clone(),
@@ -126,6 +134,7 @@ fn one_segment(v: &VolumeEntry, len: u64, dev: Arc<Device>) -> VolumeLayout {
         }],
         devices: vec![dev],
         qos: v.qos,
+        cipher,
     }
 }
 
@@ -134,9 +143,10 @@ impl Pool {
     /// mirrored volume: when no synced leg is present).
     pub fn layout(&self, id: &str) -> Result<VolumeLayout> {
         let v = &self.table.volumes[self.find(id)?];
+        let cipher = self.volume_cipher(v)?;
         if let Some(r) = &v.rbd {
             let dev = self.rbd_device(v, r)?;
-            return Ok(one_segment(v, dev.size(), dev));
+            return Ok(one_segment(v, dev.size(), dev, cipher));
         }
         if v.is_mirrored() {
             let dev = self.mirror_device(v)?;
@@ -145,7 +155,7 @@ impl Pool {
                 .iter()
                 .map(|e| self.table.min_extent << e.order)
                 .sum();
-            return Ok(one_segment(v, len, dev));
+            return Ok(one_segment(v, len, dev, cipher));
         }
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();
@@ -189,6 +199,7 @@ impl Pool {
             segments,
             devices,
             qos: v.qos,
+            cipher,
         })
     }
 }

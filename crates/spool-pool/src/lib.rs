@@ -9,6 +9,7 @@
 
 mod assemble;
 pub mod buddy;
+mod encryption;
 mod info;
 mod layout;
 mod legs;
@@ -23,6 +24,7 @@ use std::path::Path;
 
 use uuid::Uuid;
 
+pub use encryption::{export_key_offline, ExportedKey, VolumeCipher};
 pub use info::{DeviceInfo, ExtentInfo, LeftOut, LegInfo, PoolInfo, Replacement, VolumeInfo};
 pub use layout::{Segment, VolumeLayout};
 pub use legs::Relocated;
@@ -69,6 +71,8 @@ pub enum Error {
     Metadata(String),
     #[error("pool has no devices; add at least one device")]
     NoDevices,
+    #[error("volume '{volume}': {why}")]
+    Key { volume: String, why: String },
 }
 
 /// Result type of the pool layer.
@@ -102,6 +106,9 @@ pub struct PoolOptions {
     /// How long a device's lock may stay taken before it counts as in use (a worker taking
     /// over from a killed one: the dead process's descriptors close asynchronously).
     pub lock_wait: std::time::Duration,
+    /// The key-encryption key that wraps encrypted volumes' data keys (config
+    /// `[encryption]`); without one, encrypted volumes are refused.
+    pub kek: Option<std::sync::Arc<spool_crypt::Kek>>,
 }
 
 impl Default for PoolOptions {
@@ -117,6 +124,7 @@ impl Default for PoolOptions {
             resync_rate: DEFAULT_RESYNC_RATE,
             ceph: Default::default(),
             lock_wait: std::time::Duration::ZERO,
+            kek: None,
         }
     }
 }
@@ -134,12 +142,26 @@ pub struct Pool {
     mirrors: std::sync::Mutex<layout::MirrorCache>,
     /// The device of each RBD volume in use.
     rbd_devices: std::sync::Mutex<rbd::RbdCache>,
+    /// The cipher of each encrypted volume, unwrapped once.
+    ciphers: std::sync::Mutex<encryption::CipherCache>,
 }
 
 impl Pool {
     /// Writes `table` as the next generation to every present member that is not isolated
     /// (failed or removed: writing to it could hang or fail), then adopts it.
     pub(crate) fn commit(&mut self, table: PoolTable) -> Result<()> {
+        self.commit_with(table, false)
+    }
+
+    /// [`Self::commit`], twice, each time over the whole slot: afterwards neither slot of any
+    /// member written holds anything of the tables before (a deleted volume's wrapped key,
+    /// a key wrapped under a retired key-encryption key).
+    pub(crate) fn commit_erasing(&mut self, table: PoolTable) -> Result<()> {
+        self.commit_with(table.clone(), true)?;
+        self.commit_with(table, true)
+    }
+
+    fn commit_with(&mut self, table: PoolTable, erase: bool) -> Result<()> {
         if !self.members.iter().any(|m| !m.isolated()) {
             return Err(Error::NoDevices);
         }
@@ -156,6 +178,7 @@ impl Pool {
                     device_uuid: m.uuid,
                     table: table.clone(),
                 },
+                erase,
             )
             .map_err(|e| Error::Metadata(format!("{}: {e}", m.dev.path().display())))?;
         }

@@ -10,6 +10,7 @@ use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+pub use crate::encryption::VolumeKey;
 use crate::qos::QosLimits;
 use spool_devices::Device;
 
@@ -18,9 +19,9 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// Newest record format version this spoold reads and writes. Readers refuse records with
 /// a higher version. A table is written as version 1 unless it uses something version 1
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
-/// images: version 4), so an older spoold refuses a table it would
+/// images: version 4; encrypted volumes: version 5), so an older spoold refuses a table it would
 /// otherwise rewrite without them, and still reads every table that needs nothing new.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -115,6 +116,9 @@ pub struct VolumeEntry {
     /// no legs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rbd: Option<RbdImage>,
+    /// An encrypted volume's data key, wrapped (format version 5; docs/encryption.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<VolumeKey>,
 }
 
 /// The RBD image a volume's data lives in.
@@ -165,6 +169,7 @@ impl VolumeEntry {
             copies: 0,
             legs: Vec::new(),
             rbd: None,
+            encryption: None,
         }
     }
 
@@ -193,7 +198,9 @@ impl VolumeEntry {
 impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
-        if self.volumes.iter().any(|v| v.rbd.is_some()) {
+        if self.volumes.iter().any(|v| v.encryption.is_some()) {
+            5
+        } else if self.volumes.iter().any(|v| v.rbd.is_some()) {
             4
         } else if self
             .volumes
@@ -304,6 +311,9 @@ impl PoolTable {
         }
         if let Some(q) = &v.qos {
             q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
+        }
+        if let Some(k) = &v.encryption {
+            k.validate().map_err(|why| format!("{what}: {why}"))?;
         }
         if let Some(r) = &v.rbd {
             return crate::rbd::validate(v, r).map_err(|why| format!("{what}: {why}"));
@@ -555,15 +565,19 @@ pub fn read_device(dev: &Device) -> DeviceState {
 }
 
 /// Writes `rec` durably into slot `rec.generation % 2`. Refuses a table that [`decode`] would
-/// refuse (a bug must not write a pool that no longer opens).
-pub fn write_record(dev: &Device, rec: &Record) -> Result<(), String> {
+/// refuse (a bug must not write a pool that no longer opens). With `erase`, the rest of the
+/// slot is written with zeroes too, so nothing of an older, longer record survives in it.
+pub fn write_record(dev: &Device, rec: &Record, erase: bool) -> Result<(), String> {
     rec.table
         .validate()
         .map_err(|e| format!("refusing to write an invalid pool table: {e}"))?;
     if rec.generation == 0 || rec.generation == u64::MAX {
         return Err(format!("generation {} is out of range", rec.generation));
     }
-    let img = encode(rec)?;
+    let mut img = encode(rec)?;
+    if erase {
+        img.resize(SLOT_SIZE as usize, 0);
+    }
     dev.write_at_durable(&img, (rec.generation % 2) * SLOT_SIZE)
         .map_err(|e| e.to_string())
 }
@@ -641,6 +655,7 @@ mod tests {
                 copies: 0,
                 legs: Vec::new(),
                 rbd: None,
+                encryption: None,
             }],
         }
     }
@@ -673,6 +688,7 @@ mod tests {
                     device_uuid: du,
                     table: t.clone(),
                 },
+                false,
             )
             .unwrap();
             match read_device(&dev) {
@@ -694,6 +710,7 @@ mod tests {
                 device_uuid: du,
                 table: t.clone(),
             },
+            false,
         )
         .unwrap();
         t.name = "newer".into();
@@ -704,6 +721,7 @@ mod tests {
                 device_uuid: du,
                 table: t,
             },
+            false,
         )
         .unwrap();
         // Tear generation 2 (slot 0) in the middle of its payload.
@@ -774,6 +792,7 @@ mod tests {
                     copies: 0,
                     legs: Vec::new(),
                     rbd: None,
+                    encryption: None,
                 },
                 VolumeEntry {
                     uuid: Uuid::from_u128(11),
@@ -786,6 +805,7 @@ mod tests {
                     copies: 0,
                     legs: Vec::new(),
                     rbd: None,
+                    encryption: None,
                 },
             ],
         }
@@ -867,7 +887,7 @@ mod tests {
             device_uuid: Uuid::new_v4(),
             table: t,
         };
-        let e = write_record(&dev, &rec).unwrap_err();
+        let e = write_record(&dev, &rec, false).unwrap_err();
         assert!(e.contains("does not match its extents"), "{e}");
         assert_eq!(read_device(&dev), DeviceState::Blank, "nothing was written");
         // Written anyway (valid checksums): read as corrupt, saying why.

@@ -187,6 +187,20 @@ impl Pool {
         num_queues: u16,
         copies: u8,
     ) -> Result<VolumeInfo> {
+        self.create_volume_opts(name, size, read_only, num_queues, copies, false)
+    }
+
+    /// [`Self::create_volume_copies`]; with `encrypt`, the volume's data is encrypted under a
+    /// data key of its own (docs/encryption.md), which needs the pool's key-encryption key.
+    pub fn create_volume_opts(
+        &mut self,
+        name: &str,
+        size: u64,
+        read_only: bool,
+        num_queues: u16,
+        copies: u8,
+        encrypt: bool,
+    ) -> Result<VolumeInfo> {
         valid_name(name)?;
         Self::check_size(size)?;
         if !(1..=MAX_QUEUES).contains(&num_queues) {
@@ -204,6 +218,9 @@ impl Pool {
         let bytes = self.round_up(size)?;
         self.check_space(bytes.saturating_mul(copies as u64))?;
         let mut v = VolumeEntry::new(name, size, read_only, num_queues);
+        if encrypt {
+            v.encryption = Some(self.new_volume_key(&v)?);
+        }
         if copies > 1 {
             v.copies = copies;
             for (slot, extents) in self.allocate_legs(bytes, copies)?.into_iter().enumerate() {
@@ -238,7 +255,7 @@ impl Pool {
             self.release(&all);
             return Err(e);
         }
-        tracing::info!(volume = %v.name, uuid = %v.uuid, size, copies, extents = all.len(), "volume created");
+        tracing::info!(volume = %v.name, uuid = %v.uuid, size, copies, extents = all.len(), encrypted = encrypt, "volume created");
         Ok(self.volume_info(&v))
     }
 
@@ -257,7 +274,14 @@ impl Pool {
         let mut table = self.table.clone();
         let v = table.volumes.remove(i);
         let info = self.volume_info(&v);
-        self.commit(table)?;
+        // An encrypted volume's wrapped key leaves both slots of every member before its
+        // extents are free (crypto-erase).
+        if v.encryption.is_some() {
+            self.commit_erasing(table)?;
+            self.drop_cipher(v.uuid);
+        } else {
+            self.commit(table)?;
+        }
         let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
         self.release(&all);
         self.drop_mirror(v.uuid);

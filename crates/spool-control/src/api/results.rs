@@ -94,6 +94,9 @@ pub struct VolumeInfo {
     /// Where its data lies on the pool's devices (empty on RBD).
     #[serde(default)]
     pub extent_map: Vec<ExtentInfo>,
+    /// Its data is encrypted (docs/encryption.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub encrypted: bool,
 }
 
 /// One extent of a volume: `len` bytes at byte `offset` of `device`, holding the bytes of
@@ -198,6 +201,7 @@ impl From<spool_pool::VolumeInfo> for VolumeInfo {
                     len: e.len,
                 })
                 .collect(),
+            encrypted: v.encrypted,
         }
     }
 }
@@ -216,6 +220,10 @@ pub struct Volume {
     /// A mirrored volume's copies and copying progress.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub mirror: Option<super::MirrorStatus>,
+    /// Why an online volume is not served, when spoold knows (an encrypted volume whose key
+    /// it cannot unwrap).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub not_served: Option<String>,
 }
 
 /// `device_replace`.

@@ -30,6 +30,7 @@ fn params_are_written_as_spoolctl_always_wrote_them() {
         num_queues: Some(2),
         mirror: None,
         rbd: None,
+        encrypt: false,
     };
     assert_eq!(
         wire(&create),
@@ -68,6 +69,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         qos: None,
         rbd: None,
         extent_map: vec![],
+        encrypted: false,
     };
     let v = Volume {
         info,
@@ -75,6 +77,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         connected: false,
         quarantined_io: None,
         mirror: None,
+        not_served: None,
     };
     let j = serde_json::to_value(&v).unwrap();
     assert_eq!(j["socket"], Value::Null);

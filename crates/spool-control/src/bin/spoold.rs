@@ -1,6 +1,8 @@
 //! spoold: the Spool storage daemon.
 
-use std::path::PathBuf;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -46,6 +48,18 @@ struct Args {
     /// restart's critical path, for one more idle process).
     #[arg(long)]
     no_standby: bool,
+    /// Recovery without spoold: write encrypted volume VOLUME's data key (64 bytes) to
+    /// --key-out, unwrapped with the config's [encryption] key, and print the `cryptsetup
+    /// open --type plain` line that reads the volume. Reads the metadata of the config's
+    /// first device (or --device) without opening the pool; spoold may be running.
+    #[arg(long, value_name = "VOLUME", requires = "key_out")]
+    export_key: Option<String>,
+    /// Where --export-key writes the key (created, mode 0600; never an existing file).
+    #[arg(long, value_name = "FILE")]
+    key_out: Option<PathBuf>,
+    /// The pool device --export-key reads (default: the config's first device).
+    #[arg(long, value_name = "PATH")]
+    device: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -84,10 +98,66 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let (Some(volume), Some(out)) = (&args.export_key, &args.key_out) {
+        return export_key(&cfg, volume, out, args.device.as_deref());
+    }
     if link.is_none() && !args.no_keeper {
         return keeper(!args.no_standby, cfg.health.worker_watchdog_ms);
     }
     worker(cfg, &load, args.force, link)
+}
+
+/// `--export-key`: the data key to a new private file, and how to open the volume with it.
+fn export_key(cfg: &Config, volume: &str, out: &Path, device: Option<&Path>) -> ExitCode {
+    let run = || -> Result<(), String> {
+        let source = cfg
+            .encryption
+            .as_ref()
+            .ok_or("the config has no [encryption] section")?;
+        let kek = source.load()?;
+        let dev = device
+            .map(Path::to_path_buf)
+            .or_else(|| cfg.devices.first().map(|d| d.path.clone()))
+            .ok_or("the config names no device: pass --device")?;
+        let k = spool_pool::export_key_offline(&dev, volume, &kek).map_err(|e| e.to_string())?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(out)
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+        f.write_all(k.key.bytes())
+            .and_then(|_| f.sync_all())
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+        println!(
+            "wrote the data key of volume {} to {}",
+            k.volume,
+            out.display()
+        );
+        match k.contiguous_at {
+            Some(at) => println!(
+                "cryptsetup open --type plain --cipher {} --key-size 512 --key-file {} --keyfile-size 64 --offset {} --size {} {} {}",
+                spool_crypt::CIPHER,
+                out.display(),
+                at / 512,
+                k.size / 512,
+                dev.display(),
+                k.volume
+            ),
+            None => println!(
+                "the volume is not contiguous on {}: map its extents (spoolctl volume show) with dm-crypt's aes-xts-plain64, each with --skip at its volume offset",
+                dev.display()
+            ),
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("spoold: error: --export-key: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Keeper mode: hold descriptors, run the worker (this same binary) and restart it.

@@ -130,8 +130,27 @@ pub(super) fn open_pool(
             Some(k) if k.restored().info.reason != "first-start" => Duration::from_secs(2),
             _ => Duration::ZERO,
         },
+        kek: load_kek(cfg),
     };
     Ok(Pool::open(&specs, opts)?)
+}
+
+/// The key-encryption key from `[encryption]`. One that cannot be read is logged and left
+/// out: spoold serves every other volume, and each encrypted one is refused with the reason.
+pub(super) fn load_kek(cfg: &Config) -> Option<Arc<spool_crypt::Kek>> {
+    let source = cfg.encryption.as_ref()?;
+    match source.load() {
+        Ok(k) => {
+            tracing::info!(kek = %k.id(), "key-encryption key loaded from the {source}");
+            Some(Arc::new(k))
+        }
+        Err(e) => {
+            tracing::error!(
+                "cannot load the key-encryption key: {e}; encrypted volumes are not served"
+            );
+            None
+        }
+    }
 }
 
 /// Step 3: the health monitor, watching every device of the pool.
@@ -228,12 +247,13 @@ impl Daemon {
                             let size = (v.size > 0).then_some(v.size);
                             pool.create_rbd_volume(&v.name, size, v.read_only, v.num_queues, &t)
                         }),
-                        None => pool.create_volume_copies(
+                        None => pool.create_volume_opts(
                             &v.name,
                             v.size,
                             v.read_only,
                             v.num_queues,
                             v.copies,
+                            v.encrypt,
                         ),
                     };
                     made.map_err(|source| StartError::Volume {

@@ -16,7 +16,8 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
         .register::<api::VolumeCreate>(Daemon::volume_create)
         .register::<api::VolumeResize>(Daemon::volume_resize)
         .register::<api::VolumeDelete>(Daemon::volume_delete)
-        .register::<api::VolumeQos>(Daemon::volume_qos);
+        .register::<api::VolumeQos>(Daemon::volume_qos)
+        .register::<api::VolumeRekey>(Daemon::volume_rekey);
 }
 
 /// A size param in bytes.
@@ -35,6 +36,34 @@ pub(super) fn opt_size(s: Option<SizeValue>, what: &str) -> Result<Option<u64>, 
 }
 
 impl Daemon {
+    /// Rewraps every data key under the key-encryption key read from `key_file`, or from the
+    /// configured source read again; nothing of the data is touched, and a failure changes
+    /// nothing (docs/encryption.md, "Rotating the key-encryption key").
+    fn volume_rekey(&self, p: api::RekeyParams) -> Result<api::RekeyResult, RpcError> {
+        let new = match (&p.key_file, &self.cfg.encryption) {
+            (Some(f), _) => crate::config::KeySource::File(f.into()).load(),
+            (None, Some(source)) => source.load(),
+            (None, None) => Err("spoold has no [encryption] key source; pass key_file".into()),
+        }
+        .map_err(RpcError::InvalidParams)?;
+        let mut pool = self.pool();
+        let old = pool.kek_id().ok_or_else(|| {
+            RpcError::InvalidParams("spoold has no key-encryption key to rekey from".into())
+        })?;
+        if old == new.id() {
+            return Err(RpcError::InvalidParams(format!(
+                "the new key is the key in use ({old}): put the new key in place first"
+            )));
+        }
+        let kek_id = new.id();
+        let rewrapped = pool.rekey(std::sync::Arc::new(new))?;
+        Ok(api::RekeyResult {
+            rewrapped,
+            kek_id,
+            old_kek_id: old,
+        })
+    }
+
     fn volume_list(&self, _: NoParams) -> Result<Vec<Volume>, RpcError> {
         let vols = self.pool().volumes();
         Ok(vols.into_iter().map(|v| self.volume_view(v)).collect())
@@ -49,6 +78,12 @@ impl Daemon {
         let size = p.size.as_ref().map(|s| size_arg(s, "size")).transpose()?;
         let queues = p.num_queues.unwrap_or(DEFAULT_QUEUES);
         let v = match &p.rbd {
+            Some(_) if p.encrypt => {
+                return Err(RpcError::InvalidParams(
+                    "RBD volumes cannot be encrypted by spoold yet (use Ceph's own encryption)"
+                        .into(),
+                ))
+            }
             Some(target) => {
                 if p.mirror.is_some_and(|m| m > 1) {
                     return Err(RpcError::InvalidParams(
@@ -59,12 +94,13 @@ impl Daemon {
                 self.pool()
                     .create_rbd_volume(&p.name, size, p.read_only, queues, &target)?
             }
-            None => self.pool().create_volume_copies(
+            None => self.pool().create_volume_opts(
                 &p.name,
                 size.ok_or_else(|| RpcError::InvalidParams("size is required".into()))?,
                 p.read_only,
                 queues,
                 p.mirror.unwrap_or(1),
+                p.encrypt,
             )?,
         };
         if let Err(e) = self.serve(&v) {
@@ -164,9 +200,15 @@ impl Daemon {
             });
             api::MirrorStatus::new(&v, progress)
         });
+        // An encrypted volume that is not served: the key's reason, if that is it.
+        let not_served = (!served && v.encrypted && v.online)
+            .then(|| self.pool().export_data_key(&v.uuid.to_string()).err())
+            .flatten()
+            .map(|e| e.to_string());
         let servers = self.servers();
         let s = servers.get(&v.uuid);
         Volume {
+            not_served,
             socket: s.map(|s| s.path().display().to_string()),
             connected: s.is_some_and(|s| s.connected()),
             quarantined_io: self.quarantined_io(v.uuid),

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::Cache;
 use arc_swap::{ArcSwap, ArcSwapOption};
+use spool_crypt::{CryptQueue, TweakMap};
 use spool_devices::DeviceQueue;
 use spool_journal::{Journal, ReplayRecord};
 use spool_pool::{QosLimits, VolumeLayout};
@@ -477,13 +478,27 @@ impl QueueWorker {
         };
     }
 
-    #[cfg(not(test))]
+    /// Device `d`'s queue; an encrypted volume's is wrapped in a [`CryptQueue`] whose tweaks
+    /// are the volume offsets of the layout's segments on that device.
     fn open_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        let q = self.open_device_queue(d, depth)?;
+        Ok(match &self.layout.cipher {
+            None => q,
+            Some(c) => {
+                let pieces = self.layout.segments.iter().filter(|s| s.device == d);
+                let map = TweakMap::new(pieces.map(|s| (s.offset, s.len, s.logical)).collect());
+                Box::new(CryptQueue::new(q, c.clone(), map))
+            }
+        })
+    }
+
+    #[cfg(not(test))]
+    fn open_device_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
         self.layout.devices[d].open_queue(depth)
     }
 
     #[cfg(test)]
-    fn open_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+    fn open_device_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
         match &mut self.queue_factory {
             Some(open) => open(d),
             None => self.layout.devices[d].open_queue(depth),
@@ -500,13 +515,16 @@ impl QueueWorker {
         }
         let cur = cur.clone();
         // A device replaced under an existing index: its queue (and whatever is in flight on
-        // the old device) must go; the reset path reopens every queue on the new layout.
+        // the old device) must go; the reset path reopens every queue on the new layout. So
+        // must an encrypted volume's when its segments moved (a grown volume): each queue's
+        // tweaks come from them.
         let replaced = self
             .layout
             .devices
             .iter()
             .zip(cur.devices.iter())
-            .any(|(a, b)| !Arc::ptr_eq(a, b));
+            .any(|(a, b)| !Arc::ptr_eq(a, b))
+            || (cur.cipher.is_some() && cur.segments != self.layout.segments);
         if replaced {
             drop(cur);
             self.reset_devices();

@@ -138,6 +138,21 @@ pub enum VolumeCmd {
         /// POOL/IMAGE attaches an existing image (docs/ceph.md).
         #[arg(long, value_name = "POOL[/IMAGE]")]
         rbd: Option<String>,
+        /// Encrypt the volume's data (AES-XTS-256, a data key of its own wrapped under the
+        /// key-encryption key of [encryption] in the config; docs/encryption.md).
+        #[arg(long)]
+        encrypt: bool,
+    },
+    /// Rewrap every encrypted volume's data key under a new key-encryption key, without
+    /// touching any data (docs/encryption.md).
+    ///
+    /// Put the new key where [encryption] points first (keep the old one until this
+    /// succeeds), or pass --key-file; then make the config point at the new key.
+    Rekey {
+        /// Read the new key from this file (32 bytes or 64 hex digits, mode 0600) instead of
+        /// the configured source.
+        #[arg(long)]
+        key_file: Option<String>,
     },
     /// Delete a volume (its data is lost).
     Delete {

@@ -49,6 +49,12 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             | VolumeCmd::Resize { .. }
             | VolumeCmd::Qos(_)
             | VolumeCmd::Mirror { .. } => show::<api::VolumeShow>(r, volume),
+            VolumeCmd::Rekey { .. } => show::<api::VolumeRekey>(r, |k| {
+                println!(
+                    "{} data keys rewrapped under key-encryption key {} (was {}); make the config give that key from now on",
+                    k.rewrapped, k.kek_id, k.old_kek_id
+                )
+            }),
             VolumeCmd::Verify { .. } => show::<api::VolumeVerify>(r, super::mirror::verify),
             VolumeCmd::Stats { .. } => {
                 show::<api::VolumeStatsGet>(r, |v| println!("{}", super::stats::totals(v)))
@@ -137,6 +143,8 @@ fn volumes_table(vs: &[Volume]) -> String {
                 "offline"
             } else if v.connected {
                 "connected"
+            } else if v.socket.is_none() {
+                "not-served"
             } else {
                 "ready"
             }
@@ -155,6 +163,15 @@ fn volume(v: &Volume) {
         "I/O limits: {}",
         spool_control::qos::describe(limits.as_ref())
     );
+    if v.info.encrypted {
+        println!(
+            "encryption: {} (its own data key, wrapped)",
+            spool_crypt::CIPHER
+        );
+    }
+    if let Some(why) = &v.not_served {
+        println!("not served: {why}");
+    }
     if let Some(m) = &v.mirror {
         super::mirror::status(m);
     }

@@ -127,6 +127,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             queues,
             mirror,
             rbd,
+            encrypt,
         } => build::<api::VolumeCreate>(api::VolumeCreateParams {
             name: name.clone(),
             size: sz.as_deref().map(size).transpose()?,
@@ -134,6 +135,14 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             num_queues: Some(*queues),
             mirror: *mirror,
             rbd: rbd.clone(),
+            encrypt: *encrypt,
+        }),
+        VolumeCmd::Rekey { key_file } => build::<api::VolumeRekey>(api::RekeyParams {
+            key_file: key_file
+                .as_deref()
+                .map(|f| std::path::absolute(f).map(|p| p.display().to_string()))
+                .transpose()
+                .map_err(CtlError::Path)?,
         }),
         VolumeCmd::Delete {
             id,

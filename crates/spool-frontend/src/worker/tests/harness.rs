@@ -182,6 +182,7 @@ impl Harness {
             }],
             devices: vec![device],
             qos: None,
+            cipher: None,
         };
         let spec = WorkerSpec {
             index: 0,

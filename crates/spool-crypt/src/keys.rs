@@ -1,0 +1,266 @@
+//! Keys: the key-encryption key ([`Kek`]) an operator gives spoold, the data keys it wraps
+//! (AES-256 key wrap, RFC 3394, through RustCrypto's `aes-kw`: a wrong key-encryption key
+//! fails the unwrap's integrity check instead of yielding a wrong data key), and the key id
+//! that names a key-encryption key without revealing it.
+//!
+//! Every key lives in locked memory ([`Locked`]) and is zeroed when dropped. Nothing here
+//! formats a key for display; errors name key ids only.
+//!
+//! Must not know: where key material comes from (files, credentials, commands: the control
+//! plane reads them), the pool table's format.
+
+use aes::cipher::generic_array::GenericArray;
+use aes::cipher::{BlockEncrypt, KeyInit};
+use aes::Aes256;
+use aes_kw::KekAes256;
+use zeroize::{Zeroize, Zeroizing};
+
+use crate::locked::Locked;
+use crate::xts::{XtsCipher, XTS_KEY_LEN};
+
+/// Bytes of a key-encryption key.
+pub const KEK_LEN: usize = 32;
+/// Bytes of a wrapped data key (RFC 3394 adds 8).
+pub const WRAPPED_LEN: usize = XTS_KEY_LEN + 8;
+
+/// What went wrong with a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyError {
+    /// Key material of the wrong shape (the message says what was expected).
+    Material(String),
+    /// The key-encryption key does not unwrap this data key (a wrong key, or a damaged
+    /// wrapped key).
+    WrongKek { have: String },
+    /// The system's random source failed.
+    Random(String),
+}
+
+impl std::fmt::Display for KeyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyError::Material(m) => f.write_str(m),
+            KeyError::WrongKek { have } => write!(
+                f,
+                "the key-encryption key in use (id {have}) does not unwrap this data key: a wrong key, or a damaged wrapped key"
+            ),
+            KeyError::Random(e) => write!(f, "the system's random source failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+/// A key-encryption key: 32 bytes, locked in memory, zeroed on drop.
+pub struct Kek {
+    key: Locked<[u8; KEK_LEN]>,
+}
+
+impl Kek {
+    /// A key from its material: exactly 32 bytes, or 64 hexadecimal digits (surrounding
+    /// whitespace, such as a trailing newline, ignored).
+    pub fn from_material(material: &[u8]) -> Result<Kek, KeyError> {
+        let mut key = Locked::new([0u8; KEK_LEN]);
+        if material.len() == KEK_LEN {
+            key.copy_from_slice(material);
+            return Ok(Kek { key });
+        }
+        let text = material.trim_ascii();
+        if text.len() == 2 * KEK_LEN && text.iter().all(|c| c.is_ascii_hexdigit()) {
+            for (i, pair) in text.chunks_exact(2).enumerate() {
+                key[i] = (hex_value(pair[0]) << 4) | hex_value(pair[1]);
+            }
+            return Ok(Kek { key });
+        }
+        Err(KeyError::Material(format!(
+            "key material must be {KEK_LEN} bytes, or {} hexadecimal digits; got {} bytes",
+            2 * KEK_LEN,
+            material.len()
+        )))
+    }
+
+    /// A fresh random key (tests, and `spoold --generate-key`).
+    pub fn generate() -> Result<Kek, KeyError> {
+        let mut key = Locked::new([0u8; KEK_LEN]);
+        getrandom::fill(&mut key[..]).map_err(|e| KeyError::Random(e.to_string()))?;
+        Ok(Kek { key })
+    }
+
+    /// The key's 64 hexadecimal digits (for writing a key file; never logged).
+    pub fn to_hex(&self) -> Zeroizing<String> {
+        let mut s = Zeroizing::new(String::with_capacity(2 * KEK_LEN));
+        for b in self.key.iter() {
+            s.push(HEX[(b >> 4) as usize] as char);
+            s.push(HEX[(b & 15) as usize] as char);
+        }
+        s
+    }
+
+    /// A name for the key that reveals nothing of it: the first 8 bytes of AES-256 under the
+    /// key of a fixed block, in hex (a key check value).
+    pub fn id(&self) -> String {
+        let aes = Aes256::new(GenericArray::from_slice(&self.key[..]));
+        let mut block = GenericArray::clone_from_slice(b"spool kek check\0");
+        aes.encrypt_block(&mut block);
+        block[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Wraps `data_key` (a fresh one from [`DataKey::generate`]).
+    pub fn wrap(&self, data_key: &DataKey) -> [u8; WRAPPED_LEN] {
+        let mut out = [0u8; WRAPPED_LEN];
+        KekAes256::new(GenericArray::from_slice(&self.key[..]))
+            .wrap(&data_key.key[..], &mut out)
+            .expect("a 64-byte key wraps into 72 bytes");
+        out
+    }
+
+    /// Unwraps a data key this key wrapped.
+    pub fn unwrap(&self, wrapped: &[u8]) -> Result<DataKey, KeyError> {
+        if wrapped.len() != WRAPPED_LEN {
+            return Err(KeyError::Material(format!(
+                "a wrapped data key is {WRAPPED_LEN} bytes, not {}",
+                wrapped.len()
+            )));
+        }
+        let mut key = Locked::new([0u8; XTS_KEY_LEN]);
+        KekAes256::new(GenericArray::from_slice(&self.key[..]))
+            .unwrap(wrapped, &mut key[..])
+            .map_err(|_| KeyError::WrongKek { have: self.id() })?;
+        Ok(DataKey { key })
+    }
+}
+
+impl std::fmt::Debug for Kek {
+    /// The id only: key material is never formatted.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kek({})", self.id())
+    }
+}
+
+impl PartialEq for Kek {
+    /// Whether both are the same key (compared by id, not byte by byte in a way that leaks
+    /// timing of the material itself).
+    fn eq(&self, other: &Kek) -> bool {
+        self.id() == other.id()
+    }
+}
+
+/// A volume's data key (XTS-256: 64 bytes), locked in memory, zeroed on drop.
+pub struct DataKey {
+    key: Locked<[u8; XTS_KEY_LEN]>,
+}
+
+impl DataKey {
+    /// A fresh random key whose two halves differ.
+    pub fn generate() -> Result<DataKey, KeyError> {
+        let mut key = Locked::new([0u8; XTS_KEY_LEN]);
+        loop {
+            getrandom::fill(&mut key[..]).map_err(|e| KeyError::Random(e.to_string()))?;
+            if key[..32] != key[32..] {
+                return Ok(DataKey { key });
+            }
+        }
+    }
+
+    /// The key's bytes (for recovery with `cryptsetup`: written only to a file the operator
+    /// asked for).
+    pub fn bytes(&self) -> &[u8; XTS_KEY_LEN] {
+        &self.key
+    }
+
+    /// The volume's cipher, in locked memory.
+    pub fn cipher(&self) -> Result<Locked<XtsCipher>, KeyError> {
+        XtsCipher::new(&self.key)
+            .map(Locked::new)
+            .ok_or_else(|| KeyError::Material("an XTS key's two halves must differ".into()))
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+fn hex_value(c: u8) -> u8 {
+    match c {
+        b'0'..=b'9' => c - b'0',
+        b'a'..=b'f' => c - b'a' + 10,
+        _ => c - b'A' + 10,
+    }
+}
+
+/// Bytes as lowercase hex (wrapped keys in the pool table).
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .flat_map(|b| {
+            [
+                HEX[(b >> 4) as usize] as char,
+                HEX[(b & 15) as usize] as char,
+            ]
+        })
+        .collect()
+}
+
+/// Lowercase or uppercase hex back to bytes; `None` if it is not hex of even length.
+pub fn from_hex(s: &str) -> Option<Vec<u8>> {
+    let s = s.as_bytes();
+    (s.len().is_multiple_of(2) && s.iter().all(|c| c.is_ascii_hexdigit())).then(|| {
+        s.chunks_exact(2)
+            .map(|p| (hex_value(p[0]) << 4) | hex_value(p[1]))
+            .collect()
+    })
+}
+
+impl Drop for Kek {
+    fn drop(&mut self) {
+        self.key.zeroize();
+    }
+}
+
+impl Drop for DataKey {
+    fn drop(&mut self) {
+        self.key.zeroize();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn material_is_32_bytes_or_64_hex_digits() {
+        let raw = [0x5au8; 32];
+        let a = Kek::from_material(&raw).unwrap();
+        let b = Kek::from_material(format!("{}\n", "5A".repeat(32)).as_bytes()).unwrap();
+        assert!(a == b);
+        assert_eq!(
+            Kek::from_material(a.to_hex().as_bytes()).unwrap().id(),
+            a.id()
+        );
+        let e = Kek::from_material(b"short").err().unwrap();
+        assert!(e.to_string().contains("got 5 bytes"), "{e}");
+        assert!(Kek::from_material(&[b'g'; 64]).is_err());
+    }
+
+    #[test]
+    fn wrap_unwrap_and_a_wrong_kek() {
+        let (k1, k2) = (Kek::generate().unwrap(), Kek::generate().unwrap());
+        assert_ne!(k1.id(), k2.id());
+        let dk = DataKey::generate().unwrap();
+        let w = k1.wrap(&dk);
+        assert_eq!(k1.unwrap(&w).unwrap().bytes(), dk.bytes());
+        let e = k2.unwrap(&w).err().unwrap();
+        assert_eq!(e, KeyError::WrongKek { have: k2.id() });
+        let mut damaged = w;
+        damaged[40] ^= 1;
+        assert!(k1.unwrap(&damaged).is_err());
+        assert!(k1.unwrap(&w[..70]).is_err());
+        // No wrapped byte string contains the key in the clear.
+        assert!(!w.windows(32).any(|x| x == &dk.bytes()[..32]));
+    }
+
+    #[test]
+    fn hex_round_trip() {
+        let b = [0u8, 1, 0xab, 0xff];
+        assert_eq!(from_hex(&to_hex(&b)).unwrap(), b);
+        assert_eq!(from_hex("0"), None);
+        assert_eq!(from_hex("zz"), None);
+    }
+}

@@ -1,0 +1,85 @@
+//! [`Locked`]: a value on the heap whose pages are locked in memory (`mlock`: never written
+//! to swap) and left out of core dumps (`MADV_DONTDUMP`), for keys and the ciphers made from
+//! them. The value's own `Drop` zeroes it (keys here, round keys in the `aes` crate).
+//!
+//! Locking is best effort: past `RLIMIT_MEMLOCK` the value is still used, and one warning
+//! says so.
+//!
+//! Must not know: what the value is.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A heap value kept out of swap and core dumps.
+pub struct Locked<T> {
+    value: Box<T>,
+}
+
+static WARNED: AtomicBool = AtomicBool::new(false);
+
+impl<T> Locked<T> {
+    pub fn new(value: T) -> Locked<T> {
+        let value = Box::new(value);
+        let (start, len) = pages(&*value);
+        if len > 0 {
+            // SAFETY: system calls on the pages of a live allocation of ours; they change
+            // only how the kernel treats those pages (kept resident, not dumped), never their
+            // contents, and other allocations sharing the pages are affected the same way.
+            let locked = unsafe { libc::mlock(start as *const libc::c_void, len) } == 0;
+            // SAFETY: as above.
+            unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTDUMP) };
+            if !locked && !WARNED.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "spool-crypt: cannot lock key memory ({}); keys may reach swap (raise LimitMEMLOCK)",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+        Locked { value }
+    }
+}
+
+/// The page-aligned range covering `v`.
+fn pages<T>(v: &T) -> (usize, usize) {
+    let size = std::mem::size_of::<T>();
+    if size == 0 {
+        return (0, 0);
+    }
+    let page = 4096usize;
+    let a = v as *const T as usize;
+    let start = a & !(page - 1);
+    let end = (a + size).next_multiple_of(page);
+    (start, end - start)
+}
+
+impl<T> Drop for Locked<T> {
+    fn drop(&mut self) {
+        let (start, len) = pages(&*self.value);
+        if len > 0 {
+            // SAFETY: the allocation is still live (the box is freed after this); munlock
+            // changes no contents. Locks do not stack: a page shared with another locked value
+            // is unlocked early, which costs only the guarantee, never memory safety.
+            unsafe { libc::munlock(start as *const libc::c_void, len) };
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Locked<T> {
+    /// Never the value (a key).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Locked(..)")
+    }
+}
+
+impl<T> Deref for Locked<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> DerefMut for Locked<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.value
+    }
+}

@@ -1,0 +1,424 @@
+//! [`CryptQueue`]: a device queue over another that stores only ciphertext. A write is copied
+//! from the caller's buffers into a bounce buffer of the queue's own and encrypted there; a
+//! read lands in a bounce buffer, is decrypted there and copied out when it completes. The
+//! caller's buffers (guest memory) never hold ciphertext and the device never sees plaintext.
+//!
+//! The XTS tweak is the volume's sector, not the device's: a [`TweakMap`] says which volume
+//! range each device range holds, so data moved between devices (a mirror rebuild, a replace)
+//! stays valid ciphertext. Discards pass through; write-zeroes cannot (zeroes on the device
+//! decrypt to noise) and fail with `EOPNOTSUPP` (encrypted volumes do not offer it).
+//!
+//! Must not know: volumes' metadata, virtio, where keys come from.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::RawFd;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+
+use spool_devices::{DeviceIo, DeviceQueue, IoVec};
+
+use crate::locked::Locked;
+use crate::xts::{XtsCipher, SECTOR};
+
+/// Bounce buffers alignment: enough for O_DIRECT on any device here.
+const ALIGN: usize = 4096;
+/// Bounce buffers kept for reuse, and the largest kept.
+const KEEP: usize = 64;
+const KEEP_MAX: usize = 1 << 20;
+
+/// Which volume bytes each device range of one device holds: (device offset, length,
+/// volume offset), ascending by device offset.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TweakMap {
+    pieces: Vec<(u64, u64, u64)>,
+}
+
+impl TweakMap {
+    /// A map from (device offset, length, volume offset) pieces.
+    pub fn new(mut pieces: Vec<(u64, u64, u64)>) -> TweakMap {
+        pieces.sort_unstable();
+        TweakMap { pieces }
+    }
+
+    /// The volume sector of device byte `offset` when `[offset, offset + len)` lies in one
+    /// piece and on sector boundaries.
+    pub fn sector(&self, offset: u64, len: u64) -> Option<u64> {
+        let i = self
+            .pieces
+            .partition_point(|p| p.0 <= offset)
+            .checked_sub(1)?;
+        let (dev, plen, vol) = self.pieces[i];
+        let within = offset - dev;
+        if within.checked_add(len).is_none_or(|end| end > plen) {
+            return None;
+        }
+        let at = vol.checked_add(within)?;
+        (at.is_multiple_of(SECTOR as u64) && len.is_multiple_of(SECTOR as u64))
+            .then_some(at / SECTOR as u64)
+    }
+}
+
+/// A buffer aligned to [`ALIGN`], and the one iovec that describes it to the device (boxed:
+/// its address must not move while the device holds it).
+struct Bounce {
+    mem: Vec<u8>,
+    iov: Box<IoVec>,
+}
+
+impl Bounce {
+    fn with_len(len: usize) -> Bounce {
+        let mut b = Bounce {
+            mem: vec![0u8; len + ALIGN],
+            iov: Box::new(IoVec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }),
+        };
+        b.set_len(len);
+        b
+    }
+
+    fn fits(&self, len: usize) -> bool {
+        self.mem.len() >= len + ALIGN
+    }
+
+    fn set_len(&mut self, len: usize) {
+        let skip = self.mem.as_ptr().align_offset(ALIGN);
+        self.iov.iov_base = self.mem[skip..].as_mut_ptr().cast();
+        self.iov.iov_len = len;
+    }
+
+    fn data(&mut self) -> &mut [u8] {
+        let skip = self.mem.as_ptr().align_offset(ALIGN);
+        let len = self.iov.iov_len;
+        &mut self.mem[skip..skip + len]
+    }
+}
+
+/// An operation in flight: its bounce buffer, and for a read the caller's iovecs to fill.
+struct Pending {
+    bounce: Bounce,
+    read: Option<(*const IoVec, u32, u64)>,
+}
+
+/// A queue that encrypts what it writes and decrypts what it reads (module doc).
+pub struct CryptQueue {
+    inner: Box<dyn DeviceQueue>,
+    cipher: Arc<Locked<XtsCipher>>,
+    map: TweakMap,
+    pending: HashMap<u64, Pending>,
+    free: Vec<Bounce>,
+    refused: VecDeque<(u64, i32)>,
+}
+
+// SAFETY: the raw iovec pointers kept for reads point into caller buffers the caller keeps
+// valid until the operation is reaped (`DeviceQueue::submit`'s contract); they are only
+// dereferenced by the thread that owns the queue, which moves with it as a whole.
+unsafe impl Send for CryptQueue {}
+
+impl CryptQueue {
+    /// Wraps `inner`, a queue of one device whose ranges hold the volume ranges in `map`.
+    pub fn new(inner: Box<dyn DeviceQueue>, cipher: Arc<Locked<XtsCipher>>, map: TweakMap) -> Self {
+        CryptQueue {
+            inner,
+            cipher,
+            map,
+            pending: HashMap::new(),
+            free: Vec::new(),
+            refused: VecDeque::new(),
+        }
+    }
+
+    fn bounce(&mut self, len: usize) -> Bounce {
+        match self.free.iter().position(|b| b.fits(len)) {
+            Some(i) => {
+                let mut b = self.free.swap_remove(i);
+                b.set_len(len);
+                b
+            }
+            None => Bounce::with_len(len),
+        }
+    }
+
+    fn recycle(free: &mut Vec<Bounce>, b: Bounce) {
+        if free.len() < KEEP && b.mem.len() <= KEEP_MAX + ALIGN {
+            free.push(b);
+        }
+    }
+}
+
+/// The iovecs at `iov` as a slice.
+///
+/// # Safety
+/// `iov` points to `n` valid iovecs (the submit contract).
+unsafe fn iovecs<'a>(iov: *const IoVec, n: u32) -> &'a [IoVec] {
+    if n == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(iov, n as usize) }
+}
+
+/// Copies the caller's buffers into `dst` (exactly their total length), or -EFAULT when one
+/// of them lies in guest memory a fault covered (its bytes are the cover's, not the guest's).
+///
+/// # Safety
+/// Every iovec describes a readable buffer valid for the call.
+unsafe fn gather(iov: &[IoVec], dst: &mut [u8]) -> Result<(), i32> {
+    let mut at = 0;
+    for v in iov {
+        // SAFETY: the caller's readable buffer (guest memory, shared: copied as bytes, never
+        // referenced), `dst` our own; they cannot overlap. Bounded by the total checked at
+        // submit.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                v.iov_base as *const u8,
+                dst[at..].as_mut_ptr(),
+                v.iov_len,
+            )
+        };
+        at += v.iov_len;
+    }
+    faulted(iov)
+}
+
+/// Copies `src` out into the caller's buffers, or -EFAULT as [`gather`].
+///
+/// # Safety
+/// Every iovec describes a writable buffer valid for the call.
+unsafe fn scatter(src: &[u8], iov: &[IoVec]) -> Result<(), i32> {
+    let mut at = 0;
+    for v in iov {
+        // SAFETY: as in `gather`, the other way.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src[at..].as_ptr(), v.iov_base as *mut u8, v.iov_len)
+        };
+        at += v.iov_len;
+    }
+    faulted(iov)
+}
+
+/// Whether a fault (a frontend truncating guest memory) hit one of `iov`'s buffers.
+fn faulted(iov: &[IoVec]) -> Result<(), i32> {
+    fence(Ordering::SeqCst);
+    let hit = spool_sigbus::hits() != 0
+        && iov
+            .iter()
+            .any(|v| spool_sigbus::hit_in(v.iov_base as usize, v.iov_len));
+    if hit {
+        Err(-libc::EFAULT)
+    } else {
+        Ok(())
+    }
+}
+
+impl DeviceQueue for CryptQueue {
+    unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
+        let (write, offset, len, iov, iovcnt) = match io {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => (false, offset, len, iov, iovcnt),
+            DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => (true, offset, len, iov, iovcnt),
+            DeviceIo::WriteZeroes { .. } => {
+                return self.refused.push_back((tag, -libc::EOPNOTSUPP))
+            }
+            // SAFETY: nothing of the caller's memory is involved.
+            other => return unsafe { self.inner.submit(other, tag) },
+        };
+        // SAFETY: the submit contract.
+        let bufs = unsafe { iovecs(iov, iovcnt) };
+        let total: Option<u64> = bufs
+            .iter()
+            .try_fold(0u64, |t, v| t.checked_add(v.iov_len as u64));
+        let (Some(sector), true) = (self.map.sector(offset, len), total == Some(len)) else {
+            return self.refused.push_back((tag, -libc::EINVAL));
+        };
+        let Ok(n) = usize::try_from(len) else {
+            return self.refused.push_back((tag, -libc::EINVAL));
+        };
+        let mut bounce = self.bounce(n);
+        if write {
+            // SAFETY: the submit contract: readable buffers, valid for this call.
+            if let Err(e) = unsafe { gather(bufs, bounce.data()) } {
+                Self::recycle(&mut self.free, bounce);
+                return self.refused.push_back((tag, e));
+            }
+            self.cipher.encrypt(bounce.data(), sector);
+        }
+        let one: *const IoVec = &*bounce.iov;
+        let read = (!write).then_some((iov, iovcnt, sector));
+        self.pending.insert(tag, Pending { bounce, read });
+        // SAFETY: the bounce buffer and its iovec stay in `pending` (heap allocations that do
+        // not move with the map) until this tag is reaped.
+        unsafe {
+            self.inner
+                .submit(DeviceIo::data(write, offset, len, one, 1), tag)
+        };
+    }
+
+    fn kick(&mut self) -> std::io::Result<()> {
+        self.inner.kick()
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
+        let mut n = 0;
+        while let Some((tag, res)) = self.refused.pop_front() {
+            done(tag, res);
+            n += 1;
+        }
+        let CryptQueue {
+            inner,
+            cipher,
+            pending,
+            free,
+            ..
+        } = self;
+        n + inner.reap(&mut |tag, mut res| {
+            if let Some(mut p) = pending.remove(&tag) {
+                if let (Some((iov, iovcnt, sector)), true) = (p.read, res >= 0) {
+                    let data = p.bounce.data();
+                    cipher.decrypt(data, sector);
+                    // SAFETY: the caller's writable buffers, valid until this reap returns
+                    // (the submit contract).
+                    if let Err(e) = unsafe { scatter(data, iovecs(iov, iovcnt)) } {
+                        res = e;
+                    }
+                }
+                CryptQueue::recycle(free, p.bounce);
+            }
+            done(tag, res)
+        })
+    }
+
+    fn completion_fd(&self) -> RawFd {
+        self.inner.completion_fd()
+    }
+
+    fn ack_completion_event(&self) {
+        self.inner.ack_completion_event()
+    }
+
+    fn set_completion_events(&mut self, enabled: bool) {
+        self.inner.set_completion_events(enabled)
+    }
+
+    fn polled(&self) -> bool {
+        self.inner.polled()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.refused.len()
+    }
+
+    fn abort(&mut self) -> usize {
+        self.inner.abort()
+    }
+
+    fn abandon(&mut self) -> usize {
+        self.inner.abandon()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DataKey;
+    use spool_devices::{Device, OpenOptions};
+    use std::os::unix::fs::FileExt;
+
+    /// Submits `io` and waits for its result.
+    fn run(q: &mut CryptQueue, io: DeviceIo) -> i32 {
+        // SAFETY: the test's buffers outlive the call, which waits for the completion.
+        unsafe { q.submit(io, 7) };
+        q.kick().unwrap();
+        let mut got = None;
+        while got.is_none() {
+            q.reap(&mut |tag, res| {
+                assert_eq!(tag, 7);
+                got = Some(res)
+            });
+        }
+        got.unwrap()
+    }
+
+    /// Writes land encrypted with the volume's sector as the tweak, reads come back plain, and
+    /// what cannot be encrypted right is refused.
+    #[test]
+    fn writes_ciphertext_reads_plaintext() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.img");
+        let opts = OpenOptions {
+            create_size: Some(1 << 20),
+            ..Default::default()
+        };
+        let dev = Device::open(&path, &opts).unwrap();
+        let key = DataKey::generate().unwrap();
+        let cipher = Arc::new(key.cipher().unwrap());
+        // Device bytes 64K.. hold volume bytes 1M.. (sector 2048).
+        let map = TweakMap::new(vec![(65536, 65536, 1 << 20)]);
+        let mut q = CryptQueue::new(dev.open_queue(8).unwrap(), cipher.clone(), map);
+        let plain: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();
+        // Two caller buffers, split off a sector boundary.
+        let (a, b) = plain.split_at(700);
+        let iov = [
+            IoVec {
+                iov_base: a.as_ptr() as *mut _,
+                iov_len: a.len(),
+            },
+            IoVec {
+                iov_base: b.as_ptr() as *mut _,
+                iov_len: b.len(),
+            },
+        ];
+        let w = DeviceIo::data(true, 65536 + 4096, 8192, iov.as_ptr(), 2);
+        assert_eq!(run(&mut q, w), 8192);
+        let mut raw = vec![0u8; 8192];
+        std::fs::File::open(&path)
+            .unwrap()
+            .read_exact_at(&mut raw, 65536 + 4096)
+            .unwrap();
+        assert!(raw != plain, "plaintext reached the device");
+        cipher.decrypt(&mut raw, (1 << 20) / 512 + 8);
+        assert!(raw == plain, "not XTS under the volume's sector");
+        let mut back = vec![0u8; 8192];
+        let riov = [IoVec {
+            iov_base: back.as_mut_ptr().cast(),
+            iov_len: 8192,
+        }];
+        let r = DeviceIo::data(false, 65536 + 4096, 8192, riov.as_ptr(), 1);
+        assert_eq!(run(&mut q, r), 8192);
+        assert!(back == plain);
+        // Outside the map, unaligned, a length that is not the buffers', write-zeroes: refused.
+        let outside = DeviceIo::data(true, 0, 4096, iov.as_ptr(), 1);
+        assert_eq!(run(&mut q, outside), -libc::EINVAL);
+        let unaligned = DeviceIo::data(true, 65536 + 100, 512, iov.as_ptr(), 1);
+        assert_eq!(run(&mut q, unaligned), -libc::EINVAL);
+        let short = DeviceIo::data(true, 65536, 4096, iov.as_ptr(), 2);
+        assert_eq!(run(&mut q, short), -libc::EINVAL);
+        let zeroes = DeviceIo::WriteZeroes {
+            offset: 65536,
+            len: 4096,
+        };
+        assert_eq!(run(&mut q, zeroes), -libc::EOPNOTSUPP);
+        assert_eq!(q.in_flight(), 0);
+    }
+
+    #[test]
+    fn tweak_map_lookups() {
+        let m = TweakMap::new(vec![(8192, 4096, 0), (0, 4096, 4096)]);
+        assert_eq!(m.sector(0, 4096), Some(8));
+        assert_eq!(m.sector(8192 + 512, 1024), Some(1));
+        assert_eq!(m.sector(4096, 512), None, "a hole");
+        assert_eq!(m.sector(2048, 4096), None, "spans a piece's end");
+        assert_eq!(m.sector(0, 100), None, "not whole sectors");
+        assert_eq!(m.sector(u64::MAX - 10, 4096), None);
+    }
+}

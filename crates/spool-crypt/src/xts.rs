@@ -1,0 +1,148 @@
+//! AES-XTS-256 over 512-byte sectors, exactly as dm-crypt's `aes-xts-plain64` (and OpenSSL's
+//! `aes-256-xts` with the sector number as a 16-byte little-endian IV): the tweak of sector
+//! `n` is AES-256 under the second half of the key of `n` as a 128-bit little-endian number,
+//! multiplied by α once per 16-byte block.
+//!
+//! Written on the `aes` crate's parallel block API rather than taken from the `xts-mode`
+//! crate, which encrypts one block at a time: on this machine (AES-NI) `xts-mode` does
+//! 0.6 GB/s on one core and this 3.7 GB/s (docs/encryption.md). The tests check both against
+//! each other and against IEEE 1619's vectors.
+//!
+//! Must not know: where keys come from, devices, volumes.
+
+use aes::cipher::generic_array::GenericArray;
+use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
+use aes::Aes256;
+
+/// Bytes per XTS data unit (dm-crypt's default sector size).
+pub const SECTOR: usize = 512;
+/// Bytes of an XTS-256 key: two AES-256 keys, data then tweak.
+pub const XTS_KEY_LEN: usize = 64;
+
+type Block = GenericArray<u8, aes::cipher::consts::U16>;
+
+/// Blocks per sector.
+const BLOCKS: usize = SECTOR / 16;
+
+/// One volume's data cipher. Its round keys are zeroed when it is dropped (the `aes` crate's
+/// `zeroize` feature).
+pub struct XtsCipher {
+    data: Aes256,
+    tweak: Aes256,
+}
+
+impl XtsCipher {
+    /// The cipher of a 64-byte key (data key, then tweak key). `None` when the two halves are
+    /// equal, which XTS forbids (OpenSSL refuses such keys).
+    pub fn new(key: &[u8; XTS_KEY_LEN]) -> Option<XtsCipher> {
+        let (d, t) = key.split_at(32);
+        if d == t {
+            return None;
+        }
+        Some(XtsCipher {
+            data: Aes256::new(GenericArray::from_slice(d)),
+            tweak: Aes256::new(GenericArray::from_slice(t)),
+        })
+    }
+
+    /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
+    pub fn encrypt(&self, data: &mut [u8], sector: u64) {
+        self.each_sector(data, sector, |c, b| c.encrypt_blocks(b));
+    }
+
+    /// Decrypts `data` (whole sectors) in place; its first sector is number `sector`.
+    pub fn decrypt(&self, data: &mut [u8], sector: u64) {
+        self.each_sector(data, sector, |c, b| c.decrypt_blocks(b));
+    }
+
+    #[inline]
+    fn each_sector(&self, data: &mut [u8], first: u64, f: impl Fn(&Aes256, &mut [Block])) {
+        debug_assert!(data.len().is_multiple_of(SECTOR));
+        let mut tweaks = [0u128; BLOCKS];
+        let mut blocks = [Block::default(); BLOCKS];
+        for (i, s) in data.chunks_exact_mut(SECTOR).enumerate() {
+            let mut t = Block::default();
+            t[..8].copy_from_slice(&first.wrapping_add(i as u64).to_le_bytes());
+            self.tweak.encrypt_block(&mut t);
+            let mut tw = u128::from_le_bytes(t.into());
+            for (j, (b, chunk)) in blocks.iter_mut().zip(s.chunks_exact(16)).enumerate() {
+                tweaks[j] = tw;
+                let v = u128::from_le_bytes(chunk.try_into().expect("16 bytes")) ^ tw;
+                b.copy_from_slice(&v.to_le_bytes());
+                tw = times_alpha(tw);
+            }
+            f(&self.data, &mut blocks);
+            for ((b, chunk), tw) in blocks.iter().zip(s.chunks_exact_mut(16)).zip(tweaks) {
+                let v = u128::from_le_bytes((*b).into()) ^ tw;
+                chunk.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        zeroize::Zeroize::zeroize(&mut tweaks);
+        for b in blocks.iter_mut() {
+            zeroize::Zeroize::zeroize(b.as_mut_slice());
+        }
+    }
+}
+
+/// Multiplication by α in GF(2^128) as XTS defines it (little-endian, polynomial 0x87).
+#[inline]
+fn times_alpha(t: u128) -> u128 {
+    (t << 1) ^ ((t >> 127) * 0x87)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xts_mode::{get_tweak_default, Xts128};
+
+    fn key(seed: u8) -> [u8; XTS_KEY_LEN] {
+        std::array::from_fn(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+    }
+
+    /// The same bytes as the `xts-mode` crate for many sectors and sector numbers.
+    #[test]
+    fn matches_the_xts_mode_crate() {
+        let k = key(7);
+        let ours = XtsCipher::new(&k).unwrap();
+        let theirs = Xts128::new(
+            Aes256::new(GenericArray::from_slice(&k[..32])),
+            Aes256::new(GenericArray::from_slice(&k[32..])),
+        );
+        for first in [0u64, 1, 1000, u64::MAX - 8] {
+            let plain: Vec<u8> = (0..8 * SECTOR).map(|i| (i * 13 % 251) as u8).collect();
+            let (mut a, mut b) = (plain.clone(), plain.clone());
+            ours.encrypt(&mut a, first);
+            theirs.encrypt_area(&mut b, SECTOR, first as u128, get_tweak_default);
+            assert!(a == b, "sector {first}");
+            assert!(a != plain);
+            ours.decrypt(&mut a, first);
+            assert!(a == plain);
+        }
+    }
+
+    /// IEEE 1619-2007 vector 10 (XTS-AES-256, data unit 0xff, 512 bytes of 0..255 twice):
+    /// the first and last 16 bytes of its ciphertext.
+    #[test]
+    fn ieee_1619_vector_10() {
+        let k1 = "2718281828459045235360287471352662497757247093699959574966967627";
+        let k2 = "3141592653589793238462643383279502884197169399375105820974944592";
+        let hex = |s: &str| -> Vec<u8> {
+            (0..s.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+                .collect()
+        };
+        let mut k = [0u8; XTS_KEY_LEN];
+        k[..32].copy_from_slice(&hex(k1));
+        k[32..].copy_from_slice(&hex(k2));
+        let mut data: Vec<u8> = (0..SECTOR).map(|i| i as u8).collect();
+        XtsCipher::new(&k).unwrap().encrypt(&mut data, 0xff);
+        assert_eq!(data[..16], hex("1c3b3a102f770386e4836c99e370cf9b")[..]);
+        assert_eq!(data[496..], hex("c4f36ffda9fcea70b9c6e693e148c151")[..]);
+    }
+
+    #[test]
+    fn equal_halves_are_refused() {
+        assert!(XtsCipher::new(&[5u8; XTS_KEY_LEN]).is_none());
+    }
+}

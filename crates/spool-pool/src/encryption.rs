@@ -1,0 +1,353 @@
+//! Encrypted volumes' keys in the pool table (docs/encryption.md): a fresh data key wrapped
+//! under the pool's key-encryption key at create, unwrapped once into the volume's cipher
+//! for its layout, every key rewrapped under a new key-encryption key (`rekey`), and the
+//! wrapped key erased from both metadata slots of every member when the volume is deleted
+//! (crypto-erase: its extents then hold ciphertext nobody can read, and need no zeroing).
+//!
+//! Must not know: where key material comes from, how data is encrypted on the way to a
+//! device (spool-crypt and the frontend do that).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use spool_crypt::{DataKey, Kek, Locked, XtsCipher};
+use uuid::Uuid;
+
+use serde::{Deserialize, Serialize};
+
+use crate::metadata::{printable, VolumeEntry};
+use crate::{Error, Pool, Result};
+
+/// An encrypted volume's cipher and its data key, wrapped under the pool's key-encryption
+/// key. Never the key in the clear.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeKey {
+    /// Always `aes-xts-plain64`.
+    pub cipher: String,
+    /// The id of the key-encryption key that wrapped it (`Kek::id`: 16 hex digits).
+    pub kek_id: String,
+    /// The wrapped data key, in hex (RFC 3394: 72 bytes).
+    pub wrapped: String,
+}
+
+impl VolumeKey {
+    /// Checks the fields' shapes (not whether any key unwraps it).
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.cipher != spool_crypt::CIPHER {
+            return Err(format!(
+                "encryption: unknown cipher '{}' (only {} exists)",
+                printable(&self.cipher),
+                spool_crypt::CIPHER
+            ));
+        }
+        if self.kek_id.len() != 16 || spool_crypt::from_hex(&self.kek_id).is_none() {
+            return Err("encryption: kek_id is not 16 hexadecimal digits".into());
+        }
+        match spool_crypt::from_hex(&self.wrapped) {
+            Some(w) if w.len() == spool_crypt::WRAPPED_LEN => Ok(()),
+            _ => Err(format!(
+                "encryption: the wrapped key is not {} bytes of hex",
+                spool_crypt::WRAPPED_LEN
+            )),
+        }
+    }
+}
+
+/// Each encrypted volume's cipher, unwrapped once.
+pub(crate) type CipherCache = HashMap<Uuid, Arc<Locked<XtsCipher>>>;
+
+/// A volume cipher as the data path holds it.
+pub type VolumeCipher = Arc<Locked<XtsCipher>>;
+
+/// `v`'s data key unwrapped with `kek`, or why not (naming both keys' ids).
+fn unwrap_key(v: &VolumeEntry, key: &VolumeKey, kek: &Kek) -> Result<DataKey> {
+    if kek.id() != key.kek_id {
+        return Err(key_error(
+            v,
+            format!(
+                "its key was wrapped under key-encryption key {}, and spoold has {}: give spoold that key (a rekey that did not finish, or the wrong key file?)",
+                key.kek_id,
+                kek.id()
+            ),
+        ));
+    }
+    let wrapped = spool_crypt::from_hex(&key.wrapped).unwrap_or_default();
+    kek.unwrap(&wrapped).map_err(|e| key_error(v, e))
+}
+
+fn key_error(v: &VolumeEntry, why: impl std::fmt::Display) -> Error {
+    Error::Key {
+        volume: v.name.clone(),
+        why: why.to_string(),
+    }
+}
+
+impl Pool {
+    /// The pool's key-encryption key, or an error saying how to give spoold one.
+    fn kek(&self, v: &VolumeEntry) -> Result<&Arc<Kek>> {
+        self.opts.kek.as_ref().ok_or_else(|| {
+            key_error(
+                v,
+                "is encrypted and spoold has no key-encryption key: set [encryption] key_file, credential or key_command (docs/encryption.md)",
+            )
+        })
+    }
+
+    /// A fresh data key for `v`, wrapped under the pool's key-encryption key.
+    pub(crate) fn new_volume_key(&self, v: &VolumeEntry) -> Result<VolumeKey> {
+        let kek = self.kek(v)?;
+        let dk = DataKey::generate().map_err(|e| key_error(v, e))?;
+        Ok(VolumeKey {
+            cipher: spool_crypt::CIPHER.into(),
+            kek_id: kek.id(),
+            wrapped: spool_crypt::to_hex(&kek.wrap(&dk)),
+        })
+    }
+
+    /// The data key of encrypted volume `v`, unwrapped.
+    fn data_key(&self, v: &VolumeEntry, key: &VolumeKey) -> Result<DataKey> {
+        unwrap_key(v, key, self.kek(v)?)
+    }
+
+    /// The cipher of `v` when it is encrypted (unwrapped once, then cached).
+    pub(crate) fn volume_cipher(&self, v: &VolumeEntry) -> Result<Option<VolumeCipher>> {
+        let Some(key) = &v.encryption else {
+            return Ok(None);
+        };
+        let mut cache = self.ciphers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = cache.get(&v.uuid) {
+            return Ok(Some(c.clone()));
+        }
+        let cipher = Arc::new(
+            self.data_key(v, key)?
+                .cipher()
+                .map_err(|e| key_error(v, e))?,
+        );
+        cache.insert(v.uuid, cipher.clone());
+        Ok(Some(cipher))
+    }
+
+    /// Forgets a deleted volume's cipher.
+    pub(crate) fn drop_cipher(&self, uuid: Uuid) {
+        let mut cache = self.ciphers.lock().unwrap_or_else(|p| p.into_inner());
+        cache.remove(&uuid);
+    }
+
+    /// A volume's data key in the clear, for recovery without spoold (`spoold export-key`:
+    /// `cryptsetup open --type plain` with it reads a contiguous volume).
+    pub fn export_data_key(&self, id: &str) -> Result<DataKey> {
+        let v = &self.table.volumes[self.find(id)?];
+        let key = v
+            .encryption
+            .as_ref()
+            .ok_or_else(|| key_error(v, "is not encrypted"))?;
+        self.data_key(v, key)
+    }
+
+    /// Rewraps every encrypted volume's data key under `new` without touching any data, and
+    /// makes `new` the pool's key-encryption key. Both metadata slots of every member are
+    /// rewritten, so no key wrapped under the old one remains. Returns how many keys were
+    /// rewrapped. Every key is unwrapped before anything is written: a key the current
+    /// key-encryption key cannot unwrap fails the whole rekey and changes nothing.
+    pub fn rekey(&mut self, new: Arc<Kek>) -> Result<usize> {
+        let mut table = self.table.clone();
+        let mut n = 0;
+        for v in table.volumes.iter_mut() {
+            let Some(key) = v.encryption.clone() else {
+                continue;
+            };
+            let dk = self.data_key(v, &key)?;
+            v.encryption = Some(VolumeKey {
+                cipher: key.cipher,
+                kek_id: new.id(),
+                wrapped: spool_crypt::to_hex(&new.wrap(&dk)),
+            });
+            n += 1;
+        }
+        self.commit_erasing(table)?;
+        tracing::info!(keys = n, kek = %new.id(), "data keys rewrapped under a new key-encryption key");
+        self.opts.kek = Some(new);
+        Ok(n)
+    }
+
+    /// The key-encryption key's id, if spoold has one.
+    pub fn kek_id(&self) -> Option<String> {
+        self.opts.kek.as_ref().map(|k| k.id())
+    }
+}
+
+/// What recovery without spoold needs of an encrypted volume, read from one member device's
+/// metadata without opening the pool (spoold may be running): its data key, and where its
+/// bytes lie when they are contiguous on that device.
+pub struct ExportedKey {
+    pub key: DataKey,
+    pub volume: String,
+    pub size: u64,
+    /// Byte offset on the device read, when the whole volume lies there contiguously (a
+    /// plain volume): `cryptsetup open --type plain --offset` in 512-byte sectors.
+    pub contiguous_at: Option<u64>,
+}
+
+/// Reads the newest valid pool table on `device` (a file or block device, read only, no
+/// lock taken) and unwraps volume `id`'s data key with `kek`.
+pub fn export_key_offline(device: &std::path::Path, id: &str, kek: &Kek) -> Result<ExportedKey> {
+    use crate::metadata::{decode, SlotState, HEADER_SIZE, SLOT_SIZE};
+    use std::os::unix::fs::FileExt;
+    let path = device.display().to_string();
+    let f = std::fs::File::open(device).map_err(|e| Error::Metadata(format!("{path}: {e}")))?;
+    let mut best: Option<crate::metadata::Record> = None;
+    for slot in 0..2u64 {
+        let mut header = [0u8; HEADER_SIZE];
+        if f.read_exact_at(&mut header, slot * SLOT_SIZE).is_err() {
+            continue;
+        }
+        let state = decode(&header, |len| {
+            let mut p = vec![0u8; len];
+            f.read_exact_at(&mut p, slot * SLOT_SIZE + HEADER_SIZE as u64)
+                .map(|_| p)
+                .map_err(|e| e.to_string())
+        });
+        if let SlotState::Valid(r) = state {
+            if best.as_ref().is_none_or(|b| b.generation < r.generation) {
+                best = Some(r);
+            }
+        }
+    }
+    let rec = best.ok_or_else(|| Error::Corrupt {
+        path: path.clone(),
+        why: "no valid pool metadata on it".into(),
+    })?;
+    let by_uuid = Uuid::parse_str(id).ok();
+    let v = rec
+        .table
+        .volumes
+        .iter()
+        .find(|v| v.name == id || Some(v.uuid) == by_uuid)
+        .ok_or_else(|| Error::NoSuchVolume(id.into()))?;
+    let key = v
+        .encryption
+        .as_ref()
+        .ok_or_else(|| key_error(v, "is not encrypted"))?;
+    let key = unwrap_key(v, key, kek)?;
+    let min = rec.table.min_extent;
+    let contiguous = !v.is_mirrored()
+        && v.extents.iter().all(|e| e.device == rec.device_uuid)
+        && v.extents
+            .windows(2)
+            .all(|w| w[0].offset + (min << w[0].order) == w[1].offset);
+    Ok(ExportedKey {
+        key,
+        volume: v.name.clone(),
+        size: v.size,
+        contiguous_at: contiguous
+            .then(|| v.extents.first().map(|e| e.offset))
+            .flatten(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::{opts, spec};
+    use crate::PoolOptions;
+
+    fn with_kek(kek: &Arc<Kek>) -> PoolOptions {
+        PoolOptions {
+            kek: Some(kek.clone()),
+            ..opts()
+        }
+    }
+
+    /// Create, reopen, a wrong key, a rekey and a delete, on the pool table alone.
+    #[test]
+    fn keys_follow_the_volume_through_reopen_rekey_and_delete() {
+        let d = tempfile::tempdir().unwrap();
+        let specs = [spec(d.path(), "a", 9), spec(d.path(), "b", 9)];
+        let k1 = Arc::new(Kek::generate().unwrap());
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        let e = p
+            .create_volume_opts("s", 1 << 20, false, 1, 1, true)
+            .unwrap_err();
+        assert!(e.to_string().contains("no key-encryption key"), "{e}");
+        drop(p);
+        let mut p = Pool::open(&specs, with_kek(&k1)).unwrap();
+        let v = p
+            .create_volume_opts("s", 2 << 20, false, 1, 2, true)
+            .unwrap();
+        assert!(v.encrypted);
+        p.create_volume("plain", 1 << 20, false, 1).unwrap();
+        assert!(p.layout("s").unwrap().cipher.is_some());
+        assert!(p.layout("plain").unwrap().cipher.is_none());
+        assert_eq!(p.table.format_version(), 5);
+        let key = p.export_data_key("s").unwrap().bytes().to_vec();
+        drop(p);
+        // Another key: refused with both ids named; the plain volume is unaffected.
+        let k2 = Arc::new(Kek::generate().unwrap());
+        let p = Pool::open(&specs, with_kek(&k2)).unwrap();
+        let e = p.layout("s").unwrap_err().to_string();
+        assert!(e.contains(&k1.id()) && e.contains(&k2.id()), "{e}");
+        assert!(p.layout("plain").is_ok());
+        drop(p);
+        // Rekey to k2: the same data key, now only under k2, in both slots.
+        let mut p = Pool::open(&specs, with_kek(&k1)).unwrap();
+        assert_eq!(p.rekey(k2.clone()).unwrap(), 1);
+        assert_eq!(p.kek_id(), Some(k2.id()));
+        drop(p);
+        let img = std::fs::read(d.path().join("a")).unwrap();
+        let meta =
+            String::from_utf8_lossy(&img[..crate::metadata::METADATA_AREA as usize]).to_string();
+        assert!(
+            !meta.contains(&k1.id()),
+            "a slot still names the old key-encryption key"
+        );
+        let mut p = Pool::open(&specs, with_kek(&k2)).unwrap();
+        assert_eq!(p.export_data_key("s").unwrap().bytes().to_vec(), key);
+        let wrapped = p.table.volumes[p.find("s").unwrap()]
+            .encryption
+            .clone()
+            .unwrap()
+            .wrapped;
+        p.delete_volume("s").unwrap();
+        drop(p);
+        for dev in ["a", "b"] {
+            let img = std::fs::read(d.path().join(dev)).unwrap();
+            let meta = &img[..crate::metadata::METADATA_AREA as usize];
+            assert!(
+                !meta.windows(wrapped.len()).any(|w| w == wrapped.as_bytes()),
+                "{dev}: the wrapped key survived"
+            );
+        }
+    }
+
+    /// Damaged key records are refused field by field.
+    #[test]
+    fn malformed_key_records_are_refused() {
+        let good = VolumeKey {
+            cipher: spool_crypt::CIPHER.into(),
+            kek_id: "00112233aabbccdd".into(),
+            wrapped: "ab".repeat(spool_crypt::WRAPPED_LEN),
+        };
+        assert!(good.validate().is_ok());
+        let bad = [
+            VolumeKey {
+                cipher: "aes-cbc-essiv".into(),
+                ..good.clone()
+            },
+            VolumeKey {
+                kek_id: "xyz".into(),
+                ..good.clone()
+            },
+            VolumeKey {
+                wrapped: "ab".repeat(10),
+                ..good.clone()
+            },
+            VolumeKey {
+                wrapped: "zz".repeat(spool_crypt::WRAPPED_LEN),
+                ..good.clone()
+            },
+        ];
+        for b in bad {
+            assert!(b.validate().is_err(), "{b:?}");
+        }
+    }
+}
