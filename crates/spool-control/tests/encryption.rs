@@ -50,6 +50,16 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
+/// Whether any 512-byte sector of `img` starts like a sector of `data` (where plaintext would
+/// land: volumes and their writes are sector aligned on the device).
+fn leaks(img: &[u8], data: &[Vec<u8>]) -> bool {
+    let sectors: std::collections::HashSet<&[u8]> = data
+        .iter()
+        .flat_map(|d| d.chunks_exact(512).map(|s| &s[..64]))
+        .collect();
+    img.chunks_exact(512).any(|s| sectors.contains(&s[..64]))
+}
+
 /// OpenSSL's AES-XTS (Python `cryptography`), sector by sector with the sector number as a
 /// 16-byte little-endian IV: dm-crypt's aes-xts-plain64. Decrypts `sectors` sectors of
 /// `device` from byte `at` with the 64-byte key in `key`.
@@ -168,16 +178,16 @@ fn an_encrypted_volume_stores_only_ciphertext_and_its_keys_rotate_and_erase() {
     drop(p);
     let img = std::fs::read(&dev).unwrap();
     assert!(
-        contains(&img, &pattern(999, 0, BS)[..64]),
+        leaks(&img, &[pattern(999, 0, BS)]),
         "the scan finds the plain volume's data"
     );
-    for blk in 0..64u64 {
-        let needle = &pattern(last, blk * BS as u64, BS)[..64];
-        assert!(
-            !contains(&img, needle),
-            "plaintext of block {blk} reached the device"
-        );
-    }
+    let written: Vec<Vec<u8>> = (0..64u64)
+        .map(|blk| pattern(last, blk * BS as u64, BS))
+        .collect();
+    assert!(
+        !leaks(&img, &written),
+        "plaintext of the encrypted volume reached the device"
+    );
 
     // The layout is dm-crypt's aes-xts-plain64, read with OpenSSL and the exported key.
     let key_out = dir.join("sec.key");
@@ -318,4 +328,88 @@ fn bad_keys_and_settings_get_clear_errors() {
         err.contains("give one of key_file, credential and key_command"),
         "{err}"
     );
+}
+
+/// The key from a systemd credential; an encrypted volume becomes a mirror (its new copy is
+/// rebuilt from ciphertext, without the key) and grows (its queues reopen with the new
+/// segments' tweaks): the data reads back, the copies agree, and neither device holds any of
+/// the plaintext.
+#[test]
+fn an_encrypted_volume_is_mirrored_and_grown_with_ciphertext_only() {
+    let mut d = Spoold::prepared(
+        r#"
+[encryption]
+credential = "spool-kek"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "48M"
+[[devices]]
+path = "@DIR@/d1.img"
+create_size = "48M"
+[[volumes]]
+name = "e"
+size = "8M"
+num_queues = 2
+encrypt = true
+"#,
+    );
+    let dir = d.dir.path().to_path_buf();
+    let creds = dir.join("creds");
+    std::fs::create_dir(&creds).unwrap();
+    write_key(&creds.join("spool-kek"), 0x55);
+    d.envs
+        .push(("CREDENTIALS_DIRECTORY".into(), creds.display().to_string()));
+    d.spawn();
+    assert!(d
+        .log()
+        .contains("key-encryption key loaded from the credential spool-kek"));
+    let mut c = connect(&d.socket("e"), 2, false).unwrap();
+    let rounds = write_rounds_until(&mut c, &|| true, 2);
+    drop(c);
+    let (ok, out, err) = spoolctl(&d, &["volume", "mirror", "add", "e"]);
+    assert!(ok, "{out}{err}");
+    let healthy = |d: &Spoold| {
+        let m = d.rpc("volume_show", json!({"id": "e"})).unwrap()["mirror"].clone();
+        m["state"] == json!("healthy")
+            && m["legs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|l| l["state"] == json!("current"))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !healthy(&d) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never rebuilt: {}",
+            d.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (ok, out, err) = spoolctl(&d, &["volume", "resize", "e", "16M"]);
+    assert!(ok, "{out}{err}");
+    let mut c = connect(&d.socket("e"), 2, false).unwrap();
+    let tail = pattern(7, 12 << 20, BS);
+    assert_eq!(c.write_sync(0, 12 << 20, &tail), 0);
+    assert!(c.read_sync(1, 12 << 20, BS).1 == tail);
+    for blk in 0..64u64 {
+        let off = blk * BS as u64;
+        let (r, data) = c.read_sync((blk % 2) as usize, off, BS);
+        assert_eq!(r, 0);
+        assert!(
+            data == pattern(rounds - 1, off, BS),
+            "block {blk} after rebuild and resize"
+        );
+    }
+    drop(c);
+    let v = d.rpc("volume_verify", json!({"id": "e"})).unwrap();
+    assert_eq!(v["regions_differing"], json!(0), "{v}");
+    for dev in ["d0.img", "d1.img"] {
+        let img = std::fs::read(dir.join(dev)).unwrap();
+        let mut written: Vec<Vec<u8>> = (0..64u64)
+            .map(|blk| pattern(rounds - 1, blk * BS as u64, BS))
+            .collect();
+        written.push(tail.clone());
+        assert!(!leaks(&img, &written), "{dev} holds plaintext");
+    }
 }
