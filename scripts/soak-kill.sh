@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build-guest.sh
 SPOOL_E2E=1 SPOOL_KILLS=${1:-1000} cargo test --release -p spool-control --test e2e_qemu \
-    vm_survives_spoold_sigkill_under_load -- --nocapture
+    vm_survives_spoold_sigkill_under_load -- --include-ignored --nocapture

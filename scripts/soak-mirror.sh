@@ -11,4 +11,4 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build-guest.sh
 SPOOL_E2E=1 SPOOL_MIRROR_EVENTS=${1:-300} SPOOL_MIRROR_FAIL_EVERY=${2:-100} \
-    cargo test --release -p spool-control --test e2e_qemu vm_on_a_mirrored_volume -- --nocapture
+    cargo test --release -p spool-control --test e2e_qemu vm_on_a_mirrored_volume -- --include-ignored --nocapture

@@ -2,6 +2,8 @@
 //! a pool device `rbd:POOL/IMAGE` under the real libblkio client's verifying load, through
 //! worker SIGKILLs, upgrades and the OSD stopped and restarted. Every write the client saw
 //! complete reads back, no request fails, and the client's one connection is never dropped.
+//! `#[ignore]`d by default, so that a plain `cargo test` says they were skipped: they need Ceph
+//! (scripts/install-deps.sh); scripts/test.sh runs them.
 
 mod common;
 
@@ -45,11 +47,10 @@ fn count(env: &str, default: usize) -> usize {
 }
 
 #[test]
+#[ignore = "needs Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn an_rbd_pool_survives_worker_kills_upgrades_and_an_osd_restart_under_load() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = CephCluster::start("e2e") else {
-        return;
-    };
+    let cluster = CephCluster::start("e2e");
     let d = Spoold::start(&config(&cluster, "pool0"));
     assert!(
         cluster.rbd(&["ls", "rbd"]).unwrap().contains("pool0"),
@@ -145,11 +146,10 @@ fn wait_disconnected(d: &Spoold, volume: &str) {
 /// its attachment, removed when A deletes the volume it created; clear errors for every
 /// wrong name; and a restarted spoold still serves its RBD volume.
 #[test]
+#[ignore = "needs Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = CephCluster::start("volumes") else {
-        return;
-    };
+    let cluster = CephCluster::start("volumes");
     let local = format!(
         "[ceph]\nconf = \"{}\"\nclaim_wait_ms = 1000\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"64M\"\n",
         cluster.conf.display()
@@ -328,11 +328,10 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
 /// operations up (reads land in buffers of their own, so a late completion touches nothing
 /// of the guest's), and the requests fail.
 #[test]
+#[ignore = "needs Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn an_unreachable_cluster_holds_io_then_fails_it_cleanly() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = CephCluster::start("outage") else {
-        return;
-    };
+    let cluster = CephCluster::start("outage");
     let mut d = Spoold::start(&format!(
         "{}\n[health]\nio_timeout_ms = 2000\nreset_timeout_ms = 4000\n",
         config(&cluster, "pool1")
@@ -377,11 +376,10 @@ fn an_unreachable_cluster_holds_io_then_fails_it_cleanly() {
 /// connection up ran librados' static destructors under its own threads: a SIGSEGV at exit
 /// that failed a stop in CI (Ceph tracker 36732).
 #[test]
+#[ignore = "needs Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn a_stopped_spoold_closes_its_images_and_its_cluster_connection() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = CephCluster::start("stop") else {
-        return;
-    };
+    let cluster = CephCluster::start("stop");
     let mut d = Spoold::start(&format!(
         "[ceph]\nconf = \"{}\"\n[[devices]]\npath = \"rbd:rbd/member\"\ncreate_size = \"64M\"\n[[volumes]]\nname = \"local\"\nsize = \"8M\"\nnum_queues = 1\n[[volumes]]\nname = \"img\"\nsize = \"16M\"\nnum_queues = 1\nrbd = \"rbd\"\n",
         cluster.conf.display()
@@ -422,11 +420,10 @@ fn a_stopped_spoold_closes_its_images_and_its_cluster_connection() {
 /// recorded predecessor. Each worker's client is told by its watch on the image (`rbd
 /// status`), independently of that mechanism.
 #[test]
+#[ignore = "needs Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn every_killed_worker_is_blocklisted_by_its_successor() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = CephCluster::start("fence") else {
-        return;
-    };
+    let cluster = CephCluster::start("fence");
     let d = Spoold::start(&format!(
         "[ceph]\nconf = \"{}\"\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"64M\"\n[[volumes]]\nname = \"img\"\nsize = \"16M\"\nnum_queues = 1\nrbd = \"rbd\"\n",
         cluster.conf.display()

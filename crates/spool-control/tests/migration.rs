@@ -4,7 +4,7 @@
 //! (A and B: separate state directories and pools standing in for two hosts, the same
 //! cluster) A → B → A → B, the second migration with a worker kill on its source while RAM is
 //! copied, the third with an upgrade. Passes only with zero fio errors and verify failures.
-//! Runs when SPOOL_E2E=1.
+//! `#[ignore]`d by default (it needs QEMU, the test guest and Ceph): scripts/test.sh runs it.
 //!
 //! **Every migration is checked page by page.** Both QEMUs keep guest RAM in files under
 //! /dev/shm, the destination starts paused (`-S`), and when the migration completes the test
@@ -31,7 +31,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::ceph::CephCluster;
-use common::guest::{assert_pass, enabled, qemu_tcg_on};
+use common::guest::{assert_pass, qemu_tcg_on};
 use common::qmp::Qmp;
 use common::Spoold;
 use serde_json::json;
@@ -637,13 +637,9 @@ fn pool_uuid(d: &Spoold) -> String {
 }
 
 #[test]
+#[ignore = "needs QEMU, the test guest and Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
-    if !enabled() {
-        return;
-    }
-    let Some(cluster) = CephCluster::start("migrate") else {
-        return;
-    };
+    let cluster = CephCluster::start("migrate");
     let rounds = count("SPOOL_RBD_ROUNDS", 10);
     let migrations = count("SPOOL_MIGRATIONS", 3);
     let base = format!(
@@ -824,16 +820,15 @@ fn soak_file_guest(file: &str, runtime: u64, tcg: &str, memory: &str) -> std::pr
 /// SPOOL_SOAK_FILE=PATH the guest's disk is QEMU's own virtio-blk on a raw file instead of
 /// spoold (the control).
 #[test]
+#[ignore = "a soak, run by hand: SPOOL_MIGRATION_SOAK=N cargo test --test migration migration_soak -- --ignored"]
 fn migration_soak() {
-    let Some(n) = std::env::var("SPOOL_MIGRATION_SOAK")
+    let n = std::env::var("SPOOL_MIGRATION_SOAK")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-    else {
-        return;
-    };
+        .expect("set SPOOL_MIGRATION_SOAK=N: how many migrations");
     let file = std::env::var("SPOOL_SOAK_FILE").ok();
     let cluster = if file.is_none() {
-        CephCluster::start("soak")
+        Some(CephCluster::start("soak"))
     } else {
         None
     };

@@ -7,14 +7,6 @@ use std::time::Instant;
 
 use super::Spoold;
 
-pub fn enabled() -> bool {
-    if std::env::var("SPOOL_E2E").as_deref() == Ok("1") {
-        return true;
-    }
-    eprintln!("e2e_qemu: skipped (set SPOOL_E2E=1; scripts/test.sh does)");
-    false
-}
-
 pub fn guest_dir() -> PathBuf {
     let cache = std::env::var("SPOOL_CACHE")
         .map(PathBuf::from)
