@@ -122,7 +122,8 @@ fn stop(l: &Load, t: std::thread::JoinHandle<()>) {
     assert_eq!(
         (l.errors(), l.corrupt()),
         (0, 0),
-        "guest errors or corrupt reads"
+        "guest errors or corrupt reads: {:?}",
+        l.failures()
     );
 }
 

@@ -22,6 +22,10 @@ pub struct Load {
     /// Longest single round (write + verify), µs.
     pub max_round_us: AtomicU64,
     pub stop: AtomicBool,
+    /// The first failures seen (what, volume offset, result, when): what a failed
+    /// assertion prints, so a rare failure says what it was.
+    pub first: std::sync::Mutex<Vec<String>>,
+    started: std::sync::OnceLock<Instant>,
 }
 
 impl Load {
@@ -38,6 +42,7 @@ impl Load {
         hang_after: Duration,
     ) -> (Arc<Load>, std::thread::JoinHandle<()>) {
         let l = Arc::new(Load::default());
+        let _ = l.started.set(Instant::now());
         let l2 = l.clone();
         let t = std::thread::spawn(move || {
             let mut c = connect(&sock, 1, false).expect("connect");
@@ -61,6 +66,7 @@ impl Load {
                         l2.ok.fetch_add(1, Ordering::Relaxed);
                     } else {
                         l2.errors.fetch_add(1, Ordering::Relaxed);
+                        l2.note(format!("write at {} failed: {r}", offs[tag]));
                     }
                 }
                 for (i, &off) in offs.iter().enumerate() {
@@ -69,6 +75,7 @@ impl Load {
                 for (tag, r) in c.wait(0, DEPTH) {
                     if r != 0 {
                         l2.errors.fetch_add(1, Ordering::Relaxed);
+                        l2.note(format!("read at {} failed: {r}", offs[tag]));
                         continue;
                     }
                     l2.ok.fetch_add(1, Ordering::Relaxed);
@@ -78,6 +85,7 @@ impl Load {
                         && c.buf((DEPTH + tag) * BLK, BLK) != pattern(round, offs[tag], BLK)
                     {
                         l2.corrupt.fetch_add(1, Ordering::Relaxed);
+                        l2.note(format!("read at {} returned other data", offs[tag]));
                     }
                 }
                 l2.max_round_us
@@ -86,6 +94,20 @@ impl Load {
             }
         });
         (l, t)
+    }
+
+    /// Keeps one of the first failures, with when it happened.
+    fn note(&self, what: String) {
+        let mut f = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() < 8 {
+            let ms = self.started.get().map_or(0, |t| t.elapsed().as_millis());
+            f.push(format!("{what} ({ms} ms in)"));
+        }
+    }
+
+    /// The first failures, for an assertion's message.
+    pub fn failures(&self) -> Vec<String> {
+        self.first.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn ok(&self) -> u64 {

@@ -22,7 +22,7 @@ impl QueueWorker {
         let mut finished: SmallVec<[u16; 32]> = SmallVec::new();
         let any = self.reap_devices(&mut finished);
         if finished.is_empty() {
-            if self.in_flight == 0 && !self.retired_maps.is_empty() {
+            if self.inflight.submitted() == 0 && !self.retired_maps.is_empty() {
                 self.retired_maps.clear();
             }
             return any;
@@ -30,8 +30,7 @@ impl QueueWorker {
         let now = self.round_now();
         let mut used: SmallVec<[(u16, u32); 32]> = SmallVec::new();
         for head in finished {
-            if let Some(inf) = self.slots[head as usize].take() {
-                self.in_flight -= 1;
+            if let Some(inf) = self.inflight.finish(head) {
                 let (kind, bytes, taken, ok) = (inf.kind, inf.bytes, inf.taken, inf.ok());
                 if let Some(len) = self.settle(head, inf) {
                     used.push((head, len));
@@ -40,7 +39,7 @@ impl QueueWorker {
             }
         }
         self.complete_used_batch(mem, &used);
-        if self.in_flight == 0 && !self.retired_maps.is_empty() {
+        if self.inflight.submitted() == 0 && !self.retired_maps.is_empty() {
             // Nothing taken under an earlier memory map is in flight any more.
             self.retired_maps.clear();
         }
@@ -53,8 +52,7 @@ impl QueueWorker {
     fn reap_devices(&mut self, finished: &mut SmallVec<[u16; 32]>) -> bool {
         let mut any = false;
         for d in 0..self.devices.len() {
-            let slots = &mut self.slots;
-            let bufs = &self.slot_bufs;
+            let (slots, bufs) = self.inflight.records();
             let volume = &self.volume;
             let io_err_log = &mut self.io_err_log;
             let health = self.layout.devices[d].health();
@@ -100,7 +98,7 @@ impl QueueWorker {
         if done.is_empty() {
             return;
         }
-        if self.replay_left > 0 {
+        if self.inflight.replay_pending() {
             self.replayed(done);
         }
         // Algorithm 1, steps 10-14, for the batch as a whole.

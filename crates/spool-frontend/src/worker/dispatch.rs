@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 use spool_devices::{DeviceIo, HealthState, IoVec};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 
-use super::slots::{used_len, write_status, Inflight};
+use super::inflight::{used_len, write_status, Inflight};
 use super::QueueWorker;
 use crate::ratelimit::Verdict;
 use crate::request::{self, GuestMemory, IoVecs, Op, Request, SECTOR};
@@ -79,21 +79,14 @@ impl QueueWorker {
     /// cancelled and waiting to be submitted again (or out of range of the in-flight table).
     #[inline]
     pub(super) fn head_busy(&self, head: u16) -> bool {
-        self.slots.get(head as usize).is_none_or(|s| s.is_some())
-            || (!self.held.is_empty() && self.held.contains(&head))
-            || (!self.cancelled.is_empty() && self.cancelled.contains(&head))
+        self.inflight.busy(head)
     }
 
     /// Where a read or write goes when it can take [`Self::submit_one`]: one healthy device
     /// with an open queue holds all of it, and its head is free.
     #[inline]
     fn one_piece(&self, req: &Request) -> Option<(usize, u64)> {
-        if !matches!(req.op, Op::Read | Op::Write)
-            || self
-                .slots
-                .get(req.head as usize)
-                .is_none_or(|s| s.is_some())
-        {
+        if !matches!(req.op, Op::Read | Op::Write) || self.inflight.busy(req.head) {
             return None;
         }
         let (d, offset) = self.layout.map_one(req.sector * SECTOR, req.len)?;
@@ -106,20 +99,18 @@ impl QueueWorker {
     #[inline]
     fn submit_one(&mut self, req: Request, d: usize, offset: u64) {
         let head = req.head;
-        let slot = head as usize;
         let write = req.op == Op::Write;
         let len = req.len;
         let mut inf = Inflight::new(req.status_host, used_len(write, len), 1, self.sweep);
         inf.kind = if write { OpKind::Write } else { OpKind::Read };
         inf.bytes = len as u32;
         inf.taken = self.round_now();
-        self.slots[slot] = Some(inf);
-        self.in_flight += 1;
-        let bufs = &mut self.slot_bufs[slot];
+        let bufs = self.inflight.bufs_mut(head);
         bufs.pieces.clear();
         bufs.pieces.push((d as u16, offset, len, write));
         bufs.iov = req.iov;
         let (iov, iovcnt) = (bufs.iov.as_ptr(), bufs.iov.len() as u32);
+        self.inflight.submit(head, inf);
         let io = DeviceIo::data(write, offset, len, iov, iovcnt);
         // SAFETY: as in `submit`: the array lives in this slot's buffers, refilled only for
         // a free head (`one_piece` and `head_busy`), untouched until reaped; each iovec lies
@@ -131,8 +122,7 @@ impl QueueWorker {
     /// health gate, then submitted (or held, or completed at once).
     pub(super) fn submit(&mut self, req: Request, mem: &Arc<GuestMemory>) {
         let head = req.head;
-        let slot = head as usize;
-        let bufs = &mut self.slot_bufs[slot];
+        let bufs = self.inflight.bufs_mut(head);
         bufs.parts.clear();
         bufs.pieces.clear();
         let mut ios = Pieces::new();
@@ -201,7 +191,7 @@ impl QueueWorker {
         write: bool,
         ios: &mut Pieces,
     ) {
-        let parts = &mut self.slot_bufs[head as usize].parts;
+        let parts = &mut self.inflight.bufs_mut(head).parts;
         let mut pieces: SmallVec<[(usize, u64, u64, u64); 4]> = SmallVec::new();
         self.layout.map(sector * SECTOR, len, |d, off, len, at| {
             pieces.push((d, off, len, at))
@@ -261,7 +251,7 @@ impl QueueWorker {
             }
         }
         if hold && inf.pending != 0 {
-            self.held.push(head);
+            self.inflight.hold(head);
             return false;
         }
         if inf.pending != 0 && ios.iter().any(|(d, _)| *d >= self.devices.len()) {
@@ -284,7 +274,6 @@ impl QueueWorker {
 
     /// Puts the request in its slot and submits its pieces.
     fn issue(&mut self, head: u16, mut inf: Inflight, ios: Pieces) {
-        let slot = head as usize;
         for (d, io) in &ios {
             let (offset, len, write) = match *io {
                 DeviceIo::Read { offset, len, .. } => (offset, len, false),
@@ -294,14 +283,14 @@ impl QueueWorker {
                     (offset, len, true)
                 }
             };
-            self.slot_bufs[slot]
+            self.inflight
+                .bufs_mut(head)
                 .pieces
                 .push((*d as u16, offset, len, write));
         }
         inf.sweep = self.sweep;
-        self.slots[slot] = Some(inf);
-        self.in_flight += 1;
-        let parts = &self.slot_bufs[slot].parts;
+        self.inflight.submit(head, inf);
+        let parts = &self.inflight.bufs(head).parts;
         for (d, mut io) in ios {
             if let DeviceIo::Read { iov, iovcnt, .. } | DeviceIo::Write { iov, iovcnt, .. } =
                 &mut io

@@ -10,7 +10,8 @@
 //! Layout, one job per file, all of them `impl QueueWorker`:
 //! - `run`: the poll loop, taking requests (checked against the volume's QoS buckets when
 //!   it has limits), sleeping in epoll, guest notifications, memory-map changes;
-//! - `slots`: the in-flight table's entries (`Inflight`, `SlotBufs`);
+//! - `inflight`: the in-flight table: every request taken and not completed, its state
+//!   (submitted, held, cancelled), pieces, retries and replay (`InflightTable`);
 //! - `dispatch`: a taken request to device pieces (splitting across devices, slicing
 //!   iovecs), the health gate, submission;
 //! - `complete`: reaping device completions and completing requests to the guest;
@@ -27,10 +28,10 @@
 mod complete;
 mod dispatch;
 mod group;
+mod inflight;
 mod recovery;
 mod replay;
 mod run;
-mod slots;
 #[cfg(test)]
 mod tests;
 
@@ -60,8 +61,8 @@ use crate::share::{ShareGroup, VolumeShare};
 use crate::stats::{Tally, VolumeStats};
 use crate::vring::JournaledQueue;
 pub use group::PollGroup;
+use inflight::InflightTable;
 use replay::ReplayGuard;
-use slots::{Inflight, SlotBufs};
 
 /// What a worker needs to start.
 pub struct WorkerSpec {
@@ -251,10 +252,8 @@ pub struct QueueWorker {
     layout_now: Cache<Arc<ArcSwap<VolumeLayout>>, Arc<VolumeLayout>>,
     layout: Arc<VolumeLayout>,
     devices: Vec<Box<dyn DeviceQueue>>,
-    slots: Vec<Option<Inflight>>,
-    /// Per slot: its pieces and iovec arrays (see [`SlotBufs`]).
-    slot_bufs: Vec<SlotBufs>,
-    in_flight: usize,
+    /// Every request taken and not completed, with its state (see [`InflightTable`]).
+    inflight: InflightTable,
     limits: Limits,
     serial: [u8; ID_LEN],
     poll_idle: Duration,
@@ -267,14 +266,8 @@ pub struct QueueWorker {
     broken: bool,
     /// Whether this worker completed a request yet (the restart report's "first I/O").
     served_one: bool,
-    /// Requests held while a device resets (taken, journaled INFLIGHT, not submitted).
-    held: Vec<u16>,
-    /// Requests whose device commands we cancelled, to submit again on the next round.
-    cancelled: Vec<u16>,
     /// The health epoch of each device this worker last acted on.
     seen_epochs: Vec<u64>,
-    /// Resubmissions after path errors, per head.
-    retries: Vec<u8>,
     request_retries: u32,
     io_timeout: Duration,
     /// Timeout sweeps: a request in flight across `TIMEOUT_SWEEPS` of them has timed out.
@@ -291,11 +284,9 @@ pub struct QueueWorker {
     fault: Arc<crate::SessionFault>,
     abandoned: Arc<AtomicU64>,
     clock: Arc<crate::StartClock>,
-    /// Heads resubmitted from the journal and not completed yet (`replaying`, by head), and
-    /// the record that says so should this process crash before they are.
+    /// While heads resubmitted from the journal have not completed (the in-flight table
+    /// counts them), the record that says so should this process crash before they are.
     replay: Option<ReplayGuard>,
-    replaying: Vec<bool>,
-    replay_left: usize,
     poison: Vec<u16>,
     /// The volume's buckets, and the same while the layout sets limits (None: no QoS, and
     /// the take loop is the one without any check).
@@ -386,9 +377,7 @@ impl QueueWorker {
             layout_src: spec.layout,
             layout,
             devices: Vec::new(),
-            slots: (0..size).map(|_| None).collect(),
-            slot_bufs: (0..size).map(|_| SlotBufs::default()).collect(),
-            in_flight: 0,
+            inflight: InflightTable::new(size),
             limits: spec.limits,
             serial: spec.serial,
             poll_idle: spec.poll_idle,
@@ -399,10 +388,7 @@ impl QueueWorker {
             need_notify: false,
             broken: false,
             served_one: false,
-            held: Vec::new(),
-            cancelled: Vec::new(),
             seen_epochs: Vec::new(),
-            retries: vec![0; size],
             request_retries: spec.request_retries,
             io_timeout: spec.io_timeout.max(Duration::from_millis(4)),
             sweep: 0,
@@ -416,8 +402,6 @@ impl QueueWorker {
             abandoned: spec.abandoned,
             clock: spec.clock,
             replay: spec.replay.map(ReplayGuard::new),
-            replaying: vec![false; size],
-            replay_left: 0,
             poison: spec.poison,
             qos,
             stats: spec.stats,
@@ -450,7 +434,7 @@ impl QueueWorker {
         self.inline_devices =
             !self.layout.devices.is_empty() && self.layout.devices.iter().all(inline);
         self.set_contended(self.contended);
-        let depth = (self.slots.len() as u32 * 2).max(64);
+        let depth = (self.inflight.len() as u32 * 2).max(64);
         while self.devices.len() < self.layout.devices.len() {
             let d = self.devices.len();
             let mut q = self.open_queue(d, depth)?;

@@ -16,7 +16,7 @@ use spool_devices::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent};
 
-use super::slots::{write_status, Inflight};
+use super::inflight::{write_status, Inflight};
 use super::{QueueWorker, MIN_DRAIN, STOP_DRAIN, TIMEOUT_SWEEPS};
 use crate::ratelimit::{LogLimit, Verdict};
 use crate::request::{self, GuestMemory, SECTOR};
@@ -82,26 +82,25 @@ impl QueueWorker {
     /// be submitted again at once (cancelled by us).
     #[inline]
     pub(super) fn settle(&mut self, head: u16, inf: Inflight) -> Option<u32> {
-        let h = head as usize;
         if inf.held && inf.ok() {
-            if (self.retries[h] as u32) < self.request_retries {
-                self.retries[h] += 1;
-                self.held.push(head);
+            let (again, retries) = self.inflight.retry(head, self.request_retries);
+            if again {
+                self.inflight.hold(head);
                 return None;
             }
-            tracing::error!(volume = %self.volume, head, retries = self.retries[h], "request keeps failing after device resets; failing it");
+            tracing::error!(volume = %self.volume, head, retries, "request keeps failing after device resets; failing it");
             write_status(inf.status, VIRTIO_BLK_S_IOERR as u8);
         } else if inf.cancelled && inf.ok() {
             // Our own cancellation is no failure of the request: no retry counted. Held
             // requests wait for a health change; these would wait forever if the change they
             // follow has already been seen (a queue pair replaced after a controller reset
             // the worker had already acted on).
-            self.cancelled.push(head);
+            self.inflight.cancel(head);
             return None;
         } else {
             write_status(inf.status, inf.status_code);
         }
-        self.retries[h] = 0;
+        self.inflight.clear_retries(head);
         Some(inf.used_len)
     }
 
@@ -135,8 +134,8 @@ impl QueueWorker {
     #[cold]
     fn health_changed(&mut self, mem: &Arc<GuestMemory>) {
         self.reap(mem);
-        if !self.held.is_empty() && !self.held_all_resetting() {
-            let heads = std::mem::take(&mut self.held);
+        if self.inflight.any_held() && !self.held_all_resetting() {
+            let heads = self.inflight.take_held();
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "dispatching held requests again");
             for h in heads {
                 self.resubmit_head(h, mem);
@@ -152,7 +151,7 @@ impl QueueWorker {
 
     /// Reports requests in flight for longer than the I/O timeout (once each).
     pub(super) fn sweep_timeouts(&mut self) {
-        if self.in_flight == 0 {
+        if self.inflight.submitted() == 0 {
             self.last_sweep = Instant::now();
             return;
         }
@@ -162,16 +161,17 @@ impl QueueWorker {
         }
         self.last_sweep = now;
         self.sweep = self.sweep.wrapping_add(1);
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            let Some(slot) = slot else { continue };
-            if slot.timed_out || self.sweep.wrapping_sub(slot.sweep) <= TIMEOUT_SWEEPS {
-                continue;
+        let (sweep, layout, devices) = (self.sweep, &self.layout, &self.devices);
+        let (volume, index) = (&self.volume, self.index);
+        self.inflight.each_submitted(|inf, bufs| {
+            if inf.timed_out || sweep.wrapping_sub(inf.sweep) <= TIMEOUT_SWEEPS {
+                return;
             }
-            slot.timed_out = true;
-            for &(d, offset, len, write) in &self.slot_bufs[i].pieces {
-                if let Some(dev) = self.layout.devices.get(d as usize) {
-                    if self.devices[d as usize].in_flight() > 0 {
-                        tracing::warn!(volume = %self.volume, queue = self.index, device = d, offset, "request timed out");
+            inf.timed_out = true;
+            for &(d, offset, len, write) in &bufs.pieces {
+                if let Some(dev) = layout.devices.get(d as usize) {
+                    if devices[d as usize].in_flight() > 0 {
+                        tracing::warn!(volume = %volume, queue = index, device = d, offset, "request timed out");
                         dev.health().report(ErrorReport {
                             signal: Signal::Timeout,
                             offset,
@@ -181,7 +181,7 @@ impl QueueWorker {
                     }
                 }
             }
-        }
+        });
     }
 
     /// Re-parses a journaled request from its descriptor chain and submits it again.
@@ -198,20 +198,15 @@ impl QueueWorker {
     pub(super) fn reset_devices(&mut self) {
         #[cfg(feature = "test-hooks")]
         test_hook_on_device_reset();
-        let mut held = std::mem::take(&mut self.held);
-        held.append(&mut self.cancelled);
-        let heads: Vec<u16> = match self.vq.journaled_inflight() {
-            Some(heads) => heads,
-            None => (0..self.slots.len() as u16)
-                .filter(|&h| self.slots[h as usize].is_some())
-                .chain(held)
-                .collect(),
-        };
+        let mut waiting = self.inflight.take_held();
+        waiting.append(&mut self.inflight.take_cancelled());
+        let journaled = self.vq.journaled_inflight();
         self.quiesce(Quiesce::Discard);
-        for s in &mut self.slots {
-            *s = None;
-        }
-        self.in_flight = 0;
+        let submitted = self.inflight.take_submitted();
+        let heads: Vec<u16> = match journaled {
+            Some(heads) => heads,
+            None => submitted.iter().map(|&(h, _)| h).chain(waiting).collect(),
+        };
         self.reopen_device_queues();
         let mem = self.mem.load().clone();
         tracing::info!(volume = %self.volume, queue = self.index, resubmitted = heads.len(), "device reset: resubmitting in-flight requests");
@@ -255,7 +250,7 @@ impl QueueWorker {
     /// Whether a request taken from the ring has not been completed to the guest: in flight
     /// at a device, held for a resetting device, or cancelled and not submitted again.
     fn unsettled(&self) -> bool {
-        self.in_flight > 0 || !self.held.is_empty() || !self.cancelled.is_empty()
+        self.inflight.unsettled()
     }
 
     /// A frontend's stop (docs/failures.md, "Stopping a queue"): the base it is answered
@@ -279,8 +274,8 @@ impl QueueWorker {
                 let _ = self.devices[d].kick();
             }
             let mut progress = self.reap(&mem);
-            if !self.cancelled.is_empty() {
-                for h in std::mem::take(&mut self.cancelled) {
+            if self.inflight.any_cancelled() {
+                for h in self.inflight.take_cancelled() {
                     self.resubmit_head(h, &mem);
                 }
                 progress = true;
@@ -289,7 +284,11 @@ impl QueueWorker {
             self.notify(&mem);
             if !progress {
                 // Held requests wait for the health monitor (milliseconds at best).
-                let pause = if self.in_flight > 0 { 50 } else { 500 };
+                let pause = if self.inflight.submitted() > 0 {
+                    50
+                } else {
+                    500
+                };
                 std::thread::sleep(Duration::from_micros(pause));
             }
         }
@@ -299,7 +298,7 @@ impl QueueWorker {
         }
         // Past the window: abort, give aborted commands MIN_DRAIN to come back, give up or
         // quarantine those that do not; then fail everything not completed.
-        if self.in_flight > 0 {
+        if self.inflight.submitted() > 0 {
             self.quiesce_until(Quiesce::Complete, Instant::now() + MIN_DRAIN);
         }
         self.fail_unsettled();
@@ -314,15 +313,12 @@ impl QueueWorker {
         self.refresh_host(&mem);
         let ioerr = VIRTIO_BLK_S_IOERR as u8;
         let mut done: Vec<(u16, u32)> = Vec::new();
-        for h in 0..self.slots.len() {
-            if let Some(inf) = self.slots[h].take() {
-                self.in_flight -= 1;
-                write_status(inf.status, ioerr);
-                done.push((h as u16, 1));
-            }
+        for (h, inf) in self.inflight.take_submitted() {
+            write_status(inf.status, ioerr);
+            done.push((h, 1));
         }
-        let mut taken = std::mem::take(&mut self.held);
-        taken.append(&mut self.cancelled);
+        let mut taken = self.inflight.take_held();
+        taken.append(&mut self.inflight.take_cancelled());
         for head in taken {
             let walker = self.vq.chain(&self.host, head);
             match request::parse(head, walker, &self.host, &self.limits) {
@@ -333,7 +329,7 @@ impl QueueWorker {
                     }
                 }
             }
-            self.retries[head as usize] = 0;
+            self.inflight.clear_retries(head);
             done.push((head, 1));
         }
         tracing::error!(volume = %self.volume, queue = self.index, failed = done.len(), window_ms = STOP_DRAIN.as_millis() as u64, "queue stopped while requests were still held or in flight past the drain window: failed them with an I/O error");
@@ -383,10 +379,10 @@ impl QueueWorker {
         } else {
             self.abandon_outstanding(mode);
         }
-        if mode == Quiesce::Complete && self.in_flight > 0 {
-            tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.in_flight, "device did not complete requests before stop");
+        if mode == Quiesce::Complete && self.inflight.submitted() > 0 {
+            tracing::error!(volume = %self.volume, queue = self.index, in_flight = self.inflight.submitted(), "device did not complete requests before stop");
         }
-        if mode == Quiesce::Discard || self.in_flight > 0 {
+        if mode == Quiesce::Discard || self.inflight.submitted() > 0 {
             self.quarantine_stuck();
         }
     }
@@ -441,7 +437,7 @@ impl QueueWorker {
     /// completing them, device commands outstanding when dropping them.
     fn quiesce_waiting(&self, mode: Quiesce) -> bool {
         match mode {
-            Quiesce::Complete => self.in_flight > 0,
+            Quiesce::Complete => self.inflight.submitted() > 0,
             Quiesce::Discard => self.devices.iter().any(|d| d.in_flight() > 0),
         }
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use spool_journal::ReplayRecord;
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 
-use super::slots::write_status;
+use super::inflight::write_status;
 use super::QueueWorker;
 use crate::request::{self, GuestMemory};
 
@@ -58,18 +58,13 @@ impl QueueWorker {
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
             self.stats.queue(self.index).resubmitted(heads.len() as u64);
             for &h in &heads {
-                if let Some(r) = self.replaying.get_mut(h as usize) {
-                    if !*r {
-                        *r = true;
-                        self.replay_left += 1;
-                    }
-                }
+                self.inflight.start_replay(h);
             }
             for head in heads {
                 self.resubmit_head(head, &mem);
             }
         }
-        if self.replay_left == 0 {
+        if !self.inflight.replay_pending() {
             self.replay = None;
         }
     }
@@ -77,13 +72,11 @@ impl QueueWorker {
     /// Counts replayed heads completing; the replay record goes when the last one did.
     #[cold]
     pub(super) fn replayed(&mut self, done: &[(u16, u32)]) {
+        let mut pending = true;
         for &(h, _) in done {
-            if let Some(r) = self.replaying.get_mut(h as usize).filter(|r| **r) {
-                *r = false;
-                self.replay_left -= 1;
-            }
+            pending = self.inflight.end_replay(h);
         }
-        if self.replay_left == 0 {
+        if !pending {
             self.replay = None;
         }
     }

@@ -114,7 +114,7 @@ impl QueueWorker {
 
     /// Idle for `poll_idle`: the volume no longer holds the others to its share.
     pub(super) fn note_idle(&mut self) {
-        if self.in_flight == 0 && !self.vq.has_avail(&self.host) {
+        if self.inflight.submitted() == 0 && !self.vq.has_avail(&self.host) {
             self.set_share_idle(true);
         }
     }
@@ -240,10 +240,10 @@ impl QueueWorker {
             }
         }
         work |= self.reap(mem);
-        if !self.cancelled.is_empty() {
+        if self.inflight.any_cancelled() {
             // Through the health gate again: submitted, held (device resetting) or
             // failed (device isolated).
-            for h in std::mem::take(&mut self.cancelled) {
+            for h in self.inflight.take_cancelled() {
                 self.resubmit_head(h, mem);
             }
             work = true;
@@ -255,9 +255,9 @@ impl QueueWorker {
     /// How long sleeping in epoll may last: until the next timeout sweep is due while
     /// requests are in flight, 5 ms while requests are held, else a second.
     fn sleep_ms(&self) -> i32 {
-        if self.in_flight > 0 {
+        if self.inflight.submitted() > 0 {
             (self.io_timeout.as_millis() as u32 / TIMEOUT_SWEEPS).clamp(1, 1000) as i32
-        } else if !self.held.is_empty() {
+        } else if self.inflight.any_held() {
             5
         } else {
             1000
@@ -372,7 +372,7 @@ impl QueueWorker {
             self.set_share_idle(false);
         } else if taken > 0 {
             self.set_share_busy();
-            self.share_deep |= self.in_flight > 1;
+            self.share_deep |= self.inflight.submitted() > 1;
         }
         taken > 0
     }
@@ -402,7 +402,7 @@ impl QueueWorker {
     pub(super) fn publish_stats(&mut self) {
         let q = self.stats.queue(self.index);
         self.tally.publish(q);
-        q.set_in_flight(self.in_flight as u64);
+        q.set_in_flight(self.inflight.submitted() as u64);
     }
 
     /// Tells the share group that this queue became busy.
@@ -475,7 +475,7 @@ impl QueueWorker {
         if !self.host_of.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
             self.host = HostMap::new(mem);
             if let Some(old) = self.host_of.replace(mem.clone()) {
-                if self.in_flight > 0 {
+                if self.inflight.submitted() > 0 {
                     self.retired_maps.push(old);
                     if self.retired_maps.len() > MAX_RETIRED_MAPS {
                         // Each kept map holds mappings, DMA registrations and SIGBUS watch

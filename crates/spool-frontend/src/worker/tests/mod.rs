@@ -71,7 +71,7 @@ fn media_and_request_errors_fail_the_request_alone() {
         assert_eq!(h.status(0), VIRTIO_BLK_S_IOERR as u8, "errno {errno}");
         assert_eq!(h.used(), vec![(0, LEN + 1)], "errno {errno}");
         assert!(h.journaled().is_empty(), "errno {errno}");
-        assert!(h.w.held.is_empty() && h.w.cancelled.is_empty());
+        assert!(!h.w.inflight.any_held() && !h.w.inflight.any_cancelled());
         // Not a path error: the device keeps serving; the monitor decides on isolation.
         assert_eq!(h.state(), HealthState::Healthy, "errno {errno}");
         let (reports, _) = h.health.take_reports();
@@ -87,7 +87,7 @@ fn path_and_gone_errors_hold_the_request_until_the_epoch_changes() {
         assert_eq!(h.status(0), UNWRITTEN, "errno {errno}");
         assert!(h.used().is_empty());
         assert_eq!(h.journaled(), vec![0]);
-        assert_eq!(h.w.held, vec![0]);
+        assert_eq!(h.w.inflight.held(), [0]);
         if errno == libc::EIO {
             // A path error on a healthy device holds its I/O at once.
             assert_eq!(h.state(), HealthState::Resetting);
@@ -102,7 +102,7 @@ fn path_and_gone_errors_hold_the_request_until_the_epoch_changes() {
         h.health.set(HealthState::Healthy);
         h.round();
         assert_eq!(h.submitted(), vec![0, 0], "errno {errno}");
-        assert!(h.w.held.is_empty());
+        assert!(!h.w.inflight.any_held());
         h.device_completes(0, LEN as i32);
         h.round();
         assert_eq!(h.status(0), VIRTIO_BLK_S_OK as u8);
@@ -116,7 +116,7 @@ fn our_own_cancellation_resubmits_at_once_without_a_report_or_a_retry() {
     let mut h = after_error(libc::ECANCELED);
     // The round that reaped it submitted it again (its cancelled list), uncounted.
     assert_eq!(h.submitted(), vec![0, 0]);
-    assert_eq!(h.w.retries[0], 0);
+    assert_eq!(h.w.inflight.retries(0), 0);
     assert_eq!(h.state(), HealthState::Healthy);
     assert!(h.health.take_reports().0.is_empty());
     assert_eq!(h.status(0), UNWRITTEN);
@@ -164,7 +164,7 @@ fn a_hung_request_times_out_is_retried_request_retries_times_then_fails_with_ioe
         h.round();
         assert_eq!(lock(&h.script).aborts, 2 * attempt as usize + 1);
         if attempt < retries {
-            assert_eq!(h.w.held, vec![0], "attempt {attempt}");
+            assert_eq!(h.w.inflight.held(), [0], "attempt {attempt}");
             assert_eq!(h.status(0), UNWRITTEN);
             assert!(h.used().is_empty());
             h.health.set(HealthState::Healthy);
@@ -172,12 +172,12 @@ fn a_hung_request_times_out_is_retried_request_retries_times_then_fails_with_ioe
         }
     }
     // Out of retries: failed, completed once, gone from the journal.
-    assert!(h.w.held.is_empty());
+    assert!(!h.w.inflight.any_held());
     assert_eq!(h.submitted().len(), retries as usize + 1);
     assert_eq!(h.status(0), VIRTIO_BLK_S_IOERR as u8);
     assert_eq!(h.used(), vec![(0, LEN + 1)]);
     assert!(h.journaled().is_empty());
-    assert_eq!(h.w.retries[0], 0);
+    assert_eq!(h.w.inflight.retries(0), 0);
 }
 
 #[test]
@@ -189,7 +189,7 @@ fn a_failed_device_fails_held_requests_at_once() {
     h.round();
     // Held for the resetting device: taken and journaled, not submitted.
     assert!(h.submitted().is_empty());
-    assert_eq!(h.w.held, vec![a, b]);
+    assert_eq!(h.w.inflight.held(), [a, b]);
     assert_eq!(h.journaled(), vec![a, b]);
     // The monitor gives up on the device: what is held fails now, not at some timeout.
     h.health.set(HealthState::Failed);
@@ -221,7 +221,7 @@ fn a_device_reset_while_requests_are_held_resubmits_each_once_on_new_queues() {
     let b = h.post_read(1);
     h.round();
     assert_eq!(lock(&h.script).aborts, 1);
-    assert_eq!(h.w.held, vec![b, a]);
+    assert_eq!(h.w.inflight.held(), [b, a]);
     assert_eq!(h.journaled(), vec![a, b]);
     assert!(h.used().is_empty());
     // The reset RPC: the device answers again and every queue is told to reset before it
@@ -235,7 +235,7 @@ fn a_device_reset_while_requests_are_held_resubmits_each_once_on_new_queues() {
     assert_eq!(s.submitted, vec![a as u64, a as u64, b as u64]);
     assert_eq!(s.outstanding, vec![a as u64, b as u64]);
     drop(s);
-    assert!(h.w.held.is_empty());
+    assert!(!h.w.inflight.any_held());
     assert_eq!(h.status(a), UNWRITTEN);
     assert!(h.used().is_empty());
     h.device_completes(b, LEN as i32);
@@ -245,7 +245,7 @@ fn a_device_reset_while_requests_are_held_resubmits_each_once_on_new_queues() {
     assert_eq!(h.status(b), VIRTIO_BLK_S_OK as u8);
     assert_eq!(h.used(), vec![(b, LEN + 1), (a, LEN + 1)]);
     assert!(h.journaled().is_empty());
-    assert_eq!(h.w.in_flight, 0);
+    assert_eq!(h.w.inflight.submitted(), 0);
 }
 
 #[test]
@@ -266,7 +266,7 @@ fn a_handoff_completes_what_the_devices_finish_and_leaves_the_rest_in_the_journa
 #[test]
 fn a_frontend_stop_waits_for_a_held_request_and_completes_it_once_its_device_is_back() {
     let mut h = after_error(libc::EIO);
-    assert_eq!(h.w.held, vec![0]);
+    assert_eq!(h.w.inflight.held(), [0]);
     assert_eq!(h.state(), HealthState::Resetting);
     // The monitor brought the device back as the stop began; the device completes the
     // resubmitted read. The stop must wait for it, not answer with it outstanding.
@@ -277,7 +277,7 @@ fn a_frontend_stop_waits_for_a_held_request_and_completes_it_once_its_device_is_
     assert_eq!(h.status(0), VIRTIO_BLK_S_OK as u8);
     assert_eq!(h.used(), vec![(0, LEN + 1)]);
     assert!(h.journaled().is_empty());
-    assert!(h.w.held.is_empty());
+    assert!(!h.w.inflight.any_held());
 }
 
 #[test]
@@ -286,7 +286,7 @@ fn a_frontend_stop_fails_what_stays_held_past_the_window_and_leaves_no_inflight_
     let b = h.post_read(1);
     h.round();
     // The device stays resetting: both are held, then both fail past the window.
-    assert_eq!(h.w.held, vec![0, b]);
+    assert_eq!(h.w.inflight.held(), [0, b]);
     h.w.drain(StopKind::Frontend);
     assert_eq!(h.status(0), VIRTIO_BLK_S_IOERR as u8);
     assert_eq!(h.status(b), VIRTIO_BLK_S_IOERR as u8);
@@ -294,8 +294,8 @@ fn a_frontend_stop_fails_what_stays_held_past_the_window_and_leaves_no_inflight_
     used.sort();
     assert_eq!(used, vec![(0, 1), (b, 1)]);
     assert!(h.journaled().is_empty());
-    assert!(h.w.held.is_empty() && h.w.cancelled.is_empty());
-    assert_eq!(h.w.in_flight, 0);
+    assert!(!h.w.inflight.any_held() && !h.w.inflight.any_cancelled());
+    assert_eq!(h.w.inflight.submitted(), 0);
 }
 
 #[test]
