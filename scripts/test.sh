@@ -10,6 +10,7 @@ echo "== format and lint"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 python3 scripts/check-size.py
+python3 scripts/check-cycles.py
 echo "== guest image"
 scripts/build-guest.sh
 echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"

@@ -46,10 +46,10 @@ impl DirtyLog {
                 "log size {size:#x} must be between 1 byte and {MAX_LOG_SIZE:#x}"
             ));
         }
-        let page = crate::memory::page_size();
+        let page = crate::backing::page_size();
         let map_offset = offset - offset % page;
         let skip = (offset - map_offset) as usize;
-        crate::memory::check_backing(&file, map_offset, size + skip as u64)?;
+        crate::backing::check_backing(&file, map_offset, size + skip as u64)?;
         let len = size as usize + skip;
         // SAFETY: the kernel picks the address, so nothing is replaced. The file was seen
         // to hold the whole range; one cut short later raises SIGBUS, which the watch below

@@ -8,6 +8,7 @@
 //! [`VolumeLayout`]), how devices implement I/O (it only uses `DeviceQueue`), or anything of
 //! the control plane (config files, RPC).
 
+mod backing;
 pub mod blk_config;
 pub mod dirty_log;
 pub mod hostmem;

@@ -170,42 +170,6 @@ pub enum MemoryError {
     NotFound(u64),
 }
 
-/// Checks that `file` really holds `[offset, offset+size)`: a shared mapping past the end of
-/// its file raises SIGBUS on first access. A file sealed against shrinking (QEMU's memfd
-/// backend seals by default) cannot be cut short later either; any other can, which the
-/// SIGBUS watch on the mapping covers.
-pub(crate) fn check_backing(file: &File, offset: u64, size: u64) -> Result<(), String> {
-    let m = file
-        .metadata()
-        .map_err(|e| format!("cannot stat its descriptor: {e}"))?;
-    if !m.file_type().is_file() {
-        return Err("its descriptor is not a regular file or memfd".into());
-    }
-    let end = offset
-        .checked_add(size)
-        .ok_or("mmap_offset + size overflows")?;
-    if m.len() < end {
-        return Err(format!(
-            "mmap_offset {offset:#x} + size {size:#x} lies past the end of its file ({:#x} bytes)",
-            m.len()
-        ));
-    }
-    if !offset.is_multiple_of(page_size()) {
-        return Err(format!("mmap_offset {offset:#x} is not page-aligned"));
-    }
-    Ok(())
-}
-
-pub(crate) fn page_size() -> u64 {
-    // SAFETY: sysconf takes and returns integers only.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
-    }
-}
-
 fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
     let err = |why: String| MemoryError::Map {
         gpa: r.guest_phys_addr,
@@ -216,7 +180,7 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
     if size == 0 || r.guest_phys_addr.checked_add(r.memory_size).is_none() {
         return Err(err("empty or wrapping region".into()));
     }
-    check_backing(&file, r.mmap_offset, r.memory_size).map_err(err)?;
+    crate::backing::check_backing(&file, r.mmap_offset, r.memory_size).map_err(err)?;
     let offset =
         libc::off_t::try_from(r.mmap_offset).map_err(|_| err("offset too large".into()))?;
     let prot = libc::PROT_READ | libc::PROT_WRITE;

@@ -13,45 +13,8 @@ use std::sync::Arc;
 use spool_crypt::{DataKey, Kek, Locked, XtsCipher};
 use uuid::Uuid;
 
-use serde::{Deserialize, Serialize};
-
-use crate::metadata::{printable, VolumeEntry};
+use crate::metadata::{VolumeEntry, VolumeKey};
 use crate::{Error, Pool, Result};
-
-/// An encrypted volume's cipher and its data key, wrapped under the pool's key-encryption
-/// key. Never the key in the clear.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct VolumeKey {
-    /// Always `aes-xts-plain64`.
-    pub cipher: String,
-    /// The id of the key-encryption key that wrapped it (`Kek::id`: 16 hex digits).
-    pub kek_id: String,
-    /// The wrapped data key, in hex (RFC 3394: 72 bytes).
-    pub wrapped: String,
-}
-
-impl VolumeKey {
-    /// Checks the fields' shapes (not whether any key unwraps it).
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.cipher != spool_crypt::CIPHER {
-            return Err(format!(
-                "encryption: unknown cipher '{}' (only {} exists)",
-                printable(&self.cipher),
-                spool_crypt::CIPHER
-            ));
-        }
-        if self.kek_id.len() != 16 || spool_crypt::from_hex(&self.kek_id).is_none() {
-            return Err("encryption: kek_id is not 16 hexadecimal digits".into());
-        }
-        match spool_crypt::from_hex(&self.wrapped) {
-            Some(w) if w.len() == spool_crypt::WRAPPED_LEN => Ok(()),
-            _ => Err(format!(
-                "encryption: the wrapped key is not {} bytes of hex",
-                spool_crypt::WRAPPED_LEN
-            )),
-        }
-    }
-}
 
 /// Each encrypted volume's cipher, unwrapped once.
 pub(crate) type CipherCache = HashMap<Uuid, Arc<Locked<XtsCipher>>>;

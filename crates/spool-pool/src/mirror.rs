@@ -6,97 +6,12 @@
 //! Must not know: how legs are read, written or resynced (spool-devices' mirror backend does
 //! that), the write-intent bitmap.
 
-use std::collections::HashSet;
-
 use uuid::Uuid;
 
-use crate::metadata::{ExtentEntry, VolumeEntry};
+use crate::metadata::{spans, ExtentEntry, VolumeEntry};
 use crate::{Error, Pool, Result};
 
-/// Most copies a mirrored volume keeps.
-pub const MAX_COPIES: u8 = 3;
-
-/// The leg fields of a volume: a plain volume has none; a mirrored one wants 2 or 3 copies,
-/// keeps its extents in 1 to 3 legs with distinct slots, and at least one leg is synced.
-pub(crate) fn validate_legs(v: &VolumeEntry) -> std::result::Result<(), String> {
-    if !v.is_mirrored() {
-        return match v.legs.is_empty() {
-            true => Ok(()),
-            false => Err("has mirror legs but is not mirrored (copies 0)".into()),
-        };
-    }
-    if !(2..=MAX_COPIES).contains(&v.copies) {
-        return Err(format!(
-            "copies {} is not between 2 and {MAX_COPIES}",
-            v.copies
-        ));
-    }
-    if !v.extents.is_empty() {
-        return Err("is mirrored but has extents outside its legs".into());
-    }
-    if v.legs.is_empty() || v.legs.len() > MAX_COPIES as usize {
-        return Err(format!(
-            "has {} legs (a mirrored volume has 1 to {MAX_COPIES})",
-            v.legs.len()
-        ));
-    }
-    let mut slots = HashSet::new();
-    for l in &v.legs {
-        if l.slot >= MAX_COPIES || !slots.insert(l.slot) {
-            return Err(format!("leg slot {} is out of range or repeated", l.slot));
-        }
-    }
-    if !v.legs.iter().any(|l| l.synced) {
-        return Err("has no synced leg (no complete copy of its data)".into());
-    }
-    Ok(())
-}
-
-/// `(logical start, logical end, device)` of each extent of one leg.
-fn spans(extents: &[ExtentEntry], min: u64) -> Vec<(u64, u64, Uuid)> {
-    let mut at = 0u64;
-    extents
-        .iter()
-        .map(|e| {
-            let len = min.checked_shl(e.order).unwrap_or(u64::MAX);
-            let s = (at, at.saturating_add(len), e.device);
-            at = s.1;
-            s
-        })
-        .collect()
-}
-
-/// No two legs of a mirrored volume use the same device at the same logical range.
-pub(crate) fn validate_distinct(v: &VolumeEntry, min: u64) -> std::result::Result<(), String> {
-    let legs: Vec<_> = v.legs.iter().map(|l| spans(&l.extents, min)).collect();
-    for (i, a) in legs.iter().enumerate() {
-        for b in &legs[i + 1..] {
-            if let Some((start, dev)) = shared_device(a, b) {
-                return Err(format!(
-                    "two legs use device {dev} at volume offset {start} (copies must be on distinct devices)"
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The first logical offset where both legs use the same device, and that device.
-fn shared_device(a: &[(u64, u64, Uuid)], b: &[(u64, u64, Uuid)]) -> Option<(u64, Uuid)> {
-    let (mut i, mut j) = (0, 0);
-    while i < a.len() && j < b.len() {
-        let (x, y) = (a[i], b[j]);
-        if x.0 < y.1 && y.0 < x.1 && x.2 == y.2 {
-            return Some((x.0.max(y.0), x.2));
-        }
-        if x.1 <= y.1 {
-            i += 1;
-        } else {
-            j += 1;
-        }
-    }
-    None
-}
+pub use crate::metadata::MAX_COPIES;
 
 /// Whether every logical byte of mirrored `v` has a synced leg on a device `ok` accepts.
 pub(crate) fn covered(v: &VolumeEntry, min: u64, ok: impl Fn(Uuid) -> bool) -> bool {

@@ -80,7 +80,7 @@ impl Pool {
         num_queues: u16,
         target: &RbdTarget,
     ) -> Result<VolumeInfo> {
-        crate::volumes::valid_name(name)?;
+        crate::metadata::check_volume_name(name).map_err(Error::InvalidArgument)?;
         if !(1..=MAX_QUEUES).contains(&num_queues) {
             return Err(Error::InvalidArgument(format!(
                 "num_queues {num_queues} must be between 1 and {MAX_QUEUES}"
@@ -227,34 +227,4 @@ impl Pool {
     }
 }
 
-/// A volume on an RBD image: names Ceph accepts, nothing of a local volume.
-pub(crate) fn validate(v: &VolumeEntry, r: &RbdImage) -> std::result::Result<(), String> {
-    if !v.extents.is_empty() || !v.legs.is_empty() || v.copies != 0 {
-        return Err("an RBD volume has extents or copies".into());
-    }
-    for (what, name) in [("pool", &r.pool), ("image", &r.image)] {
-        rbd_name(name).map_err(|why| format!("rbd {what}: {why}"))?;
-    }
-    Ok(())
-}
-
-/// A Ceph pool or image name as spoold accepts it: 1..=128 bytes, no '/', '@', NUL or
-/// whitespace.
-pub fn rbd_name(name: &str) -> std::result::Result<(), String> {
-    if name.is_empty() || name.len() > 128 {
-        return Err(format!(
-            "{:?} must be 1 to 128 bytes",
-            crate::metadata::printable(name)
-        ));
-    }
-    if name
-        .chars()
-        .any(|c| c == '/' || c == '@' || c == '\0' || c.is_whitespace() || c.is_control())
-    {
-        return Err(format!(
-            "{:?} contains '/', '@', whitespace or a control character",
-            crate::metadata::printable(name)
-        ));
-    }
-    Ok(())
-}
+use crate::metadata::rbd_name;

@@ -29,11 +29,8 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::run::{Preemptions, SHARE_PAUSE};
-use super::QueueWorker;
+use super::{QueueWorker, TOKEN_GROUP};
 use crate::share::ShareGroup;
-
-/// The epoll token of the group's own wake eventfd in each member's epoll.
-pub(super) const TOKEN_GROUP: u64 = u64::MAX;
 
 /// A queue in a group, and where its queue goes back when it stopped.
 struct Member {

@@ -196,9 +196,12 @@ impl Drop for WorkerHandle {
     }
 }
 
+// Epoll tokens in a queue's epoll: its kick and wake eventfds, each device's completions
+// (`TOKEN_DEVICE + index`), and its poll group's wake eventfd.
 const TOKEN_KICK: u64 = 0;
 const TOKEN_WAKE: u64 = 1;
 const TOKEN_DEVICE: u64 = 2;
+const TOKEN_GROUP: u64 = u64::MAX;
 /// Most earlier memory maps a worker keeps for requests still in flight under them (QEMU
 /// changes its table a few times at boot and on memory hot-plug, with little I/O in flight).
 const MAX_RETIRED_MAPS: usize = 16;

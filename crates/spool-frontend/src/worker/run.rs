@@ -13,9 +13,11 @@ use std::time::Duration;
 use virtio_queue::Queue;
 use vmm_sys_util::epoll::EpollEvent;
 
-use super::group::TOKEN_GROUP;
 use super::recovery::StopKind;
-use super::{QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_KICK, TOKEN_WAKE};
+use super::{
+    QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_GROUP, TOKEN_KICK,
+    TOKEN_WAKE,
+};
 use crate::hostmem::HostMap;
 use crate::qos::{Cost, VolumeQos};
 use crate::request::{self, GuestMemory, Op};

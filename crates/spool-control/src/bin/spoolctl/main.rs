@@ -12,6 +12,7 @@ mod mirror;
 mod render;
 mod request;
 mod stats;
+mod table;
 
 use args::{Args, Cmd, VolumeCmd};
 

@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use spool_control::api::{MirrorStatus, VerifyResult};
 use spool_control::size::format_size;
 
-use super::render::{header, table};
+use super::table::{header, table};
 
 /// The copies of a mirrored volume, under its table row.
 pub fn status(m: &MirrorStatus) {

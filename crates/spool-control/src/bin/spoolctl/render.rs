@@ -10,6 +10,7 @@ use spool_control::size::format_size;
 use spool_keeper::RestartReport;
 
 use super::args::{Cmd, DeviceCmd, VolumeCmd};
+use super::table::{header, table};
 use super::CtlError;
 
 /// Decodes `r` as the result of `M` and renders it with `f`.
@@ -74,28 +75,6 @@ fn opt<T: Display>(v: &Option<T>) -> String {
 /// A value as compact JSON with sorted keys (how lists and rules are shown).
 fn json<T: Serialize>(v: &T) -> String {
     serde_json::to_value(v).map_or_else(|_| "-".into(), |v| v.to_string())
-}
-
-pub(super) fn table(rows: Vec<Vec<String>>) -> String {
-    let widths: Vec<usize> = (0..rows[0].len())
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
-    rows.iter()
-        .map(|r| {
-            r.iter()
-                .enumerate()
-                .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
-                .collect::<Vec<_>>()
-                .join("  ")
-                .trim_end()
-                .to_string()
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-pub(super) fn header(names: &[&str]) -> Vec<String> {
-    names.iter().map(|s| s.to_string()).collect()
 }
 
 fn pool(p: &api::PoolInfo) {

@@ -10,7 +10,7 @@ use spool_control::size::format_size;
 use spool_frontend::stats::OpTotals;
 
 use super::args::Args;
-use super::render::{header, table};
+use super::table::{header, table};
 use super::CtlError;
 
 fn us(v: Option<u64>) -> String {

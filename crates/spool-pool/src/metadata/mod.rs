@@ -5,13 +5,13 @@
 //! to slot `generation % 2`; a torn write therefore damages at most the newer copy and the
 //! older one is still valid. The layout is documented in `docs/metadata-format.md`.
 
-use std::collections::{HashMap, HashSet};
-
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-pub use crate::encryption::VolumeKey;
 use crate::qos::QosLimits;
+
+mod rules;
+pub(crate) use rules::{rbd_name, spans};
 use spool_devices::Device;
 
 /// First bytes of every metadata record.
@@ -33,6 +33,8 @@ pub const MIN_EXTENT_MIN: u64 = 64 * 1024;
 /// Largest minimum extent size a pool may have (1 TiB: far beyond any sensible choice, and
 /// small enough that `METADATA_AREA + min_extent` and friends cannot overflow).
 pub const MIN_EXTENT_MAX: u64 = 1 << 40;
+/// Most copies a mirrored volume keeps.
+pub const MAX_COPIES: u8 = 3;
 /// Most virtqueues a volume may have.
 pub const MAX_QUEUES: u16 = 64;
 /// Longest volume name in bytes.
@@ -119,6 +121,18 @@ pub struct VolumeEntry {
     /// An encrypted volume's data key, wrapped (format version 5; docs/encryption.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encryption: Option<VolumeKey>,
+}
+
+/// An encrypted volume's cipher and its data key, wrapped under the pool's key-encryption
+/// key. Never the key in the clear.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeKey {
+    /// Always `aes-xts-plain64`.
+    pub cipher: String,
+    /// The id of the key-encryption key that wrapped it (`Kek::id`: 16 hex digits).
+    pub kek_id: String,
+    /// The wrapped data key, in hex (RFC 3394: 72 bytes).
+    pub wrapped: String,
 }
 
 /// The RBD image a volume's data lives in.
@@ -214,174 +228,6 @@ impl PoolTable {
             1
         }
     }
-
-    /// Checks every field that sizes, offsets or names anything, so that a table with valid
-    /// checksums but impossible contents (a bug, a bit flip before the checksum was taken,
-    /// a hand-edited or hostile device) is refused instead of panicking, overflowing or
-    /// silently dropping data. Says which device, volume and field is wrong, and why.
-    ///
-    /// Checked: `min_extent` is a power of two in `MIN_EXTENT_MIN..=MIN_EXTENT_MAX`; device
-    /// UUIDs are unique and every device holds the metadata area plus one extent; volume
-    /// names are valid and unique, volume UUIDs unique, sizes positive multiples of 512,
-    /// `num_queues` in `1..=MAX_QUEUES`; every extent is on a listed device, its block size
-    /// fits in 64 bits, it lies in the data area, aligned to its block size relative to the
-    /// data area, within the device's recorded size, and overlaps no other extent; and the
-    /// extents of each volume add up to exactly its size rounded up to `min_extent`.
-    pub fn validate(&self) -> Result<(), String> {
-        let min = self.min_extent;
-        if !min.is_power_of_two() || !(MIN_EXTENT_MIN..=MIN_EXTENT_MAX).contains(&min) {
-            return Err(format!(
-                "min_extent {min} is not a power of two between {MIN_EXTENT_MIN} and {MIN_EXTENT_MAX}"
-            ));
-        }
-        let devices = self.device_sizes()?;
-        let mut names = HashSet::with_capacity(self.volumes.len());
-        let mut uuids = HashSet::with_capacity(self.volumes.len());
-        // (device, start, end, volume index) of every extent, for the overlap check.
-        let mut used: Vec<(Uuid, u64, u64, usize)> = Vec::new();
-        for (vi, v) in self.volumes.iter().enumerate() {
-            check_volume_name(&v.name).map_err(|e| format!("volume {}: {e}", v.uuid))?;
-            if !names.insert(v.name.as_str()) {
-                return Err(format!("duplicate volume name '{}'", v.name));
-            }
-            if !uuids.insert(v.uuid) {
-                return Err(format!(
-                    "volume '{}': duplicate volume UUID {}",
-                    v.name, v.uuid
-                ));
-            }
-            self.validate_volume(v, &devices, |dev, start, end| {
-                used.push((dev, start, end, vi))
-            })?;
-        }
-        used.sort_unstable();
-        for w in used.windows(2) {
-            let (a, b) = (w[0], w[1]);
-            if a.0 == b.0 && b.1 < a.2 {
-                return Err(format!(
-                    "extents of volume '{}' and volume '{}' overlap on device {} at {}",
-                    self.volumes[a.3].name, self.volumes[b.3].name, a.0, b.1
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// The device table as UUID → size, each device big enough for the metadata area plus
-    /// one extent and listed once.
-    fn device_sizes(&self) -> Result<HashMap<Uuid, u64>, String> {
-        // Cannot overflow: the caller checked min_extent <= MIN_EXTENT_MAX.
-        let need = METADATA_AREA + self.min_extent;
-        let mut devices: HashMap<Uuid, u64> = HashMap::with_capacity(self.devices.len());
-        for d in &self.devices {
-            if d.size < need {
-                return Err(format!(
-                    "device {}: size {} is smaller than the metadata area plus one extent ({need})",
-                    d.uuid, d.size
-                ));
-            }
-            if devices.insert(d.uuid, d.size).is_some() {
-                return Err(format!("duplicate device {} in the device table", d.uuid));
-            }
-        }
-        Ok(devices)
-    }
-
-    /// One volume's own fields and extents; `extent(device, start, end)` is told where each
-    /// extent lies, for the overlap check across volumes.
-    fn validate_volume(
-        &self,
-        v: &VolumeEntry,
-        devices: &HashMap<Uuid, u64>,
-        mut extent: impl FnMut(Uuid, u64, u64),
-    ) -> Result<(), String> {
-        let min = self.min_extent;
-        let what = format!("volume '{}'", v.name);
-        if v.size == 0 || !v.size.is_multiple_of(512) {
-            return Err(format!(
-                "{what}: size {} is not a positive multiple of 512",
-                v.size
-            ));
-        }
-        if !(1..=MAX_QUEUES).contains(&v.num_queues) {
-            return Err(format!(
-                "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
-                v.num_queues
-            ));
-        }
-        if let Some(q) = &v.qos {
-            q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
-        }
-        if let Some(k) = &v.encryption {
-            k.validate().map_err(|why| format!("{what}: {why}"))?;
-        }
-        if let Some(r) = &v.rbd {
-            return crate::rbd::validate(v, r).map_err(|why| format!("{what}: {why}"));
-        }
-        crate::mirror::validate_legs(v).map_err(|why| format!("{what}: {why}"))?;
-        for (leg, extents) in v.copies_extents().into_iter().enumerate() {
-            let what = match v.is_mirrored() {
-                true => format!("{what} leg {leg}"),
-                false => what.clone(),
-            };
-            let mut allocated = 0u64;
-            for (i, e) in extents.iter().enumerate() {
-                let (block, end) = validate_extent(min, e, devices)
-                    .map_err(|why| format!("{what}: extent {i} {why}"))?;
-                allocated = allocated
-                    .checked_add(block)
-                    .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
-                extent(e.device, e.offset, end);
-            }
-            if v.size.checked_next_multiple_of(min) != Some(allocated) {
-                return Err(format!(
-                    "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
-                    v.size
-                ));
-            }
-        }
-        crate::mirror::validate_distinct(v, min).map_err(|why| format!("{what}: {why}"))
-    }
-}
-
-/// One extent against the device table: returns its block size and end offset.
-fn validate_extent(
-    min: u64,
-    e: &ExtentEntry,
-    devices: &HashMap<Uuid, u64>,
-) -> Result<(u64, u64), String> {
-    let dev_size = *devices
-        .get(&e.device)
-        .ok_or_else(|| format!("is on unknown device {}", e.device))?;
-    let block = block_size(min, e.order).ok_or_else(|| {
-        format!(
-            "has order {}: a block of {min} << {} bytes does not fit in 64 bits",
-            e.order, e.order
-        )
-    })?;
-    let rel = e.offset.checked_sub(METADATA_AREA).ok_or_else(|| {
-        format!(
-            "at {} lies in the metadata area (data starts at {METADATA_AREA})",
-            e.offset
-        )
-    })?;
-    if !rel.is_multiple_of(block) {
-        return Err(format!(
-            "at {} is not aligned to its block size {block}",
-            e.offset
-        ));
-    }
-    let end = e
-        .offset
-        .checked_add(block)
-        .filter(|&end| end <= dev_size)
-        .ok_or_else(|| {
-            format!(
-                "at {} ({block} bytes) reaches beyond the end of device {} ({dev_size} bytes)",
-                e.offset, e.device
-            )
-        })?;
-    Ok((block, end))
 }
 
 /// One buddy block of a volume.

@@ -1,0 +1,320 @@
+//! The rules a pool table must obey to be read or written (docs/metadata-format.md,
+//! "Validation"): every field that sizes, offsets or names anything, mirrored volumes' legs,
+//! volumes on RBD images, encrypted volumes' key records. A table with valid checksums but
+//! impossible contents (a bug, a bit flip before the checksum was taken, a hand-edited or
+//! hostile device) is refused instead of panicking, overflowing or silently dropping data.
+//!
+//! Must not know: devices, the pool's state, how volumes are made.
+
+use std::collections::{HashMap, HashSet};
+
+use uuid::Uuid;
+
+use super::{
+    block_size, check_volume_name, printable, ExtentEntry, PoolTable, RbdImage, VolumeEntry,
+    VolumeKey, MAX_COPIES, MAX_QUEUES, METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
+};
+
+impl PoolTable {
+    /// Checks every field that sizes, offsets or names anything, so that a table with valid
+    /// checksums but impossible contents (a bug, a bit flip before the checksum was taken,
+    /// a hand-edited or hostile device) is refused instead of panicking, overflowing or
+    /// silently dropping data. Says which device, volume and field is wrong, and why.
+    ///
+    /// Checked: `min_extent` is a power of two in `MIN_EXTENT_MIN..=MIN_EXTENT_MAX`; device
+    /// UUIDs are unique and every device holds the metadata area plus one extent; volume
+    /// names are valid and unique, volume UUIDs unique, sizes positive multiples of 512,
+    /// `num_queues` in `1..=MAX_QUEUES`; every extent is on a listed device, its block size
+    /// fits in 64 bits, it lies in the data area, aligned to its block size relative to the
+    /// data area, within the device's recorded size, and overlaps no other extent; and the
+    /// extents of each volume add up to exactly its size rounded up to `min_extent`.
+    pub fn validate(&self) -> Result<(), String> {
+        let min = self.min_extent;
+        if !min.is_power_of_two() || !(MIN_EXTENT_MIN..=MIN_EXTENT_MAX).contains(&min) {
+            return Err(format!(
+                "min_extent {min} is not a power of two between {MIN_EXTENT_MIN} and {MIN_EXTENT_MAX}"
+            ));
+        }
+        let devices = self.device_sizes()?;
+        let mut names = HashSet::with_capacity(self.volumes.len());
+        let mut uuids = HashSet::with_capacity(self.volumes.len());
+        // (device, start, end, volume index) of every extent, for the overlap check.
+        let mut used: Vec<(Uuid, u64, u64, usize)> = Vec::new();
+        for (vi, v) in self.volumes.iter().enumerate() {
+            check_volume_name(&v.name).map_err(|e| format!("volume {}: {e}", v.uuid))?;
+            if !names.insert(v.name.as_str()) {
+                return Err(format!("duplicate volume name '{}'", v.name));
+            }
+            if !uuids.insert(v.uuid) {
+                return Err(format!(
+                    "volume '{}': duplicate volume UUID {}",
+                    v.name, v.uuid
+                ));
+            }
+            self.validate_volume(v, &devices, |dev, start, end| {
+                used.push((dev, start, end, vi))
+            })?;
+        }
+        used.sort_unstable();
+        for w in used.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if a.0 == b.0 && b.1 < a.2 {
+                return Err(format!(
+                    "extents of volume '{}' and volume '{}' overlap on device {} at {}",
+                    self.volumes[a.3].name, self.volumes[b.3].name, a.0, b.1
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The device table as UUID → size, each device big enough for the metadata area plus
+    /// one extent and listed once.
+    fn device_sizes(&self) -> Result<HashMap<Uuid, u64>, String> {
+        // Cannot overflow: the caller checked min_extent <= MIN_EXTENT_MAX.
+        let need = METADATA_AREA + self.min_extent;
+        let mut devices: HashMap<Uuid, u64> = HashMap::with_capacity(self.devices.len());
+        for d in &self.devices {
+            if d.size < need {
+                return Err(format!(
+                    "device {}: size {} is smaller than the metadata area plus one extent ({need})",
+                    d.uuid, d.size
+                ));
+            }
+            if devices.insert(d.uuid, d.size).is_some() {
+                return Err(format!("duplicate device {} in the device table", d.uuid));
+            }
+        }
+        Ok(devices)
+    }
+
+    /// One volume's own fields and extents; `extent(device, start, end)` is told where each
+    /// extent lies, for the overlap check across volumes.
+    fn validate_volume(
+        &self,
+        v: &VolumeEntry,
+        devices: &HashMap<Uuid, u64>,
+        mut extent: impl FnMut(Uuid, u64, u64),
+    ) -> Result<(), String> {
+        let min = self.min_extent;
+        let what = format!("volume '{}'", v.name);
+        if v.size == 0 || !v.size.is_multiple_of(512) {
+            return Err(format!(
+                "{what}: size {} is not a positive multiple of 512",
+                v.size
+            ));
+        }
+        if !(1..=MAX_QUEUES).contains(&v.num_queues) {
+            return Err(format!(
+                "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
+                v.num_queues
+            ));
+        }
+        if let Some(q) = &v.qos {
+            q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
+        }
+        if let Some(k) = &v.encryption {
+            k.validate().map_err(|why| format!("{what}: {why}"))?;
+        }
+        if let Some(r) = &v.rbd {
+            return validate_rbd(v, r).map_err(|why| format!("{what}: {why}"));
+        }
+        validate_legs(v).map_err(|why| format!("{what}: {why}"))?;
+        for (leg, extents) in v.copies_extents().into_iter().enumerate() {
+            let what = match v.is_mirrored() {
+                true => format!("{what} leg {leg}"),
+                false => what.clone(),
+            };
+            let mut allocated = 0u64;
+            for (i, e) in extents.iter().enumerate() {
+                let (block, end) = validate_extent(min, e, devices)
+                    .map_err(|why| format!("{what}: extent {i} {why}"))?;
+                allocated = allocated
+                    .checked_add(block)
+                    .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
+                extent(e.device, e.offset, end);
+            }
+            if v.size.checked_next_multiple_of(min) != Some(allocated) {
+                return Err(format!(
+                    "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
+                    v.size
+                ));
+            }
+        }
+        validate_distinct(v, min).map_err(|why| format!("{what}: {why}"))
+    }
+}
+
+/// One extent against the device table: returns its block size and end offset.
+fn validate_extent(
+    min: u64,
+    e: &ExtentEntry,
+    devices: &HashMap<Uuid, u64>,
+) -> Result<(u64, u64), String> {
+    let dev_size = *devices
+        .get(&e.device)
+        .ok_or_else(|| format!("is on unknown device {}", e.device))?;
+    let block = block_size(min, e.order).ok_or_else(|| {
+        format!(
+            "has order {}: a block of {min} << {} bytes does not fit in 64 bits",
+            e.order, e.order
+        )
+    })?;
+    let rel = e.offset.checked_sub(METADATA_AREA).ok_or_else(|| {
+        format!(
+            "at {} lies in the metadata area (data starts at {METADATA_AREA})",
+            e.offset
+        )
+    })?;
+    if !rel.is_multiple_of(block) {
+        return Err(format!(
+            "at {} is not aligned to its block size {block}",
+            e.offset
+        ));
+    }
+    let end = e
+        .offset
+        .checked_add(block)
+        .filter(|&end| end <= dev_size)
+        .ok_or_else(|| {
+            format!(
+                "at {} ({block} bytes) reaches beyond the end of device {} ({dev_size} bytes)",
+                e.offset, e.device
+            )
+        })?;
+    Ok((block, end))
+}
+
+impl VolumeKey {
+    /// Checks the fields' shapes (not whether any key unwraps it).
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.cipher != spool_crypt::CIPHER {
+            return Err(format!(
+                "encryption: unknown cipher '{}' (only {} exists)",
+                printable(&self.cipher),
+                spool_crypt::CIPHER
+            ));
+        }
+        if self.kek_id.len() != 16 || spool_crypt::from_hex(&self.kek_id).is_none() {
+            return Err("encryption: kek_id is not 16 hexadecimal digits".into());
+        }
+        match spool_crypt::from_hex(&self.wrapped) {
+            Some(w) if w.len() == spool_crypt::WRAPPED_LEN => Ok(()),
+            _ => Err(format!(
+                "encryption: the wrapped key is not {} bytes of hex",
+                spool_crypt::WRAPPED_LEN
+            )),
+        }
+    }
+}
+
+/// The leg fields of a volume: a plain volume has none; a mirrored one wants 2 or 3 copies,
+/// keeps its extents in 1 to 3 legs with distinct slots, and at least one leg is synced.
+fn validate_legs(v: &VolumeEntry) -> std::result::Result<(), String> {
+    if !v.is_mirrored() {
+        return match v.legs.is_empty() {
+            true => Ok(()),
+            false => Err("has mirror legs but is not mirrored (copies 0)".into()),
+        };
+    }
+    if !(2..=MAX_COPIES).contains(&v.copies) {
+        return Err(format!(
+            "copies {} is not between 2 and {MAX_COPIES}",
+            v.copies
+        ));
+    }
+    if !v.extents.is_empty() {
+        return Err("is mirrored but has extents outside its legs".into());
+    }
+    if v.legs.is_empty() || v.legs.len() > MAX_COPIES as usize {
+        return Err(format!(
+            "has {} legs (a mirrored volume has 1 to {MAX_COPIES})",
+            v.legs.len()
+        ));
+    }
+    let mut slots = HashSet::new();
+    for l in &v.legs {
+        if l.slot >= MAX_COPIES || !slots.insert(l.slot) {
+            return Err(format!("leg slot {} is out of range or repeated", l.slot));
+        }
+    }
+    if !v.legs.iter().any(|l| l.synced) {
+        return Err("has no synced leg (no complete copy of its data)".into());
+    }
+    Ok(())
+}
+
+/// No two legs of a mirrored volume use the same device at the same logical range.
+fn validate_distinct(v: &VolumeEntry, min: u64) -> std::result::Result<(), String> {
+    let legs: Vec<_> = v.legs.iter().map(|l| spans(&l.extents, min)).collect();
+    for (i, a) in legs.iter().enumerate() {
+        for b in &legs[i + 1..] {
+            if let Some((start, dev)) = shared_device(a, b) {
+                return Err(format!(
+                    "two legs use device {dev} at volume offset {start} (copies must be on distinct devices)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The first logical offset where both legs use the same device, and that device.
+fn shared_device(a: &[(u64, u64, Uuid)], b: &[(u64, u64, Uuid)]) -> Option<(u64, Uuid)> {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let (x, y) = (a[i], b[j]);
+        if x.0 < y.1 && y.0 < x.1 && x.2 == y.2 {
+            return Some((x.0.max(y.0), x.2));
+        }
+        if x.1 <= y.1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    None
+}
+
+/// A volume on an RBD image: names Ceph accepts, nothing of a local volume.
+fn validate_rbd(v: &VolumeEntry, r: &RbdImage) -> std::result::Result<(), String> {
+    if !v.extents.is_empty() || !v.legs.is_empty() || v.copies != 0 {
+        return Err("an RBD volume has extents or copies".into());
+    }
+    for (what, name) in [("pool", &r.pool), ("image", &r.image)] {
+        rbd_name(name).map_err(|why| format!("rbd {what}: {why}"))?;
+    }
+    Ok(())
+}
+
+/// A Ceph pool or image name as spoold accepts it: 1..=128 bytes, no '/', '@', NUL or
+/// whitespace.
+pub fn rbd_name(name: &str) -> std::result::Result<(), String> {
+    if name.is_empty() || name.len() > 128 {
+        return Err(format!("{:?} must be 1 to 128 bytes", printable(name)));
+    }
+    if name
+        .chars()
+        .any(|c| c == '/' || c == '@' || c == '\0' || c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "{:?} contains '/', '@', whitespace or a control character",
+            printable(name)
+        ));
+    }
+    Ok(())
+}
+
+/// `(logical start, logical end, device)` of each extent of one leg.
+pub(crate) fn spans(extents: &[ExtentEntry], min: u64) -> Vec<(u64, u64, Uuid)> {
+    let mut at = 0u64;
+    extents
+        .iter()
+        .map(|e| {
+            let len = min.checked_shl(e.order).unwrap_or(u64::MAX);
+            let s = (at, at.saturating_add(len), e.device);
+            at = s.1;
+            s
+        })
+        .collect()
+}
