@@ -55,6 +55,18 @@ impl GuestMemory {
         })
     }
 
+    /// This map with an anonymous region of `size` bytes at `at` added (tests: a frontend's
+    /// ADD_MEM_REG).
+    #[cfg(test)]
+    pub(crate) fn with_anon_region(&self, at: GuestAddress, size: usize) -> GuestMemory {
+        let r = vm_memory::GuestRegionMmap::from_range(at, size, None).expect("anonymous region");
+        GuestMemory {
+            mem: self.mem.insert_region(Arc::new(r)).expect("no overlap"),
+            owned: Vec::new(),
+            log: None,
+        }
+    }
+
     /// The vm-memory map (for the `vm_memory::GuestMemory` trait's generic users).
     pub fn map(&self) -> &GuestMemoryMmap<()> {
         &self.mem

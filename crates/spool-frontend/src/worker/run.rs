@@ -356,9 +356,8 @@ impl QueueWorker {
                 while n < self.take_budget {
                     let Some(head) = self.pop_head() else { break };
                     n += 1;
-                    let chain = self.vq.chain(&self.host, head);
-                    let parsed = request::parse(head, chain, &self.host, &self.limits);
-                    self.dispatch(parsed, mem);
+                    let (parsed, newer) = self.parse_head(head, mem);
+                    self.dispatch(parsed, newer.as_ref().unwrap_or(mem));
                 }
                 n
             }
@@ -458,17 +457,48 @@ impl QueueWorker {
             }
             let Some(head) = self.pop_head() else { break };
             taken += 1;
-            let chain = self.vq.chain(&self.host, head);
-            let parsed = request::parse(head, chain, &self.host, &self.limits);
+            let (parsed, newer) = self.parse_head(head, mem);
             if let Ok(req) = &parsed {
                 if let Some(cost) = qos_cost(req) {
                     q.charge(cost);
                 }
             }
-            self.dispatch(parsed, mem);
+            self.dispatch(parsed, newer.as_ref().unwrap_or(mem));
         }
         self.throttled = None;
         taken
+    }
+
+    /// Parses the chain at `head` under `mem`, the map the round began with. A chain naming
+    /// memory that map lacks is parsed again under the frontend's newest map, returned with
+    /// it: a frontend posts a request only after spoold acknowledged the table holding its
+    /// buffers, and spoold publishes a table before acknowledging it, so a request seen in
+    /// the ring is always in the newest map, but the round may have loaded the map before
+    /// it was published (a libblkio client's first writes, posted right after it added its
+    /// buffers' region, were refused so now and then).
+    fn parse_head(
+        &mut self,
+        head: u16,
+        mem: &Arc<GuestMemory>,
+    ) -> (
+        Result<request::Request, request::Rejected>,
+        Option<Arc<GuestMemory>>,
+    ) {
+        let chain = self.vq.chain(&self.host, head);
+        let parsed = request::parse(head, chain, &self.host, &self.limits);
+        if !matches!(&parsed, Err(r) if r.failure == request::Failure::OutsideMemory) {
+            return (parsed, None);
+        }
+        let newest = self.mem.load().clone();
+        if Arc::ptr_eq(&newest, mem) {
+            return (parsed, None);
+        }
+        self.refresh_host(&newest);
+        let chain = self.vq.chain(&self.host, head);
+        (
+            request::parse(head, chain, &self.host, &self.limits),
+            Some(newest),
+        )
     }
 
     /// Rebuilds the host map when the frontend's memory table changed.

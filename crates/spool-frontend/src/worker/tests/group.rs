@@ -20,6 +20,7 @@ fn join(group: &PollGroup, h: &mut Option<Harness>) -> (Joined, Harness) {
     let Harness {
         w,
         mem,
+        mem_src,
         script,
         health,
         avail,
@@ -34,6 +35,7 @@ fn join(group: &PollGroup, h: &mut Option<Harness>) -> (Joined, Harness) {
     let rest = Harness {
         w: rest.w,
         mem,
+        mem_src,
         script,
         health,
         avail,

@@ -121,6 +121,8 @@ pub(super) const UNWRITTEN: u8 = 0xee;
 pub(super) struct Harness {
     pub(super) w: QueueWorker,
     pub(super) mem: Arc<GuestMemory>,
+    /// Where the worker finds the frontend's current memory map (a new table is stored here).
+    pub(super) mem_src: Arc<ArcSwap<GuestMemory>>,
     pub(super) script: Arc<Mutex<Script>>,
     pub(super) health: Arc<DeviceHealth>,
     pub(super) avail: u16,
@@ -184,12 +186,13 @@ impl Harness {
             qos: None,
             cipher: None,
         };
+        let mem_src = Arc::new(ArcSwap::from(mem.clone()));
         let spec = WorkerSpec {
             index: 0,
             queue: q,
             journal: Some(j),
             resubmit: vec![],
-            mem: Arc::new(ArcSwap::from(mem.clone())),
+            mem: mem_src.clone(),
             kick: pollable_file(),
             call: Arc::new(ArcSwapOption::empty()),
             layout: Arc::new(ArcSwap::from_pointee(layout)),
@@ -246,6 +249,7 @@ impl Harness {
         Harness {
             w,
             mem,
+            mem_src,
             script,
             health,
             avail: 0,
@@ -256,6 +260,11 @@ impl Harness {
 
     /// Posts request `k` (< 5): a read of sector `k` in descriptors 3k..3k+2; returns its head.
     pub(super) fn post_read(&mut self, k: u16) -> u16 {
+        self.post_read_into(k, 0x10_0000 + k as u64 * 0x1000 + 0x100)
+    }
+
+    /// [`Self::post_read`] with its data buffer at guest address `data`.
+    pub(super) fn post_read_into(&mut self, k: u16, data: u64) -> u16 {
         let head = 3 * k;
         let buf = 0x10_0000 + k as u64 * 0x1000;
         let m = &self.mem;
@@ -267,7 +276,7 @@ impl Harness {
         let (next, write) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
         let chain = [
             Descriptor::new(buf, 16, next, head + 1),
-            Descriptor::new(buf + 0x100, LEN, next | write, head + 2),
+            Descriptor::new(data, LEN, next | write, head + 2),
             Descriptor::new(buf + 0x800, 1, write, 0),
         ];
         for (i, d) in chain.into_iter().enumerate() {

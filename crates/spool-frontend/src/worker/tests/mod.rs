@@ -64,6 +64,27 @@ fn after_error(errno: i32) -> Harness {
     h
 }
 
+/// A frontend adds a memory region and, once spoold acknowledged it, posts a request whose
+/// buffer lies there; the worker's round had loaded the map before the region was published.
+/// The request is parsed again under the newest map and goes to the device, where it used to
+/// be refused as "buffer outside guest memory" (a libblkio client's first writes failed so).
+#[test]
+fn a_request_in_a_region_added_during_the_round_is_not_refused() {
+    let mut h = Harness::new(3);
+    let mem = h.w.begin_round();
+    let grown = h
+        .mem
+        .with_anon_region(vm_memory::GuestAddress(0x40_0000), 0x1_0000);
+    h.mem_src.store(Arc::new(grown));
+    let head = h.post_read_into(0, 0x40_0000);
+    h.w.poll_round(&mem);
+    assert_eq!(h.submitted(), vec![head as u64], "refused: {:?}", h.used());
+    assert_eq!(h.status(head), UNWRITTEN);
+    h.device_completes(head, LEN as i32);
+    h.round();
+    assert_eq!(h.used(), vec![(head, LEN + 1)]);
+}
+
 #[test]
 fn media_and_request_errors_fail_the_request_alone() {
     for errno in [libc::ENODATA, libc::EINVAL] {
