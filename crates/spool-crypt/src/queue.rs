@@ -22,9 +22,10 @@ use crate::xts::{XtsCipher, SECTOR};
 
 /// Bounce buffers alignment: enough for O_DIRECT on any device here.
 const ALIGN: usize = 4096;
-/// Bounce buffers kept for reuse, and the largest kept.
-const KEEP: usize = 64;
-const KEEP_MAX: usize = 1 << 20;
+/// Bounce buffers kept for reuse, and the largest kept: at most 8 MiB held per queue (a
+/// queue deep in 128K requests keeps them all; larger ones are allocated per request).
+const KEEP: usize = 32;
+const KEEP_MAX: usize = 256 << 10;
 
 /// Which volume bytes each device range of one device holds: (device offset, length,
 /// volume offset), ascending by device offset.
