@@ -149,6 +149,15 @@ fn generated(b: &mut Bytes) -> PoolTable {
                 }),
                 _ => None,
             },
+            // A key record (format version 5) on some volumes, well formed or not.
+            encryption: match b.u8() % 4 {
+                0 => Some(spool_pool::metadata::VolumeKey {
+                    cipher: ["aes-xts-plain64", "aes-cbc-essiv", ""][(b.u8() % 3) as usize].into(),
+                    kek_id: ["0011223344556677", "xyz", ""][(b.u8() % 3) as usize].into(),
+                    wrapped: "ab".repeat([72usize, 71, 0, 200][(b.u8() % 4) as usize]),
+                }),
+                _ => None,
+            },
         })
         .collect();
     PoolTable {

@@ -133,7 +133,7 @@ fn env() -> &'static Env {
 
 /// The volume: `segs` segments of 512 KiB, not contiguous on the device (so requests split),
 /// capacity a little short of their end.
-fn layout(read_only: bool, segs: u64) -> VolumeLayout {
+fn layout(read_only: bool, encrypted: bool, segs: u64) -> VolumeLayout {
     VolumeLayout {
         uuid: VOLUME,
         name: "fz".into(),
@@ -150,7 +150,20 @@ fn layout(read_only: bool, segs: u64) -> VolumeLayout {
             .collect(),
         devices: vec![env().device.clone()],
         qos: None,
+        // An encrypted volume's requests go through spool-crypt's CryptQueue.
+        cipher: encrypted.then(cipher),
     }
+}
+
+/// One data cipher for every encrypted session (a fresh key each run of the target).
+fn cipher() -> spool_pool::VolumeCipher {
+    static CIPHER: OnceLock<spool_pool::VolumeCipher> = OnceLock::new();
+    CIPHER
+        .get_or_init(|| {
+            let key = spool_crypt::DataKey::generate().expect("random source");
+            Arc::new(key.cipher().expect("a generated key's halves differ"))
+        })
+        .clone()
 }
 
 /// The keeper's store, in memory: values with their own copies of the descriptors.
@@ -881,6 +894,7 @@ fuzz_target!(|data: &[u8]| {
     let cfg = b.u8();
     let read_only = cfg & 1 != 0;
     let use_store = cfg & 2 != 0;
+    let encrypted = cfg & 128 != 0;
     let settings = FrontendSettings {
         poll_idle: if cfg & 4 != 0 {
             Duration::ZERO
@@ -899,7 +913,7 @@ fuzz_target!(|data: &[u8]| {
         ..Default::default()
     };
     spool_journal::remove_volume_journals(&env.journals, VOLUME);
-    let ctx = VolumeContext::new(layout(read_only, 2), settings);
+    let ctx = VolumeContext::new(layout(read_only, encrypted, 2), settings);
     let store = use_store.then(|| Arc::new(MemStore::default()));
     let Some(mut server) = start_server(&ctx, &store, Restore::default()) else {
         return;
@@ -1190,7 +1204,7 @@ fuzz_target!(|data: &[u8]| {
             _ => {
                 // Resize the volume (grow or shrink); running workers pick it up.
                 let segs = 1 + (b.u8() % 3) as u64;
-                server.context().update_layout(layout(read_only, segs));
+                server.context().update_layout(layout(read_only, encrypted, segs));
             }
         }
     }
