@@ -160,42 +160,101 @@ unsafe fn iovecs<'a>(iov: *const IoVec, n: u32) -> &'a [IoVec] {
     unsafe { std::slice::from_raw_parts(iov, n as usize) }
 }
 
-/// Copies the caller's buffers into `dst` (exactly their total length), or -EFAULT when one
+/// Encrypts the caller's buffers (exactly `dst.len()` bytes in all, whole sectors, the first
+/// being number `sector`) into `dst` in one pass: sectors that lie whole in one buffer are
+/// read straight from it, a sector split between buffers is gathered first. -EFAULT when one
 /// of them lies in guest memory a fault covered (its bytes are the cover's, not the guest's).
 ///
 /// # Safety
 /// Every iovec describes a readable buffer valid for the call.
-unsafe fn gather(iov: &[IoVec], dst: &mut [u8]) -> Result<(), i32> {
-    let mut at = 0;
+unsafe fn encrypt_gather(
+    c: &XtsCipher,
+    iov: &[IoVec],
+    dst: &mut [u8],
+    sector: u64,
+) -> Result<(), i32> {
+    let (mut at, mut carry, mut carried) = (0usize, [0u8; SECTOR], 0usize);
     for v in iov {
-        // SAFETY: the caller's readable buffer (guest memory, shared: copied as bytes, never
-        // referenced), `dst` our own; they cannot overlap. Bounded by the total checked at
-        // submit.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                v.iov_base as *const u8,
-                dst[at..].as_mut_ptr(),
-                v.iov_len,
-            )
-        };
-        at += v.iov_len;
+        let (mut p, mut left) = (v.iov_base as *const u8, v.iov_len);
+        if carried > 0 {
+            let k = (SECTOR - carried).min(left);
+            // SAFETY: `k` bytes of the caller's buffer into our stack buffer.
+            unsafe { std::ptr::copy_nonoverlapping(p, carry[carried..].as_mut_ptr(), k) };
+            // SAFETY: within the caller's buffer (`k <= left`).
+            p = unsafe { p.add(k) };
+            (left, carried) = (left - k, carried + k);
+            if carried == SECTOR {
+                c.encrypt_block_sector(
+                    &carry,
+                    &mut dst[at..at + SECTOR],
+                    sector + (at / SECTOR) as u64,
+                );
+                (at, carried) = (at + SECTOR, 0);
+            }
+        }
+        let whole = left / SECTOR;
+        if whole > 0 {
+            let out = &mut dst[at..at + whole * SECTOR];
+            // SAFETY: `whole` sectors of the caller's readable buffer into `out`, ours.
+            unsafe { c.encrypt_from(p, out.as_mut_ptr(), whole, sector + (at / SECTOR) as u64) };
+            // SAFETY: within the caller's buffer.
+            p = unsafe { p.add(whole * SECTOR) };
+            (at, left) = (at + whole * SECTOR, left - whole * SECTOR);
+        }
+        if left > 0 {
+            // SAFETY: the rest of the caller's buffer (less than a sector) into `carry`.
+            unsafe { std::ptr::copy_nonoverlapping(p, carry.as_mut_ptr(), left) };
+            carried = left;
+        }
     }
+    zeroize::Zeroize::zeroize(&mut carry);
     faulted(iov)
 }
 
-/// Copies `src` out into the caller's buffers, or -EFAULT as [`gather`].
+/// Decrypts `src` (whole sectors, the first being number `sector`) into the caller's buffers
+/// in one pass: sectors that fall whole in one buffer are written straight into it, a sector
+/// split between buffers is decrypted on the stack and scattered. -EFAULT as
+/// [`encrypt_gather`].
 ///
 /// # Safety
-/// Every iovec describes a writable buffer valid for the call.
-unsafe fn scatter(src: &[u8], iov: &[IoVec]) -> Result<(), i32> {
-    let mut at = 0;
+/// Every iovec describes a writable buffer valid for the call, `src.len()` bytes in all.
+unsafe fn decrypt_scatter(
+    c: &XtsCipher,
+    src: &[u8],
+    iov: &[IoVec],
+    sector: u64,
+) -> Result<(), i32> {
+    let (mut at, mut split, mut used) = (0usize, [0u8; SECTOR], SECTOR);
     for v in iov {
-        // SAFETY: as in `gather`, the other way.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src[at..].as_ptr(), v.iov_base as *mut u8, v.iov_len)
-        };
-        at += v.iov_len;
+        let (mut p, mut left) = (v.iov_base as *mut u8, v.iov_len);
+        if used < SECTOR {
+            let k = (SECTOR - used).min(left);
+            // SAFETY: `k` decrypted bytes of our stack buffer into the caller's buffer.
+            unsafe { std::ptr::copy_nonoverlapping(split[used..].as_ptr(), p, k) };
+            // SAFETY: within the caller's buffer.
+            p = unsafe { p.add(k) };
+            (left, used) = (left - k, used + k);
+        }
+        let whole = left / SECTOR;
+        if whole > 0 {
+            let input = &src[at..at + whole * SECTOR];
+            // SAFETY: `whole` sectors of ours into the caller's writable buffer.
+            unsafe { c.decrypt_to(input.as_ptr(), p, whole, sector + (at / SECTOR) as u64) };
+            // SAFETY: within the caller's buffer.
+            p = unsafe { p.add(whole * SECTOR) };
+            (at, left) = (at + whole * SECTOR, left - whole * SECTOR);
+        }
+        if left > 0 {
+            // A sector split between this buffer and the next: decrypted on the stack.
+            let n = sector + (at / SECTOR) as u64;
+            // SAFETY: one sector of ours into our stack buffer.
+            unsafe { c.decrypt_to(src[at..].as_ptr(), split.as_mut_ptr(), 1, n) };
+            // SAFETY: its first `left` bytes into the rest of the caller's buffer.
+            unsafe { std::ptr::copy_nonoverlapping(split.as_ptr(), p, left) };
+            (at, used) = (at + SECTOR, left);
+        }
     }
+    zeroize::Zeroize::zeroize(&mut split);
     faulted(iov)
 }
 
@@ -247,12 +306,11 @@ impl DeviceQueue for CryptQueue {
         };
         let mut bounce = self.bounce(n);
         if write {
-            // SAFETY: the submit contract: readable buffers, valid for this call.
-            if let Err(e) = unsafe { gather(bufs, bounce.data()) } {
+            // SAFETY: the submit contract: readable buffers, valid for this call, `len` bytes.
+            if let Err(e) = unsafe { encrypt_gather(&self.cipher, bufs, bounce.data(), sector) } {
                 Self::recycle(&mut self.free, bounce);
                 return self.refused.push_back((tag, e));
             }
-            self.cipher.encrypt(bounce.data(), sector);
         }
         let one: *const IoVec = &*bounce.iov;
         let read = (!write).then_some((iov, iovcnt, sector));
@@ -285,11 +343,12 @@ impl DeviceQueue for CryptQueue {
         n + inner.reap(&mut |tag, mut res| {
             if let Some(mut p) = pending.remove(&tag) {
                 if let (Some((iov, iovcnt, sector)), true) = (p.read, res >= 0) {
-                    let data = p.bounce.data();
-                    cipher.decrypt(data, sector);
-                    // SAFETY: the caller's writable buffers, valid until this reap returns
-                    // (the submit contract).
-                    if let Err(e) = unsafe { scatter(data, iovecs(iov, iovcnt)) } {
+                    // SAFETY: the caller's writable buffers, `len` bytes in all, valid until
+                    // this reap returns (the submit contract).
+                    let r = unsafe {
+                        decrypt_scatter(cipher, p.bounce.data(), iovecs(iov, iovcnt), sector)
+                    };
+                    if let Err(e) = r {
                         res = e;
                     }
                 }
@@ -397,6 +456,43 @@ mod tests {
         let r = DeviceIo::data(false, 65536 + 4096, 8192, riov.as_ptr(), 1);
         assert_eq!(run(&mut q, r), 8192);
         assert!(back == plain);
+        // Buffers that split sectors every which way, both directions.
+        let cuts = [1usize, 511, 512, 513, 100, 2000, 3000, 1555];
+        let mut pieces: Vec<Vec<u8>> = Vec::new();
+        let mut at = 0;
+        for c in cuts {
+            pieces.push(plain[at..at + c].iter().map(|b| b ^ 0x5a).collect());
+            at += c;
+        }
+        assert_eq!(at, 8192);
+        let wiov: Vec<IoVec> = pieces
+            .iter()
+            .map(|p| IoVec {
+                iov_base: p.as_ptr() as *mut _,
+                iov_len: p.len(),
+            })
+            .collect();
+        let w = DeviceIo::data(true, 65536, 8192, wiov.as_ptr(), wiov.len() as u32);
+        assert_eq!(run(&mut q, w), 8192);
+        let want: Vec<u8> = plain.iter().map(|b| b ^ 0x5a).collect();
+        let mut raw = vec![0u8; 8192];
+        std::fs::File::open(&path)
+            .unwrap()
+            .read_exact_at(&mut raw, 65536)
+            .unwrap();
+        cipher.decrypt(&mut raw, (1 << 20) / 512);
+        assert!(raw == want, "split buffers encrypted wrong");
+        let mut outs: Vec<Vec<u8>> = cuts.iter().rev().map(|&c| vec![0u8; c]).collect();
+        let riov: Vec<IoVec> = outs
+            .iter_mut()
+            .map(|o| IoVec {
+                iov_base: o.as_mut_ptr().cast(),
+                iov_len: o.len(),
+            })
+            .collect();
+        let r = DeviceIo::data(false, 65536, 8192, riov.as_ptr(), riov.len() as u32);
+        assert_eq!(run(&mut q, r), 8192);
+        assert!(outs.concat() == want, "split buffers decrypted wrong");
         // Outside the map, unaligned, a length that is not the buffers', write-zeroes: refused.
         let outside = DeviceIo::data(true, 0, 4096, iov.as_ptr(), 1);
         assert_eq!(run(&mut q, outside), -libc::EINVAL);

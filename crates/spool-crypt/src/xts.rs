@@ -47,34 +47,93 @@ impl XtsCipher {
 
     /// Encrypts `data` (whole sectors) in place; its first sector is number `sector`.
     pub fn encrypt(&self, data: &mut [u8], sector: u64) {
-        self.each_sector(data, sector, |c, b| c.encrypt_blocks(b));
+        debug_assert!(data.len().is_multiple_of(SECTOR));
+        let p = data.as_mut_ptr();
+        // SAFETY: source and destination are `data`, valid for its length; each block is
+        // read before it is written.
+        unsafe {
+            self.run(p, p, data.len() / SECTOR, sector, |c, b| {
+                c.encrypt_blocks(b)
+            })
+        };
     }
 
     /// Decrypts `data` (whole sectors) in place; its first sector is number `sector`.
     pub fn decrypt(&self, data: &mut [u8], sector: u64) {
-        self.each_sector(data, sector, |c, b| c.decrypt_blocks(b));
+        debug_assert!(data.len().is_multiple_of(SECTOR));
+        let p = data.as_mut_ptr();
+        // SAFETY: as in `encrypt`.
+        unsafe {
+            self.run(p, p, data.len() / SECTOR, sector, |c, b| {
+                c.decrypt_blocks(b)
+            })
+        };
     }
 
+    /// Encrypts one sector from `src` into `dst` (both `SECTOR` bytes).
+    pub fn encrypt_block_sector(&self, src: &[u8; SECTOR], dst: &mut [u8], sector: u64) {
+        assert_eq!(dst.len(), SECTOR);
+        // SAFETY: both are one sector of ours.
+        unsafe { self.encrypt_from(src.as_ptr(), dst.as_mut_ptr(), 1, sector) };
+    }
+
+    /// Encrypts `sectors` whole sectors read at `src` into `dst`, the first being number
+    /// `sector`: one pass over each (no copy of the plaintext first).
+    ///
+    /// # Safety
+    /// `src` is valid for reads and `dst` for writes of `sectors * SECTOR` bytes. `src` may be
+    /// memory another process writes meanwhile (guest memory): it is only ever read with raw
+    /// unaligned loads, never referenced, and what was read is what is encrypted.
+    pub unsafe fn encrypt_from(&self, src: *const u8, dst: *mut u8, sectors: usize, sector: u64) {
+        // SAFETY: the caller's contract.
+        unsafe { self.run(src, dst, sectors, sector, |c, b| c.encrypt_blocks(b)) }
+    }
+
+    /// Decrypts `sectors` whole sectors read at `src` into `dst` (see [`Self::encrypt_from`]).
+    ///
+    /// # Safety
+    /// As [`Self::encrypt_from`]; `dst` may be memory another process reads (guest memory):
+    /// it is only written with raw unaligned stores.
+    pub unsafe fn decrypt_to(&self, src: *const u8, dst: *mut u8, sectors: usize, sector: u64) {
+        // SAFETY: the caller's contract.
+        unsafe { self.run(src, dst, sectors, sector, |c, b| c.decrypt_blocks(b)) }
+    }
+
+    /// The XTS loop: each sector's blocks are loaded from `src` and XORed with their
+    /// tweaks, run through `f` eight at a time, XORed again and stored at `dst`.
+    ///
+    /// # Safety
+    /// `src` readable and `dst` writable for `sectors * SECTOR` bytes; they may be equal
+    /// (each sector is loaded whole before it is stored) but must not otherwise overlap.
     #[inline]
-    fn each_sector(&self, data: &mut [u8], first: u64, f: impl Fn(&Aes256, &mut [Block])) {
-        debug_assert!(data.len().is_multiple_of(SECTOR));
+    unsafe fn run(
+        &self,
+        src: *const u8,
+        dst: *mut u8,
+        sectors: usize,
+        first: u64,
+        f: impl Fn(&Aes256, &mut [Block]),
+    ) {
         let mut tweaks = [0u128; BLOCKS];
         let mut blocks = [Block::default(); BLOCKS];
-        for (i, s) in data.chunks_exact_mut(SECTOR).enumerate() {
+        for i in 0..sectors {
             let mut t = Block::default();
             t[..8].copy_from_slice(&first.wrapping_add(i as u64).to_le_bytes());
             self.tweak.encrypt_block(&mut t);
             let mut tw = u128::from_le_bytes(t.into());
-            for (j, (b, chunk)) in blocks.iter_mut().zip(s.chunks_exact(16)).enumerate() {
+            for (j, b) in blocks.iter_mut().enumerate() {
                 tweaks[j] = tw;
-                let v = u128::from_le_bytes(chunk.try_into().expect("16 bytes")) ^ tw;
-                b.copy_from_slice(&v.to_le_bytes());
+                // SAFETY: block j of sector i lies within the caller's `src` range.
+                let raw: [u8; 16] =
+                    unsafe { std::ptr::read_unaligned(src.add(i * SECTOR + j * 16).cast()) };
+                b.copy_from_slice(&(u128::from_le_bytes(raw) ^ tw).to_le_bytes());
                 tw = times_alpha(tw);
             }
             f(&self.data, &mut blocks);
-            for ((b, chunk), tw) in blocks.iter().zip(s.chunks_exact_mut(16)).zip(tweaks) {
-                let v = u128::from_le_bytes((*b).into()) ^ tw;
-                chunk.copy_from_slice(&v.to_le_bytes());
+            for (j, b) in blocks.iter().enumerate() {
+                let out = (u128::from_le_bytes((*b).into()) ^ tweaks[j]).to_le_bytes();
+                // SAFETY: block j of sector i lies within the caller's `dst` range.
+                unsafe { std::ptr::write_unaligned(dst.add(i * SECTOR + j * 16).cast(), out) };
             }
         }
         zeroize::Zeroize::zeroize(&mut tweaks);
