@@ -146,8 +146,9 @@ pub struct ExportedKey {
     pub key: DataKey,
     pub volume: String,
     pub size: u64,
-    /// Byte offset on the device read, when the whole volume lies there contiguously (a
-    /// plain volume): `cryptsetup open --type plain --offset` in 512-byte sectors.
+    /// Byte offset on the device read, when the whole volume (a plain volume, or one copy of
+    /// a mirrored one) lies there contiguously: `cryptsetup open --type plain --offset` in
+    /// 512-byte sectors.
     pub contiguous_at: Option<u64>,
 }
 
@@ -193,18 +194,21 @@ pub fn export_key_offline(device: &std::path::Path, id: &str, kek: &Kek) -> Resu
         .ok_or_else(|| key_error(v, "is not encrypted"))?;
     let key = unwrap_key(v, key, kek)?;
     let min = rec.table.min_extent;
-    let contiguous = !v.is_mirrored()
-        && v.extents.iter().all(|e| e.device == rec.device_uuid)
-        && v.extents
-            .windows(2)
-            .all(|w| w[0].offset + (min << w[0].order) == w[1].offset);
+    // A plain volume's extents, or any whole copy of a mirrored one (every leg holds all of
+    // the volume's ciphertext), lying contiguously on this device.
+    let contiguous_at = v.copies_extents().into_iter().find_map(|extents| {
+        let here = !extents.is_empty()
+            && extents.iter().all(|e| e.device == rec.device_uuid)
+            && extents
+                .windows(2)
+                .all(|w| w[0].offset + (min << w[0].order) == w[1].offset);
+        here.then(|| extents[0].offset)
+    });
     Ok(ExportedKey {
         key,
         volume: v.name.clone(),
         size: v.size,
-        contiguous_at: contiguous
-            .then(|| v.extents.first().map(|e| e.offset))
-            .flatten(),
+        contiguous_at,
     })
 }
 
