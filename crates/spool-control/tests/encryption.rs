@@ -241,6 +241,15 @@ fn an_encrypted_volume_stores_only_ciphertext_and_its_keys_rotate_and_erase() {
     );
     assert!(ok, "{out}{err}");
     assert!(out.contains("1 data keys rewrapped"), "{out}");
+    // The volume names the key-encryption key it is wrapped under now (an id, never a key).
+    let kek_of = |d: &Spoold| d.rpc("volume_show", json!({"id": "sec"})).unwrap()["kek_id"].clone();
+    let now = kek_of(&d);
+    assert!(out.contains(now.as_str().unwrap()), "{out} {now}");
+    let (_, shown, _) = spoolctl(&d, &["volume", "show", "sec"]);
+    assert!(
+        shown.contains(&format!("key-encryption key {}", now.as_str().unwrap())),
+        "{shown}"
+    );
     let img = std::fs::read(&dev).unwrap();
     assert!(
         !contains(&img[..1 << 20], old_wrapping.as_bytes()),

@@ -62,6 +62,8 @@ pub struct VolumeInfo {
     pub extent_map: Vec<ExtentInfo>,
     /// Its data is encrypted (docs/encryption.md).
     pub encrypted: bool,
+    /// The id of the key-encryption key its data key is wrapped under (never the key).
+    pub kek_id: Option<String>,
 }
 
 /// One extent of a volume: `len` bytes at `offset` on `device`, holding the volume's bytes
@@ -203,6 +205,7 @@ impl Pool {
             rbd: v.rbd.as_ref().map(|r| r.spec()),
             extent_map: self.extent_map(v),
             encrypted: v.encryption.is_some(),
+            kek_id: v.encryption.as_ref().map(|k| k.kek_id.clone()),
         }
     }
 

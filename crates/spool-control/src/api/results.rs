@@ -97,6 +97,9 @@ pub struct VolumeInfo {
     /// Its data is encrypted (docs/encryption.md).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub encrypted: bool,
+    /// The id of the key-encryption key its data key is wrapped under (never the key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kek_id: Option<String>,
 }
 
 /// One extent of a volume: `len` bytes at byte `offset` of `device`, holding the bytes of
@@ -202,6 +205,7 @@ impl From<spool_pool::VolumeInfo> for VolumeInfo {
                 })
                 .collect(),
             encrypted: v.encrypted,
+            kek_id: v.kek_id,
         }
     }
 }

@@ -70,6 +70,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         rbd: None,
         extent_map: vec![],
         encrypted: false,
+        kek_id: None,
     };
     let v = Volume {
         info,

@@ -144,8 +144,9 @@ fn volume(v: &Volume) {
     );
     if v.info.encrypted {
         println!(
-            "encryption: {} (its own data key, wrapped)",
-            spool_crypt::CIPHER
+            "encryption: {} (its own data key, wrapped under key-encryption key {})",
+            spool_crypt::CIPHER,
+            v.info.kek_id.as_deref().unwrap_or("?")
         );
     }
     if let Some(why) = &v.not_served {
