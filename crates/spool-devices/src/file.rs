@@ -77,6 +77,9 @@ impl FileBackend {
         } else {
             probe_direct(path)
         };
+        if let Some(d) = &direct {
+            lock_direct(path, d, opts.lock_wait)?;
+        }
         tracing::debug!(path = %path.display(), size, direct = direct.is_some(), direct_align, "device opened");
         let inline_io = !block && on_tmpfs(&buffered);
         let map = if inline_io {
@@ -262,6 +265,44 @@ fn open_locked(path: &Path, lock_wait: std::time::Duration) -> Result<File> {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     Ok(buffered)
+}
+
+/// Takes a write lock (an open-file-description lock on byte 0) on the O_DIRECT descriptor,
+/// waiting up to `lock_wait` for a predecessor's to go. The buffered descriptor's `flock` goes
+/// when a killed worker's descriptors are closed, but the O_DIRECT descriptor lives on while
+/// its io_uring still has reads and writes in flight (the ring's teardown is asynchronous):
+/// a successor that served at once could see such a late write land over a newer one, or a
+/// late read land in a guest buffer it had already filled with a newer read. This lock is
+/// released only when that descriptor is, so the successor waits for the last of them.
+/// (flock and OFD locks do not interact; two flocks of one process on two descriptors would.)
+fn lock_direct(path: &Path, direct: &File, lock_wait: std::time::Duration) -> Result<()> {
+    let deadline = std::time::Instant::now() + lock_wait;
+    loop {
+        // SAFETY: an all-zero `flock` is a valid value of the C struct; the fields we need
+        // are set below.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = libc::F_WRLCK as libc::c_short;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        l.l_start = 0;
+        l.l_len = 1;
+        // SAFETY: F_OFD_SETLK reads the `flock` we pass, which lives on our stack for the
+        // call, on a descriptor we own; no other memory is involved.
+        if unsafe { libc::fcntl(direct.as_raw_fd(), libc::F_OFD_SETLK, &l) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if !matches!(err.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
+            // A file system without OFD locks: the buffered flock alone keeps other spoolds off.
+            tracing::debug!(path = %path.display(), error = %err, "no lock on the O_DIRECT descriptor");
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(Error::Busy {
+                path: path.display().to_string(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
 }
 
 fn block_device_size(f: &File) -> std::io::Result<u64> {
