@@ -78,7 +78,7 @@ impl Kek {
         )))
     }
 
-    /// A fresh random key (tests, and `spoold --generate-key`).
+    /// A fresh random key (tests).
     pub fn generate() -> Result<Kek, KeyError> {
         let mut key = Locked::new([0u8; KEK_LEN]);
         getrandom::fill(&mut key[..]).map_err(|e| KeyError::Random(e.to_string()))?;
@@ -87,12 +87,7 @@ impl Kek {
 
     /// The key's 64 hexadecimal digits (for writing a key file; never logged).
     pub fn to_hex(&self) -> Zeroizing<String> {
-        let mut s = Zeroizing::new(String::with_capacity(2 * KEK_LEN));
-        for b in self.key.iter() {
-            s.push(HEX[(b >> 4) as usize] as char);
-            s.push(HEX[(b & 15) as usize] as char);
-        }
-        s
+        Zeroizing::new(to_hex(&self.key[..]))
     }
 
     /// A name for the key that reveals nothing of it: the first 8 bytes of AES-256 under the

@@ -29,9 +29,9 @@ impl<T> Locked<T> {
             // SAFETY: as above.
             unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTDUMP) };
             if !locked && !WARNED.swap(true, Ordering::Relaxed) {
-                eprintln!(
-                    "spool-crypt: cannot lock key memory ({}); keys may reach swap (raise LimitMEMLOCK)",
-                    std::io::Error::last_os_error()
+                tracing::warn!(
+                    error = %std::io::Error::last_os_error(),
+                    "cannot lock key memory; keys may reach swap (raise LimitMEMLOCK=)"
                 );
             }
         }

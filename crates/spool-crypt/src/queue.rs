@@ -184,7 +184,7 @@ unsafe fn encrypt_gather(
             p = unsafe { p.add(k) };
             (left, carried) = (left - k, carried + k);
             if carried == SECTOR {
-                c.encrypt_block_sector(
+                c.encrypt_sector_into(
                     &carry,
                     &mut dst[at..at + SECTOR],
                     sector + (at / SECTOR) as u64,

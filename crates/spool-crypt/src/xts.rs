@@ -71,7 +71,7 @@ impl XtsCipher {
     }
 
     /// Encrypts one sector from `src` into `dst` (both `SECTOR` bytes).
-    pub fn encrypt_block_sector(&self, src: &[u8; SECTOR], dst: &mut [u8], sector: u64) {
+    pub fn encrypt_sector_into(&self, src: &[u8; SECTOR], dst: &mut [u8], sector: u64) {
         assert_eq!(dst.len(), SECTOR);
         // SAFETY: both are one sector of ours.
         unsafe { self.encrypt_from(src.as_ptr(), dst.as_mut_ptr(), 1, sector) };
