@@ -9,7 +9,9 @@
 //! The first input byte selects the mode: even = the rest is a raw slot image (header checks
 //! included), odd with bit 1 clear = the rest is the payload (JSON), odd with bit 1 set = the
 //! rest drives a generator of structurally plausible tables (reaching deep validation without
-//! a corpus).
+//! a corpus). Every input also goes through a thin volume's map-entry decoder
+//! (`spool_thin::map::decode`), which must refuse what it cannot read and round-trip what it
+//! accepts.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -158,6 +160,20 @@ fn generated(b: &mut Bytes) -> PoolTable {
                 }),
                 _ => None,
             },
+            // A thin volume's map (format version 6) on some volumes, sized right or not.
+            thin: match b.u8() % 4 {
+                0 => Some(spool_pool::metadata::ThinMap {
+                    chunk: [min_extent, 4096, 0][(b.u8() % 3) as usize],
+                    map: (0..b.u8() % 3)
+                        .map(|_| ExtentEntry {
+                            device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
+                            offset: b.offset(),
+                            order: (b.u8() % 5) as u32,
+                        })
+                        .collect(),
+                }),
+                _ => None,
+            },
         })
         .collect();
     PoolTable {
@@ -169,7 +185,19 @@ fn generated(b: &mut Bytes) -> PoolTable {
     }
 }
 
+/// A thin map entry from the input: refused, a hole, or a placement that encodes back to
+/// the same bytes.
+fn thin_entry(data: &[u8]) {
+    let vol = Uuid::from_u128(7);
+    for (i, e) in data.chunks(32).enumerate() {
+        if let Ok(Some(p)) = spool_thin::map::decode(vol, i as u64, e) {
+            assert_eq!(&spool_thin::map::encode(vol, i as u64, Some(p))[..], e);
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
+    thin_entry(data);
     let Some((&mode, rest)) = data.split_first() else {
         return;
     };
@@ -194,7 +222,7 @@ fuzz_target!(|data: &[u8]| {
         let mut buddy = Buddy::new(METADATA_AREA, d.size - METADATA_AREA, t.min_extent)
             .expect("a validated device has a valid allocator");
         for v in &t.volumes {
-            for e in v.extents.iter().filter(|e| e.device == d.uuid) {
+            for e in v.all_extents().filter(|e| e.device == d.uuid) {
                 buddy
                     .alloc_at(e.offset, e.order)
                     .expect("a validated extent rebuilds into the allocator");
@@ -202,6 +230,14 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for v in &t.volumes {
+        if let Some(thin) = &v.thin {
+            // Its chunks are named by its map, which holds an entry for every chunk.
+            assert!(v.extents.is_empty() && v.legs.is_empty() && v.copies == 0);
+            assert_eq!(thin.chunk, t.min_extent);
+            let bytes: u64 = thin.map.iter().map(|e| t.min_extent << e.order).sum();
+            assert!(bytes >= spool_thin::map::map_bytes(v.size.div_ceil(thin.chunk)));
+            continue;
+        }
         if v.rbd.is_some() {
             // Its data is an RBD image: nothing of it is on the pool's devices.
             assert!(v.extents.is_empty() && v.legs.is_empty() && v.copies == 0);

@@ -20,10 +20,12 @@ pub use crate::qos::RateValue;
 mod mirror;
 mod results;
 mod stats;
+mod thin;
 
 pub use mirror::*;
 pub use results::*;
 pub use stats::*;
+pub use thin::*;
 
 /// One JSON-RPC method: its name, a line of help, and the types of its params and result.
 pub trait Method: 'static {
@@ -286,6 +288,9 @@ pub struct VolumeCreateParams {
     /// Encrypt the volume's data under a data key of its own (docs/encryption.md).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub encrypt: bool,
+    /// Take the volume's space from the pool on first write, chunk by chunk (docs/thin.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub thin: bool,
 }
 
 /// `volume_rekey`: where the new key-encryption key is (default: the configured source,

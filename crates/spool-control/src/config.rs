@@ -44,6 +44,8 @@ impl SizeValue {
 pub enum ConfigError {
     #[error("config: {0}")]
     Toml(#[from] toml::de::Error),
+    #[error("{0}")]
+    Invalid(String),
     #[error("{what}: {why}")]
     Size {
         what: String,
@@ -106,6 +108,9 @@ struct RawPool {
     resync_rate: Option<SizeValue>,
     /// Move mirror legs off failed devices onto free space of others (default true).
     auto_rebuild: Option<bool>,
+    /// How long a write to a thin volume waits for free space on a full pool before it
+    /// fails (default 20000).
+    thin_full_wait_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -135,6 +140,9 @@ struct RawVolume {
     /// Encrypt the volume's data (when it is created; docs/encryption.md).
     #[serde(default)]
     encrypt: bool,
+    /// Allocate the volume's space on first write (when it is created; docs/thin.md).
+    #[serde(default)]
+    thin: bool,
 }
 
 /// `[volumes.qos]` as written: rates as numbers or strings ("20k", "200M"), burst with a unit.
@@ -239,6 +247,8 @@ pub struct VolumeConfig {
     pub rbd: Option<String>,
     /// Encrypted when created (docs/encryption.md).
     pub encrypt: bool,
+    /// Thin when created (docs/thin.md).
+    pub thin: bool,
 }
 
 /// The validated daemon configuration.
@@ -252,6 +262,8 @@ pub struct Config {
     pub no_direct: bool,
     /// Bytes per second a mirror's resync or rebuild may copy (0: unlimited).
     pub resync_rate: u64,
+    /// `[pool] thin_full_wait_ms`: how long a write to a thin volume waits for space.
+    pub thin_full_wait: std::time::Duration,
     /// Move mirror legs off failed devices onto free space of other devices at once.
     pub auto_rebuild: bool,
     pub devices: Vec<DeviceConfig>,
@@ -430,6 +442,7 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
             qos,
             rbd: v.rbd.clone(),
             encrypt: v.encrypt,
+            thin: v.thin,
         });
     }
     Ok(volumes)
@@ -477,6 +490,15 @@ impl Config {
             Some(KeySource::File(p)) => Some(KeySource::File(base.abs(&p))),
             other => other,
         };
+        if let Some(v) = volumes
+            .iter()
+            .find(|v| v.thin && (v.rbd.is_some() || v.copies > 1))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "volume {}: a thin volume cannot be mirrored or on RBD yet (RBD images are thin already)",
+                v.name
+            )));
+        }
         if let Some(v) = volumes.iter().find(|v| v.encrypt && v.rbd.is_some()) {
             return Err(ConfigError::Encryption(format!(
                 "volume {}: RBD volumes cannot be encrypted by spoold yet (use Ceph's own encryption)",
@@ -509,6 +531,10 @@ impl Config {
                 None => spool_pool::DEFAULT_RESYNC_RATE,
             },
             auto_rebuild: raw.pool.auto_rebuild.unwrap_or(true),
+            thin_full_wait: raw.pool.thin_full_wait_ms.map_or(
+                spool_pool::DEFAULT_FULL_WAIT,
+                std::time::Duration::from_millis,
+            ),
             devices,
             volumes,
             poll_idle_us: raw.io.poll_idle_us.unwrap_or(50),

@@ -80,6 +80,13 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// The backend as `Any`, for a backend whose crate offers more than this trait (a thin
+    /// volume's allocation counts) to find itself under a [`crate::Device`]; `None` by
+    /// default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
     /// Claims a device that other hosts can open too (an RBD image) for `owner`, one spoold,
     /// before serving from it: fails while another owner holds it after waiting up to
     /// `wait`. `trusted`: the owner is known to hold it already (a session continued from an

@@ -244,6 +244,10 @@ impl PoolDevice for Device {
         self.backend.as_rbd()
     }
 
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        self.backend.as_any()
+    }
+
     fn claim(&self, owner: &str, trusted: bool, wait: std::time::Duration) -> Result<()> {
         self.backend.claim(owner, trusted, wait)
     }

@@ -18,6 +18,7 @@ mod file;
 mod file_map;
 mod health;
 mod inline;
+pub mod iov;
 pub mod mirror;
 mod null;
 mod nvme;
@@ -60,7 +61,9 @@ pub fn register_dma_memory(addr: u64, len: u64) -> std::result::Result<(), Strin
 pub fn unregister_dma_memory(addr: u64, len: u64) {
     spool_nvme::unregister_memory(addr, len)
 }
-pub use queue::{DeviceIo, DeviceQueue, IoVec, UringQueue};
+pub use queue::{
+    completion_eventfd, epoll_new, epoll_watch, DeviceIo, DeviceQueue, IoVec, UringQueue,
+};
 
 /// Errors of the devices layer.
 #[derive(Debug, thiserror::Error)]

@@ -165,7 +165,7 @@ pub(crate) fn drain_done(q: &mut VecDeque<(u64, i32)>, done: &mut dyn FnMut(u64,
 }
 
 /// A fresh non-blocking eventfd, the completion descriptor of a device queue.
-pub(crate) fn completion_eventfd() -> std::io::Result<std::fs::File> {
+pub fn completion_eventfd() -> std::io::Result<std::fs::File> {
     // SAFETY: eventfd takes no pointers; the result is checked before use.
     let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if efd < 0 {
@@ -173,6 +173,30 @@ pub(crate) fn completion_eventfd() -> std::io::Result<std::fs::File> {
     }
     // SAFETY: `efd` is a fresh descriptor we exclusively own.
     Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(efd) }))
+}
+
+/// A new epoll descriptor (for a queue composed of other queues: its completion descriptor).
+pub fn epoll_new() -> std::io::Result<OwnedFd> {
+    // SAFETY: epoll_create1 takes no pointers; the result is checked.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we exclusively own.
+    Ok(unsafe { OwnedFd::from_raw_fd(ep) })
+}
+
+/// Makes `ep` readable while `fd` is.
+pub fn epoll_watch(ep: RawFd, fd: RawFd) -> std::io::Result<()> {
+    let mut ev = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: fd as u64,
+    };
+    // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+    if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 const KIND_SHIFT: u32 = 62;

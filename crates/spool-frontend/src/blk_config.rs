@@ -49,8 +49,13 @@ pub const VHOST_F_LOG_ALL: u64 = 1 << 26;
 /// reads beyond it return zeroes).
 pub const CONFIG_LEN: usize = 72;
 
-/// Encodes `struct virtio_blk_config` (little-endian, virtio 1.2 §5.2.4).
-pub fn config_space(capacity_bytes: u64, num_queues: u16) -> [u8; CONFIG_LEN] {
+/// Encodes `struct virtio_blk_config` (little-endian, virtio 1.2 §5.2.4); discards are
+/// advertised aligned to `discard_alignment` bytes (a thin volume's chunk).
+pub fn config_space(
+    capacity_bytes: u64,
+    num_queues: u16,
+    discard_alignment: u64,
+) -> [u8; CONFIG_LEN] {
     let mut c = [0u8; CONFIG_LEN];
     let put32 = |c: &mut [u8; CONFIG_LEN], at: usize, v: u32| {
         c[at..at + 4].copy_from_slice(&v.to_le_bytes())
@@ -65,7 +70,8 @@ pub fn config_space(capacity_bytes: u64, num_queues: u16) -> [u8; CONFIG_LEN] {
     c[34..36].copy_from_slice(&num_queues.to_le_bytes());
     put32(&mut c, 36, MAX_DISCARD_SECTORS);
     put32(&mut c, 40, MAX_DISCARD_SEG);
-    put32(&mut c, 44, 8); // discard_sector_alignment: 4 KiB
+    let align = (discard_alignment / 512).clamp(8, MAX_DISCARD_SECTORS as u64);
+    put32(&mut c, 44, align as u32); // discard_sector_alignment
     put32(&mut c, 48, MAX_DISCARD_SECTORS);
     put32(&mut c, 52, MAX_DISCARD_SEG);
     c[56] = 1; // write_zeroes_may_unmap
@@ -78,7 +84,10 @@ mod tests {
 
     #[test]
     fn config_layout() {
-        let c = config_space(1 << 30, 4);
+        let c = config_space(1 << 30, 4, 4096);
+        assert_eq!(u32::from_le_bytes(c[44..48].try_into().unwrap()), 8);
+        let thin = config_space(1 << 30, 4, 4 << 20);
+        assert_eq!(u32::from_le_bytes(thin[44..48].try_into().unwrap()), 8192);
         assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 1 << 21);
         assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 4);
         assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);

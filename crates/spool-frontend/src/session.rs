@@ -483,7 +483,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         _flags: VhostUserConfigFlags,
     ) -> VhostResult<Vec<u8>> {
         let l = self.ctx.layout().load();
-        let space = blk_config::config_space(l.size, self.vrings.len() as u16);
+        let space = blk_config::config_space(l.size, self.vrings.len() as u16, l.discard_alignment);
         let (off, size) = (offset as usize, size as usize);
         let mut out = vec![0u8; size];
         if off < space.len() {

@@ -62,7 +62,12 @@ impl Pool {
             mirrors: Default::default(),
             rbd_devices: Default::default(),
             ciphers: Default::default(),
+            space: Default::default(),
+            thins: Default::default(),
         };
+        // Thin volumes' chunks are named by their maps, not the table: taken now, before
+        // anything can allocate.
+        pool.open_thins();
         if needs_write {
             let t = pool.table.clone();
             pool.commit(t)?;
@@ -238,11 +243,7 @@ impl Admission {
             }
         }
         let buddy = new_buddy(&dev, self.table.min_extent)?;
-        self.members.push(Member {
-            uuid,
-            dev: Arc::new(dev),
-            buddy,
-        });
+        self.members.push(Member::new(uuid, Arc::new(dev), buddy));
         Ok(())
     }
 
@@ -348,8 +349,7 @@ fn rebuild_allocators(table: &PoolTable, members: &mut [Member]) -> Result<()> {
     for v in &table.volumes {
         for e in v.all_extents() {
             if let Some(m) = members.iter_mut().find(|m| m.uuid == e.device) {
-                m.buddy
-                    .alloc_at(e.offset, e.order)
+                m.alloc_at(e.offset, e.order)
                     .map_err(|why| Error::Corrupt {
                         path: m.dev.path().display().to_string(),
                         why: format!("volume '{}': {why}", v.name),

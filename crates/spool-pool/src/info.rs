@@ -64,6 +64,23 @@ pub struct VolumeInfo {
     pub encrypted: bool,
     /// The id of the key-encryption key its data key is wrapped under (never the key).
     pub kek_id: Option<String>,
+    /// A thin volume's chunks (docs/thin.md).
+    pub thin: Option<ThinInfo>,
+}
+
+/// A thin volume's space.
+#[derive(Debug, Clone, Serialize)]
+pub struct ThinInfo {
+    /// Bytes per chunk.
+    pub chunk: u64,
+    /// Bytes of the volume backed by chunks now.
+    pub mapped: u64,
+    /// Bytes its map takes.
+    pub map_bytes: u64,
+    /// Writes waiting for free space now (the pool is full).
+    pub waiting_for_space: u64,
+    /// Why the volume is not served (a map that cannot be read or is corrupt).
+    pub error: Option<String>,
 }
 
 /// One extent of a volume: `len` bytes at `offset` on `device`, holding the volume's bytes
@@ -102,6 +119,10 @@ pub struct PoolInfo {
     /// Configured devices the pool runs without (cannot be opened, unreadable, foreign,
     /// replaced), untouched.
     pub left_out: Vec<LeftOut>,
+    /// What thin volumes promise (the sum of their sizes) and what their chunks take now:
+    /// `provisioned` above `size` is over-commitment.
+    pub thin_provisioned: u64,
+    pub thin_mapped: u64,
 }
 
 impl Pool {
@@ -112,7 +133,7 @@ impl Pool {
                 uuid,
                 path: m.dev.path().display().to_string(),
                 size: m.dev.size(),
-                free: m.buddy.free_bytes(),
+                free: m.free_bytes(),
                 present: true,
                 direct_io: m.dev.direct_align().is_some(),
             },
@@ -135,16 +156,24 @@ impl Pool {
             .iter()
             .map(|d| self.device_info(d.uuid))
             .collect();
+        let thin: Vec<&VolumeEntry> = self
+            .table
+            .volumes
+            .iter()
+            .filter(|v| v.thin.is_some())
+            .collect();
         PoolInfo {
             name: self.table.name.clone(),
             uuid: self.table.pool_uuid,
             generation: self.generation,
             min_extent: self.table.min_extent,
-            size: self.members.iter().map(|m| m.buddy.total()).sum(),
-            free: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
+            size: self.members.iter().map(|m| m.total()).sum(),
+            free: self.members.iter().map(|m| m.free_bytes()).sum(),
             devices,
             volumes: self.table.volumes.len(),
             left_out: self.left_out.clone(),
+            thin_provisioned: thin.iter().map(|v| v.size).sum(),
+            thin_mapped: thin.iter().map(|v| self.thin_state(v.uuid).0).sum(),
         }
     }
 
@@ -181,6 +210,16 @@ impl Pool {
                 }
             })
             .collect();
+        let thin = v.thin.as_ref().map(|t| {
+            let (mapped, waiting_for_space, error) = self.thin_state(v.uuid);
+            ThinInfo {
+                chunk: t.chunk,
+                mapped,
+                map_bytes: t.map.iter().map(|e| self.table.min_extent << e.order).sum(),
+                waiting_for_space,
+                error,
+            }
+        });
         VolumeInfo {
             uuid: v.uuid,
             name: v.name.clone(),
@@ -188,7 +227,8 @@ impl Pool {
             allocated: v
                 .all_extents()
                 .map(|e| self.table.min_extent << e.order)
-                .sum(),
+                .sum::<u64>()
+                + thin.as_ref().map_or(0, |t| t.mapped),
             read_only: v.read_only,
             num_queues: v.num_queues,
             extents: v.all_extents().count(),
@@ -206,6 +246,7 @@ impl Pool {
             extent_map: self.extent_map(v),
             encrypted: v.encryption.is_some(),
             kek_id: v.encryption.as_ref().map(|k| k.kek_id.clone()),
+            thin,
         }
     }
 

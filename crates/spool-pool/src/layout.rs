@@ -46,6 +46,9 @@ pub(crate) fn leg_id(extents: &[ExtentEntry]) -> u64 {
     h.max(1)
 }
 
+/// The discard alignment of a volume that is not thin.
+pub const DEFAULT_DISCARD_ALIGNMENT: u64 = 4096;
+
 /// One piece of a volume's address space mapped onto a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Segment {
@@ -75,6 +78,9 @@ pub struct VolumeLayout {
     /// An encrypted volume's cipher (docs/encryption.md): the frontend wraps each device
     /// queue in a `spool_crypt::CryptQueue` with the segments' volume offsets as tweaks.
     pub cipher: Option<crate::encryption::VolumeCipher>,
+    /// The unit in which discards give space back, advertised to the guest as the discard
+    /// alignment: a thin volume's chunk (docs/thin.md), else 4 KiB.
+    pub discard_alignment: u64,
 }
 
 impl VolumeLayout {
@@ -135,6 +141,10 @@ fn one_segment(
         devices: vec![dev],
         qos: v.qos,
         cipher,
+        discard_alignment: v
+            .thin
+            .as_ref()
+            .map_or(DEFAULT_DISCARD_ALIGNMENT, |t| t.chunk),
     }
 }
 
@@ -147,6 +157,10 @@ impl Pool {
         if let Some(r) = &v.rbd {
             let dev = self.rbd_device(v, r)?;
             return Ok(one_segment(v, dev.size(), dev, cipher));
+        }
+        if v.thin.is_some() {
+            let dev = self.thin_device(v)?;
+            return Ok(one_segment(v, v.size, dev, cipher));
         }
         if v.is_mirrored() {
             let dev = self.mirror_device(v)?;
@@ -200,6 +214,7 @@ impl Pool {
             devices,
             qos: v.qos,
             cipher,
+            discard_alignment: DEFAULT_DISCARD_ALIGNMENT,
         })
     }
 }

@@ -23,6 +23,7 @@ impl Pool {
     pub fn add_leg(&mut self, id: &str) -> Result<VolumeInfo> {
         let i = self.find(id)?;
         let mut v = self.table.volumes[i].clone();
+        Self::refuse_thin(&v, "mirroring")?;
         if !v.is_mirrored() {
             v.copies = 1;
             v.legs = vec![LegEntry {

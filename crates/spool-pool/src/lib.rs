@@ -18,6 +18,7 @@ pub mod metadata;
 mod mirror;
 pub mod qos;
 mod rbd;
+mod thin;
 mod volumes;
 
 use std::path::Path;
@@ -25,13 +26,16 @@ use std::path::Path;
 use uuid::Uuid;
 
 pub use encryption::{export_key_offline, ExportedKey, VolumeCipher};
-pub use info::{DeviceInfo, ExtentInfo, LeftOut, LegInfo, PoolInfo, Replacement, VolumeInfo};
+pub use info::{
+    DeviceInfo, ExtentInfo, LeftOut, LegInfo, PoolInfo, Replacement, ThinInfo, VolumeInfo,
+};
 pub use layout::{Segment, VolumeLayout};
 pub use legs::Relocated;
 pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
 pub use qos::{Priority, QosLimits};
 pub use rbd::RbdTarget;
+pub use thin::{PoolSpace, DEFAULT_FULL_WAIT};
 
 use members::Member;
 use metadata::{PoolTable, Record};
@@ -73,6 +77,8 @@ pub enum Error {
     NoDevices,
     #[error("volume '{volume}': {why}")]
     Key { volume: String, why: String },
+    #[error("thin volume '{volume}': {why}")]
+    Thin { volume: String, why: String },
 }
 
 /// Result type of the pool layer.
@@ -109,6 +115,9 @@ pub struct PoolOptions {
     /// The key-encryption key that wraps encrypted volumes' data keys (config
     /// `[encryption]`); without one, encrypted volumes are refused.
     pub kek: Option<std::sync::Arc<spool_crypt::Kek>>,
+    /// How long a write to a thin volume that needs a chunk waits for free space when the
+    /// pool is full before it fails (config `[thin] full_wait_ms`).
+    pub thin_full_wait: std::time::Duration,
 }
 
 impl Default for PoolOptions {
@@ -125,6 +134,7 @@ impl Default for PoolOptions {
             ceph: Default::default(),
             lock_wait: std::time::Duration::ZERO,
             kek: None,
+            thin_full_wait: thin::DEFAULT_FULL_WAIT,
         }
     }
 }
@@ -144,6 +154,10 @@ pub struct Pool {
     rbd_devices: std::sync::Mutex<rbd::RbdCache>,
     /// The cipher of each encrypted volume, unwrapped once.
     ciphers: std::sync::Mutex<encryption::CipherCache>,
+    /// The free space thin volumes' allocators take chunks from.
+    space: std::sync::Arc<PoolSpace>,
+    /// The device of each thin volume (one per process: one allocator per map).
+    thins: std::sync::Mutex<thin::ThinCache>,
 }
 
 impl Pool {
@@ -184,6 +198,7 @@ impl Pool {
         }
         self.table = table;
         self.generation = generation;
+        self.refresh_space();
         Ok(())
     }
 
@@ -211,3 +226,5 @@ impl Pool {
 mod mirror_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod thin_tests;

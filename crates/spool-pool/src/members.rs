@@ -6,7 +6,7 @@
 //! policy (it only reads whether a device is isolated).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use uuid::Uuid;
 
@@ -69,10 +69,52 @@ pub(crate) fn new_buddy(dev: &Device, min_extent: u64) -> Result<Buddy> {
 pub(crate) struct Member {
     pub(crate) uuid: Uuid,
     pub(crate) dev: Arc<Device>,
-    pub(crate) buddy: Buddy,
+    /// Shared with thin volumes' allocator threads, which take chunks from it
+    /// (`space.rs`); every use locks it for one call.
+    pub(crate) buddy: Arc<Mutex<Buddy>>,
 }
 
 impl Member {
+    pub(crate) fn new(uuid: Uuid, dev: Arc<Device>, buddy: Buddy) -> Member {
+        Member {
+            uuid,
+            dev,
+            buddy: Arc::new(Mutex::new(buddy)),
+        }
+    }
+
+    fn buddy(&self) -> std::sync::MutexGuard<'_, Buddy> {
+        self.buddy.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn free_bytes(&self) -> u64 {
+        self.buddy().free_bytes()
+    }
+
+    pub(crate) fn total(&self) -> u64 {
+        self.buddy().total()
+    }
+
+    /// A free block of `order`, when the device has one (another thread may take the last
+    /// one between a check and this call: callers handle `None`).
+    pub(crate) fn alloc(&self, order: u32) -> Option<u64> {
+        self.buddy().alloc(order)
+    }
+
+    pub(crate) fn alloc_at(&self, offset: u64, order: u32) -> std::result::Result<(), String> {
+        self.buddy().alloc_at(offset, order)
+    }
+
+    pub(crate) fn free(&self, offset: u64, order: u32) {
+        self.buddy().free(offset, order)
+    }
+
+    pub(crate) fn has_order(&self, order: u32) -> bool {
+        self.buddy()
+            .largest_free_order()
+            .is_some_and(|l| l >= order)
+    }
+
     /// Failed or removed (the health layer says so): no new extents, no metadata writes.
     pub(crate) fn isolated(&self) -> bool {
         self.dev.health().state().isolated()
@@ -136,11 +178,7 @@ impl Pool {
         let mut table = self.table.clone();
         let uuid = Self::join(&mut table, &dev, force)?;
         let buddy = new_buddy(&dev, table.min_extent)?;
-        self.members.push(Member {
-            uuid,
-            dev: Arc::new(dev),
-            buddy,
-        });
+        self.members.push(Member::new(uuid, Arc::new(dev), buddy));
         if let Err(e) = self.commit(table) {
             self.members.pop();
             return Err(e);
@@ -225,11 +263,7 @@ impl Pool {
             .iter()
             .position(|m| m.uuid == old)
             .map(|i| self.members.remove(i));
-        self.members.push(Member {
-            uuid: new,
-            dev: Arc::new(dev),
-            buddy,
-        });
+        self.members.push(Member::new(new, Arc::new(dev), buddy));
         if let Err(e) = self.commit(table) {
             self.members.pop();
             if let Some(m) = removed {
@@ -248,6 +282,14 @@ impl Pool {
 
     /// A healthy, present device is replaced only when forced.
     fn check_replaceable(&self, old: Uuid, force: bool) -> Result<()> {
+        for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
+            if self.thin_uses(v, old) {
+                return Err(Error::InvalidArgument(format!(
+                    "thin volume '{}' keeps its map or chunks on device {old}; replacing a device under a thin volume is not supported yet (delete the volume first)",
+                    v.name
+                )));
+            }
+        }
         if let Some(m) = self.members.iter().find(|m| m.uuid == old) {
             if !m.isolated() && !force {
                 return Err(Error::InvalidArgument(format!(

@@ -94,7 +94,7 @@ impl Pool {
                     self.release(&out);
                     return Err(Error::NoSpace {
                         requested: bytes,
-                        available: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
+                        available: self.members.iter().map(|m| m.free_bytes()).sum(),
                     });
                 }
             }
@@ -116,7 +116,7 @@ impl Pool {
         self.alloc_avoiding(order, &taken, &[])
             .ok_or_else(|| Error::NoSpace {
                 requested: min << order,
-                available: self.members.iter().map(|m| m.buddy.free_bytes()).sum(),
+                available: self.members.iter().map(|m| m.free_bytes()).sum(),
             })
     }
 
@@ -127,13 +127,11 @@ impl Pool {
         let m = self
             .members
             .iter_mut()
-            .filter(|m| {
-                !m.isolated()
-                    && !taken.contains(&m.uuid)
-                    && m.buddy.largest_free_order().is_some_and(|l| l >= order)
-            })
-            .max_by_key(|m| (mine.contains(&m.uuid), m.buddy.free_bytes()))?;
-        let offset = m.buddy.alloc(order).expect("checked largest free order");
+            .filter(|m| !m.isolated() && !taken.contains(&m.uuid) && m.has_order(order))
+            .max_by_key(|m| (mine.contains(&m.uuid), m.free_bytes()))?;
+        // A thin volume's allocator may have taken the block since the check: no extent
+        // then, as when none was free.
+        let offset = m.alloc(order)?;
         Some(ExtentEntry {
             device: m.uuid,
             offset,

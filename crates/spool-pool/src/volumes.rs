@@ -57,7 +57,7 @@ impl Pool {
 
     /// Allocates extents covering `bytes` (a multiple of the minimum extent), largest blocks
     /// first, each on the device with the most free space that has a block of that order.
-    fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
+    pub(crate) fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
         let min = self.table.min_extent;
         let mut units = bytes / min;
         let mut out: Vec<ExtentEntry> = Vec::new();
@@ -72,15 +72,14 @@ impl Pool {
             let best = self
                 .members
                 .iter_mut()
-                .filter(|m| {
-                    !m.isolated() && m.buddy.largest_free_order().is_some_and(|l| l >= order)
-                })
-                .max_by_key(|m| m.buddy.free_bytes());
-            match best {
-                Some(m) => {
-                    let off = m.buddy.alloc(order).expect("checked largest free order");
+                .filter(|m| !m.isolated() && m.has_order(order))
+                .max_by_key(|m| m.free_bytes());
+            match best.map(|m| (m.uuid, m.alloc(order))) {
+                // A thin volume's allocator took the block since the check: look again.
+                Some((_, None)) => pending.push(order),
+                Some((uuid, Some(off))) => {
                     out.push(ExtentEntry {
-                        device: m.uuid,
+                        device: uuid,
                         offset: off,
                         order,
                     });
@@ -90,11 +89,7 @@ impl Pool {
                     pending.push(order - 1);
                 }
                 None => {
-                    let available = self
-                        .members
-                        .iter()
-                        .map(|m| m.buddy.free_bytes())
-                        .sum::<u64>()
+                    let available = self.members.iter().map(|m| m.free_bytes()).sum::<u64>()
                         + out.iter().map(|e| min << e.order).sum::<u64>();
                     self.release(&out);
                     return Err(Error::NoSpace {
@@ -112,13 +107,13 @@ impl Pool {
     pub(crate) fn release(&mut self, extents: &[ExtentEntry]) {
         for e in extents {
             if let Some(m) = self.members.iter_mut().find(|m| m.uuid == e.device) {
-                m.buddy.free(e.offset, e.order);
+                m.free(e.offset, e.order);
             }
         }
     }
 
     /// Zeroes newly allocated extents so a volume never reads another tenant's old data.
-    fn scrub(&self, extents: &[ExtentEntry]) -> Result<()> {
+    pub(crate) fn scrub(&self, extents: &[ExtentEntry]) -> Result<()> {
         for e in extents {
             if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
                 m.dev
@@ -151,12 +146,12 @@ impl Pool {
 
     /// Refuses at once an allocation of `bytes` larger than all free space together (the
     /// allocator would find out too, one block split at a time).
-    fn check_space(&self, bytes: u64) -> Result<()> {
+    pub(crate) fn check_space(&self, bytes: u64) -> Result<()> {
         let free = self
             .members
             .iter()
             .filter(|m| !m.isolated())
-            .fold(0u64, |a, m| a.saturating_add(m.buddy.free_bytes()));
+            .fold(0u64, |a, m| a.saturating_add(m.free_bytes()));
         if bytes > free {
             return Err(Error::NoSpace {
                 requested: bytes,
@@ -164,6 +159,36 @@ impl Pool {
             });
         }
         Ok(())
+    }
+
+    /// What every new volume must be: a valid name not taken, a valid size and queue
+    /// count, a pool with devices.
+    pub(crate) fn check_new_volume(&self, name: &str, size: u64, num_queues: u16) -> Result<()> {
+        valid_name(name)?;
+        Self::check_size(size)?;
+        if !(1..=MAX_QUEUES).contains(&num_queues) {
+            return Err(Error::InvalidArgument(format!(
+                "num_queues {num_queues} must be between 1 and {MAX_QUEUES}"
+            )));
+        }
+        if self.table.volumes.iter().any(|v| v.name == name) {
+            return Err(Error::VolumeExists(name.into()));
+        }
+        if self.members.is_empty() {
+            return Err(Error::NoDevices);
+        }
+        Ok(())
+    }
+
+    /// Refuses what thin volumes do not do yet (docs/thin.md), naming `what`.
+    pub(crate) fn refuse_thin(v: &VolumeEntry, what: &str) -> Result<()> {
+        match v.thin.is_some() {
+            true => Err(Error::InvalidArgument(format!(
+                "volume '{}' is thin; {what} is not supported for thin volumes yet",
+                v.name
+            ))),
+            false => Ok(()),
+        }
     }
 
     /// Creates a plain volume.
@@ -201,19 +226,7 @@ impl Pool {
         copies: u8,
         encrypt: bool,
     ) -> Result<VolumeInfo> {
-        valid_name(name)?;
-        Self::check_size(size)?;
-        if !(1..=MAX_QUEUES).contains(&num_queues) {
-            return Err(Error::InvalidArgument(format!(
-                "num_queues {num_queues} must be between 1 and {MAX_QUEUES}"
-            )));
-        }
-        if self.table.volumes.iter().any(|v| v.name == name) {
-            return Err(Error::VolumeExists(name.into()));
-        }
-        if self.members.is_empty() {
-            return Err(Error::NoDevices);
-        }
+        self.check_new_volume(name, size, num_queues)?;
         self.check_copies(copies)?;
         let bytes = self.round_up(size)?;
         self.check_space(bytes.saturating_mul(copies as u64))?;
@@ -282,6 +295,8 @@ impl Pool {
         } else {
             self.commit(table)?;
         }
+        // A thin volume's allocator stops before its map's extents are free.
+        self.release_thin(v.uuid);
         let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
         self.release(&all);
         self.drop_mirror(v.uuid);
@@ -303,6 +318,7 @@ impl Pool {
         if old.rbd.is_some() {
             return self.resize_rbd_volume(i, new_size);
         }
+        Self::refuse_thin(&old, "growing")?;
         let have = self.round_up(old.size)?;
         let need = self.round_up(new_size)?;
         let mut v = old.clone();

@@ -47,6 +47,12 @@ pub struct PoolInfo {
     pub devices: Vec<DeviceInfo>,
     pub volumes: usize,
     pub left_out: Vec<LeftOut>,
+    /// The sum of thin volumes' sizes (over `size`: over-committed) and the bytes their
+    /// chunks take now (docs/thin.md).
+    #[serde(default)]
+    pub thin_provisioned: u64,
+    #[serde(default)]
+    pub thin_mapped: u64,
 }
 
 impl From<spool_pool::PoolInfo> for PoolInfo {
@@ -68,6 +74,8 @@ impl From<spool_pool::PoolInfo> for PoolInfo {
                     reason: l.reason,
                 })
                 .collect(),
+            thin_provisioned: p.thin_provisioned,
+            thin_mapped: p.thin_mapped,
         }
     }
 }
@@ -100,6 +108,9 @@ pub struct VolumeInfo {
     /// The id of the key-encryption key its data key is wrapped under (never the key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kek_id: Option<String>,
+    /// A thin volume's chunks (docs/thin.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thin: Option<super::ThinInfo>,
 }
 
 /// One extent of a volume: `len` bytes at byte `offset` of `device`, holding the bytes of
@@ -206,6 +217,7 @@ impl From<spool_pool::VolumeInfo> for VolumeInfo {
                 .collect(),
             encrypted: v.encrypted,
             kek_id: v.kek_id,
+            thin: v.thin.map(super::ThinInfo::from),
         }
     }
 }

@@ -31,6 +31,7 @@ fn params_are_written_as_spoolctl_always_wrote_them() {
         mirror: None,
         rbd: None,
         encrypt: false,
+        thin: false,
     };
     assert_eq!(
         wire(&create),
@@ -71,6 +72,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         extent_map: vec![],
         encrypted: false,
         kek_id: None,
+        thin: None,
     };
     let v = Volume {
         info,
@@ -84,6 +86,10 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
     assert_eq!(j["socket"], Value::Null);
     assert!(j.get("quarantined_io").is_none());
     assert!(j.get("qos").is_none(), "no limits, no qos field: {j}");
+    assert!(
+        j.get("thin").is_none(),
+        "thick volumes have no thin field: {j}"
+    );
     assert!(
         j.get("mirror").is_none(),
         "plain volumes have no mirror field: {j}"

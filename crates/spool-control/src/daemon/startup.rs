@@ -131,6 +131,7 @@ pub(super) fn open_pool(
             _ => Duration::ZERO,
         },
         kek: load_kek(cfg),
+        thin_full_wait: cfg.thin_full_wait,
     };
     Ok(Pool::open(&specs, opts)?)
 }
@@ -247,6 +248,13 @@ impl Daemon {
                             let size = (v.size > 0).then_some(v.size);
                             pool.create_rbd_volume(&v.name, size, v.read_only, v.num_queues, &t)
                         }),
+                        None if v.thin => pool.create_thin_volume(
+                            &v.name,
+                            v.size,
+                            v.read_only,
+                            v.num_queues,
+                            v.encrypt,
+                        ),
                         None => pool.create_volume_opts(
                             &v.name,
                             v.size,

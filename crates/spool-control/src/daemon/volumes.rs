@@ -78,6 +78,23 @@ impl Daemon {
         let size = p.size.as_ref().map(|s| size_arg(s, "size")).transpose()?;
         let queues = p.num_queues.unwrap_or(DEFAULT_QUEUES);
         let v = match &p.rbd {
+            Some(_) if p.thin => {
+                return Err(RpcError::InvalidParams(
+                    "an RBD image is thin already: thin does not apply".into(),
+                ))
+            }
+            None if p.thin && p.mirror.is_some_and(|m| m > 1) => {
+                return Err(RpcError::InvalidParams(
+                    "a thin volume cannot be mirrored yet".into(),
+                ))
+            }
+            None if p.thin => self.pool().create_thin_volume(
+                &p.name,
+                size.ok_or_else(|| RpcError::InvalidParams("size is required".into()))?,
+                p.read_only,
+                queues,
+                p.encrypt,
+            )?,
             Some(_) if p.encrypt => {
                 return Err(RpcError::InvalidParams(
                     "RBD volumes cannot be encrypted by spoold yet (use Ceph's own encryption)"
@@ -201,10 +218,12 @@ impl Daemon {
             api::MirrorStatus::new(&v, progress)
         });
         // An encrypted volume that is not served: the key's reason, if that is it.
+        let thin_error = v.thin.as_ref().and_then(|t| t.error.clone());
         let not_served = (!served && v.encrypted && v.online)
             .then(|| self.pool().export_data_key(&v.uuid.to_string()).err())
             .flatten()
-            .map(|e| e.to_string());
+            .map(|e| e.to_string())
+            .or(thin_error.filter(|_| !served));
         let servers = self.servers();
         let s = servers.get(&v.uuid);
         Volume {

@@ -17,7 +17,6 @@
 //! Must not know: volumes, extents or pool metadata (the pool describes the legs), virtio.
 
 pub mod bitmap;
-mod iov;
 mod legio;
 mod queue;
 mod regions;

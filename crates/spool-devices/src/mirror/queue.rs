@@ -19,13 +19,14 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, INTENT};
-use super::iov::split_iov;
 use super::Shared;
+use crate::iov::split_iov;
+use crate::queue::epoll_watch as watch;
 use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
 
 /// A leg device with commands outstanding and no completion this long is hung (on `abort`).
@@ -97,13 +98,7 @@ unsafe impl Send for MirrorQueue {}
 
 impl MirrorQueue {
     pub(crate) fn new(shared: Arc<Shared>, depth: u32) -> std::io::Result<MirrorQueue> {
-        // SAFETY: epoll_create1 takes no pointers; the result is checked.
-        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if ep < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor we exclusively own.
-        let epoll = unsafe { OwnedFd::from_raw_fd(ep) };
+        let epoll = crate::queue::epoll_new()?;
         let event = crate::queue::completion_eventfd()?;
         let mut queues = Vec::new();
         let mut epochs = Vec::new();
@@ -395,19 +390,6 @@ fn piece_io(op: &mut Op, dev_off: u64, n: u64, at: u64) -> DeviceIo {
             io
         }
     }
-}
-
-/// Adds `fd` to the epoll set `ep` (readable).
-fn watch(ep: RawFd, fd: RawFd) -> std::io::Result<()> {
-    let mut ev = libc::epoll_event {
-        events: libc::EPOLLIN as u32,
-        u64: fd as u64,
-    };
-    // SAFETY: `ev` is a valid epoll_event for the duration of the call.
-    if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 impl DeviceQueue for MirrorQueue {

@@ -19,9 +19,9 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// Newest record format version this spoold reads and writes. Readers refuse records with
 /// a higher version. A table is written as version 1 unless it uses something version 1
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
-/// images: version 4; encrypted volumes: version 5), so an older spoold refuses a table it would
+/// images: version 4; encrypted volumes: version 5; thin volumes: version 6), so an older spoold refuses a table it would
 /// otherwise rewrite without them, and still reads every table that needs nothing new.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -121,6 +121,19 @@ pub struct VolumeEntry {
     /// An encrypted volume's data key, wrapped (format version 5; docs/encryption.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encryption: Option<VolumeKey>,
+    /// A thin volume's chunk map (format version 6; docs/thin.md): `extents` is empty, its
+    /// chunks are named by the map.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thin: Option<ThinMap>,
+}
+
+/// Where a thin volume's chunk map lives.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ThinMap {
+    /// Bytes per chunk (the pool's minimum extent).
+    pub chunk: u64,
+    /// The map's extents in order (32 bytes per chunk, docs/thin.md).
+    pub map: Vec<ExtentEntry>,
 }
 
 /// An encrypted volume's cipher and its data key, wrapped under the pool's key-encryption
@@ -184,6 +197,7 @@ impl VolumeEntry {
             legs: Vec::new(),
             rbd: None,
             encryption: None,
+            thin: None,
         }
     }
 
@@ -192,11 +206,13 @@ impl VolumeEntry {
         self.copies > 0
     }
 
-    /// Every extent the volume owns, on every leg.
+    /// Every extent the volume owns, on every leg (a thin volume: its map's; its chunks are
+    /// named by the map).
     pub fn all_extents(&self) -> impl Iterator<Item = &ExtentEntry> {
         self.extents
             .iter()
             .chain(self.legs.iter().flat_map(|l| l.extents.iter()))
+            .chain(self.thin.iter().flat_map(|t| t.map.iter()))
     }
 
     /// Each copy's extents in logical order (a plain volume has one).
@@ -212,7 +228,9 @@ impl VolumeEntry {
 impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
-        if self.volumes.iter().any(|v| v.encryption.is_some()) {
+        if self.volumes.iter().any(|v| v.thin.is_some()) {
+            6
+        } else if self.volumes.iter().any(|v| v.encryption.is_some()) {
             5
         } else if self.volumes.iter().any(|v| v.rbd.is_some()) {
             4
@@ -502,6 +520,7 @@ mod tests {
                 legs: Vec::new(),
                 rbd: None,
                 encryption: None,
+                thin: None,
             }],
         }
     }
@@ -639,6 +658,7 @@ mod tests {
                     legs: Vec::new(),
                     rbd: None,
                     encryption: None,
+                    thin: None,
                 },
                 VolumeEntry {
                     uuid: Uuid::from_u128(11),
@@ -652,6 +672,7 @@ mod tests {
                     legs: Vec::new(),
                     rbd: None,
                     encryption: None,
+                    thin: None,
                 },
             ],
         }

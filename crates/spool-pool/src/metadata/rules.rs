@@ -1,6 +1,6 @@
 //! The rules a pool table must obey to be read or written (docs/metadata-format.md,
 //! "Validation"): every field that sizes, offsets or names anything, mirrored volumes' legs,
-//! volumes on RBD images, encrypted volumes' key records. A table with valid checksums but
+//! volumes on RBD images, encrypted volumes' key records, thin volumes' maps. A table with valid checksums but
 //! impossible contents (a bug, a bit flip before the checksum was taken, a hand-edited or
 //! hostile device) is refused instead of panicking, overflowing or silently dropping data.
 //!
@@ -11,8 +11,8 @@ use std::collections::{HashMap, HashSet};
 use uuid::Uuid;
 
 use super::{
-    block_size, check_volume_name, printable, ExtentEntry, PoolTable, RbdImage, VolumeEntry,
-    VolumeKey, MAX_COPIES, MAX_QUEUES, METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
+    block_size, check_volume_name, printable, ExtentEntry, PoolTable, RbdImage, ThinMap,
+    VolumeEntry, VolumeKey, MAX_COPIES, MAX_QUEUES, METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
 };
 
 impl PoolTable {
@@ -116,6 +116,9 @@ impl PoolTable {
         if let Some(k) = &v.encryption {
             k.validate().map_err(|why| format!("{what}: {why}"))?;
         }
+        if let Some(t) = &v.thin {
+            return self.validate_thin(v, t, devices, extent);
+        }
         if let Some(r) = &v.rbd {
             return validate_rbd(v, r).map_err(|why| format!("{what}: {why}"));
         }
@@ -142,6 +145,47 @@ impl PoolTable {
             }
         }
         validate_distinct(v, min).map_err(|why| format!("{what}: {why}"))
+    }
+}
+
+impl PoolTable {
+    /// A thin volume: no extents or copies of its own, chunks of the pool's minimum extent,
+    /// a map holding an entry for every chunk.
+    fn validate_thin(
+        &self,
+        v: &VolumeEntry,
+        t: &ThinMap,
+        devices: &HashMap<Uuid, u64>,
+        mut extent: impl FnMut(Uuid, u64, u64),
+    ) -> Result<(), String> {
+        let what = format!("volume '{}'", v.name);
+        if !v.extents.is_empty() || !v.legs.is_empty() || v.copies != 0 || v.rbd.is_some() {
+            return Err(format!(
+                "{what}: a thin volume has extents, copies or an RBD image of its own"
+            ));
+        }
+        if t.chunk != self.min_extent {
+            return Err(format!(
+                "{what}: thin chunk size {} is not the pool's min_extent {}",
+                t.chunk, self.min_extent
+            ));
+        }
+        let mut bytes = 0u64;
+        for (i, e) in t.map.iter().enumerate() {
+            let (block, end) = validate_extent(self.min_extent, e, devices)
+                .map_err(|why| format!("{what}: map extent {i} {why}"))?;
+            bytes = bytes
+                .checked_add(block)
+                .ok_or_else(|| format!("{what}: map extents add up to more than 2^64 bytes"))?;
+            extent(e.device, e.offset, end);
+        }
+        let need = spool_thin::map::map_bytes(v.size.div_ceil(t.chunk));
+        if bytes < need {
+            return Err(format!(
+                "{what}: its map holds {bytes} bytes; {need} are needed for its chunks"
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -142,6 +142,10 @@ pub enum VolumeCmd {
         /// key-encryption key of [encryption] in the config; docs/encryption.md).
         #[arg(long)]
         encrypt: bool,
+        /// Take the volume's space from the pool on first write, one chunk (the pool's
+        /// min_extent) at a time; discards give whole chunks back (docs/thin.md).
+        #[arg(long)]
+        thin: bool,
     },
     /// Rewrap every encrypted volume's data key under a new key-encryption key, without
     /// touching any data (docs/encryption.md).

@@ -88,6 +88,20 @@ fn pool(p: &api::PoolInfo) {
         format_size(p.min_extent),
         p.volumes
     );
+    if p.thin_provisioned > 0 {
+        let over = p.thin_provisioned as f64 / p.size.max(1) as f64;
+        println!(
+            "thin volumes: {} provisioned ({:.0}% of the pool), {} in chunks{}",
+            format_size(p.thin_provisioned),
+            over * 100.0,
+            format_size(p.thin_mapped),
+            if p.thin_provisioned > p.size {
+                "  (over-committed: writes wait, then fail, when the pool fills)"
+            } else {
+                ""
+            }
+        );
+    }
     println!("{}", devices_table(&p.devices));
 }
 
@@ -147,6 +161,19 @@ fn volume(v: &Volume) {
             "encryption: {} (its own data key, wrapped under key-encryption key {})",
             spool_crypt::CIPHER,
             v.info.kek_id.as_deref().unwrap_or("?")
+        );
+    }
+    if let Some(t) = &v.info.thin {
+        println!(
+            "thin: {} of {} backed by chunks of {} (map {}){}",
+            format_size(t.mapped),
+            format_size(v.info.size),
+            format_size(t.chunk),
+            format_size(t.map_bytes),
+            match t.waiting_for_space {
+                0 => String::new(),
+                n => format!("; {n} writes waiting for free space (the pool is full)"),
+            }
         );
     }
     if let Some(why) = &v.not_served {

@@ -128,6 +128,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             mirror,
             rbd,
             encrypt,
+            thin,
         } => build::<api::VolumeCreate>(api::VolumeCreateParams {
             name: name.clone(),
             size: sz.as_deref().map(size).transpose()?,
@@ -136,6 +137,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             mirror: *mirror,
             rbd: rbd.clone(),
             encrypt: *encrypt,
+            thin: *thin,
         }),
         VolumeCmd::Rekey { key_file } => build::<api::VolumeRekey>(api::RekeyParams {
             key_file: key_file

@@ -185,6 +185,7 @@ impl Harness {
             devices: vec![device],
             qos: None,
             cipher: None,
+            discard_alignment: 4096,
         };
         let mem_src = Arc::new(ArcSwap::from(mem.clone()));
         let spec = WorkerSpec {

@@ -1,12 +1,13 @@
-//! Splitting a request's iovec array at byte offsets: a request that spans leg pieces on
-//! several devices goes out as one piece per leg piece, each with its own iovec array.
+//! Splitting a request's iovec array at byte offsets: a request that spans pieces on
+//! several devices (a mirror's legs, a thin volume's chunks) goes out as one piece per
+//! device piece, each with its own iovec array.
 //!
-//! Owns: nothing but the arithmetic. Must not know: legs, devices.
+//! Owns: nothing but the arithmetic. Must not know: legs, chunks, devices.
 
 use crate::IoVec;
 
 /// The part `[at, at + n)` of the bytes `iov` describes, as its own iovec array.
-pub(crate) fn split_iov(iov: &[IoVec], mut at: u64, mut n: u64) -> Box<[IoVec]> {
+pub fn split_iov(iov: &[IoVec], mut at: u64, mut n: u64) -> Box<[IoVec]> {
     let mut out = Vec::new();
     for v in iov {
         let l = v.iov_len as u64;

@@ -1,0 +1,230 @@
+//! Thin volumes (docs/thin.md) through the real spoold and the real libblkio client: a
+//! volume larger than the pool takes chunks only where it is written, through worker
+//! SIGKILLs (the journal resubmits writes that were waiting for a chunk) and a restart;
+//! holes read zeroes; discards and write-zeroes of whole chunks give them back; a full pool
+//! holds a write, then fails it with an error and a log line, and serves it again once space
+//! is freed; deleting the volume gives back everything it had; a corrupt map refuses that
+//! volume only, saying why.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use blkio::ReqFlags;
+use common::{
+    connect, kill_workers_until_recovered, pattern, spoolctl, write_rounds_until, Client_, Spoold,
+    BS,
+};
+use serde_json::json;
+
+const MIB: u64 = 1 << 20;
+
+fn config() -> String {
+    // Appended to `[pool]` (min_extent = "1M": 1 MiB chunks).
+    r#"
+thin_full_wait_ms = 600
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "48M"
+[[volumes]]
+name = "thin"
+size = "1G"
+num_queues = 2
+thin = true
+[[volumes]]
+name = "plain"
+size = "8M"
+"#
+    .into()
+}
+
+fn mapped(d: &Spoold) -> u64 {
+    let v = d.rpc("volume_show", json!({"id": "thin"})).unwrap();
+    v["thin"]["mapped"].as_u64().unwrap()
+}
+
+fn pool_free(d: &Spoold) -> u64 {
+    d.rpc("pool_show", json!({})).unwrap()["free"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Sends a discard (or write-zeroes) on queue 0 and waits for its result.
+fn trim(c: &mut Client_, zeroes: bool, offset: u64, len: u64) -> i32 {
+    if zeroes {
+        c.queues[0].write_zeroes(offset, len, 7, ReqFlags::empty());
+    } else {
+        c.queues[0].discard(offset, len, 7, ReqFlags::empty());
+    }
+    c.wait(0, 1)[0].1
+}
+
+#[test]
+fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
+    let mut d = Spoold::prepared(&config());
+    d.spawn();
+    let p = d.rpc("pool_show", json!({})).unwrap();
+    assert_eq!(p["thin_provisioned"], 1 << 30, "{p}");
+    assert_eq!(p["thin_mapped"], 0, "{p}");
+    let (_, out, _) = spoolctl(&d, &["pool", "show"]);
+    assert!(out.contains("over-committed"), "{out}");
+    assert_eq!(mapped(&d), 0);
+    let free0 = pool_free(&d);
+    let d = Arc::new(d);
+
+    // Holes read zeroes; the first 4 MiB written through worker kills take 4 chunks.
+    let mut c = connect(&d.socket("thin"), 2, false).unwrap();
+    assert_eq!(c.capacity, 1 << 30);
+    let (r, data) = c.read_sync(0, 900 * MIB, BS);
+    assert!(r == 0 && data.iter().all(|&b| b == 0));
+    let killer = kill_workers_until_recovered(d.clone(), 2, 8);
+    let stop = AtomicBool::new(false);
+    let rounds = std::thread::scope(|s| {
+        let h = s.spawn(|| write_rounds_until(&mut c, &|| stop.load(Ordering::Relaxed), 4));
+        killer.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap()
+    });
+    assert_eq!(mapped(&d), 4 * MIB);
+    // One block far away takes one more chunk; the rest of that chunk reads zeroes.
+    assert_eq!(
+        c.write_sync(1, 700 * MIB + BS as u64, &pattern(7, 0, BS)),
+        0
+    );
+    assert_eq!(mapped(&d), 5 * MIB);
+    assert!(c.read_sync(0, 700 * MIB + BS as u64, BS).1 == pattern(7, 0, BS));
+    assert!(c.read_sync(0, 700 * MIB, BS).1.iter().all(|&b| b == 0));
+    assert_eq!(pool_free(&d), free0 - 5 * MIB);
+
+    // A discard of part of a chunk keeps it; of whole chunks gives them back, as does
+    // write-zeroes; they read zeroes after.
+    assert_eq!(trim(&mut c, false, 0, 64 << 10), 0);
+    assert_eq!(mapped(&d), 5 * MIB);
+    assert_eq!(trim(&mut c, false, 2 * MIB, 2 * MIB), 0);
+    assert_eq!(trim(&mut c, true, 700 * MIB, MIB), 0);
+    assert_eq!(mapped(&d), 2 * MIB);
+    assert_eq!(pool_free(&d), free0 - 2 * MIB);
+    assert!(c.read_sync(0, 3 * MIB, BS).1.iter().all(|&b| b == 0));
+    assert!(c
+        .read_sync(0, 700 * MIB + BS as u64, BS)
+        .1
+        .iter()
+        .all(|&b| b == 0));
+    let last = rounds - 1;
+    assert!(c.read_sync(0, MIB, BS).1 == pattern(last, MIB, BS));
+    drop(c);
+
+    // A restart finds the same chunks.
+    let mut d = Arc::into_inner(d).unwrap();
+    d.stop();
+    d.spawn();
+    assert_eq!(mapped(&d), 2 * MIB);
+    assert_eq!(pool_free(&d), free0 - 2 * MIB);
+    let mut c = connect(&d.socket("thin"), 2, false).unwrap();
+    assert!(c.read_sync(0, MIB, BS).1 == pattern(last, MIB, BS));
+    assert!(c.read_sync(1, 2 * MIB, BS).1.iter().all(|&b| b == 0));
+
+    // Filling the pool: writes to new chunks until one fails after waiting for space.
+    let free = pool_free(&d) / MIB;
+    let mut failed_at = None;
+    for i in 0..free + 2 {
+        let r = c.write_sync(0, (100 + i) * MIB, &pattern(i, 0, 4096));
+        if r != 0 {
+            failed_at = Some(i);
+            break;
+        }
+    }
+    assert_eq!(
+        failed_at,
+        Some(free),
+        "the write past the last free chunk fails"
+    );
+    assert!(d.log().contains("the pool is full"), "{}", d.log());
+    assert_eq!(pool_free(&d), 0);
+    // Freeing a chunk lets the same write through.
+    assert_eq!(trim(&mut c, false, 100 * MIB, MIB), 0);
+    assert_eq!(c.write_sync(0, (100 + free) * MIB, &pattern(1, 0, 4096)), 0);
+    drop(c);
+
+    // Deleting the volume gives everything back.
+    let plain_free = {
+        let v = d
+            .rpc("volume_delete", json!({"id": "thin", "force": true}))
+            .unwrap();
+        assert_eq!(v["name"], "thin");
+        pool_free(&d)
+    };
+    assert_eq!(
+        plain_free,
+        free0 + MIB,
+        "the chunks and the map are free again"
+    );
+}
+
+#[test]
+fn thin_volumes_are_created_over_rpc_and_refuse_what_they_cannot_do() {
+    let mut d = Spoold::prepared(
+        r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "32M"
+[[devices]]
+path = "@DIR@/d1.img"
+create_size = "32M"
+"#,
+    );
+    d.spawn();
+    let (ok, out, err) = spoolctl(&d, &["volume", "create", "t", "10G", "--thin"]);
+    assert!(ok, "{out}{err}");
+    let (_, out, _) = spoolctl(&d, &["volume", "show", "t"]);
+    assert!(out.contains("thin: 0"), "{out}");
+    let e = d
+        .rpc(
+            "volume_create",
+            json!({"name": "m", "size": "1G", "thin": true, "mirror": 2}),
+        )
+        .unwrap_err();
+    assert!(e.message.contains("cannot be mirrored"), "{e:?}");
+    let e = d
+        .rpc("volume_resize", json!({"id": "t", "size": "20G"}))
+        .unwrap_err();
+    assert!(e.message.contains("thin"), "{e:?}");
+    let e = d
+        .rpc("volume_mirror", json!({"id": "t", "action": "add"}))
+        .unwrap_err();
+    assert!(e.message.contains("thin"), "{e:?}");
+    let mut c = connect(&d.socket("t"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 5 << 30, &pattern(3, 0, 8192)), 0);
+    assert!(c.read_sync(0, 5 << 30, 8192).1 == pattern(3, 0, 8192));
+    drop(c);
+
+    // A corrupt map entry: that volume is refused with the reason, the pool still serves.
+    let map_dev = {
+        let v = d.rpc("volume_show", json!({"id": "t"})).unwrap();
+        assert_eq!(v["thin"]["mapped"], 1 << 20, "{v}");
+        v
+    };
+    drop(map_dev);
+    d.stop();
+    // The map is the first extent the pool handed out on some device: find the entry by
+    // its magic and flip a bit of it.
+    let mut hit = false;
+    for f in ["d0.img", "d1.img"] {
+        let path = d.dir.path().join(f);
+        let mut img = std::fs::read(&path).unwrap();
+        if let Some(at) = img.windows(4).position(|w| w == b"SPTC") {
+            img[at + 30] ^= 1;
+            std::fs::write(&path, img).unwrap();
+            hit = true;
+        }
+    }
+    assert!(hit, "no map entry found on the devices");
+    d.spawn();
+    let v = d.rpc("volume_show", json!({"id": "t"})).unwrap();
+    assert_eq!(v["socket"], serde_json::Value::Null, "{v}");
+    let why = v["not_served"].as_str().unwrap_or_default();
+    assert!(why.contains("checksum"), "{v}");
+    let (ok, out, err) = spoolctl(&d, &["volume", "create", "u", "4M"]);
+    assert!(ok, "{out}{err}");
+}

@@ -1,0 +1,283 @@
+//! Thin volumes in the pool (docs/thin.md): their maps in the table, their chunks taken
+//! from and given back to the members' buddy allocators, their devices.
+//!
+//! Owns: [`PoolSpace`] (the pool's free space as a `spool_thin::ChunkSource`, shared with
+//! every thin volume's allocator thread), opening each thin volume once per process and
+//! marking its chunks taken, creating and deleting thin volumes. Must not know: the data
+//! path (spool-thin's queues), virtio.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use spool_devices::Device;
+use spool_thin::map::{MapExtent, MapStore};
+use spool_thin::{ChunkSource, ThinBackend, ThinSpec};
+use uuid::Uuid;
+
+use crate::buddy::Buddy;
+use crate::metadata::{ThinMap, VolumeEntry};
+use crate::{Error, Pool, Result, VolumeInfo};
+
+/// How long a write needing a chunk waits for free space on a full pool by default.
+pub const DEFAULT_FULL_WAIT: Duration = Duration::from_secs(20);
+
+/// Thin volumes' devices by volume: opened once per process (one allocator per map), or why
+/// the volume cannot be served.
+pub(crate) type ThinCache = HashMap<Uuid, std::result::Result<Arc<Device>, String>>;
+
+/// One member as thin allocators see it.
+#[derive(Debug)]
+struct SpaceMember {
+    uuid: Uuid,
+    dev: Arc<Device>,
+    buddy: Arc<Mutex<Buddy>>,
+}
+
+/// The pool's free space for thin volumes' chunks: the members' buddy allocators (order 0,
+/// one minimum extent per chunk), refreshed whenever the table is committed.
+#[derive(Debug, Default)]
+pub struct PoolSpace {
+    members: RwLock<Vec<SpaceMember>>,
+}
+
+impl ChunkSource for PoolSpace {
+    fn take(&self) -> Option<(Uuid, Arc<Device>, u64)> {
+        let members = self.members.read().unwrap_or_else(|p| p.into_inner());
+        let mut by_free: Vec<&SpaceMember> = members
+            .iter()
+            .filter(|m| !m.dev.health().state().isolated())
+            .collect();
+        by_free.sort_by_key(|m| {
+            std::cmp::Reverse(
+                m.buddy
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .free_bytes(),
+            )
+        });
+        by_free.into_iter().find_map(|m| {
+            let off = m.buddy.lock().unwrap_or_else(|p| p.into_inner()).alloc(0)?;
+            Some((m.uuid, m.dev.clone(), off))
+        })
+    }
+
+    fn give_back(&self, device: Uuid, offset: u64) {
+        let members = self.members.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = members.iter().find(|m| m.uuid == device) {
+            m.buddy
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .free(offset, 0);
+        }
+    }
+}
+
+impl Pool {
+    /// Publishes the current members to thin volumes' allocators.
+    pub(crate) fn refresh_space(&self) {
+        let fresh = self
+            .members
+            .iter()
+            .map(|m| SpaceMember {
+                uuid: m.uuid,
+                dev: m.dev.clone(),
+                buddy: m.buddy.clone(),
+            })
+            .collect();
+        *self
+            .space
+            .members
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = fresh;
+    }
+
+    fn thin_spec(&self, v: &VolumeEntry, t: &ThinMap) -> Result<ThinSpec> {
+        let mut extents = Vec::new();
+        for e in &t.map {
+            let m = self
+                .members
+                .iter()
+                .find(|m| m.uuid == e.device)
+                .ok_or_else(|| Error::Thin {
+                    volume: v.name.clone(),
+                    why: format!("its map is on device {}, which is missing", e.device),
+                })?;
+            extents.push(MapExtent {
+                device: m.dev.clone(),
+                offset: e.offset,
+                len: self.table.min_extent << e.order,
+            });
+        }
+        Ok(ThinSpec {
+            volume: v.uuid,
+            path: format!("thin:{}", v.name).into(),
+            size: v.size,
+            chunk: t.chunk,
+            store: MapStore::new(extents).map_err(|e| Error::Thin {
+                volume: v.name.clone(),
+                why: e.to_string(),
+            })?,
+            full_wait: self.opts.thin_full_wait,
+        })
+    }
+
+    /// Opens thin volume `v` (its map read and checked, its chunks marked taken).
+    fn open_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<Arc<Device>> {
+        let spec = self.thin_spec(v, t)?;
+        let members: Vec<(Uuid, Arc<Device>)> = self
+            .members
+            .iter()
+            .map(|m| (m.uuid, m.dev.clone()))
+            .collect();
+        let resolve = move |u: Uuid| members.iter().find(|m| m.0 == u).map(|m| m.1.clone());
+        let thin_err = |why: String| Error::Thin {
+            volume: v.name.clone(),
+            why,
+        };
+        let (dev, loaded) = ThinBackend::open(spec, self.space.clone(), &resolve)
+            .map_err(|e| thin_err(e.to_string()))?;
+        let mut marked: Vec<(&crate::members::Member, u64)> = Vec::new();
+        for p in loaded {
+            let Some(m) = self.members.iter().find(|m| m.uuid == p.device) else {
+                continue; // Its device is not here: its chunks fail I/O.
+            };
+            if let Err(why) = m.alloc_at(p.offset, 0) {
+                for (m, off) in marked {
+                    m.free(off, 0);
+                }
+                if let Some(t) = ThinBackend::of(&dev) {
+                    t.shut_down();
+                }
+                return Err(thin_err(format!(
+                    "a chunk at {} on device {} is used twice: {why}",
+                    p.offset, p.device
+                )));
+            }
+            marked.push((m, p.offset));
+        }
+        Ok(dev)
+    }
+
+    /// At start, after the allocators are rebuilt from the table: every thin volume's map.
+    /// A volume whose map is unreadable or corrupt is not served (and says why); the others
+    /// are.
+    pub(crate) fn open_thins(&mut self) {
+        self.refresh_space();
+        let mut cache = ThinCache::new();
+        for v in &self.table.volumes {
+            let Some(t) = &v.thin else { continue };
+            let opened = self.open_thin(v, t).map_err(|e| {
+                tracing::error!(volume = %v.name, error = %e, "thin volume not served");
+                e.to_string()
+            });
+            cache.insert(v.uuid, opened);
+        }
+        *self.thins.lock().unwrap_or_else(|p| p.into_inner()) = cache;
+    }
+
+    /// The device of thin volume `v`.
+    pub(crate) fn thin_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
+        let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
+        match cache.get(&v.uuid) {
+            Some(Ok(d)) => Ok(d.clone()),
+            Some(Err(why)) => Err(Error::Thin {
+                volume: v.name.clone(),
+                why: why.clone(),
+            }),
+            None => Err(Error::Thin {
+                volume: v.name.clone(),
+                why: "its map was never opened".into(),
+            }),
+        }
+    }
+
+    /// Creates a thin volume: only its map is allocated (zeroed: every chunk a hole).
+    pub fn create_thin_volume(
+        &mut self,
+        name: &str,
+        size: u64,
+        read_only: bool,
+        num_queues: u16,
+        encrypt: bool,
+    ) -> Result<VolumeInfo> {
+        self.check_new_volume(name, size, num_queues)?;
+        let chunk = self.table.min_extent;
+        let map_bytes = spool_thin::map::map_bytes(size.div_ceil(chunk));
+        let bytes = self.round_up(map_bytes)?;
+        self.check_space(bytes)?;
+        let mut v = VolumeEntry::new(name, size, read_only, num_queues);
+        if encrypt {
+            v.encryption = Some(self.new_volume_key(&v)?);
+        }
+        let map = self.allocate(bytes)?;
+        if let Err(e) = self.scrub(&map) {
+            self.release(&map);
+            return Err(e);
+        }
+        v.thin = Some(ThinMap {
+            chunk,
+            map: map.clone(),
+        });
+        let mut table = self.table.clone();
+        table.volumes.push(v.clone());
+        if let Err(e) = self.commit(table) {
+            self.release(&map);
+            return Err(e);
+        }
+        let t = v.thin.as_ref().expect("set above");
+        let opened = self.open_thin(&v, t).map_err(|e| e.to_string());
+        self.thins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(v.uuid, opened);
+        tracing::info!(volume = %v.name, uuid = %v.uuid, size, chunk, map_bytes = bytes, encrypted = encrypt, "thin volume created");
+        Ok(self.volume_info(&v))
+    }
+
+    /// Stops thin volume `uuid`'s allocator and gives back every chunk its map names (after
+    /// the table without it is committed).
+    pub(crate) fn release_thin(&self, uuid: Uuid) {
+        let dev = self
+            .thins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&uuid);
+        let Some(Ok(dev)) = dev else { return };
+        let Some(t) = ThinBackend::of(&dev) else {
+            return;
+        };
+        t.shut_down();
+        for p in t.placements() {
+            if let Some(m) = self.members.iter().find(|m| m.uuid == p.device) {
+                m.free(p.offset, 0);
+            }
+        }
+    }
+
+    /// Whether thin volume `v` keeps its map or any chunk on device `uuid`.
+    pub(crate) fn thin_uses(&self, v: &VolumeEntry, uuid: Uuid) -> bool {
+        if v.thin.iter().flat_map(|t| &t.map).any(|e| e.device == uuid) {
+            return true;
+        }
+        let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .get(&v.uuid)
+            .and_then(|d| d.as_ref().ok())
+            .and_then(|d| ThinBackend::of(d))
+            .is_some_and(|t| t.placements().iter().any(|p| p.device == uuid))
+    }
+
+    /// Bytes of thin volume `uuid` backed by chunks, writes waiting for space, and why it is
+    /// not served (if it is not).
+    pub(crate) fn thin_state(&self, uuid: Uuid) -> (u64, u64, Option<String>) {
+        let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
+        match cache.get(&uuid) {
+            Some(Ok(d)) => ThinBackend::of(d).map_or((0, 0, None), |t| {
+                (t.allocated(), t.waiting_for_space(), None)
+            }),
+            Some(Err(why)) => (0, 0, Some(why.clone())),
+            None => (0, 0, None),
+        }
+    }
+}

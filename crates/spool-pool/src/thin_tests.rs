@@ -1,0 +1,98 @@
+//! Thin volumes in the pool, on real files: chunks taken through the volume's device queue
+//! are found again (and marked taken) after a reopen, deleting gives everything back, and
+//! tables that misdescribe a thin volume are refused.
+
+use super::tests::{opts, spec};
+use super::*;
+use spool_devices::{DeviceIo, IoVec};
+
+fn write(dev: &spool_devices::Device, offset: u64, data: &mut [u8]) -> i32 {
+    let mut q = dev.open_queue(4).unwrap();
+    let iov = [IoVec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    }];
+    // SAFETY: `data` and `iov` outlive the request, which is waited for below.
+    unsafe {
+        q.submit(
+            DeviceIo::data(true, offset, data.len() as u64, iov.as_ptr(), 1),
+            1,
+        )
+    };
+    q.kick().unwrap();
+    loop {
+        let mut got = None;
+        q.reap(&mut |_, r| got = Some(r));
+        if let Some(r) = got {
+            return r;
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn chunks_are_the_volumes_across_a_reopen_and_come_back_at_delete() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 9), spec(d.path(), "b", 9)];
+    let free0;
+    {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        free0 = p.info().free;
+        let v = p.create_thin_volume("t", 1 << 30, false, 1, false).unwrap();
+        let t = v.thin.unwrap();
+        assert_eq!((t.chunk, t.mapped, t.map_bytes), (1 << 20, 0, 1 << 20));
+        assert_eq!(p.info().thin_provisioned, 1 << 30);
+        let l = p.layout("t").unwrap();
+        assert_eq!((l.size, l.discard_alignment), (1 << 30, 1 << 20));
+        let mut data = vec![7u8; 4096];
+        for at in [0, 5 << 20, 900 << 20] {
+            assert_eq!(write(&l.devices[0], at, &mut data), 0);
+        }
+        assert_eq!(p.volume("t").unwrap().thin.unwrap().mapped, 3 << 20);
+        assert_eq!(p.info().free, free0 - (4 << 20));
+        // A thick volume allocated now must not land on the thin volume's chunks.
+        p.create_volume("v", 6 << 20, false, 1).unwrap();
+    }
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.volume("t").unwrap().thin.unwrap().mapped, 3 << 20);
+    assert_eq!(p.info().free, free0 - (10 << 20));
+    assert!(p
+        .resize_volume("t", 2 << 30)
+        .unwrap_err()
+        .to_string()
+        .contains("thin"));
+    assert!(p.add_leg("t").unwrap_err().to_string().contains("thin"));
+    p.delete_volume("t").unwrap();
+    assert_eq!(p.info().free, free0 - (6 << 20));
+    drop(p);
+    let p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.info().free, free0 - (6 << 20));
+}
+
+#[test]
+fn tables_that_misdescribe_a_thin_volume_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 9)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_thin_volume("t", 64 << 30, false, 1, false)
+        .unwrap();
+    let good = p.table.clone();
+    assert_eq!(good.format_version(), 6);
+    assert_eq!(good.validate(), Ok(()));
+    let mut bad = good.clone();
+    bad.volumes[0].thin.as_mut().unwrap().chunk = 4096;
+    assert!(bad.validate().unwrap_err().contains("chunk size"));
+    let mut bad = good.clone();
+    bad.volumes[0].size = 1 << 50;
+    assert!(bad.validate().unwrap_err().contains("map holds"));
+    let mut bad = good.clone();
+    bad.volumes[0].rbd = Some(metadata::RbdImage {
+        pool: "rbd".into(),
+        image: "i".into(),
+        created: true,
+    });
+    assert!(bad.validate().unwrap_err().contains("RBD image"));
+    let mut bad = good.clone();
+    bad.volumes[0].extents = bad.volumes[0].thin.as_ref().unwrap().map.clone();
+    assert!(bad.validate().is_err());
+}

@@ -1,0 +1,247 @@
+//! A thin volume's chunk map: the on-device entries (one per chunk of the volume) and the
+//! in-memory table the data path reads.
+//!
+//! An entry is 32 bytes: magic `SPTC`, a CRC32C, the UUID of the pool device holding the
+//! chunk and the chunk's byte offset on it. Thirty-two zero bytes are a hole (never written,
+//! or discarded). The CRC covers the volume's UUID and the chunk's index too, so an entry
+//! copied from another volume or another place fails it. Entries are written in whole 4 KiB
+//! blocks encoded from memory; a torn block changes only entries that were being changed
+//! (the others are written with the bytes they had), and those were not yet acknowledged.
+//!
+//! Owns: the entry format, where entry `i` lives ([`MapStore`]), the atomic table
+//! ([`ChunkMap`]). Must not know: virtio, the pool table, how chunks are allocated.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use spool_devices::Device;
+use uuid::Uuid;
+
+use crate::Error;
+
+/// Bytes per map entry.
+pub const ENTRY_BYTES: u64 = 32;
+/// Bytes per map block (the unit the map is written in).
+pub const BLOCK_BYTES: u64 = 4096;
+const PER_BLOCK: u64 = BLOCK_BYTES / ENTRY_BYTES;
+const MAGIC: &[u8; 4] = b"SPTC";
+
+/// Where a chunk's data lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub device: Uuid,
+    pub offset: u64,
+}
+
+fn entry_crc(volume: Uuid, index: u64, body: &[u8]) -> u32 {
+    let c = crc32c::crc32c(volume.as_bytes());
+    let c = crc32c::crc32c_append(c, &index.to_le_bytes());
+    crc32c::crc32c_append(c, body)
+}
+
+/// The 32 bytes of entry `index` of `volume`'s map.
+pub fn encode(volume: Uuid, index: u64, p: Option<Placement>) -> [u8; ENTRY_BYTES as usize] {
+    let mut b = [0u8; ENTRY_BYTES as usize];
+    if let Some(p) = p {
+        b[0..4].copy_from_slice(MAGIC);
+        b[8..24].copy_from_slice(p.device.as_bytes());
+        b[24..32].copy_from_slice(&p.offset.to_le_bytes());
+        let crc = entry_crc(volume, index, &b[8..32]);
+        b[4..8].copy_from_slice(&crc.to_le_bytes());
+    }
+    b
+}
+
+/// Entry `index` of `volume`'s map from its bytes: `None` for a hole.
+pub fn decode(volume: Uuid, index: u64, b: &[u8]) -> Result<Option<Placement>, String> {
+    if b.len() != ENTRY_BYTES as usize {
+        return Err(format!(
+            "entry {index}: {} bytes, not {ENTRY_BYTES}",
+            b.len()
+        ));
+    }
+    if b.iter().all(|&x| x == 0) {
+        return Ok(None);
+    }
+    if &b[0..4] != MAGIC {
+        return Err(format!("entry {index}: bad magic"));
+    }
+    let crc = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+    if crc != entry_crc(volume, index, &b[8..32]) {
+        return Err(format!("entry {index}: checksum mismatch"));
+    }
+    let device = Uuid::from_slice(&b[8..24]).map_err(|e| format!("entry {index}: {e}"))?;
+    let offset = u64::from_le_bytes(b[24..32].try_into().expect("8 bytes"));
+    Ok(Some(Placement { device, offset }))
+}
+
+/// One piece of the map's storage: `len` bytes at `offset` on `device`.
+#[derive(Debug, Clone)]
+pub struct MapExtent {
+    pub device: Arc<Device>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Where a volume's map lives: extents in order, entry `i` at map byte `32 * i`.
+#[derive(Debug, Clone)]
+pub struct MapStore {
+    pub(crate) extents: Vec<MapExtent>,
+}
+
+/// Map bytes needed for `chunks` entries (whole blocks).
+pub fn map_bytes(chunks: u64) -> u64 {
+    chunks.div_ceil(PER_BLOCK) * BLOCK_BYTES
+}
+
+impl MapStore {
+    /// A store over `extents`; each must be a multiple of the block size.
+    pub fn new(extents: Vec<MapExtent>) -> Result<MapStore, Error> {
+        if let Some(e) = extents.iter().find(|e| e.len % BLOCK_BYTES != 0) {
+            return Err(Error::Corrupt(format!(
+                "map extent of {} bytes is not a multiple of {BLOCK_BYTES}",
+                e.len
+            )));
+        }
+        Ok(MapStore { extents })
+    }
+
+    /// How many entries it holds.
+    pub fn capacity(&self) -> u64 {
+        self.extents.iter().map(|e| e.len).sum::<u64>() / ENTRY_BYTES
+    }
+
+    /// The device and device offset of map byte `at` (block aligned).
+    fn locate(&self, mut at: u64) -> Option<(&Arc<Device>, u64)> {
+        for e in &self.extents {
+            if at < e.len {
+                return Some((&e.device, e.offset + at));
+            }
+            at -= e.len;
+        }
+        None
+    }
+
+    /// Reads block `block` of the map.
+    pub(crate) fn read_block(&self, block: u64, buf: &mut [u8]) -> Result<(), Error> {
+        let (dev, off) = self
+            .locate(block * BLOCK_BYTES)
+            .ok_or_else(|| Error::Corrupt(format!("map block {block} lies past the map")))?;
+        Ok(dev.read_at(buf, off)?)
+    }
+
+    /// Writes block `block` of the map durably.
+    pub(crate) fn write_block(&self, block: u64, buf: &[u8]) -> Result<(), Error> {
+        let (dev, off) = self
+            .locate(block * BLOCK_BYTES)
+            .ok_or_else(|| Error::Corrupt(format!("map block {block} lies past the map")))?;
+        Ok(dev.write_at_durable(buf, off)?)
+    }
+}
+
+/// The block holding entry `index`.
+pub(crate) fn block_of(index: u64) -> u64 {
+    index / PER_BLOCK
+}
+
+/// The entries of block `block`: `[first, end)`, clipped to `chunks`.
+pub(crate) fn block_entries(block: u64, chunks: u64) -> std::ops::Range<u64> {
+    let first = block * PER_BLOCK;
+    first.min(chunks)..(first + PER_BLOCK).min(chunks)
+}
+
+/// A mapped chunk as the data path holds it: device index + 1 in the top 16 bits, the
+/// offset in 4 KiB units below (0: a hole).
+const DEV_SHIFT: u32 = 48;
+
+/// The volume's chunks in memory, read lock-free by every queue and changed only by the
+/// allocator thread (after the entry is durable).
+#[derive(Debug)]
+pub struct ChunkMap {
+    slots: Box<[AtomicU64]>,
+}
+
+impl ChunkMap {
+    pub(crate) fn new(chunks: u64) -> ChunkMap {
+        ChunkMap {
+            slots: (0..chunks).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// How many chunks the volume has.
+    pub fn len(&self) -> u64 {
+        self.slots.len() as u64
+    }
+
+    /// Whether the volume has no chunks.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Chunk `i`: its device index and offset, or `None` for a hole.
+    #[inline]
+    pub fn get(&self, i: u64) -> Option<(usize, u64)> {
+        let v = self.slots.get(i as usize)?.load(Ordering::Acquire);
+        (v != 0).then(|| {
+            (
+                ((v >> DEV_SHIFT) - 1) as usize,
+                (v & ((1 << DEV_SHIFT) - 1)) << 12,
+            )
+        })
+    }
+
+    pub(crate) fn set(&self, i: u64, p: Option<(usize, u64)>) {
+        let v = p.map_or(0, |(d, off)| ((d as u64 + 1) << DEV_SHIFT) | (off >> 12));
+        self.slots[i as usize].store(v, Ordering::Release);
+    }
+
+    /// Chunks mapped now.
+    pub fn mapped(&self) -> u64 {
+        self.slots
+            .iter()
+            .filter(|s| s.load(Ordering::Relaxed) != 0)
+            .count() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_reject_what_is_not_theirs() {
+        let vol = Uuid::new_v4();
+        let p = Placement {
+            device: Uuid::new_v4(),
+            offset: 64 << 20,
+        };
+        let b = encode(vol, 7, Some(p));
+        assert_eq!(decode(vol, 7, &b).unwrap(), Some(p));
+        assert_eq!(decode(vol, 7, &[0; 32]).unwrap(), None);
+        assert!(decode(vol, 8, &b).unwrap_err().contains("checksum"));
+        assert!(decode(Uuid::new_v4(), 7, &b).is_err());
+        let mut bad = b;
+        bad[30] ^= 1;
+        assert!(decode(vol, 7, &bad).is_err());
+        bad = b;
+        bad[0] = b'X';
+        assert!(decode(vol, 7, &bad).unwrap_err().contains("magic"));
+        assert!(decode(vol, 7, &b[..31]).is_err());
+    }
+
+    #[test]
+    fn the_table_packs_device_and_offset() {
+        let m = ChunkMap::new(3);
+        assert_eq!(m.get(1), None);
+        m.set(1, Some((5, 1 << 40)));
+        assert_eq!(m.get(1), Some((5, 1 << 40)));
+        assert_eq!(m.get(3), None);
+        assert_eq!(m.mapped(), 1);
+        m.set(1, None);
+        assert_eq!(m.mapped(), 0);
+        assert_eq!(map_bytes(1), 4096);
+        assert_eq!(map_bytes(128), 4096);
+        assert_eq!(map_bytes(129), 8192);
+        assert_eq!(block_entries(1, 130), 128..130);
+    }
+}

@@ -1,0 +1,205 @@
+//! What the queues and the allocator thread of one thin volume share: the spec, the chunk
+//! map, the device table, the work queue and the mailboxes that carry results back, the grace
+//! counters, and the thin device's health cell.
+//!
+//! Owns: [`Shared`] and its small operations (asking for a chunk or an unmap, looking up a
+//! device, following the pool devices' health). Must not know: virtio, the pool, how the
+//! allocator or the queues do their work.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::time::Duration;
+
+use spool_devices::{Device, DeviceHealth, HealthState};
+use uuid::Uuid;
+
+use crate::grace::Grace;
+use crate::map::{ChunkMap, MapStore, Placement};
+use crate::ChunkSource;
+
+/// What a thin volume is made of.
+#[derive(Debug, Clone)]
+pub struct ThinSpec {
+    pub volume: Uuid,
+    /// The device's name (`thin:VOLUME`).
+    pub path: PathBuf,
+    /// The volume's size in bytes.
+    pub size: u64,
+    /// Bytes per chunk (a power of two, a multiple of 4 KiB).
+    pub chunk: u64,
+    pub store: MapStore,
+    /// How long a write that needs a chunk waits for free space before it fails.
+    pub full_wait: Duration,
+}
+
+/// What the queues and the allocator thread of one thin volume share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) spec: ThinSpec,
+    pub(crate) map: ChunkMap,
+    /// Pool devices by the index the map's table uses (only ever appended to); `None` for a
+    /// device the map names that is not in the pool now.
+    pub(crate) devices: RwLock<Vec<(Uuid, Option<Arc<Device>>)>>,
+    pub(crate) source: Arc<dyn ChunkSource>,
+    pub(crate) work: Mutex<Work>,
+    pub(crate) wake: Condvar,
+    pub(crate) grace: Grace,
+    /// The health cell of the `Device` wrapping this backend.
+    pub(crate) health: OnceLock<Arc<DeviceHealth>>,
+    /// The pool devices' epochs the thin cell last followed.
+    pub(crate) followed: Mutex<Vec<u64>>,
+    pub(crate) stop: AtomicBool,
+    /// Writes waiting for free space now (shown by `volume show`).
+    pub(crate) waiting_for_space: AtomicU64,
+}
+
+impl Shared {
+    /// The index of `uuid` in the device table, added when new.
+    pub(crate) fn device_index(&self, uuid: Uuid, dev: &Arc<Device>) -> usize {
+        let mut d = self.devices.write().unwrap_or_else(|p| p.into_inner());
+        match d.iter().position(|(u, _)| *u == uuid) {
+            Some(i) => {
+                d[i].1.get_or_insert_with(|| dev.clone());
+                i
+            }
+            None => {
+                d.push((uuid, Some(dev.clone())));
+                d.len() - 1
+            }
+        }
+    }
+
+    pub(crate) fn device(&self, i: usize) -> Option<Arc<Device>> {
+        let d = self.devices.read().unwrap_or_else(|p| p.into_inner());
+        d.get(i).and_then(|(_, dev)| dev.clone())
+    }
+
+    pub(crate) fn placement(&self, i: usize, offset: u64) -> Option<Placement> {
+        let d = self.devices.read().unwrap_or_else(|p| p.into_inner());
+        d.get(i).map(|(device, _)| Placement {
+            device: *device,
+            offset,
+        })
+    }
+
+    /// The thin cell follows the pool devices it uses: resetting while one of them is,
+    /// healthy otherwise, with a new epoch whenever one of theirs moved (so the worker
+    /// dispatches what it holds again). Also ends a reset the worker started on the thin
+    /// cell itself (a timeout) once no pool device is resetting.
+    pub(crate) fn follow_health(&self) {
+        let Some(cell) = self.health.get() else {
+            return;
+        };
+        let devices: Vec<Arc<Device>> = {
+            let d = self.devices.read().unwrap_or_else(|p| p.into_inner());
+            d.iter().filter_map(|(_, dev)| dev.clone()).collect()
+        };
+        let mut followed = self.followed.lock().unwrap_or_else(|p| p.into_inner());
+        let states: Vec<(HealthState, u64)> = devices.iter().map(|d| d.health().load()).collect();
+        let epochs: Vec<u64> = states.iter().map(|s| s.1).collect();
+        let resetting = states.iter().any(|s| s.0 == HealthState::Resetting);
+        let want = if resetting {
+            HealthState::Resetting
+        } else {
+            HealthState::Healthy
+        };
+        if *followed != epochs || cell.state() != want {
+            *followed = epochs;
+            cell.set(want);
+        }
+    }
+}
+
+/// What one queue is told by the allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Note {
+    /// Chunk `chunk` could not be allocated (a negative errno).
+    Failed { chunk: u64, errno: i32 },
+    /// The unmap asked with `token` is done (0, or a negative errno).
+    Unmapped { token: u64, errno: i32 },
+}
+
+/// A queue's inbox: notes, and an eventfd the queue's completion descriptor watches.
+#[derive(Debug)]
+pub(crate) struct Mailbox {
+    notes: Mutex<Vec<Note>>,
+    /// Set with every post, cleared by `take`: one relaxed load per reap when idle.
+    mail: AtomicBool,
+    pub(crate) event: File,
+}
+
+impl Mailbox {
+    pub(crate) fn new() -> std::io::Result<Mailbox> {
+        Ok(Mailbox {
+            notes: Mutex::default(),
+            mail: AtomicBool::new(false),
+            event: spool_devices::completion_eventfd()?,
+        })
+    }
+
+    pub(crate) fn post(&self, note: Option<Note>) {
+        let mut notes = self.notes.lock().unwrap_or_else(|p| p.into_inner());
+        notes.extend(note);
+        self.mail.store(true, Ordering::Release);
+        drop(notes);
+        self.ring();
+    }
+
+    /// Makes the queue's completion descriptor readable.
+    pub(crate) fn ring(&self) {
+        let _ = (&self.event).write(&1u64.to_ne_bytes());
+    }
+
+    /// Whether anything was posted since the last `take`.
+    #[inline]
+    pub(crate) fn has_mail(&self) -> bool {
+        self.mail.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn take(&self) -> Vec<Note> {
+        let mut notes = self.notes.lock().unwrap_or_else(|p| p.into_inner());
+        self.mail.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *notes)
+    }
+}
+
+/// An unmap of chunks `[first, end)`.
+#[derive(Debug)]
+pub(crate) struct Unmap {
+    pub(crate) first: u64,
+    pub(crate) end: u64,
+    pub(crate) token: u64,
+    pub(crate) mailbox: Arc<Mailbox>,
+}
+
+/// Work waiting for the thread.
+#[derive(Debug, Default)]
+pub(crate) struct Work {
+    pub(crate) allocs: Vec<(u64, Arc<Mailbox>)>,
+    pub(crate) unmaps: Vec<Unmap>,
+}
+
+impl Shared {
+    /// Asks for chunk `chunk`; `mailbox` is woken when it is mapped or failed.
+    pub(crate) fn request_chunk(&self, chunk: u64, mailbox: &Arc<Mailbox>) {
+        let mut w = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        w.allocs.push((chunk, mailbox.clone()));
+        drop(w);
+        self.wake.notify_one();
+    }
+
+    /// Asks for chunks `[first, end)` to be unmapped.
+    pub(crate) fn request_unmap(&self, u: Unmap) {
+        let mut w = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        w.unmaps.push(u);
+        drop(w);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,254 @@
+//! A thin volume over a real file device: allocation on first write, holes, unmapping, the
+//! map across a reopen, a full pool, corrupt entries.
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use spool_devices::{Device, DeviceIo, DeviceQueue, IoVec, OpenOptions};
+use uuid::Uuid;
+
+use crate::map::{MapExtent, MapStore};
+use crate::{ChunkSource, ThinBackend, ThinSpec};
+
+const CHUNK: u64 = 64 << 10;
+/// Device layout: the map at 0..64K, chunks from 64K on.
+const CHUNKS_AT: u64 = 64 << 10;
+
+#[derive(Debug)]
+struct Free {
+    uuid: Uuid,
+    dev: Arc<Device>,
+    free: Mutex<Vec<u64>>,
+}
+
+impl ChunkSource for Free {
+    fn take(&self) -> Option<(Uuid, Arc<Device>, u64)> {
+        let off = self.free.lock().unwrap().pop()?;
+        Some((self.uuid, self.dev.clone(), off))
+    }
+
+    fn give_back(&self, device: Uuid, offset: u64) {
+        assert_eq!(device, self.uuid);
+        let mut f = self.free.lock().unwrap();
+        assert!(!f.contains(&offset), "chunk {offset} given back twice");
+        f.push(offset);
+    }
+}
+
+fn device(path: &Path, size: u64) -> Arc<Device> {
+    let opts = OpenOptions {
+        create_size: Some(size),
+        ..Default::default()
+    };
+    Arc::new(Device::open(path, &opts).unwrap())
+}
+
+fn spec(volume: Uuid, dev: &Arc<Device>, size: u64) -> ThinSpec {
+    ThinSpec {
+        volume,
+        path: "thin:t".into(),
+        size,
+        chunk: CHUNK,
+        store: MapStore::new(vec![MapExtent {
+            device: dev.clone(),
+            offset: 0,
+            len: CHUNKS_AT,
+        }])
+        .unwrap(),
+        full_wait: Duration::from_millis(200),
+    }
+}
+
+/// Submits `io` and waits for its result.
+fn run(q: &mut dyn DeviceQueue, io: DeviceIo) -> i32 {
+    // SAFETY: the test's buffers outlive the call, which waits for the completion.
+    unsafe { q.submit(io, 9) };
+    q.kick().unwrap();
+    let mut got = None;
+    while got.is_none() {
+        q.reap(&mut |tag, res| {
+            assert_eq!(tag, 9);
+            got = Some(res)
+        });
+        std::thread::yield_now();
+    }
+    got.unwrap()
+}
+
+fn rw(q: &mut dyn DeviceQueue, write: bool, offset: u64, buf: &mut [u8]) -> i32 {
+    let iov = [IoVec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    }];
+    run(
+        q,
+        DeviceIo::data(write, offset, buf.len() as u64, iov.as_ptr(), 1),
+    )
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    dev: Arc<Device>,
+    source: Arc<Free>,
+    volume: Uuid,
+}
+
+fn fixture(chunks: u64) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = device(&dir.path().join("d.img"), CHUNKS_AT + chunks * CHUNK);
+    let source = Arc::new(Free {
+        uuid: Uuid::new_v4(),
+        dev: dev.clone(),
+        free: Mutex::new((0..chunks).rev().map(|i| CHUNKS_AT + i * CHUNK).collect()),
+    });
+    Fixture {
+        _dir: dir,
+        dev,
+        source,
+        volume: Uuid::new_v4(),
+    }
+}
+
+impl Fixture {
+    fn open(&self, size: u64) -> (Arc<Device>, Vec<crate::map::Placement>) {
+        let d = self.dev.clone();
+        let u = self.source.uuid;
+        ThinBackend::open(
+            spec(self.volume, &self.dev, size),
+            self.source.clone(),
+            &move |x| (x == u).then(|| d.clone()),
+        )
+        .unwrap()
+    }
+
+    fn free(&self) -> usize {
+        self.source.free.lock().unwrap().len()
+    }
+}
+
+#[test]
+fn chunks_come_on_first_write_and_go_back_on_discard() {
+    let f = fixture(8);
+    let (thin, loaded) = f.open(4 * CHUNK);
+    assert!(loaded.is_empty());
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut q = thin.open_queue(8).unwrap();
+    // A hole reads zeroes and takes nothing.
+    let mut buf = vec![0xaau8; 8192];
+    assert_eq!(rw(&mut *q, false, CHUNK, &mut buf), 0);
+    assert!(buf.iter().all(|&b| b == 0));
+    assert_eq!((t.allocated(), f.free()), (0, 8));
+    // A write across a chunk boundary takes two chunks; the rest of them reads zeroes.
+    let mut data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8 + 1).collect();
+    assert_eq!(rw(&mut *q, true, CHUNK - 4096, &mut data), 0);
+    assert_eq!((t.allocated(), f.free()), (2 * CHUNK, 6));
+    let mut back = vec![0u8; 8192];
+    assert_eq!(rw(&mut *q, false, CHUNK - 4096, &mut back), 0);
+    assert!(back == data);
+    let mut rest = vec![0xffu8; 4096];
+    assert_eq!(rw(&mut *q, false, CHUNK, &mut rest), 0);
+    assert_eq!(&rest[..], &data[4096..]);
+    assert_eq!(rw(&mut *q, false, 2 * CHUNK - 4096, &mut rest), 0);
+    assert!(rest.iter().all(|&b| b == 0));
+    // The data is where the map says, on the device.
+    let p = t.placements();
+    assert_eq!(p.len(), 2);
+    // A discard of a partial chunk keeps it; of a whole chunk gives it back.
+    assert_eq!(
+        run(
+            &mut *q,
+            DeviceIo::Discard {
+                offset: CHUNK,
+                len: 4096
+            }
+        ),
+        0
+    );
+    assert_eq!(f.free(), 6);
+    assert_eq!(
+        run(
+            &mut *q,
+            DeviceIo::WriteZeroes {
+                offset: 0,
+                len: 2 * CHUNK
+            }
+        ),
+        0
+    );
+    assert_eq!((t.allocated(), f.free()), (0, 8));
+    assert_eq!(rw(&mut *q, false, CHUNK - 4096, &mut back), 0);
+    assert!(back.iter().all(|&b| b == 0));
+    assert_eq!(run(&mut *q, DeviceIo::Flush), 0);
+}
+
+#[test]
+fn the_map_outlives_the_process_and_corruption_is_refused() {
+    let f = fixture(8);
+    let mut data = vec![0x5au8; 4096];
+    {
+        let (thin, _) = f.open(4 * CHUNK);
+        let mut q = thin.open_queue(8).unwrap();
+        assert_eq!(rw(&mut *q, true, 3 * CHUNK, &mut data), 0);
+        assert_eq!(rw(&mut *q, true, 100 << 10, &mut data), 0);
+    }
+    let (thin, loaded) = f.open(4 * CHUNK);
+    assert_eq!(loaded.len(), 2);
+    let mut q = thin.open_queue(8).unwrap();
+    let mut back = vec![0u8; 4096];
+    assert_eq!(rw(&mut *q, false, 3 * CHUNK, &mut back), 0);
+    assert!(back == data);
+    drop((q, thin));
+    // Entry 3 lies at map byte 96; flip one of its bits.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(f._dir.path().join("d.img"))
+        .unwrap();
+    let mut b = [0u8; 1];
+    file.read_exact_at(&mut b, 96 + 30).unwrap();
+    file.write_all_at(&[b[0] ^ 4], 96 + 30).unwrap();
+    let d = f.dev.clone();
+    let err = ThinBackend::open(
+        spec(f.volume, &f.dev, 4 * CHUNK),
+        f.source.clone(),
+        &move |_| Some(d.clone()),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("entry 3: checksum"), "{err}");
+}
+
+#[test]
+fn a_full_pool_holds_the_write_then_fails_it() {
+    let f = fixture(1);
+    let (thin, _) = f.open(4 * CHUNK);
+    let mut q = thin.open_queue(8).unwrap();
+    let mut data = vec![1u8; 4096];
+    assert_eq!(rw(&mut *q, true, 0, &mut data), 0);
+    // No chunk left: the write waits `full_wait`, then fails with ENOSPC.
+    let start = std::time::Instant::now();
+    assert_eq!(rw(&mut *q, true, CHUNK, &mut data), -libc::ENOSPC);
+    assert!(start.elapsed() >= Duration::from_millis(150));
+    // Space freed while a write waits lets it through.
+    let thin2 = thin.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        let mut q2 = thin2.open_queue(8).unwrap();
+        assert_eq!(
+            run(
+                &mut *q2,
+                DeviceIo::Discard {
+                    offset: 0,
+                    len: CHUNK
+                }
+            ),
+            0
+        );
+    });
+    assert_eq!(rw(&mut *q, true, 2 * CHUNK, &mut data), 0);
+    t.join().unwrap();
+    let mut back = vec![0u8; 4096];
+    assert_eq!(rw(&mut *q, false, 0, &mut back), 0);
+    assert!(back.iter().all(|&b| b == 0));
+}
