@@ -30,7 +30,7 @@ if ldd "$root/bin/busybox" >/dev/null 2>&1; then
     echo "build-guest: busybox must be static (apt-get install busybox-static)" >&2; exit 1
 fi
 for app in sh mount insmod poweroff cat grep sleep echo ls mkdir dd cmp sync head awk seq \
-    tail sed tr cut wc kill pidof readlink basename rm cp timeout; do
+    tail sed tr cut wc kill pidof readlink basename rm cp timeout blkdiscard; do
     ln -sf busybox "$root/bin/$app"
 done
 # fio and every library it links, at the same paths.

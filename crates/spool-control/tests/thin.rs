@@ -4,7 +4,8 @@
 //! holes read zeroes; discards and write-zeroes of whole chunks give them back; a full pool
 //! holds a write, then fails it with an error and a log line, and serves it again once space
 //! is freed; deleting the volume gives back everything it had; a corrupt map refuses that
-//! volume only, saying why.
+//! volume only, saying why. A real guest verifies fio's writes through worker kills and gives
+//! space back with `blkdiscard`.
 
 mod common;
 
@@ -40,8 +41,7 @@ size = "8M"
 }
 
 fn mapped(d: &Spoold) -> u64 {
-    let v = d.rpc("volume_show", json!({"id": "thin"})).unwrap();
-    v["thin"]["mapped"].as_u64().unwrap()
+    mapped_of(d, "thin")
 }
 
 fn pool_free(d: &Spoold) -> u64 {
@@ -227,4 +227,73 @@ create_size = "32M"
     assert!(why.contains("checksum"), "{v}");
     let (ok, out, err) = spoolctl(&d, &["volume", "create", "u", "4M"]);
     assert!(ok, "{out}{err}");
+}
+
+/// A real guest on a thin volume four times the size of its device: fio fills 24 MiB, then
+/// writes and verifies at random for 6 s while the worker is SIGKILLed every 300–700 ms
+/// (writes waiting for their chunks are resubmitted from the journal), then `blkdiscard`
+/// gives 8 MiB back in whole chunks and the guest reads them as zeroes. The volume ends with
+/// exactly the 16 chunks still written.
+#[test]
+#[ignore = "needs QEMU and the test guest: scripts/test.sh runs it (cargo test -- --include-ignored)"]
+fn a_guest_on_a_thin_volume_verifies_through_kills_and_gives_space_back() {
+    let mut d = Spoold::prepared(
+        r#"
+[io]
+poll_idle_us = 20
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "vm"
+size = "256M"
+num_queues = 2
+thin = true
+"#,
+    );
+    d.spawn();
+    let free0 = pool_free(&d);
+    let d = Arc::new(d);
+    let console = d.dir.path().join("thin.console");
+    let done = Arc::new(AtomicBool::new(false));
+    let killer = {
+        let (d, console, done) = (d.clone(), console.clone(), done.clone());
+        std::thread::spawn(move || {
+            let read = || std::fs::read_to_string(&console).unwrap_or_default();
+            while !read().contains("SPOOL-E2E: disk") && !done.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let mut kills = 0;
+            while kills < 8 && !read().contains("SPOOL-E2E: written") {
+                std::thread::sleep(std::time::Duration::from_millis(300 + kills * 97 % 400));
+                if done.load(Ordering::Relaxed) {
+                    break;
+                }
+                d.kill_worker();
+                kills += 1;
+            }
+            kills
+        })
+    };
+    // The console goes to a file as it comes, so the killer sees the guest's progress.
+    let status = common::guest::qemu(&d.socket("vm"), "thin", 2, "spool.runtime=6", 600)
+        .stdout(std::fs::File::create(&console).unwrap())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("qemu-system-x86_64 must be installed");
+    done.store(true, Ordering::Relaxed);
+    let c = std::fs::read_to_string(&console).unwrap_or_default();
+    eprintln!("thin guest: qemu {status}");
+    let kills = killer.join().unwrap();
+    common::guest::assert_pass(&c, &d, "thin");
+    assert!(c.contains("holds 0 nonzero bytes"), "{c}");
+    assert!(kills > 0, "no worker was killed while the guest wrote");
+    eprintln!("thin guest: {kills} worker kills while it wrote");
+    assert_eq!(mapped_of(&d, "vm"), 16 * MIB);
+    assert_eq!(pool_free(&d), free0 - 16 * MIB);
+}
+
+fn mapped_of(d: &Spoold, volume: &str) -> u64 {
+    let v = d.rpc("volume_show", json!({"id": volume})).unwrap();
+    v["thin"]["mapped"].as_u64().unwrap()
 }
