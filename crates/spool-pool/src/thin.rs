@@ -119,6 +119,7 @@ impl Pool {
                 why: e.to_string(),
             })?,
             full_wait: self.opts.thin_full_wait,
+            inline_io: !self.members.is_empty() && self.members.iter().all(|m| m.dev.inline_io()),
         })
     }
 

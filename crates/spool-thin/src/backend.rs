@@ -159,7 +159,7 @@ impl PoolDevice for ThinBackend {
         BackendInfo {
             backend: "thin",
             direct_align: None,
-            inline_io: false,
+            inline_io: self.shared.spec.inline_io,
         }
     }
 

@@ -47,8 +47,10 @@ pub struct ThinQueue {
     depth: u32,
     readers: Arc<Readers>,
     mailbox: Arc<Mailbox>,
-    /// Pool device queues by the map's device index (opened on first use).
+    /// Pool device queues by the map's device index (opened on first use), and their
+    /// devices.
     queues: Vec<Option<Box<dyn DeviceQueue>>>,
+    devs: Vec<Option<Arc<spool_devices::Device>>>,
     /// The pool devices' health epochs this queue last saw.
     epochs: Vec<u64>,
     ops: Vec<Option<Op>>,
@@ -75,6 +77,7 @@ impl ThinQueue {
             depth,
             mailbox,
             queues: Vec::new(),
+            devs: Vec::new(),
             epochs: Vec::new(),
             ops: Vec::new(),
             free: Vec::new(),
@@ -88,26 +91,39 @@ impl ThinQueue {
 
     /// The queue of pool device `d`, opened on first use; a negative errno when the device
     /// is not in the pool, isolated, or its queue cannot be opened.
+    #[inline]
     fn queue(&mut self, d: usize) -> Result<&mut Box<dyn DeviceQueue>, i32> {
+        if self.queues.get(d).is_some_and(Option::is_some) {
+            let dev = self.devs[d].as_ref().expect("opened with its device");
+            if dev.health().state().isolated() {
+                return Err(-libc::ENOMEDIUM);
+            }
+            return Ok(self.queues[d].as_mut().expect("checked above"));
+        }
+        self.open(d)
+    }
+
+    #[cold]
+    fn open(&mut self, d: usize) -> Result<&mut Box<dyn DeviceQueue>, i32> {
         let dev = self.shared.device(d).ok_or(-libc::ENOMEDIUM)?;
         if dev.health().state().isolated() {
             return Err(-libc::ENOMEDIUM);
         }
         if self.queues.len() <= d {
             self.queues.resize_with(d + 1, || None);
+            self.devs.resize_with(d + 1, || None);
             self.epochs.resize(d + 1, 0);
         }
-        if self.queues[d].is_none() {
-            let mut q = dev.open_queue(self.depth).map_err(|e| {
-                tracing::error!(device = %dev.path().display(), error = %e, "opening a queue for a thin volume failed");
-                -libc::EIO
-            })?;
-            spool_devices::epoll_watch(self.epoll.as_raw_fd(), q.completion_fd())
-                .map_err(|_| -libc::EIO)?;
-            q.set_completion_events(self.completion_events);
-            self.epochs[d] = dev.health().load().1;
-            self.queues[d] = Some(q);
-        }
+        let mut q = dev.open_queue(self.depth).map_err(|e| {
+            tracing::error!(device = %dev.path().display(), error = %e, "opening a queue for a thin volume failed");
+            -libc::EIO
+        })?;
+        spool_devices::epoll_watch(self.epoll.as_raw_fd(), q.completion_fd())
+            .map_err(|_| -libc::EIO)?;
+        q.set_completion_events(self.completion_events);
+        self.epochs[d] = dev.health().load().1;
+        self.devs[d] = Some(dev);
+        self.queues[d] = Some(q);
         Ok(self.queues[d].as_mut().expect("opened above"))
     }
 
@@ -159,6 +175,10 @@ impl ThinQueue {
         iov: *const IoVec,
         iovcnt: u32,
     ) {
+        let chunk = self.shared.spec.chunk;
+        if len > 0 && offset / chunk == (offset + len - 1) / chunk {
+            return self.dispatch_one(idx, write, offset, len, iov, iovcnt);
+        }
         let phase = self.shared.grace.enter(&self.readers);
         let pieces = self.pieces(offset, len);
         let found: Vec<Option<(usize, u64)>> =
@@ -207,6 +227,54 @@ impl ThinQueue {
             }
         }
         self.maybe_finish(idx);
+    }
+
+    /// A request within one chunk (nearly all of them): no splitting, no allocation.
+    #[inline]
+    fn dispatch_one(
+        &mut self,
+        idx: usize,
+        write: bool,
+        offset: u64,
+        len: u64,
+        iov: *const IoVec,
+        iovcnt: u32,
+    ) {
+        let chunk = self.shared.spec.chunk;
+        let phase = self.shared.grace.enter(&self.readers);
+        match self.shared.map.get(offset / chunk) {
+            None if write => {
+                self.shared.grace.leave(&self.readers, phase);
+                self.shared.request_chunk(offset / chunk, &self.mailbox);
+                self.op(idx).parked = true;
+                self.parked.push(idx);
+            }
+            None => {
+                self.shared.grace.leave(&self.readers, phase);
+                // SAFETY: the caller of `submit` keeps the iovec array valid until completion.
+                zero_fill(
+                    unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) },
+                    0,
+                    len,
+                );
+                self.maybe_finish(idx);
+            }
+            Some((d, off)) => {
+                self.op(idx).phase = Some(phase);
+                let at = off + offset % chunk;
+                match self.queue(d) {
+                    Ok(q) => {
+                        // SAFETY: the caller's iovecs, valid until the request completes.
+                        unsafe {
+                            q.submit(DeviceIo::data(write, at, len, iov, iovcnt), idx as u64)
+                        };
+                        self.op(idx).pending = 1;
+                    }
+                    Err(e) => self.op(idx).err = e,
+                }
+                self.maybe_finish(idx);
+            }
+        }
     }
 
     fn dispatch_flush(&mut self, idx: usize) {
@@ -344,11 +412,8 @@ impl ThinQueue {
     /// Follows the pool devices' health (one load per open queue).
     fn check_epochs(&mut self) {
         let mut moved = false;
-        for d in 0..self.queues.len() {
-            if self.queues[d].is_none() {
-                continue;
-            }
-            if let Some(dev) = self.shared.device(d) {
+        for (d, dev) in self.devs.iter().enumerate() {
+            if let Some(dev) = dev {
                 let e = dev.health().load().1;
                 if e != self.epochs[d] {
                     self.epochs[d] = e;
@@ -415,12 +480,12 @@ impl DeviceQueue for ThinQueue {
                 continue;
             };
             let ops = &mut self.ops;
-            let dev = self.shared.device(d);
+            let dev = &self.devs[d];
             q.reap(&mut |sub, res| {
                 let op = ops[sub as usize].as_mut().expect("piece of a live op");
                 if res < 0 {
                     if res != -libc::ECANCELED {
-                        if let Some(dev) = &dev {
+                        if let Some(dev) = dev {
                             dev.health().report(ErrorReport {
                                 signal: Signal::Errno(-res),
                                 offset: 0,

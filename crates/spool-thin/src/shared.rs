@@ -33,6 +33,9 @@ pub struct ThinSpec {
     pub store: MapStore,
     /// How long a write that needs a chunk waits for free space before it fails.
     pub full_wait: Duration,
+    /// The pool devices do their I/O inline in the worker (files on tmpfs): so does the
+    /// thin device (the worker takes fewer requests a round from the ring then).
+    pub inline_io: bool,
 }
 
 /// What the queues and the allocator thread of one thin volume share.

@@ -58,6 +58,7 @@ fn spec(volume: Uuid, dev: &Arc<Device>, size: u64) -> ThinSpec {
         }])
         .unwrap(),
         full_wait: Duration::from_millis(200),
+        inline_io: false,
     }
 }
 
