@@ -282,8 +282,12 @@ impl Pool {
 
     /// A healthy, present device is replaced only when forced.
     fn check_replaceable(&self, old: Uuid, force: bool) -> Result<()> {
+        // No thin allocator takes a chunk on it from now on (the next commit or a refusal
+        // below publishes the members again).
+        self.space.exclude(old);
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
             if self.thin_uses(v, old) {
+                self.refresh_space();
                 return Err(Error::InvalidArgument(format!(
                     "thin volume '{}' keeps its map or chunks on device {old}; replacing a device under a thin volume is not supported yet (delete the volume first)",
                     v.name
@@ -292,6 +296,7 @@ impl Pool {
         }
         if let Some(m) = self.members.iter().find(|m| m.uuid == old) {
             if !m.isolated() && !force {
+                self.refresh_space();
                 return Err(Error::InvalidArgument(format!(
                     "device {old} ({}) is healthy; replacing it would discard the data of every volume on it. Pass force to do it anyway",
                     m.dev.path().display()

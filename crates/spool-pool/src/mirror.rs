@@ -69,6 +69,7 @@ impl Pool {
         bytes: u64,
         others: &[&[ExtentEntry]],
     ) -> Result<Vec<ExtentEntry>> {
+        self.check_not_frozen()?;
         let min = self.table.min_extent;
         let others: Vec<_> = others.iter().map(|e| spans(e, min)).collect();
         // (logical start, order), in logical order.

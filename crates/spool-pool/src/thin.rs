@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use spool_devices::Device;
 use spool_thin::map::{MapExtent, MapStore};
-use spool_thin::{ChunkSource, ThinBackend, ThinSpec};
+use spool_thin::{ChunkSource, ScanProblem, ThinBackend, ThinSpec};
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
@@ -39,10 +39,42 @@ struct SpaceMember {
 #[derive(Debug, Default)]
 pub struct PoolSpace {
     members: RwLock<Vec<SpaceMember>>,
+    /// Why nothing may be allocated: a thin volume's map could not be read, so which chunks
+    /// it names is unknown (until a start reads it).
+    frozen: RwLock<Option<String>>,
+}
+
+impl PoolSpace {
+    fn freeze(&self, why: String) {
+        tracing::error!(why = %why, "no space is allocated in this pool until the map can be read (restart spoold once its device is back)");
+        *self.frozen.write().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    }
+
+    /// Why allocation is stopped, if it is.
+    pub(crate) fn frozen(&self) -> Option<String> {
+        self.frozen
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Takes `uuid` out of what thin allocators may use (a device being replaced).
+    pub(crate) fn exclude(&self, uuid: Uuid) {
+        let mut members = self.members.write().unwrap_or_else(|p| p.into_inner());
+        members.retain(|m| m.uuid != uuid);
+    }
 }
 
 impl ChunkSource for PoolSpace {
     fn take(&self) -> Option<(Uuid, Arc<Device>, u64)> {
+        if self
+            .frozen
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+        {
+            return None;
+        }
         let members = self.members.read().unwrap_or_else(|p| p.into_inner());
         let mut by_free: Vec<&SpaceMember> = members
             .iter()
@@ -125,39 +157,45 @@ impl Pool {
 
     /// Opens thin volume `v` (its map read and checked, its chunks marked taken).
     fn open_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<Arc<Device>> {
-        let spec = self.thin_spec(v, t)?;
+        let thin_err = |why: String| Error::Thin {
+            volume: v.name.clone(),
+            why,
+        };
+        let spec = match self.thin_spec(v, t) {
+            Ok(spec) => spec,
+            Err(e) => {
+                // Its map cannot be read at all: which chunks it names is unknown.
+                self.space.freeze(format!("thin volume '{}': {e}", v.name));
+                return Err(e);
+            }
+        };
         let members: Vec<(Uuid, Arc<Device>)> = self
             .members
             .iter()
             .map(|m| (m.uuid, m.dev.clone()))
             .collect();
         let resolve = move |u: Uuid| members.iter().find(|m| m.0 == u).map(|m| m.1.clone());
-        let thin_err = |why: String| Error::Thin {
-            volume: v.name.clone(),
-            why,
-        };
-        let (dev, loaded) = ThinBackend::open(spec, self.space.clone(), &resolve)
-            .map_err(|e| thin_err(e.to_string()))?;
-        let mut marked: Vec<(&crate::members::Member, u64)> = Vec::new();
-        for p in loaded {
+        let mut scan = ThinBackend::scan(&spec, &resolve);
+        // Every chunk the map names is taken, even when the volume is refused: a map that
+        // is repaired (or readable again) at the next start still finds its chunks its own.
+        for p in &scan.placements {
             let Some(m) = self.members.iter().find(|m| m.uuid == p.device) else {
                 continue; // Its device is not here: its chunks fail I/O.
             };
             if let Err(why) = m.alloc_at(p.offset, 0) {
-                for (m, off) in marked {
-                    m.free(off, 0);
-                }
-                if let Some(t) = ThinBackend::of(&dev) {
-                    t.shut_down();
-                }
-                return Err(thin_err(format!(
+                // Kept by its first owner; this map is refused.
+                let why = format!(
                     "a chunk at {} on device {} is used twice: {why}",
                     p.offset, p.device
-                )));
+                );
+                scan.problem.get_or_insert(ScanProblem::Corrupt(why));
             }
-            marked.push((m, p.offset));
         }
-        Ok(dev)
+        if let Some(ScanProblem::Unreadable(why)) = &scan.problem {
+            self.space
+                .freeze(format!("thin volume '{}': its map {why}", v.name));
+        }
+        ThinBackend::start(spec, self.space.clone(), scan).map_err(|e| thin_err(e.to_string()))
     }
 
     /// At start, after the allocators are rebuilt from the table: every thin volume's map.

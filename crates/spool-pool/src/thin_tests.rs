@@ -96,3 +96,35 @@ fn tables_that_misdescribe_a_thin_volume_are_refused() {
     bad.volumes[0].extents = bad.volumes[0].thin.as_ref().unwrap().map.clone();
     assert!(bad.validate().is_err());
 }
+
+#[test]
+fn a_refused_map_keeps_the_chunks_it_still_names() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 9)];
+    let free0;
+    {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        free0 = p.info().free;
+        p.create_thin_volume("t", 1 << 30, false, 1, false).unwrap();
+        let l = p.layout("t").unwrap();
+        let mut data = vec![7u8; 4096];
+        for at in [0, 5 << 20] {
+            assert_eq!(write(&l.devices[0], at, &mut data), 0);
+        }
+        assert_eq!(p.info().free, free0 - (3 << 20));
+    }
+    // Entry 0 is the first entry written: flip a bit of it.
+    let path = d.path().join("a");
+    let mut img = std::fs::read(&path).unwrap();
+    let at = img.windows(4).position(|w| w == b"SPTC").unwrap();
+    img[at + 20] ^= 1;
+    std::fs::write(&path, img).unwrap();
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    let e = p.layout("t").unwrap_err().to_string();
+    assert!(e.contains("entry 0: checksum"), "{e}");
+    assert!(p.volume("t").unwrap().thin.unwrap().error.is_some());
+    // Entry 5's chunk is still taken; entry 0's is unknown and free (as are the map's
+    // other bytes): other volumes get the rest.
+    assert_eq!(p.info().free, free0 - (2 << 20));
+    p.create_volume("v", 4 << 20, false, 1).unwrap();
+}

@@ -58,6 +58,7 @@ impl Pool {
     /// Allocates extents covering `bytes` (a multiple of the minimum extent), largest blocks
     /// first, each on the device with the most free space that has a block of that order.
     pub(crate) fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
+        self.check_not_frozen()?;
         let min = self.table.min_extent;
         let mut units = bytes / min;
         let mut out: Vec<ExtentEntry> = Vec::new();
@@ -178,6 +179,16 @@ impl Pool {
             return Err(Error::NoDevices);
         }
         Ok(())
+    }
+
+    /// Refuses to allocate while a thin map could not be read (docs/thin.md, "The map").
+    pub(crate) fn check_not_frozen(&self) -> Result<()> {
+        match self.space.frozen() {
+            Some(why) => Err(Error::InvalidArgument(format!(
+                "no space is allocated in this pool until every thin volume's map can be read ({why}); restart spoold once the device is back"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Refuses what thin volumes do not do yet (docs/thin.md), naming `what`.

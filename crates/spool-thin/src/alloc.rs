@@ -4,183 +4,240 @@
 //! Allocating a chunk: take it from the pool, zero it on its device (durably), write the map
 //! block holding its entry (durably), then publish the entry to the queues and wake the
 //! requests waiting for it. A crash before the map write leaves the chunk free (the pool
-//! rebuilds its free space from the maps); after it, the chunk is the volume's and reads
-//! zeroes where nothing was written. Unmapping: clear the entries in memory, write the map
-//! blocks, wait out the grace period, then give the chunks back. When the pool is full, a
-//! write waits up to `full_wait` for free space (discards are still served meanwhile) and
-//! then fails with `ENOSPC`.
+//! rebuilds its free space from the maps at start); after it, the chunk is the volume's and
+//! reads zeroes where nothing was written. Unmapping: clear the entries in memory, write the
+//! map blocks, answer the request, and give the chunks back once the grace period that
+//! started after the clearing has drained (checked every few milliseconds, never waited
+//! for: a queue whose I/O never completes delays only its own chunks' return).
 //!
-//! Owns: the thread, the work queue, the mailboxes that carry results back to the queues.
-//! Must not know: virtio, the pool table.
+//! A map block whose write failed may or may not be on the device: its chunks are never
+//! given back (the next start rebuilds free space from what the map says), memory keeps the
+//! new state (an allocation stays unpublished, an unmap stays a hole) and the requests fail
+//! with `EIO`; the next write of that block, with whatever changes it then carries, makes
+//! device and memory agree again.
+//!
+//! When the pool is full, a write waits up to `full_wait` from when it asked (discards are
+//! still served meanwhile: they are what frees space) and then fails with `ENOSPC`.
+//!
+//! Owns: the thread and what it does. Must not know: virtio, the pool table.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use spool_devices::{Device, ErrorReport, Signal};
+
 use crate::map::{self, BLOCK_BYTES, ENTRY_BYTES};
 use crate::shared::{Mailbox, Note, Shared, Unmap};
+
+/// How often chunks waiting for their grace period are checked.
+const RETIRE_POLL: Duration = Duration::from_millis(2);
 
 /// Starts the thread of `shared`; it ends when the backend shuts down.
 pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<std::thread::JoinHandle<()>> {
     let s = shared.clone();
     std::thread::Builder::new()
         .name("spool-thin".into())
-        .spawn(move || run(&s))
+        .spawn(move || Allocator { s: &s }.run())
 }
 
-fn run(s: &Shared) {
-    loop {
-        let work = {
-            let mut w = s.work.lock().unwrap_or_else(|p| p.into_inner());
-            while w.allocs.is_empty() && w.unmaps.is_empty() && !s.stopping() {
-                w = s
-                    .wake
-                    .wait_timeout(w, Duration::from_secs(1))
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+struct Allocator<'a> {
+    s: &'a Shared,
+}
+
+impl Allocator<'_> {
+    fn run(&mut self) {
+        loop {
+            let work = {
+                let mut w = self.s.work.lock().unwrap_or_else(|p| p.into_inner());
+                while w.allocs.is_empty() && w.unmaps.is_empty() && !self.s.stopping() {
+                    let idle = match self.s.retiring() {
+                        true => RETIRE_POLL,
+                        false => Duration::from_secs(1),
+                    };
+                    let (g, timeout) = self
+                        .s
+                        .wake
+                        .wait_timeout(w, idle)
+                        .unwrap_or_else(|p| p.into_inner());
+                    w = g;
+                    if timeout.timed_out() {
+                        break;
+                    }
+                }
+                std::mem::take(&mut *w)
+            };
+            if self.s.stopping() {
+                // Chunks still in their grace period stay taken (`Shared::retire`: the pool
+                // gives them back with the rest when the volume is deleted; a restart
+                // rebuilds free space from the map).
+                fail_all(work.allocs, work.unmaps);
+                return;
             }
-            std::mem::take(&mut *w)
+            self.unmap(work.unmaps);
+            self.allocate(work.allocs);
+            self.retire_drained();
+        }
+    }
+
+    /// Gives back what drained, and starts the next grace period.
+    fn retire_drained(&mut self) {
+        let mut r = self.s.retire.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((phase, _)) = &r.waiting {
+            if !self.s.grace.drained(*phase) {
+                return;
+            }
+            let (_, chunks) = r.waiting.take().expect("checked above");
+            for p in chunks {
+                self.s.source.give_back(p.device, p.offset);
+            }
+        }
+        if !r.next.is_empty() {
+            let chunks = std::mem::take(&mut r.next);
+            r.waiting = Some((self.s.grace.flip(), chunks));
+        }
+    }
+
+    /// Allocates every chunk asked for that is still a hole.
+    fn allocate(&mut self, allocs: Vec<(u64, Arc<Mailbox>, Instant)>) {
+        let mut want: BTreeMap<u64, (Vec<Arc<Mailbox>>, Instant)> = BTreeMap::new();
+        for (c, m, at) in allocs {
+            let e = want.entry(c).or_insert_with(|| (Vec::new(), at));
+            e.0.push(m);
+            e.1 = e.1.min(at);
+        }
+        let mut fresh = Vec::new();
+        for (&c, (boxes, asked)) in &want {
+            if self.s.map.get(c).is_some() {
+                continue;
+            }
+            match self.take_zeroed(*asked + self.s.spec.full_wait) {
+                Ok(p) => fresh.push((c, Some(p))),
+                Err(errno) => post_failed(boxes, c, errno),
+            }
+        }
+        let failed = persist(self.s, &fresh);
+        for &(c, p) in &fresh {
+            if failed.contains(&map::block_of(c)) {
+                // Maybe on the device: the chunk stays taken (see the module doc).
+                post_failed(&want[&c].0, c, -libc::EIO);
+            } else {
+                self.s.map.set(c, p);
+            }
+        }
+        for (boxes, _) in want.values() {
+            for m in boxes {
+                m.post(None);
+            }
+        }
+    }
+
+    /// A chunk from the pool, zeroed durably; waits for free space until `deadline`,
+    /// serving unmaps and giving chunks back meanwhile.
+    fn take_zeroed(&mut self, deadline: Instant) -> Result<(usize, u64), i32> {
+        let s = self.s;
+        let mut waited = false;
+        let got = loop {
+            if let Some(got) = s.source.take() {
+                break Ok(got);
+            }
+            if s.stopping() {
+                break Err(-libc::ENOMEDIUM);
+            }
+            if Instant::now() >= deadline {
+                tracing::error!(volume = %s.spec.path.display(), waited_ms = s.spec.full_wait.as_millis() as u64, "the pool is full: failing a write to an unallocated chunk of a thin volume (add a device, or free space)");
+                break Err(-libc::ENOSPC);
+            }
+            if !waited {
+                waited = true;
+                s.waiting_for_space.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(volume = %s.spec.path.display(), wait_ms = s.spec.full_wait.as_millis() as u64, "the pool is full: a write to an unallocated chunk of a thin volume waits for free space");
+            }
+            let unmaps =
+                std::mem::take(&mut s.work.lock().unwrap_or_else(|p| p.into_inner()).unmaps);
+            if unmaps.is_empty() {
+                std::thread::sleep(RETIRE_POLL);
+            }
+            self.unmap(unmaps);
+            self.retire_drained();
         };
-        if s.stopping() {
-            for (chunk, m) in work.allocs {
-                m.post(Some(Note::Failed {
-                    chunk,
-                    errno: -libc::ENOMEDIUM,
-                }));
-            }
-            for u in work.unmaps {
-                u.mailbox.post(Some(Note::Unmapped {
-                    token: u.token,
-                    errno: -libc::ENOMEDIUM,
-                }));
-            }
+        if waited {
+            s.waiting_for_space.fetch_sub(1, Ordering::Relaxed);
+        }
+        let (uuid, dev, off) = got?;
+        if let Err(e) = dev.zero_range(off, s.spec.chunk) {
+            tracing::error!(volume = %s.spec.path.display(), error = %e, "zeroing a new chunk failed");
+            report(&dev, off, s.spec.chunk);
+            s.source.give_back(uuid, off);
+            return Err(-libc::EIO);
+        }
+        Ok((s.device_index(uuid, &dev), off))
+    }
+
+    /// Unmaps every chunk asked for; their chunks go back after the grace period.
+    fn unmap(&mut self, unmaps: Vec<Unmap>) {
+        if unmaps.is_empty() {
             return;
         }
-        allocate(s, work.allocs);
-        unmap(s, work.unmaps);
-    }
-}
-
-/// Allocates every chunk asked for that is still a hole.
-fn allocate(s: &Shared, allocs: Vec<(u64, Arc<Mailbox>)>) {
-    let mut want: BTreeMap<u64, Vec<Arc<Mailbox>>> = BTreeMap::new();
-    for (c, m) in allocs {
-        want.entry(c).or_default().push(m);
-    }
-    let mut fresh = Vec::new();
-    for (&c, boxes) in &want {
-        if s.map.get(c).is_some() {
-            continue;
-        }
-        match take_zeroed(s) {
-            Ok(p) => fresh.push((c, Some(p))),
-            Err(errno) => {
-                for m in boxes {
-                    m.post(Some(Note::Failed { chunk: c, errno }));
+        let s = self.s;
+        let mut old = Vec::new();
+        for u in &unmaps {
+            for c in u.first..u.end.min(s.map.len()) {
+                if let Some(p) = s.map.get(c) {
+                    s.map.set(c, None);
+                    old.push((c, p));
                 }
             }
         }
-    }
-    let failed = persist(s, &fresh);
-    for &(c, p) in &fresh {
-        let (d, off) = p.expect("allocations are placements");
-        if failed.contains(&map::block_of(c)) {
-            if let Some(pl) = s.placement(d, off) {
-                s.source.give_back(pl.device, pl.offset);
+        let holes: Vec<Change> = old.iter().map(|&(c, _)| (c, None)).collect();
+        let failed = persist(s, &holes);
+        let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
+        for &(c, (d, off)) in &old {
+            // A block whose write failed keeps its chunks taken (see the module doc).
+            if !failed.contains(&map::block_of(c)) {
+                r.next.extend(s.placement(d, off));
             }
-            for m in &want[&c] {
-                m.post(Some(Note::Failed {
-                    chunk: c,
-                    errno: -libc::EIO,
-                }));
-            }
-        } else {
-            s.map.set(c, Some((d, off)));
         }
-    }
-    for boxes in want.values() {
-        for m in boxes {
-            m.post(None);
+        drop(r);
+        for u in unmaps {
+            let bad = (u.first..u.end).any(|c| failed.contains(&map::block_of(c)));
+            u.mailbox.post(Some(Note::Unmapped {
+                token: u.token,
+                errno: if bad { -libc::EIO } else { 0 },
+            }));
         }
     }
 }
 
-/// A chunk from the pool, zeroed durably; waits for free space up to `full_wait`, serving
-/// unmaps meanwhile (they are what frees space).
-fn take_zeroed(s: &Shared) -> Result<(usize, u64), i32> {
-    let deadline = Instant::now() + s.spec.full_wait;
-    let mut waited = false;
-    let got = loop {
-        if let Some(got) = s.source.take() {
-            break Ok(got);
-        }
-        if s.stopping() {
-            break Err(-libc::ENOMEDIUM);
-        }
-        if Instant::now() >= deadline {
-            tracing::error!(volume = %s.spec.path.display(), waited_ms = s.spec.full_wait.as_millis() as u64, "the pool is full: failing a write to an unallocated chunk of a thin volume (add a device, or free space)");
-            break Err(-libc::ENOSPC);
-        }
-        if !waited {
-            waited = true;
-            s.waiting_for_space.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(volume = %s.spec.path.display(), wait_ms = s.spec.full_wait.as_millis() as u64, "the pool is full: a write to an unallocated chunk of a thin volume waits for free space");
-        }
-        let unmaps = std::mem::take(&mut s.work.lock().unwrap_or_else(|p| p.into_inner()).unmaps);
-        if unmaps.is_empty() {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        unmap(s, unmaps);
-    };
-    if waited {
-        s.waiting_for_space.fetch_sub(1, Ordering::Relaxed);
+fn post_failed(boxes: &[Arc<Mailbox>], chunk: u64, errno: i32) {
+    for m in boxes {
+        m.post(Some(Note::Failed { chunk, errno }));
     }
-    let (uuid, dev, off) = got?;
-    if let Err(e) = dev.zero_range(off, s.spec.chunk) {
-        tracing::error!(volume = %s.spec.path.display(), error = %e, "zeroing a new chunk failed");
-        s.source.give_back(uuid, off);
-        return Err(-libc::EIO);
-    }
-    Ok((s.device_index(uuid, &dev), off))
 }
 
-/// Unmaps every chunk asked for, then gives the chunks back after the grace period.
-fn unmap(s: &Shared, unmaps: Vec<Unmap>) {
-    if unmaps.is_empty() {
-        return;
-    }
-    let mut old = Vec::new();
-    for u in &unmaps {
-        for c in u.first..u.end.min(s.map.len()) {
-            if let Some(p) = s.map.get(c) {
-                s.map.set(c, None);
-                old.push((c, p));
-            }
-        }
-    }
-    let holes: Vec<Change> = old.iter().map(|&(c, _)| (c, None)).collect();
-    let failed = persist(s, &holes);
-    for &(c, p) in &old {
-        if failed.contains(&map::block_of(c)) {
-            s.map.set(c, Some(p));
-        }
-    }
-    s.grace.wait(&|| s.stopping());
-    for &(c, (d, off)) in &old {
-        if !failed.contains(&map::block_of(c)) {
-            if let Some(pl) = s.placement(d, off) {
-                s.source.give_back(pl.device, pl.offset);
-            }
-        }
+/// The backend is shutting down: every request waiting fails (not held: the volume is going
+/// away).
+fn fail_all(allocs: Vec<(u64, Arc<Mailbox>, Instant)>, unmaps: Vec<Unmap>) {
+    for (chunk, m, _) in allocs {
+        post_failed(&[m], chunk, -libc::ENOMEDIUM);
     }
     for u in unmaps {
-        let bad = (u.first..u.end).any(|c| failed.contains(&map::block_of(c)));
         u.mailbox.post(Some(Note::Unmapped {
             token: u.token,
-            errno: if bad { -libc::EIO } else { 0 },
+            errno: -libc::ENOMEDIUM,
         }));
     }
+}
+
+/// Tells a pool device's health cell that metadata I/O on it failed.
+fn report(dev: &Device, offset: u64, len: u64) {
+    dev.health().report(ErrorReport {
+        signal: Signal::Errno(libc::EIO),
+        offset,
+        len,
+        write: true,
+    });
 }
 
 /// A map change: chunk, and its new device index and offset (`None`: a hole).
@@ -207,6 +264,9 @@ fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
         }
         if let Err(e) = s.spec.store.write_block(b, &buf) {
             tracing::error!(volume = %s.spec.path.display(), block = b, error = %e, "writing the thin volume's map failed");
+            if let Some((dev, off)) = s.spec.store.locate(b * BLOCK_BYTES) {
+                report(dev, off, BLOCK_BYTES);
+            }
             failed.push(b);
         }
         buf.fill(0);

@@ -28,24 +28,45 @@ pub struct ThinBackend {
 }
 
 impl ThinBackend {
-    /// Opens a thin volume: reads its whole map, checking every entry, and starts its
-    /// allocator thread. `resolve` finds a pool device by UUID (`None`: not in the pool
-    /// now; its chunks fail I/O). Returns the device and the chunks its map names.
-    pub fn open(
-        spec: ThinSpec,
-        source: Arc<dyn ChunkSource>,
-        resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>,
-    ) -> Result<(Arc<Device>, LoadedMap), Error> {
+    /// Reads a thin volume's whole map, checking every entry. What cannot be served is in
+    /// [`MapScan::problem`]; every chunk an entry that decoded names is in
+    /// [`MapScan::placements`] either way (the pool marks them taken even for a volume it
+    /// will not serve, so no chunk a map may still claim is handed out). `resolve` finds a
+    /// pool device by UUID (`None`: not in the pool now; its chunks fail I/O).
+    pub fn scan(spec: &ThinSpec, resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>) -> MapScan {
         let chunks = spec.size.div_ceil(spec.chunk);
+        let mut scan = MapScan {
+            placements: Vec::new(),
+            problem: None,
+            map: ChunkMap::new(chunks),
+            devices: Vec::new(),
+        };
         if spec.store.capacity() < chunks {
-            return Err(Error::Corrupt(format!(
+            scan.problem = Some(ScanProblem::Corrupt(format!(
                 "the map holds {} entries, the volume has {chunks} chunks",
                 spec.store.capacity()
             )));
+            return scan;
+        }
+        scan_blocks(spec, resolve, &mut scan);
+        scan
+    }
+
+    /// Serves a scanned thin volume: starts its allocator thread. Refused when the scan
+    /// found a problem.
+    pub fn start(
+        spec: ThinSpec,
+        source: Arc<dyn ChunkSource>,
+        scan: MapScan,
+    ) -> Result<Arc<Device>, Error> {
+        match scan.problem {
+            Some(ScanProblem::Corrupt(why)) => return Err(Error::Corrupt(why)),
+            Some(ScanProblem::Unreadable(why)) => return Err(Error::Unreadable(why)),
+            None => {}
         }
         let shared = Arc::new(Shared {
-            map: ChunkMap::new(chunks),
-            devices: RwLock::default(),
+            map: scan.map,
+            devices: RwLock::new(scan.devices),
             source,
             work: Mutex::default(),
             wake: Condvar::new(),
@@ -54,9 +75,9 @@ impl ThinBackend {
             followed: Mutex::default(),
             stop: AtomicBool::new(false),
             waiting_for_space: AtomicU64::new(0),
+            retire: Mutex::default(),
             spec,
         });
-        let loaded = load(&shared, resolve)?;
         let thread = crate::alloc::start(&shared).map_err(Error::Thread)?;
         let dev = Arc::new(Device::new(
             ThinBackend {
@@ -66,7 +87,19 @@ impl ThinBackend {
             &[],
         ));
         let _ = shared.health.set(dev.health().clone());
-        Ok((dev, loaded))
+        Ok(dev)
+    }
+
+    /// [`ThinBackend::scan`] then [`ThinBackend::start`]: the device and the chunks its map
+    /// names.
+    pub fn open(
+        spec: ThinSpec,
+        source: Arc<dyn ChunkSource>,
+        resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>,
+    ) -> Result<(Arc<Device>, LoadedMap), Error> {
+        let scan = Self::scan(&spec, resolve);
+        let placements = scan.placements.clone();
+        Ok((Self::start(spec, source, scan)?, placements))
     }
 
     /// The thin backend under a [`Device`] made by [`ThinBackend::open`], if it is one.
@@ -79,12 +112,17 @@ impl ThinBackend {
         self.shared.map.mapped() * self.shared.spec.chunk
     }
 
-    /// Every chunk the volume holds now (to give them back when it is deleted).
+    /// Every chunk the volume holds now: mapped, or unmapped and not given back yet (to
+    /// give them all back when it is deleted, after [`ThinBackend::shut_down`]).
     pub fn placements(&self) -> Vec<Placement> {
-        (0..self.shared.map.len())
+        let mut out: Vec<Placement> = (0..self.shared.map.len())
             .filter_map(|c| self.shared.map.get(c))
             .filter_map(|(d, off)| self.shared.placement(d, off))
-            .collect()
+            .collect();
+        let r = self.shared.retire.lock().unwrap_or_else(|p| p.into_inner());
+        out.extend(r.waiting.iter().flat_map(|w| w.1.iter().copied()));
+        out.extend(r.next.iter().copied());
+        out
     }
 
     /// Writes waiting for free space now.
@@ -110,40 +148,66 @@ impl Drop for ThinBackend {
     }
 }
 
-/// Reads every map block, checks every entry, and fills the in-memory table.
-fn load(s: &Shared, resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>) -> Result<LoadedMap, Error> {
-    let chunks = s.map.len();
+/// What a thin volume's map says (see [`ThinBackend::scan`]).
+pub struct MapScan {
+    /// Every chunk named by an entry that decoded.
+    pub placements: LoadedMap,
+    /// Why the volume cannot be served (the first one found).
+    pub problem: Option<ScanProblem>,
+    map: ChunkMap,
+    devices: Vec<(Uuid, Option<Arc<Device>>)>,
+}
+
+/// Why a map cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScanProblem {
+    /// An entry is not one (a checksum, a magic, an offset): the volume is refused.
+    Corrupt(String),
+    /// A block could not be read: which chunks it names is unknown, so no chunk may be
+    /// handed out by the pool until it can be read.
+    Unreadable(String),
+}
+
+/// Reads every map block into `scan`, going on past problems (the first one is kept).
+fn scan_blocks(spec: &ThinSpec, resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>, scan: &mut MapScan) {
+    let chunks = scan.map.len();
     let blocks = map::map_bytes(chunks) / BLOCK_BYTES;
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
-    let mut loaded = Vec::new();
     for b in 0..blocks {
-        s.spec.store.read_block(b, &mut buf)?;
+        if let Err(e) = spec.store.read_block(b, &mut buf) {
+            let why = format!("map block {b} cannot be read: {e}");
+            scan.problem = Some(ScanProblem::Unreadable(why));
+            continue;
+        }
         for i in map::block_entries(b, chunks) {
             let at = ((i % (BLOCK_BYTES / ENTRY_BYTES)) * ENTRY_BYTES) as usize;
-            let entry = map::decode(s.spec.volume, i, &buf[at..at + ENTRY_BYTES as usize])
-                .map_err(Error::Corrupt)?;
-            let Some(p) = entry else { continue };
-            if p.offset % s.spec.chunk != 0 {
-                return Err(Error::Corrupt(format!(
-                    "entry {i}: offset {} is not a multiple of the chunk size",
-                    p.offset
-                )));
-            }
-            let idx = {
-                let mut d = s.devices.write().unwrap_or_else(|p| p.into_inner());
-                match d.iter().position(|(u, _)| *u == p.device) {
-                    Some(x) => x,
-                    None => {
-                        d.push((p.device, resolve(p.device)));
-                        d.len() - 1
-                    }
+            let p = match map::decode(spec.volume, i, &buf[at..at + ENTRY_BYTES as usize]) {
+                Ok(Some(p)) if p.offset % spec.chunk == 0 => p,
+                Ok(None) => continue,
+                Ok(Some(p)) => {
+                    let why = format!(
+                        "entry {i}: offset {} is not a multiple of the chunk size",
+                        p.offset
+                    );
+                    scan.problem.get_or_insert(ScanProblem::Corrupt(why));
+                    continue;
+                }
+                Err(why) => {
+                    scan.problem.get_or_insert(ScanProblem::Corrupt(why));
+                    continue;
                 }
             };
-            s.map.set(i, Some((idx, p.offset)));
-            loaded.push(p);
+            let idx = match scan.devices.iter().position(|(u, _)| *u == p.device) {
+                Some(x) => x,
+                None => {
+                    scan.devices.push((p.device, resolve(p.device)));
+                    scan.devices.len() - 1
+                }
+            };
+            scan.map.set(i, Some((idx, p.offset)));
+            scan.placements.push(p);
         }
     }
-    Ok(loaded)
 }
 
 impl PoolDevice for ThinBackend {

@@ -3,16 +3,15 @@
 //!
 //! Two phases, as sleepable RCU does it: each queue counts the requests it has on devices
 //! per phase. A request enters the current phase before it reads the map and leaves it
-//! when its last piece completes. The allocator clears a map entry, moves to the next phase,
-//! and waits until no queue has a request left in the old one; only then does the chunk go
-//! back to the pool, where another volume may get it. Requests that read the map after the
-//! entry was cleared saw the hole.
+//! when its last piece completes. The allocator clears map entries, moves to the next phase
+//! (`flip`), and gives their chunks back to the pool, where another volume may get them,
+//! only once no queue has a request left in the old phase (`drained`, polled: never waited
+//! on). Requests that read the map after the entries were cleared saw the holes.
 //!
 //! Owns: the phase, the per-queue counters. Must not know: maps, devices, virtio.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// One queue's requests on devices, per phase parity.
 #[derive(Debug, Default)]
@@ -58,21 +57,23 @@ impl Grace {
         r.counts[(p & 1) as usize].fetch_sub(1, Ordering::Release);
     }
 
-    /// Waits until every request that may have read the map before this call has left the
-    /// devices. Called by the allocator thread only (one wait at a time).
-    pub(crate) fn wait(&self, stop: &dyn Fn() -> bool) {
-        let old = self.phase.fetch_add(1, Ordering::SeqCst);
+    /// Starts a grace period: from now on requests count in the next phase. Returns the
+    /// phase that must drain ([`Grace::drained`]) before what was unmapped before this call
+    /// may be reused. One grace period at a time: the allocator flips again only once the
+    /// previous one drained (the two parities would mix otherwise).
+    pub(crate) fn flip(&self) -> u64 {
+        self.phase.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Whether no request of phase `old` is left on a device. SeqCst, as the readers'
+    /// increments are: a reader that counted itself before the flip is seen here, and one
+    /// that counted itself after it sees the new phase (and the cleared map entries).
+    pub(crate) fn drained(&self, old: u64) -> bool {
         let parity = (old & 1) as usize;
-        let readers: Vec<Arc<Readers>> = self
-            .readers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        for r in readers {
-            while r.counts[parity].load(Ordering::Acquire) != 0 && !stop() {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
+        let readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        readers
+            .iter()
+            .all(|r| r.counts[parity].load(Ordering::SeqCst) == 0)
     }
 }
 
@@ -81,25 +82,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_wait_outlasts_requests_that_entered_before_it() {
-        use std::sync::atomic::AtomicBool;
-        let g = Arc::new(Grace::default());
+    fn a_grace_period_outlasts_requests_that_entered_before_it_only() {
+        let g = Grace::default();
         let r = g.register();
         let p = g.enter(&r);
-        let left = Arc::new(AtomicBool::new(false));
-        let (g2, r2, l2) = (g.clone(), r.clone(), left.clone());
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            l2.store(true, Ordering::SeqCst);
-            g2.leave(&r2, p);
-        });
-        g.wait(&|| false);
-        assert!(
-            left.load(Ordering::SeqCst),
-            "the wait ended before the request left"
-        );
-        t.join().unwrap();
-        // Nothing on the devices: the next wait ends at once.
-        g.wait(&|| false);
+        let old = g.flip();
+        assert!(!g.drained(old), "a request of the old phase is still out");
+        // A request entering after the flip counts in the new phase: not waited for.
+        let p2 = g.enter(&r);
+        g.leave(&r, p);
+        assert!(g.drained(old));
+        let old2 = g.flip();
+        assert!(!g.drained(old2));
+        g.leave(&r, p2);
+        assert!(g.drained(old2));
     }
 }

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use uuid::Uuid;
 
-pub use backend::{LoadedMap, ThinBackend};
+pub use backend::{LoadedMap, MapScan, ScanProblem, ThinBackend};
 pub use queue::ThinQueue;
 pub use shared::ThinSpec;
 
@@ -38,6 +38,8 @@ pub enum Error {
     Device(#[from] spool_devices::Error),
     #[error("thin volume map is corrupt: {0}")]
     Corrupt(String),
+    #[error("thin volume map cannot be read: {0}")]
+    Unreadable(String),
     #[error("cannot start the thin volume's allocator: {0}")]
     Thread(std::io::Error),
 }

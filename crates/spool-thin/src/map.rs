@@ -112,7 +112,7 @@ impl MapStore {
     }
 
     /// The device and device offset of map byte `at` (block aligned).
-    fn locate(&self, mut at: u64) -> Option<(&Arc<Device>, u64)> {
+    pub(crate) fn locate(&self, mut at: u64) -> Option<(&Arc<Device>, u64)> {
         for e in &self.extents {
             if at < e.len {
                 return Some((&e.device, e.offset + at));

@@ -57,6 +57,17 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     /// Writes waiting for free space now (shown by `volume show`).
     pub(crate) waiting_for_space: AtomicU64,
+    /// Chunks unmapped and not given back yet (the allocator's; read when the volume goes).
+    pub(crate) retire: Mutex<Retire>,
+}
+
+/// Chunks unmapped and not yet given back.
+#[derive(Debug, Default)]
+pub(crate) struct Retire {
+    /// Waiting for the phase (the value `Grace::flip` returned) to drain.
+    pub(crate) waiting: Option<(u64, Vec<Placement>)>,
+    /// Unmapped since; their grace period starts when `waiting` is done.
+    pub(crate) next: Vec<Placement>,
 }
 
 impl Shared {
@@ -181,7 +192,8 @@ pub(crate) struct Unmap {
 /// Work waiting for the thread.
 #[derive(Debug, Default)]
 pub(crate) struct Work {
-    pub(crate) allocs: Vec<(u64, Arc<Mailbox>)>,
+    /// Chunks asked for, by whom, and when (the full-pool wait runs from then).
+    pub(crate) allocs: Vec<(u64, Arc<Mailbox>, std::time::Instant)>,
     pub(crate) unmaps: Vec<Unmap>,
 }
 
@@ -189,7 +201,8 @@ impl Shared {
     /// Asks for chunk `chunk`; `mailbox` is woken when it is mapped or failed.
     pub(crate) fn request_chunk(&self, chunk: u64, mailbox: &Arc<Mailbox>) {
         let mut w = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        w.allocs.push((chunk, mailbox.clone()));
+        w.allocs
+            .push((chunk, mailbox.clone(), std::time::Instant::now()));
         drop(w);
         self.wake.notify_one();
     }
@@ -200,6 +213,12 @@ impl Shared {
         w.unmaps.push(u);
         drop(w);
         self.wake.notify_one();
+    }
+
+    /// Whether chunks wait for their grace period.
+    pub(crate) fn retiring(&self) -> bool {
+        let r = self.retire.lock().unwrap_or_else(|p| p.into_inner());
+        r.waiting.is_some() || !r.next.is_empty()
     }
 
     pub(crate) fn stopping(&self) -> bool {

@@ -18,11 +18,12 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
-use spool_devices::iov::split_iov;
 use spool_devices::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
 
 use crate::grace::Readers;
-use crate::shared::{Mailbox, Note, Shared, Unmap};
+
+mod dispatch;
+use crate::shared::{Mailbox, Note, Shared};
 
 /// One request of the worker's, spread over chunks.
 struct Op {
@@ -34,6 +35,8 @@ struct Op {
     unmapping: bool,
     /// Waiting for chunks to be allocated.
     parked: bool,
+    /// Which unmap answer is this request's (slots are reused).
+    seq: u32,
     err: i32,
     /// The grace phase while pieces are on devices.
     phase: Option<u64>,
@@ -58,6 +61,8 @@ pub struct ThinQueue {
     parked: Vec<usize>,
     done: VecDeque<(u64, i32)>,
     in_flight: usize,
+    /// The last unmap token's sequence number.
+    seq: u32,
     completion_events: bool,
     epoll: OwnedFd,
 }
@@ -84,6 +89,7 @@ impl ThinQueue {
             parked: Vec::new(),
             done: VecDeque::new(),
             in_flight: 0,
+            seq: 0,
             completion_events: true,
             epoll,
         })
@@ -127,215 +133,6 @@ impl ThinQueue {
         Ok(self.queues[d].as_mut().expect("opened above"))
     }
 
-    /// Sends request `idx` on (or parks it, or finishes it).
-    fn dispatch(&mut self, idx: usize) {
-        let io = self.ops[idx].as_ref().expect("live op").io;
-        match io {
-            DeviceIo::Read {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            } => self.dispatch_data(idx, false, offset, len, iov, iovcnt),
-            DeviceIo::Write {
-                offset,
-                len,
-                iov,
-                iovcnt,
-            } => self.dispatch_data(idx, true, offset, len, iov, iovcnt),
-            DeviceIo::Flush => self.dispatch_flush(idx),
-            DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
-                self.dispatch_trim(idx, offset, len)
-            }
-        }
-    }
-
-    /// The chunk pieces of `[offset, offset + len)`: (chunk, offset within it, length,
-    /// offset within the request).
-    fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, u64, u64, u64)> {
-        let chunk = self.shared.spec.chunk;
-        let mut out = Vec::with_capacity(1);
-        let mut done = 0;
-        while done < len {
-            let pos = offset + done;
-            let within = pos % chunk;
-            let n = (chunk - within).min(len - done);
-            out.push((pos / chunk, within, n, done));
-            done += n;
-        }
-        out
-    }
-
-    fn dispatch_data(
-        &mut self,
-        idx: usize,
-        write: bool,
-        offset: u64,
-        len: u64,
-        iov: *const IoVec,
-        iovcnt: u32,
-    ) {
-        let chunk = self.shared.spec.chunk;
-        if len > 0 && offset / chunk == (offset + len - 1) / chunk {
-            return self.dispatch_one(idx, write, offset, len, iov, iovcnt);
-        }
-        let phase = self.shared.grace.enter(&self.readers);
-        let pieces = self.pieces(offset, len);
-        let found: Vec<Option<(usize, u64)>> =
-            pieces.iter().map(|p| self.shared.map.get(p.0)).collect();
-        if write && found.iter().any(Option::is_none) {
-            self.shared.grace.leave(&self.readers, phase);
-            for (p, f) in pieces.iter().zip(&found) {
-                if f.is_none() {
-                    self.shared.request_chunk(p.0, &self.mailbox);
-                }
-            }
-            self.ops[idx].as_mut().expect("live op").parked = true;
-            self.parked.push(idx);
-            return;
-        }
-        self.op(idx).phase = Some(phase);
-        // SAFETY: the caller of `submit` keeps the iovec array valid until completion.
-        let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
-        let whole = pieces.len() == 1;
-        for (&(_, within, n, at), f) in pieces.iter().zip(&found) {
-            let Some((d, off)) = *f else {
-                zero_fill(iovs, at, n);
-                continue;
-            };
-            let (piov, pcnt) = if whole {
-                (iov, iovcnt)
-            } else {
-                let s = split_iov(iovs, at, n);
-                let r = (s.as_ptr(), s.len() as u32);
-                self.op(idx).split.push(s);
-                r
-            };
-            match self.queue(d) {
-                Ok(q) => {
-                    // SAFETY: the pieces' iovecs point into the caller's buffers, valid until
-                    // the request completes; split arrays live in the op until then.
-                    unsafe {
-                        q.submit(
-                            DeviceIo::data(write, off + within, n, piov, pcnt),
-                            idx as u64,
-                        )
-                    };
-                    self.op(idx).pending += 1;
-                }
-                Err(e) => self.op(idx).err = e,
-            }
-        }
-        self.maybe_finish(idx);
-    }
-
-    /// A request within one chunk (nearly all of them): no splitting, no allocation.
-    #[inline]
-    fn dispatch_one(
-        &mut self,
-        idx: usize,
-        write: bool,
-        offset: u64,
-        len: u64,
-        iov: *const IoVec,
-        iovcnt: u32,
-    ) {
-        let chunk = self.shared.spec.chunk;
-        let phase = self.shared.grace.enter(&self.readers);
-        match self.shared.map.get(offset / chunk) {
-            None if write => {
-                self.shared.grace.leave(&self.readers, phase);
-                self.shared.request_chunk(offset / chunk, &self.mailbox);
-                self.op(idx).parked = true;
-                self.parked.push(idx);
-            }
-            None => {
-                self.shared.grace.leave(&self.readers, phase);
-                // SAFETY: the caller of `submit` keeps the iovec array valid until completion.
-                zero_fill(
-                    unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) },
-                    0,
-                    len,
-                );
-                self.maybe_finish(idx);
-            }
-            Some((d, off)) => {
-                self.op(idx).phase = Some(phase);
-                let at = off + offset % chunk;
-                match self.queue(d) {
-                    Ok(q) => {
-                        // SAFETY: the caller's iovecs, valid until the request completes.
-                        unsafe {
-                            q.submit(DeviceIo::data(write, at, len, iov, iovcnt), idx as u64)
-                        };
-                        self.op(idx).pending = 1;
-                    }
-                    Err(e) => self.op(idx).err = e,
-                }
-                self.maybe_finish(idx);
-            }
-        }
-    }
-
-    fn dispatch_flush(&mut self, idx: usize) {
-        let mut n = 0;
-        for q in self.queues.iter_mut().flatten() {
-            // SAFETY: a flush carries no buffers.
-            unsafe { q.submit(DeviceIo::Flush, idx as u64) };
-            n += 1;
-        }
-        self.op(idx).pending = n;
-        self.maybe_finish(idx);
-    }
-
-    /// Discard or write-zeroes: whole chunks are unmapped, partial ones passed on.
-    fn dispatch_trim(&mut self, idx: usize, offset: u64, len: u64) {
-        let chunk = self.shared.spec.chunk;
-        let zeroes = matches!(self.op(idx).io, DeviceIo::WriteZeroes { .. });
-        let phase = self.shared.grace.enter(&self.readers);
-        self.op(idx).phase = Some(phase);
-        let (mut first, mut end) = (u64::MAX, 0);
-        for (c, within, n, _) in self.pieces(offset, len) {
-            if n == chunk {
-                first = first.min(c);
-                end = end.max(c + 1);
-                continue;
-            }
-            let Some((d, off)) = self.shared.map.get(c) else {
-                continue;
-            };
-            let io = if zeroes {
-                DeviceIo::WriteZeroes {
-                    offset: off + within,
-                    len: n,
-                }
-            } else {
-                DeviceIo::Discard {
-                    offset: off + within,
-                    len: n,
-                }
-            };
-            match self.queue(d) {
-                Ok(q) => {
-                    // SAFETY: no buffers.
-                    unsafe { q.submit(io, idx as u64) };
-                    self.op(idx).pending += 1;
-                }
-                Err(e) => self.op(idx).err = e,
-            }
-        }
-        if first < end {
-            self.op(idx).unmapping = true;
-            self.shared.request_unmap(Unmap {
-                first,
-                end,
-                token: idx as u64,
-                mailbox: self.mailbox.clone(),
-            });
-        }
-        self.maybe_finish(idx);
-    }
-
     fn op(&mut self, idx: usize) -> &mut Op {
         self.ops[idx].as_mut().expect("live op")
     }
@@ -369,19 +166,23 @@ impl ThinQueue {
         for n in notes {
             match n {
                 Note::Failed { chunk, errno } => {
-                    let cs = self.shared.spec.chunk;
                     for &idx in &self.parked {
                         let op = self.ops[idx].as_mut().expect("parked op");
-                        if let DeviceIo::Write { offset, len, .. } = op.io {
-                            if (offset / cs..(offset + len).div_ceil(cs)).contains(&chunk) {
-                                op.err = errno;
-                            }
+                        if op_chunks(&op.io, self.shared.spec.chunk).contains(&chunk) {
+                            op.err = errno;
                         }
                     }
                 }
                 Note::Unmapped { token, errno } => {
-                    let idx = token as usize;
-                    let op = self.op(idx);
+                    let idx = (token >> 32) as usize;
+                    // A token of a request cancelled since (its slot free or reused) is
+                    // ignored.
+                    let Some(op) = self.ops.get_mut(idx).and_then(Option::as_mut) else {
+                        continue;
+                    };
+                    if !op.unmapping || op.seq != token as u32 {
+                        continue;
+                    }
                     op.unmapping = false;
                     if errno != 0 && op.err == 0 {
                         op.err = errno;
@@ -390,14 +191,24 @@ impl ThinQueue {
                 }
             }
         }
-        let parked = std::mem::take(&mut self.parked);
-        let again = !parked.is_empty();
-        for idx in parked {
+        // Parked writes go out once every chunk they touch is mapped (or fail); the others
+        // keep waiting for the answers they asked for.
+        let mut again = false;
+        for idx in std::mem::take(&mut self.parked) {
+            let chunk = self.shared.spec.chunk;
+            let op = self.ops[idx].as_ref().expect("parked op");
+            let ready =
+                op.err != 0 || op_chunks(&op.io, chunk).all(|c| self.shared.map.get(c).is_some());
+            if !ready {
+                self.parked.push(idx);
+                continue;
+            }
             let op = self.op(idx);
             op.parked = false;
             if op.err != 0 {
                 self.maybe_finish(idx);
             } else {
+                again = true;
                 self.dispatch(idx);
             }
         }
@@ -407,6 +218,23 @@ impl ThinQueue {
                 tracing::warn!(error = %e, "kicking a thin volume's device queues failed");
             }
         }
+    }
+
+    /// Completes every parked write with `ECANCELED` (they touched no buffer and no device:
+    /// the worker submits them again, or, stopping, fails them); returns how many.
+    fn cancel_parked(&mut self) -> usize {
+        let parked = std::mem::take(&mut self.parked);
+        let n = parked.len();
+        for idx in parked {
+            let op = self.op(idx);
+            op.parked = false;
+            op.err = -libc::ECANCELED;
+            self.maybe_finish(idx);
+        }
+        if n > 0 && self.completion_events {
+            self.mailbox.ring();
+        }
+        n
     }
 
     /// Follows the pool devices' health (one load per open queue).
@@ -432,12 +260,11 @@ impl ThinQueue {
     }
 }
 
-/// Zeroes bytes `[at, at + n)` of what `iov` describes.
-fn zero_fill(iov: &[IoVec], at: u64, n: u64) {
-    for v in split_iov(iov, at, n).iter() {
-        // SAFETY: the caller of `submit` keeps the buffers valid and ours to write until the
-        // read completes; `split_iov` stays within them.
-        unsafe { std::ptr::write_bytes(v.iov_base as *mut u8, 0, v.iov_len) };
+/// The chunks a write touches (none for other requests).
+fn op_chunks(io: &DeviceIo, chunk: u64) -> std::ops::Range<u64> {
+    match *io {
+        DeviceIo::Write { offset, len, .. } => offset / chunk..(offset + len).div_ceil(chunk),
+        _ => 0..0,
     }
 }
 
@@ -453,6 +280,7 @@ impl DeviceQueue for ThinQueue {
             pending: 0,
             unmapping: false,
             parked: false,
+            seq: 0,
             err: 0,
             phase: None,
             split: Vec::new(),
@@ -541,11 +369,15 @@ impl DeviceQueue for ThinQueue {
         self.in_flight + self.done.len()
     }
 
+    /// Aborts the pool devices' hung commands, and cancels the writes parked for a chunk
+    /// (a stop or a reset must not wait `full_wait` for them).
     fn abort(&mut self) -> usize {
-        self.queues.iter_mut().flatten().map(|q| q.abort()).sum()
+        let n: usize = self.queues.iter_mut().flatten().map(|q| q.abort()).sum();
+        n + self.cancel_parked()
     }
 
     fn abandon(&mut self) -> usize {
-        self.queues.iter_mut().flatten().map(|q| q.abandon()).sum()
+        let n: usize = self.queues.iter_mut().flatten().map(|q| q.abandon()).sum();
+        n + self.cancel_parked()
     }
 }

@@ -1,0 +1,250 @@
+//! Sending one request of the worker's on: split at chunk boundaries onto the pool
+//! devices' queues, holes read as zeroes, writes to holes parked for the allocator,
+//! discards of whole chunks unmapped, flushes to every device the volume uses.
+//!
+//! Owns: the splitting. Must not know: virtio, the pool.
+
+use spool_devices::iov::split_iov;
+use spool_devices::{DeviceIo, DeviceQueue, IoVec};
+
+use super::ThinQueue;
+use crate::shared::Unmap;
+
+impl ThinQueue {
+    /// Sends request `idx` on (or parks it, or finishes it).
+    pub(super) fn dispatch(&mut self, idx: usize) {
+        let io = self.ops[idx].as_ref().expect("live op").io;
+        match io {
+            DeviceIo::Read {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => self.dispatch_data(idx, false, offset, len, iov, iovcnt),
+            DeviceIo::Write {
+                offset,
+                len,
+                iov,
+                iovcnt,
+            } => self.dispatch_data(idx, true, offset, len, iov, iovcnt),
+            DeviceIo::Flush => self.dispatch_flush(idx),
+            DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
+                self.dispatch_trim(idx, offset, len)
+            }
+        }
+    }
+
+    /// The chunk pieces of `[offset, offset + len)`: (chunk, offset within it, length,
+    /// offset within the request).
+    fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, u64, u64, u64)> {
+        let chunk = self.shared.spec.chunk;
+        let mut out = Vec::with_capacity(1);
+        let mut done = 0;
+        while done < len {
+            let pos = offset + done;
+            let within = pos % chunk;
+            let n = (chunk - within).min(len - done);
+            out.push((pos / chunk, within, n, done));
+            done += n;
+        }
+        out
+    }
+
+    fn dispatch_data(
+        &mut self,
+        idx: usize,
+        write: bool,
+        offset: u64,
+        len: u64,
+        iov: *const IoVec,
+        iovcnt: u32,
+    ) {
+        let chunk = self.shared.spec.chunk;
+        if len > 0 && offset / chunk == (offset + len - 1) / chunk {
+            return self.dispatch_one(idx, write, offset, len, iov, iovcnt);
+        }
+        let phase = self.shared.grace.enter(&self.readers);
+        let pieces = self.pieces(offset, len);
+        let found: Vec<Option<(usize, u64)>> =
+            pieces.iter().map(|p| self.shared.map.get(p.0)).collect();
+        if write && found.iter().any(Option::is_none) {
+            self.shared.grace.leave(&self.readers, phase);
+            for (p, f) in pieces.iter().zip(&found) {
+                if f.is_none() {
+                    self.shared.request_chunk(p.0, &self.mailbox);
+                }
+            }
+            self.ops[idx].as_mut().expect("live op").parked = true;
+            self.parked.push(idx);
+            return;
+        }
+        self.op(idx).phase = Some(phase);
+        // SAFETY: the caller of `submit` keeps the iovec array valid until completion.
+        let iovs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
+        let whole = pieces.len() == 1;
+        for (&(_, within, n, at), f) in pieces.iter().zip(&found) {
+            let Some((d, off)) = *f else {
+                zero_fill(iovs, at, n);
+                continue;
+            };
+            let (piov, pcnt) = if whole {
+                (iov, iovcnt)
+            } else {
+                let s = split_iov(iovs, at, n);
+                let r = (s.as_ptr(), s.len() as u32);
+                self.op(idx).split.push(s);
+                r
+            };
+            match self.queue(d) {
+                Ok(q) => {
+                    // SAFETY: the pieces' iovecs point into the caller's buffers, valid until
+                    // the request completes; split arrays live in the op until then.
+                    unsafe {
+                        q.submit(
+                            DeviceIo::data(write, off + within, n, piov, pcnt),
+                            idx as u64,
+                        )
+                    };
+                    self.op(idx).pending += 1;
+                }
+                Err(e) => self.op(idx).err = e,
+            }
+        }
+        self.maybe_finish(idx);
+    }
+
+    /// A request within one chunk (nearly all of them): no splitting, no allocation.
+    #[inline]
+    fn dispatch_one(
+        &mut self,
+        idx: usize,
+        write: bool,
+        offset: u64,
+        len: u64,
+        iov: *const IoVec,
+        iovcnt: u32,
+    ) {
+        let chunk = self.shared.spec.chunk;
+        let phase = self.shared.grace.enter(&self.readers);
+        match self.shared.map.get(offset / chunk) {
+            None if write => {
+                self.shared.grace.leave(&self.readers, phase);
+                self.shared.request_chunk(offset / chunk, &self.mailbox);
+                self.op(idx).parked = true;
+                self.parked.push(idx);
+            }
+            None => {
+                self.shared.grace.leave(&self.readers, phase);
+                // SAFETY: the caller of `submit` keeps the iovec array valid until completion.
+                zero_fill(
+                    unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) },
+                    0,
+                    len,
+                );
+                self.maybe_finish(idx);
+            }
+            Some((d, off)) => {
+                self.op(idx).phase = Some(phase);
+                let at = off + offset % chunk;
+                match self.queue(d) {
+                    Ok(q) => {
+                        // SAFETY: the caller's iovecs, valid until the request completes.
+                        unsafe {
+                            q.submit(DeviceIo::data(write, at, len, iov, iovcnt), idx as u64)
+                        };
+                        self.op(idx).pending = 1;
+                    }
+                    Err(e) => self.op(idx).err = e,
+                }
+                self.maybe_finish(idx);
+            }
+        }
+    }
+
+    /// A flush goes to every pool device holding a chunk of the volume, whether or not this
+    /// queue wrote there (another queue's writes are the guest's too); one not in the pool
+    /// or isolated has nothing left to make durable.
+    fn dispatch_flush(&mut self, idx: usize) {
+        let devices = self
+            .shared
+            .devices
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .len();
+        let mut n = 0;
+        for d in 0..devices {
+            match self.queue(d) {
+                Ok(q) => {
+                    // SAFETY: a flush carries no buffers.
+                    unsafe { q.submit(DeviceIo::Flush, idx as u64) };
+                    n += 1;
+                }
+                Err(e) if e == -libc::ENOMEDIUM => {}
+                Err(e) => self.op(idx).err = e,
+            }
+        }
+        self.op(idx).pending = n;
+        self.maybe_finish(idx);
+    }
+
+    /// Discard or write-zeroes: whole chunks are unmapped, partial ones passed on.
+    fn dispatch_trim(&mut self, idx: usize, offset: u64, len: u64) {
+        let chunk = self.shared.spec.chunk;
+        let zeroes = matches!(self.op(idx).io, DeviceIo::WriteZeroes { .. });
+        let phase = self.shared.grace.enter(&self.readers);
+        self.op(idx).phase = Some(phase);
+        let (mut first, mut end) = (u64::MAX, 0);
+        let size = self.shared.spec.size;
+        for (c, within, n, _) in self.pieces(offset, len) {
+            // Whole: the chunk, or all of the volume's last, partial chunk.
+            if n == chunk || (within == 0 && c * chunk + n >= size) {
+                first = first.min(c);
+                end = end.max(c + 1);
+                continue;
+            }
+            let Some((d, off)) = self.shared.map.get(c) else {
+                continue;
+            };
+            let io = if zeroes {
+                DeviceIo::WriteZeroes {
+                    offset: off + within,
+                    len: n,
+                }
+            } else {
+                DeviceIo::Discard {
+                    offset: off + within,
+                    len: n,
+                }
+            };
+            match self.queue(d) {
+                Ok(q) => {
+                    // SAFETY: no buffers.
+                    unsafe { q.submit(io, idx as u64) };
+                    self.op(idx).pending += 1;
+                }
+                Err(e) => self.op(idx).err = e,
+            }
+        }
+        if first < end {
+            self.op(idx).unmapping = true;
+            self.seq = self.seq.wrapping_add(1);
+            self.op(idx).seq = self.seq;
+            self.shared.request_unmap(Unmap {
+                first,
+                end,
+                token: (idx as u64) << 32 | self.seq as u64,
+                mailbox: self.mailbox.clone(),
+            });
+        }
+        self.maybe_finish(idx);
+    }
+}
+
+/// Zeroes bytes `[at, at + n)` of what `iov` describes.
+fn zero_fill(iov: &[IoVec], at: u64, n: u64) {
+    for v in split_iov(iov, at, n).iter() {
+        // SAFETY: the caller of `submit` keeps the buffers valid and ours to write until the
+        // read completes; `split_iov` stays within them.
+        unsafe { std::ptr::write_bytes(v.iov_base as *mut u8, 0, v.iov_len) };
+    }
+}
