@@ -59,6 +59,8 @@ pub struct ThinQueue {
     ops: Vec<Option<Op>>,
     free: Vec<usize>,
     parked: Vec<usize>,
+    /// Ops whose last piece came back in this reap (kept to reuse its allocation).
+    finished: Vec<usize>,
     done: VecDeque<(u64, i32)>,
     in_flight: usize,
     /// The last unmap token's sequence number.
@@ -87,6 +89,7 @@ impl ThinQueue {
             ops: Vec::new(),
             free: Vec::new(),
             parked: Vec::new(),
+            finished: Vec::new(),
             done: VecDeque::new(),
             in_flight: 0,
             seq: 0,
@@ -302,7 +305,7 @@ impl DeviceQueue for ThinQueue {
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
         self.check_epochs();
         self.read_mail();
-        let mut finished = Vec::new();
+        let mut finished = std::mem::take(&mut self.finished);
         for d in 0..self.queues.len() {
             let Some(q) = self.queues[d].as_mut() else {
                 continue;
@@ -332,9 +335,11 @@ impl DeviceQueue for ThinQueue {
                 }
             });
         }
-        for idx in finished {
+        for &idx in &finished {
             self.maybe_finish(idx);
         }
+        finished.clear();
+        self.finished = finished;
         let n = self.done.len();
         while let Some((tag, res)) = self.done.pop_front() {
             done(tag, res);
