@@ -28,6 +28,7 @@ mod mirrors;
 mod startup;
 mod stats;
 mod status;
+mod thin;
 mod volumes;
 
 pub use keeper::Keeping;

@@ -26,6 +26,18 @@ pub struct Snapshot {
     pub volumes: Vec<VolumeStats>,
     pub devices: Vec<DeviceHealthReport>,
     pub status: Status,
+    pub space: Space,
+}
+
+/// The pool's space, and each thin volume's (docs/thin.md).
+#[derive(Debug, Clone, Default)]
+pub struct Space {
+    pub size: u64,
+    pub free: u64,
+    pub thin_provisioned: u64,
+    pub thin_mapped: u64,
+    /// Per thin volume: name, bytes backed by chunks, writes waiting for free space.
+    pub thin: Vec<(String, u64, u64)>,
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -342,10 +354,59 @@ impl Snapshot {
     }
 }
 
+impl Snapshot {
+    fn encode_space(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+        let s = &self.space;
+        for (name, help, v) in [
+            (
+                "spool_pool_size_bytes",
+                "Bytes of the pool's devices that hold data.",
+                s.size,
+            ),
+            (
+                "spool_pool_free_bytes",
+                "Bytes no volume, map or chunk holds.",
+                s.free,
+            ),
+            (
+                "spool_pool_thin_provisioned_bytes",
+                "The sum of thin volumes' sizes (above spool_pool_size_bytes: over-committed).",
+                s.thin_provisioned,
+            ),
+            (
+                "spool_pool_thin_mapped_bytes",
+                "Bytes thin volumes' chunks take.",
+                s.thin_mapped,
+            ),
+        ] {
+            gauges(enc, name, help, [(Labels::new(), v as f64)])?;
+        }
+        let each = |f: fn(&(String, u64, u64)) -> f64| {
+            s.thin
+                .iter()
+                .map(move |t| (vec![("volume", t.0.clone())], f(t)))
+                .collect::<Vec<_>>()
+        };
+        gauges(
+            enc,
+            "spool_volume_thin_mapped_bytes",
+            "Bytes of a thin volume backed by chunks.",
+            each(|t| t.1 as f64),
+        )?;
+        gauges(
+            enc,
+            "spool_volume_thin_waiting_writes",
+            "Writes to a thin volume held because the pool is full.",
+            each(|t| t.2 as f64),
+        )
+    }
+}
+
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         self.encode_volumes(&mut enc)?;
         self.encode_devices(&mut enc)?;
+        self.encode_space(&mut enc)?;
         self.encode_restarts(&mut enc)
     }
 }

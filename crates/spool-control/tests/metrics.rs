@@ -575,3 +575,55 @@ fn upgrades_are_counted_and_each_kinds_stalls_and_phases_kept() {
     t.join().unwrap();
     assert_eq!((load.errors(), load.corrupt()), (0, 0));
 }
+
+/// Thin volumes' space: what the pool promises and what chunks take, per volume and in all,
+/// as `pool_show` says it.
+#[test]
+fn scrapes_show_thin_volumes_space() {
+    let port = free_port();
+    let d = Spoold::start(&format!(
+        r#"
+[metrics]
+listen = "127.0.0.1:{port}"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "t"
+size = "1G"
+num_queues = 1
+thin = true
+"#
+    ));
+    let mut c = common::connect(&d.socket("t"), 1, false).unwrap();
+    for at in [0u64, 700 << 20] {
+        assert_eq!(c.write_sync(0, at, &common::pattern(1, at, 4096)), 0);
+    }
+    drop(c);
+    let m = scrape(port);
+    let p = d.rpc("pool_show", json!({})).unwrap();
+    assert_eq!(
+        sample(&m, "spool_pool_thin_provisioned_bytes"),
+        (1u64 << 30) as f64
+    );
+    assert_eq!(
+        sample(&m, "spool_pool_thin_mapped_bytes"),
+        (2u64 << 20) as f64
+    );
+    assert_eq!(
+        sample(&m, "spool_volume_thin_mapped_bytes{volume=\"t\"}"),
+        (2u64 << 20) as f64
+    );
+    assert_eq!(
+        sample(&m, "spool_volume_thin_waiting_writes{volume=\"t\"}"),
+        0.0
+    );
+    assert_eq!(
+        sample(&m, "spool_pool_free_bytes"),
+        p["free"].as_f64().unwrap()
+    );
+    assert_eq!(
+        sample(&m, "spool_pool_size_bytes"),
+        p["size"].as_f64().unwrap()
+    );
+}

@@ -60,6 +60,25 @@ fn wait_free(d: &Spoold, want: u64) {
     assert_eq!(pool_free(d), want);
 }
 
+/// Waits (up to 10 s) for a "pool-space" event whose reason contains `what`; returns it.
+fn wait_event(d: &Spoold, what: &str) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let e = d.rpc("events_list", json!({"wait_ms": 500})).unwrap();
+        let found = e["events"].as_array().unwrap().iter().find_map(|e| {
+            let reason = e["reason"].as_str()?;
+            (e["kind"] == "pool-space" && reason.contains(what)).then(|| reason.to_string())
+        });
+        if let Some(r) = found {
+            return r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no pool-space event with {what:?}: {e}"
+        );
+    }
+}
+
 /// Sends a discard (or write-zeroes) on queue 0 and waits for its result.
 fn trim(c: &mut Client_, zeroes: bool, offset: u64, len: u64) -> i32 {
     if zeroes {
@@ -152,6 +171,10 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
     );
     assert!(d.log().contains("the pool is full"), "{}", d.log());
     assert_eq!(pool_free(&d), 0);
+    // The operator is told: free space fell below 20%, 10% and 5% of the pool (one event per
+    // settler round that saw a level crossed; at least the last says 0% free).
+    let said = wait_event(&d, "0% free");
+    assert!(said.contains("thin volumes promise"), "{said}");
     // Freeing a chunk lets the same write through.
     assert_eq!(trim(&mut c, false, 100 * MIB, MIB), 0);
     assert_eq!(c.write_sync(0, (100 + free) * MIB, &pattern(1, 0, 4096)), 0);

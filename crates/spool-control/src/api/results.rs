@@ -446,6 +446,10 @@ pub enum HealthEventKind {
     /// A mirrored volume with a leg on the device: degraded, rebuilding (with progress),
     /// rebuilt.
     Mirror,
+    /// The pool's free space while thin volumes may take chunks (device: nil, path: the
+    /// pool's name): below 20%, 10% or 5%, above again, writes waiting for space.
+    #[serde(rename = "pool-space")]
+    PoolSpace,
 }
 
 impl HealthEventKind {

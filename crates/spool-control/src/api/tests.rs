@@ -101,7 +101,14 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
 
 #[test]
 fn event_kinds_are_the_monitors_strings() {
-    for k in ["state", "warning", "replaced", "restored", "mirror"] {
+    for k in [
+        "state",
+        "warning",
+        "replaced",
+        "restored",
+        "mirror",
+        "pool-space",
+    ] {
         let kind = HealthEventKind::parse(k).unwrap();
         assert_eq!(serde_json::to_value(kind).unwrap(), json!(k));
     }

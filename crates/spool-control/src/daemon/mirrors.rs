@@ -124,13 +124,15 @@ impl Daemon {
         }
     }
 
-    /// Starts the mirror settler (see the module doc).
+    /// Starts the mirror settler (see the module doc); it also reports thin volumes' space
+    /// (`thin.rs`).
     pub(super) fn start_mirror_settler(self: &Arc<Self>) {
         let weak: Weak<Daemon> = Arc::downgrade(self);
         let _ = std::thread::Builder::new()
             .name("spool-mirrors".into())
             .spawn(move || {
                 let mut seen = HashMap::new();
+                let mut space = super::thin::SpaceWatch::default();
                 loop {
                     std::thread::sleep(Duration::from_millis(500));
                     let Some(d) = weak.upgrade() else { return };
@@ -139,6 +141,7 @@ impl Daemon {
                     }
                     d.settle_mirrors();
                     d.report_mirrors(&mut seen);
+                    d.report_thin_space(&mut space);
                 }
             });
     }

@@ -153,6 +153,7 @@ impl Daemon {
             volumes,
             devices,
             status: self.status_now(),
+            space: self.space(),
         }
     }
 }
