@@ -29,7 +29,18 @@ use std::time::{Duration, Instant};
 use spool_devices::{Device, ErrorReport, Signal};
 
 use crate::map::{self, BLOCK_BYTES, ENTRY_BYTES};
-use crate::shared::{Mailbox, Note, Shared, Unmap};
+use crate::shared::{CrashPoint, Mailbox, Note, Shared, Unmap};
+
+/// Dies here when a test armed this point (nothing in other builds).
+#[inline]
+fn crash_point(s: &Shared, at: CrashPoint) {
+    #[cfg(test)]
+    if *s.crash_at.lock().unwrap_or_else(|p| p.into_inner()) == Some(at) {
+        panic!("thin allocator: test crash point {at:?}");
+    }
+    #[cfg(not(test))]
+    let _ = (s, at);
+}
 
 /// How often chunks waiting for their grace period are checked.
 const RETIRE_POLL: Duration = Duration::from_millis(2);
@@ -117,7 +128,13 @@ impl Allocator<'_> {
                 Err(errno) => post_failed(boxes, c, errno),
             }
         }
+        if !fresh.is_empty() {
+            crash_point(self.s, CrashPoint::Zeroed);
+        }
         let failed = persist(self.s, &fresh);
+        if !fresh.is_empty() {
+            crash_point(self.s, CrashPoint::MapWritten);
+        }
         for &(c, p) in &fresh {
             if failed.contains(&map::block_of(c)) {
                 // Maybe on the device: the chunk stays taken (see the module doc).
@@ -166,6 +183,7 @@ impl Allocator<'_> {
             s.waiting_for_space.fetch_sub(1, Ordering::Relaxed);
         }
         let (uuid, dev, off) = got?;
+        crash_point(s, CrashPoint::Taken);
         if let Err(e) = dev.zero_range(off, s.spec.chunk) {
             tracing::error!(volume = %s.spec.path.display(), error = %e, "zeroing a new chunk failed");
             report(&dev, off, s.spec.chunk);
@@ -190,8 +208,10 @@ impl Allocator<'_> {
                 }
             }
         }
+        crash_point(s, CrashPoint::Cleared);
         let holes: Vec<Change> = old.iter().map(|&(c, _)| (c, None)).collect();
         let failed = persist(s, &holes);
+        crash_point(s, CrashPoint::HolesWritten);
         let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
         for &(c, (d, off)) in &old {
             // A block whose write failed keeps its chunks taken (see the module doc).

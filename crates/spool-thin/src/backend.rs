@@ -6,13 +6,12 @@
 //! Must not know: virtio, the pool.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use spool_devices::{BackendInfo, Device, DeviceQueue, PoolDevice, Probe};
 use uuid::Uuid;
 
-use crate::grace::Grace;
 use crate::map::{self, ChunkMap, Placement, BLOCK_BYTES, ENTRY_BYTES};
 use crate::shared::{Shared, ThinSpec};
 use crate::{ChunkSource, Error, ThinQueue};
@@ -64,20 +63,7 @@ impl ThinBackend {
             Some(ScanProblem::Unreadable(why)) => return Err(Error::Unreadable(why)),
             None => {}
         }
-        let shared = Arc::new(Shared {
-            map: scan.map,
-            devices: RwLock::new(scan.devices),
-            source,
-            work: Mutex::default(),
-            wake: Condvar::new(),
-            grace: Grace::default(),
-            health: OnceLock::new(),
-            followed: Mutex::default(),
-            stop: AtomicBool::new(false),
-            waiting_for_space: AtomicU64::new(0),
-            retire: Mutex::default(),
-            spec,
-        });
+        let shared = Arc::new(Shared::new(spec, source, scan.map, scan.devices));
         let thread = crate::alloc::start(&shared).map_err(Error::Thread)?;
         let dev = Arc::new(Device::new(
             ThinBackend {
@@ -123,6 +109,12 @@ impl ThinBackend {
         out.extend(r.waiting.iter().flat_map(|w| w.1.iter().copied()));
         out.extend(r.next.iter().copied());
         out
+    }
+
+    /// Makes the allocator die at `at` (crash-point tests).
+    #[cfg(test)]
+    pub(crate) fn arm_crash(&self, at: crate::shared::CrashPoint) {
+        *self.shared.crash_at.lock().unwrap() = Some(at);
     }
 
     /// Writes waiting for free space now.

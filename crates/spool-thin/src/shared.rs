@@ -59,6 +59,9 @@ pub(crate) struct Shared {
     pub(crate) waiting_for_space: AtomicU64,
     /// Chunks unmapped and not given back yet (the allocator's; read when the volume goes).
     pub(crate) retire: Mutex<Retire>,
+    /// Where the allocator dies (crash-point tests; read only in test builds).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) crash_at: Mutex<Option<CrashPoint>>,
 }
 
 /// Chunks unmapped and not yet given back.
@@ -71,6 +74,29 @@ pub(crate) struct Retire {
 }
 
 impl Shared {
+    pub(crate) fn new(
+        spec: ThinSpec,
+        source: Arc<dyn ChunkSource>,
+        map: ChunkMap,
+        devices: Vec<(Uuid, Option<Arc<Device>>)>,
+    ) -> Shared {
+        Shared {
+            spec,
+            map,
+            devices: RwLock::new(devices),
+            source,
+            work: Mutex::default(),
+            wake: Condvar::new(),
+            grace: Grace::default(),
+            health: OnceLock::new(),
+            followed: Mutex::default(),
+            stop: AtomicBool::new(false),
+            waiting_for_space: AtomicU64::new(0),
+            retire: Mutex::default(),
+            crash_at: Mutex::default(),
+        }
+    }
+
     /// The index of `uuid` in the device table, added when new.
     pub(crate) fn device_index(&self, uuid: Uuid, dev: &Arc<Device>) -> usize {
         let mut d = self.devices.write().unwrap_or_else(|p| p.into_inner());
@@ -187,6 +213,22 @@ pub(crate) struct Unmap {
     pub(crate) end: u64,
     pub(crate) token: u64,
     pub(crate) mailbox: Arc<Mailbox>,
+}
+
+/// The steps of allocating and unmapping, where the crash-point tests make the allocator die
+/// as a crash would (the thread ends, everything it held in memory is lost).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CrashPoint {
+    /// A chunk taken from the pool, not zeroed yet.
+    Taken,
+    /// Zeroed, its map entry not written.
+    Zeroed,
+    /// Its map entry durable, not published.
+    MapWritten,
+    /// Entries cleared in memory, the holes not written.
+    Cleared,
+    /// The holes durable, the chunks not given back.
+    HolesWritten,
 }
 
 /// Work waiting for the thread.
