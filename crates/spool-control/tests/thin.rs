@@ -219,15 +219,23 @@ create_size = "32M"
         )
         .unwrap_err();
     assert!(e.message.contains("cannot be mirrored"), "{e:?}");
-    let e = d
+    // A thin volume grows (no space taken) up to what its map holds (1 MiB: 32 GiB).
+    let v = d
         .rpc("volume_resize", json!({"id": "t", "size": "20G"}))
+        .unwrap();
+    assert_eq!(v["size"], 20u64 << 30, "{v}");
+    assert_eq!(v["thin"]["max_size"], 32u64 << 30, "{v}");
+    let e = d
+        .rpc("volume_resize", json!({"id": "t", "size": "40G"}))
         .unwrap_err();
-    assert!(e.message.contains("thin"), "{e:?}");
+    assert!(e.message.contains("can grow up to"), "{e:?}");
     let e = d
         .rpc("volume_mirror", json!({"id": "t", "action": "add"}))
         .unwrap_err();
     assert!(e.message.contains("thin"), "{e:?}");
     let mut c = connect(&d.socket("t"), 1, false).unwrap();
+    assert_eq!(c.capacity, 20 << 30);
+    assert_eq!(c.write_sync(0, (20 << 30) - 8192, &pattern(4, 0, 8192)), 0);
     assert_eq!(c.write_sync(0, 5 << 30, &pattern(3, 0, 8192)), 0);
     assert!(c.read_sync(0, 5 << 30, 8192).1 == pattern(3, 0, 8192));
     drop(c);
@@ -235,7 +243,7 @@ create_size = "32M"
     // A corrupt map entry: that volume is refused with the reason, the pool still serves.
     let map_dev = {
         let v = d.rpc("volume_show", json!({"id": "t"})).unwrap();
-        assert_eq!(v["thin"]["mapped"], 1 << 20, "{v}");
+        assert_eq!(v["thin"]["mapped"], 2 << 20, "{v}");
         v
     };
     drop(map_dev);

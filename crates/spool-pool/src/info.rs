@@ -79,6 +79,8 @@ pub struct ThinInfo {
     pub map_bytes: u64,
     /// Writes waiting for free space now (the pool is full).
     pub waiting_for_space: u64,
+    /// How large the volume can grow (what its map holds); 0 when it is not served.
+    pub max_size: u64,
     /// Why the volume is not served (a map that cannot be read or is corrupt).
     pub error: Option<String>,
 }
@@ -173,7 +175,7 @@ impl Pool {
             volumes: self.table.volumes.len(),
             left_out: self.left_out.clone(),
             thin_provisioned: thin.iter().map(|v| v.size).sum(),
-            thin_mapped: thin.iter().map(|v| self.thin_state(v.uuid).0).sum(),
+            thin_mapped: thin.iter().map(|v| self.thin_state(v.uuid).mapped).sum(),
         }
     }
 
@@ -211,13 +213,14 @@ impl Pool {
             })
             .collect();
         let thin = v.thin.as_ref().map(|t| {
-            let (mapped, waiting_for_space, error) = self.thin_state(v.uuid);
+            let s = self.thin_state(v.uuid);
             ThinInfo {
                 chunk: t.chunk,
-                mapped,
+                mapped: s.mapped,
                 map_bytes: t.map.iter().map(|e| self.table.min_extent << e.order).sum(),
-                waiting_for_space,
-                error,
+                waiting_for_space: s.waiting_for_space,
+                max_size: s.max_size,
+                error: s.error,
             }
         });
         VolumeInfo {

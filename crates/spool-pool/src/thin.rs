@@ -274,6 +274,34 @@ impl Pool {
         Ok(self.volume_info(&v))
     }
 
+    /// Grows thin volume `i` to `new_size` bytes: recorded in the table, then the thin
+    /// device serves it (its new chunks are holes; no space is taken). Up to what its map's
+    /// extents hold.
+    pub(crate) fn resize_thin_volume(&mut self, i: usize, new_size: u64) -> Result<VolumeInfo> {
+        let v = self.table.volumes[i].clone();
+        let dev = self.thin_device(&v)?;
+        let t = ThinBackend::of(&dev).ok_or_else(|| Error::Thin {
+            volume: v.name.clone(),
+            why: "its device is not a thin device".into(),
+        })?;
+        if new_size > t.max_size() {
+            return Err(Error::InvalidArgument(format!(
+                "thin volume '{}' can grow up to {} bytes (what its map holds); growing it further is not supported yet",
+                v.name,
+                t.max_size()
+            )));
+        }
+        let mut table = self.table.clone();
+        table.volumes[i].size = new_size;
+        self.commit(table)?;
+        t.grow(new_size).map_err(|e| Error::Thin {
+            volume: v.name.clone(),
+            why: e.to_string(),
+        })?;
+        tracing::info!(volume = %v.name, from = v.size, to = new_size, "thin volume grown");
+        Ok(self.volume_info(&self.table.volumes[i]))
+    }
+
     /// Stops thin volume `uuid`'s allocator and gives back every chunk its map names (after
     /// the table without it is committed).
     pub(crate) fn release_thin(&self, uuid: Uuid) {
@@ -307,16 +335,30 @@ impl Pool {
             .is_some_and(|t| t.placements().iter().any(|p| p.device == uuid))
     }
 
-    /// Bytes of thin volume `uuid` backed by chunks, writes waiting for space, and why it is
-    /// not served (if it is not).
-    pub(crate) fn thin_state(&self, uuid: Uuid) -> (u64, u64, Option<String>) {
+    /// Thin volume `uuid` now, as `volume show` tells it.
+    pub(crate) fn thin_state(&self, uuid: Uuid) -> ThinState {
         let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
         match cache.get(&uuid) {
-            Some(Ok(d)) => ThinBackend::of(d).map_or((0, 0, None), |t| {
-                (t.allocated(), t.waiting_for_space(), None)
+            Some(Ok(d)) => ThinBackend::of(d).map_or_else(ThinState::default, |t| ThinState {
+                mapped: t.allocated(),
+                waiting_for_space: t.waiting_for_space(),
+                max_size: t.max_size(),
+                error: None,
             }),
-            Some(Err(why)) => (0, 0, Some(why.clone())),
-            None => (0, 0, None),
+            Some(Err(why)) => ThinState {
+                error: Some(why.clone()),
+                ..Default::default()
+            },
+            None => ThinState::default(),
         }
     }
+}
+
+/// A thin volume now (see [`Pool::thin_state`]).
+#[derive(Debug, Default)]
+pub(crate) struct ThinState {
+    pub(crate) mapped: u64,
+    pub(crate) waiting_for_space: u64,
+    pub(crate) max_size: u64,
+    pub(crate) error: Option<String>,
 }

@@ -56,12 +56,26 @@ fn chunks_are_the_volumes_across_a_reopen_and_come_back_at_delete() {
     let mut p = Pool::open(&specs, opts()).unwrap();
     assert_eq!(p.volume("t").unwrap().thin.unwrap().mapped, 3 << 20);
     assert_eq!(p.info().free, free0 - (10 << 20));
-    assert!(p
-        .resize_volume("t", 2 << 30)
-        .unwrap_err()
-        .to_string()
-        .contains("thin"));
     assert!(p.add_leg("t").unwrap_err().to_string().contains("thin"));
+    // Growing: within what the map holds (a 1 MiB map extent: 32768 chunks of 1 MiB), the
+    // new chunks holes, no space taken; and it survives a reopen.
+    let max = p.volume("t").unwrap().thin.unwrap().max_size;
+    assert_eq!(max, 32 << 30);
+    let e = p
+        .resize_volume("t", max + (1 << 20))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("can grow up to"), "{e}");
+    p.resize_volume("t", 20 << 30).unwrap();
+    assert_eq!(p.info().free, free0 - (10 << 20));
+    let l = p.layout("t").unwrap();
+    assert_eq!((l.size, l.devices[0].size()), (20 << 30, 20 << 30));
+    let mut data = vec![8u8; 4096];
+    assert_eq!(write(&l.devices[0], (20 << 30) - 4096, &mut data), 0);
+    drop((p, l));
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.volume("t").unwrap().size, 20 << 30);
+    assert_eq!(p.volume("t").unwrap().thin.unwrap().mapped, 4 << 20);
     p.delete_volume("t").unwrap();
     assert_eq!(p.info().free, free0 - (6 << 20));
     drop(p);

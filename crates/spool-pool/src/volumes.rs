@@ -329,7 +329,9 @@ impl Pool {
         if old.rbd.is_some() {
             return self.resize_rbd_volume(i, new_size);
         }
-        Self::refuse_thin(&old, "growing")?;
+        if old.thin.is_some() {
+            return self.resize_thin_volume(i, new_size);
+        }
         let have = self.round_up(old.size)?;
         let need = self.round_up(new_size)?;
         let mut v = old.clone();

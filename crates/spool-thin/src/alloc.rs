@@ -201,7 +201,7 @@ impl Allocator<'_> {
         let s = self.s;
         let mut old = Vec::new();
         for u in &unmaps {
-            for c in u.first..u.end.min(s.map.len()) {
+            for c in u.first..u.end.min(s.chunks()) {
                 if let Some(p) = s.map.get(c) {
                     s.map.set(c, None);
                     old.push((c, p));
@@ -273,7 +273,7 @@ fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
     let mut failed = Vec::new();
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
     for (b, ch) in blocks {
-        for i in map::block_entries(b, s.map.len()) {
+        for i in map::block_entries(b, s.map.capacity()) {
             let p = ch
                 .iter()
                 .find(|x| x.0 == i)

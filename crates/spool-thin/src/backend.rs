@@ -37,7 +37,7 @@ impl ThinBackend {
         let mut scan = MapScan {
             placements: Vec::new(),
             problem: None,
-            map: ChunkMap::new(chunks),
+            map: ChunkMap::new(spec.store.capacity()),
             devices: Vec::new(),
         };
         if spec.store.capacity() < chunks {
@@ -47,7 +47,7 @@ impl ThinBackend {
             )));
             return scan;
         }
-        scan_blocks(spec, resolve, &mut scan);
+        scan_blocks(spec, chunks, resolve, &mut scan);
         scan
     }
 
@@ -101,14 +101,33 @@ impl ThinBackend {
     /// Every chunk the volume holds now: mapped, or unmapped and not given back yet (to
     /// give them all back when it is deleted, after [`ThinBackend::shut_down`]).
     pub fn placements(&self) -> Vec<Placement> {
-        let mut out: Vec<Placement> = (0..self.shared.map.len())
-            .filter_map(|c| self.shared.map.get(c))
-            .filter_map(|(d, off)| self.shared.placement(d, off))
+        let mut out: Vec<Placement> = (self.shared.map.entries())
+            .filter_map(|(_, d, off)| self.shared.placement(d, off))
             .collect();
         let r = self.shared.retire.lock().unwrap_or_else(|p| p.into_inner());
         out.extend(r.waiting.iter().flat_map(|w| w.1.iter().copied()));
         out.extend(r.next.iter().copied());
         out
+    }
+
+    /// The largest size the volume can grow to without a bigger map: every entry its map's
+    /// extents hold.
+    pub fn max_size(&self) -> u64 {
+        self.shared.map.capacity() * self.shared.spec.chunk
+    }
+
+    /// Grows the volume to `size` bytes (the pool has recorded it); its new chunks are holes.
+    /// Refused past [`ThinBackend::max_size`] or below the current size.
+    pub fn grow(&self, size: u64) -> Result<(), Error> {
+        let now = self.shared.size.load(Ordering::Acquire);
+        if size < now || size > self.max_size() {
+            return Err(Error::Corrupt(format!(
+                "cannot grow from {now} to {size} bytes: the map holds chunks for {} bytes",
+                self.max_size()
+            )));
+        }
+        self.shared.size.store(size, Ordering::Release);
+        Ok(())
     }
 
     /// Makes the allocator die at `at` (crash-point tests).
@@ -161,8 +180,12 @@ pub enum ScanProblem {
 }
 
 /// Reads every map block into `scan`, going on past problems (the first one is kept).
-fn scan_blocks(spec: &ThinSpec, resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>, scan: &mut MapScan) {
-    let chunks = scan.map.len();
+fn scan_blocks(
+    spec: &ThinSpec,
+    chunks: u64,
+    resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>,
+    scan: &mut MapScan,
+) {
     let blocks = map::map_bytes(chunks) / BLOCK_BYTES;
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
     for b in 0..blocks {
@@ -208,7 +231,7 @@ impl PoolDevice for ThinBackend {
     }
 
     fn size(&self) -> u64 {
-        self.shared.spec.size
+        self.shared.size.load(Ordering::Acquire)
     }
 
     fn info(&self) -> BackendInfo {

@@ -12,7 +12,7 @@
 //! ([`ChunkMap`]). Must not know: virtio, the pool table, how chunks are allocated.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use spool_devices::Device;
 use uuid::Uuid;
@@ -153,35 +153,41 @@ pub(crate) fn block_entries(block: u64, chunks: u64) -> std::ops::Range<u64> {
 /// A mapped chunk as the data path holds it: device index + 1 in the top 16 bits, the
 /// offset in 4 KiB units below (0: a hole).
 const DEV_SHIFT: u32 = 48;
+/// Entries per page of the in-memory table (a page is allocated on its first mapping).
+const PAGE: u64 = 512;
+
+type Page = Box<[AtomicU64]>;
 
 /// The volume's chunks in memory, read lock-free by every queue and changed only by the
-/// allocator thread (after the entry is durable).
+/// allocator thread (after the entry is durable). It covers every entry the map's extents
+/// hold, so the volume can grow up to that without a new table; a page of 512 entries is
+/// allocated when one of them is first mapped (an unwritten stretch costs one pointer).
 #[derive(Debug)]
 pub struct ChunkMap {
-    slots: Box<[AtomicU64]>,
+    pages: Box<[OnceLock<Page>]>,
+    capacity: u64,
 }
 
 impl ChunkMap {
-    pub(crate) fn new(chunks: u64) -> ChunkMap {
+    pub(crate) fn new(capacity: u64) -> ChunkMap {
         ChunkMap {
-            slots: (0..chunks).map(|_| AtomicU64::new(0)).collect(),
+            pages: (0..capacity.div_ceil(PAGE))
+                .map(|_| OnceLock::new())
+                .collect(),
+            capacity,
         }
     }
 
-    /// How many chunks the volume has.
-    pub fn len(&self) -> u64 {
-        self.slots.len() as u64
-    }
-
-    /// Whether the volume has no chunks.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+    /// How many chunks the table can hold.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
     }
 
     /// Chunk `i`: its device index and offset, or `None` for a hole.
     #[inline]
     pub fn get(&self, i: u64) -> Option<(usize, u64)> {
-        let v = self.slots.get(i as usize)?.load(Ordering::Acquire);
+        let page = self.pages.get((i / PAGE) as usize)?.get()?;
+        let v = page[(i % PAGE) as usize].load(Ordering::Acquire);
         (v != 0).then(|| {
             (
                 ((v >> DEV_SHIFT) - 1) as usize,
@@ -190,17 +196,32 @@ impl ChunkMap {
         })
     }
 
+    /// Sets chunk `i` (below the capacity: the callers check it against the volume's size).
     pub(crate) fn set(&self, i: u64, p: Option<(usize, u64)>) {
         let v = p.map_or(0, |(d, off)| ((d as u64 + 1) << DEV_SHIFT) | (off >> 12));
-        self.slots[i as usize].store(v, Ordering::Release);
+        let Some(slot) = self.pages.get((i / PAGE) as usize) else {
+            return;
+        };
+        if v == 0 && slot.get().is_none() {
+            return;
+        }
+        let page = slot.get_or_init(|| (0..PAGE).map(|_| AtomicU64::new(0)).collect());
+        page[(i % PAGE) as usize].store(v, Ordering::Release);
     }
 
     /// Chunks mapped now.
     pub fn mapped(&self) -> u64 {
-        self.slots
+        self.pages
             .iter()
+            .filter_map(OnceLock::get)
+            .flat_map(|p| p.iter())
             .filter(|s| s.load(Ordering::Relaxed) != 0)
             .count() as u64
+    }
+
+    /// Every mapped chunk: (chunk, device index, offset).
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (u64, usize, u64)> + '_ {
+        (0..self.capacity).filter_map(|i| self.get(i).map(|(d, o)| (i, d, o)))
     }
 }
 
@@ -231,14 +252,18 @@ mod tests {
 
     #[test]
     fn the_table_packs_device_and_offset() {
-        let m = ChunkMap::new(3);
+        let m = ChunkMap::new(1000);
         assert_eq!(m.get(1), None);
         m.set(1, Some((5, 1 << 40)));
+        m.set(999, Some((0, 4096)));
         assert_eq!(m.get(1), Some((5, 1 << 40)));
+        assert_eq!(m.get(999), Some((0, 4096)));
         assert_eq!(m.get(3), None);
-        assert_eq!(m.mapped(), 1);
+        assert_eq!(m.get(1000), None);
+        assert_eq!(m.mapped(), 2);
         m.set(1, None);
-        assert_eq!(m.mapped(), 0);
+        assert_eq!(m.mapped(), 1);
+        assert_eq!(m.entries().collect::<Vec<_>>(), vec![(999, 0, 4096)]);
         assert_eq!(map_bytes(1), 4096);
         assert_eq!(map_bytes(128), 4096);
         assert_eq!(map_bytes(129), 8192);

@@ -42,6 +42,8 @@ pub struct ThinSpec {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) spec: ThinSpec,
+    /// The volume's size now (`spec.size` at open; a grow raises it).
+    pub(crate) size: AtomicU64,
     pub(crate) map: ChunkMap,
     /// Pool devices by the index the map's table uses (only ever appended to); `None` for a
     /// device the map names that is not in the pool now.
@@ -81,6 +83,7 @@ impl Shared {
         devices: Vec<(Uuid, Option<Arc<Device>>)>,
     ) -> Shared {
         Shared {
+            size: AtomicU64::new(spec.size),
             spec,
             map,
             devices: RwLock::new(devices),
@@ -255,6 +258,12 @@ impl Shared {
         w.unmaps.push(u);
         drop(w);
         self.wake.notify_one();
+    }
+
+    /// The volume's chunks now.
+    #[inline]
+    pub(crate) fn chunks(&self) -> u64 {
+        self.size.load(Ordering::Acquire).div_ceil(self.spec.chunk)
     }
 
     /// Whether chunks wait for their grace period.

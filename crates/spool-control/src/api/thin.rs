@@ -13,6 +13,9 @@ pub struct ThinInfo {
     pub map_bytes: u64,
     /// Writes waiting for free space now (the pool is full).
     pub waiting_for_space: u64,
+    /// How large `volume_resize` can make it (what its map holds).
+    #[serde(default)]
+    pub max_size: u64,
     /// Why the volume is not served (its map cannot be read or is corrupt).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -25,6 +28,7 @@ impl From<spool_pool::ThinInfo> for ThinInfo {
             mapped: t.mapped,
             map_bytes: t.map_bytes,
             waiting_for_space: t.waiting_for_space,
+            max_size: t.max_size,
             error: t.error,
         }
     }

@@ -194,7 +194,7 @@ impl ThinQueue {
         let phase = self.shared.grace.enter(&self.readers);
         self.op(idx).phase = Some(phase);
         let (mut first, mut end) = (u64::MAX, 0);
-        let size = self.shared.spec.size;
+        let size = self.shared.size.load(std::sync::atomic::Ordering::Acquire);
         for (c, within, n, _) in self.pieces(offset, len) {
             // Whole: the chunk, or all of the volume's last, partial chunk.
             if n == chunk || (within == 0 && c * chunk + n >= size) {

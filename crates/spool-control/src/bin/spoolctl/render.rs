@@ -165,11 +165,12 @@ fn volume(v: &Volume) {
     }
     if let Some(t) = &v.info.thin {
         println!(
-            "thin: {} of {} backed by chunks of {} (map {}){}",
+            "thin: {} of {} backed by chunks of {} (map {}, grows up to {}){}",
             format_size(t.mapped),
             format_size(v.info.size),
             format_size(t.chunk),
             format_size(t.map_bytes),
+            format_size(t.max_size),
             match t.waiting_for_space {
                 0 => String::new(),
                 n => format!("; {n} writes waiting for free space (the pool is full)"),
