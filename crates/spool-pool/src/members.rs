@@ -227,6 +227,20 @@ impl Pool {
         force: bool,
     ) -> Result<Replacement> {
         let old = self.device_uuid(old)?;
+        let replaced = self.replace_checked(old, spec, force);
+        if replaced.is_err() {
+            // The device stays: thin allocators may use it again.
+            self.refresh_space();
+        }
+        replaced
+    }
+
+    fn replace_checked(
+        &mut self,
+        old: Uuid,
+        spec: &DeviceSpec,
+        force: bool,
+    ) -> Result<Replacement> {
         self.check_replaceable(old, force)?;
         let dev = open_spec(spec, &self.opts)?;
         let path = dev.path().display().to_string();
@@ -282,9 +296,14 @@ impl Pool {
 
     /// A healthy, present device is replaced only when forced.
     fn check_replaceable(&self, old: Uuid, force: bool) -> Result<()> {
-        // No thin allocator takes a chunk on it from now on (the next commit or a refusal
-        // below publishes the members again).
-        self.space.exclude(old);
+        // No thin allocator takes a chunk on it from now on, and the chunks taken before are
+        // in their maps (the next commit, or a refusal, publishes the members again).
+        if !self.space.exclude(old) {
+            self.refresh_space();
+            return Err(Error::InvalidArgument(
+                "thin volumes are allocating chunks on this device; try again".into(),
+            ));
+        }
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
             if self.thin_uses(v, old) {
                 self.refresh_space();

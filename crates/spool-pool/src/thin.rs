@@ -7,6 +7,7 @@
 //! path (spool-thin's queues), virtio.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -42,6 +43,8 @@ pub struct PoolSpace {
     /// Why nothing may be allocated: a thin volume's map could not be read, so which chunks
     /// it names is unknown (until a start reads it).
     frozen: RwLock<Option<String>>,
+    /// Chunks taken and not settled yet (zeroing, their map entry being written).
+    in_flight: AtomicUsize,
 }
 
 impl PoolSpace {
@@ -58,10 +61,22 @@ impl PoolSpace {
             .clone()
     }
 
-    /// Takes `uuid` out of what thin allocators may use (a device being replaced).
-    pub(crate) fn exclude(&self, uuid: Uuid) {
-        let mut members = self.members.write().unwrap_or_else(|p| p.into_inner());
-        members.retain(|m| m.uuid != uuid);
+    /// Takes `uuid` out of what thin allocators may use (a device being replaced), and waits
+    /// (up to 5 s) until no chunk taken before is still being allocated, so that the maps
+    /// name every chunk on it. False when allocations did not settle in time.
+    pub(crate) fn exclude(&self, uuid: Uuid) -> bool {
+        self.members
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|m| m.uuid != uuid);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while self.in_flight.load(Ordering::Acquire) > 0 {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 }
 
@@ -88,10 +103,19 @@ impl ChunkSource for PoolSpace {
                     .free_bytes(),
             )
         });
-        by_free.into_iter().find_map(|m| {
+        let got = by_free.into_iter().find_map(|m| {
             let off = m.buddy.lock().unwrap_or_else(|p| p.into_inner()).alloc(0)?;
             Some((m.uuid, m.dev.clone(), off))
-        })
+        });
+        if got.is_some() {
+            // Counted under the members' lock: an `exclude` waits for it.
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+        }
+        got
+    }
+
+    fn settled(&self, n: usize) {
+        self.in_flight.fetch_sub(n, Ordering::AcqRel);
     }
 
     fn give_back(&self, device: Uuid, offset: u64) {

@@ -8,7 +8,8 @@
 //! reads zeroes where nothing was written. Unmapping: clear the entries in memory, write the
 //! map blocks, answer the request, and give the chunks back once the grace period that
 //! started after the clearing has drained (checked every few milliseconds, never waited
-//! for: a queue whose I/O never completes delays only its own chunks' return).
+//! for: a queue of this volume whose I/O never completes keeps every chunk the volume unmaps
+//! from then on from going back, until a restart, but allocation goes on).
 //!
 //! A map block whose write failed may or may not be on the device: its chunks are never
 //! given back (the next start rebuilds free space from what the map says), memory keeps the
@@ -119,11 +120,13 @@ impl Allocator<'_> {
             e.1 = e.1.min(at);
         }
         let mut fresh = Vec::new();
-        for (&c, (boxes, asked)) in &want {
+        for (n, (&c, (boxes, asked))) in want.iter().enumerate() {
             if self.s.map.get(c).is_some() {
                 continue;
             }
-            match self.take_zeroed(*asked + self.s.spec.full_wait) {
+            // While the pool is full, the chunks asked for and not served yet wait.
+            let left = (want.len() - n) as u64;
+            match self.take_zeroed(*asked + self.s.spec.full_wait, left) {
                 Ok(p) => fresh.push((c, Some(p))),
                 Err(errno) => post_failed(boxes, c, errno),
             }
@@ -143,16 +146,20 @@ impl Allocator<'_> {
                 self.s.map.set(c, p);
             }
         }
-        for (boxes, _) in want.values() {
-            for m in boxes {
-                m.post(None);
+        self.s.source.settled(fresh.len());
+        self.s.waiting_for_space.store(0, Ordering::Relaxed);
+        for (&chunk, (boxes, _)) in &want {
+            if self.s.map.get(chunk).is_some() {
+                for m in boxes {
+                    m.post(Some(Note::Mapped { chunk }));
+                }
             }
         }
     }
 
     /// A chunk from the pool, zeroed durably; waits for free space until `deadline`,
     /// serving unmaps and giving chunks back meanwhile.
-    fn take_zeroed(&mut self, deadline: Instant) -> Result<(usize, u64), i32> {
+    fn take_zeroed(&mut self, deadline: Instant, left: u64) -> Result<(usize, u64), i32> {
         let s = self.s;
         let mut waited = false;
         let got = loop {
@@ -168,7 +175,7 @@ impl Allocator<'_> {
             }
             if !waited {
                 waited = true;
-                s.waiting_for_space.fetch_add(1, Ordering::Relaxed);
+                s.waiting_for_space.store(left, Ordering::Relaxed);
                 tracing::warn!(volume = %s.spec.path.display(), wait_ms = s.spec.full_wait.as_millis() as u64, "the pool is full: a write to an unallocated chunk of a thin volume waits for free space");
             }
             let unmaps =
@@ -180,7 +187,8 @@ impl Allocator<'_> {
             self.retire_drained();
         };
         if waited {
-            s.waiting_for_space.fetch_sub(1, Ordering::Relaxed);
+            s.waiting_for_space
+                .store(left.saturating_sub(1), Ordering::Relaxed);
         }
         let (uuid, dev, off) = got?;
         crash_point(s, CrashPoint::Taken);
@@ -188,6 +196,7 @@ impl Allocator<'_> {
             tracing::error!(volume = %s.spec.path.display(), error = %e, "zeroing a new chunk failed");
             report(&dev, off, s.spec.chunk);
             s.source.give_back(uuid, off);
+            s.source.settled(1);
             return Err(-libc::EIO);
         }
         Ok((s.device_index(uuid, &dev), off))

@@ -16,6 +16,10 @@ use crate::map::{self, ChunkMap, Placement, BLOCK_BYTES, ENTRY_BYTES};
 use crate::shared::{Shared, ThinSpec};
 use crate::{ChunkSource, Error, ThinQueue};
 
+/// Device offsets a map entry may name (the in-memory table keeps offsets in 48 bits of
+/// 4 KiB units).
+const MAX_OFFSET: u64 = 1 << 60;
+
 /// The chunks a map names, for the pool to mark as taken.
 pub type LoadedMap = Vec<Placement>;
 
@@ -197,11 +201,11 @@ fn scan_blocks(
         for i in map::block_entries(b, chunks) {
             let at = ((i % (BLOCK_BYTES / ENTRY_BYTES)) * ENTRY_BYTES) as usize;
             let p = match map::decode(spec.volume, i, &buf[at..at + ENTRY_BYTES as usize]) {
-                Ok(Some(p)) if p.offset % spec.chunk == 0 => p,
+                Ok(Some(p)) if p.offset % spec.chunk == 0 && p.offset < MAX_OFFSET => p,
                 Ok(None) => continue,
                 Ok(Some(p)) => {
                     let why = format!(
-                        "entry {i}: offset {} is not a multiple of the chunk size",
+                        "entry {i}: offset {} is not a multiple of the chunk size below 2^60",
                         p.offset
                     );
                     scan.problem.get_or_insert(ScanProblem::Corrupt(why));

@@ -52,6 +52,11 @@ pub trait ChunkSource: Send + Sync + std::fmt::Debug {
 
     /// Gives a chunk taken with [`ChunkSource::take`] back to the free space.
     fn give_back(&self, device: Uuid, offset: u64);
+
+    /// `n` chunks taken with [`ChunkSource::take`] are settled: published in their map,
+    /// given back, or left taken after a failed map write. Until then the source counts
+    /// them as in flight (a device leaving the pool waits for them).
+    fn settled(&self, _n: usize) {}
 }
 
 #[cfg(test)]

@@ -159,6 +159,8 @@ impl Shared {
 /// What one queue is told by the allocator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Note {
+    /// Chunk `chunk`, asked for, is mapped (or was already).
+    Mapped { chunk: u64 },
     /// Chunk `chunk` could not be allocated (a negative errno).
     Failed { chunk: u64, errno: i32 },
     /// The unmap asked with `token` is done (0, or a negative errno).

@@ -98,6 +98,11 @@ struct Fixture {
 
 fn fixture(chunks: u64) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
+    // The chunks hold an old tenant's bytes: a chunk handed out unzeroed would show them.
+    let old = vec![0xa5u8; (chunks * CHUNK) as usize];
+    let file = std::fs::File::create(dir.path().join("d.img")).unwrap();
+    file.write_all_at(&old, CHUNKS_AT).unwrap();
+    drop(file);
     let dev = device(&dir.path().join("d.img"), CHUNKS_AT + chunks * CHUNK);
     let source = Arc::new(Free {
         uuid: Uuid::new_v4(),
@@ -416,4 +421,55 @@ fn a_crash_at_any_step_of_an_allocation_or_unmap_loses_nothing_acknowledged() {
             "{point:?}: a chunk leaked"
         );
     }
+}
+
+/// A write parked for a chunk that is mapped and then discarded again before its queue looks
+/// asks for the chunk again instead of waiting for ever.
+#[test]
+fn a_write_whose_chunk_was_discarded_before_it_looked_asks_again() {
+    let f = fixture(4);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut a = thin.open_queue(8).unwrap();
+    let mut b = thin.open_queue(8).unwrap();
+    let mut data = vec![6u8; 4096];
+    let iov = [IoVec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    }];
+    // SAFETY: `data` and `iov` outlive the request, which is waited for below.
+    unsafe { a.submit(DeviceIo::data(true, CHUNK, 4096, iov.as_ptr(), 1), 3) };
+    // The allocator maps the chunk; queue a has not looked yet when b discards it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while t.allocated() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the chunk was never mapped"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        run(
+            &mut *b,
+            DeviceIo::Discard {
+                offset: CHUNK,
+                len: CHUNK
+            }
+        ),
+        0
+    );
+    assert_eq!(t.allocated(), 0);
+    let mut got = None;
+    while got.is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the parked write was stranded"
+        );
+        a.reap(&mut |tag, res| got = Some((tag, res)));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(got, Some((3, 0)));
+    let mut back = vec![0u8; 4096];
+    assert_eq!(rw(&mut *a, false, CHUNK, &mut back), 0);
+    assert!(back == data);
 }

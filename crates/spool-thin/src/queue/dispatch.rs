@@ -71,7 +71,7 @@ impl ThinQueue {
             self.shared.grace.leave(&self.readers, phase);
             for (p, f) in pieces.iter().zip(&found) {
                 if f.is_none() {
-                    self.shared.request_chunk(p.0, &self.mailbox);
+                    self.ask(p.0);
                 }
             }
             self.ops[idx].as_mut().expect("live op").parked = true;
@@ -129,7 +129,7 @@ impl ThinQueue {
         match self.shared.map.get(offset / chunk) {
             None if write => {
                 self.shared.grace.leave(&self.readers, phase);
-                self.shared.request_chunk(offset / chunk, &self.mailbox);
+                self.ask(offset / chunk);
                 self.op(idx).parked = true;
                 self.parked.push(idx);
             }
@@ -194,10 +194,11 @@ impl ThinQueue {
         let phase = self.shared.grace.enter(&self.readers);
         self.op(idx).phase = Some(phase);
         let (mut first, mut end) = (u64::MAX, 0);
-        let size = self.shared.size.load(std::sync::atomic::Ordering::Acquire);
         for (c, within, n, _) in self.pieces(offset, len) {
-            // Whole: the chunk, or all of the volume's last, partial chunk.
-            if n == chunk || (within == 0 && c * chunk + n >= size) {
+            // Only a chunk covered whole goes back. The last chunk of a volume whose size is
+            // not a multiple of it is not (a grow between this and the allocator's unmap
+            // would expose a tail the request never covered, and drop a write to it).
+            if n == chunk {
                 first = first.min(c);
                 end = end.max(c + 1);
                 continue;

@@ -59,6 +59,8 @@ pub struct ThinQueue {
     ops: Vec<Option<Op>>,
     free: Vec<usize>,
     parked: Vec<usize>,
+    /// Chunks this queue asked the allocator for and has no answer about yet.
+    requested: std::collections::HashSet<u64>,
     /// Ops whose last piece came back in this reap (kept to reuse its allocation).
     finished: Vec<usize>,
     done: VecDeque<(u64, i32)>,
@@ -89,6 +91,7 @@ impl ThinQueue {
             ops: Vec::new(),
             free: Vec::new(),
             parked: Vec::new(),
+            requested: Default::default(),
             finished: Vec::new(),
             done: VecDeque::new(),
             in_flight: 0,
@@ -168,7 +171,11 @@ impl ThinQueue {
         let notes = self.mailbox.take();
         for n in notes {
             match n {
+                Note::Mapped { chunk } => {
+                    self.requested.remove(&chunk);
+                }
                 Note::Failed { chunk, errno } => {
+                    self.requested.remove(&chunk);
                     for &idx in &self.parked {
                         let op = self.ops[idx].as_mut().expect("parked op");
                         if op_chunks(&op.io, self.shared.spec.chunk).contains(&chunk) {
@@ -195,14 +202,19 @@ impl ThinQueue {
             }
         }
         // Parked writes go out once every chunk they touch is mapped (or fail); the others
-        // keep waiting for the answers they asked for.
+        // keep waiting, and ask again for a hole nobody asked for (one that was mapped and
+        // then discarded again before they looked).
         let mut again = false;
         for idx in std::mem::take(&mut self.parked) {
             let chunk = self.shared.spec.chunk;
             let op = self.ops[idx].as_ref().expect("parked op");
-            let ready =
-                op.err != 0 || op_chunks(&op.io, chunk).all(|c| self.shared.map.get(c).is_some());
-            if !ready {
+            let holes: Vec<u64> = op_chunks(&op.io, chunk)
+                .filter(|&c| self.shared.map.get(c).is_none())
+                .collect();
+            if op.err == 0 && !holes.is_empty() {
+                for c in holes {
+                    self.ask(c);
+                }
                 self.parked.push(idx);
                 continue;
             }
@@ -220,6 +232,13 @@ impl ThinQueue {
             if let Err(e) = self.kick() {
                 tracing::warn!(error = %e, "kicking a thin volume's device queues failed");
             }
+        }
+    }
+
+    /// Asks the allocator for chunk `c` unless this queue already did and has had no answer.
+    pub(super) fn ask(&mut self, c: u64) {
+        if self.requested.insert(c) {
+            self.shared.request_chunk(c, &self.mailbox);
         }
     }
 
