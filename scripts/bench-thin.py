@@ -25,7 +25,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import OUT, bin_dir, cpu_model, log, wait_socket  # noqa: E402
+from benchlib import OUT, cpu_model, log, run_spoold  # noqa: E402
+from benchlib import spool_bench as bench  # noqa: E402
 
 DEVICES = {
     "tmpfs": '[[devices]]\npath = "{shm}/d0.img"\ncreate_size = "2200M"',
@@ -36,9 +37,7 @@ VOLUMES = ("thick", "thin")
 
 
 def start_spoold(work, shm, device):
-    cfg = os.path.join(work, "spoold.toml")
-    with open(cfg, "w") as f:
-        f.write(f"""state_dir = "{work}/state"
+    return run_spoold(work, f"""state_dir = "{work}/state"
 [journal]
 dir = "{shm}/journal"
 [pool]
@@ -53,22 +52,7 @@ name = "thin"
 size = "1G"
 num_queues = 1
 thin = true
-""")
-    log_f = open(os.path.join(work, "spoold.log"), "w")
-    p = subprocess.Popen([os.path.join(bin_dir(), "spoold"), "-c", cfg],
-                         stdout=log_f, stderr=subprocess.STDOUT)
-    socks = {v: os.path.join(work, "state", "vhost", f"{v}.sock") for v in VOLUMES}
-    for s in socks.values():
-        wait_socket(s, p, "spoold")
-    return p, socks
-
-
-def bench(args):
-    out = subprocess.run([os.path.join(bin_dir(), "spool-bench"), *args, "--json"],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"spool-bench {' '.join(args)} failed: {out.stderr}")
-    return json.loads(out.stdout)
+""", VOLUMES)
 
 
 def main():

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: paths, logging and spoolctl calls."""
+"""What the benchmark scripts share: paths, logging, spoolctl calls, starting spoold and
+running spool-bench."""
 import json
 import os
 import subprocess
@@ -54,3 +55,27 @@ def cpu_model():
     except OSError:
         pass
     return "unknown CPU"
+
+
+def run_spoold(work, config, volumes):
+    """Writes `config` to WORK/spoold.toml, starts spoold on it (log in WORK/spoold.log) and
+    waits for the sockets of `volumes` (state_dir WORK/state); returns (process, sockets)."""
+    cfg = os.path.join(work, "spoold.toml")
+    with open(cfg, "w") as f:
+        f.write(config)
+    log_f = open(os.path.join(work, "spoold.log"), "w")
+    p = subprocess.Popen([os.path.join(bin_dir(), "spoold"), "-c", cfg],
+                         stdout=log_f, stderr=subprocess.STDOUT)
+    socks = {v: os.path.join(work, "state", "vhost", f"{v}.sock") for v in volumes}
+    for s in socks.values():
+        wait_socket(s, p, "spoold")
+    return p, socks
+
+
+def spool_bench(args):
+    """Runs `spool-bench ARGS --json` and returns its result; exits on failure."""
+    out = subprocess.run([os.path.join(bin_dir(), "spool-bench"), *args, "--json"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"spool-bench {' '.join(args)} failed: {out.stderr}")
+    return json.loads(out.stdout)
