@@ -28,6 +28,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -135,6 +136,20 @@ def main():
                     "--bin", "spool-bench"], cwd=REPO, check=True)
     work = tempfile.mkdtemp(prefix="spool-bench-ceph-")
     cdir = os.path.join(work, "ceph")
+    try:
+        run(a, work, cdir, runtime, rounds, kills)
+    finally:
+        # The cluster's OSD file holds about 1 GB after a run: never leave it behind.
+        cluster("stop", cdir)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(journal_dir(), ignore_errors=True)
+
+
+def journal_dir():
+    return f"/dev/shm/spool-bench-ceph-{os.getpid()}"
+
+
+def run(a, work, cdir, runtime, rounds, kills):
     t = time.monotonic()
     conf = cluster("start", cdir, str(free_port()))
     log(f"cluster up in {time.monotonic() - t:.1f} s")
@@ -143,7 +158,7 @@ def main():
     cfg = os.path.join(spool["dir"], "spoold.toml")
     with open(cfg, "w") as f:
         f.write(f'state_dir = "{spool["dir"]}"\n[ceph]\nconf = "{conf}"\n[journal]\nenabled = true\n'
-                f'dir = "/dev/shm/spool-bench-ceph-{os.getpid()}"\n[[devices]]\n'
+                f'dir = "{journal_dir()}"\n[[devices]]\n'
                 f'path = "{spool["dir"]}/d0.img"\ncreate_size = "64M"\n')
     spool["log"] = os.path.join(spool["dir"], "log")
     spool["rpc"] = os.path.join(spool["dir"], "spoold.sock")
@@ -177,7 +192,6 @@ def main():
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
-        cluster("stop", cdir)
     table = {}
     for name, by in rows.items():
         table[name] = {who: dict(iops=statistics.median(o["iops"] for o in outs),

@@ -13,13 +13,21 @@
 #
 # Clients use `-c DIR/ceph.conf` (the admin keyring is named there). Needs Debian's ceph-mon,
 # ceph-osd, ceph-common (scripts/install-deps.sh installs them).
-set -euo pipefail
+set -Eeuo pipefail
 cmd=${1:?usage: ceph-cluster.sh start|stop|status DIR [PORT]}
 dir=${2:?usage: ceph-cluster.sh start|stop|status DIR [PORT]}
 port=${3:-3300}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 conf=$dir/ceph.conf
+
+# Any failing step names itself and shows the daemons' logs: the daemons' own stderr goes to
+# DIR/log, so without this a failed start would print nothing at all.
+failed() {
+    echo "ceph-cluster: '$2' failed (exit $1, line $3); logs in $dir/log" >&2
+    tail -n 30 "$dir"/log/*.log >&2 2>/dev/null || true
+}
+trap 'failed $? "$BASH_COMMAND" $LINENO' ERR
 
 stop() {
     for p in "$dir"/run/*.pid; do
@@ -66,6 +74,11 @@ mon_allow_pool_size_one = true
 mon_allow_pool_delete = true
 osd_crush_chooseleaf_type = 0
 mon_warn_on_pool_no_redundancy = false
+# The monitor refuses to start (exit 28, silently) and stops itself when the filesystem of its
+# store has less than 5% free: a guard for production stores that grow. This one lives in a
+# temporary directory and stays small; the build machines' disks are often that full.
+mon_data_avail_crit = 0
+mon_data_avail_warn = 0
 [mon]
 keyring = $dir/mon.keyring
 [osd]
@@ -96,8 +109,8 @@ EOF
     ceph-osd -c "$conf" -i 0 --mkfs --osd-uuid "$uuid" 2>>"$dir/log/mkfs.log"
     ceph-osd -c "$conf" -i 0 2>>"$dir/log/start.log"
     wait_for OSD bash -c "ceph -c '$conf' osd stat | grep -q '1 up'"
-    ceph -c "$conf" osd pool create rbd 8 8 >/dev/null 2>&1
-    ceph -c "$conf" osd pool set rbd size 1 --yes-i-really-mean-it >/dev/null 2>&1
+    ceph -c "$conf" osd pool create rbd 8 8 >/dev/null
+    ceph -c "$conf" osd pool set rbd size 1 --yes-i-really-mean-it >/dev/null
     rbd -c "$conf" pool init rbd
     touch "$dir/created"
 }
