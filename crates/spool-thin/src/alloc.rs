@@ -34,7 +34,7 @@ use crate::shared::{CrashPoint, Mailbox, Note, Shared, Unmap};
 
 /// Dies here when a test armed this point (nothing in other builds).
 #[inline]
-fn crash_point(s: &Shared, at: CrashPoint) {
+pub(crate) fn crash_point(s: &Shared, at: CrashPoint) {
     #[cfg(test)]
     if *s.crash_at.lock().unwrap_or_else(|p| p.into_inner()) == Some(at) {
         panic!("thin allocator: test crash point {at:?}");
@@ -51,11 +51,19 @@ pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<std::thread::JoinHa
     let s = shared.clone();
     std::thread::Builder::new()
         .name("spool-thin".into())
-        .spawn(move || Allocator { s: &s }.run())
+        .spawn(move || {
+            Allocator {
+                s: &s,
+                buf: Vec::new(),
+            }
+            .run()
+        })
 }
 
-struct Allocator<'a> {
-    s: &'a Shared,
+pub(crate) struct Allocator<'a> {
+    pub(crate) s: &'a Shared,
+    /// Where a shared chunk is copied through.
+    pub(crate) buf: Vec<u8>,
 }
 
 impl Allocator<'_> {
@@ -63,7 +71,7 @@ impl Allocator<'_> {
         loop {
             let work = {
                 let mut w = self.s.work.lock().unwrap_or_else(|p| p.into_inner());
-                while w.allocs.is_empty() && w.unmaps.is_empty() && !self.s.stopping() {
+                while w.is_empty() && !self.s.stopping() {
                     let idle = match self.s.retiring() {
                         true => RETIRE_POLL,
                         false => Duration::from_secs(1),
@@ -84,17 +92,21 @@ impl Allocator<'_> {
                 // Chunks still in their grace period stay taken (`Shared::retire`: the pool
                 // gives them back with the rest when the volume is deleted; a restart
                 // rebuilds free space from the map).
-                fail_all(work.allocs, work.unmaps);
+                fail_all(work);
                 return;
             }
             self.unmap(work.unmaps);
+            for reply in work.snapshots {
+                let _ = reply.send(self.take_snapshot());
+            }
             self.allocate(work.allocs);
             self.retire_drained();
         }
     }
 
-    /// Gives back what drained, and starts the next grace period.
-    fn retire_drained(&mut self) {
+    /// Lets go of what drained (a chunk no other map names goes back to the pool), and
+    /// starts the next grace period.
+    pub(crate) fn retire_drained(&mut self) {
         let mut r = self.s.retire.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((phase, _)) = &r.waiting {
             if !self.s.grace.drained(*phase) {
@@ -102,7 +114,9 @@ impl Allocator<'_> {
             }
             let (_, chunks) = r.waiting.take().expect("checked above");
             for p in chunks {
-                self.s.source.give_back(p.device, p.offset);
+                if self.s.source.shared_chunks().release(p) {
+                    self.s.source.give_back(p.device, p.offset);
+                }
             }
         }
         if !r.next.is_empty() {
@@ -120,13 +134,24 @@ impl Allocator<'_> {
             e.1 = e.1.min(at);
         }
         let mut fresh = Vec::new();
+        let mut copied = Vec::new();
         for (n, (&c, (boxes, asked))) in want.iter().enumerate() {
-            if self.s.map.get(c).is_some() {
-                continue;
-            }
             // While the pool is full, the chunks asked for and not served yet wait.
             let left = (want.len() - n) as u64;
-            match self.take_zeroed(*asked + self.s.spec.full_wait, left) {
+            let deadline = *asked + self.s.spec.full_wait;
+            let got = match self.s.map.get(c) {
+                _ if self.s.map.get_for_write(c).is_some() => continue,
+                None => self.take_zeroed(deadline, left),
+                Some(old) => match self.unshare(c, old, deadline, left) {
+                    Ok(Some(new)) => {
+                        copied.push((c, old));
+                        Ok(new)
+                    }
+                    Ok(None) => continue,
+                    Err(e) => Err(e),
+                },
+            };
+            match got {
                 Ok(p) => fresh.push((c, Some(p))),
                 Err(errno) => post_failed(boxes, c, errno),
             }
@@ -148,8 +173,16 @@ impl Allocator<'_> {
         }
         self.s.source.settled(fresh.len());
         self.s.waiting_for_space.store(0, Ordering::Relaxed);
+        // The chunks copied from are let go once no request that read the old entry is left.
+        let mut r = self.s.retire.lock().unwrap_or_else(|p| p.into_inner());
+        for (c, (d, off)) in copied {
+            if !failed.contains(&map::block_of(c)) {
+                r.next.extend(self.s.placement(d, off));
+            }
+        }
+        drop(r);
         for (&chunk, (boxes, _)) in &want {
-            if self.s.map.get(chunk).is_some() {
+            if self.s.map.get_for_write(chunk).is_some() {
                 for m in boxes {
                     m.post(Some(Note::Mapped { chunk }));
                 }
@@ -160,6 +193,17 @@ impl Allocator<'_> {
     /// A chunk from the pool, zeroed durably; waits for free space until `deadline`,
     /// serving unmaps and giving chunks back meanwhile.
     fn take_zeroed(&mut self, deadline: Instant, left: u64) -> Result<(usize, u64), i32> {
+        self.take_filled(deadline, left, &mut |dev, off, len| dev.zero_range(off, len))
+    }
+
+    /// A chunk from the pool, written durably by `fill` (zeroes, or a copy); see
+    /// [`Allocator::take_zeroed`].
+    pub(crate) fn take_filled(
+        &mut self,
+        deadline: Instant,
+        left: u64,
+        fill: &mut dyn FnMut(&Device, u64, u64) -> spool_devices::Result<()>,
+    ) -> Result<(usize, u64), i32> {
         let s = self.s;
         let mut waited = false;
         let got = loop {
@@ -192,8 +236,8 @@ impl Allocator<'_> {
         }
         let (uuid, dev, off) = got?;
         crash_point(s, CrashPoint::Taken);
-        if let Err(e) = dev.zero_range(off, s.spec.chunk) {
-            tracing::error!(volume = %s.spec.path.display(), error = %e, "zeroing a new chunk failed");
+        if let Err(e) = fill(&dev, off, s.spec.chunk) {
+            tracing::error!(volume = %s.spec.path.display(), error = %e, "writing a new chunk (zeroes, or a copy) failed");
             report(&dev, off, s.spec.chunk);
             s.source.give_back(uuid, off);
             s.source.settled(1);
@@ -247,11 +291,14 @@ fn post_failed(boxes: &[Arc<Mailbox>], chunk: u64, errno: i32) {
 
 /// The backend is shutting down: every request waiting fails (not held: the volume is going
 /// away).
-fn fail_all(allocs: Vec<(u64, Arc<Mailbox>, Instant)>, unmaps: Vec<Unmap>) {
-    for (chunk, m, _) in allocs {
+fn fail_all(work: crate::shared::Work) {
+    for (chunk, m, _) in work.allocs {
         post_failed(&[m], chunk, -libc::ENOMEDIUM);
     }
-    for u in unmaps {
+    for reply in work.snapshots {
+        let _ = reply.send(Err("the volume is shutting down".into()));
+    }
+    for u in work.unmaps {
         u.mailbox.post(Some(Note::Unmapped {
             token: u.token,
             errno: -libc::ENOMEDIUM,
@@ -274,7 +321,7 @@ type Change = (u64, Option<(usize, u64)>);
 
 /// Writes the map blocks holding `changes` (other entries as the table has them); returns
 /// the blocks that could not be written.
-fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
+pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
     let mut blocks: BTreeMap<u64, Vec<Change>> = BTreeMap::new();
     for &(c, p) in changes {
         blocks.entry(map::block_of(c)).or_default().push((c, p));

@@ -13,15 +13,16 @@ use spool_devices::{BackendInfo, Device, DeviceQueue, PoolDevice, Probe};
 use uuid::Uuid;
 
 use crate::map::{self, ChunkMap, Placement, BLOCK_BYTES, ENTRY_BYTES};
-use crate::shared::{Shared, ThinSpec};
+use crate::shared::{Shared, SnapImage, SnapshotSpec, ThinSpec};
 use crate::{ChunkSource, Error, ThinQueue};
 
-/// Device offsets a map entry may name (the in-memory table keeps offsets in 48 bits of
+/// Device offsets a map entry may name (the in-memory table keeps offsets in 47 bits of
 /// 4 KiB units).
-const MAX_OFFSET: u64 = 1 << 60;
+const MAX_OFFSET: u64 = 1 << 59;
 
-/// The chunks a map names, for the pool to mark as taken.
-pub type LoadedMap = Vec<Placement>;
+/// The chunks the maps of a volume and its snapshots name, with the index of the entry
+/// naming each (a chunk is named at one index only, by however many maps).
+pub type LoadedMap = Vec<(u64, Placement)>;
 
 /// A thin volume as a pool device (see the crate doc).
 #[derive(Debug)]
@@ -37,21 +38,44 @@ impl ThinBackend {
     /// will not serve, so no chunk a map may still claim is handed out). `resolve` finds a
     /// pool device by UUID (`None`: not in the pool now; its chunks fail I/O).
     pub fn scan(spec: &ThinSpec, resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>) -> MapScan {
-        let chunks = spec.size.div_ceil(spec.chunk);
         let mut scan = MapScan {
             placements: Vec::new(),
             problem: None,
             map: ChunkMap::new(spec.store.capacity()),
             devices: Vec::new(),
+            snapshots: Vec::new(),
         };
-        if spec.store.capacity() < chunks {
-            scan.problem = Some(ScanProblem::Corrupt(format!(
-                "the map holds {} entries, the volume has {chunks} chunks",
-                spec.store.capacity()
-            )));
-            return scan;
+        let (map, devices) = (&scan.map, &mut scan.devices);
+        let mut live = |i: u64, p: Placement| {
+            let idx = match devices.iter().position(|(u, _)| *u == p.device) {
+                Some(x) => x,
+                None => {
+                    devices.push((p.device, resolve(p.device)));
+                    devices.len() - 1
+                }
+            };
+            map.set(i, Some((idx, p.offset)));
+        };
+        let (volume, chunk) = (spec.volume, spec.chunk);
+        let mut named = Vec::new();
+        let mut problem = scan_map(volume, &spec.store, spec.size, chunk, &mut |i, p| {
+            live(i, p);
+            named.push((i, p));
+        });
+        for snap in &spec.snapshots {
+            let mut entries = Vec::new();
+            let why = scan_map(snap.uuid, &snap.store, snap.size, chunk, &mut |i, p| {
+                entries.push((i, p))
+            });
+            problem = problem.or(why.map(|w| w.within(&format!("snapshot {}", snap.uuid))));
+            named.extend_from_slice(&entries);
+            scan.snapshots.push(SnapImage {
+                uuid: snap.uuid,
+                entries,
+            });
         }
-        scan_blocks(spec, chunks, resolve, &mut scan);
+        scan.placements = named;
+        scan.problem = problem;
         scan
     }
 
@@ -68,6 +92,14 @@ impl ThinBackend {
             None => {}
         }
         let shared = Arc::new(Shared::new(spec, source, scan.map, scan.devices));
+        // A chunk another map names too is copied before it is written.
+        let refs = shared.source.shared_chunks();
+        for (c, d, off) in shared.map.entries() {
+            if shared.placement(d, off).is_some_and(|p| refs.is_shared(p)) {
+                shared.map.mark_shared(c);
+            }
+        }
+        *shared.snapshots.lock().unwrap_or_else(|p| p.into_inner()) = scan.snapshots;
         let thread = crate::alloc::start(&shared).map_err(Error::Thread)?;
         let dev = Arc::new(Device::new(
             ThinBackend {
@@ -102,8 +134,11 @@ impl ThinBackend {
         self.shared.map.mapped() * self.shared.spec.chunk
     }
 
-    /// Every chunk the volume holds now: mapped, or unmapped and not given back yet (to
-    /// give them all back when it is deleted, after [`ThinBackend::shut_down`]).
+    /// Every chunk the volume and its snapshots name now: mapped, unmapped and not let go
+    /// yet, or a snapshot's. A chunk named by several of these maps comes once per map:
+    /// when the volume is deleted (after [`ThinBackend::shut_down`]) each is released once
+    /// ([`SharedChunks::release`](crate::SharedChunks::release)), and what no map names any
+    /// more goes back.
     pub fn placements(&self) -> Vec<Placement> {
         let mut out: Vec<Placement> = (self.shared.map.entries())
             .filter_map(|(_, d, off)| self.shared.placement(d, off))
@@ -111,6 +146,9 @@ impl ThinBackend {
         let r = self.shared.retire.lock().unwrap_or_else(|p| p.into_inner());
         out.extend(r.waiting.iter().flat_map(|w| w.1.iter().copied()));
         out.extend(r.next.iter().copied());
+        drop(r);
+        let snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        out.extend(snaps.iter().flat_map(|s| s.entries.iter().map(|e| e.1)));
         out
     }
 
@@ -132,6 +170,74 @@ impl ThinBackend {
         }
         self.shared.size.store(size, Ordering::Release);
         Ok(())
+    }
+
+    /// Takes a crash-consistent snapshot of the running volume (see `snapshot.rs`): every
+    /// write completed before the call is in it, none started after it. Its map is written
+    /// durably to `snap.store` (new and zeroed) under `snap.uuid`; the caller then records
+    /// it, or calls [`ThinBackend::drop_snapshot`] when it cannot. Returns how many chunks
+    /// it names.
+    pub fn snapshot(&self, snap: &SnapshotSpec) -> Result<u64, Error> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
+        w.snapshots.push(tx);
+        drop(w);
+        self.shared.wake.notify_one();
+        let wait = crate::snapshot::DRAIN_WAIT + std::time::Duration::from_secs(60);
+        let entries = rx
+            .recv_timeout(wait)
+            .map_err(|_| Error::Snapshot("the volume's allocator did not answer".into()))?
+            .map_err(Error::Snapshot)?;
+        if let Err(e) = map::write_image(&snap.store, snap.uuid, &entries) {
+            self.release(entries.iter().map(|e| e.1));
+            return Err(e);
+        }
+        let n = entries.len() as u64;
+        let mut snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        snaps.push(SnapImage {
+            uuid: snap.uuid,
+            entries,
+        });
+        Ok(n)
+    }
+
+    /// Forgets snapshot `uuid` (no longer recorded): its chunks that no other map names
+    /// go back to the pool. False when the volume has no such snapshot.
+    pub fn drop_snapshot(&self, uuid: Uuid) -> bool {
+        let mut snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(i) = snaps.iter().position(|s| s.uuid == uuid) else {
+            return false;
+        };
+        let image = snaps.remove(i);
+        drop(snaps);
+        // Nothing reads a snapshot's chunks through it: they go back at once.
+        self.release(image.entries.iter().map(|e| e.1));
+        true
+    }
+
+    /// The chunks snapshot `uuid` names: (chunk index, where).
+    pub fn snapshot_entries(&self, uuid: Uuid) -> Option<Vec<(u64, Placement)>> {
+        let snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        snaps.iter().find(|s| s.uuid == uuid).map(|s| s.entries.clone())
+    }
+
+    /// Chunks the volume maps that another map names too (a snapshot's, a clone's).
+    pub fn shared_chunks(&self) -> u64 {
+        let refs = self.shared.source.shared_chunks();
+        (self.shared.map.entries())
+            .filter_map(|(_, d, off)| self.shared.placement(d, off))
+            .filter(|&p| refs.is_shared(p))
+            .count() as u64
+    }
+
+    /// One name fewer for each of `chunks`; those no map names any more go back.
+    fn release(&self, chunks: impl Iterator<Item = Placement>) {
+        let source = &self.shared.source;
+        for p in chunks {
+            if source.shared_chunks().release(p) {
+                source.give_back(p.device, p.offset);
+            }
+        }
     }
 
     /// Makes the allocator die at `at` (crash-point tests).
@@ -163,14 +269,15 @@ impl Drop for ThinBackend {
     }
 }
 
-/// What a thin volume's map says (see [`ThinBackend::scan`]).
+/// What a thin volume's map and its snapshots' say (see [`ThinBackend::scan`]).
 pub struct MapScan {
-    /// Every chunk named by an entry that decoded.
+    /// Every chunk named by an entry that decoded, once per map naming it.
     pub placements: LoadedMap,
     /// Why the volume cannot be served (the first one found).
     pub problem: Option<ScanProblem>,
     map: ChunkMap,
     devices: Vec<(Uuid, Option<Arc<Device>>)>,
+    snapshots: Vec<SnapImage>,
 }
 
 /// Why a map cannot be served.
@@ -183,50 +290,60 @@ pub enum ScanProblem {
     Unreadable(String),
 }
 
-/// Reads every map block into `scan`, going on past problems (the first one is kept).
-fn scan_blocks(
-    spec: &ThinSpec,
-    chunks: u64,
-    resolve: &dyn Fn(Uuid) -> Option<Arc<Device>>,
-    scan: &mut MapScan,
-) {
+impl ScanProblem {
+    fn within(self, what: &str) -> ScanProblem {
+        match self {
+            ScanProblem::Corrupt(w) => ScanProblem::Corrupt(format!("{what}: {w}")),
+            ScanProblem::Unreadable(w) => ScanProblem::Unreadable(format!("{what}: {w}")),
+        }
+    }
+}
+
+/// Reads every block of the map of `volume` (`size` bytes in chunks of `chunk`) from
+/// `store`, giving each entry that decodes to `found`; goes on past problems and returns
+/// the first one (an unreadable block wins: which chunks it names is unknown).
+fn scan_map(
+    volume: Uuid,
+    store: &map::MapStore,
+    size: u64,
+    chunk: u64,
+    found: &mut dyn FnMut(u64, Placement),
+) -> Option<ScanProblem> {
+    let chunks = size.div_ceil(chunk);
+    if store.capacity() < chunks {
+        return Some(ScanProblem::Corrupt(format!(
+            "the map holds {} entries, the volume has {chunks} chunks",
+            store.capacity()
+        )));
+    }
+    let mut problem = None;
     let blocks = map::map_bytes(chunks) / BLOCK_BYTES;
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
     for b in 0..blocks {
-        if let Err(e) = spec.store.read_block(b, &mut buf) {
+        if let Err(e) = store.read_block(b, &mut buf) {
             let why = format!("map block {b} cannot be read: {e}");
-            scan.problem = Some(ScanProblem::Unreadable(why));
+            problem = Some(ScanProblem::Unreadable(why));
             continue;
         }
         for i in map::block_entries(b, chunks) {
             let at = ((i % (BLOCK_BYTES / ENTRY_BYTES)) * ENTRY_BYTES) as usize;
-            let p = match map::decode(spec.volume, i, &buf[at..at + ENTRY_BYTES as usize]) {
-                Ok(Some(p)) if p.offset % spec.chunk == 0 && p.offset < MAX_OFFSET => p,
-                Ok(None) => continue,
+            match map::decode(volume, i, &buf[at..at + ENTRY_BYTES as usize]) {
+                Ok(Some(p)) if p.offset % chunk == 0 && p.offset < MAX_OFFSET => found(i, p),
+                Ok(None) => {}
                 Ok(Some(p)) => {
                     let why = format!(
-                        "entry {i}: offset {} is not a multiple of the chunk size below 2^60",
+                        "entry {i}: offset {} is not a multiple of the chunk size below 2^59",
                         p.offset
                     );
-                    scan.problem.get_or_insert(ScanProblem::Corrupt(why));
-                    continue;
+                    problem.get_or_insert(ScanProblem::Corrupt(why));
                 }
                 Err(why) => {
-                    scan.problem.get_or_insert(ScanProblem::Corrupt(why));
-                    continue;
+                    problem.get_or_insert(ScanProblem::Corrupt(why));
                 }
-            };
-            let idx = match scan.devices.iter().position(|(u, _)| *u == p.device) {
-                Some(x) => x,
-                None => {
-                    scan.devices.push((p.device, resolve(p.device)));
-                    scan.devices.len() - 1
-                }
-            };
-            scan.map.set(i, Some((idx, p.offset)));
-            scan.placements.push(p);
+            }
         }
     }
+    problem
 }
 
 impl PoolDevice for ThinBackend {

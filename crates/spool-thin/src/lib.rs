@@ -19,7 +19,9 @@ mod backend;
 mod grace;
 pub mod map;
 mod queue;
+mod share;
 mod shared;
+mod snapshot;
 
 use std::sync::Arc;
 
@@ -27,7 +29,8 @@ use uuid::Uuid;
 
 pub use backend::{LoadedMap, MapScan, ScanProblem, ThinBackend};
 pub use queue::ThinQueue;
-pub use shared::ThinSpec;
+pub use share::SharedChunks;
+pub use shared::{SnapshotSpec, ThinSpec};
 
 use spool_devices::Device;
 
@@ -42,6 +45,8 @@ pub enum Error {
     Unreadable(String),
     #[error("cannot start the thin volume's allocator: {0}")]
     Thread(std::io::Error),
+    #[error("cannot take the snapshot: {0}")]
+    Snapshot(String),
 }
 
 /// Where a thin volume's chunks come from: the pool's free space.
@@ -52,6 +57,9 @@ pub trait ChunkSource: Send + Sync + std::fmt::Debug {
 
     /// Gives a chunk taken with [`ChunkSource::take`] back to the free space.
     fn give_back(&self, device: Uuid, offset: u64);
+
+    /// The pool's table of chunks named by more than one map.
+    fn shared_chunks(&self) -> &SharedChunks;
 
     /// `n` chunks taken with [`ChunkSource::take`] are settled: published in their map,
     /// given back, or left taken after a failed map write. Until then the source counts

@@ -27,7 +27,7 @@ const PER_BLOCK: u64 = BLOCK_BYTES / ENTRY_BYTES;
 const MAGIC: &[u8; 4] = b"SPTC";
 
 /// Where a chunk's data lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Placement {
     pub device: Uuid,
     pub offset: u64,
@@ -139,6 +139,36 @@ impl MapStore {
     }
 }
 
+/// Writes the map of `volume` naming `entries` (chunk index, where; every other entry a
+/// hole) to `store`, durably, block by block. Blocks naming nothing are not written: the
+/// store must read as zeroes there (a new, zeroed map).
+pub fn write_image(
+    store: &MapStore,
+    volume: Uuid,
+    entries: &[(u64, Placement)],
+) -> Result<(), Error> {
+    let mut blocks: std::collections::BTreeMap<u64, Vec<(u64, Placement)>> = Default::default();
+    for &(i, p) in entries {
+        if i >= store.capacity() {
+            return Err(Error::Corrupt(format!(
+                "entry {i} lies past a map of {} entries",
+                store.capacity()
+            )));
+        }
+        blocks.entry(block_of(i)).or_default().push((i, p));
+    }
+    let mut buf = vec![0u8; BLOCK_BYTES as usize];
+    for (b, named) in blocks {
+        buf.fill(0);
+        for (i, p) in named {
+            let at = ((i % PER_BLOCK) * ENTRY_BYTES) as usize;
+            buf[at..at + ENTRY_BYTES as usize].copy_from_slice(&encode(volume, i, Some(p)));
+        }
+        store.write_block(b, &buf)?;
+    }
+    Ok(())
+}
+
 /// The block holding entry `index`.
 pub(crate) fn block_of(index: u64) -> u64 {
     index / PER_BLOCK
@@ -150,9 +180,12 @@ pub(crate) fn block_entries(block: u64, chunks: u64) -> std::ops::Range<u64> {
     first.min(chunks)..(first + PER_BLOCK).min(chunks)
 }
 
-/// A mapped chunk as the data path holds it: device index + 1 in the top 16 bits, the
-/// offset in 4 KiB units below (0: a hole).
+/// A mapped chunk as the data path holds it: device index + 1 in the top 16 bits, bit 47
+/// set while the chunk may be named by another map too (a snapshot's, a clone's: a write
+/// copies it first), the offset in 4 KiB units below (0: a hole).
 const DEV_SHIFT: u32 = 48;
+const SHARED: u64 = 1 << 47;
+const OFFSET_MASK: u64 = SHARED - 1;
 /// Entries per page of the in-memory table (a page is allocated on its first mapping).
 const PAGE: u64 = 512;
 
@@ -183,22 +216,52 @@ impl ChunkMap {
         self.capacity
     }
 
+    #[inline]
+    fn raw(&self, i: u64) -> u64 {
+        let Some(page) = self.pages.get((i / PAGE) as usize).and_then(OnceLock::get) else {
+            return 0;
+        };
+        page[(i % PAGE) as usize].load(Ordering::Acquire)
+    }
+
     /// Chunk `i`: its device index and offset, or `None` for a hole.
     #[inline]
     pub fn get(&self, i: u64) -> Option<(usize, u64)> {
-        let page = self.pages.get((i / PAGE) as usize)?.get()?;
-        let v = page[(i % PAGE) as usize].load(Ordering::Acquire);
-        (v != 0).then(|| {
-            (
-                ((v >> DEV_SHIFT) - 1) as usize,
-                (v & ((1 << DEV_SHIFT) - 1)) << 12,
-            )
-        })
+        unpack(self.raw(i))
     }
 
-    /// Sets chunk `i` (below the capacity: the callers check it against the volume's size).
+    /// Chunk `i` if a write may go to it as it is: mapped and named by this map alone.
+    /// `None` for a hole or a shared chunk (the allocator maps or copies it first).
+    #[inline]
+    pub fn get_for_write(&self, i: u64) -> Option<(usize, u64)> {
+        let v = self.raw(i);
+        if v & SHARED != 0 {
+            return None;
+        }
+        unpack(v)
+    }
+
+    /// Whether chunk `i` is mapped and marked shared.
+    pub fn is_shared(&self, i: u64) -> bool {
+        self.raw(i) & SHARED != 0
+    }
+
+    /// Marks mapped chunk `i` shared (a write then asks the allocator first).
+    pub(crate) fn mark_shared(&self, i: u64) {
+        let v = self.raw(i);
+        if v != 0 {
+            self.store(i, v | SHARED);
+        }
+    }
+
+    /// Sets chunk `i`, named by this map alone (below the capacity: the callers check it
+    /// against the volume's size).
     pub(crate) fn set(&self, i: u64, p: Option<(usize, u64)>) {
         let v = p.map_or(0, |(d, off)| ((d as u64 + 1) << DEV_SHIFT) | (off >> 12));
+        self.store(i, v);
+    }
+
+    fn store(&self, i: u64, v: u64) {
         let Some(slot) = self.pages.get((i / PAGE) as usize) else {
             return;
         };
@@ -223,6 +286,11 @@ impl ChunkMap {
     pub(crate) fn entries(&self) -> impl Iterator<Item = (u64, usize, u64)> + '_ {
         (0..self.capacity).filter_map(|i| self.get(i).map(|(d, o)| (i, d, o)))
     }
+}
+
+#[inline]
+fn unpack(v: u64) -> Option<(usize, u64)> {
+    (v != 0).then(|| (((v >> DEV_SHIFT) - 1) as usize, (v & OFFSET_MASK) << 12))
 }
 
 #[cfg(test)]
@@ -261,6 +329,14 @@ mod tests {
         assert_eq!(m.get(3), None);
         assert_eq!(m.get(1000), None);
         assert_eq!(m.mapped(), 2);
+        m.mark_shared(1);
+        m.mark_shared(3);
+        assert_eq!(m.get(1), Some((5, 1 << 40)));
+        assert_eq!(m.get_for_write(1), None);
+        assert_eq!(m.get_for_write(999), Some((0, 4096)));
+        assert!(m.is_shared(1) && !m.is_shared(3) && !m.is_shared(999));
+        m.set(1, Some((5, 1 << 40)));
+        assert_eq!(m.get_for_write(1), Some((5, 1 << 40)));
         m.set(1, None);
         assert_eq!(m.mapped(), 1);
         assert_eq!(m.entries().collect::<Vec<_>>(), vec![(999, 0, 4096)]);

@@ -36,6 +36,24 @@ pub struct ThinSpec {
     /// The pool devices do their I/O inline in the worker (files on tmpfs): so does the
     /// thin device (the worker takes fewer requests a round from the ring then).
     pub inline_io: bool,
+    /// The volume's snapshots, oldest first (their maps are read at open).
+    pub snapshots: Vec<SnapshotSpec>,
+}
+
+/// A snapshot of a thin volume: its own map, written once when it was taken.
+#[derive(Debug, Clone)]
+pub struct SnapshotSpec {
+    pub uuid: Uuid,
+    /// The volume's size when it was taken.
+    pub size: u64,
+    pub store: MapStore,
+}
+
+/// A snapshot's chunks in memory: (chunk index, where).
+#[derive(Debug, Clone)]
+pub(crate) struct SnapImage {
+    pub(crate) uuid: Uuid,
+    pub(crate) entries: Vec<(u64, Placement)>,
 }
 
 /// What the queues and the allocator thread of one thin volume share.
@@ -61,6 +79,8 @@ pub(crate) struct Shared {
     pub(crate) waiting_for_space: AtomicU64,
     /// Chunks unmapped and not given back yet (the allocator's; read when the volume goes).
     pub(crate) retire: Mutex<Retire>,
+    /// The volume's snapshots (their chunks are named by their maps too).
+    pub(crate) snapshots: Mutex<Vec<SnapImage>>,
     /// Where the allocator dies (crash-point tests; read only in test builds).
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) crash_at: Mutex<Option<CrashPoint>>,
@@ -96,6 +116,7 @@ impl Shared {
             stop: AtomicBool::new(false),
             waiting_for_space: AtomicU64::new(0),
             retire: Mutex::default(),
+            snapshots: Mutex::default(),
             crash_at: Mutex::default(),
         }
     }
@@ -234,6 +255,10 @@ pub(crate) enum CrashPoint {
     Cleared,
     /// The holes durable, the chunks not given back.
     HolesWritten,
+    /// A shared chunk copied to a new one, its map entry not written.
+    Copied,
+    /// A snapshot's chunks marked shared, the requests before it not drained yet.
+    Marked,
 }
 
 /// Work waiting for the thread.
@@ -242,6 +267,14 @@ pub(crate) struct Work {
     /// Chunks asked for, by whom, and when (the full-pool wait runs from then).
     pub(crate) allocs: Vec<(u64, Arc<Mailbox>, std::time::Instant)>,
     pub(crate) unmaps: Vec<Unmap>,
+    /// Snapshots to take: each answered with the chunks it names, or why it failed.
+    pub(crate) snapshots: Vec<std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, String>>>,
+}
+
+impl Work {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.allocs.is_empty() && self.unmaps.is_empty() && self.snapshots.is_empty()
+    }
 }
 
 impl Shared {

@@ -10,7 +10,9 @@ use spool_devices::{Device, DeviceIo, DeviceQueue, IoVec, OpenOptions};
 use uuid::Uuid;
 
 use crate::map::{MapExtent, MapStore};
-use crate::{ChunkSource, ThinBackend, ThinSpec};
+use crate::{ChunkSource, SharedChunks, ThinBackend, ThinSpec};
+
+mod snapshots;
 
 const CHUNK: u64 = 64 << 10;
 /// Device layout: the map at 0..64K, chunks from 64K on.
@@ -21,6 +23,7 @@ struct Free {
     uuid: Uuid,
     dev: Arc<Device>,
     free: Mutex<Vec<u64>>,
+    refs: SharedChunks,
 }
 
 impl ChunkSource for Free {
@@ -34,6 +37,10 @@ impl ChunkSource for Free {
         let mut f = self.free.lock().unwrap();
         assert!(!f.contains(&offset), "chunk {offset} given back twice");
         f.push(offset);
+    }
+
+    fn shared_chunks(&self) -> &SharedChunks {
+        &self.refs
     }
 }
 
@@ -59,6 +66,7 @@ fn spec(volume: Uuid, dev: &Arc<Device>, size: u64) -> ThinSpec {
         .unwrap(),
         full_wait: Duration::from_millis(200),
         inline_io: false,
+        snapshots: Vec::new(),
     }
 }
 
@@ -108,6 +116,7 @@ fn fixture(chunks: u64) -> Fixture {
         uuid: Uuid::new_v4(),
         dev: dev.clone(),
         free: Mutex::new((0..chunks).rev().map(|i| CHUNKS_AT + i * CHUNK).collect()),
+        refs: SharedChunks::default(),
     });
     Fixture {
         _dir: dir,
@@ -118,14 +127,16 @@ fn fixture(chunks: u64) -> Fixture {
 }
 
 impl Fixture {
-    fn open(&self, size: u64) -> (Arc<Device>, Vec<crate::map::Placement>) {
+    fn open(&self, size: u64) -> (Arc<Device>, crate::LoadedMap) {
+        self.open_spec(spec(self.volume, &self.dev, size))
+    }
+
+    pub(crate) fn open_spec(&self, spec: ThinSpec) -> (Arc<Device>, crate::LoadedMap) {
         let d = self.dev.clone();
         let u = self.source.uuid;
-        ThinBackend::open(
-            spec(self.volume, &self.dev, size),
-            self.source.clone(),
-            &move |x| (x == u).then(|| d.clone()),
-        )
+        ThinBackend::open(spec, self.source.clone(), &move |x| {
+            (x == u).then(|| d.clone())
+        })
         .unwrap()
     }
 
@@ -318,7 +329,7 @@ fn a_stop_cancels_writes_waiting_for_space_at_once() {
 /// After a crash at `point`: the map read back alone (as the pool does at start), with the
 /// free list rebuilt from it. Returns the reopened device, the chunks its map names, and
 /// checks that every chunk is either free or named by the map, exactly once.
-fn after_crash(f: &Fixture, chunks: u64) -> (Arc<Device>, Vec<crate::map::Placement>) {
+fn after_crash(f: &Fixture, chunks: u64) -> (Arc<Device>, crate::LoadedMap) {
     let d = f.dev.clone();
     let u = f.source.uuid;
     let resolve = move |x: Uuid| (x == u).then(|| d.clone());
@@ -327,7 +338,7 @@ fn after_crash(f: &Fixture, chunks: u64) -> (Arc<Device>, Vec<crate::map::Placem
         scan.problem, None,
         "a crash never leaves a map that cannot be served"
     );
-    let named: Vec<u64> = scan.placements.iter().map(|p| p.offset).collect();
+    let named: Vec<u64> = scan.placements.iter().map(|(_, p)| p.offset).collect();
     let free: Vec<u64> = (0..chunks)
         .map(|i| CHUNKS_AT + i * CHUNK)
         .filter(|o| !named.contains(o))
@@ -410,6 +421,7 @@ fn a_crash_at_any_step_of_an_allocation_or_unmap_loses_nothing_acknowledged() {
             // The discard did not happen, or happened whole.
             Cleared => assert_eq!((placements.len(), &mapped[..]), (2, &[0, 1][..])),
             HolesWritten => assert_eq!((placements.len(), &mapped[..]), (1, &[0][..])),
+            Copied | Marked => unreachable!("tests/snapshots.rs"),
         }
         assert!(
             mapped.iter().all(|&c| c < 2),

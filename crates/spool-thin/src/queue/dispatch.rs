@@ -65,8 +65,13 @@ impl ThinQueue {
         }
         let phase = self.shared.grace.enter(&self.readers);
         let pieces = self.pieces(offset, len);
-        let found: Vec<Option<(usize, u64)>> =
-            pieces.iter().map(|p| self.shared.map.get(p.0)).collect();
+        let map = &self.shared.map;
+        let found: Vec<Option<(usize, u64)>> = (pieces.iter())
+            .map(|p| match write {
+                true => map.get_for_write(p.0),
+                false => map.get(p.0),
+            })
+            .collect();
         if write && found.iter().any(Option::is_none) {
             self.shared.grace.leave(&self.readers, phase);
             for (p, f) in pieces.iter().zip(&found) {
@@ -126,7 +131,11 @@ impl ThinQueue {
     ) {
         let chunk = self.shared.spec.chunk;
         let phase = self.shared.grace.enter(&self.readers);
-        match self.shared.map.get(offset / chunk) {
+        let found = match write {
+            true => self.shared.map.get_for_write(offset / chunk),
+            false => self.shared.map.get(offset / chunk),
+        };
+        match found {
             None if write => {
                 self.shared.grace.leave(&self.readers, phase);
                 self.ask(offset / chunk);
@@ -193,8 +202,25 @@ impl ThinQueue {
         let zeroes = matches!(self.op(idx).io, DeviceIo::WriteZeroes { .. });
         let phase = self.shared.grace.enter(&self.readers);
         self.op(idx).phase = Some(phase);
+        let pieces = self.pieces(offset, len);
+        // Zeroes written into part of a shared chunk must not reach the other maps naming
+        // it: the chunk is copied first (a discard of part of one is only dropped).
+        let shared: Vec<u64> = (pieces.iter())
+            .filter(|p| zeroes && p.2 < chunk && self.shared.map.is_shared(p.0))
+            .map(|p| p.0)
+            .collect();
+        if !shared.is_empty() {
+            self.op(idx).phase = None;
+            self.shared.grace.leave(&self.readers, phase);
+            for c in shared {
+                self.ask(c);
+            }
+            self.op(idx).parked = true;
+            self.parked.push(idx);
+            return;
+        }
         let (mut first, mut end) = (u64::MAX, 0);
-        for (c, within, n, _) in self.pieces(offset, len) {
+        for (c, within, n, _) in pieces {
             // Only a chunk covered whole goes back. The last chunk of a volume whose size is
             // not a multiple of it is not (a grow between this and the allocator's unmap
             // would expose a tail the request never covered, and drop a write to it).
@@ -203,8 +229,8 @@ impl ThinQueue {
                 end = end.max(c + 1);
                 continue;
             }
-            let Some((d, off)) = self.shared.map.get(c) else {
-                continue;
+            let Some((d, off)) = self.shared.map.get_for_write(c) else {
+                continue; // A hole, or (a discard) part of a shared chunk.
             };
             let io = if zeroes {
                 DeviceIo::WriteZeroes {

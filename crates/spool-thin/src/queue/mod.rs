@@ -206,11 +206,8 @@ impl ThinQueue {
         // then discarded again before they looked).
         let mut again = false;
         for idx in std::mem::take(&mut self.parked) {
-            let chunk = self.shared.spec.chunk;
             let op = self.ops[idx].as_ref().expect("parked op");
-            let holes: Vec<u64> = op_chunks(&op.io, chunk)
-                .filter(|&c| self.shared.map.get(c).is_none())
-                .collect();
+            let holes = self.blocked(&op.io);
             if op.err == 0 && !holes.is_empty() {
                 for c in holes {
                     self.ask(c);
@@ -282,11 +279,33 @@ impl ThinQueue {
     }
 }
 
-/// The chunks a write touches (none for other requests).
+/// The chunks a write or write-zeroes touches (none for other requests).
 fn op_chunks(io: &DeviceIo, chunk: u64) -> std::ops::Range<u64> {
     match *io {
-        DeviceIo::Write { offset, len, .. } => offset / chunk..(offset + len).div_ceil(chunk),
+        DeviceIo::Write { offset, len, .. } | DeviceIo::WriteZeroes { offset, len } => {
+            offset / chunk..(offset + len).div_ceil(chunk)
+        }
         _ => 0..0,
+    }
+}
+
+impl ThinQueue {
+    /// The chunks the allocator must map or copy before `io` may go out: a write's holes
+    /// and shared chunks, the shared chunks a write-zeroes covers in part.
+    fn blocked(&self, io: &DeviceIo) -> Vec<u64> {
+        let (chunk, map) = (self.shared.spec.chunk, &self.shared.map);
+        match *io {
+            DeviceIo::Write { .. } => op_chunks(io, chunk)
+                .filter(|&c| map.get_for_write(c).is_none())
+                .collect(),
+            DeviceIo::WriteZeroes { offset, len } => op_chunks(io, chunk)
+                .filter(|&c| {
+                    let whole = c * chunk >= offset && (c + 1) * chunk <= offset + len;
+                    !whole && map.is_shared(c)
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 }
 

@@ -1,0 +1,109 @@
+//! Snapshots and copy on write, the allocator's side.
+//!
+//! Taking a snapshot: the allocator lets the previous grace period end, marks every mapped
+//! chunk shared (counting the snapshot's map as one more name of it in [`SharedChunks`]),
+//! starts a grace period and waits until every request that read the map before the marks
+//! has completed. From then on the chunks hold exactly what every request completed before
+//! the snapshot wrote, and no later write reaches them: a write to a shared chunk waits
+//! (parked, as one to a hole does) until the allocator has copied the chunk to a new one,
+//! written the new entry durably and published it. The snapshot's map is then written and
+//! recorded by the caller, while the volume goes on ([`ThinBackend::snapshot`]).
+//!
+//! The stall a snapshot costs writes is the marking (one pass over the table in memory) and
+//! the drain of the requests in flight; the first write to each chunk after it pays a copy
+//! of the chunk.
+//!
+//! Owns: marking, the drain, copying a shared chunk. Must not know: the pool, virtio.
+//!
+//! [`SharedChunks`]: crate::SharedChunks
+//! [`ThinBackend::snapshot`]: crate::ThinBackend::snapshot
+
+use std::time::{Duration, Instant};
+
+use spool_devices::Device;
+
+use crate::alloc::Allocator;
+use crate::map::Placement;
+use crate::shared::CrashPoint;
+
+/// How long a snapshot waits for the requests in flight before it (a device holding its
+/// requests through a reset): past it the snapshot fails and nothing is recorded.
+pub(crate) const DRAIN_WAIT: Duration = Duration::from_secs(5);
+
+impl Allocator<'_> {
+    /// Marks every mapped chunk shared and waits until no request that could write to it
+    /// without a copy is left; returns the chunks the snapshot names.
+    pub(crate) fn take_snapshot(&mut self) -> Result<Vec<(u64, Placement)>, String> {
+        let s = self.s;
+        let deadline = Instant::now() + DRAIN_WAIT;
+        let late = || {
+            format!(
+                "requests on the volume did not complete within {} s (is a device resetting?)",
+                DRAIN_WAIT.as_secs()
+            )
+        };
+        // One grace period at a time: the one of chunks let go before ends first.
+        while s.retiring() {
+            self.retire_drained();
+            if Instant::now() >= deadline {
+                return Err(late());
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        let refs = s.source.shared_chunks();
+        let mut entries = Vec::new();
+        for (c, d, off) in s.map.entries() {
+            if let Some(p) = s.placement(d, off) {
+                refs.add(p);
+                s.map.mark_shared(c);
+                entries.push((c, p));
+            }
+        }
+        crate::alloc::crash_point(s, CrashPoint::Marked);
+        let phase = s.grace.flip();
+        while !s.grace.drained(phase) {
+            if Instant::now() >= deadline {
+                // The marks stay (a write then finds the chunk named once and only clears
+                // its mark).
+                for &(_, p) in &entries {
+                    refs.release(p);
+                }
+                return Err(late());
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        Ok(entries)
+    }
+
+    /// Chunk `c`, marked shared at `old` (device index, offset): when another map still
+    /// names it, a new chunk holding a durable copy of it (`Ok(Some)`: its entry is then
+    /// written and published like a new chunk's, and `old` let go after a grace period);
+    /// when none does any more, its mark is cleared (`Ok(None)`).
+    pub(crate) fn unshare(
+        &mut self,
+        c: u64,
+        old: (usize, u64),
+        deadline: Instant,
+        left: u64,
+    ) -> Result<Option<(usize, u64)>, i32> {
+        let s = self.s;
+        let Some(p) = s.placement(old.0, old.1) else {
+            return Err(-libc::EIO);
+        };
+        if !s.source.shared_chunks().is_shared(p) {
+            s.map.set(c, Some(old));
+            return Ok(None);
+        }
+        let src = s.device(old.0).ok_or(-libc::ENOMEDIUM)?;
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.resize(s.spec.chunk as usize, 0);
+        let got = self.take_filled(deadline, left, &mut |dev: &Device, off, len| {
+            src.read_at(&mut buf[..len as usize], old.1)?;
+            dev.write_at_durable(&buf[..len as usize], off)
+        });
+        self.buf = buf;
+        let new = got?;
+        crate::alloc::crash_point(s, CrashPoint::Copied);
+        Ok(Some(new))
+    }
+}
