@@ -18,6 +18,7 @@ pub mod metadata;
 mod mirror;
 pub mod qos;
 mod rbd;
+mod snapshots;
 mod thin;
 mod volumes;
 
@@ -35,6 +36,7 @@ pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
 pub use qos::{Priority, QosLimits};
 pub use rbd::RbdTarget;
+pub use snapshots::SnapshotInfo;
 pub use thin::{PoolSpace, DEFAULT_FULL_WAIT};
 
 use members::Member;
@@ -228,3 +230,5 @@ mod mirror_tests;
 mod tests;
 #[cfg(test)]
 mod thin_tests;
+#[cfg(test)]
+mod snapshot_tests;

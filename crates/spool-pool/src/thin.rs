@@ -13,11 +13,12 @@ use std::time::Duration;
 
 use spool_devices::Device;
 use spool_thin::map::{MapExtent, MapStore};
-use spool_thin::{ChunkSource, ScanProblem, ThinBackend, ThinSpec};
+use spool_thin::map::Placement;
+use spool_thin::{ChunkSource, MapScan, ScanProblem, SharedChunks, SnapshotSpec, ThinBackend, ThinSpec};
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
-use crate::metadata::{ThinMap, VolumeEntry};
+use crate::metadata::{ExtentEntry, ThinMap, VolumeEntry};
 use crate::{Error, Pool, Result, VolumeInfo};
 
 /// How long a write needing a chunk waits for free space on a full pool by default.
@@ -45,6 +46,9 @@ pub struct PoolSpace {
     frozen: RwLock<Option<String>>,
     /// Chunks taken and not settled yet (zeroing, their map entry being written).
     in_flight: AtomicUsize,
+    /// Chunks named by more than one map (snapshots, clones), rebuilt from every map at
+    /// open.
+    pub(crate) refs: SharedChunks,
 }
 
 impl PoolSpace {
@@ -118,6 +122,10 @@ impl ChunkSource for PoolSpace {
         self.in_flight.fetch_sub(n, Ordering::AcqRel);
     }
 
+    fn shared_chunks(&self) -> &SharedChunks {
+        &self.refs
+    }
+
     fn give_back(&self, device: Uuid, offset: u64) {
         let members = self.members.read().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = members.iter().find(|m| m.uuid == device) {
@@ -148,21 +156,33 @@ impl Pool {
             .unwrap_or_else(|p| p.into_inner()) = fresh;
     }
 
-    fn thin_spec(&self, v: &VolumeEntry, t: &ThinMap) -> Result<ThinSpec> {
-        let mut extents = Vec::new();
-        for e in &t.map {
-            let m = self
-                .members
-                .iter()
-                .find(|m| m.uuid == e.device)
-                .ok_or_else(|| Error::Thin {
-                    volume: v.name.clone(),
-                    why: format!("its map is on device {}, which is missing", e.device),
-                })?;
-            extents.push(MapExtent {
+    /// The store of a map on `extents` (of volume `v`, for errors).
+    pub(crate) fn map_store(&self, v: &VolumeEntry, extents: &[ExtentEntry]) -> Result<MapStore> {
+        let thin_err = |why: String| Error::Thin {
+            volume: v.name.clone(),
+            why,
+        };
+        let mut out = Vec::new();
+        for e in extents {
+            let m = (self.members.iter().find(|m| m.uuid == e.device)).ok_or_else(|| {
+                thin_err(format!("a map is on device {}, which is missing", e.device))
+            })?;
+            out.push(MapExtent {
                 device: m.dev.clone(),
                 offset: e.offset,
                 len: self.table.min_extent << e.order,
+            });
+        }
+        MapStore::new(out).map_err(|e| thin_err(e.to_string()))
+    }
+
+    fn thin_spec(&self, v: &VolumeEntry, t: &ThinMap) -> Result<ThinSpec> {
+        let mut snapshots = Vec::new();
+        for s in &t.snapshots {
+            snapshots.push(SnapshotSpec {
+                uuid: s.uuid,
+                size: s.size,
+                store: self.map_store(v, &s.map)?,
             });
         }
         Ok(ThinSpec {
@@ -170,25 +190,19 @@ impl Pool {
             path: format!("thin:{}", v.name).into(),
             size: v.size,
             chunk: t.chunk,
-            store: MapStore::new(extents).map_err(|e| Error::Thin {
-                volume: v.name.clone(),
-                why: e.to_string(),
-            })?,
+            store: self.map_store(v, &t.map)?,
             full_wait: self.opts.thin_full_wait,
             inline_io: !self.members.is_empty() && self.members.iter().all(|m| m.dev.inline_io()),
+            snapshots,
         })
     }
 
-    /// Opens thin volume `v` (its map read and checked, its chunks marked taken).
-    fn open_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<Arc<Device>> {
-        let thin_err = |why: String| Error::Thin {
-            volume: v.name.clone(),
-            why,
-        };
+    /// Reads thin volume `v`'s maps (its own and its snapshots'); `None` when they cannot
+    /// be read at all (which chunks they name is unknown: allocation stops).
+    fn scan_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<(ThinSpec, MapScan)> {
         let spec = match self.thin_spec(v, t) {
             Ok(spec) => spec,
             Err(e) => {
-                // Its map cannot be read at all: which chunks it names is unknown.
                 self.space.freeze(format!("thin volume '{}': {e}", v.name));
                 return Err(e);
             }
@@ -199,44 +213,92 @@ impl Pool {
             .map(|m| (m.uuid, m.dev.clone()))
             .collect();
         let resolve = move |u: Uuid| members.iter().find(|m| m.0 == u).map(|m| m.1.clone());
-        let mut scan = ThinBackend::scan(&spec, &resolve);
-        // Every chunk the map names is taken, even when the volume is refused: a map that
-        // is repaired (or readable again) at the next start still finds its chunks its own.
-        for p in &scan.placements {
-            let Some(m) = self.members.iter().find(|m| m.uuid == p.device) else {
-                continue; // Its device is not here: its chunks fail I/O.
-            };
-            if let Err(why) = m.alloc_at(p.offset, 0) {
-                // Kept by its first owner; this map is refused.
-                let why = format!(
-                    "a chunk at {} on device {} is used twice: {why}",
-                    p.offset, p.device
-                );
-                scan.problem.get_or_insert(ScanProblem::Corrupt(why));
-            }
-        }
+        let scan = ThinBackend::scan(&spec, &resolve);
+        Ok((spec, scan))
+    }
+
+    /// Serves a scanned thin volume (refused when its scan found a problem).
+    fn start_scanned(&self, v: &VolumeEntry, spec: ThinSpec, scan: MapScan) -> Result<Arc<Device>> {
         if let Some(ScanProblem::Unreadable(why)) = &scan.problem {
             self.space
                 .freeze(format!("thin volume '{}': its map {why}", v.name));
         }
-        ThinBackend::start(spec, self.space.clone(), scan).map_err(|e| thin_err(e.to_string()))
+        ThinBackend::start(spec, self.space.clone(), scan).map_err(|e| Error::Thin {
+            volume: v.name.clone(),
+            why: e.to_string(),
+        })
     }
 
-    /// At start, after the allocators are rebuilt from the table: every thin volume's map.
-    /// A volume whose map is unreadable or corrupt is not served (and says why); the others
-    /// are.
+    /// Opens a thin volume whose chunks are accounted for already (a new one, a clone).
+    pub(crate) fn open_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<Arc<Device>> {
+        let (spec, scan) = self.scan_thin(v, t)?;
+        self.start_scanned(v, spec, scan)
+    }
+
+    /// At start, after the allocators are rebuilt from the table: every thin volume's maps
+    /// are read, the chunks they name marked taken (each once, however many maps name it)
+    /// and counted ([`SharedChunks`]). A volume whose map is unreadable or corrupt is not
+    /// served (and says why); the others are.
     pub(crate) fn open_thins(&mut self) {
         self.refresh_space();
-        let mut cache = ThinCache::new();
+        let mut scans = Vec::new();
         for v in &self.table.volumes {
             let Some(t) = &v.thin else { continue };
-            let opened = self.open_thin(v, t).map_err(|e| {
-                tracing::error!(volume = %v.name, error = %e, "thin volume not served");
-                e.to_string()
-            });
+            scans.push((v.clone(), self.scan_thin(v, t)));
+        }
+        let mut named: HashMap<Placement, (u64, u32)> = HashMap::new();
+        for (v, scan) in &mut scans {
+            let Ok((_, scan)) = scan else { continue };
+            for &(i, p) in &scan.placements {
+                if let Some(why) = self.mark_named(&mut named, i, p) {
+                    let why = format!("volume '{}': {why}", v.name);
+                    scan.problem.get_or_insert(ScanProblem::Corrupt(why));
+                }
+            }
+        }
+        let counts = named.iter().map(|(&p, &(_, n))| (p, n)).collect();
+        self.space.refs.rebuild(&counts);
+        let mut cache = ThinCache::new();
+        for (v, scan) in scans {
+            let opened = scan
+                .and_then(|(spec, scan)| self.start_scanned(&v, spec, scan))
+                .map_err(|e| {
+                    tracing::error!(volume = %v.name, error = %e, "thin volume not served");
+                    e.to_string()
+                });
             cache.insert(v.uuid, opened);
         }
         *self.thins.lock().unwrap_or_else(|p| p.into_inner()) = cache;
+    }
+
+    /// Counts one more map naming chunk `p` at entry `i`, marking it taken the first time;
+    /// why the map naming it is refused, if it is: the chunk is named at another entry too
+    /// (maps share a chunk at the same entry only), or something else holds it.
+    fn mark_named(
+        &self,
+        named: &mut HashMap<Placement, (u64, u32)>,
+        i: u64,
+        p: Placement,
+    ) -> Option<String> {
+        if let Some((at, n)) = named.get_mut(&p) {
+            if *at != i {
+                return Some(format!(
+                    "a chunk at {} on device {} is named at entries {at} and {i}",
+                    p.offset, p.device
+                ));
+            }
+            *n += 1;
+            return None;
+        }
+        named.insert(p, (i, 1));
+        let m = self.members.iter().find(|m| m.uuid == p.device)?; // Not here: its I/O fails.
+        // Kept by its first owner; this map is refused.
+        m.alloc_at(p.offset, 0).err().map(|why| {
+            format!(
+                "a chunk at {} on device {} is used twice: {why}",
+                p.offset, p.device
+            )
+        })
     }
 
     /// The device of thin volume `v`.
@@ -281,6 +343,8 @@ impl Pool {
         v.thin = Some(ThinMap {
             chunk,
             map: map.clone(),
+            snapshots: Vec::new(),
+            origin: None,
         });
         let mut table = self.table.clone();
         table.volumes.push(v.clone());
@@ -340,6 +404,9 @@ impl Pool {
         };
         t.shut_down();
         for p in t.placements() {
+            if !self.space.refs.release(p) {
+                continue; // Another map (a clone's) still names it.
+            }
             if let Some(m) = self.members.iter().find(|m| m.uuid == p.device) {
                 m.free(p.offset, 0);
             }
@@ -348,7 +415,7 @@ impl Pool {
 
     /// Whether thin volume `v` keeps its map or any chunk on device `uuid`.
     pub(crate) fn thin_uses(&self, v: &VolumeEntry, uuid: Uuid) -> bool {
-        if v.thin.iter().flat_map(|t| &t.map).any(|e| e.device == uuid) {
+        if v.thin.is_some() && v.all_extents().any(|e| e.device == uuid) {
             return true;
         }
         let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());

@@ -19,9 +19,10 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// Newest record format version this spoold reads and writes. Readers refuse records with
 /// a higher version. A table is written as version 1 unless it uses something version 1
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
-/// images: version 4; encrypted volumes: version 5; thin volumes: version 6), so an older spoold refuses a table it would
+/// images: version 4; encrypted volumes: version 5; thin volumes: version 6; snapshots and
+/// clones: version 7), so an older spoold refuses a table it would
 /// otherwise rewrite without them, and still reads every table that needs nothing new.
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -134,6 +135,29 @@ pub struct ThinMap {
     pub chunk: u64,
     /// The map's extents in order (32 bytes per chunk, docs/thin.md).
     pub map: Vec<ExtentEntry>,
+    /// The volume's snapshots, oldest first (format version 7; docs/snapshots.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshots: Vec<ThinSnapshot>,
+    /// The snapshot a clone was made from, as `VOLUME@SNAPSHOT` (format version 7): its
+    /// chunks may be named by that snapshot's map too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+}
+
+/// A snapshot of a thin volume: a map of its own, written once, naming chunks the volume's
+/// map (or a clone's) may name too.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ThinSnapshot {
+    /// Unique among the volume's snapshots (the rules of a volume name).
+    pub name: String,
+    /// Its own UUID (each map entry's checksum covers it).
+    pub uuid: Uuid,
+    /// The volume's size when it was taken.
+    pub size: u64,
+    /// When it was taken, in seconds since the Unix epoch.
+    pub created: u64,
+    /// Its map's extents in order.
+    pub map: Vec<ExtentEntry>,
 }
 
 /// An encrypted volume's cipher and its data key, wrapped under the pool's key-encryption
@@ -213,6 +237,11 @@ impl VolumeEntry {
             .iter()
             .chain(self.legs.iter().flat_map(|l| l.extents.iter()))
             .chain(self.thin.iter().flat_map(|t| t.map.iter()))
+            .chain(
+                (self.thin.iter())
+                    .flat_map(|t| &t.snapshots)
+                    .flat_map(|s| s.map.iter()),
+            )
     }
 
     /// Each copy's extents in logical order (a plain volume has one).
@@ -228,7 +257,10 @@ impl VolumeEntry {
 impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
-        if self.volumes.iter().any(|v| v.thin.is_some()) {
+        let shares = |t: &ThinMap| !t.snapshots.is_empty() || t.origin.is_some();
+        if self.volumes.iter().any(|v| v.thin.as_ref().is_some_and(shares)) {
+            7
+        } else if self.volumes.iter().any(|v| v.thin.is_some()) {
             6
         } else if self.volumes.iter().any(|v| v.encryption.is_some()) {
             5

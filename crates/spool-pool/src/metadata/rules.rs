@@ -185,6 +185,38 @@ impl PoolTable {
                 "{what}: its map holds {bytes} bytes; {need} are needed for its chunks"
             ));
         }
+        if let Some(o) = &t.origin {
+            if o.len() > 2 * super::MAX_NAME_LEN + 1 || o.chars().any(|c| c.is_control()) {
+                return Err(format!("{what}: origin '{}' is not a snapshot's name", printable(o)));
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for s in &t.snapshots {
+            let what = format!("{what} snapshot '{}'", printable(&s.name));
+            check_volume_name(&s.name).map_err(|why| format!("{what}: {why}"))?;
+            if !names.insert(&s.name) {
+                return Err(format!("{what}: two snapshots have this name"));
+            }
+            if s.size == 0 || !s.size.is_multiple_of(512) || s.size > v.size {
+                return Err(format!(
+                    "{what}: size {} is not a positive multiple of 512 up to the volume's",
+                    s.size
+                ));
+            }
+            let mut bytes = 0u64;
+            for (i, e) in s.map.iter().enumerate() {
+                let (block, end) = validate_extent(self.min_extent, e, devices)
+                    .map_err(|why| format!("{what}: map extent {i} {why}"))?;
+                bytes = bytes.saturating_add(block);
+                extent(e.device, e.offset, end);
+            }
+            let need = spool_thin::map::map_bytes(s.size.div_ceil(t.chunk));
+            if bytes < need {
+                return Err(format!(
+                    "{what}: its map holds {bytes} bytes; {need} are needed for its chunks"
+                ));
+            }
+        }
         Ok(())
     }
 }

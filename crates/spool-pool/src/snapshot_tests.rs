@@ -1,0 +1,123 @@
+//! Snapshots and clones in the pool, on real files: a clone reads its snapshot's moment,
+//! writes to the origin or the clone copy, everything survives a reopen (the sharing counts
+//! rebuilt from the maps), deleting gives back exactly what nothing else names.
+
+use super::tests::{opts, spec};
+use super::*;
+use spool_devices::{Device, DeviceIo, IoVec};
+
+fn io(dev: &Device, write: bool, offset: u64, data: &mut [u8]) -> i32 {
+    let mut q = dev.open_queue(4).unwrap();
+    let iov = [IoVec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    }];
+    // SAFETY: `data` and `iov` outlive the request, which is waited for below.
+    unsafe {
+        q.submit(
+            DeviceIo::data(write, offset, data.len() as u64, iov.as_ptr(), 1),
+            1,
+        )
+    };
+    q.kick().unwrap();
+    loop {
+        let mut got = None;
+        q.reap(&mut |_, r| got = Some(r));
+        if let Some(r) = got {
+            return r;
+        }
+        std::thread::yield_now();
+    }
+}
+
+fn put(p: &Pool, vol: &str, offset: u64, byte: u8) {
+    let l = p.layout(vol).unwrap();
+    assert_eq!(io(&l.devices[0], true, offset, &mut vec![byte; 4096]), 0);
+}
+
+fn get(p: &Pool, vol: &str, offset: u64) -> u8 {
+    let l = p.layout(vol).unwrap();
+    let mut b = vec![0xeeu8; 4096];
+    assert_eq!(io(&l.devices[0], false, offset, &mut b), 0);
+    assert!(b.iter().all(|&x| x == b[0]), "a mixed block");
+    b[0]
+}
+
+#[test]
+fn a_clone_reads_its_snapshots_moment_and_deletes_give_back_what_nobody_names() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 9)];
+    let free0;
+    {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        free0 = p.info().free;
+        p.create_thin_volume("t", 64 << 20, false, 1, false).unwrap();
+        put(&p, "t", 0, 1);
+        put(&p, "t", 3 << 20, 3);
+        let s = p.snapshot_volume("t", "s1").unwrap();
+        assert_eq!((s.mapped, s.exclusive), (2 << 20, 0));
+        let err = p.snapshot_volume("t", "s1").unwrap_err().to_string();
+        assert!(err.contains("already"), "{err}");
+        put(&p, "t", 0, 9);
+        let c = p.clone_snapshot("t", "s1", "c").unwrap();
+        assert_eq!(c.size, 64 << 20);
+        assert_eq!((get(&p, "c", 0), get(&p, "c", 3 << 20)), (1, 3));
+        assert_eq!((get(&p, "t", 0), get(&p, "t", 3 << 20)), (9, 3));
+        put(&p, "c", 3 << 20, 5);
+        assert_eq!((get(&p, "c", 3 << 20), get(&p, "t", 3 << 20)), (5, 3));
+        // Maps: t, s1, c (1 MiB each); chunks: 1 and 3 (shared), t's copy of 0, c's of 3.
+        assert_eq!(p.info().free, free0 - (7 << 20));
+    }
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.info().free, free0 - (7 << 20), "nothing leaked or taken twice");
+    assert_eq!((get(&p, "c", 0), get(&p, "c", 3 << 20)), (1, 5));
+    assert_eq!((get(&p, "t", 0), get(&p, "t", 3 << 20)), (9, 3));
+    let snaps = p.snapshots("t").unwrap();
+    assert_eq!(snaps.len(), 1);
+    assert_eq!((snaps[0].name.as_str(), snaps[0].mapped), ("s1", 2 << 20));
+    assert_eq!(snaps[0].exclusive, 0, "chunk 0 is the clone's too, chunk 3 t's");
+    // After the reopen the sharing is known again: writes still copy.
+    put(&p, "t", (3 << 20) + 4096, 6);
+    assert_eq!(get(&p, "c", (3 << 20) + 4096), 0);
+    assert_eq!(get(&p, "t", 3 << 20), 3);
+    let err = p.snapshots("nope").unwrap_err().to_string();
+    assert!(err.contains("no volume"), "{err}");
+    // Deleting the origin keeps what the clone still names.
+    p.delete_volume("t").unwrap();
+    assert_eq!((get(&p, "c", 0), get(&p, "c", 3 << 20)), (1, 5));
+    p.delete_volume("c").unwrap();
+    assert_eq!(p.info().free, free0);
+    drop(p);
+    let p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(p.info().free, free0);
+}
+
+#[test]
+fn deleting_a_snapshot_gives_back_its_own_chunks_and_bad_names_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 9)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    let free0 = p.info().free;
+    p.create_volume("thick", 4 << 20, false, 1).unwrap();
+    let err = p.snapshot_volume("thick", "s").unwrap_err().to_string();
+    assert!(err.contains("not thin"), "{err}");
+    p.create_thin_volume("t", 16 << 20, false, 1, false).unwrap();
+    let err = p.snapshot_volume("t", "a/b").unwrap_err().to_string();
+    assert!(err.contains("must be"), "{err}");
+    put(&p, "t", 0, 1);
+    p.snapshot_volume("t", "s").unwrap();
+    put(&p, "t", 0, 2);
+    // The chunk copied from is let go by the volume after its grace period (milliseconds).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while p.snapshots("t").unwrap()[0].exclusive == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let used = free0 - p.info().free;
+    let s = p.delete_snapshot("t", "s").unwrap();
+    assert_eq!(s.exclusive, 1 << 20);
+    assert_eq!(used - (free0 - p.info().free), 2 << 20, "its chunk and its map");
+    assert_eq!(get(&p, "t", 0), 2);
+    let err = p.delete_snapshot("t", "s").unwrap_err().to_string();
+    assert!(err.contains("no snapshot"), "{err}");
+    assert!(p.clone_snapshot("t", "s", "c").is_err());
+}

@@ -1,0 +1,232 @@
+//! Snapshots and clones of thin volumes (docs/snapshots.md): recorded in the table, their
+//! maps allocated like a volume's, their chunks shared through the pool's
+//! [`SharedChunks`](spool_thin::SharedChunks).
+//!
+//! Order of each operation, so that a crash at any point leaves the table and the maps
+//! agreeing (free space and the sharing counts are rebuilt from the maps at open):
+//! - snapshot: new zeroed map → the thin device marks, drains and writes the map → commit
+//!   the table naming it. Before the commit, the map is named by nothing: its extents and
+//!   the chunks only it names are free after a restart.
+//! - clone: new zeroed map → the snapshot's entries written into it under the clone's UUID
+//!   → commit the table naming the clone.
+//! - delete: commit the table without the snapshot → its chunks that no map names any
+//!   more, and its map, go back.
+//!
+//! Owns: the pool's side of snapshots and clones. Must not know: the data path.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use spool_devices::Device;
+use spool_thin::{SnapshotSpec, ThinBackend};
+use uuid::Uuid;
+
+use crate::metadata::{check_volume_name, ThinMap, ThinSnapshot, VolumeEntry};
+use crate::{Error, Pool, Result, VolumeInfo};
+
+/// A snapshot as `volume snapshots` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    pub volume: String,
+    pub name: String,
+    pub uuid: Uuid,
+    /// The volume's size when it was taken.
+    pub size: u64,
+    /// Seconds since the Unix epoch.
+    pub created: u64,
+    /// Bytes of chunks its map names.
+    pub mapped: u64,
+    /// Of those, the bytes no other map names: what deleting it gives back.
+    pub exclusive: u64,
+}
+
+impl Pool {
+    /// Thin volume `id`: its index, entry, map and device.
+    fn thin_volume(&self, id: &str) -> Result<(usize, VolumeEntry, Arc<Device>)> {
+        let i = self.find(id)?;
+        let v = self.table.volumes[i].clone();
+        if v.thin.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is not thin: only thin volumes have snapshots (create one with --thin)",
+                v.name
+            )));
+        }
+        let dev = self.thin_device(&v)?;
+        Ok((i, v, dev))
+    }
+
+    /// A new zeroed map for a volume of `size` bytes.
+    fn new_map(&mut self, size: u64) -> Result<Vec<crate::metadata::ExtentEntry>> {
+        let bytes = self.round_up(spool_thin::map::map_bytes(size.div_ceil(self.table.min_extent)))?;
+        self.check_space(bytes)?;
+        let map = self.allocate(bytes)?;
+        if let Err(e) = self.scrub(&map) {
+            self.release(&map);
+            return Err(e);
+        }
+        Ok(map)
+    }
+
+    /// Takes snapshot `name` of running thin volume `id` (crash-consistent: every write
+    /// completed before it is in it, none started after it).
+    pub fn snapshot_volume(&mut self, id: &str, name: &str) -> Result<SnapshotInfo> {
+        let (i, v, dev) = self.thin_volume(id)?;
+        check_volume_name(name).map_err(Error::InvalidArgument)?;
+        let t = v.thin.as_ref().expect("thin_volume checked");
+        if t.snapshots.iter().any(|s| s.name == name) {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' has a snapshot named '{name}' already",
+                v.name
+            )));
+        }
+        let backend = thin_backend(&v, &dev)?;
+        let map = self.new_map(v.size)?;
+        let snap = ThinSnapshot {
+            name: name.into(),
+            uuid: Uuid::new_v4(),
+            size: v.size,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            map: map.clone(),
+        };
+        let started = std::time::Instant::now();
+        let taken = self.map_store(&v, &map).and_then(|store| {
+            let spec = SnapshotSpec {
+                uuid: snap.uuid,
+                size: v.size,
+                store,
+            };
+            backend.snapshot(&spec).map_err(|e| thin_err(&v, e))
+        });
+        let chunks = match taken {
+            Ok(n) => n,
+            Err(e) => {
+                self.release(&map);
+                return Err(e);
+            }
+        };
+        let mut table = self.table.clone();
+        let tm = table.volumes[i].thin.as_mut().expect("thin_volume checked");
+        tm.snapshots.push(snap.clone());
+        if let Err(e) = self.commit(table) {
+            backend.drop_snapshot(snap.uuid);
+            self.release(&map);
+            return Err(e);
+        }
+        tracing::info!(volume = %v.name, snapshot = name, chunks, took_ms = started.elapsed().as_secs_f64() * 1e3, "snapshot taken");
+        self.snapshot_info(&v, &snap)
+    }
+
+    fn snapshot_info(&self, v: &VolumeEntry, s: &ThinSnapshot) -> Result<SnapshotInfo> {
+        let chunk = self.table.min_extent;
+        let dev = self.thin_device(v)?;
+        let entries = thin_backend(v, &dev)?
+            .snapshot_entries(s.uuid)
+            .unwrap_or_default();
+        let alone = (entries.iter())
+            .filter(|e| !self.space.refs.is_shared(e.1))
+            .count() as u64;
+        Ok(SnapshotInfo {
+            volume: v.name.clone(),
+            name: s.name.clone(),
+            uuid: s.uuid,
+            size: s.size,
+            created: s.created,
+            mapped: entries.len() as u64 * chunk,
+            exclusive: alone * chunk,
+        })
+    }
+
+    /// The snapshots of thin volume `id`, oldest first.
+    pub fn snapshots(&self, id: &str) -> Result<Vec<SnapshotInfo>> {
+        let (_, v, _) = self.thin_volume(id)?;
+        let t = v.thin.as_ref().expect("thin_volume checked");
+        t.snapshots.iter().map(|s| self.snapshot_info(&v, s)).collect()
+    }
+
+    /// Deletes snapshot `name` of volume `id`: the chunks no other map names go back.
+    pub fn delete_snapshot(&mut self, id: &str, name: &str) -> Result<SnapshotInfo> {
+        let (i, v, dev) = self.thin_volume(id)?;
+        let t = v.thin.as_ref().expect("thin_volume checked");
+        let at = no_such_snapshot(&v, t, name)?;
+        let snap = t.snapshots[at].clone();
+        let info = self.snapshot_info(&v, &snap)?;
+        let mut table = self.table.clone();
+        table.volumes[i].thin.as_mut().expect("thin").snapshots.remove(at);
+        self.commit(table)?;
+        thin_backend(&v, &dev)?.drop_snapshot(snap.uuid);
+        self.release(&snap.map);
+        tracing::info!(volume = %v.name, snapshot = name, freed = info.exclusive, "snapshot deleted");
+        Ok(info)
+    }
+
+    /// Creates thin volume `new` from snapshot `snap` of volume `id`: writable, sharing every
+    /// chunk with the snapshot until it writes there (copy on write). Same size, queues and
+    /// encryption (the data key too: the chunks hold the snapshot's ciphertext).
+    pub fn clone_snapshot(&mut self, id: &str, snap: &str, new: &str) -> Result<VolumeInfo> {
+        let (_, v, dev) = self.thin_volume(id)?;
+        let t = v.thin.as_ref().expect("thin_volume checked");
+        let s = t.snapshots[no_such_snapshot(&v, t, snap)?].clone();
+        self.check_new_volume(new, s.size, v.num_queues)?;
+        let entries = thin_backend(&v, &dev)?
+            .snapshot_entries(s.uuid)
+            .ok_or_else(|| thin_err(&v, format!("snapshot '{snap}' is not loaded")))?;
+        let mut c = VolumeEntry::new(new, s.size, false, v.num_queues);
+        c.encryption = v.encryption.clone();
+        let map = self.new_map(s.size)?;
+        let written = self.map_store(&c, &map).and_then(|store| {
+            spool_thin::map::write_image(&store, c.uuid, &entries).map_err(|e| thin_err(&c, e))
+        });
+        if let Err(e) = written {
+            self.release(&map);
+            return Err(e);
+        }
+        c.thin = Some(ThinMap {
+            chunk: t.chunk,
+            map: map.clone(),
+            snapshots: Vec::new(),
+            origin: Some(format!("{}@{}", v.name, s.name)),
+        });
+        for e in &entries {
+            self.space.refs.add(e.1);
+        }
+        let mut table = self.table.clone();
+        table.volumes.push(c.clone());
+        if let Err(e) = self.commit(table) {
+            for e in &entries {
+                self.space.refs.release(e.1);
+            }
+            self.release(&map);
+            return Err(e);
+        }
+        let tm = c.thin.as_ref().expect("set above");
+        let opened = self.open_thin(&c, tm).map_err(|e| e.to_string());
+        self.thins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(c.uuid, opened);
+        tracing::info!(volume = %c.name, origin = %format!("{}@{}", v.name, s.name), chunks = entries.len(), "clone created");
+        Ok(self.volume_info(&c))
+    }
+}
+
+fn thin_err(v: &VolumeEntry, e: impl std::fmt::Display) -> Error {
+    Error::Thin {
+        volume: v.name.clone(),
+        why: e.to_string(),
+    }
+}
+
+fn thin_backend<'a>(v: &VolumeEntry, dev: &'a Arc<Device>) -> Result<&'a ThinBackend> {
+    ThinBackend::of(dev).ok_or_else(|| thin_err(v, "its device is not a thin device"))
+}
+
+fn no_such_snapshot(v: &VolumeEntry, t: &ThinMap, name: &str) -> Result<usize> {
+    t.snapshots.iter().position(|s| s.name == name).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "volume '{}' has no snapshot named '{name}'; `spoolctl volume snapshots {}` lists them",
+            v.name, v.name
+        ))
+    })
+}
