@@ -21,6 +21,7 @@ mod mirror;
 mod results;
 mod stats;
 mod thin;
+pub use thin::{CloneParams, Snapshot, SnapshotParams};
 
 pub use mirror::*;
 pub use results::*;
@@ -87,6 +88,14 @@ methods! {
         "add a copy to a volume (a plain one becomes a mirror) or remove one, online";
     VolumeRekey = "volume_rekey", RekeyParams => RekeyResult,
         "rewrap every encrypted volume's data key under a new key-encryption key (no data is touched)";
+    VolumeSnapshot = "volume_snapshot", SnapshotParams => Snapshot,
+        "take a crash-consistent snapshot of a running thin volume";
+    VolumeSnapshots = "volume_snapshots", IdParams => Vec<Snapshot>,
+        "a thin volume's snapshots, oldest first";
+    SnapshotDelete = "snapshot_delete", SnapshotParams => Snapshot,
+        "delete a snapshot (the chunks no other map names go back to the pool)";
+    VolumeClone = "volume_clone", CloneParams => Volume,
+        "create a writable thin volume from a snapshot (sharing its chunks until written) and serve it";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     VolumeStatsGet = "volume_stats", VolumeStatsParams => Vec<VolumeStats>,

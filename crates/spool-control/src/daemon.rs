@@ -25,6 +25,7 @@ mod inject;
 mod keeper;
 mod methods;
 mod mirrors;
+mod snapshots;
 mod startup;
 mod stats;
 mod status;

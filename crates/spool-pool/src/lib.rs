@@ -227,8 +227,8 @@ impl Pool {
 #[cfg(test)]
 mod mirror_tests;
 #[cfg(test)]
+mod snapshot_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod thin_tests;
-#[cfg(test)]
-mod snapshot_tests;

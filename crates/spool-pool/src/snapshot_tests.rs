@@ -6,7 +6,8 @@ use super::tests::{opts, spec};
 use super::*;
 use spool_devices::{Device, DeviceIo, IoVec};
 
-fn io(dev: &Device, write: bool, offset: u64, data: &mut [u8]) -> i32 {
+/// Reads or writes `data` at `offset` of `dev` through one of its queues, and waits.
+pub(crate) fn io(dev: &Device, write: bool, offset: u64, data: &mut [u8]) -> i32 {
     let mut q = dev.open_queue(4).unwrap();
     let iov = [IoVec {
         iov_base: data.as_mut_ptr().cast(),
@@ -51,7 +52,8 @@ fn a_clone_reads_its_snapshots_moment_and_deletes_give_back_what_nobody_names() 
     {
         let mut p = Pool::open(&specs, opts()).unwrap();
         free0 = p.info().free;
-        p.create_thin_volume("t", 64 << 20, false, 1, false).unwrap();
+        p.create_thin_volume("t", 64 << 20, false, 1, false)
+            .unwrap();
         put(&p, "t", 0, 1);
         put(&p, "t", 3 << 20, 3);
         let s = p.snapshot_volume("t", "s1").unwrap();
@@ -69,13 +71,20 @@ fn a_clone_reads_its_snapshots_moment_and_deletes_give_back_what_nobody_names() 
         assert_eq!(p.info().free, free0 - (7 << 20));
     }
     let mut p = Pool::open(&specs, opts()).unwrap();
-    assert_eq!(p.info().free, free0 - (7 << 20), "nothing leaked or taken twice");
+    assert_eq!(
+        p.info().free,
+        free0 - (7 << 20),
+        "nothing leaked or taken twice"
+    );
     assert_eq!((get(&p, "c", 0), get(&p, "c", 3 << 20)), (1, 5));
     assert_eq!((get(&p, "t", 0), get(&p, "t", 3 << 20)), (9, 3));
     let snaps = p.snapshots("t").unwrap();
     assert_eq!(snaps.len(), 1);
     assert_eq!((snaps[0].name.as_str(), snaps[0].mapped), ("s1", 2 << 20));
-    assert_eq!(snaps[0].exclusive, 0, "chunk 0 is the clone's too, chunk 3 t's");
+    assert_eq!(
+        snaps[0].exclusive, 0,
+        "chunk 0 is the clone's too, chunk 3 t's"
+    );
     // After the reopen the sharing is known again: writes still copy.
     put(&p, "t", (3 << 20) + 4096, 6);
     assert_eq!(get(&p, "c", (3 << 20) + 4096), 0);
@@ -101,7 +110,8 @@ fn deleting_a_snapshot_gives_back_its_own_chunks_and_bad_names_are_refused() {
     p.create_volume("thick", 4 << 20, false, 1).unwrap();
     let err = p.snapshot_volume("thick", "s").unwrap_err().to_string();
     assert!(err.contains("not thin"), "{err}");
-    p.create_thin_volume("t", 16 << 20, false, 1, false).unwrap();
+    p.create_thin_volume("t", 16 << 20, false, 1, false)
+        .unwrap();
     let err = p.snapshot_volume("t", "a/b").unwrap_err().to_string();
     assert!(err.contains("must be"), "{err}");
     put(&p, "t", 0, 1);
@@ -115,7 +125,11 @@ fn deleting_a_snapshot_gives_back_its_own_chunks_and_bad_names_are_refused() {
     let used = free0 - p.info().free;
     let s = p.delete_snapshot("t", "s").unwrap();
     assert_eq!(s.exclusive, 1 << 20);
-    assert_eq!(used - (free0 - p.info().free), 2 << 20, "its chunk and its map");
+    assert_eq!(
+        used - (free0 - p.info().free),
+        2 << 20,
+        "its chunk and its map"
+    );
     assert_eq!(get(&p, "t", 0), 2);
     let err = p.delete_snapshot("t", "s").unwrap_err().to_string();
     assert!(err.contains("no snapshot"), "{err}");

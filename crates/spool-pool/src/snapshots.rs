@@ -57,7 +57,9 @@ impl Pool {
 
     /// A new zeroed map for a volume of `size` bytes.
     fn new_map(&mut self, size: u64) -> Result<Vec<crate::metadata::ExtentEntry>> {
-        let bytes = self.round_up(spool_thin::map::map_bytes(size.div_ceil(self.table.min_extent)))?;
+        let bytes = self.round_up(spool_thin::map::map_bytes(
+            size.div_ceil(self.table.min_extent),
+        ))?;
         self.check_space(bytes)?;
         let map = self.allocate(bytes)?;
         if let Err(e) = self.scrub(&map) {
@@ -142,7 +144,10 @@ impl Pool {
     pub fn snapshots(&self, id: &str) -> Result<Vec<SnapshotInfo>> {
         let (_, v, _) = self.thin_volume(id)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
-        t.snapshots.iter().map(|s| self.snapshot_info(&v, s)).collect()
+        t.snapshots
+            .iter()
+            .map(|s| self.snapshot_info(&v, s))
+            .collect()
     }
 
     /// Deletes snapshot `name` of volume `id`: the chunks no other map names go back.
@@ -153,7 +158,12 @@ impl Pool {
         let snap = t.snapshots[at].clone();
         let info = self.snapshot_info(&v, &snap)?;
         let mut table = self.table.clone();
-        table.volumes[i].thin.as_mut().expect("thin").snapshots.remove(at);
+        table.volumes[i]
+            .thin
+            .as_mut()
+            .expect("thin")
+            .snapshots
+            .remove(at);
         self.commit(table)?;
         thin_backend(&v, &dev)?.drop_snapshot(snap.uuid);
         self.release(&snap.map);
@@ -223,10 +233,13 @@ fn thin_backend<'a>(v: &VolumeEntry, dev: &'a Arc<Device>) -> Result<&'a ThinBac
 }
 
 fn no_such_snapshot(v: &VolumeEntry, t: &ThinMap, name: &str) -> Result<usize> {
-    t.snapshots.iter().position(|s| s.name == name).ok_or_else(|| {
-        Error::InvalidArgument(format!(
+    t.snapshots
+        .iter()
+        .position(|s| s.name == name)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
             "volume '{}' has no snapshot named '{name}'; `spoolctl volume snapshots {}` lists them",
             v.name, v.name
         ))
-    })
+        })
 }

@@ -12,9 +12,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use spool_devices::Device;
-use spool_thin::map::{MapExtent, MapStore};
 use spool_thin::map::Placement;
-use spool_thin::{ChunkSource, MapScan, ScanProblem, SharedChunks, SnapshotSpec, ThinBackend, ThinSpec};
+use spool_thin::map::{MapExtent, MapStore};
+use spool_thin::{
+    ChunkSource, MapScan, ScanProblem, SharedChunks, SnapshotSpec, ThinBackend, ThinSpec,
+};
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
@@ -292,7 +294,7 @@ impl Pool {
         }
         named.insert(p, (i, 1));
         let m = self.members.iter().find(|m| m.uuid == p.device)?; // Not here: its I/O fails.
-        // Kept by its first owner; this map is refused.
+                                                                   // Kept by its first owner; this map is refused.
         m.alloc_at(p.offset, 0).err().map(|why| {
             format!(
                 "a chunk at {} on device {} is used twice: {why}",

@@ -4,30 +4,9 @@
 
 use super::tests::{opts, spec};
 use super::*;
-use spool_devices::{DeviceIo, IoVec};
 
 fn write(dev: &spool_devices::Device, offset: u64, data: &mut [u8]) -> i32 {
-    let mut q = dev.open_queue(4).unwrap();
-    let iov = [IoVec {
-        iov_base: data.as_mut_ptr().cast(),
-        iov_len: data.len(),
-    }];
-    // SAFETY: `data` and `iov` outlive the request, which is waited for below.
-    unsafe {
-        q.submit(
-            DeviceIo::data(true, offset, data.len() as u64, iov.as_ptr(), 1),
-            1,
-        )
-    };
-    q.kick().unwrap();
-    loop {
-        let mut got = None;
-        q.reap(&mut |_, r| got = Some(r));
-        if let Some(r) = got {
-            return r;
-        }
-        std::thread::yield_now();
-    }
+    super::snapshot_tests::io(dev, true, offset, data)
 }
 
 #[test]

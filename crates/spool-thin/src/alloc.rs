@@ -193,7 +193,9 @@ impl Allocator<'_> {
     /// A chunk from the pool, zeroed durably; waits for free space until `deadline`,
     /// serving unmaps and giving chunks back meanwhile.
     fn take_zeroed(&mut self, deadline: Instant, left: u64) -> Result<(usize, u64), i32> {
-        self.take_filled(deadline, left, &mut |dev, off, len| dev.zero_range(off, len))
+        self.take_filled(deadline, left, &mut |dev, off, len| {
+            dev.zero_range(off, len)
+        })
     }
 
     /// A chunk from the pool, written durably by `fill` (zeroes, or a copy); see

@@ -147,7 +147,11 @@ impl ThinBackend {
         out.extend(r.waiting.iter().flat_map(|w| w.1.iter().copied()));
         out.extend(r.next.iter().copied());
         drop(r);
-        let snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        let snaps = self
+            .shared
+            .snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         out.extend(snaps.iter().flat_map(|s| s.entries.iter().map(|e| e.1)));
         out
     }
@@ -193,7 +197,11 @@ impl ThinBackend {
             return Err(e);
         }
         let n = entries.len() as u64;
-        let mut snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut snaps = self
+            .shared
+            .snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         snaps.push(SnapImage {
             uuid: snap.uuid,
             entries,
@@ -204,7 +212,11 @@ impl ThinBackend {
     /// Forgets snapshot `uuid` (no longer recorded): its chunks that no other map names
     /// go back to the pool. False when the volume has no such snapshot.
     pub fn drop_snapshot(&self, uuid: Uuid) -> bool {
-        let mut snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut snaps = self
+            .shared
+            .snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let Some(i) = snaps.iter().position(|s| s.uuid == uuid) else {
             return false;
         };
@@ -217,8 +229,15 @@ impl ThinBackend {
 
     /// The chunks snapshot `uuid` names: (chunk index, where).
     pub fn snapshot_entries(&self, uuid: Uuid) -> Option<Vec<(u64, Placement)>> {
-        let snaps = self.shared.snapshots.lock().unwrap_or_else(|p| p.into_inner());
-        snaps.iter().find(|s| s.uuid == uuid).map(|s| s.entries.clone())
+        let snaps = self
+            .shared
+            .snapshots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        snaps
+            .iter()
+            .find(|s| s.uuid == uuid)
+            .map(|s| s.entries.clone())
     }
 
     /// Chunks the volume maps that another map names too (a snapshot's, a clone's).

@@ -268,8 +268,11 @@ pub(crate) struct Work {
     pub(crate) allocs: Vec<(u64, Arc<Mailbox>, std::time::Instant)>,
     pub(crate) unmaps: Vec<Unmap>,
     /// Snapshots to take: each answered with the chunks it names, or why it failed.
-    pub(crate) snapshots: Vec<std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, String>>>,
+    pub(crate) snapshots: Vec<SnapshotReply>,
 }
+
+/// Where a snapshot's chunks (chunk index, where), or why it failed, are sent.
+pub(crate) type SnapshotReply = std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, String>>;
 
 impl Work {
     pub(crate) fn is_empty(&self) -> bool {

@@ -1,4 +1,5 @@
-//! Thin volumes on the wire (docs/thin.md): a volume's chunks as `volume_show` reports them.
+//! Thin volumes on the wire (docs/thin.md, docs/snapshots.md): a volume's chunks as
+//! `volume_show` reports them, snapshots and clones.
 
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +31,53 @@ impl From<spool_pool::ThinInfo> for ThinInfo {
             waiting_for_space: t.waiting_for_space,
             max_size: t.max_size,
             error: t.error,
+        }
+    }
+}
+
+/// `volume_snapshot` and `snapshot_delete`: snapshot `snapshot` of volume `id`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotParams {
+    pub id: String,
+    pub snapshot: String,
+}
+
+/// `volume_clone`: a new volume `name` from snapshot `snapshot` of volume `id`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloneParams {
+    pub id: String,
+    pub snapshot: String,
+    pub name: String,
+}
+
+/// A snapshot of a thin volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub volume: String,
+    pub name: String,
+    pub uuid: uuid::Uuid,
+    /// The volume's size when it was taken.
+    pub size: u64,
+    /// When it was taken (seconds since the Unix epoch).
+    pub created: u64,
+    /// Bytes of chunks its map names.
+    pub mapped: u64,
+    /// Of those, the bytes no other map names (what deleting it gives back).
+    pub exclusive: u64,
+}
+
+impl From<spool_pool::SnapshotInfo> for Snapshot {
+    fn from(s: spool_pool::SnapshotInfo) -> Self {
+        Snapshot {
+            volume: s.volume,
+            name: s.name,
+            uuid: s.uuid,
+            size: s.size,
+            created: s.created,
+            mapped: s.mapped,
+            exclusive: s.exclusive,
         }
     }
 }

@@ -16,6 +16,7 @@ pub fn method_table() -> MethodTable<Daemon> {
     super::devices::register(&mut t);
     super::volumes::register(&mut t);
     super::mirrors::register(&mut t);
+    super::snapshots::register(&mut t);
     super::stats::register(&mut t);
     super::status::register(&mut t);
     t
@@ -60,7 +61,7 @@ mod tests {
         let doc = include_str!("../../../../docs/rpc.md");
         let t = method_table();
         let names: Vec<_> = t.methods().map(|m| m.name).collect();
-        assert_eq!(names.len(), 22, "{names:?}");
+        assert_eq!(names.len(), 26, "{names:?}");
         for n in names {
             assert!(doc.contains(&format!("| `{n}` |")), "docs/rpc.md lacks {n}");
         }

@@ -258,7 +258,11 @@ impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
         let shares = |t: &ThinMap| !t.snapshots.is_empty() || t.origin.is_some();
-        if self.volumes.iter().any(|v| v.thin.as_ref().is_some_and(shares)) {
+        if self
+            .volumes
+            .iter()
+            .any(|v| v.thin.as_ref().is_some_and(shares))
+        {
             7
         } else if self.volumes.iter().any(|v| v.thin.is_some()) {
             6

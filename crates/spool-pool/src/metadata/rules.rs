@@ -187,7 +187,10 @@ impl PoolTable {
         }
         if let Some(o) = &t.origin {
             if o.len() > 2 * super::MAX_NAME_LEN + 1 || o.chars().any(|c| c.is_control()) {
-                return Err(format!("{what}: origin '{}' is not a snapshot's name", printable(o)));
+                return Err(format!(
+                    "{what}: origin '{}' is not a snapshot's name",
+                    printable(o)
+                ));
             }
         }
         let mut names = std::collections::HashSet::new();

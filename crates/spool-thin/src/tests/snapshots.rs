@@ -86,7 +86,11 @@ fn a_snapshot_keeps_its_moment_and_writes_after_it_copy_first() {
     sp.snapshots.push(s.clone());
     *f.source.free.lock().unwrap() = Vec::new();
     let (thin, loaded) = f.open_spec(sp);
-    assert_eq!(loaded.len(), 3, "the volume's one chunk and the snapshot's two");
+    assert_eq!(
+        loaded.len(),
+        3,
+        "the volume's one chunk and the snapshot's two"
+    );
     let t = ThinBackend::of(&thin).unwrap();
     let mut again = t.snapshot_entries(s.uuid).unwrap();
     again.sort_by_key(|e| e.0);
@@ -121,7 +125,11 @@ fn a_chunk_of_a_snapshot_taken_again_after_a_reopen_is_still_copied() {
     }
     assert_eq!(named.len(), 1);
     f.source.refs.rebuild(&named);
-    f.source.free.lock().unwrap().retain(|o| !named.keys().any(|p| p.offset == *o));
+    f.source
+        .free
+        .lock()
+        .unwrap()
+        .retain(|o| !named.keys().any(|p| p.offset == *o));
     let (thin, _) = f.open_spec(sp);
     let t = ThinBackend::of(&thin).unwrap();
     assert_eq!(t.shared_chunks(), 1);
@@ -129,7 +137,11 @@ fn a_chunk_of_a_snapshot_taken_again_after_a_reopen_is_still_copied() {
     fill(&mut *q, 4096, 7);
     assert_eq!(read(&mut *q, 0), vec![1; 4096]);
     let old = *named.keys().next().unwrap();
-    assert_eq!(on_device(&f, old, 4096), vec![0; 4096], "the snapshot's chunk");
+    assert_eq!(
+        on_device(&f, old, 4096),
+        vec![0; 4096],
+        "the snapshot's chunk"
+    );
     assert_eq!(t.shared_chunks(), 0);
 }
 
@@ -178,6 +190,10 @@ fn a_crash_in_a_snapshot_or_a_copy_loses_nothing_acknowledged() {
         let (thin, placements) = after_crash(&f, 4);
         let mut q = thin.open_queue(8).unwrap();
         assert_eq!(read(&mut *q, 0), vec![0x42; 4096], "{point:?}");
-        assert_eq!(placements.len(), 1, "{point:?}: the copy never made it into the map");
+        assert_eq!(
+            placements.len(),
+            1,
+            "{point:?}: the copy never made it into the map"
+        );
     }
 }

@@ -40,6 +40,11 @@ pub enum Cmd {
         #[command(subcommand)]
         cmd: VolumeCmd,
     },
+    /// Snapshots of thin volumes (docs/snapshots.md).
+    Snapshot {
+        #[command(subcommand)]
+        cmd: SnapshotCmd,
+    },
     /// Show the daemon: worker and keeper, how it last (re)started, restart phases.
     Status,
     /// Replace the running worker with a new binary without disconnecting any VM: the old
@@ -63,6 +68,16 @@ pub enum Cmd {
     Rpc {
         method: String,
         params: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum SnapshotCmd {
+    /// Delete a snapshot: the chunks no other map (the volume's, a clone's) names go back
+    /// to the pool.
+    Delete {
+        /// VOLUME@SNAPSHOT.
+        snapshot: String,
     },
 }
 
@@ -171,6 +186,25 @@ pub enum VolumeCmd {
     },
     /// Grow a volume to SIZE.
     Resize { id: String, size: String },
+    /// Take a snapshot of a running thin volume: crash-consistent (every write completed
+    /// before it is in it, none started after it); the volume then copies a chunk before
+    /// its first write there (docs/snapshots.md).
+    Snapshot {
+        /// The volume (by name or UUID).
+        id: String,
+        /// The snapshot's name (unique among the volume's).
+        snapshot: String,
+    },
+    /// List a thin volume's snapshots, oldest first.
+    Snapshots { id: String },
+    /// Create a writable thin volume from a snapshot and serve it: it shares the snapshot's
+    /// chunks until it writes there.
+    Clone {
+        /// VOLUME@SNAPSHOT.
+        snapshot: String,
+        /// The new volume's name.
+        name: String,
+    },
     /// Compare a mirrored volume's copies region by region (a scrub) and report
     /// differences.
     Verify { id: String },

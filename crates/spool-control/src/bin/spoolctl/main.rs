@@ -11,6 +11,7 @@ mod args;
 mod mirror;
 mod render;
 mod request;
+mod snapshot;
 mod stats;
 mod table;
 
@@ -35,6 +36,8 @@ pub enum CtlError {
     Params(serde_json::Error),
     #[error("bad response: {0}")]
     Decode(serde_json::Error),
+    #[error("{0}")]
+    Usage(String),
 }
 
 fn run(args: Args) -> Result<(), CtlError> {

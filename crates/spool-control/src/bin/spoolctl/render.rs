@@ -45,7 +45,12 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             VolumeCmd::Delete { .. } => {
                 show::<api::VolumeDelete>(r, |v| println!("deleted volume {} ({})", v.name, v.uuid))
             }
+            VolumeCmd::Snapshot { .. } => show::<api::VolumeSnapshot>(r, super::snapshot::taken),
+            VolumeCmd::Snapshots { .. } => {
+                show::<api::VolumeSnapshots>(r, |s| super::snapshot::list(s))
+            }
             VolumeCmd::Show { .. }
+            | VolumeCmd::Clone { .. }
             | VolumeCmd::Create { .. }
             | VolumeCmd::Resize { .. }
             | VolumeCmd::Qos(_)
@@ -61,6 +66,7 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
                 show::<api::VolumeStatsGet>(r, |v| println!("{}", super::stats::totals(v)))
             }
         },
+        Cmd::Snapshot { .. } => show::<api::SnapshotDelete>(r, super::snapshot::deleted),
         Cmd::Status => show::<api::DaemonStatus>(r, status),
         Cmd::Upgrade { .. } => show::<api::DaemonUpgrade>(r, print_restart),
         Cmd::Rpc { .. } | Cmd::Events { .. } => Ok(()),

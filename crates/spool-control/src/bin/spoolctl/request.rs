@@ -4,11 +4,14 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use spool_control::api::{self, ErrnoArg, IdParams, Method, NoParams, RateValue, SizeValue};
+use spool_control::api::{
+    self, CloneParams, ErrnoArg, IdParams, Method, NoParams, RateValue, SizeValue, SnapshotParams,
+};
 use spool_control::qos::parse_burst_ms;
 use spool_control::size::parse_size;
 
-use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, VolumeCmd};
+use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, SnapshotCmd, VolumeCmd};
+use super::snapshot;
 use super::CtlError;
 
 /// A method call, ready to send.
@@ -51,6 +54,9 @@ pub fn request(cmd: &Cmd) -> Result<Request, CtlError> {
         Cmd::Pool { cmd: PoolCmd::Show } => build::<api::PoolShow>(NoParams),
         Cmd::Device { cmd } => device(cmd),
         Cmd::Volume { cmd } => volume(cmd),
+        Cmd::Snapshot {
+            cmd: SnapshotCmd::Delete { snapshot: s },
+        } => snapshot_delete(s),
         Cmd::Status => build::<api::DaemonStatus>(NoParams),
         Cmd::Upgrade { binary } => upgrade(binary.as_deref()),
         Cmd::Events { since, .. } => events(*since, 0),
@@ -160,7 +166,31 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             size: size(sz)?,
         }),
         VolumeCmd::Qos(a) => qos(a),
+        VolumeCmd::Snapshot { id, snapshot: s } => snapshot_take(id, s),
+        VolumeCmd::Snapshots { id: v } => id::<api::VolumeSnapshots>(v),
+        VolumeCmd::Clone { snapshot: s, name } => snapshot_clone(s, name),
     }
+}
+
+fn snapshot_take(volume: &str, snapshot: &str) -> Result<Request, CtlError> {
+    build::<api::VolumeSnapshot>(SnapshotParams {
+        id: volume.into(),
+        snapshot: snapshot.into(),
+    })
+}
+
+fn snapshot_delete(snapshot: &str) -> Result<Request, CtlError> {
+    let (id, snapshot) = snapshot::split(snapshot)?;
+    build::<api::SnapshotDelete>(SnapshotParams { id, snapshot })
+}
+
+fn snapshot_clone(snapshot: &str, name: &str) -> Result<Request, CtlError> {
+    let (id, snapshot) = snapshot::split(snapshot)?;
+    build::<api::VolumeClone>(CloneParams {
+        id,
+        snapshot,
+        name: name.into(),
+    })
 }
 
 /// `volume qos`: every value is read here, so a typo fails before spoold is asked.

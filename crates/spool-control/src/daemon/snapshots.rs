@@ -1,0 +1,36 @@
+//! The snapshot methods (`volume_snapshot`, `volume_snapshots`, `snapshot_delete`,
+//! `volume_clone`; docs/snapshots.md): pool operations, and serving a new clone.
+
+use super::Daemon;
+use crate::api::{self, CloneParams, IdParams, Snapshot, SnapshotParams, Volume};
+use crate::rpc::{MethodTable, RpcError};
+
+pub(super) fn register(t: &mut MethodTable<Daemon>) {
+    t.register::<api::VolumeSnapshot>(Daemon::volume_snapshot)
+        .register::<api::VolumeSnapshots>(Daemon::volume_snapshots)
+        .register::<api::SnapshotDelete>(Daemon::snapshot_delete)
+        .register::<api::VolumeClone>(Daemon::volume_clone);
+}
+
+impl Daemon {
+    fn volume_snapshot(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
+        Ok(self.pool().snapshot_volume(&p.id, &p.snapshot)?.into())
+    }
+
+    fn volume_snapshots(&self, p: IdParams) -> Result<Vec<Snapshot>, RpcError> {
+        let list = self.pool().snapshots(&p.id)?;
+        Ok(list.into_iter().map(Snapshot::from).collect())
+    }
+
+    fn snapshot_delete(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
+        Ok(self.pool().delete_snapshot(&p.id, &p.snapshot)?.into())
+    }
+
+    fn volume_clone(&self, p: CloneParams) -> Result<Volume, RpcError> {
+        let v = self.pool().clone_snapshot(&p.id, &p.snapshot, &p.name)?;
+        if let Err(e) = self.serve(&v) {
+            return Err(RpcError::NotServed(e.to_string()));
+        }
+        Ok(self.volume_view(v))
+    }
+}
