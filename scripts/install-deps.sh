@@ -2,7 +2,7 @@
 # Installs what the test suite needs on a fresh Debian 12 machine: QEMU 7.2 (system emulator
 # and qemu-storage-daemon), fio and a static busybox for the test guest, systemd (run as a
 # private user manager by the systemd test, never as this machine's init), libvirt, and Ceph's
-# monitor, OSD and client tools (a private test cluster). The machine may carry
+# monitor, OSD and client tools (a private test cluster), libnbd's nbdinfo and nbdcopy. The machine may carry
 # bookworm-backports' qemu-utils; Debian refuses to mix it with bookworm's
 # qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
 set -euo pipefail
@@ -25,6 +25,8 @@ command -v virsh >/dev/null || need+=(libvirt-clients)
 command -v ceph-mon >/dev/null || need+=(ceph-mon)
 command -v ceph-osd >/dev/null || need+=(ceph-osd)
 command -v rbd >/dev/null || need+=(ceph-common)
+# The snapshot export is read by libnbd's tools as a backup would (tests/snapshots.rs).
+command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 # libvirtd's QEMU driver resolves its default user at start even when qemu.conf overrides it;
 # libvirt-daemon-system's postinst would create it (we do not install that package: it wants
 # systemd as init).

@@ -1,0 +1,180 @@
+//! Listening for NBD clients and serving each on a thread of its own: the handshake (option
+//! haggling), then requests until the client disconnects.
+//!
+//! Owns: the sockets, the per-connection state (structured replies on, the meta contexts
+//! chosen). Must not know: what the export reads from.
+
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::proto::*;
+use crate::{Error, Export};
+
+/// Where a server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl Listen {
+    /// `unix:PATH` or `HOST:PORT`.
+    pub fn parse(s: &str) -> Result<Listen, Error> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            if p.is_empty() {
+                return Err(Error::Address(s.into()));
+            }
+            return Ok(Listen::Unix(p.into()));
+        }
+        match s.rsplit_once(':') {
+            Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => Ok(Listen::Tcp(s.into())),
+            _ => Err(Error::Address(s.into())),
+        }
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+            Listen::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// A running server: stops accepting (and closes its socket) when dropped; connections
+/// already open end when their clients disconnect or at their next request.
+pub struct Server {
+    pub listen: Listen,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+/// A stream either kind of socket gives.
+trait Stream: Read + Write + Send {
+    fn try_clone_box(&self) -> io::Result<Box<dyn Stream>>;
+}
+
+impl Stream for std::os::unix::net::UnixStream {
+    fn try_clone_box(&self) -> io::Result<Box<dyn Stream>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+}
+
+impl Stream for std::net::TcpStream {
+    fn try_clone_box(&self) -> io::Result<Box<dyn Stream>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+}
+
+impl Listener {
+    fn accept(&self) -> io::Result<Box<dyn Stream>> {
+        match self {
+            Listener::Unix(l) => {
+                let (s, _) = l.accept()?;
+                s.set_nonblocking(false)?;
+                Ok(Box::new(s))
+            }
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                s.set_nonblocking(false)?;
+                s.set_nodelay(true)?;
+                Ok(Box::new(s))
+            }
+        }
+    }
+}
+
+impl Server {
+    /// Listens on `listen` and serves `export` to every client until dropped. A Unix
+    /// socket path is replaced if it exists.
+    pub fn start(listen: Listen, export: Arc<dyn Export>) -> Result<Server, Error> {
+        let err = |e| Error::Listen(listen.to_string(), e);
+        let l = match &listen {
+            Listen::Unix(p) => {
+                let _ = std::fs::remove_file(p);
+                let l = UnixListener::bind(p).map_err(err)?;
+                l.set_nonblocking(true).map_err(err)?;
+                Listener::Unix(l)
+            }
+            Listen::Tcp(a) => {
+                let l = TcpListener::bind(a).map_err(err)?;
+                l.set_nonblocking(true).map_err(err)?;
+                Listener::Tcp(l)
+            }
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("spool-nbd".into())
+            .spawn(move || accept_loop(l, export, s))
+            .map_err(err)?;
+        Ok(Server {
+            listen,
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Listen::Unix(p) = &self.listen {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        match l.accept() {
+            Ok(s) => {
+                let (e, st) = (export.clone(), stop.clone());
+                let _ = std::thread::Builder::new()
+                    .name("spool-nbd-conn".into())
+                    .spawn(move || {
+                        if let Err(err) = serve(s, &*e, &st) {
+                            tracing::debug!(export = e.name(), error = %err, "NBD connection ended");
+                        }
+                    });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting an NBD client failed");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()> {
+    let mut r = BufReader::new(s.try_clone_box()?);
+    let mut w = BufWriter::new(s);
+    w.write_all(&NBDMAGIC.to_be_bytes())?;
+    w.write_all(&IHAVEOPT.to_be_bytes())?;
+    w.write_all(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes())?;
+    w.flush()?;
+    let mut flags = [0u8; 4];
+    r.read_exact(&mut flags)?;
+    let no_zeroes = u32::from_be_bytes(flags) & CLIENT_NO_ZEROES != 0;
+    let Some(sess) = crate::handshake::run(&mut r, &mut w, e, no_zeroes)? else {
+        return Ok(());
+    };
+    crate::transmit::run(&mut r, &mut w, e, &sess, stop)
+}

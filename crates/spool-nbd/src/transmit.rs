@@ -1,0 +1,131 @@
+//! The transmission phase: requests served in order, one reply each (simple, or structured
+//! chunks when the client asked for them).
+//!
+//! Owns: bounds checks, reads, block status descriptors. Must not know: what the export
+//! reads from.
+
+use std::io::{self, Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::handshake::{Session, DIRTY_ID};
+use crate::proto::*;
+use crate::Export;
+
+const ESHUTDOWN: u32 = 108;
+
+/// Serves requests until the client disconnects, or the server stops (the next request
+/// then fails with `ESHUTDOWN` and the connection closes).
+pub fn run(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    e: &dyn Export,
+    sess: &Session,
+    stop: &AtomicBool,
+) -> io::Result<()> {
+    loop {
+        let q = read_request(r)?;
+        if q.kind == CMD_DISC {
+            return Ok(());
+        }
+        // A write's payload follows its header: read (and drop) it before replying.
+        if q.kind == 1 {
+            if q.len > MAX_READ {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "write too large",
+                ));
+            }
+            io::copy(&mut r.take(q.len as u64), &mut io::sink())?;
+        }
+        if stop.load(Ordering::SeqCst) {
+            error(w, sess, q.cookie, ESHUTDOWN, "the export was stopped")?;
+            w.flush()?;
+            return Ok(());
+        }
+        let end = q.offset.checked_add(q.len as u64);
+        match q.kind {
+            _ if end.is_none_or(|end| end > e.size()) => {
+                error(w, sess, q.cookie, EINVAL, "beyond the end of the export")?
+            }
+            CMD_READ if q.len > MAX_READ => error(w, sess, q.cookie, EOVERFLOW, "read too large")?,
+            CMD_READ => read(w, e, sess, &q)?,
+            CMD_FLUSH | CMD_CACHE => done(w, sess, q.cookie)?,
+            CMD_BLOCK_STATUS => block_status(w, e, sess, &q)?,
+            1 | 4 | 6 => error(w, sess, q.cookie, EPERM, "the export is read-only")?,
+            _ => error(w, sess, q.cookie, EINVAL, "command not supported")?,
+        }
+        w.flush()?;
+    }
+}
+
+fn error(w: &mut impl Write, sess: &Session, cookie: u64, err: u32, msg: &str) -> io::Result<()> {
+    match sess.structured {
+        true => error_chunk(w, cookie, err, msg),
+        false => simple_reply(w, cookie, err, &[]),
+    }
+}
+
+fn done(w: &mut impl Write, sess: &Session, cookie: u64) -> io::Result<()> {
+    match sess.structured {
+        true => chunk(w, cookie, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[]),
+        false => simple_reply(w, cookie, 0, &[]),
+    }
+}
+
+fn read(w: &mut impl Write, e: &dyn Export, sess: &Session, q: &Request) -> io::Result<()> {
+    let mut payload = vec![0u8; 8 + q.len as usize];
+    payload[..8].copy_from_slice(&q.offset.to_be_bytes());
+    if let Err(err) = e.read_at(&mut payload[8..], q.offset) {
+        tracing::warn!(export = e.name(), offset = q.offset, len = q.len, error = %err, "an NBD read failed");
+        return error(w, sess, q.cookie, EIO, "read failed");
+    }
+    match sess.structured {
+        true => chunk(
+            w,
+            q.cookie,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            &payload,
+        ),
+        false => simple_reply(w, q.cookie, 0, &payload[8..]),
+    }
+}
+
+/// One chunk per meta context chosen: runs of extents with the same state, from the
+/// request's offset to its end (the first run only with `NBD_CMD_FLAG_REQ_ONE`).
+fn block_status(w: &mut impl Write, e: &dyn Export, sess: &Session, q: &Request) -> io::Result<()> {
+    if !sess.structured || sess.contexts.is_empty() || q.len == 0 {
+        return error(w, sess, q.cookie, EINVAL, "no meta context negotiated");
+    }
+    let end = q.offset + q.len as u64;
+    for (n, &id) in sess.contexts.iter().enumerate() {
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        let mut at = q.offset;
+        while at < end {
+            let i = at / e.extent();
+            let next = ((i + 1) * e.extent()).min(end);
+            let state = match id {
+                DIRTY_ID => STATE_DIRTY * e.changed(i) as u32,
+                _ if e.allocated(i) => 0,
+                _ => STATE_HOLE | STATE_ZERO,
+            };
+            let len = (next - at) as u32;
+            let only_one = q.flags & CMD_FLAG_REQ_ONE != 0 && !runs.is_empty();
+            match runs.last_mut() {
+                Some((l, s)) if *s == state => *l += len,
+                _ if only_one => break,
+                _ => runs.push((len, state)),
+            }
+            at = next;
+        }
+        let mut p = id.to_be_bytes().to_vec();
+        for (len, state) in runs {
+            p.extend_from_slice(&len.to_be_bytes());
+            p.extend_from_slice(&state.to_be_bytes());
+        }
+        let last = n + 1 == sess.contexts.len();
+        let flags = if last { REPLY_FLAG_DONE } else { 0 };
+        chunk(w, q.cookie, flags, REPLY_TYPE_BLOCK_STATUS, &p)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! The server against the standard clients a backup uses: `qemu-img` (info, map with
+//! `x-dirty-bitmap`, compare), libnbd's `nbdinfo` (the export, its meta contexts, their maps)
+//! and `nbdcopy`, over a Unix socket and TCP, with a raw client for hostile requests.
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::sync::Arc;
+
+use spool_nbd::{Export, Listen, Server};
+
+const EXTENT: u64 = 64 << 10;
+
+/// 16 extents: even ones hold data (extent `i` filled with byte `i + 1`), odd ones are
+/// holes; extents 2 and 5 changed since the base.
+struct Mem {
+    data: Vec<u8>,
+}
+
+impl Mem {
+    fn new() -> Mem {
+        let mut data = vec![0u8; (16 * EXTENT) as usize];
+        for i in (0..16).step_by(2) {
+            let at = (i * EXTENT) as usize;
+            data[at..at + EXTENT as usize].fill(i as u8 + 1);
+        }
+        Mem { data }
+    }
+}
+
+impl Export for Mem {
+    fn name(&self) -> &str {
+        "vol@snap"
+    }
+    fn size(&self) -> u64 {
+        self.data.len() as u64
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        buf.copy_from_slice(&self.data[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn extent(&self) -> u64 {
+        EXTENT
+    }
+    fn allocated(&self, i: u64) -> bool {
+        i % 2 == 0
+    }
+    fn base(&self) -> Option<&str> {
+        Some("base")
+    }
+    fn changed(&self, i: u64) -> bool {
+        i == 2 || i == 5
+    }
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+#[ignore = "needs nbdinfo and nbdcopy (libnbd-bin; scripts/install-deps.sh installs it)"]
+fn standard_clients_read_the_export_its_holes_and_what_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let mem = Arc::new(Mem::new());
+    let _s = Server::start(Listen::Unix(sock.clone()), mem.clone()).unwrap();
+    let uri = format!("nbd+unix:///vol@snap?socket={}", sock.display());
+    let info = run(Command::new("nbdinfo").arg(&uri));
+    assert!(
+        info.contains("export-size: 1048576") && info.contains("is_read_only: true"),
+        "{info}"
+    );
+    let list = run(Command::new("nbdinfo")
+        .args(["--list", "--content"])
+        .arg(&uri));
+    assert!(
+        list.contains("base:allocation") && list.contains("qemu:dirty-bitmap:base"),
+        "{list}"
+    );
+    // The allocation map: data and holes alternate, one extent each.
+    let map = run(Command::new("nbdinfo").arg("--map").arg(&uri));
+    let lines: Vec<&str> = map.lines().collect();
+    assert_eq!(lines.len(), 16, "{map}");
+    assert!(
+        lines[0].split_whitespace().collect::<Vec<_>>()[..3] == ["0", "65536", "0"],
+        "{map}"
+    );
+    assert!(lines[1].contains("hole,zero"), "{map}");
+    let dirty = run(Command::new("nbdinfo")
+        .arg("--map=qemu:dirty-bitmap:base")
+        .arg(&uri));
+    let dirty: Vec<Vec<&str>> = dirty
+        .lines()
+        .map(|l| l.split_whitespace().take(3).collect())
+        .collect();
+    assert_eq!(
+        dirty,
+        vec![
+            vec!["0", "131072", "0"],
+            vec!["131072", "65536", "1"],
+            vec!["196608", "131072", "0"],
+            vec!["327680", "65536", "1"],
+            vec!["393216", "655360", "0"]
+        ]
+    );
+    // A whole copy, by nbdcopy and by qemu-img.
+    let copy = dir.path().join("copy.img");
+    run(Command::new("nbdcopy").arg(&uri).arg(&copy));
+    assert!(std::fs::read(&copy).unwrap() == mem.data);
+    run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&copy)
+        .arg(&uri));
+    // qemu-img reads the dirty bitmap as backup tools do (x-dirty-bitmap: dirty reads as
+    // unallocated, "data": false).
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},export=vol@snap,x-dirty-bitmap=qemu:dirty-bitmap:base",
+        sock.display()
+    );
+    let map = run(Command::new("qemu-img").args(["map", "--output=json", "--image-opts", &opts]));
+    let dirty: Vec<(String, String)> = map
+        .lines()
+        .filter(|l| l.contains(r#""data": false"#))
+        .map(|l| {
+            let f = |k: &str| {
+                l.split(k)
+                    .nth(1)
+                    .unwrap()
+                    .split(',')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .to_string()
+            };
+            (f(r#""start":"#), f(r#""length":"#))
+        })
+        .collect();
+    assert_eq!(
+        dirty,
+        vec![
+            ("131072".into(), "65536".into()),
+            ("327680".into(), "65536".into())
+        ],
+        "{map}"
+    );
+}
+
+#[test]
+fn tcp_works_and_hostile_requests_get_errors_not_crashes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let l = Listen::parse(&format!("127.0.0.1:{port}")).unwrap();
+    assert!(Listen::parse("nowhere").is_err() && Listen::parse("unix:").is_err());
+    let _s = Server::start(l, Arc::new(Mem::new())).unwrap();
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut hello = [0u8; 18];
+    c.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..8], b"NBDMAGIC");
+    c.write_all(&3u32.to_be_bytes()).unwrap();
+    // An unknown option is refused; NBD_OPT_EXPORT_NAME for the default export starts
+    // transmission.
+    let opt = |c: &mut std::net::TcpStream, o: u32, data: &[u8]| {
+        let mut b = 0x4948_4156_454f_5054u64.to_be_bytes().to_vec();
+        b.extend_from_slice(&o.to_be_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        b.extend_from_slice(data);
+        c.write_all(&b).unwrap();
+    };
+    opt(&mut c, 99, b"");
+    let mut rep = [0u8; 20];
+    c.read_exact(&mut rep).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(rep[12..16].try_into().unwrap()),
+        (1 << 31) + 1
+    );
+    let mut msg = vec![0u8; u32::from_be_bytes(rep[16..20].try_into().unwrap()) as usize];
+    c.read_exact(&mut msg).unwrap();
+    opt(&mut c, 1, b"");
+    let mut ex = [0u8; 10];
+    c.read_exact(&mut ex).unwrap();
+    assert_eq!(u64::from_be_bytes(ex[..8].try_into().unwrap()), 16 * EXTENT);
+    let req = |c: &mut std::net::TcpStream, kind: u16, off: u64, len: u32| {
+        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&kind.to_be_bytes());
+        b.extend_from_slice(&7u64.to_be_bytes());
+        b.extend_from_slice(&off.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        c.write_all(&b).unwrap();
+        let mut r = [0u8; 16];
+        c.read_exact(&mut r).unwrap();
+        u32::from_be_bytes(r[4..8].try_into().unwrap())
+    };
+    assert_eq!(req(&mut c, 0, u64::MAX - 10, 4096), 22, "past the end");
+    assert_eq!(req(&mut c, 0, 0, u32::MAX), 22, "past the end");
+    assert_eq!(
+        req(&mut c, 7, 0, 4096),
+        22,
+        "block status without a context"
+    );
+    assert_eq!(req(&mut c, 4, 0, 4096), 1, "trim of a read-only export");
+    assert_eq!(req(&mut c, 0, 65536, 4096), 0);
+    let mut data = [0u8; 4096];
+    c.read_exact(&mut data).unwrap();
+    assert!(data.iter().all(|&b| b == 0), "a hole");
+}
