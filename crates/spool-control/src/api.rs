@@ -21,7 +21,9 @@ mod mirror;
 mod results;
 mod stats;
 mod thin;
-pub use thin::{CloneParams, Snapshot, SnapshotParams};
+pub use thin::{
+    CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot, SnapshotParams,
+};
 
 pub use mirror::*;
 pub use results::*;
@@ -96,6 +98,12 @@ methods! {
         "delete a snapshot (the chunks no other map names go back to the pool)";
     VolumeClone = "volume_clone", CloneParams => Volume,
         "create a writable thin volume from a snapshot (sharing its chunks until written) and serve it";
+    VolumeDiff = "volume_diff", DiffParams => DiffResult,
+        "the byte ranges that differ between a snapshot and another one (or the volume now)";
+    SnapshotExport = "snapshot_export", ExportParams => ExportInfo,
+        "serve a snapshot read-only over NBD, with base:allocation and, given a base, qemu:dirty-bitmap:BASE";
+    SnapshotUnexport = "snapshot_unexport", SnapshotParams => ExportInfo,
+        "stop serving a snapshot over NBD (open connections fail their next request)";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     VolumeStatsGet = "volume_stats", VolumeStatsParams => Vec<VolumeStats>,

@@ -20,6 +20,7 @@ use uuid::Uuid;
 use crate::config::Config;
 
 mod devices;
+mod exports;
 mod failures;
 mod inject;
 mod keeper;
@@ -54,6 +55,8 @@ pub struct Daemon {
     /// extents stay allocated for the life of this process, so a late write cannot land in
     /// another volume's data.
     quarantined: Mutex<BTreeMap<Uuid, u64>>,
+    /// Snapshots served over NBD (`volume export`).
+    exports: Mutex<Vec<exports::Exported>>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -126,6 +129,7 @@ impl Daemon {
             monitor,
             spares_used: Mutex::new(Vec::new()),
             quarantined: Mutex::new(BTreeMap::new()),
+            exports: Mutex::default(),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,

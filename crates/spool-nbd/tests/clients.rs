@@ -42,7 +42,7 @@ impl Export for Mem {
         EXTENT
     }
     fn allocated(&self, i: u64) -> bool {
-        i % 2 == 0
+        i.is_multiple_of(2)
     }
     fn base(&self) -> Option<&str> {
         Some("base")

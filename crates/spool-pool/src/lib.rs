@@ -10,6 +10,7 @@
 mod assemble;
 pub mod buddy;
 mod encryption;
+mod export;
 mod info;
 mod layout;
 mod legs;
@@ -27,6 +28,7 @@ use std::path::Path;
 use uuid::Uuid;
 
 pub use encryption::{export_key_offline, ExportedKey, VolumeCipher};
+pub use export::SnapshotImage;
 pub use info::{
     DeviceInfo, ExtentInfo, LeftOut, LegInfo, PoolInfo, Replacement, ThinInfo, VolumeInfo,
 };

@@ -97,7 +97,15 @@ impl Allocator<'_> {
             }
             self.unmap(work.unmaps);
             for reply in work.snapshots {
-                let _ = reply.send(self.take_snapshot());
+                if let Err(unsent) = reply.send(self.take_snapshot()) {
+                    // The caller gave up waiting and recorded nothing: the snapshot's names
+                    // go again.
+                    for (_, p) in unsent.0.unwrap_or_default() {
+                        if self.s.source.shared_chunks().release(p) {
+                            self.s.source.give_back(p.device, p.offset);
+                        }
+                    }
+                }
             }
             self.allocate(work.allocs);
             self.retire_drained();
@@ -139,6 +147,7 @@ impl Allocator<'_> {
             // While the pool is full, the chunks asked for and not served yet wait.
             let left = (want.len() - n) as u64;
             let deadline = *asked + self.s.spec.full_wait;
+            let stamp = self.s.map.stamp(c);
             let got = match self.s.map.get(c) {
                 _ if self.s.map.get_for_write(c).is_some() => continue,
                 None => self.take_zeroed(deadline, left),
@@ -152,10 +161,14 @@ impl Allocator<'_> {
                 },
             };
             match got {
-                Ok(p) => fresh.push((c, Some(p))),
+                Ok(p) => fresh.push((c, Some(p), stamp)),
                 Err(errno) => post_failed(boxes, c, errno),
             }
         }
+        // Waiting for space serves unmaps: an entry unmapped (or changed) since it was
+        // looked at keeps what it is now, and its new chunk goes back (its writers ask again).
+        let (fresh, dropped) = self.drop_changed(fresh);
+        copied.retain(|(c, _)| !dropped.contains(c));
         if !fresh.is_empty() {
             crash_point(self.s, CrashPoint::Zeroed);
         }
@@ -182,12 +195,31 @@ impl Allocator<'_> {
         }
         drop(r);
         for (&chunk, (boxes, _)) in &want {
-            if self.s.map.get_for_write(chunk).is_some() {
+            if self.s.map.get_for_write(chunk).is_some() || dropped.contains(&chunk) {
                 for m in boxes {
                     m.post(Some(Note::Mapped { chunk }));
                 }
             }
         }
+    }
+
+    /// Splits new chunks into those whose entry is still what it was when they were taken
+    /// for it (`stamp`) and those whose entry changed meanwhile: the latter go back to the
+    /// pool, and their chunk indexes are returned.
+    fn drop_changed(&mut self, fresh: Vec<Stamped>) -> (Vec<Change>, Vec<u64>) {
+        let (mut keep, mut dropped) = (Vec::new(), Vec::new());
+        for (c, p, stamp) in fresh {
+            if self.s.map.stamp(c) == stamp {
+                keep.push((c, p));
+                continue;
+            }
+            if let Some(pl) = p.and_then(|(d, off)| self.s.placement(d, off)) {
+                self.s.source.give_back(pl.device, pl.offset);
+            }
+            self.s.source.settled(1);
+            dropped.push(c);
+        }
+        (keep, dropped)
     }
 
     /// A chunk from the pool, zeroed durably; waits for free space until `deadline`,
@@ -320,6 +352,11 @@ fn report(dev: &Device, offset: u64, len: u64) {
 
 /// A map change: chunk, and its new device index and offset (`None`: a hole).
 type Change = (u64, Option<(usize, u64)>);
+
+/// A change, and the entry as it was when the allocator looked ([`ChunkMap::stamp`]).
+///
+/// [`ChunkMap::stamp`]: crate::map::ChunkMap::stamp
+type Stamped = (u64, Option<(usize, u64)>, u64);
 
 /// Writes the map blocks holding `changes` (other entries as the table has them); returns
 /// the blocks that could not be written.

@@ -240,6 +240,13 @@ impl ThinBackend {
             .map(|s| s.entries.clone())
     }
 
+    /// The chunks the volume's own map names now: (chunk index, where).
+    pub fn live_entries(&self) -> Vec<(u64, Placement)> {
+        (self.shared.map.entries())
+            .filter_map(|(c, d, off)| Some((c, self.shared.placement(d, off)?)))
+            .collect()
+    }
+
     /// Chunks the volume maps that another map names too (a snapshot's, a clone's).
     pub fn shared_chunks(&self) -> u64 {
         let refs = self.shared.source.shared_chunks();

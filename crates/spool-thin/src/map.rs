@@ -241,6 +241,19 @@ impl ChunkMap {
         unpack(v)
     }
 
+    /// Chunk `i` in one read: where it is (`None`: a hole) and whether it is marked shared.
+    #[inline]
+    pub fn state(&self, i: u64) -> (Option<(usize, u64)>, bool) {
+        let v = self.raw(i);
+        (unpack(v & !SHARED), v & SHARED != 0)
+    }
+
+    /// The entry of chunk `i` as stored (to tell whether it changed since).
+    #[inline]
+    pub(crate) fn stamp(&self, i: u64) -> u64 {
+        self.raw(i)
+    }
+
     /// Whether chunk `i` is mapped and marked shared.
     pub fn is_shared(&self, i: u64) -> bool {
         self.raw(i) & SHARED != 0

@@ -64,10 +64,13 @@ impl Allocator<'_> {
         while !s.grace.drained(phase) {
             if Instant::now() >= deadline {
                 // The marks stay (a write then finds the chunk named once and only clears
-                // its mark).
+                // its mark). The phase still has requests on devices: the next grace period
+                // starts only once it drained (one at a time, grace.rs).
                 for &(_, p) in &entries {
                     refs.release(p);
                 }
+                let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
+                r.waiting = Some((phase, Vec::new()));
                 return Err(late());
             }
             std::thread::sleep(Duration::from_micros(20));

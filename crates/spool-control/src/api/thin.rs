@@ -81,3 +81,52 @@ impl From<spool_pool::SnapshotInfo> for Snapshot {
         }
     }
 }
+
+/// `volume_diff`: what differs between snapshot `from` of volume `id` and snapshot `to`
+/// (absent: the volume now).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiffParams {
+    pub id: String,
+    pub from: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+}
+
+/// The ranges that differ, in whole chunks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiffResult {
+    /// Bytes per chunk (the unit of the ranges).
+    pub chunk: u64,
+    /// (offset, length) in bytes, merged, in order.
+    pub ranges: Vec<(u64, u64)>,
+    /// Their total length.
+    pub changed: u64,
+}
+
+/// `snapshot_export`: serve snapshot `snapshot` of volume `id` on `nbd` (`unix:PATH` or
+/// `HOST:PORT`), with a dirty bitmap against snapshot `since` if given.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportParams {
+    pub id: String,
+    pub snapshot: String,
+    pub nbd: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+}
+
+/// A snapshot served over NBD.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportInfo {
+    pub volume: String,
+    pub snapshot: String,
+    /// Where it listens (`unix:PATH` or `HOST:PORT`).
+    pub nbd: String,
+    /// The NBD URI clients use.
+    pub uri: String,
+    pub size: u64,
+    /// The snapshot its `qemu:dirty-bitmap:BASE` context is against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+}

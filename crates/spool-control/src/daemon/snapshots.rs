@@ -23,6 +23,9 @@ impl Daemon {
     }
 
     fn snapshot_delete(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
+        // Its chunks may go to another volume next: no export may read them any more.
+        let v = self.pool().volume(&p.id)?;
+        self.stop_exports(v.uuid, Some(&p.snapshot));
         Ok(self.pool().delete_snapshot(&p.id, &p.snapshot)?.into())
     }
 

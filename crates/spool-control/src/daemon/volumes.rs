@@ -198,6 +198,8 @@ impl Daemon {
                 return Err(stuck(n));
             }
         }
+        // Its snapshots' chunks go back to the pool: no export may read them any more.
+        self.stop_exports(v.uuid, None);
         Ok(self
             .pool()
             .delete_volume_with(&v.uuid.to_string(), p.remove_image)?

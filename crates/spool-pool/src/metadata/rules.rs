@@ -200,6 +200,9 @@ impl PoolTable {
             if !names.insert(&s.name) {
                 return Err(format!("{what}: two snapshots have this name"));
             }
+            if s.uuid == v.uuid || t.snapshots.iter().filter(|o| o.uuid == s.uuid).count() > 1 {
+                return Err(format!("{what}: its UUID {} is not its own", s.uuid));
+            }
             if s.size == 0 || !s.size.is_multiple_of(512) || s.size > v.size {
                 return Err(format!(
                     "{what}: size {} is not a positive multiple of 512 up to the volume's",

@@ -203,11 +203,16 @@ impl ThinQueue {
         let phase = self.shared.grace.enter(&self.readers);
         self.op(idx).phase = Some(phase);
         let pieces = self.pieces(offset, len);
+        // Each partial piece's chunk is read once: the decision to wait and where the
+        // zeroes go come from the same read (a snapshot may mark it in between).
+        let states: Vec<_> = (pieces.iter())
+            .map(|p| (p.2 < chunk).then(|| self.shared.map.state(p.0)))
+            .collect();
         // Zeroes written into part of a shared chunk must not reach the other maps naming
         // it: the chunk is copied first (a discard of part of one is only dropped).
-        let shared: Vec<u64> = (pieces.iter())
-            .filter(|p| zeroes && p.2 < chunk && self.shared.map.is_shared(p.0))
-            .map(|p| p.0)
+        let shared: Vec<u64> = (pieces.iter().zip(&states))
+            .filter(|(_, st)| zeroes && st.is_some_and(|s| s.1))
+            .map(|(p, _)| p.0)
             .collect();
         if !shared.is_empty() {
             self.op(idx).phase = None;
@@ -220,17 +225,19 @@ impl ThinQueue {
             return;
         }
         let (mut first, mut end) = (u64::MAX, 0);
-        for (c, within, n, _) in pieces {
+        for ((c, within, n, _), st) in pieces.into_iter().zip(states) {
             // Only a chunk covered whole goes back. The last chunk of a volume whose size is
             // not a multiple of it is not (a grow between this and the allocator's unmap
             // would expose a tail the request never covered, and drop a write to it).
-            if n == chunk {
+            let Some((at, shared)) = st else {
                 first = first.min(c);
                 end = end.max(c + 1);
                 continue;
-            }
-            let Some((d, off)) = self.shared.map.get_for_write(c) else {
-                continue; // A hole, or (a discard) part of a shared chunk.
+            };
+            // A hole needs nothing; a discard of part of a shared chunk is dropped (zeroes
+            // into one waited above).
+            let (Some((d, off)), false) = (at, shared) else {
+                continue;
             };
             let io = if zeroes {
                 DeviceIo::WriteZeroes {

@@ -197,3 +197,77 @@ fn a_crash_in_a_snapshot_or_a_copy_loses_nothing_acknowledged() {
         );
     }
 }
+
+/// A write to a shared chunk waits for space to copy it; meanwhile the chunk is zeroed
+/// whole (unmapped). The copy, once space comes, must not come back over the zeroes, and
+/// the snapshot's chunk must stay its own (given back neither early nor twice).
+#[test]
+fn a_chunk_unmapped_while_its_copy_waits_for_space_stays_unmapped() {
+    let f = fixture(3);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut q = thin.open_queue(8).unwrap();
+    fill(&mut *q, 0, 1);
+    fill(&mut *q, 4096, 1);
+    fill(&mut *q, CHUNK, 1);
+    let s = snap_spec(&f, "s.map");
+    t.snapshot(&s).unwrap();
+    fill(&mut *q, 2 * CHUNK, 2);
+    assert_eq!(f.free(), 0, "the pool is full");
+    let mut data = vec![9u8; 4096];
+    let iov = [IoVec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    }];
+    // SAFETY: `data` and `iov` outlive the request, waited for below.
+    unsafe { q.submit(DeviceIo::data(true, 0, 4096, iov.as_ptr(), 1), 1) };
+    q.kick().unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    let mut done = Vec::new();
+    let wait_for = |q: &mut dyn DeviceQueue, tag: u64, done: &mut Vec<(u64, i32)>| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !done.iter().any(|d| d.0 == tag) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "request {tag} never completed"
+            );
+            q.reap(&mut |t, r| done.push((t, r)));
+            std::thread::yield_now();
+        }
+    };
+    let zero = DeviceIo::WriteZeroes {
+        offset: 0,
+        len: CHUNK,
+    };
+    // SAFETY: no buffers.
+    unsafe { q.submit(zero, 2) };
+    q.kick().unwrap();
+    wait_for(&mut *q, 2, &mut done);
+    // Space comes back: chunk 2 is discarded whole.
+    let discard = DeviceIo::Discard {
+        offset: 2 * CHUNK,
+        len: CHUNK,
+    };
+    // SAFETY: no buffers.
+    unsafe { q.submit(discard, 3) };
+    q.kick().unwrap();
+    wait_for(&mut *q, 3, &mut done);
+    wait_for(&mut *q, 1, &mut done);
+    assert!(done.iter().all(|d| d.1 == 0), "{done:?}");
+    // Whichever of the write and the zeroes came last, nothing of the snapshot's data is
+    // in the volume's chunk 0 outside the written block.
+    assert!(
+        read(&mut *q, 4096) == vec![0; 4096],
+        "the copy came back over the zeroes"
+    );
+    let named = t.snapshot_entries(s.uuid).unwrap();
+    let first = named.iter().find(|e| e.0 == 0).unwrap().1;
+    assert!(
+        on_device(&f, first, 4096) == vec![1; 4096],
+        "the snapshot's chunk changed"
+    );
+    assert!(
+        !f.source.free.lock().unwrap().contains(&first.offset),
+        "the snapshot's chunk went back to the pool"
+    );
+}

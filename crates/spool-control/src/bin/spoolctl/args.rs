@@ -197,6 +197,32 @@ pub enum VolumeCmd {
     },
     /// List a thin volume's snapshots, oldest first.
     Snapshots { id: String },
+    /// List the byte ranges that differ between a snapshot and another snapshot of the
+    /// same volume, or the volume now (in whole chunks).
+    Diff {
+        /// VOLUME@SNAPSHOT.
+        from: String,
+        /// VOLUME@SNAPSHOT, or VOLUME for the volume now (the default).
+        to: Option<String>,
+    },
+    /// Serve a snapshot read-only over NBD, for qemu-img, nbdinfo, nbdcopy and backup tools:
+    /// meta context base:allocation, and with --since qemu:dirty-bitmap:SNAP (what changed
+    /// since that snapshot).
+    Export {
+        /// VOLUME@SNAPSHOT.
+        snapshot: String,
+        /// unix:PATH or HOST:PORT.
+        #[arg(long, value_name = "unix:PATH|HOST:PORT")]
+        nbd: String,
+        /// An older snapshot of the same volume the dirty bitmap is against.
+        #[arg(long, value_name = "SNAPSHOT")]
+        since: Option<String>,
+    },
+    /// Stop serving a snapshot over NBD.
+    Unexport {
+        /// VOLUME@SNAPSHOT.
+        snapshot: String,
+    },
     /// Create a writable thin volume from a snapshot and serve it: it shares the snapshot's
     /// chunks until it writes there.
     Clone {

@@ -49,6 +49,11 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             VolumeCmd::Snapshots { .. } => {
                 show::<api::VolumeSnapshots>(r, |s| super::snapshot::list(s))
             }
+            VolumeCmd::Diff { .. } => show::<api::VolumeDiff>(r, super::snapshot::diff),
+            VolumeCmd::Export { .. } => show::<api::SnapshotExport>(r, super::snapshot::exported),
+            VolumeCmd::Unexport { .. } => show::<api::SnapshotUnexport>(r, |e| {
+                println!("stopped serving {}@{} on {}", e.volume, e.snapshot, e.nbd)
+            }),
             VolumeCmd::Show { .. }
             | VolumeCmd::Clone { .. }
             | VolumeCmd::Create { .. }

@@ -169,6 +169,16 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
         VolumeCmd::Snapshot { id, snapshot: s } => snapshot_take(id, s),
         VolumeCmd::Snapshots { id: v } => id::<api::VolumeSnapshots>(v),
         VolumeCmd::Clone { snapshot: s, name } => snapshot_clone(s, name),
+        VolumeCmd::Diff { from, to } => diff(from, to.as_deref()),
+        VolumeCmd::Export {
+            snapshot: s,
+            nbd,
+            since,
+        } => export(s, nbd, since.clone()),
+        VolumeCmd::Unexport { snapshot: s } => {
+            let (id, snapshot) = snapshot::split(s)?;
+            build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
+        }
     }
 }
 
@@ -190,6 +200,39 @@ fn snapshot_clone(snapshot: &str, name: &str) -> Result<Request, CtlError> {
         id,
         snapshot,
         name: name.into(),
+    })
+}
+
+fn diff(from: &str, to: Option<&str>) -> Result<Request, CtlError> {
+    let (id, from) = snapshot::split(from)?;
+    let to = match to.map(|t| t.rsplit_once('@').map_or((t, None), |(v, s)| (v, Some(s)))) {
+        Some((v, _)) if v != id => {
+            return Err(CtlError::Usage(format!(
+                "'{v}' is not '{id}': a diff is between maps of one volume"
+            )))
+        }
+        Some((_, s)) => s.map(str::to_string),
+        None => None,
+    };
+    build::<api::VolumeDiff>(api::DiffParams { id, from, to })
+}
+
+/// `volume export`: a Unix socket path made absolute (spoold has its own working
+/// directory).
+fn export(s: &str, nbd: &str, since: Option<String>) -> Result<Request, CtlError> {
+    let (id, snapshot) = snapshot::split(s)?;
+    let nbd = match nbd.strip_prefix("unix:") {
+        Some(p) if !p.is_empty() => format!(
+            "unix:{}",
+            std::path::absolute(p).map_err(CtlError::Path)?.display()
+        ),
+        _ => nbd.to_string(),
+    };
+    build::<api::SnapshotExport>(api::ExportParams {
+        id,
+        snapshot,
+        nbd,
+        since,
     })
 }
 

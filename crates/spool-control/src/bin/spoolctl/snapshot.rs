@@ -1,7 +1,7 @@
 //! `volume snapshot`, `volume snapshots`, `volume clone`, `snapshot delete`: a snapshot
 //! named as `VOLUME@SNAPSHOT`, and how their results print.
 
-use spool_control::api::Snapshot;
+use spool_control::api::{DiffResult, ExportInfo, Snapshot};
 use spool_control::size::format_size;
 
 use super::table::{header, table};
@@ -78,6 +78,33 @@ pub fn deleted(s: &Snapshot) {
         s.name,
         format_size(s.exclusive)
     );
+}
+
+pub fn diff(d: &DiffResult) {
+    let mut rows = vec![header(&["OFFSET", "LENGTH"])];
+    for (o, l) in &d.ranges {
+        rows.push(vec![o.to_string(), l.to_string()]);
+    }
+    println!("{}", table(rows));
+    println!(
+        "{} changed in {} ranges (whole chunks of {})",
+        format_size(d.changed),
+        d.ranges.len(),
+        format_size(d.chunk)
+    );
+}
+
+pub fn exported(e: &ExportInfo) {
+    println!(
+        "serving {}@{} read-only over NBD: {}",
+        e.volume, e.snapshot, e.uri
+    );
+    if let Some(b) = &e.base {
+        println!(
+            "what changed since {}@{b}: meta context qemu:dirty-bitmap:{b} (nbdinfo --map=qemu:dirty-bitmap:{b} '{}')",
+            e.volume, e.uri
+        );
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,163 @@
+//! `snapshot_export`, `snapshot_unexport`, `volume_diff` (docs/snapshots.md, "Backup"):
+//! snapshots served read-only over NBD by spool-nbd, straight from the pool devices.
+//!
+//! A served snapshot's chunks must not go back to the pool while a client may read them:
+//! deleting the snapshot or its volume stops its exports first, and a stopped export fails
+//! every read from then on (a read in progress finishes before the stop returns).
+
+use std::sync::{Arc, RwLock};
+
+use spool_nbd::{Listen, Server};
+use spool_pool::SnapshotImage;
+use uuid::Uuid;
+
+use super::Daemon;
+use crate::api::{self, DiffParams, DiffResult, ExportInfo, ExportParams, SnapshotParams};
+use crate::rpc::{MethodTable, RpcError};
+
+pub(super) fn register(t: &mut MethodTable<Daemon>) {
+    t.register::<api::VolumeDiff>(Daemon::volume_diff)
+        .register::<api::SnapshotExport>(Daemon::snapshot_export)
+        .register::<api::SnapshotUnexport>(Daemon::snapshot_unexport);
+}
+
+/// A snapshot as an NBD export.
+struct SnapshotExport {
+    image: SnapshotImage,
+    /// False once stopped: reads fail (the snapshot may be deleted next).
+    alive: RwLock<bool>,
+}
+
+impl spool_nbd::Export for SnapshotExport {
+    fn name(&self) -> &str {
+        &self.image.name
+    }
+    fn size(&self) -> u64 {
+        self.image.size
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let alive = self.alive.read().unwrap_or_else(|p| p.into_inner());
+        if !*alive {
+            return Err(std::io::Error::other("the export was stopped"));
+        }
+        self.image.read_at(buf, offset)
+    }
+    fn extent(&self) -> u64 {
+        self.image.chunk
+    }
+    fn allocated(&self, i: u64) -> bool {
+        self.image.allocated(i)
+    }
+    fn base(&self) -> Option<&str> {
+        self.image.base.as_ref().map(|b| b.0.as_str())
+    }
+    fn changed(&self, i: u64) -> bool {
+        self.image.changed(i)
+    }
+}
+
+/// One served snapshot.
+pub(super) struct Exported {
+    volume: Uuid,
+    info: ExportInfo,
+    export: Arc<SnapshotExport>,
+    server: Server,
+}
+
+impl Exported {
+    fn stop(self) -> ExportInfo {
+        *self.export.alive.write().unwrap_or_else(|p| p.into_inner()) = false;
+        drop(self.server);
+        tracing::info!(export = %self.info.uri, "snapshot export stopped");
+        self.info
+    }
+}
+
+fn uri(listen: &Listen, name: &str) -> String {
+    match listen {
+        Listen::Unix(p) => format!("nbd+unix:///{name}?socket={}", p.display()),
+        Listen::Tcp(a) => format!("nbd://{a}/{name}"),
+    }
+}
+
+impl Daemon {
+    fn volume_diff(&self, p: DiffParams) -> Result<DiffResult, RpcError> {
+        let (chunk, ranges) = self.pool().diff(&p.id, &p.from, p.to.as_deref())?;
+        let changed = ranges.iter().map(|r| r.1).sum();
+        Ok(DiffResult {
+            chunk,
+            ranges,
+            changed,
+        })
+    }
+
+    fn snapshot_export(&self, p: ExportParams) -> Result<ExportInfo, RpcError> {
+        let listen = Listen::parse(&p.nbd).map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+        if let Listen::Unix(path) = &listen {
+            if !path.is_absolute() {
+                return Err(RpcError::InvalidParams(format!(
+                    "unix:{}: give an absolute path",
+                    path.display()
+                )));
+            }
+        }
+        let (volume, image) = {
+            let pool = self.pool();
+            let v = pool.volume(&p.id)?;
+            (
+                v,
+                pool.snapshot_image(&p.id, &p.snapshot, p.since.as_deref())?,
+            )
+        };
+        let mut exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
+        if exports.iter().any(|e| e.info.nbd == listen.to_string()) {
+            return Err(RpcError::InvalidParams(format!(
+                "{listen} serves another export already"
+            )));
+        }
+        let info = ExportInfo {
+            volume: volume.name.clone(),
+            snapshot: p.snapshot.clone(),
+            nbd: listen.to_string(),
+            uri: uri(&listen, &image.name),
+            size: image.size,
+            base: p.since.clone(),
+        };
+        let export = Arc::new(SnapshotExport {
+            image,
+            alive: RwLock::new(true),
+        });
+        let server = Server::start(listen, export.clone())
+            .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+        tracing::info!(export = %info.uri, base = ?info.base, "snapshot exported over NBD");
+        exports.push(Exported {
+            volume: volume.uuid,
+            info: info.clone(),
+            export,
+            server,
+        });
+        Ok(info)
+    }
+
+    fn snapshot_unexport(&self, p: SnapshotParams) -> Result<ExportInfo, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        let stopped = self.stop_exports(v.uuid, Some(&p.snapshot));
+        stopped.into_iter().next().ok_or_else(|| {
+            RpcError::InvalidParams(format!(
+                "snapshot {}@{} is not exported",
+                v.name, p.snapshot
+            ))
+        })
+    }
+
+    /// Stops the exports of volume `volume` (of its snapshot `snapshot` only, if given).
+    pub(super) fn stop_exports(&self, volume: Uuid, snapshot: Option<&str>) -> Vec<ExportInfo> {
+        let mut exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
+        let (stop, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut *exports)
+            .into_iter()
+            .partition(|e| e.volume == volume && snapshot.is_none_or(|s| e.info.snapshot == s));
+        *exports = keep;
+        drop(exports);
+        stop.into_iter().map(Exported::stop).collect()
+    }
+}
