@@ -265,3 +265,90 @@ thin = true
         .unwrap();
     assert!(!gone.status.success(), "the export outlived its snapshot");
 }
+
+/// The guest test of issue 34: a real guest writes generation 1 of its data with fio, the
+/// host snapshots it and lets the guest go on; fio then writes and verifies at random while
+/// the host takes a snapshot and kills the worker in turn, every ~0.5 s. A clone of the
+/// first snapshot, booted by a second guest, holds exactly generation 1 (fio checks every
+/// block), and the first guest saw no error.
+#[test]
+#[ignore = "needs QEMU and the test guest: scripts/test.sh runs it (cargo test -- --include-ignored)"]
+fn a_guest_verifies_through_snapshots_and_kills_and_a_clone_boots_with_its_moment() {
+    use std::io::Write;
+    let mut d = Spoold::prepared(
+        r#"
+[io]
+poll_idle_us = 20
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "256M"
+[[volumes]]
+name = "vm"
+size = "256M"
+num_queues = 2
+thin = true
+"#,
+    );
+    d.spawn();
+    let console = d.dir.path().join("snap.console");
+    let mut guest = common::guest::qemu(&d.socket("vm"), "snapshots", 2, "spool.runtime=6", 600)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::fs::File::create(&console).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-system-x86_64 must be installed");
+    let read = || std::fs::read_to_string(&console).unwrap_or_default();
+    let deadline = Instant::now() + std::time::Duration::from_secs(400);
+    while !read().contains("SPOOL-E2E: gen1 written") {
+        assert!(
+            Instant::now() < deadline && guest.try_wait().unwrap().is_none(),
+            "the guest never wrote generation 1:\n{}",
+            read()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    ctl(&d, &["volume", "snapshot", "vm", "gen1"]);
+    let mut stdin = guest.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    // Under load: a snapshot, then a worker kill, in turn, until the guest is done.
+    let (mut snaps, mut kills) = (0, 0);
+    while guest.try_wait().unwrap().is_none() && !read().contains("SPOOL-E2E: fio errors") {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        if !read().contains("SPOOL-E2E: go") || read().contains("SPOOL-E2E: fio errors") {
+            continue;
+        }
+        if (snaps + kills) % 2 == 0 {
+            // Two are kept (each pins up to the 24 MiB the guest rewrites): the older ones
+            // are deleted as a rotation would.
+            ctl(&d, &["volume", "snapshot", "vm", &format!("load{snaps}")]);
+            if snaps >= 2 {
+                ctl(
+                    &d,
+                    &["snapshot", "delete", &format!("vm@load{}", snaps - 2)],
+                );
+            }
+            snaps += 1;
+        } else {
+            d.kill_worker();
+            kills += 1;
+        }
+    }
+    let status = guest.wait().unwrap();
+    drop(stdin);
+    let c = read();
+    eprintln!(
+        "snapshot guest: qemu {status}, {snaps} snapshots and {kills} worker kills under load"
+    );
+    common::guest::assert_pass(&c, &d, "snapshots");
+    assert!(snaps > 0 && kills > 0, "nothing happened under load:\n{c}");
+
+    // A second guest boots on a clone of gen1 and finds exactly generation 1.
+    ctl(&d, &["volume", "clone", "vm@gen1", "gen1"]);
+    let log = d.dir.path().join("gen1.console");
+    let c = common::guest::run_guest(&d.socket("gen1"), "gen1", 2, &log);
+    common::guest::assert_pass(&c, &d, "gen1");
+    // The two last snapshots taken under load are listed.
+    let out = ctl(&d, &["volume", "snapshots", "vm"]);
+    assert_eq!(out.matches("vm@load").count(), snaps.min(2), "{out}");
+}

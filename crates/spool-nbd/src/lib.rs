@@ -19,7 +19,7 @@ mod proto;
 mod server;
 mod transmit;
 
-pub use server::{Listen, Server};
+pub use server::{serve_io, Listen, Server};
 
 /// What an export serves, in extents of one fixed size.
 pub trait Export: Send + Sync + 'static {

@@ -166,6 +166,18 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>) {
 fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()> {
     let mut r = BufReader::new(s.try_clone_box()?);
     let mut w = BufWriter::new(s);
+    serve_io(&mut r, &mut w, e, stop)
+}
+
+/// Serves one client on any byte stream: the greeting, the option phase, then requests
+/// until the client leaves or `stop` is set (what each connection runs; also the fuzz
+/// target's entry point).
+pub fn serve_io(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    e: &dyn Export,
+    stop: &AtomicBool,
+) -> io::Result<()> {
     w.write_all(&NBDMAGIC.to_be_bytes())?;
     w.write_all(&IHAVEOPT.to_be_bytes())?;
     w.write_all(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes())?;
@@ -173,8 +185,8 @@ fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()
     let mut flags = [0u8; 4];
     r.read_exact(&mut flags)?;
     let no_zeroes = u32::from_be_bytes(flags) & CLIENT_NO_ZEROES != 0;
-    let Some(sess) = crate::handshake::run(&mut r, &mut w, e, no_zeroes)? else {
+    let Some(sess) = crate::handshake::run(r, w, e, no_zeroes)? else {
         return Ok(());
     };
-    crate::transmit::run(&mut r, &mut w, e, &sess, stop)
+    crate::transmit::run(r, w, e, &sess, stop)
 }
