@@ -36,6 +36,7 @@ pub struct Space {
     pub free: u64,
     pub thin_provisioned: u64,
     pub thin_mapped: u64,
+    pub thin_shared: u64,
     /// Per thin volume: name, bytes backed by chunks, writes waiting for free space.
     pub thin: Vec<(String, u64, u64)>,
 }
@@ -377,6 +378,11 @@ impl Snapshot {
                 "spool_pool_thin_mapped_bytes",
                 "Bytes thin volumes' chunks take.",
                 s.thin_mapped,
+            ),
+            (
+                "spool_pool_thin_shared_bytes",
+                "Bytes of chunks named by more than one map (snapshots, clones).",
+                s.thin_shared,
             ),
         ] {
             gauges(enc, name, help, [(Labels::new(), v as f64)])?;

@@ -67,7 +67,9 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     for &m in &marks() {
         assert_eq!(c.write_sync(0, m, &pattern(1001, m, BS)), 0);
     }
-    // s1 is taken while the volume is being written.
+    // s1 is taken while the volume is being written (round 0 first: every block the load
+    // writes holds data before the snapshot, whichever round it is at then).
+    write_rounds_until(&mut c, &|| true, 1);
     let stop = AtomicBool::new(false);
     let (rounds, took) = std::thread::scope(|s| {
         let h = s.spawn(|| write_rounds_until(&mut c, &|| stop.load(Ordering::Relaxed), 3));
@@ -85,6 +87,11 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
         assert_eq!(c.write_sync(1, m, &pattern(1002, m, BS)), 0);
     }
     ctl(&d0, &["volume", "snapshot", "t", "s2"]);
+    let shared = d0.rpc("pool_show", serde_json::json!({})).unwrap()["thin_shared"].clone();
+    assert!(
+        shared.as_u64().unwrap() >= 12 * MIB,
+        "pool_show: thin_shared {shared}"
+    );
     let (ok, _, err) = spoolctl(&d0, &["volume", "snapshot", "t", "s2"]);
     assert!(!ok && err.contains("already"), "{err}");
     // More writes through worker kills: none of them reach the snapshots.

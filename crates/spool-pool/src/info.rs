@@ -125,6 +125,8 @@ pub struct PoolInfo {
     /// `provisioned` above `size` is over-commitment.
     pub thin_provisioned: u64,
     pub thin_mapped: u64,
+    /// Bytes of chunks named by more than one map (a volume and its snapshots, clones).
+    pub thin_shared: u64,
 }
 
 impl Pool {
@@ -176,6 +178,7 @@ impl Pool {
             left_out: self.left_out.clone(),
             thin_provisioned: thin.iter().map(|v| v.size).sum(),
             thin_mapped: thin.iter().map(|v| self.thin_state(v.uuid).mapped).sum(),
+            thin_shared: self.space.refs.shared_chunks() * self.table.min_extent,
         }
     }
 

@@ -53,6 +53,9 @@ pub struct PoolInfo {
     pub thin_provisioned: u64,
     #[serde(default)]
     pub thin_mapped: u64,
+    /// Bytes of chunks named by more than one map (snapshots, clones; docs/snapshots.md).
+    #[serde(default)]
+    pub thin_shared: u64,
 }
 
 impl From<spool_pool::PoolInfo> for PoolInfo {
@@ -76,6 +79,7 @@ impl From<spool_pool::PoolInfo> for PoolInfo {
                 .collect(),
             thin_provisioned: p.thin_provisioned,
             thin_mapped: p.thin_mapped,
+            thin_shared: p.thin_shared,
         }
     }
 }

@@ -34,6 +34,7 @@ impl Daemon {
             free: info.free,
             thin_provisioned: info.thin_provisioned,
             thin_mapped: info.thin_mapped,
+            thin_shared: info.thin_shared,
             thin: volumes
                 .into_iter()
                 .filter_map(|v| Some((v.name, v.thin?)))

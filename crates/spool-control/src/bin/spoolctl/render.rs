@@ -102,10 +102,11 @@ fn pool(p: &api::PoolInfo) {
     if p.thin_provisioned > 0 {
         let over = p.thin_provisioned as f64 / p.size.max(1) as f64;
         println!(
-            "thin volumes: {} provisioned ({:.0}% of the pool), {} in chunks{}",
+            "thin volumes: {} provisioned ({:.0}% of the pool), {} in chunks ({} shared with snapshots or clones){}",
             format_size(p.thin_provisioned),
             over * 100.0,
             format_size(p.thin_mapped),
+            format_size(p.thin_shared),
             if p.thin_provisioned > p.size {
                 "  (over-committed: writes wait, then fail, when the pool fills)"
             } else {
