@@ -22,7 +22,8 @@ mod results;
 mod stats;
 mod thin;
 pub use thin::{
-    CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot, SnapshotParams,
+    ChangedChunks, CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot,
+    SnapshotParams,
 };
 
 pub use mirror::*;
@@ -98,6 +99,10 @@ methods! {
         "delete a snapshot (the chunks no other map names go back to the pool)";
     VolumeClone = "volume_clone", CloneParams => Volume,
         "create a writable thin volume from a snapshot (sharing its chunks until written) and serve it";
+    VolumeRevert = "volume_revert", SnapshotParams => ChangedChunks,
+        "make a volume no VM uses hold a snapshot's data again";
+    VolumeInflate = "volume_inflate", IdParams => ChangedChunks,
+        "copy every chunk a volume shares with a snapshot, so it depends on none";
     VolumeDiff = "volume_diff", DiffParams => DiffResult,
         "the byte ranges that differ between a snapshot and another one (or the volume now)";
     SnapshotExport = "snapshot_export", ExportParams => ExportInfo,

@@ -152,6 +152,40 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     assert!(!ok && err.contains("VOLUME@SNAPSHOT"), "{err}");
     let mut c2 = connect(&d.socket("c2"), 2, false).unwrap();
     assert!(block(&mut c2, marks()[5]) == pattern(1001, marks()[5], BS));
+
+    // Revert: refused while a client is connected; then t holds s2's data again.
+    let mut t = connect(&d.socket("t"), 2, false).unwrap();
+    let (ok, _, err) = spoolctl(&d, &["volume", "revert", "t", "s2"]);
+    assert!(!ok && err.contains("in use"), "{err}");
+    drop(t);
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    while d
+        .rpc("volume_show", serde_json::json!({"id": "t"}))
+        .unwrap()["connected"]
+        == true
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the client's disconnection was never seen"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let out = ctl(&d, &["volume", "revert", "t", "s2"]);
+    assert!(out.contains("holds its snapshot's data again"), "{out}");
+    t = connect(&d.socket("t"), 2, false).unwrap();
+    for (i, &m) in marks().iter().enumerate() {
+        let salt = if i < 4 { 1002 } else { 1001 };
+        assert!(
+            block(&mut t, m) == pattern(salt, m, BS),
+            "t at {m} after the revert"
+        );
+    }
+    assert!(whole_rounds(&mut t, rounds) == vec![rounds - 1; 64]);
+    // Inflate: c2 shares nothing afterwards, and keeps its data.
+    let out = ctl(&d, &["volume", "inflate", "c2"]);
+    assert!(out.contains("shared chunks copied"), "{out}");
+    assert_eq!(t.write_sync(0, marks()[5], &pattern(9, marks()[5], BS)), 0);
+    assert!(block(&mut c2, marks()[5]) == pattern(1001, marks()[5], BS));
 }
 
 fn tool(cmd: &mut std::process::Command) -> String {

@@ -131,6 +131,21 @@ fn deleting_a_snapshot_gives_back_its_own_chunks_and_bad_names_are_refused() {
         "its chunk and its map"
     );
     assert_eq!(get(&p, "t", 0), 2);
+    // Revert: the volume holds the snapshot's data again; inflate: it shares nothing.
+    p.delete_volume("thick").unwrap();
+    p.snapshot_volume("t", "s2").unwrap();
+    put(&p, "t", 0, 3);
+    put(&p, "t", 5 << 20, 4);
+    assert_eq!(p.revert_volume("t", "s2").unwrap(), 2);
+    assert_eq!((get(&p, "t", 0), get(&p, "t", 5 << 20)), (2, 0));
+    let c = p.clone_snapshot("t", "s2", "c").unwrap();
+    assert!(c.thin.is_some());
+    assert_eq!(p.inflate_volume("c").unwrap(), 1);
+    assert_eq!(get(&p, "c", 0), 2);
+    put(&p, "t", 0, 5);
+    assert_eq!(get(&p, "c", 0), 2);
+    p.delete_snapshot("t", "s2").unwrap();
+    p.delete_volume("c").unwrap();
     let err = p.delete_snapshot("t", "s").unwrap_err().to_string();
     assert!(err.contains("no snapshot"), "{err}");
     assert!(p.clone_snapshot("t", "s", "c").is_err());

@@ -221,6 +221,44 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Makes volume `id` hold snapshot `snap`'s data again (the caller makes sure no VM uses
+    /// it): the chunks it wrote since are let go. Returns how many chunk entries changed.
+    pub fn revert_volume(&mut self, id: &str, snap: &str) -> Result<u64> {
+        let (_, v, dev) = self.thin_volume(id)?;
+        let t = v.thin.as_ref().expect("thin_volume checked");
+        let s = &t.snapshots[no_such_snapshot(&v, t, snap)?];
+        let n = thin_backend(&v, &dev)?
+            .revert(s.uuid)
+            .map_err(|e| thin_err(&v, e))?;
+        tracing::info!(volume = %v.name, snapshot = snap, changed = n, "volume reverted to a snapshot");
+        Ok(n)
+    }
+
+    /// Copies every chunk volume `id` shares with another map, so that it depends on no
+    /// snapshot (a clone's origin is forgotten). Returns how many chunks were shared.
+    pub fn inflate_volume(&mut self, id: &str) -> Result<u64> {
+        let (i, v, dev) = self.thin_volume(id)?;
+        let backend = thin_backend(&v, &dev)?;
+        let need = backend.shared_chunks() * self.table.min_extent;
+        let free: u64 = self.members.iter().map(|m| m.free_bytes()).sum();
+        if need > free {
+            return Err(Error::NoSpace {
+                requested: need,
+                available: free,
+            });
+        }
+        let n = backend.inflate().map_err(|e| thin_err(&v, e))?;
+        if v.thin.as_ref().is_some_and(|t| t.origin.is_some()) {
+            let mut table = self.table.clone();
+            table.volumes[i].thin.as_mut().expect("thin").origin = None;
+            self.commit(table)?;
+        }
+        tracing::info!(volume = %v.name, chunks = n, "volume inflated: it shares no chunk now");
+        Ok(n)
+    }
+}
+
 fn thin_err(v: &VolumeEntry, e: impl std::fmt::Display) -> Error {
     Error::Thin {
         volume: v.name.clone(),

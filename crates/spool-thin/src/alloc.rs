@@ -107,6 +107,9 @@ impl Allocator<'_> {
                     }
                 }
             }
+            for (entries, reply) in work.reverts {
+                let _ = reply.send(self.revert(&entries));
+            }
             self.allocate(work.allocs);
             self.retire_drained();
         }
@@ -330,6 +333,9 @@ fn fail_all(work: crate::shared::Work) {
         post_failed(&[m], chunk, -libc::ENOMEDIUM);
     }
     for reply in work.snapshots {
+        let _ = reply.send(Err("the volume is shutting down".into()));
+    }
+    for (_, reply) in work.reverts {
         let _ = reply.send(Err("the volume is shutting down".into()));
     }
     for u in work.unmaps {

@@ -240,6 +240,63 @@ impl ThinBackend {
             .map(|s| s.entries.clone())
     }
 
+    /// Makes the volume hold snapshot `uuid`'s data again (the caller made sure nothing
+    /// uses the volume): its map names the snapshot's chunks, shared with it, and what it
+    /// named before is let go. Returns how many chunk entries changed.
+    pub fn revert(&self, uuid: Uuid) -> Result<u64, Error> {
+        let entries = self
+            .snapshot_entries(uuid)
+            .ok_or_else(|| Error::Snapshot(format!("no snapshot {uuid}")))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
+        w.reverts.push((entries, tx));
+        drop(w);
+        self.shared.wake.notify_one();
+        rx.recv()
+            .map_err(|_| Error::Snapshot("the volume's allocator stopped".into()))?
+            .map_err(Error::Snapshot)
+    }
+
+    /// Copies every chunk the volume shares with another map (a clone stops depending on
+    /// its snapshot), as the first write to each would; returns how many it copied. Fails
+    /// with the first chunk that could not be copied (the pool is full: the wait for space
+    /// applies as to a write).
+    pub fn inflate(&self) -> Result<u64, Error> {
+        let shared: Vec<u64> = (self.shared.map.entries())
+            .map(|(c, _, _)| c)
+            .filter(|&c| self.shared.map.is_shared(c))
+            .collect();
+        let mailbox = Arc::new(crate::shared::Mailbox::new().map_err(Error::Thread)?);
+        // In batches: the allocator answers each once its map block is durable.
+        for batch in shared.chunks(64) {
+            for &c in batch {
+                self.shared.request_chunk(c, &mailbox);
+            }
+            let mut left: std::collections::HashSet<u64> = batch.iter().copied().collect();
+            while !left.is_empty() {
+                if self.shared.stopping() {
+                    return Err(Error::Snapshot("the volume is shutting down".into()));
+                }
+                for n in mailbox.take() {
+                    match n {
+                        crate::shared::Note::Mapped { chunk } => {
+                            left.remove(&chunk);
+                        }
+                        crate::shared::Note::Failed { chunk, errno } => {
+                            return Err(Error::Snapshot(format!(
+                                "chunk {chunk} could not be copied (errno {})",
+                                -errno
+                            )))
+                        }
+                        crate::shared::Note::Unmapped { .. } => {}
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        Ok(shared.len() as u64)
+    }
+
     /// The chunks the volume's own map names now: (chunk index, where).
     pub fn live_entries(&self) -> Vec<(u64, Placement)> {
         (self.shared.map.entries())

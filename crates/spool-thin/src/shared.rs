@@ -136,6 +136,12 @@ impl Shared {
         }
     }
 
+    /// The index of pool device `uuid` in the device table, if the map has named it.
+    pub(crate) fn device_of(&self, uuid: Uuid) -> Option<usize> {
+        let d = self.devices.read().unwrap_or_else(|p| p.into_inner());
+        d.iter().position(|(u, _)| *u == uuid)
+    }
+
     pub(crate) fn device(&self, i: usize) -> Option<Arc<Device>> {
         let d = self.devices.read().unwrap_or_else(|p| p.into_inner());
         d.get(i).and_then(|(_, dev)| dev.clone())
@@ -269,14 +275,26 @@ pub(crate) struct Work {
     pub(crate) unmaps: Vec<Unmap>,
     /// Snapshots to take: each answered with the chunks it names, or why it failed.
     pub(crate) snapshots: Vec<SnapshotReply>,
+    /// Reverts to a snapshot's chunks: each answered with how many entries changed.
+    pub(crate) reverts: Vec<Revert>,
 }
+
+/// A revert: the snapshot's chunks (chunk index, where), and where the number of entries
+/// changed (or why it failed) is sent.
+pub(crate) type Revert = (
+    Vec<(u64, Placement)>,
+    std::sync::mpsc::Sender<Result<u64, String>>,
+);
 
 /// Where a snapshot's chunks (chunk index, where), or why it failed, are sent.
 pub(crate) type SnapshotReply = std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, String>>;
 
 impl Work {
     pub(crate) fn is_empty(&self) -> bool {
-        self.allocs.is_empty() && self.unmaps.is_empty() && self.snapshots.is_empty()
+        self.allocs.is_empty()
+            && self.unmaps.is_empty()
+            && self.snapshots.is_empty()
+            && self.reverts.is_empty()
     }
 }
 

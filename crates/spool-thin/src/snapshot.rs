@@ -78,6 +78,62 @@ impl Allocator<'_> {
         Ok(entries)
     }
 
+    /// Makes the volume's map name exactly `entries` (a snapshot's: chunk index, where),
+    /// each marked shared; the chunks it named before are let go after the grace period.
+    /// Written durably block by block: a crash in between leaves the volume partly reverted
+    /// (the operator runs it again). Returns how many entries changed.
+    pub(crate) fn revert(&mut self, entries: &[(u64, Placement)]) -> Result<u64, String> {
+        let s = self.s;
+        let want: std::collections::HashMap<u64, Placement> = entries.iter().copied().collect();
+        let refs = s.source.shared_chunks();
+        let mut changes = Vec::new();
+        for c in 0..s.chunks() {
+            let now = s.map.get(c).and_then(|(d, off)| s.placement(d, off));
+            let to = want.get(&c).copied();
+            if now == to {
+                continue;
+            }
+            let to = match to {
+                Some(p) => {
+                    let d = s.device_of(p.device).ok_or_else(|| {
+                        format!(
+                            "the snapshot's chunk {c} is on device {}, not in the pool",
+                            p.device
+                        )
+                    })?;
+                    Some((d, p.offset))
+                }
+                None => None,
+            };
+            changes.push((c, to, now));
+        }
+        let change: Vec<(u64, Option<(usize, u64)>)> = changes.iter().map(|x| (x.0, x.1)).collect();
+        let failed = crate::alloc::persist(s, &change);
+        let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
+        let mut done = 0;
+        for (c, to, now) in changes {
+            if failed.contains(&crate::map::block_of(c)) {
+                continue; // Maybe on the device: memory keeps the old entry (alloc.rs).
+            }
+            if let Some((d, off)) = to {
+                refs.add(s.placement(d, off).expect("indexed above"));
+            }
+            s.map.set(c, to);
+            if to.is_some() {
+                s.map.mark_shared(c);
+            }
+            r.next.extend(now);
+            done += 1;
+        }
+        match failed.is_empty() {
+            true => Ok(done),
+            false => Err(format!(
+                "{} map blocks could not be written; run it again",
+                failed.len()
+            )),
+        }
+    }
+
     /// Chunk `c`, marked shared at `old` (device index, offset): when another map still
     /// names it, a new chunk holding a durable copy of it (`Ok(Some)`: its entry is then
     /// written and published like a new chunk's, and `old` let go after a grace period);

@@ -130,3 +130,10 @@ pub struct ExportInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<String>,
 }
+
+/// `volume_revert` and `volume_inflate`: how many chunk entries changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangedChunks {
+    pub volume: String,
+    pub chunks: u64,
+}

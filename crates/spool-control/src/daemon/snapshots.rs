@@ -2,14 +2,16 @@
 //! `volume_clone`; docs/snapshots.md): pool operations, and serving a new clone.
 
 use super::Daemon;
-use crate::api::{self, CloneParams, IdParams, Snapshot, SnapshotParams, Volume};
+use crate::api::{self, ChangedChunks, CloneParams, IdParams, Snapshot, SnapshotParams, Volume};
 use crate::rpc::{MethodTable, RpcError};
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::VolumeSnapshot>(Daemon::volume_snapshot)
         .register::<api::VolumeSnapshots>(Daemon::volume_snapshots)
         .register::<api::SnapshotDelete>(Daemon::snapshot_delete)
-        .register::<api::VolumeClone>(Daemon::volume_clone);
+        .register::<api::VolumeClone>(Daemon::volume_clone)
+        .register::<api::VolumeRevert>(Daemon::volume_revert)
+        .register::<api::VolumeInflate>(Daemon::volume_inflate);
 }
 
 impl Daemon {
@@ -27,6 +29,28 @@ impl Daemon {
         let v = self.pool().volume(&p.id)?;
         self.stop_exports(v.uuid, Some(&p.snapshot));
         Ok(self.pool().delete_snapshot(&p.id, &p.snapshot)?.into())
+    }
+
+    /// Offline only: a VM connected to the volume would see its data change under it.
+    fn volume_revert(&self, p: SnapshotParams) -> Result<ChangedChunks, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        if self.servers().get(&v.uuid).is_some_and(|s| s.connected()) {
+            return Err(RpcError::InUse(v.name.clone()));
+        }
+        let chunks = self.pool().revert_volume(&p.id, &p.snapshot)?;
+        Ok(ChangedChunks {
+            volume: v.name,
+            chunks,
+        })
+    }
+
+    fn volume_inflate(&self, p: IdParams) -> Result<ChangedChunks, RpcError> {
+        let v = self.pool().volume(&p.id)?;
+        let chunks = self.pool().inflate_volume(&p.id)?;
+        Ok(ChangedChunks {
+            volume: v.name,
+            chunks,
+        })
     }
 
     fn volume_clone(&self, p: CloneParams) -> Result<Volume, RpcError> {

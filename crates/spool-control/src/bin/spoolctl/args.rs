@@ -197,6 +197,17 @@ pub enum VolumeCmd {
     },
     /// List a thin volume's snapshots, oldest first.
     Snapshots { id: String },
+    /// Make a volume hold a snapshot's data again; only while no VM is connected to it. The
+    /// data written since the snapshot is lost (take another snapshot first to keep it).
+    Revert {
+        /// The volume.
+        id: String,
+        /// The snapshot's name.
+        snapshot: String,
+    },
+    /// Copy every chunk a volume (a clone) shares with a snapshot, so that it depends on
+    /// none: it then takes its full size in the pool.
+    Inflate { id: String },
     /// List the byte ranges that differ between a snapshot and another snapshot of the
     /// same volume, or the volume now (in whole chunks).
     Diff {

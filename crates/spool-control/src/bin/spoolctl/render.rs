@@ -50,6 +50,18 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
                 show::<api::VolumeSnapshots>(r, |s| super::snapshot::list(s))
             }
             VolumeCmd::Diff { .. } => show::<api::VolumeDiff>(r, super::snapshot::diff),
+            VolumeCmd::Revert { .. } => show::<api::VolumeRevert>(r, |c| {
+                println!(
+                    "volume {} holds its snapshot's data again ({} chunk entries changed)",
+                    c.volume, c.chunks
+                )
+            }),
+            VolumeCmd::Inflate { .. } => show::<api::VolumeInflate>(r, |c| {
+                println!(
+                    "volume {}: {} shared chunks copied; it depends on no snapshot now",
+                    c.volume, c.chunks
+                )
+            }),
             VolumeCmd::Export { .. } => show::<api::SnapshotExport>(r, super::snapshot::exported),
             VolumeCmd::Unexport { .. } => show::<api::SnapshotUnexport>(r, |e| {
                 println!("stopped serving {}@{} on {}", e.volume, e.snapshot, e.nbd)

@@ -170,6 +170,11 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
         VolumeCmd::Snapshots { id: v } => id::<api::VolumeSnapshots>(v),
         VolumeCmd::Clone { snapshot: s, name } => snapshot_clone(s, name),
         VolumeCmd::Diff { from, to } => diff(from, to.as_deref()),
+        VolumeCmd::Revert { id, snapshot: s } => build::<api::VolumeRevert>(SnapshotParams {
+            id: id.clone(),
+            snapshot: s.clone(),
+        }),
+        VolumeCmd::Inflate { id: v } => id::<api::VolumeInflate>(v),
         VolumeCmd::Export {
             snapshot: s,
             nbd,
