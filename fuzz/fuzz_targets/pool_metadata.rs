@@ -171,6 +171,24 @@ fn generated(b: &mut Bytes) -> PoolTable {
                             order: (b.u8() % 5) as u32,
                         })
                         .collect(),
+                    // Snapshots and a clone's origin (format version 7), named and sized
+                    // right or not.
+                    snapshots: (0..b.u8() % 3)
+                        .map(|i| spool_pool::metadata::ThinSnapshot {
+                            name: ["s", "s", "", "a/b"][(b.u8() % 4) as usize].into(),
+                            uuid: Uuid::from_u128(100 + (b.u8() % 3) as u128 + i as u128),
+                            size: [min_extent, 0, 511, u64::MAX][(b.u8() % 4) as usize],
+                            created: 0,
+                            map: (0..b.u8() % 2)
+                                .map(|_| ExtentEntry {
+                                    device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
+                                    offset: b.offset(),
+                                    order: (b.u8() % 5) as u32,
+                                })
+                                .collect(),
+                        })
+                        .collect(),
+                    origin: (b.u8() % 4 == 0).then(|| "v@s".into()),
                 }),
                 _ => None,
             },
