@@ -192,6 +192,7 @@ impl Pool {
             path: format!("thin:{}", v.name).into(),
             size: v.size,
             chunk: t.chunk,
+            chunk_base: crate::metadata::METADATA_AREA,
             store: self.map_store(v, &t.map)?,
             full_wait: self.opts.thin_full_wait,
             inline_io: !self.members.is_empty() && self.members.iter().all(|m| m.dev.inline_io()),

@@ -121,3 +121,31 @@ fn a_refused_map_keeps_the_chunks_it_still_names() {
     assert_eq!(p.info().free, free0 - (2 << 20));
     p.create_volume("v", 4 << 20, false, 1).unwrap();
 }
+
+/// With chunks larger than the metadata area (the default 4 MiB against 1 MiB), a chunk's
+/// offset is the data area's start plus a multiple of the chunk, not a multiple of it: the
+/// map is found again after a reopen, and its snapshots and clones with it.
+#[test]
+fn chunks_larger_than_the_metadata_area_are_found_again() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 41)];
+    let opts = || PoolOptions {
+        min_extent: 4 << 20,
+        ..opts()
+    };
+    {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        p.create_thin_volume("t", 64 << 20, false, 1, false)
+            .unwrap();
+        let l = p.layout("t").unwrap();
+        assert_eq!(write(&l.devices[0], 8 << 20, &mut vec![7u8; 4096]), 0);
+        p.snapshot_volume("t", "s").unwrap();
+        p.clone_snapshot("t", "s", "c").unwrap();
+    }
+    let p = Pool::open(&specs, opts()).unwrap();
+    for v in ["t", "c"] {
+        let t = p.volume(v).unwrap().thin.unwrap();
+        assert_eq!((t.mapped, t.error), (4 << 20, None), "{v}");
+    }
+    assert_eq!(p.snapshots("t").unwrap()[0].mapped, 4 << 20);
+}

@@ -56,7 +56,7 @@ impl ThinBackend {
             };
             map.set(i, Some((idx, p.offset)));
         };
-        let (volume, chunk) = (spec.volume, spec.chunk);
+        let (volume, chunk) = (spec.volume, (spec.chunk, spec.chunk_base));
         let mut named = Vec::new();
         let mut problem = scan_map(volume, &spec.store, spec.size, chunk, &mut |i, p| {
             live(i, p);
@@ -382,14 +382,15 @@ impl ScanProblem {
     }
 }
 
-/// Reads every block of the map of `volume` (`size` bytes in chunks of `chunk`) from
-/// `store`, giving each entry that decodes to `found`; goes on past problems and returns
-/// the first one (an unreadable block wins: which chunks it names is unknown).
+/// Reads every block of the map of `volume` (`size` bytes in chunks: (size, where they
+/// start on a device)) from `store`, giving each entry that decodes to `found`; goes on past
+/// problems and returns the first one (an unreadable block wins: which chunks it names is
+/// unknown).
 fn scan_map(
     volume: Uuid,
     store: &map::MapStore,
     size: u64,
-    chunk: u64,
+    (chunk, base): (u64, u64),
     found: &mut dyn FnMut(u64, Placement),
 ) -> Option<ScanProblem> {
     let chunks = size.div_ceil(chunk);
@@ -411,11 +412,17 @@ fn scan_map(
         for i in map::block_entries(b, chunks) {
             let at = ((i % (BLOCK_BYTES / ENTRY_BYTES)) * ENTRY_BYTES) as usize;
             match map::decode(volume, i, &buf[at..at + ENTRY_BYTES as usize]) {
-                Ok(Some(p)) if p.offset % chunk == 0 && p.offset < MAX_OFFSET => found(i, p),
+                Ok(Some(p))
+                    if p.offset >= base
+                        && (p.offset - base) % chunk == 0
+                        && p.offset < MAX_OFFSET =>
+                {
+                    found(i, p)
+                }
                 Ok(None) => {}
                 Ok(Some(p)) => {
                     let why = format!(
-                        "entry {i}: offset {} is not a multiple of the chunk size below 2^59",
+                        "entry {i}: offset {} is not {base} plus a multiple of the chunk size, below 2^59",
                         p.offset
                     );
                     problem.get_or_insert(ScanProblem::Corrupt(why));

@@ -30,6 +30,9 @@ pub struct ThinSpec {
     pub size: u64,
     /// Bytes per chunk (a power of two, a multiple of 4 KiB).
     pub chunk: u64,
+    /// Where chunks start on every pool device: a chunk's offset is this plus a multiple of
+    /// `chunk` (the pool's data area begins after its metadata).
+    pub chunk_base: u64,
     pub store: MapStore,
     /// How long a write that needs a chunk waits for free space before it fails.
     pub full_wait: Duration,

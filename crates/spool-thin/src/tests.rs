@@ -58,6 +58,7 @@ fn spec(volume: Uuid, dev: &Arc<Device>, size: u64) -> ThinSpec {
         path: "thin:t".into(),
         size,
         chunk: CHUNK,
+        chunk_base: 0,
         store: MapStore::new(vec![MapExtent {
             device: dev.clone(),
             offset: 0,
