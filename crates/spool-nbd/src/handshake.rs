@@ -55,8 +55,6 @@ pub fn run(
                     w.write_all(&[0u8; 124])?;
                 }
                 w.flush()?;
-                sess.structured = false;
-                sess.contexts.clear();
                 return Ok(Some(sess));
             }
             OPT_ABORT => {

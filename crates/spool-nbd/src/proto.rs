@@ -67,8 +67,9 @@ pub const EOVERFLOW: u32 = 75;
 
 /// The longest option payload accepted (names, queries): anything larger is refused.
 pub const MAX_OPTION: u32 = 64 << 10;
-/// The largest read served in one request.
-pub const MAX_READ: u32 = 32 << 20;
+/// The largest read served in one request (advertised as the maximum block size; clients
+/// split larger ones). It bounds what one connection holds in memory.
+pub const MAX_READ: u32 = 8 << 20;
 
 pub fn u16_at(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes(b.get(at..at + 2)?.try_into().ok()?))
@@ -161,13 +162,24 @@ pub fn chunk(
     kind: u16,
     payload: &[u8],
 ) -> io::Result<()> {
-    let mut b = Vec::with_capacity(20 + payload.len());
+    chunk_header(w, cookie, flags, kind, payload.len())?;
+    w.write_all(payload)
+}
+
+/// A structured reply chunk's header; its `len` bytes of payload follow.
+pub fn chunk_header(
+    w: &mut impl Write,
+    cookie: u64,
+    flags: u16,
+    kind: u16,
+    len: usize,
+) -> io::Result<()> {
+    let mut b = Vec::with_capacity(20);
     b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
     b.extend_from_slice(&flags.to_be_bytes());
     b.extend_from_slice(&kind.to_be_bytes());
     b.extend_from_slice(&cookie.to_be_bytes());
-    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    b.extend_from_slice(payload);
+    b.extend_from_slice(&(len as u32).to_be_bytes());
     w.write_all(&b)
 }
 

@@ -47,12 +47,20 @@ impl std::fmt::Display for Listen {
     }
 }
 
-/// A running server: stops accepting (and closes its socket) when dropped; connections
-/// already open end when their clients disconnect or at their next request.
+/// Clients served at once by one server; more are turned away (each may hold a read of up
+/// to `MAX_READ` bytes in memory).
+pub const MAX_CONNECTIONS: usize = 16;
+
+/// The connections open now, by number (shut down when the server stops).
+type Conns = Arc<std::sync::Mutex<Vec<(u64, Box<dyn Stream>)>>>;
+
+/// A running server: when dropped it stops accepting, closes its socket and shuts every open
+/// connection down.
 pub struct Server {
     pub listen: Listen,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    conns: Conns,
 }
 
 enum Listener {
@@ -63,17 +71,25 @@ enum Listener {
 /// A stream either kind of socket gives.
 trait Stream: Read + Write + Send {
     fn try_clone_box(&self) -> io::Result<Box<dyn Stream>>;
+    /// Ends the connection both ways (a thread blocked reading it returns).
+    fn shut(&self);
 }
 
 impl Stream for std::os::unix::net::UnixStream {
     fn try_clone_box(&self) -> io::Result<Box<dyn Stream>> {
         Ok(Box::new(self.try_clone()?))
     }
+    fn shut(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl Stream for std::net::TcpStream {
     fn try_clone_box(&self) -> io::Result<Box<dyn Stream>> {
         Ok(Box::new(self.try_clone()?))
+    }
+    fn shut(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
     }
 }
 
@@ -102,7 +118,19 @@ impl Server {
         let err = |e| Error::Listen(listen.to_string(), e);
         let l = match &listen {
             Listen::Unix(p) => {
-                let _ = std::fs::remove_file(p);
+                // A socket left by an earlier export is replaced; anything else is not ours.
+                use std::os::unix::fs::FileTypeExt;
+                match std::fs::symlink_metadata(p) {
+                    Ok(m) if m.file_type().is_socket() => std::fs::remove_file(p).map_err(err)?,
+                    Ok(_) => {
+                        let e = io::Error::new(
+                            io::ErrorKind::AlreadyExists,
+                            "exists and is not a socket",
+                        );
+                        return Err(err(e));
+                    }
+                    Err(_) => {}
+                }
                 let l = UnixListener::bind(p).map_err(err)?;
                 l.set_nonblocking(true).map_err(err)?;
                 Listener::Unix(l)
@@ -114,15 +142,17 @@ impl Server {
             }
         };
         let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
+        let conns = Conns::default();
+        let (s, c) = (stop.clone(), conns.clone());
         let thread = std::thread::Builder::new()
             .name("spool-nbd".into())
-            .spawn(move || accept_loop(l, export, s))
+            .spawn(move || accept_loop(l, export, s, c))
             .map_err(err)?;
         Ok(Server {
             listen,
             stop,
             thread: Some(thread),
+            conns,
         })
     }
 }
@@ -133,24 +163,50 @@ impl Drop for Server {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            c.shut();
+        }
         if let Listen::Unix(p) = &self.listen {
             let _ = std::fs::remove_file(p);
         }
     }
 }
 
-fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>) {
+fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conns: Conns) {
+    let mut next = 0u64;
     while !stop.load(Ordering::SeqCst) {
         match l.accept() {
             Ok(s) => {
-                let (e, st) = (export.clone(), stop.clone());
-                let _ = std::thread::Builder::new()
+                let mut open = conns.lock().unwrap_or_else(|p| p.into_inner());
+                if open.len() >= MAX_CONNECTIONS {
+                    tracing::warn!(
+                        export = export.name(),
+                        "an NBD client was turned away: {MAX_CONNECTIONS} are connected already"
+                    );
+                    continue;
+                }
+                let Ok(kept) = s.try_clone_box() else {
+                    continue;
+                };
+                next += 1;
+                let id = next;
+                open.push((id, kept));
+                drop(open);
+                let (e, st, c) = (export.clone(), stop.clone(), conns.clone());
+                let spawned = std::thread::Builder::new()
                     .name("spool-nbd-conn".into())
                     .spawn(move || {
                         if let Err(err) = serve(s, &*e, &st) {
                             tracing::debug!(export = e.name(), error = %err, "NBD connection ended");
                         }
+                        c.lock().unwrap_or_else(|p| p.into_inner()).retain(|x| x.0 != id);
                     });
+                if spawned.is_err() {
+                    conns
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .retain(|x| x.0 != id);
+                }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));

@@ -48,6 +48,7 @@ pub fn run(
                 error(w, sess, q.cookie, EINVAL, "beyond the end of the export")?
             }
             CMD_READ if q.len > MAX_READ => error(w, sess, q.cookie, EOVERFLOW, "read too large")?,
+            CMD_READ if q.len == 0 => error(w, sess, q.cookie, EINVAL, "a read of no bytes")?,
             CMD_READ => read(w, e, sess, &q)?,
             CMD_FLUSH | CMD_CACHE => done(w, sess, q.cookie)?,
             CMD_BLOCK_STATUS => block_status(w, e, sess, &q)?,
@@ -79,15 +80,17 @@ fn read(w: &mut impl Write, e: &dyn Export, sess: &Session, q: &Request) -> io::
         tracing::warn!(export = e.name(), offset = q.offset, len = q.len, error = %err, "an NBD read failed");
         return error(w, sess, q.cookie, EIO, "read failed");
     }
+    // The header, then the data as it is (no second copy of up to MAX_READ bytes).
     match sess.structured {
-        true => chunk(
-            w,
-            q.cookie,
-            REPLY_FLAG_DONE,
-            REPLY_TYPE_OFFSET_DATA,
-            &payload,
-        ),
-        false => simple_reply(w, q.cookie, 0, &payload[8..]),
+        true => {
+            let n = payload.len();
+            chunk_header(w, q.cookie, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, n)?;
+            w.write_all(&payload)
+        }
+        false => {
+            simple_reply(w, q.cookie, 0, &[])?;
+            w.write_all(&payload[8..])
+        }
     }
 }
 

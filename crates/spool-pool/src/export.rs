@@ -118,7 +118,12 @@ impl Pool {
                 v.name, v.name
             ))
         })?;
-        let entries = backend.snapshot_entries(s.uuid).unwrap_or_default();
+        let entries = backend
+            .snapshot_entries(s.uuid)
+            .ok_or_else(|| Error::Thin {
+                volume: v.name.clone(),
+                why: format!("snapshot '{snap}' is not loaded"),
+            })?;
         Ok((v.name.clone(), s.size, entries))
     }
 
@@ -153,8 +158,18 @@ impl Pool {
         let n = size.div_ceil(chunk);
         let mut chunks: Vec<Option<(Arc<Device>, u64)>> = vec![None; n as usize];
         for (i, p) in &entries {
-            let m = self.members.iter().find(|m| m.uuid == p.device);
-            if let (Some(slot), Some(m)) = (chunks.get_mut(*i as usize), m) {
+            // A chunk whose device is gone must not read as zeroes (a backup would copy them).
+            let m = self
+                .members
+                .iter()
+                .find(|m| m.uuid == p.device)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "snapshot '{snap}' has a chunk on device {}, which is not in the pool",
+                        p.device
+                    ))
+                })?;
+            if let Some(slot) = chunks.get_mut(*i as usize) {
                 *slot = Some((m.dev.clone(), p.offset));
             }
         }

@@ -38,7 +38,7 @@ pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
 pub use qos::{Priority, QosLimits};
 pub use rbd::RbdTarget;
-pub use snapshots::SnapshotInfo;
+pub use snapshots::{inflate, SnapshotInfo};
 pub use thin::{PoolSpace, DEFAULT_FULL_WAIT};
 
 use members::Member;

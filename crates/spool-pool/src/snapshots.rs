@@ -235,12 +235,11 @@ impl Pool {
         Ok(n)
     }
 
-    /// Copies every chunk volume `id` shares with another map, so that it depends on no
-    /// snapshot (a clone's origin is forgotten). Returns how many chunks were shared.
-    pub fn inflate_volume(&mut self, id: &str) -> Result<u64> {
-        let (i, v, dev) = self.thin_volume(id)?;
-        let backend = thin_backend(&v, &dev)?;
-        let need = backend.shared_chunks() * self.table.min_extent;
+    /// The thin device of volume `id` to inflate ([`inflate`]), once the pool has room for
+    /// a copy of every chunk it shares. The copying needs no lock on the pool.
+    pub fn inflating(&self, id: &str) -> Result<Arc<Device>> {
+        let (_, v, dev) = self.thin_volume(id)?;
+        let need = thin_backend(&v, &dev)?.shared_chunks() * self.table.min_extent;
         let free: u64 = self.members.iter().map(|m| m.free_bytes()).sum();
         if need > free {
             return Err(Error::NoSpace {
@@ -248,15 +247,43 @@ impl Pool {
                 available: free,
             });
         }
-        let n = backend.inflate().map_err(|e| thin_err(&v, e))?;
+        Ok(dev)
+    }
+
+    /// After [`inflate`]: a clone's origin is forgotten.
+    pub fn inflated(&mut self, id: &str, chunks: u64) -> Result<()> {
+        let (i, v, _) = self.thin_volume(id)?;
         if v.thin.as_ref().is_some_and(|t| t.origin.is_some()) {
             let mut table = self.table.clone();
             table.volumes[i].thin.as_mut().expect("thin").origin = None;
             self.commit(table)?;
         }
-        tracing::info!(volume = %v.name, chunks = n, "volume inflated: it shares no chunk now");
+        tracing::info!(volume = %v.name, chunks, "volume inflated: it shares no chunk now");
+        Ok(())
+    }
+
+    /// [`Pool::inflating`], [`inflate`] and [`Pool::inflated`] in one (the pool held
+    /// throughout: tests, tools).
+    pub fn inflate_volume(&mut self, id: &str) -> Result<u64> {
+        let dev = self.inflating(id)?;
+        let n = inflate(&dev)?;
+        self.inflated(id, n)?;
         Ok(n)
     }
+}
+
+/// Copies every chunk the thin device `dev` shares with another map (see
+/// [`ThinBackend::inflate`]); returns how many were shared.
+pub fn inflate(dev: &Arc<Device>) -> Result<u64> {
+    let volume = dev.path().display().to_string();
+    let b = ThinBackend::of(dev).ok_or_else(|| Error::Thin {
+        volume: volume.clone(),
+        why: "not a thin device".into(),
+    })?;
+    b.inflate().map_err(|e| Error::Thin {
+        volume,
+        why: e.to_string(),
+    })
 }
 
 fn thin_err(v: &VolumeEntry, e: impl std::fmt::Display) -> Error {

@@ -267,6 +267,14 @@ impl ChunkMap {
         }
     }
 
+    /// Sets chunk `i` (a hole, or a chunk other maps name too, marked shared) in one store.
+    pub(crate) fn set_shared(&self, i: u64, p: Option<(usize, u64)>) {
+        let v = p.map_or(0, |(d, off)| {
+            ((d as u64 + 1) << DEV_SHIFT) | (off >> 12) | SHARED
+        });
+        self.store(i, v);
+    }
+
     /// Sets chunk `i`, named by this map alone (below the capacity: the callers check it
     /// against the volume's size).
     pub(crate) fn set(&self, i: u64, p: Option<(usize, u64)>) {

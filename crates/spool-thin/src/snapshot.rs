@@ -112,16 +112,16 @@ impl Allocator<'_> {
         let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
         let mut done = 0;
         for (c, to, now) in changes {
+            if let Some((d, off)) = to {
+                // Counted even when its block failed: the entry may be on the device, so the
+                // chunk stays pinned until a restart counts the maps again.
+                refs.add(s.placement(d, off).expect("indexed above"));
+            }
             if failed.contains(&crate::map::block_of(c)) {
                 continue; // Maybe on the device: memory keeps the old entry (alloc.rs).
             }
-            if let Some((d, off)) = to {
-                refs.add(s.placement(d, off).expect("indexed above"));
-            }
-            s.map.set(c, to);
-            if to.is_some() {
-                s.map.mark_shared(c);
-            }
+            // One store: no write may find the snapshot's chunk unmarked.
+            s.map.set_shared(c, to);
             r.next.extend(now);
             done += 1;
         }

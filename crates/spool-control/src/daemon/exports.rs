@@ -101,6 +101,9 @@ impl Daemon {
                 )));
             }
         }
+        // Lock order: exports, then the pool. Held until the export is registered, so a
+        // delete (which stops exports under this lock first) cannot free its chunks between.
+        let mut exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
         let (volume, image) = {
             let pool = self.pool();
             let v = pool.volume(&p.id)?;
@@ -109,7 +112,6 @@ impl Daemon {
                 pool.snapshot_image(&p.id, &p.snapshot, p.since.as_deref())?,
             )
         };
-        let mut exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
         if exports.iter().any(|e| e.info.nbd == listen.to_string()) {
             return Err(RpcError::InvalidParams(format!(
                 "{listen} serves another export already"
@@ -152,12 +154,24 @@ impl Daemon {
 
     /// Stops the exports of volume `volume` (of its snapshot `snapshot` only, if given).
     pub(super) fn stop_exports(&self, volume: Uuid, snapshot: Option<&str>) -> Vec<ExportInfo> {
+        self.with_exports_stopped(volume, snapshot, || ()).0
+    }
+
+    /// Stops the exports of volume `volume` (of `snapshot` only, if given) and runs `then`
+    /// (a delete) before any new export of it can start: their chunks may go back to the
+    /// pool in `then`.
+    pub(super) fn with_exports_stopped<R>(
+        &self,
+        volume: Uuid,
+        snapshot: Option<&str>,
+        then: impl FnOnce() -> R,
+    ) -> (Vec<ExportInfo>, R) {
         let mut exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
         let (stop, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut *exports)
             .into_iter()
             .partition(|e| e.volume == volume && snapshot.is_none_or(|s| e.info.snapshot == s));
         *exports = keep;
-        drop(exports);
-        stop.into_iter().map(Exported::stop).collect()
+        let stopped = stop.into_iter().map(Exported::stop).collect();
+        (stopped, then())
     }
 }

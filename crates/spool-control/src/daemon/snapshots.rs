@@ -27,8 +27,10 @@ impl Daemon {
     fn snapshot_delete(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
         // Its chunks may go to another volume next: no export may read them any more.
         let v = self.pool().volume(&p.id)?;
-        self.stop_exports(v.uuid, Some(&p.snapshot));
-        Ok(self.pool().delete_snapshot(&p.id, &p.snapshot)?.into())
+        let (_, deleted) = self.with_exports_stopped(v.uuid, Some(&p.snapshot), || {
+            self.pool().delete_snapshot(&p.id, &p.snapshot)
+        });
+        Ok(deleted?.into())
     }
 
     /// Offline only: a VM connected to the volume would see its data change under it.
@@ -46,7 +48,10 @@ impl Daemon {
 
     fn volume_inflate(&self, p: IdParams) -> Result<ChangedChunks, RpcError> {
         let v = self.pool().volume(&p.id)?;
-        let chunks = self.pool().inflate_volume(&p.id)?;
+        // The copying goes on without the pool's lock: other methods are served meanwhile.
+        let dev = self.pool().inflating(&p.id)?;
+        let chunks = spool_pool::inflate(&dev)?;
+        self.pool().inflated(&p.id, chunks)?;
         Ok(ChangedChunks {
             volume: v.name,
             chunks,

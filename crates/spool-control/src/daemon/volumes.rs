@@ -199,11 +199,11 @@ impl Daemon {
             }
         }
         // Its snapshots' chunks go back to the pool: no export may read them any more.
-        self.stop_exports(v.uuid, None);
-        Ok(self
-            .pool()
-            .delete_volume_with(&v.uuid.to_string(), p.remove_image)?
-            .into())
+        let (_, deleted) = self.with_exports_stopped(v.uuid, None, || {
+            self.pool()
+                .delete_volume_with(&v.uuid.to_string(), p.remove_image)
+        });
+        Ok(deleted?.into())
     }
 
     /// A volume and how it is served.
