@@ -56,7 +56,7 @@ impl Pool {
     }
 
     /// A new zeroed map for a volume of `size` bytes.
-    fn new_map(&mut self, size: u64) -> Result<Vec<crate::metadata::ExtentEntry>> {
+    pub(crate) fn new_map(&mut self, size: u64) -> Result<Vec<crate::metadata::ExtentEntry>> {
         let bytes = self.round_up(spool_thin::map::map_bytes(
             size.div_ceil(self.table.min_extent),
         ))?;
