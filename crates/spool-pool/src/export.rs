@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use spool_devices::Device;
 use spool_thin::map::Placement;
-use spool_thin::ThinBackend;
 
 use crate::{Error, Pool, Result};
 
@@ -105,10 +104,7 @@ impl Pool {
             ))
         })?;
         let dev = self.thin_device(v)?;
-        let backend = ThinBackend::of(&dev).ok_or_else(|| Error::Thin {
-            volume: v.name.clone(),
-            why: "its device is not a thin device".into(),
-        })?;
+        let backend = crate::snapshots::thin_backend(v, &dev)?;
         let Some(snap) = snap else {
             return Ok((v.name.clone(), v.size, backend.live_entries()));
         };

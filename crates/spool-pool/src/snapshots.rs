@@ -293,7 +293,8 @@ fn thin_err(v: &VolumeEntry, e: impl std::fmt::Display) -> Error {
     }
 }
 
-fn thin_backend<'a>(v: &VolumeEntry, dev: &'a Arc<Device>) -> Result<&'a ThinBackend> {
+/// The thin backend under volume `v`'s device `dev` (an error naming `v` if it is not one).
+pub(crate) fn thin_backend<'a>(v: &VolumeEntry, dev: &'a Arc<Device>) -> Result<&'a ThinBackend> {
     ThinBackend::of(dev).ok_or_else(|| thin_err(v, "its device is not a thin device"))
 }
 

@@ -371,10 +371,7 @@ impl Pool {
     pub(crate) fn resize_thin_volume(&mut self, i: usize, new_size: u64) -> Result<VolumeInfo> {
         let v = self.table.volumes[i].clone();
         let dev = self.thin_device(&v)?;
-        let t = ThinBackend::of(&dev).ok_or_else(|| Error::Thin {
-            volume: v.name.clone(),
-            why: "its device is not a thin device".into(),
-        })?;
+        let t = crate::snapshots::thin_backend(&v, &dev)?;
         if new_size > t.max_size() {
             return Err(Error::InvalidArgument(format!(
                 "thin volume '{}' can grow up to {} bytes (what its map holds); growing it further is not supported yet",
