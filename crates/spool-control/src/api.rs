@@ -17,6 +17,7 @@ use serde_json::Value;
 pub use crate::config::SizeValue;
 pub use crate::qos::RateValue;
 
+mod check;
 mod mirror;
 mod results;
 mod stats;
@@ -26,6 +27,7 @@ pub use thin::{
     SnapshotParams,
 };
 
+pub use check::CheckReport;
 pub use mirror::*;
 pub use results::*;
 pub use stats::*;
@@ -57,6 +59,8 @@ macro_rules! methods {
 methods! {
     PoolShow = "pool_show", NoParams => PoolInfo,
         "the pool: name, uuid, generation, size, free, min_extent, devices";
+    PoolCheck = "pool_check", NoParams => CheckReport,
+        "check the pool's metadata against itself and the allocators: problems, leaks";
     DeviceList = "device_list", NoParams => Vec<DeviceInfo>,
         "devices: uuid, path, size, free, present, direct_io";
     DeviceAdd = "device_add", DeviceAddParams => DeviceInfo,

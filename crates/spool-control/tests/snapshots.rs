@@ -6,13 +6,14 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use common::{
-    connect, kill_workers_until_recovered, pattern, spoolctl, write_rounds_until, Client_, Spoold,
-    BS,
+    assert_pool_checks_clean, connect, kill_workers_until_recovered, pattern, spoolctl,
+    write_rounds_until, Client_, Spoold, BS,
 };
 
 const MIB: u64 = 1 << 20;
@@ -78,6 +79,8 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
         let out = ctl(&d0, &["volume", "snapshot", "t", "s1"]);
         let took = t.elapsed();
         assert!(out.contains("snapshot t@s1 taken"), "{out}");
+        // Checked while the load's writes copy the chunks s1 shares.
+        assert_pool_checks_clean(&d0);
         std::thread::sleep(std::time::Duration::from_millis(50));
         stop.store(true, Ordering::Relaxed);
         (h.join().unwrap(), took)
@@ -105,6 +108,7 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     });
     drop(c);
     let mut d = Arc::into_inner(d0).expect("the killer is done");
+    assert_pool_checks_clean(&d);
 
     // Clones of each serve their snapshot's moment.
     ctl(&d, &["volume", "clone", "t@s1", "c1"]);
@@ -186,6 +190,32 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     assert!(out.contains("shared chunks copied"), "{out}");
     assert_eq!(t.write_sync(0, marks()[5], &pattern(9, marks()[5], BS)), 0);
     assert!(block(&mut c2, marks()[5]) == pattern(1001, marks()[5], BS));
+    assert_pool_checks_clean(&d);
+
+    // A map entry rotted on the device: `pool check` names it and fails.
+    let path = d.dir.path().join("d0.img");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let img = std::fs::read(&path).unwrap();
+    let at = img.windows(4).position(|w| w == b"SPTC").unwrap() as u64;
+    let mut entry = [0u8; 32];
+    f.read_exact_at(&mut entry, at).unwrap();
+    let mut rotten = entry;
+    rotten[31] ^= 0x40;
+    f.write_all_at(&rotten, at).unwrap();
+    let (ok, out, err) = spoolctl(&d, &["pool", "check"]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("a map is corrupt") && out.contains("checksum mismatch"),
+        "{out}"
+    );
+    // (Two when the entry's chunk is shared: one map fewer names it than the counts say.)
+    assert!(err.contains("pool check found"), "{out}{err}");
+    f.write_all_at(&entry, at).unwrap();
+    assert_pool_checks_clean(&d);
 }
 
 fn tool(cmd: &mut std::process::Command) -> String {
@@ -369,6 +399,7 @@ thin = true
                     &["snapshot", "delete", &format!("vm@load{}", snaps - 2)],
                 );
             }
+            assert_pool_checks_clean(&d);
             snaps += 1;
         } else {
             d.kill_worker();
@@ -383,6 +414,7 @@ thin = true
     );
     common::guest::assert_pass(&c, &d, "snapshots");
     assert!(snaps > 0 && kills > 0, "nothing happened under load:\n{c}");
+    assert_pool_checks_clean(&d);
 
     // A second guest boots on a clone of gen1 and finds exactly generation 1.
     ctl(&d, &["volume", "clone", "vm@gen1", "gen1"]);

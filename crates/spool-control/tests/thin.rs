@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use blkio::ReqFlags;
 use common::{
-    connect, kill_workers_until_recovered, pattern, spoolctl, write_rounds_until, Client_, Spoold,
-    BS,
+    assert_pool_checks_clean, connect, kill_workers_until_recovered, pattern, spoolctl,
+    write_rounds_until, Client_, Spoold, BS,
 };
 use serde_json::json;
 
@@ -116,6 +116,7 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
         h.join().unwrap()
     });
     assert_eq!(mapped(&d), 4 * MIB);
+    assert_pool_checks_clean(&d);
     // One block far away takes one more chunk; the rest of that chunk reads zeroes.
     assert_eq!(
         c.write_sync(1, 700 * MIB + BS as u64, &pattern(7, 0, BS)),
@@ -133,6 +134,8 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
     assert_eq!(trim(&mut c, false, 2 * MIB, 2 * MIB), 0);
     assert_eq!(trim(&mut c, true, 700 * MIB, MIB), 0);
     assert_eq!(mapped(&d), 2 * MIB);
+    // (The chunks unmapped may still be in their grace period: held, not leaked.)
+    assert_pool_checks_clean(&d);
     wait_free(&d, free0 - 2 * MIB);
     assert!(c.read_sync(0, 3 * MIB, BS).1.iter().all(|&b| b == 0));
     assert!(c
@@ -175,6 +178,7 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
     // settler round that saw a level crossed; at least the last says 0% free).
     let said = wait_event(&d, "0% free");
     assert!(said.contains("thin volumes promise"), "{said}");
+    assert_pool_checks_clean(&d);
     // Freeing a chunk lets the same write through.
     assert_eq!(trim(&mut c, false, 100 * MIB, MIB), 0);
     assert_eq!(c.write_sync(0, (100 + free) * MIB, &pattern(1, 0, 4096)), 0);
@@ -332,6 +336,7 @@ thin = true
     eprintln!("thin guest: {kills} worker kills while it wrote");
     assert_eq!(mapped_of(&d, "vm"), 16 * MIB);
     wait_free(&d, free0 - 16 * MIB);
+    assert_pool_checks_clean(&d);
 }
 
 fn mapped_of(d: &Spoold, volume: &str) -> u64 {

@@ -52,6 +52,11 @@ impl Buddy {
         })
     }
 
+    /// Absolute offset of the area's first byte.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
     /// Minimum block size in bytes.
     pub fn min(&self) -> u64 {
         self.min

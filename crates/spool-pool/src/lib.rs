@@ -9,6 +9,7 @@
 
 mod assemble;
 pub mod buddy;
+mod check;
 mod encryption;
 mod export;
 mod info;
@@ -27,6 +28,7 @@ use std::path::Path;
 
 use uuid::Uuid;
 
+pub use check::CheckReport;
 pub use encryption::{export_key_offline, ExportedKey, VolumeCipher};
 pub use export::SnapshotImage;
 pub use info::{
@@ -226,6 +228,8 @@ impl Pool {
     }
 }
 
+#[cfg(test)]
+mod check_tests;
 #[cfg(test)]
 mod mirror_tests;
 #[cfg(test)]

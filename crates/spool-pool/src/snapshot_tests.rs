@@ -69,6 +69,7 @@ fn a_clone_reads_its_snapshots_moment_and_deletes_give_back_what_nobody_names() 
         assert_eq!((get(&p, "c", 3 << 20), get(&p, "t", 3 << 20)), (5, 3));
         // Maps: t, s1, c (1 MiB each); chunks: 1 and 3 (shared), t's copy of 0, c's of 3.
         assert_eq!(p.info().free, free0 - (7 << 20));
+        super::check_tests::assert_clean(&p);
     }
     let mut p = Pool::open(&specs, opts()).unwrap();
     assert_eq!(
@@ -96,6 +97,7 @@ fn a_clone_reads_its_snapshots_moment_and_deletes_give_back_what_nobody_names() 
     assert_eq!((get(&p, "c", 0), get(&p, "c", 3 << 20)), (1, 5));
     p.delete_volume("c").unwrap();
     assert_eq!(p.info().free, free0);
+    super::check_tests::assert_clean(&p);
     drop(p);
     let p = Pool::open(&specs, opts()).unwrap();
     assert_eq!(p.info().free, free0);
@@ -193,6 +195,7 @@ fn a_crash_between_the_steps_of_a_snapshot_a_clone_or_a_delete_leaks_nothing() {
     }
     {
         let mut p = Pool::open(&specs, opts()).unwrap();
+        super::check_tests::assert_clean(&p);
         assert_eq!(
             p.info().free,
             free_with_s,
@@ -208,6 +211,7 @@ fn a_crash_between_the_steps_of_a_snapshot_a_clone_or_a_delete_leaks_nothing() {
         p.commit(table).unwrap();
     }
     let p = Pool::open(&specs, opts()).unwrap();
+    super::check_tests::assert_clean(&p);
     assert!(p.snapshots("t").unwrap().is_empty());
     // t's map and its two chunks; the snapshot's map and its own chunk went back.
     assert_eq!(p.info().free, free0 - (3 << 20));

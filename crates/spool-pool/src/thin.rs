@@ -178,7 +178,7 @@ impl Pool {
         MapStore::new(out).map_err(|e| thin_err(e.to_string()))
     }
 
-    fn thin_spec(&self, v: &VolumeEntry, t: &ThinMap) -> Result<ThinSpec> {
+    pub(crate) fn thin_spec(&self, v: &VolumeEntry, t: &ThinMap) -> Result<ThinSpec> {
         let mut snapshots = Vec::new();
         for s in &t.snapshots {
             snapshots.push(SnapshotSpec {

@@ -119,6 +119,9 @@ fn a_refused_map_keeps_the_chunks_it_still_names() {
     // Entry 5's chunk is still taken; entry 0's is unknown and free (as are the map's
     // other bytes): other volumes get the rest.
     assert_eq!(p.info().free, free0 - (2 << 20));
+    let r = p.check();
+    assert_eq!(r.problems.len(), 1, "{:#?}", r.problems);
+    assert!(r.problems[0].contains("volume 't': a map is corrupt: entry 0: checksum"));
     p.create_volume("v", 4 << 20, false, 1).unwrap();
 }
 
@@ -143,6 +146,7 @@ fn chunks_larger_than_the_metadata_area_are_found_again() {
         p.clone_snapshot("t", "s", "c").unwrap();
     }
     let p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(super::check_tests::assert_clean(&p).shared_chunks, 1);
     for v in ["t", "c"] {
         let t = p.volume(v).unwrap().thin.unwrap();
         assert_eq!((t.mapped, t.error), (4 << 20, None), "{v}");

@@ -53,6 +53,11 @@ impl SharedChunks {
         self.counts().contains_key(&p)
     }
 
+    /// How many maps name `p`, when more than one does (`None`: one at most).
+    pub fn named_by(&self, p: Placement) -> Option<u32> {
+        self.counts().get(&p).copied()
+    }
+
     /// How many chunks more than one map names.
     pub fn shared_chunks(&self) -> u64 {
         self.counts().len() as u64

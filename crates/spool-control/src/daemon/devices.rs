@@ -1,4 +1,4 @@
-//! The pool and device methods: `pool_show`, `device_list`, `device_add`, and the failure
+//! The pool and device methods: `pool_show`, `pool_check`, `device_list`, `device_add`, and the failure
 //! handling ones over the health monitor (`device_reset`, `device_health`, `events_list`,
 //! `device_replace`, `device_inject`, `device_faults`, `device_clear_faults`).
 
@@ -17,6 +17,7 @@ use crate::rpc::{MethodTable, RpcError};
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::PoolShow>(Daemon::pool_show)
+        .register::<api::PoolCheck>(Daemon::pool_check)
         .register::<api::DeviceList>(Daemon::device_list)
         .register::<api::DeviceAdd>(Daemon::device_add)
         .register::<api::DeviceReset>(Daemon::device_reset)
@@ -31,6 +32,12 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
 impl Daemon {
     fn pool_show(&self, _: NoParams) -> Result<api::PoolInfo, RpcError> {
         Ok(self.pool().info().into())
+    }
+
+    /// `pool check`: reads every thin map from the devices under the pool lock (a few KiB
+    /// per GiB of thin volume), so volume changes wait for it.
+    fn pool_check(&self, _: NoParams) -> Result<api::CheckReport, RpcError> {
+        Ok(self.pool().check().into())
     }
 
     fn device_list(&self, _: NoParams) -> Result<Vec<api::DeviceInfo>, RpcError> {

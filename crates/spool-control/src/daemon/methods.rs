@@ -62,7 +62,7 @@ mod tests {
         let doc = include_str!("../../../../docs/rpc.md");
         let t = method_table();
         let names: Vec<_> = t.methods().map(|m| m.name).collect();
-        assert_eq!(names.len(), 31, "{names:?}");
+        assert_eq!(names.len(), 32, "{names:?}");
         for n in names {
             assert!(doc.contains(&format!("| `{n}` |")), "docs/rpc.md lacks {n}");
         }

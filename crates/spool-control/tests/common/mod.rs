@@ -275,6 +275,16 @@ pub fn spoolctl(d: &Spoold, args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `spoolctl pool check` finds nothing wrong (docs/pool-check.md).
+#[allow(dead_code)]
+pub fn assert_pool_checks_clean(d: &Spoold) {
+    let (ok, out, err) = spoolctl(d, &["pool", "check"]);
+    assert!(
+        ok && out.contains("no problems found"),
+        "pool check:\n{out}{err}"
+    );
+}
+
 pub fn wait_gone(pid: u32) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Path::new(&format!("/proc/{pid}")).exists() {

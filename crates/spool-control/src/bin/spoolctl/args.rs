@@ -85,6 +85,10 @@ pub enum SnapshotCmd {
 pub enum PoolCmd {
     /// Show the pool: size, free space, devices.
     Show,
+    /// Check the pool's metadata: every extent and thin map read back from the devices and
+    /// compared with each other and with the allocators (overlaps, corrupt or duplicated map
+    /// entries, leaked space, wrong sharing counts). Exits 1 when it finds a problem.
+    Check,
 }
 
 #[derive(Subcommand)]

@@ -38,6 +38,9 @@ pub enum CtlError {
     Decode(serde_json::Error),
     #[error("{0}")]
     Usage(String),
+    /// A check found something wrong (printed above).
+    #[error("{0}")]
+    Found(String),
 }
 
 fn run(args: Args) -> Result<(), CtlError> {
@@ -61,6 +64,13 @@ fn run(args: Args) -> Result<(), CtlError> {
     let r = c.call(&req.method, req.params)?;
     if args.json || matches!(args.cmd, Cmd::Rpc { .. }) {
         println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+        if let Cmd::Pool {
+            cmd: args::PoolCmd::Check,
+        } = args.cmd
+        {
+            let r: api::CheckReport = serde_json::from_value(r).map_err(CtlError::Decode)?;
+            return render::check_verdict(&r);
+        }
         return Ok(());
     }
     render::render(&args.cmd, r)

@@ -9,7 +9,7 @@ use spool_control::api::{self, DeviceHealthReport, DeviceInfo, HealthEvent, Meth
 use spool_control::size::format_size;
 use spool_keeper::RestartReport;
 
-use super::args::{Cmd, DeviceCmd, VolumeCmd};
+use super::args::{Cmd, DeviceCmd, PoolCmd, VolumeCmd};
 use super::table::{header, table};
 use super::CtlError;
 
@@ -23,6 +23,13 @@ fn show<M: Method>(r: Value, f: fn(&M::Result)) -> Result<(), CtlError> {
 /// Renders the result of `cmd`.
 pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
     match cmd {
+        Cmd::Pool {
+            cmd: PoolCmd::Check,
+        } => {
+            let r: api::CheckReport = serde_json::from_value(r).map_err(CtlError::Decode)?;
+            check(&r);
+            check_verdict(&r)
+        }
         Cmd::Pool { .. } => show::<api::PoolShow>(r, pool),
         Cmd::Device { cmd } => match cmd {
             DeviceCmd::List => show::<api::DeviceList>(r, |d| println!("{}", devices_table(d))),
@@ -377,5 +384,38 @@ fn print_restart(r: &RestartReport) {
     );
     for p in &r.phases {
         println!("  {:<36} {:>8.2} ms", p.name, p.ms);
+    }
+}
+
+/// `pool check`: what was read, then every problem and what was skipped.
+fn check(r: &api::CheckReport) {
+    println!(
+        "checked {} volumes: {} of extents, {} thin maps naming {} chunks ({} shared by more than one map)",
+        r.volumes,
+        format_size(r.extent_bytes),
+        r.maps,
+        r.chunks,
+        r.shared_chunks
+    );
+    for s in &r.skipped {
+        println!("not checked: {s}");
+    }
+    for p in &r.problems {
+        println!("problem: {p}");
+    }
+    if r.problems.is_empty() {
+        println!("no problems found");
+    }
+}
+
+/// Fails (exit status 1) when `pool check` found a problem.
+pub fn check_verdict(r: &api::CheckReport) -> Result<(), CtlError> {
+    match r.problems.len() {
+        0 => Ok(()),
+        n => Err(CtlError::Found(format!(
+            "pool check found {n} problem{} ({} leaked); see docs/pool-check.md",
+            if n == 1 { "" } else { "s" },
+            format_size(r.leaked_bytes)
+        ))),
     }
 }

@@ -52,6 +52,9 @@ fn device_path(p: &Path) -> Result<PathBuf, CtlError> {
 pub fn request(cmd: &Cmd) -> Result<Request, CtlError> {
     match cmd {
         Cmd::Pool { cmd: PoolCmd::Show } => build::<api::PoolShow>(NoParams),
+        Cmd::Pool {
+            cmd: PoolCmd::Check,
+        } => build::<api::PoolCheck>(NoParams),
         Cmd::Device { cmd } => device(cmd),
         Cmd::Volume { cmd } => volume(cmd),
         Cmd::Snapshot {
