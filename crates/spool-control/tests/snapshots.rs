@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::{
-    assert_pool_checks_clean, connect, kill_workers_until_recovered, pattern, spoolctl,
-    write_rounds_until, Client_, Spoold, BS,
+    assert_pool_checks_clean, block, connect, kill_workers_until_recovered, pattern, spoolctl,
+    whole_rounds, write_rounds_until, Spoold, BS,
 };
 
 const MIB: u64 = 1 << 20;
@@ -39,24 +39,6 @@ fn ctl(d: &Spoold, args: &[&str]) -> String {
     let (ok, out, err) = spoolctl(d, args);
     assert!(ok, "spoolctl {args:?}: {out}{err}");
     out
-}
-
-fn block(c: &mut Client_, off: u64) -> Vec<u8> {
-    let (r, data) = c.read_sync(0, off, BS);
-    assert_eq!(r, 0);
-    data
-}
-
-/// Every block the load wrote holds one whole write of some round below `rounds`.
-fn whole_rounds(c: &mut Client_, rounds: u64) -> Vec<u64> {
-    (0..64u64)
-        .map(|b| {
-            let data = block(c, b * BS as u64);
-            (0..rounds)
-                .find(|&r| data == pattern(r, b * BS as u64, BS))
-                .unwrap_or_else(|| panic!("block {b} holds no whole write of any round"))
-        })
-        .collect()
 }
 
 #[test]

@@ -97,6 +97,12 @@ impl Pool {
     fn map_entries(&self, id: &str, snap: Option<&str>) -> Result<MapEntries> {
         let i = self.find(id)?;
         let v = &self.table.volumes[i];
+        if v.rbd.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is on RBD: changed blocks and NBD exports of its snapshots are not built yet (`rbd export-diff --from-snap` reads the changes)",
+                v.name
+            )));
+        }
         let t = v.thin.as_ref().ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "volume '{}' is not thin: it has no snapshots",

@@ -20,6 +20,7 @@ pub mod metadata;
 mod mirror;
 pub mod qos;
 mod rbd;
+mod rbd_snapshots;
 mod snapshots;
 mod thin;
 mod volumes;

@@ -185,6 +185,15 @@ impl Pool {
                     tracing::warn!(volume = %v.name, image = %image.spec(), "the RBD image was already gone");
                 }
                 Err(spool_devices::Error::Io { source, .. })
+                    if source.raw_os_error() == Some(39) /* ENOTEMPTY */ =>
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "RBD image {} has snapshots: delete them first (`spoolctl volume snapshots {}` lists them); the volume is kept",
+                        image.spec(),
+                        v.name
+                    )));
+                }
+                Err(spool_devices::Error::Io { source, .. })
                     if source.raw_os_error() == Some(16) /* EBUSY */ =>
                 {
                     return Err(Error::InvalidArgument(format!(

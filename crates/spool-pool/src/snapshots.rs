@@ -45,9 +45,15 @@ impl Pool {
     fn thin_volume(&self, id: &str) -> Result<(usize, VolumeEntry, Arc<Device>)> {
         let i = self.find(id)?;
         let v = self.table.volumes[i].clone();
+        if v.rbd.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is on RBD: its snapshots are RBD's, and changed blocks and NBD exports of them are not built yet (`rbd export-diff --from-snap` reads the changes)",
+                v.name
+            )));
+        }
         if v.thin.is_none() {
             return Err(Error::InvalidArgument(format!(
-                "volume '{}' is not thin: only thin volumes have snapshots (create one with --thin)",
+                "volume '{}' is not thin: only thin and RBD volumes have snapshots (create one with --thin)",
                 v.name
             )));
         }
@@ -72,6 +78,9 @@ impl Pool {
     /// Takes snapshot `name` of running thin volume `id` (crash-consistent: every write
     /// completed before it is in it, none started after it).
     pub fn snapshot_volume(&mut self, id: &str, name: &str) -> Result<SnapshotInfo> {
+        if let Some((_, v, dev)) = self.rbd_volume(id)? {
+            return self.rbd_snapshot(&v, &dev, name);
+        }
         let (i, v, dev) = self.thin_volume(id)?;
         check_volume_name(name).map_err(Error::InvalidArgument)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
@@ -142,6 +151,9 @@ impl Pool {
 
     /// The snapshots of thin volume `id`, oldest first.
     pub fn snapshots(&self, id: &str) -> Result<Vec<SnapshotInfo>> {
+        if let Some((_, v, dev)) = self.rbd_volume(id)? {
+            return self.rbd_snapshots(&v, &dev);
+        }
         let (_, v, _) = self.thin_volume(id)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
         t.snapshots
@@ -152,6 +164,9 @@ impl Pool {
 
     /// Deletes snapshot `name` of volume `id`: the chunks no other map names go back.
     pub fn delete_snapshot(&mut self, id: &str, name: &str) -> Result<SnapshotInfo> {
+        if let Some((_, v, dev)) = self.rbd_volume(id)? {
+            return self.rbd_delete_snapshot(&v, &dev, name);
+        }
         let (i, v, dev) = self.thin_volume(id)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
         let at = no_such_snapshot(&v, t, name)?;
@@ -175,6 +190,9 @@ impl Pool {
     /// chunk with the snapshot until it writes there (copy on write). Same size, queues and
     /// encryption (the data key too: the chunks hold the snapshot's ciphertext).
     pub fn clone_snapshot(&mut self, id: &str, snap: &str, new: &str) -> Result<VolumeInfo> {
+        if let Some((_, v, dev)) = self.rbd_volume(id)? {
+            return self.rbd_clone(&v, &dev, snap, new);
+        }
         let (_, v, dev) = self.thin_volume(id)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
         let s = t.snapshots[no_such_snapshot(&v, t, snap)?].clone();
@@ -225,6 +243,9 @@ impl Pool {
     /// Makes volume `id` hold snapshot `snap`'s data again (the caller makes sure no VM uses
     /// it): the chunks it wrote since are let go. Returns how many chunk entries changed.
     pub fn revert_volume(&mut self, id: &str, snap: &str) -> Result<u64> {
+        if let Some((_, v, dev)) = self.rbd_volume(id)? {
+            return self.rbd_revert(&v, &dev, snap);
+        }
         let (_, v, dev) = self.thin_volume(id)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
         let s = &t.snapshots[no_such_snapshot(&v, t, snap)?];
@@ -238,6 +259,9 @@ impl Pool {
     /// The thin device of volume `id` to inflate ([`inflate`]), once the pool has room for
     /// a copy of every chunk it shares. The copying needs no lock on the pool.
     pub fn inflating(&self, id: &str) -> Result<Arc<Device>> {
+        if let Some((_, _, dev)) = self.rbd_volume(id)? {
+            return Ok(dev);
+        }
         let (_, v, dev) = self.thin_volume(id)?;
         let need = thin_backend(&v, &dev)?.shared_chunks() * self.table.min_extent;
         let free: u64 = self.members.iter().map(|m| m.free_bytes()).sum();
@@ -252,6 +276,9 @@ impl Pool {
 
     /// After [`inflate`]: a clone's origin is forgotten.
     pub fn inflated(&mut self, id: &str, chunks: u64) -> Result<()> {
+        if self.rbd_volume(id)?.is_some() {
+            return Ok(());
+        }
         let (i, v, _) = self.thin_volume(id)?;
         if v.thin.as_ref().is_some_and(|t| t.origin.is_some()) {
             let mut table = self.table.clone();
@@ -276,6 +303,11 @@ impl Pool {
 /// [`ThinBackend::inflate`]); returns how many were shared.
 pub fn inflate(dev: &Arc<Device>) -> Result<u64> {
     let volume = dev.path().display().to_string();
+    if let Some(rbd) = dev.backend().as_rbd() {
+        rbd.flatten()?;
+        tracing::info!(image = %volume, "RBD volume flattened: it depends on no snapshot now");
+        return Ok(0);
+    }
     let b = ThinBackend::of(dev).ok_or_else(|| Error::Thin {
         volume: volume.clone(),
         why: "not a thin device".into(),

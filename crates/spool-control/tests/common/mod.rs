@@ -425,6 +425,28 @@ pub fn kill_workers_until_recovered(
     })
 }
 
+/// Block `off` (BS bytes), read on queue 0.
+#[allow(dead_code)]
+pub fn block(c: &mut Client_, off: u64) -> Vec<u8> {
+    let (r, data) = c.read_sync(0, off, BS);
+    assert_eq!(r, 0);
+    data
+}
+
+/// The round of [`write_rounds_until`] whose whole write each of its 64 blocks holds (a
+/// snapshot taken during the load: no block is half of one round and half of another).
+#[allow(dead_code)]
+pub fn whole_rounds(c: &mut Client_, rounds: u64) -> Vec<u64> {
+    (0..64u64)
+        .map(|b| {
+            let data = block(c, b * BS as u64);
+            (0..rounds)
+                .find(|&r| data == pattern(r, b * BS as u64, BS))
+                .unwrap_or_else(|| panic!("block {b} holds no whole write of any round"))
+        })
+        .collect()
+}
+
 /// Writes rounds of 2 queues × 32 requests (64 KiB each) until `done()` says so (at least `min_rounds`), checking every
 /// completion; returns the number of rounds. Then every block must hold its last write.
 pub fn write_rounds_until(c: &mut Client_, done: &dyn Fn() -> bool, min_rounds: u64) -> u64 {

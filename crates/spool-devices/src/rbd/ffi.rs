@@ -20,6 +20,14 @@ pub type rbd_completion_t = *mut c_void;
 pub type rbd_callback_t = extern "C" fn(rbd_completion_t, *mut c_void);
 type iovec = libc::iovec;
 
+/// `rbd_snap_info_t`: one snapshot of an image.
+#[repr(C)]
+pub struct rbd_snap_info_t {
+    pub id: u64,
+    pub size: u64,
+    pub name: *const c_char,
+}
+
 /// `RBD_FEATURE_LAYERING`: the only feature images spoold creates have (no exclusive-lock:
 /// a worker restarted after a crash must not wait for the dead one's lock to time out).
 pub const RBD_FEATURE_LAYERING: u64 = 1;
@@ -104,6 +112,17 @@ api! {
         fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
         fn rbd_aio_write_zeroes(image: rbd_image_t, off: u64, len: usize, c: rbd_completion_t, zero_flags: c_int, op_flags: c_int) -> c_int;
         fn rbd_get_id(image: rbd_image_t, id: *mut c_char, id_len: usize) -> c_int;
+        fn rbd_snap_create(image: rbd_image_t, snapname: *const c_char) -> c_int;
+        fn rbd_snap_remove(image: rbd_image_t, snapname: *const c_char) -> c_int;
+        fn rbd_snap_rollback(image: rbd_image_t, snapname: *const c_char) -> c_int;
+        fn rbd_snap_list(image: rbd_image_t, snaps: *mut rbd_snap_info_t, max_snaps: *mut c_int) -> c_int;
+        fn rbd_snap_list_end(snaps: *mut rbd_snap_info_t) -> ();
+        fn rbd_snap_get_timestamp(image: rbd_image_t, snap_id: u64, timestamp: *mut libc::timespec) -> c_int;
+        fn rbd_snap_protect(image: rbd_image_t, snap_name: *const c_char) -> c_int;
+        fn rbd_snap_unprotect(image: rbd_image_t, snap_name: *const c_char) -> c_int;
+        fn rbd_snap_is_protected(image: rbd_image_t, snap_name: *const c_char, is_protected: *mut c_int) -> c_int;
+        fn rbd_clone(p_ioctx: rados_ioctx_t, p_name: *const c_char, p_snapname: *const c_char, c_ioctx: rados_ioctx_t, c_name: *const c_char, features: u64, c_order: *mut c_int) -> c_int;
+        fn rbd_flatten(image: rbd_image_t) -> c_int;
     }
 }
 

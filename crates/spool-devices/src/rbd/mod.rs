@@ -17,6 +17,7 @@
 mod claim;
 mod ffi;
 mod queue;
+mod snapshots;
 
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
@@ -30,6 +31,7 @@ use crate::queue::DeviceQueue;
 use crate::{Error, Result};
 
 pub use queue::RbdQueue;
+pub use snapshots::RbdSnapshot;
 
 /// Where the cluster is and who we are to it (config `[ceph]`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
