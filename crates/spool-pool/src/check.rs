@@ -262,6 +262,13 @@ impl Pass<'_> {
                 }
                 None => {}
             }
+            for (uuid, why) in &scan.damaged {
+                let name = t.snapshots.iter().find(|s| s.uuid == *uuid);
+                let name = name.map_or(uuid.to_string(), |s| format!("{}@{}", v.name, s.name));
+                self.problem(format!(
+                    "snapshot '{name}': its map is corrupt ({why}); the volume is served, the snapshot can only be deleted"
+                ));
+            }
             for &(i, p) in &scan.placements {
                 let what = format!("volume '{}': chunk {i}", v.name);
                 match named.get_mut(&p) {

@@ -120,12 +120,7 @@ impl Pool {
                 v.name, v.name
             ))
         })?;
-        let entries = backend
-            .snapshot_entries(s.uuid)
-            .ok_or_else(|| Error::Thin {
-                volume: v.name.clone(),
-                why: format!("snapshot '{snap}' is not loaded"),
-            })?;
+        let entries = crate::snapshots::usable_entries(v, backend, s)?;
         Ok((v.name.clone(), s.size, entries))
     }
 

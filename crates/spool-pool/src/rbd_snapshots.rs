@@ -32,6 +32,7 @@ fn info(v: &VolumeEntry, s: &RbdSnapshot) -> SnapshotInfo {
         // What a snapshot holds is RBD's to count (`rbd du`).
         mapped: 0,
         exclusive: 0,
+        error: None,
     }
 }
 

@@ -217,3 +217,65 @@ fn a_crash_between_the_steps_of_a_snapshot_a_clone_or_a_delete_leaks_nothing() {
     assert_eq!(p.info().free, free0 - (3 << 20));
     assert_eq!((get(&p, "t", 0), get(&p, "t", 2 << 20)), (3, 2));
 }
+
+/// A snapshot whose map rotted on the device costs only that snapshot: the volume, and its
+/// other snapshots, are served; the damaged one is listed with why, refused for clones,
+/// reverts and diffs, and can be deleted (after which the pool checks clean).
+#[test]
+fn a_corrupt_snapshot_map_costs_only_that_snapshot() {
+    use std::os::unix::fs::FileExt;
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 17)];
+    {
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        p.create_thin_volume("t", 8 << 20, false, 1, false).unwrap();
+        put(&p, "t", 0, 1);
+        put(&p, "t", 1 << 20, 2);
+        p.snapshot_volume("t", "s").unwrap();
+        put(&p, "t", 0, 3);
+        p.snapshot_volume("t", "s2").unwrap();
+        // Entry 1 of s's map (the chunk t and s2 share with it): one bit flipped.
+        let v = &p.table.volumes[p.find("t").unwrap()];
+        let e = &v.thin.as_ref().unwrap().snapshots[0].map[0];
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(d.path().join("a"))
+            .unwrap();
+        let mut entry = [0u8; 32];
+        f.read_exact_at(&mut entry, e.offset + 32).unwrap();
+        entry[29] ^= 1;
+        f.write_all_at(&entry, e.offset + 32).unwrap();
+    }
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!((get(&p, "t", 0), get(&p, "t", 1 << 20)), (3, 2));
+    put(&p, "t", 2 << 20, 4);
+    let snaps = p.snapshots("t").unwrap();
+    let why = snaps[0].error.clone().expect("s is damaged");
+    assert!(why.contains("entry 1: checksum mismatch"), "{why}");
+    assert_eq!(snaps[1].error, None);
+    for err in [
+        p.clone_snapshot("t", "s", "c").unwrap_err(),
+        p.revert_volume("t", "s").unwrap_err(),
+        p.diff("t", "s", None).unwrap_err(),
+    ] {
+        let err = err.to_string();
+        assert!(
+            err.contains("'t@s' cannot be used") && err.contains("only be deleted"),
+            "{err}"
+        );
+    }
+    let r = p.check();
+    assert_eq!(r.problems.len(), 1, "{:#?}", r.problems);
+    assert!(r.problems[0].contains("snapshot 't@s'"), "{:?}", r.problems);
+    p.delete_snapshot("t", "s").unwrap();
+    super::check_tests::assert_clean(&p);
+    // s2 still holds its moment; a clone of it reads it.
+    p.clone_snapshot("t", "s2", "c").unwrap();
+    assert_eq!((get(&p, "c", 0), get(&p, "c", 1 << 20)), (3, 2));
+    assert_eq!(get(&p, "c", 2 << 20), 0);
+    drop(p);
+    let p = Pool::open(&specs, opts()).unwrap();
+    super::check_tests::assert_clean(&p);
+    assert_eq!(p.snapshots("t").unwrap().len(), 1);
+}

@@ -38,6 +38,8 @@ pub struct SnapshotInfo {
     pub mapped: u64,
     /// Of those, the bytes no other map names: what deleting it gives back.
     pub exclusive: u64,
+    /// Why it cannot be used (its map was found corrupt): it can only be deleted.
+    pub error: Option<String>,
 }
 
 impl Pool {
@@ -132,9 +134,8 @@ impl Pool {
     fn snapshot_info(&self, v: &VolumeEntry, s: &ThinSnapshot) -> Result<SnapshotInfo> {
         let chunk = self.table.min_extent;
         let dev = self.thin_device(v)?;
-        let entries = thin_backend(v, &dev)?
-            .snapshot_entries(s.uuid)
-            .unwrap_or_default();
+        let backend = thin_backend(v, &dev)?;
+        let entries = backend.snapshot_entries(s.uuid).unwrap_or_default();
         let alone = (entries.iter())
             .filter(|e| !self.space.refs.is_shared(e.1))
             .count() as u64;
@@ -146,6 +147,7 @@ impl Pool {
             created: s.created,
             mapped: entries.len() as u64 * chunk,
             exclusive: alone * chunk,
+            error: backend.snapshot_damage(s.uuid),
         })
     }
 
@@ -197,9 +199,7 @@ impl Pool {
         let t = v.thin.as_ref().expect("thin_volume checked");
         let s = t.snapshots[no_such_snapshot(&v, t, snap)?].clone();
         self.check_new_volume(new, s.size, v.num_queues)?;
-        let entries = thin_backend(&v, &dev)?
-            .snapshot_entries(s.uuid)
-            .ok_or_else(|| thin_err(&v, format!("snapshot '{snap}' is not loaded")))?;
+        let entries = usable_entries(&v, thin_backend(&v, &dev)?, &s)?;
         let mut c = VolumeEntry::new(new, s.size, false, v.num_queues);
         c.encryption = v.encryption.clone();
         let map = self.new_map(s.size)?;
@@ -249,9 +249,9 @@ impl Pool {
         let (_, v, dev) = self.thin_volume(id)?;
         let t = v.thin.as_ref().expect("thin_volume checked");
         let s = &t.snapshots[no_such_snapshot(&v, t, snap)?];
-        let n = thin_backend(&v, &dev)?
-            .revert(s.uuid)
-            .map_err(|e| thin_err(&v, e))?;
+        let backend = thin_backend(&v, &dev)?;
+        usable_entries(&v, backend, s)?;
+        let n = backend.revert(s.uuid).map_err(|e| thin_err(&v, e))?;
         tracing::info!(volume = %v.name, snapshot = snap, changed = n, "volume reverted to a snapshot");
         Ok(n)
     }
@@ -315,6 +315,26 @@ pub fn inflate(dev: &Arc<Device>) -> Result<u64> {
     b.inflate().map_err(|e| Error::Thin {
         volume,
         why: e.to_string(),
+    })
+}
+
+/// The chunks snapshot `s` of `v` names, or why it cannot be used.
+pub(crate) fn usable_entries(
+    v: &VolumeEntry,
+    backend: &ThinBackend,
+    s: &ThinSnapshot,
+) -> Result<Vec<(u64, spool_thin::map::Placement)>> {
+    backend.snapshot_entries(s.uuid).ok_or_else(|| {
+        thin_err(
+            v,
+            match backend.snapshot_damage(s.uuid) {
+                Some(why) => format!(
+                    "snapshot '{}@{}' cannot be used: its map is corrupt ({why}); it can only be deleted",
+                    v.name, s.name
+                ),
+                None => format!("snapshot '{}' is not loaded", s.name),
+            },
+        )
     })
 }
 

@@ -252,6 +252,9 @@ impl Pool {
         let mut named: HashMap<Placement, (u64, u32)> = HashMap::new();
         for (v, scan) in &mut scans {
             let Ok((_, scan)) = scan else { continue };
+            for (uuid, why) in &scan.damaged {
+                tracing::error!(volume = %v.name, snapshot = %uuid, why = %why, "a snapshot's map is corrupt: the volume is served, the snapshot can only be deleted");
+            }
             for &(i, p) in &scan.placements {
                 if let Some(why) = self.mark_named(&mut named, i, p) {
                     let why = format!("volume '{}': {why}", v.name);

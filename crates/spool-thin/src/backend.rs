@@ -44,6 +44,7 @@ impl ThinBackend {
             map: ChunkMap::new(spec.store.capacity()),
             devices: Vec::new(),
             snapshots: Vec::new(),
+            damaged: Vec::new(),
         };
         let (map, devices) = (&scan.map, &mut scan.devices);
         let mut live = |i: u64, p: Placement| {
@@ -67,11 +68,26 @@ impl ThinBackend {
             let why = scan_map(snap.uuid, &snap.store, snap.size, chunk, &mut |i, p| {
                 entries.push((i, p))
             });
-            problem = problem.or(why.map(|w| w.within(&format!("snapshot {}", snap.uuid))));
+            // A corrupt snapshot map costs only that snapshot: the entries that decode still
+            // count (their chunks stay taken and shared), and it can only be deleted. One
+            // that cannot be read leaves unknown which chunks it shares with the volume, so
+            // the volume is not served either.
+            let damage = match why {
+                Some(ScanProblem::Corrupt(w)) => Some(w),
+                Some(u) => {
+                    problem = problem.or(Some(u.within(&format!("snapshot {}", snap.uuid))));
+                    None
+                }
+                None => None,
+            };
+            if let Some(w) = &damage {
+                scan.damaged.push((snap.uuid, w.clone()));
+            }
             named.extend_from_slice(&entries);
             scan.snapshots.push(SnapImage {
                 uuid: snap.uuid,
                 entries,
+                damage,
             });
         }
         scan.placements = named;
@@ -205,6 +221,7 @@ impl ThinBackend {
         snaps.push(SnapImage {
             uuid: snap.uuid,
             entries,
+            damage: None,
         });
         Ok(n)
     }
@@ -227,26 +244,40 @@ impl ThinBackend {
         true
     }
 
-    /// The chunks snapshot `uuid` names: (chunk index, where).
+    /// The chunks snapshot `uuid` names: (chunk index, where); `None` when the volume has
+    /// no such snapshot or its map is corrupt ([`ThinBackend::snapshot_damage`]).
     pub fn snapshot_entries(&self, uuid: Uuid) -> Option<Vec<(u64, Placement)>> {
+        self.with_snapshot(uuid, |s| s.damage.is_none().then(|| s.entries.clone()))?
+    }
+
+    /// Why snapshot `uuid`'s map was found corrupt at open, if it was: the snapshot can only
+    /// be deleted.
+    pub fn snapshot_damage(&self, uuid: Uuid) -> Option<String> {
+        self.with_snapshot(uuid, |s| s.damage.clone())?
+    }
+
+    /// `f` of snapshot `uuid`, if the volume has it.
+    fn with_snapshot<T>(&self, uuid: Uuid, f: impl FnOnce(&SnapImage) -> T) -> Option<T> {
         let snaps = self
             .shared
             .snapshots
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        snaps
-            .iter()
-            .find(|s| s.uuid == uuid)
-            .map(|s| s.entries.clone())
+        snaps.iter().find(|s| s.uuid == uuid).map(f)
     }
 
     /// Makes the volume hold snapshot `uuid`'s data again (the caller made sure nothing
     /// uses the volume): its map names the snapshot's chunks, shared with it, and what it
     /// named before is let go. Returns how many chunk entries changed.
     pub fn revert(&self, uuid: Uuid) -> Result<u64, Error> {
-        let entries = self
-            .snapshot_entries(uuid)
-            .ok_or_else(|| Error::Snapshot(format!("no snapshot {uuid}")))?;
+        let entries = self.snapshot_entries(uuid).ok_or_else(|| {
+            Error::Snapshot(match self.snapshot_damage(uuid) {
+                Some(why) => {
+                    format!("the snapshot's map is corrupt ({why}): it can only be deleted")
+                }
+                None => format!("no snapshot {uuid}"),
+            })
+        })?;
         let (tx, rx) = std::sync::mpsc::channel();
         let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
         w.reverts.push((entries, tx));
@@ -358,6 +389,9 @@ pub struct MapScan {
     pub placements: LoadedMap,
     /// Why the volume cannot be served (the first one found).
     pub problem: Option<ScanProblem>,
+    /// Snapshots whose map is corrupt, and why: the volume is served, they can only be
+    /// deleted.
+    pub damaged: Vec<(Uuid, String)>,
     map: ChunkMap,
     devices: Vec<(Uuid, Option<Arc<Device>>)>,
     snapshots: Vec<SnapImage>,

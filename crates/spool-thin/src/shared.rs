@@ -57,6 +57,8 @@ pub struct SnapshotSpec {
 pub(crate) struct SnapImage {
     pub(crate) uuid: Uuid,
     pub(crate) entries: Vec<(u64, Placement)>,
+    /// Why its map was found corrupt at open (`entries` holds what decoded).
+    pub(crate) damage: Option<String>,
 }
 
 /// What the queues and the allocator thread of one thin volume share.

@@ -66,6 +66,9 @@ pub struct Snapshot {
     pub mapped: u64,
     /// Of those, the bytes no other map names (what deleting it gives back).
     pub exclusive: u64,
+    /// Why it cannot be used (its map is corrupt): it can only be deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl From<spool_pool::SnapshotInfo> for Snapshot {
@@ -78,6 +81,7 @@ impl From<spool_pool::SnapshotInfo> for Snapshot {
             created: s.created,
             mapped: s.mapped,
             exclusive: s.exclusive,
+            error: s.error,
         }
     }
 }

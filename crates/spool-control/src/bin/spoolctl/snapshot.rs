@@ -59,6 +59,11 @@ pub fn list(snaps: &[Snapshot]) {
     if snaps.is_empty() {
         println!("(no snapshots)");
     }
+    for s in snaps {
+        if let Some(why) = &s.error {
+            println!("{}@{} cannot be used: {why}", s.volume, s.name);
+        }
+    }
 }
 
 pub fn taken(s: &Snapshot) {
