@@ -153,6 +153,13 @@ impl Allocator<'_> {
             let stamp = self.s.map.stamp(c);
             let got = match self.s.map.get(c) {
                 _ if self.s.map.get_for_write(c).is_some() => continue,
+                None if boxes.iter().all(|m| m.copy_only) => {
+                    // Unmapped since an inflate asked: nothing to copy, and no space taken.
+                    for m in boxes {
+                        m.post(Some(Note::Mapped { chunk: c }));
+                    }
+                    continue;
+                }
                 None => self.take_zeroed(deadline, left),
                 Some(old) => match self.unshare(c, old, deadline, left) {
                     Ok(Some(new)) => {

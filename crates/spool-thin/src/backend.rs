@@ -297,9 +297,16 @@ impl ThinBackend {
             .map(|(c, _, _)| c)
             .filter(|&c| self.shared.map.is_shared(c))
             .collect();
-        let mailbox = Arc::new(crate::shared::Mailbox::new().map_err(Error::Thread)?);
+        self.copy_shared(&shared)?;
+        Ok(shared.len() as u64)
+    }
+
+    /// Copies each of `chunks` that is still shared when the allocator gets to it; one that
+    /// is not shared any more is left alone, and one unmapped since stays a hole.
+    pub(crate) fn copy_shared(&self, chunks: &[u64]) -> Result<(), Error> {
+        let mailbox = Arc::new(crate::shared::Mailbox::for_copies().map_err(Error::Thread)?);
         // In batches: the allocator answers each once its map block is durable.
-        for batch in shared.chunks(64) {
+        for batch in chunks.chunks(64) {
             for &c in batch {
                 self.shared.request_chunk(c, &mailbox);
             }
@@ -325,7 +332,7 @@ impl ThinBackend {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
-        Ok(shared.len() as u64)
+        Ok(())
     }
 
     /// The chunks the volume's own map names now: (chunk index, where).

@@ -206,6 +206,9 @@ pub(crate) struct Mailbox {
     /// Set with every post, cleared by `take`: one relaxed load per reap when idle.
     mail: AtomicBool,
     pub(crate) event: File,
+    /// Asks only for copies of shared chunks (an inflate): a chunk that is a hole by the
+    /// time the allocator looks (unmapped meanwhile) is left a hole, not allocated.
+    pub(crate) copy_only: bool,
 }
 
 impl Mailbox {
@@ -214,6 +217,15 @@ impl Mailbox {
             notes: Mutex::default(),
             mail: AtomicBool::new(false),
             event: spool_devices::completion_eventfd()?,
+            copy_only: false,
+        })
+    }
+
+    /// A mailbox whose requests only copy shared chunks (see [`Mailbox::copy_only`]).
+    pub(crate) fn for_copies() -> std::io::Result<Mailbox> {
+        Ok(Mailbox {
+            copy_only: true,
+            ..Mailbox::new()?
         })
     }
 

@@ -271,3 +271,25 @@ fn a_chunk_unmapped_while_its_copy_waits_for_space_stays_unmapped() {
         "the snapshot's chunk went back to the pool"
     );
 }
+
+/// An inflate lists the shared chunks, then asks for copies: a chunk unmapped in between
+/// (a discard from the guest) stays a hole and takes no space, where a write's request
+/// would allocate it.
+#[test]
+fn an_inflate_leaves_a_chunk_unmapped_meanwhile_a_hole() {
+    let f = fixture(8);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut q = thin.open_queue(8).unwrap();
+    fill(&mut *q, 0, 1);
+    fill(&mut *q, CHUNK, 2);
+    t.snapshot(&snap_spec(&f, "s.map")).unwrap();
+    let free = f.free();
+    // Chunk 0 still shared, chunk 3 a hole by the time the copies are asked for.
+    t.copy_shared(&[0, 3]).unwrap();
+    assert_eq!(f.free(), free - 1, "one copy, of chunk 0 only");
+    assert_eq!(t.allocated(), 2 * CHUNK);
+    assert_eq!(read(&mut *q, 3 * CHUNK), vec![0; 4096]);
+    assert_eq!(read(&mut *q, 0), vec![1; 4096]);
+    assert_eq!(t.shared_chunks(), 1, "chunk 1 is still the snapshot's too");
+}
