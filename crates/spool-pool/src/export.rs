@@ -3,7 +3,9 @@
 //!
 //! A snapshot's chunks never change while it exists (writes copy them first), so they are
 //! read straight from the pool devices. The caller must stop reading before the snapshot is
-//! deleted: its chunks may then go to another volume.
+//! deleted: its chunks may then go to another volume. A snapshot of an encrypted volume is
+//! read decrypted (the volume's data key, the volume's sector as the tweak, as the guest
+//! reads it); its holes read as zeroes, as they are reported.
 //!
 //! Owns: building images and diffs from the maps. Must not know: NBD, virtio.
 
@@ -26,7 +28,12 @@ pub struct SnapshotImage {
     chunks: Vec<Option<(Arc<Device>, u64)>>,
     /// The snapshot the dirty bitmap is against, and which chunks differ from it.
     pub base: Option<(String, Vec<bool>)>,
+    /// The volume's cipher when it is encrypted: what is read is decrypted.
+    cipher: Option<crate::VolumeCipher>,
 }
+
+/// Bytes per encrypted sector (the XTS data unit).
+const SECTOR: u64 = 512;
 
 impl SnapshotImage {
     /// Reads `buf.len()` bytes at `offset` (within the size): holes read as zeroes.
@@ -38,9 +45,12 @@ impl SnapshotImage {
             let n = ((self.chunk - within) as usize).min(buf.len() - done);
             let piece = &mut buf[done..done + n];
             match self.chunks.get(i as usize).and_then(Option::as_ref) {
-                Some((dev, at)) => dev
-                    .read_at(piece, at + within)
-                    .map_err(|e| std::io::Error::other(e.to_string()))?,
+                Some((dev, at)) => match &self.cipher {
+                    None => dev
+                        .read_at(piece, at + within)
+                        .map_err(|e| std::io::Error::other(e.to_string()))?,
+                    Some(c) => read_decrypted(c, dev, *at, pos, within, piece)?,
+                },
                 None => piece.fill(0),
             }
             done += n;
@@ -59,6 +69,27 @@ impl SnapshotImage {
             .as_ref()
             .is_some_and(|(_, c)| c.get(i as usize).copied().unwrap_or(false))
     }
+}
+
+/// Reads `piece` (volume offset `pos`, `within` bytes into the chunk at `at` on `dev`)
+/// decrypted: the whole sectors around it are read and decrypted, then the part asked for
+/// is copied out. Chunks are whole sectors, so the sectors lie within the chunk.
+fn read_decrypted(
+    cipher: &crate::VolumeCipher,
+    dev: &Device,
+    at: u64,
+    pos: u64,
+    within: u64,
+    piece: &mut [u8],
+) -> std::io::Result<()> {
+    let skip = pos % SECTOR;
+    let len = (skip + piece.len() as u64).div_ceil(SECTOR) * SECTOR;
+    let mut buf = vec![0u8; len as usize];
+    dev.read_at(&mut buf, at + within - skip)
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    cipher.decrypt(&mut buf, (pos - skip) / SECTOR);
+    piece.copy_from_slice(&buf[skip as usize..skip as usize + piece.len()]);
+    Ok(())
 }
 
 /// The byte ranges of `[0, size)` that differ between two maps, merged: chunks named by
@@ -135,8 +166,7 @@ impl Pool {
     }
 
     /// Snapshot `snap` of volume `id` as an image to read, with a dirty bitmap against
-    /// snapshot `since` if given. Refused for an encrypted volume (its chunks hold
-    /// ciphertext).
+    /// snapshot `since` if given. A snapshot of an encrypted volume reads decrypted.
     pub fn snapshot_image(
         &self,
         id: &str,
@@ -144,12 +174,7 @@ impl Pool {
         since: Option<&str>,
     ) -> Result<SnapshotImage> {
         let v = &self.table.volumes[self.find(id)?];
-        if v.encryption.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "volume '{}' is encrypted: exporting its snapshots is not supported yet (a clone of one can be served)",
-                v.name
-            )));
-        }
+        let cipher = self.volume_cipher(v)?;
         let (name, size, entries) = self.map_entries(id, Some(snap))?;
         let chunk = self.table.min_extent;
         let n = size.div_ceil(chunk);
@@ -183,6 +208,7 @@ impl Pool {
             chunk,
             chunks,
             base,
+            cipher,
         })
     }
 }
