@@ -191,7 +191,7 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     let (ok, out, err) = spoolctl(&d, &["pool", "check"]);
     assert!(!ok, "{out}");
     assert!(
-        out.contains("a map is corrupt") && out.contains("checksum mismatch"),
+        out.contains("map is corrupt") && out.contains("checksum mismatch"),
         "{out}"
     );
     // (Two when the entry's chunk is shared: one map fewer names it than the counts say.)
