@@ -99,8 +99,19 @@ fn rbd_volumes_snapshot_and_clone_with_rbds_own_snapshots() {
     wait_disconnected("db");
     wait_disconnected("c1");
 
-    // An image with snapshots is not deleted; without, it is, and so is the clone's.
+    // A rollback to a snapshot of another size is refused (it would resize the image).
+    ctl(&["volume", "snapshot", "db", "s3"]);
+    ctl(&["volume", "resize", "db", "48M"]);
+    fails(&["volume", "revert", "db", "s3"], "would resize the image");
+    ctl(&["snapshot", "delete", "db@s3"]);
+
+    // An image with snapshots is not deleted, and its volume stays served; without, it is,
+    // and so is the clone's.
     fails(&["volume", "delete", "db"], "has snapshots");
+    let mut c = connect(&d.socket("db"), 2, false).unwrap();
+    assert!(block(&mut c, far) == pattern(77, far, BS));
+    drop(c);
+    wait_disconnected("db");
     ctl(&["snapshot", "delete", "db@s2"]);
     ctl(&["volume", "delete", "db"]);
     ctl(&["volume", "delete", "c1"]);

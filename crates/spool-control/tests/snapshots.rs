@@ -190,6 +190,14 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     f.write_all_at(&rotten, at).unwrap();
     let (ok, out, err) = spoolctl(&d, &["pool", "check"]);
     assert!(!ok, "{out}");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_spoolctl"))
+        .arg("--socket")
+        .arg(d.rpc_path())
+        .args(["pool", "check"])
+        .output()
+        .unwrap()
+        .status;
+    assert_eq!(status.code(), Some(3), "problems found: exit status 3");
     assert!(
         out.contains("map is corrupt") && out.contains("checksum mismatch"),
         "{out}"
@@ -237,6 +245,11 @@ fn an_encrypted_volumes_snapshot_is_backed_up_in_the_clear_over_nbd() {
     ctl(&d, &["volume", "snapshot", "e", "s"]);
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("e.sock");
+    // Plaintext on a socket only when asked for.
+    let nbd = format!("unix:{}", sock.display());
+    let (ok, _, err) = spoolctl(&d, &["volume", "export", "e@s", "--nbd", &nbd]);
+    assert!(!ok && err.contains("pass --decrypt"), "{err}");
+    assert!(!sock.exists());
     ctl(
         &d,
         &[
@@ -245,6 +258,7 @@ fn an_encrypted_volumes_snapshot_is_backed_up_in_the_clear_over_nbd() {
             "e@s",
             "--nbd",
             &format!("unix:{}", sock.display()),
+            "--decrypt",
         ],
     );
     let backup = dir.path().join("backup.img");

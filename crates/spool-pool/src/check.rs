@@ -11,27 +11,32 @@
 //! a write could change a snapshot, or a chunk would never go back).
 //!
 //! Thin allocators keep working during a check, so what they change between reading the
-//! maps and reading the allocators can look wrong for an instant: the check runs again
-//! (up to [`PASSES`] times) while it finds something, and reports only what every pass
-//! found.
+//! maps and reading the allocators can look wrong for an instant. A pass that finds nothing
+//! ends the check; otherwise passes repeat (up to [`PASSES`]) until two in a row agree, and
+//! what the last two both found is reported. A problem is known by what it concerns (a
+//! chunk's or extent's place, a map), not by its wording, so one that changes shape between
+//! passes (a chunk free while named, then handed out and named twice) is still reported,
+//! in the last pass's words.
 //!
 //! Owns: [`CheckReport`] and the checks. Must not know: RPC, how maps are written.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use spool_thin::map::Placement;
-use spool_thin::{ScanProblem, ThinBackend};
+use spool_thin::{MapScan, ScanProblem, ThinBackend};
 use uuid::Uuid;
 
 use crate::metadata::{ExtentEntry, VolumeEntry};
 use crate::Pool;
 
-/// How many times a check that finds something looks again.
-pub const PASSES: usize = 3;
+/// At most this many passes.
+pub const PASSES: usize = 5;
 const PAUSE: Duration = Duration::from_millis(100);
 /// At most this many leaked offsets are named per device.
 const LEAKS_NAMED: usize = 8;
+/// At most this many problems are listed (then how many more there are).
+const PROBLEMS_LISTED: usize = 100;
 
 /// What `pool check` found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -61,32 +66,98 @@ struct Area {
     owner: Vec<u32>,
 }
 
+/// What one pass found.
+#[derive(Clone)]
+struct Outcome {
+    /// The counts (its `problems` and `skipped` are filled at the end).
+    report: CheckReport,
+    /// (what it concerns, what is wrong).
+    problems: Vec<(String, String)>,
+    leaked: BTreeSet<(Uuid, u64)>,
+    /// Per missing device: how many extents or chunks, their bytes, and whose.
+    skipped: BTreeMap<Uuid, (u64, u64, BTreeSet<String>)>,
+}
+
+impl Outcome {
+    fn clean(&self) -> bool {
+        self.problems.is_empty() && self.leaked.is_empty()
+    }
+
+    fn keys(&self) -> BTreeSet<&str> {
+        self.problems.iter().map(|p| p.0.as_str()).collect()
+    }
+
+    /// What `self` and the pass before it both found, in `self`'s words.
+    fn agreed(mut self, before: &Outcome) -> Outcome {
+        let keys = before.keys();
+        self.problems.retain(|p| keys.contains(p.0.as_str()));
+        self.leaked = self.leaked.intersection(&before.leaked).copied().collect();
+        self
+    }
+}
+
 /// One pass of the check.
 struct Pass<'a> {
     pool: &'a Pool,
     min: u64,
     areas: HashMap<Uuid, Area>,
     owners: Vec<String>,
-    report: CheckReport,
-    leaked: BTreeSet<(Uuid, u64)>,
+    out: Outcome,
 }
 
 impl Pool {
     /// Checks the pool's metadata against itself and the live allocators (see the module
     /// doc).
     pub fn check(&self) -> CheckReport {
-        let mut out = self.check_pass();
+        let mut last = self.check_pass();
+        let mut found = last.clone();
         for _ in 1..PASSES {
-            if out.0.problems.is_empty() && out.1.is_empty() {
+            if last.clean() {
+                found = last;
                 break;
             }
             std::thread::sleep(PAUSE);
-            let (again, leaked) = self.check_pass();
-            let seen: BTreeSet<String> = again.problems.iter().cloned().collect();
-            out.0.problems.retain(|p| seen.contains(p));
-            out.1 = out.1.intersection(&leaked).copied().collect();
+            let next = self.check_pass();
+            let settled = next.keys() == last.keys() && next.leaked == last.leaked;
+            found = next.clone().agreed(&last);
+            last = next;
+            if last.clean() {
+                found = last;
+                break;
+            }
+            if settled {
+                break;
+            }
         }
-        let (mut report, leaked) = out;
+        self.report(found)
+    }
+
+    /// The report of what the check found (problems listed, leaks and skips per device).
+    fn report(&self, found: Outcome) -> CheckReport {
+        let Outcome {
+            mut report,
+            problems,
+            leaked,
+            skipped,
+        } = found;
+        for (d, (n, bytes, whose)) in skipped {
+            let whose: Vec<String> = whose.into_iter().collect();
+            report.skipped.push(format!(
+                "device {d} is not in the pool now: {n} extent(s) or chunk(s), {bytes} bytes, of {}",
+                whose.join(", ")
+            ));
+        }
+        let n = problems.len();
+        report.problems = problems
+            .into_iter()
+            .take(PROBLEMS_LISTED)
+            .map(|p| p.1)
+            .collect();
+        if n > PROBLEMS_LISTED {
+            report
+                .problems
+                .push(format!("... and {} more problems", n - PROBLEMS_LISTED));
+        }
         report.leaked_bytes = leaked.len() as u64 * self.table.min_extent;
         let mut by_device: Vec<(Uuid, Vec<u64>)> = Vec::new();
         for (d, off) in leaked {
@@ -111,7 +182,7 @@ impl Pool {
         report
     }
 
-    fn check_pass(&self) -> (CheckReport, BTreeSet<(Uuid, u64)>) {
+    fn check_pass(&self) -> Outcome {
         let min = self.table.min_extent;
         let areas = self
             .members
@@ -133,24 +204,30 @@ impl Pool {
             min,
             areas,
             owners: Vec::new(),
-            report: CheckReport {
-                volumes: self.table.volumes.len(),
-                ..Default::default()
+            out: Outcome {
+                report: CheckReport {
+                    volumes: self.table.volumes.len(),
+                    ..Default::default()
+                },
+                problems: Vec::new(),
+                leaked: BTreeSet::new(),
+                skipped: BTreeMap::new(),
             },
-            leaked: BTreeSet::new(),
         };
         for v in &self.table.volumes {
             pass.extents(v);
         }
         let named = pass.maps();
         pass.allocators(&named);
-        (pass.report, pass.leaked)
+        pass.out
     }
 }
 
 impl Pass<'_> {
-    fn problem(&mut self, p: String) {
-        self.report.problems.push(p);
+    /// Problem `text`, about `key` (what it concerns: the same key in two passes is the
+    /// same problem).
+    fn problem(&mut self, key: String, text: String) {
+        self.out.problems.push((key, text));
     }
 
     /// Marks every extent of `v`'s table entry, checking where each lies.
@@ -171,7 +248,7 @@ impl Pass<'_> {
         }
         for (what, e) in labelled {
             let len = self.min.checked_shl(e.order).unwrap_or(0);
-            self.report.extent_bytes = self.report.extent_bytes.saturating_add(len);
+            self.out.report.extent_bytes = self.out.report.extent_bytes.saturating_add(len);
             self.owners.push(what.clone());
             let id = self.owners.len() as u32;
             self.mark(e.device, e.offset, len, id, &what);
@@ -183,9 +260,12 @@ impl Pass<'_> {
     fn mark(&mut self, device: Uuid, offset: u64, len: u64, id: u32, what: &str) {
         let min = self.min;
         let Some(area) = self.areas.get_mut(&device) else {
-            self.report.skipped.push(format!(
-                "{what}: {len} bytes at {offset} on device {device}, which is not in the pool now"
-            ));
+            let e = self.out.skipped.entry(device).or_default();
+            e.0 += 1;
+            e.1 = e.1.saturating_add(len);
+            if e.2.len() < 4 {
+                e.2.insert(what.split(':').next().unwrap_or(what).to_string());
+            }
             return;
         };
         let rel = offset.checked_sub(area.base);
@@ -195,10 +275,13 @@ impl Pass<'_> {
         let aligned = rel.is_some_and(|r| len > 0 && r % len == 0);
         if !fits || !aligned {
             let (base, size) = (area.base, area.owner.len() as u64 * min);
-            self.problem(format!(
+            self.problem(
+                format!("{device}:{offset}"),
+                format!(
                 "{what}: {len} bytes at {offset} on device {device} do not lie {} in its data area (from {base}, {size} bytes)",
                 if fits { "aligned" } else { "whole" },
-            ));
+            ),
+            );
             return;
         }
         let first = first.expect("checked above");
@@ -211,9 +294,10 @@ impl Pass<'_> {
         }
         if let Some(other) = clash {
             let other = self.owners[other as usize - 1].clone();
-            self.problem(format!(
-                "{what}: {len} bytes at {offset} on device {device} overlap {other}"
-            ));
+            self.problem(
+                format!("{device}:{offset}"),
+                format!("{what}: {len} bytes at {offset} on device {device} overlap {other}"),
+            );
         }
     }
 
@@ -226,13 +310,14 @@ impl Pass<'_> {
         let pool = self.pool;
         for v in &pool.table.volumes {
             let Some(t) = &v.thin else { continue };
-            self.report.maps += 1 + t.snapshots.len();
+            self.out.report.maps += 1 + t.snapshots.len();
             let spec = match pool.thin_spec(v, t) {
                 Ok(s) => s,
                 Err(e) => {
-                    self.report
-                        .skipped
-                        .push(format!("volume '{}': maps not read: {e}", v.name));
+                    self.problem(
+                        format!("map:{}", v.uuid),
+                        format!("volume '{}': its maps cannot be read: {e}", v.name),
+                    );
                     continue;
                 }
             };
@@ -243,32 +328,7 @@ impl Pass<'_> {
                 .collect();
             let resolve = |u: Uuid| members.iter().find(|m| m.0 == u).map(|m| m.1.clone());
             let scan = ThinBackend::scan(&spec, &resolve);
-            let named_snapshots = |mut why: String| {
-                for s in &t.snapshots {
-                    let name = format!("snapshot '{}@{}'", v.name, s.name);
-                    why = why.replace(&format!("snapshot {}", s.uuid), &name);
-                }
-                why
-            };
-            match scan.problem.map(|p| match p {
-                ScanProblem::Corrupt(w) => ScanProblem::Corrupt(named_snapshots(w)),
-                ScanProblem::Unreadable(w) => ScanProblem::Unreadable(named_snapshots(w)),
-            }) {
-                Some(ScanProblem::Corrupt(why)) => {
-                    self.problem(format!("volume '{}': a map is corrupt: {why}", v.name))
-                }
-                Some(ScanProblem::Unreadable(why)) => {
-                    self.problem(format!("volume '{}': a map cannot be read: {why}", v.name))
-                }
-                None => {}
-            }
-            for (uuid, why) in &scan.damaged {
-                let name = t.snapshots.iter().find(|s| s.uuid == *uuid);
-                let name = name.map_or(uuid.to_string(), |s| format!("{}@{}", v.name, s.name));
-                self.problem(format!(
-                    "snapshot '{name}': its map is corrupt ({why}); the volume is served, the snapshot can only be deleted"
-                ));
-            }
+            self.scan_problems(v, t, &scan);
             for &(i, p) in &scan.placements {
                 let what = format!("volume '{}': chunk {i}", v.name);
                 match named.get_mut(&p) {
@@ -276,10 +336,13 @@ impl Pass<'_> {
                         *n += 1;
                         if *at != i {
                             let at = *at;
-                            self.problem(format!(
-                                "{what} at {} on device {} is also named at entry {at}: two places of the volumes would share their data",
-                                p.offset, p.device
-                            ));
+                            self.problem(
+                                format!("{}:{}", p.device, p.offset),
+                                format!(
+                                    "{what} at {} on device {} is also named at entry {at}: two places of the volumes would share their data",
+                                    p.offset, p.device
+                                ),
+                            );
                         }
                     }
                     None => {
@@ -289,21 +352,62 @@ impl Pass<'_> {
                 }
             }
         }
-        self.report.chunks = named.len() as u64;
-        self.report.shared_chunks = named.values().filter(|n| n.1 > 1).count() as u64;
+        self.out.report.chunks = named.len() as u64;
+        self.out.report.shared_chunks = named.values().filter(|n| n.1 > 1).count() as u64;
         named
+    }
+
+    /// What a scan of thin volume `v`'s maps found wrong: its own map (the volume is not
+    /// served), and snapshots' maps found corrupt (they can only be deleted).
+    fn scan_problems(&mut self, v: &VolumeEntry, t: &crate::metadata::ThinMap, scan: &MapScan) {
+        let named_snapshots = |mut why: String| {
+            for s in &t.snapshots {
+                let name = format!("snapshot '{}@{}'", v.name, s.name);
+                why = why.replace(&format!("snapshot {}", s.uuid), &name);
+            }
+            why
+        };
+        match scan.problem.clone().map(|p| match p {
+            ScanProblem::Corrupt(w) => ScanProblem::Corrupt(named_snapshots(w)),
+            ScanProblem::Unreadable(w) => ScanProblem::Unreadable(named_snapshots(w)),
+        }) {
+            Some(ScanProblem::Corrupt(why)) => self.problem(
+                format!("map:{}", v.uuid),
+                format!("volume '{}': a map is corrupt: {why}", v.name),
+            ),
+            Some(ScanProblem::Unreadable(why)) => self.problem(
+                format!("map:{}", v.uuid),
+                format!("volume '{}': a map cannot be read: {why}", v.name),
+            ),
+            None => {}
+        }
+        for (uuid, why) in &scan.damaged {
+            let name = t.snapshots.iter().find(|s| s.uuid == *uuid);
+            let name = name.map_or(uuid.to_string(), |s| format!("{}@{}", v.name, s.name));
+            self.problem(
+                format!("snapshot:{uuid}"),
+                format!("snapshot '{name}': its map is corrupt ({why}); the snapshot can only be deleted"),
+            );
+        }
     }
 
     /// Compares what the metadata holds with the allocators: free blocks, the thin
     /// allocators' chunks (in memory), the sharing counts.
     fn allocators(&mut self, named: &HashMap<Placement, (u64, u32)>) {
         let pool = self.pool;
+        // Held by a thin allocator: named in memory, in a grace period, or being allocated.
         let mut live: BTreeSet<(Uuid, u64)> = BTreeSet::new();
+        // Names a grace period still holds in the sharing counts, per chunk.
+        let mut retiring: HashMap<Placement, u32> = HashMap::new();
         {
             let thins = pool.thins.lock().unwrap_or_else(|p| p.into_inner());
             for d in thins.values().filter_map(|d| d.as_ref().ok()) {
                 if let Some(t) = ThinBackend::of(d) {
-                    live.extend(t.placements().iter().map(|p| (p.device, p.offset)));
+                    let held = t.placements().into_iter().chain(t.in_hand());
+                    live.extend(held.map(|p| (p.device, p.offset)));
+                    for p in t.retiring() {
+                        *retiring.entry(p).or_default() += 1;
+                    }
                 }
             }
         }
@@ -328,7 +432,7 @@ impl Pass<'_> {
                 let off = area.base + u as u64 * self.min;
                 match (owner, free) {
                     (0, false) if !live.contains(&(m.uuid, off)) => {
-                        self.leaked.insert((m.uuid, off));
+                        self.out.leaked.insert((m.uuid, off));
                     }
                     (o, true) if o != 0 => held_free.push((o, off)),
                     _ => {}
@@ -336,27 +440,67 @@ impl Pass<'_> {
             }
             for (o, off) in held_free {
                 let who = self.owners[o as usize - 1].clone();
-                self.problem(format!(
-                    "device {}: {} bytes at {off} are free in the allocator but {who} holds them: they could be handed out twice",
-                    m.uuid, self.min
-                ));
+                self.problem(
+                    format!("{}:{off}", m.uuid),
+                    format!(
+                        "device {}: {} bytes at {off} are free in the allocator but {who} holds them: they could be handed out twice",
+                        m.uuid, self.min
+                    ),
+                );
             }
         }
         let refs = &pool.space.refs;
         for (p, &(i, n)) in named {
+            // A chunk let go by one map keeps that name until its grace period ends.
+            let n = n + retiring.get(p).copied().unwrap_or(0);
             let counted = refs.named_by(*p);
             let wrong = match n {
                 1 => counted.is_some(),
                 _ => counted != Some(n),
             };
             if wrong {
-                self.problem(format!(
-                    "chunk {i} at {} on device {}: {n} map(s) name it, the sharing count says {}",
-                    p.offset,
-                    p.device,
-                    counted.map_or("one".into(), |c| c.to_string())
-                ));
+                self.problem(
+                    format!("{}:{}", p.device, p.offset),
+                    format!(
+                        "chunk {i} at {} on device {}: {n} map(s) name it, the sharing count says {}",
+                        p.offset,
+                        p.device,
+                        counted.map_or("one".into(), |c| c.to_string())
+                    ),
+                );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(problems: &[(&str, &str)], leaked: &[u64]) -> Outcome {
+        Outcome {
+            report: CheckReport::default(),
+            problems: problems
+                .iter()
+                .map(|p| (p.0.to_string(), p.1.to_string()))
+                .collect(),
+            leaked: leaked.iter().map(|&o| (Uuid::nil(), o)).collect(),
+            skipped: BTreeMap::new(),
+        }
+    }
+
+    /// A problem that changes its wording between passes (a chunk free while named, then
+    /// handed out and named twice) is the same problem: it is kept, in the later words; a
+    /// passing one is dropped.
+    #[test]
+    fn passes_agree_on_what_a_problem_concerns_not_its_words() {
+        let first = outcome(&[("d:1", "free while held"), ("d:2", "transient")], &[7, 8]);
+        let second = outcome(&[("d:1", "named at two entries"), ("d:3", "new")], &[8]);
+        let agreed = second.agreed(&first);
+        assert_eq!(
+            agreed.problems,
+            vec![("d:1".to_string(), "named at two entries".to_string())]
+        );
+        assert_eq!(agreed.leaked.len(), 1);
     }
 }

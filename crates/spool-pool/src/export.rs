@@ -4,8 +4,9 @@
 //! A snapshot's chunks never change while it exists (writes copy them first), so they are
 //! read straight from the pool devices. The caller must stop reading before the snapshot is
 //! deleted: its chunks may then go to another volume. A snapshot of an encrypted volume is
-//! read decrypted (the volume's data key, the volume's sector as the tweak, as the guest
-//! reads it); its holes read as zeroes, as they are reported.
+//! read decrypted (the volume's data key, the volume's sector as the tweak): its chunks as
+//! the guest reads them; its holes as zeroes, as they are reported (the guest reads the
+//! noise zeroes decrypt to).
 //!
 //! Owns: building images and diffs from the maps. Must not know: NBD, virtio.
 

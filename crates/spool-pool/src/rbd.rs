@@ -22,6 +22,8 @@ pub struct RbdTarget<'a> {
     pub pool: &'a str,
     /// `None`: create the image, named as the volume.
     pub attach: Option<&'a str>,
+    /// An attached image removed with the volume, as one this pool created is (a clone's).
+    pub owned: bool,
 }
 
 impl<'a> RbdTarget<'a> {
@@ -31,10 +33,12 @@ impl<'a> RbdTarget<'a> {
             Some((pool, image)) => RbdTarget {
                 pool,
                 attach: Some(image),
+                owned: false,
             },
             None => RbdTarget {
                 pool: s,
                 attach: None,
+                owned: false,
             },
         };
         rbd_name(t.pool).map_err(|why| Error::InvalidArgument(format!("rbd pool: {why}")))?;
@@ -119,6 +123,9 @@ impl Pool {
             }
         }
         v.size = size.unwrap_or(v.size);
+        if let Some(r) = v.rbd.as_mut() {
+            r.created |= target.owned;
+        }
         let mut table = self.table.clone();
         table.volumes.push(v.clone());
         if let Err(e) = self.commit(table) {

@@ -37,6 +37,32 @@ fn info(v: &VolumeEntry, s: &RbdSnapshot) -> SnapshotInfo {
 }
 
 impl Pool {
+    /// Refuses, before anything is stopped, to delete RBD volume `id` when its image would
+    /// be removed and still has snapshots (librbd would refuse after the volume went
+    /// offline). A volume not on RBD passes.
+    pub fn check_delete(&self, id: &str, remove_image: bool) -> Result<()> {
+        let Some((_, v, dev)) = self.rbd_volume(id)? else {
+            return Ok(());
+        };
+        let removed = remove_image || v.rbd.as_ref().is_some_and(|r| r.created);
+        let snaps = match removed {
+            true => backend(&v, &dev)?.snapshots().map_err(|e| rbd_err(&v, e))?,
+            false => Vec::new(),
+        };
+        if let Some(s) = snaps.first() {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}': RBD image {} has snapshots ({}, the first {}@{}): delete them first (`spoolctl volume snapshots {}` lists them); the volume is kept and served",
+                v.name,
+                v.rbd.as_ref().map(|r| r.spec()).unwrap_or_default(),
+                snaps.len(),
+                v.name,
+                s.name,
+                v.name
+            )));
+        }
+        Ok(())
+    }
+
     /// Volume `id` when it is on RBD: its index, entry and device.
     pub(crate) fn rbd_volume(&self, id: &str) -> Result<Option<(usize, VolumeEntry, Arc<Device>)>> {
         let i = self.find(id)?;
@@ -87,7 +113,14 @@ impl Pool {
 
     pub(crate) fn rbd_revert(&self, v: &VolumeEntry, dev: &Arc<Device>, name: &str) -> Result<u64> {
         let b = backend(v, dev)?;
-        find(v, b, name)?;
+        let snap = find(v, b, name)?;
+        // A rollback also gives the image the snapshot's size, behind the table's back.
+        if snap.size != v.size {
+            return Err(Error::InvalidArgument(format!(
+                "snapshot '{}@{name}' is {} bytes and the volume {} now: a rollback would resize the image; clone the snapshot instead",
+                v.name, snap.size, v.size
+            )));
+        }
         b.rollback(name).map_err(|e| rbd_err(v, e))?;
         tracing::info!(volume = %v.name, snapshot = name, "RBD volume rolled back to a snapshot");
         Ok(0)
@@ -111,32 +144,22 @@ impl Pool {
             })?;
         let pool = v.rbd.as_ref().map(|r| r.pool.clone()).unwrap_or_default();
         let spec = b.clone_snapshot(snap, new).map_err(|e| rbd_err(v, e))?;
+        // Owned: deleting the clone removes its image (recorded in the one commit).
         let target = crate::RbdTarget {
             pool: &pool,
             attach: Some(new),
+            owned: true,
         };
-        let made = self
-            .create_rbd_volume(new, None, false, v.num_queues, &target)
-            .and_then(|_| {
-                let mut table = self.table.clone();
-                let c = table.volumes.last_mut().expect("just created");
-                if let Some(r) = c.rbd.as_mut() {
-                    r.created = true; // Deleting the clone removes its image.
-                }
-                c.encryption = v.encryption.clone();
-                self.commit(table)
-            });
-        if let Err(e) = made {
-            if let Ok(i) = self.find(new) {
-                let _ = self.delete_rbd_volume(i, true);
-            } else {
-                let _ = RbdBackend::remove(&spec, &self.opts.ceph);
+        match self.create_rbd_volume(new, None, false, v.num_queues, &target) {
+            Ok(info) => {
+                tracing::info!(volume = %new, image = %spec, origin = %format!("{}@{snap}", v.name), "RBD clone created");
+                Ok(info)
             }
-            return Err(e);
+            Err(e) => {
+                let _ = RbdBackend::remove(&spec, &self.opts.ceph);
+                Err(e)
+            }
         }
-        let c = self.table.volumes.last().expect("just created").clone();
-        tracing::info!(volume = %new, image = %spec, origin = %format!("{}@{snap}", v.name), "RBD clone created");
-        Ok(self.volume_info(&c))
     }
 }
 

@@ -252,6 +252,7 @@ fn a_corrupt_snapshot_map_costs_only_that_snapshot() {
     put(&p, "t", 2 << 20, 4);
     let snaps = p.snapshots("t").unwrap();
     let why = snaps[0].error.clone().expect("s is damaged");
+    assert_eq!(snaps[0].mapped, 1 << 20, "what still decodes");
     assert!(why.contains("entry 1: checksum mismatch"), "{why}");
     assert_eq!(snaps[1].error, None);
     for err in [

@@ -135,7 +135,7 @@ impl Pool {
         let chunk = self.table.min_extent;
         let dev = self.thin_device(v)?;
         let backend = thin_backend(v, &dev)?;
-        let entries = backend.snapshot_entries(s.uuid).unwrap_or_default();
+        let entries = backend.snapshot_chunks(s.uuid).unwrap_or_default();
         let alone = (entries.iter())
             .filter(|e| !self.space.refs.is_shared(e.1))
             .count() as u64;

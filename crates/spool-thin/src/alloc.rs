@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use spool_devices::{Device, ErrorReport, Signal};
 
-use crate::map::{self, BLOCK_BYTES, ENTRY_BYTES};
+use crate::map::{self, Placement, BLOCK_BYTES, ENTRY_BYTES};
 use crate::shared::{CrashPoint, Mailbox, Note, Shared, Unmap};
 
 /// Dies here when a test armed this point (nothing in other builds).
@@ -204,6 +204,7 @@ impl Allocator<'_> {
             }
         }
         drop(r);
+        self.batch_done();
         for (&chunk, (boxes, _)) in &want {
             if self.s.map.get_for_write(chunk).is_some() || dropped.contains(&chunk) {
                 for m in boxes {
@@ -211,6 +212,14 @@ impl Allocator<'_> {
                 }
             }
         }
+    }
+
+    /// Ends a batch: every chunk taken in it is published, given back, or (a failed map
+    /// write) left taken until a restart decides.
+    fn batch_done(&self) {
+        (self.s.in_hand.lock())
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
     /// Splits new chunks into those whose entry is still what it was when they were taken
@@ -279,10 +288,22 @@ impl Allocator<'_> {
                 .store(left.saturating_sub(1), Ordering::Relaxed);
         }
         let (uuid, dev, off) = got?;
+        let placement = Placement {
+            device: uuid,
+            offset: off,
+        };
+        s.in_hand
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(placement);
         crash_point(s, CrashPoint::Taken);
         if let Err(e) = fill(&dev, off, s.spec.chunk) {
             tracing::error!(volume = %s.spec.path.display(), error = %e, "writing a new chunk (zeroes, or a copy) failed");
             report(&dev, off, s.spec.chunk);
+            s.in_hand
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|p| *p != placement);
             s.source.give_back(uuid, off);
             s.source.settled(1);
             return Err(-libc::EIO);

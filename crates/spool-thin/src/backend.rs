@@ -172,6 +172,22 @@ impl ThinBackend {
         out
     }
 
+    /// Chunks unmapped or copied from and waiting out their grace period: still counted as
+    /// named (by this volume) in the sharing counts until it ends.
+    pub fn retiring(&self) -> Vec<Placement> {
+        let r = self.shared.retire.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<Placement> = r.waiting.iter().flat_map(|w| w.1.clone()).collect();
+        out.extend(r.next.iter().copied());
+        out
+    }
+
+    /// Chunks the allocator has taken and not published or given back yet.
+    pub fn in_hand(&self) -> Vec<Placement> {
+        (self.shared.in_hand.lock())
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// The largest size the volume can grow to without a bigger map: every entry its map's
     /// extents hold.
     pub fn max_size(&self) -> u64 {
@@ -248,6 +264,11 @@ impl ThinBackend {
     /// no such snapshot or its map is corrupt ([`ThinBackend::snapshot_damage`]).
     pub fn snapshot_entries(&self, uuid: Uuid) -> Option<Vec<(u64, Placement)>> {
         self.with_snapshot(uuid, |s| s.damage.is_none().then(|| s.entries.clone()))?
+    }
+
+    /// The chunks snapshot `uuid` names, damaged or not (what it holds in the pool).
+    pub fn snapshot_chunks(&self, uuid: Uuid) -> Option<Vec<(u64, Placement)>> {
+        self.with_snapshot(uuid, |s| s.entries.clone())
     }
 
     /// Why snapshot `uuid`'s map was found corrupt at open, if it was: the snapshot can only

@@ -86,6 +86,9 @@ pub(crate) struct Shared {
     pub(crate) retire: Mutex<Retire>,
     /// The volume's snapshots (their chunks are named by their maps too).
     pub(crate) snapshots: Mutex<Vec<SnapImage>>,
+    /// Chunks the allocator took and has not published or given back yet (what `pool
+    /// check` must not call leaked): set by `take_filled`, emptied when the batch is done.
+    pub(crate) in_hand: Mutex<Vec<Placement>>,
     /// Where the allocator dies (crash-point tests; read only in test builds).
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) crash_at: Mutex<Option<CrashPoint>>,
@@ -122,6 +125,7 @@ impl Shared {
             waiting_for_space: AtomicU64::new(0),
             retire: Mutex::default(),
             snapshots: Mutex::default(),
+            in_hand: Mutex::default(),
             crash_at: Mutex::default(),
         }
     }

@@ -486,3 +486,37 @@ fn a_write_whose_chunk_was_discarded_before_it_looked_asks_again() {
     assert_eq!(rw(&mut *a, false, CHUNK, &mut back), 0);
     assert!(back == data);
 }
+
+/// A chunk the allocator has taken and not yet published is known as in its hands (what
+/// `pool check` must not call leaked), and only until its batch is done.
+#[test]
+fn a_chunk_being_allocated_is_known_as_in_hand() {
+    let f = fixture(4);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut q = thin.open_queue(8).unwrap();
+    let mut a = vec![1u8; 4096];
+    assert_eq!(rw(&mut *q, true, 0, &mut a), 0);
+    assert!(
+        t.in_hand().is_empty(),
+        "a done batch leaves nothing in hand"
+    );
+    // The allocator stops right after taking the next chunk.
+    t.arm_crash(crate::shared::CrashPoint::Taken);
+    let mut data = vec![9u8; 4096];
+    let iov = [IoVec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    }];
+    // SAFETY: `data` and `iov` outlive the queue, dropped at the end of the test.
+    unsafe { q.submit(DeviceIo::data(true, CHUNK, 4096, iov.as_ptr(), 1), 5) };
+    q.kick().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while t.in_hand().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no chunk in hand");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let held = t.in_hand();
+    assert_eq!(held.len(), 1);
+    assert!(!t.placements().contains(&held[0]), "not named anywhere yet");
+}

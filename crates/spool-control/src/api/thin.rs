@@ -118,6 +118,10 @@ pub struct ExportParams {
     pub nbd: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<String>,
+    /// Serve a snapshot of an encrypted volume decrypted (plaintext on the socket); refused
+    /// without it.
+    #[serde(default)]
+    pub decrypt: bool,
 }
 
 /// A snapshot served over NBD.

@@ -107,6 +107,13 @@ impl Daemon {
         let (volume, image) = {
             let pool = self.pool();
             let v = pool.volume(&p.id)?;
+            if v.encrypted && !p.decrypt {
+                return Err(spool_pool::Error::InvalidArgument(format!(
+                    "volume '{}' is encrypted: its snapshot would be served decrypted, in the clear, to whoever reaches {}; pass --decrypt (RPC: decrypt) to do so (docs/encryption.md)",
+                    v.name, p.nbd
+                ))
+                .into());
+            }
             (
                 v,
                 pool.snapshot_image(&p.id, &p.snapshot, p.since.as_deref())?,

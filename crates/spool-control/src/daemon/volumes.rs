@@ -180,6 +180,7 @@ impl Daemon {
         if let Some(n) = self.quarantined_io(v.uuid) {
             return Err(stuck(n));
         }
+        self.pool().check_delete(&p.id, p.remove_image)?;
         let server = self.servers().remove(&v.uuid);
         if let Some(s) = server {
             if s.connected() && !p.force {

@@ -232,6 +232,10 @@ pub enum VolumeCmd {
         /// An older snapshot of the same volume the dirty bitmap is against.
         #[arg(long, value_name = "SNAPSHOT")]
         since: Option<String>,
+        /// Serve a snapshot of an encrypted volume decrypted: plaintext to whoever reaches
+        /// the export (refused without it).
+        #[arg(long)]
+        decrypt: bool,
     },
     /// Stop serving a snapshot over NBD.
     Unexport {

@@ -100,6 +100,11 @@ fn follow_events(args: &Args, mut since: u64, follow: bool) -> Result<(), CtlErr
 fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(CtlError::Found(e)) => {
+            // Distinct from a failure to ask (1): the check ran and found problems.
+            eprintln!("spoolctl: {e}");
+            ExitCode::from(3)
+        }
         Err(e) => {
             eprintln!("spoolctl: error: {e}");
             ExitCode::FAILURE

@@ -182,7 +182,8 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             snapshot: s,
             nbd,
             since,
-        } => export(s, nbd, since.clone()),
+            decrypt,
+        } => export(s, nbd, since.clone(), *decrypt),
         VolumeCmd::Unexport { snapshot: s } => {
             let (id, snapshot) = snapshot::split(s)?;
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
@@ -227,7 +228,7 @@ fn diff(from: &str, to: Option<&str>) -> Result<Request, CtlError> {
 
 /// `volume export`: a Unix socket path made absolute (spoold has its own working
 /// directory).
-fn export(s: &str, nbd: &str, since: Option<String>) -> Result<Request, CtlError> {
+fn export(s: &str, nbd: &str, since: Option<String>, decrypt: bool) -> Result<Request, CtlError> {
     let (id, snapshot) = snapshot::split(s)?;
     let nbd = match nbd.strip_prefix("unix:") {
         Some(p) if !p.is_empty() => format!(
@@ -241,6 +242,7 @@ fn export(s: &str, nbd: &str, since: Option<String>) -> Result<Request, CtlError
         snapshot,
         nbd,
         since,
+        decrypt,
     })
 }
 
