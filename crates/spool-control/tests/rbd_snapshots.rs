@@ -54,7 +54,7 @@ fn rbd_volumes_snapshot_and_clone_with_rbds_own_snapshots() {
     let far = 16u64 << 20;
     assert_eq!(c.write_sync(0, far, &pattern(77, far, BS)), 0);
     let out = ctl(&["volume", "snapshots", "db"]);
-    assert!(out.contains("db@s1"), "{out}");
+    assert!(out.contains("db@s1") && out.contains(" - "), "{out}");
     let listed = cluster.rbd(&["snap", "ls", "rbd/db"]).unwrap();
     assert!(listed.contains("s1"), "rbd snap ls: {listed}");
     fails(&["volume", "snapshot", "db", "s1"], "exists already");

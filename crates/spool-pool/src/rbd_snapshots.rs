@@ -33,6 +33,7 @@ fn info(v: &VolumeEntry, s: &RbdSnapshot) -> SnapshotInfo {
         mapped: 0,
         exclusive: 0,
         error: None,
+        rbd: true,
     }
 }
 

@@ -40,6 +40,8 @@ pub struct SnapshotInfo {
     pub exclusive: u64,
     /// Why it cannot be used (its map was found corrupt): it can only be deleted.
     pub error: Option<String>,
+    /// RBD's own snapshot: `mapped` and `exclusive` are not known here (`rbd du`).
+    pub rbd: bool,
 }
 
 impl Pool {
@@ -148,6 +150,7 @@ impl Pool {
             mapped: entries.len() as u64 * chunk,
             exclusive: alone * chunk,
             error: backend.snapshot_damage(s.uuid),
+            rbd: false,
         })
     }
 

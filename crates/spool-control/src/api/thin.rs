@@ -69,6 +69,9 @@ pub struct Snapshot {
     /// Why it cannot be used (its map is corrupt): it can only be deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// RBD's own snapshot (docs/ceph.md): `mapped` and `exclusive` are not counted here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rbd: bool,
 }
 
 impl From<spool_pool::SnapshotInfo> for Snapshot {
@@ -82,6 +85,7 @@ impl From<spool_pool::SnapshotInfo> for Snapshot {
             mapped: s.mapped,
             exclusive: s.exclusive,
             error: s.error,
+            rbd: s.rbd,
         }
     }
 }

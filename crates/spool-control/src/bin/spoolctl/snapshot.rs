@@ -38,6 +38,14 @@ pub fn utc(secs: u64) -> String {
     )
 }
 
+/// A snapshot's space: RBD's own are counted by RBD (`rbd du`), not here.
+fn space(s: &Snapshot, bytes: u64) -> String {
+    match s.rbd {
+        true => "-".into(),
+        false => format_size(bytes),
+    }
+}
+
 pub fn list(snaps: &[Snapshot]) {
     let mut rows = vec![header(&[
         "SNAPSHOT",
@@ -51,8 +59,8 @@ pub fn list(snaps: &[Snapshot]) {
             format!("{}@{}", s.volume, s.name),
             format_size(s.size),
             utc(s.created),
-            format_size(s.mapped),
-            format_size(s.exclusive),
+            space(s, s.mapped),
+            space(s, s.exclusive),
         ]);
     }
     println!("{}", table(rows));
@@ -67,6 +75,13 @@ pub fn list(snaps: &[Snapshot]) {
 }
 
 pub fn taken(s: &Snapshot) {
+    if s.rbd {
+        println!(
+            "snapshot {}@{} taken (an RBD snapshot of the volume's image)",
+            s.volume, s.name
+        );
+        return;
+    }
     println!(
         "snapshot {}@{} taken: {} of {} backed by chunks, shared with the volume until it writes there",
         s.volume,
@@ -77,6 +92,13 @@ pub fn taken(s: &Snapshot) {
 }
 
 pub fn deleted(s: &Snapshot) {
+    if s.rbd {
+        println!(
+            "deleted snapshot {}@{} (RBD gives its space back)",
+            s.volume, s.name
+        );
+        return;
+    }
     println!(
         "deleted snapshot {}@{}: {} given back to the pool (the rest is named by other maps)",
         s.volume,
