@@ -16,7 +16,13 @@ if [[ -x $bin ]] && "$bin" --version >/dev/null 2>&1; then
 fi
 list=/etc/apt/sources.list.d/spool-bookworm-backports.list
 if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
-    echo "deb http://deb.debian.org/debian bookworm-backports main" >"$list"
+    # The Debian mirror this machine's apt already uses (a one-line or a deb822 source,
+    # not the security archive); deb.debian.org when none is found.
+    mirror=$(grep -rhsE '^[[:space:]]*(deb[[:space:]]|URIs:)' /etc/apt/sources.list \
+            /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources \
+        | grep -oE 'https?://[^[:space:]]+' | grep -v -e security -e snapshot.debian.org \
+        | grep -E '/debian/?$' | head -n1 || true)
+    echo "deb ${mirror:-http://deb.debian.org/debian} bookworm-backports main" >"$list"
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq >/dev/null 2>&1 || apt-get update >&2

@@ -41,7 +41,55 @@ fn devices_in(others: &[Vec<(u64, u64, Uuid)>], start: u64, end: u64) -> Vec<Uui
         .collect()
 }
 
+/// `n` bytes in MiB, for messages ("1020 MiB").
+fn mib(n: u64) -> String {
+    match n % (1 << 20) {
+        0 => format!("{} MiB", n >> 20),
+        _ => format!("{n} bytes"),
+    }
+}
+
+/// The largest size (a multiple of `unit`) of which `copies` copies fit on devices with
+/// `free` bytes each, no two copies of a range on one device: every device holds at most one
+/// copy of each range, so `s` fits when the devices' `min(free, s)` add up to `copies * s`.
+pub(crate) fn largest_mirror(free: &[u64], copies: u8, unit: u64) -> u64 {
+    let fits = |s: u64| {
+        let room: u64 = free.iter().map(|&f| f.min(s)).sum();
+        room >= s.saturating_mul(copies as u64)
+    };
+    let (mut lo, mut hi) = (0u64, free.iter().sum::<u64>() / unit.max(1));
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        match fits(mid * unit) {
+            true => lo = mid,
+            false => hi = mid - 1,
+        }
+    }
+    lo * unit
+}
+
 impl Pool {
+    /// Why a `copies`-way mirror of `bytes` does not fit: what each copy needs, what each
+    /// device has, and the largest that would fit now.
+    pub(crate) fn mirror_room(&self, bytes: u64, copies: u8) -> Error {
+        let usable: Vec<&crate::members::Member> =
+            self.members.iter().filter(|m| !m.isolated()).collect();
+        let free: Vec<u64> = usable.iter().map(|m| m.free_bytes()).collect();
+        let each: Vec<String> = usable
+            .iter()
+            .zip(&free)
+            .map(|(m, f)| format!("{} has {}", m.dev.path().display(), mib(*f)))
+            .collect();
+        let most = largest_mirror(&free, copies, self.table.min_extent);
+        Error::InvalidArgument(format!(
+            "not enough room for a {copies}-way mirror of {}: each copy needs {} on a device that holds no other copy of the same range; {}; the largest {copies}-way mirror that fits now is about {} (add a device, delete volumes, or ask for fewer copies)",
+            mib(bytes),
+            mib(bytes),
+            each.join(", "),
+            mib(most)
+        ))
+    }
+
     /// Refuses a mirror the pool cannot hold: fewer usable devices than copies.
     pub(crate) fn check_copies(&self, copies: u8) -> Result<()> {
         if !(1..=MAX_COPIES).contains(&copies) {

@@ -2,6 +2,7 @@
 
 use super::tests::{newest_slot_version, opts, spec};
 use super::*;
+use crate::mirror::largest_mirror;
 
 /// `(logical start, logical end, device)` of every extent of every leg of `v`.
 fn leg_spans(p: &Pool, v: &str) -> Vec<Vec<(u64, u64, Uuid)>> {
@@ -92,12 +93,14 @@ fn a_mirror_the_pool_cannot_hold_is_refused_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("1 to 3 copies"), "{e}");
-    // 8 MiB free on a, 2 MiB on b: 4 MiB twice fits in bytes but not on distinct devices.
+    // 9 MiB free on a, 3 MiB on b: 4 MiB twice fits in bytes but not on distinct devices,
+    // and the refusal says so.
     let free = p.info().free;
     let e = p
         .create_volume_copies("m", 4 << 20, false, 1, 2)
-        .unwrap_err();
-    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fits now is about 3 MiB"), "{e}");
     assert_eq!(p.info().free, free, "a refused mirror keeps nothing");
     assert!(p.table.volumes.is_empty());
     p.create_volume_copies("m", 2 << 20, false, 1, 2).unwrap();
@@ -231,4 +234,39 @@ fn legs_on_a_failed_device_move_to_free_space_elsewhere() {
     assert!(v.online);
     // Nothing left on the failed device: nothing more to move.
     assert!(p.relocate_failed_legs().unwrap().is_empty());
+}
+
+/// A mirror that does not fit says what each copy needs, what each device has and the
+/// largest mirror that fits now, both when the pool's total is short and when only the
+/// per-device room is (issue 37: the message counted both copies against the total).
+#[test]
+fn a_mirror_that_does_not_fit_says_why_and_what_would() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 17), spec(d.path(), "b", 5)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    // 16 MiB and 4 MiB free: enough in total for two copies of 8 MiB, not on two devices.
+    let err = p
+        .create_volume_copies("m", 8 << 20, false, 1, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("2-way mirror of 8 MiB: each copy needs 8 MiB on a device"),
+        "{err}"
+    );
+    assert!(
+        err.contains("has 16 MiB") && err.contains("has 4 MiB"),
+        "{err}"
+    );
+    assert!(err.contains("fits now is about 4 MiB"), "{err}");
+    let err = p
+        .create_volume_copies("m", 32 << 20, false, 1, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fits now is about 4 MiB"), "{err}");
+    // What it says fits, fits; nothing was left taken by the refusals.
+    assert_eq!(p.info().free, 20 << 20);
+    p.create_volume_copies("m", 4 << 20, false, 1, 2).unwrap();
+    assert_eq!(largest_mirror(&[10, 10, 10], 2, 1), 15);
+    assert_eq!(largest_mirror(&[10, 10, 10], 3, 1), 10);
+    assert_eq!(largest_mirror(&[100, 1], 2, 1), 1);
 }

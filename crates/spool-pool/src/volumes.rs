@@ -240,14 +240,23 @@ impl Pool {
         self.check_new_volume(name, size, num_queues)?;
         self.check_copies(copies)?;
         let bytes = self.round_up(size)?;
-        self.check_space(bytes.saturating_mul(copies as u64))?;
+        let mirror_room = |pool: &Pool, e: Error| match e {
+            Error::NoSpace { .. } if copies > 1 => pool.mirror_room(bytes, copies),
+            e => e,
+        };
+        self.check_space(bytes.saturating_mul(copies as u64))
+            .map_err(|e| mirror_room(self, e))?;
         let mut v = VolumeEntry::new(name, size, read_only, num_queues);
         if encrypt {
             v.encryption = Some(self.new_volume_key(&v)?);
         }
         if copies > 1 {
             v.copies = copies;
-            for (slot, extents) in self.allocate_legs(bytes, copies)?.into_iter().enumerate() {
+            let legs = match self.allocate_legs(bytes, copies) {
+                Ok(legs) => legs,
+                Err(e) => return Err(mirror_room(self, e)),
+            };
+            for (slot, extents) in legs.into_iter().enumerate() {
                 v.legs.push(LegEntry {
                     slot: slot as u8,
                     synced: true,
