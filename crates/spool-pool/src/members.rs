@@ -248,7 +248,10 @@ impl Pool {
         let mut table = self.table.clone();
         let new = Self::join(&mut table, &dev, force)?;
         let mut buddy = new_buddy(&dev, table.min_extent)?;
-        let (volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
+        let (mut volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
+        // Thin volumes' chunks on it are lost, as thick extents are: their entries become
+        // holes now (durably, before the table forgets the device).
+        volumes.extend(self.evict_thin(old)?);
         table.devices.retain(|d| d.uuid != old);
         for v in table
             .volumes
@@ -294,6 +297,27 @@ impl Pool {
         })
     }
 
+    /// Makes every thin volume's entries naming a chunk on `old` holes (see
+    /// `ThinBackend::evict`); returns the names of the volumes that had some.
+    fn evict_thin(&self, old: Uuid) -> Result<Vec<String>> {
+        let mut touched = Vec::new();
+        for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
+            if !self.thin_uses(v, old) {
+                continue;
+            }
+            let dev = self.thin_device(v)?;
+            let t = crate::snapshots::thin_backend(v, &dev)?;
+            let n = t.evict(old).map_err(|e| Error::Thin {
+                volume: v.name.clone(),
+                why: e.to_string(),
+            })?;
+            if n > 0 {
+                touched.push(v.name.clone());
+            }
+        }
+        Ok(touched)
+    }
+
     /// A healthy, present device is replaced only when forced.
     fn check_replaceable(&self, old: Uuid, force: bool) -> Result<()> {
         // No thin allocator takes a chunk on it from now on, and the chunks taken before are
@@ -305,10 +329,10 @@ impl Pool {
             ));
         }
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
-            if self.thin_uses(v, old) {
+            if v.all_extents().any(|e| e.device == old) {
                 self.refresh_space();
                 return Err(Error::InvalidArgument(format!(
-                    "thin volume '{}' keeps its map or chunks on device {old}; replacing a device under a thin volume is not supported yet (delete the volume first)",
+                    "thin volume '{}' keeps its map (or a snapshot's) on device {old}; replacing a device that holds a thin map is not supported yet (its chunks alone can be: delete the volume, or its snapshot, first)",
                     v.name
                 )));
             }

@@ -110,6 +110,9 @@ impl Allocator<'_> {
             for (entries, reply) in work.reverts {
                 let _ = reply.send(self.revert(&entries));
             }
+            for (device, reply) in work.evictions {
+                let _ = reply.send(self.evict(device));
+            }
             self.allocate(work.allocs);
             self.retire_drained();
         }
@@ -364,6 +367,9 @@ fn fail_all(work: crate::shared::Work) {
         let _ = reply.send(Err("the volume is shutting down".into()));
     }
     for (_, reply) in work.reverts {
+        let _ = reply.send(Err("the volume is shutting down".into()));
+    }
+    for (_, reply) in work.evictions {
         let _ = reply.send(Err("the volume is shutting down".into()));
     }
     for u in work.unmaps {

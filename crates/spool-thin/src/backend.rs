@@ -88,6 +88,7 @@ impl ThinBackend {
                 uuid: snap.uuid,
                 entries,
                 damage,
+                store: Some(snap.store.clone()),
             });
         }
         scan.placements = named;
@@ -238,6 +239,7 @@ impl ThinBackend {
             uuid: snap.uuid,
             entries,
             damage: None,
+            store: Some(snap.store.clone()),
         });
         Ok(n)
     }
@@ -307,6 +309,20 @@ impl ThinBackend {
         rx.recv()
             .map_err(|_| Error::Snapshot("the volume's allocator stopped".into()))?
             .map_err(Error::Snapshot)
+    }
+
+    /// Device `device` leaves the pool (replaced): every entry of the volume's and its
+    /// snapshots' maps naming a chunk on it becomes a hole, durably (their data is lost, as
+    /// a thick volume's on a replaced device). Returns how many entries were cleared.
+    pub fn evict(&self, device: Uuid) -> Result<u64, Error> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
+        w.evictions.push((device, tx));
+        drop(w);
+        self.shared.wake.notify_one();
+        rx.recv()
+            .map_err(|_| Error::Snapshot("the volume's allocator stopped".into()))?
+            .map_err(Error::Corrupt)
     }
 
     /// Copies every chunk the volume shares with another map (a clone stops depending on

@@ -16,6 +16,7 @@
 
 pub mod alloc;
 mod backend;
+mod evict;
 mod grace;
 pub mod map;
 mod queue;

@@ -169,6 +169,26 @@ pub fn write_image(
     Ok(())
 }
 
+/// Rewrites blocks `blocks` of the map of `volume` in `store` to name exactly what
+/// `entries` (chunk index, where) names in them: every other entry there a hole. Durable.
+pub fn write_blocks(
+    store: &MapStore,
+    volume: Uuid,
+    blocks: &std::collections::BTreeSet<u64>,
+    entries: &[(u64, Placement)],
+) -> Result<(), Error> {
+    let mut buf = vec![0u8; BLOCK_BYTES as usize];
+    for &b in blocks {
+        buf.fill(0);
+        for &(i, p) in entries.iter().filter(|e| block_of(e.0) == b) {
+            let at = ((i % PER_BLOCK) * ENTRY_BYTES) as usize;
+            buf[at..at + ENTRY_BYTES as usize].copy_from_slice(&encode(volume, i, Some(p)));
+        }
+        store.write_block(b, &buf)?;
+    }
+    Ok(())
+}
+
 /// The block holding entry `index`.
 pub(crate) fn block_of(index: u64) -> u64 {
     index / PER_BLOCK

@@ -59,6 +59,8 @@ pub(crate) struct SnapImage {
     pub(crate) entries: Vec<(u64, Placement)>,
     /// Why its map was found corrupt at open (`entries` holds what decoded).
     pub(crate) damage: Option<String>,
+    /// Where its map lives (rewritten when a device leaves under it).
+    pub(crate) store: Option<crate::map::MapStore>,
 }
 
 /// What the queues and the allocator thread of one thin volume share.
@@ -298,6 +300,8 @@ pub(crate) struct Work {
     pub(crate) snapshots: Vec<SnapshotReply>,
     /// Reverts to a snapshot's chunks: each answered with how many entries changed.
     pub(crate) reverts: Vec<Revert>,
+    /// Devices leaving the pool: each answered with how many entries became holes.
+    pub(crate) evictions: Vec<(Uuid, std::sync::mpsc::Sender<Result<u64, String>>)>,
 }
 
 /// A revert: the snapshot's chunks (chunk index, where), and where the number of entries
@@ -316,6 +320,7 @@ impl Work {
             && self.unmaps.is_empty()
             && self.snapshots.is_empty()
             && self.reverts.is_empty()
+            && self.evictions.is_empty()
     }
 }
 
