@@ -73,13 +73,42 @@ fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
         })
     };
     wait_connected.recv().unwrap();
-    let killer = kill_workers_until_recovered(d.clone(), 5, 40);
+    // One write hangs in the device until the first kill: that kill catches it in flight
+    // (with inline I/O on tmpfs a request is in flight only for microseconds, so on a
+    // loaded machine kills at random moments could all miss one), and the successor, which
+    // has no such rule, resubmits it from the journal.
+    d.rpc(
+        "device_inject",
+        serde_json::json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
+    )
+    .unwrap();
+    let killer = {
+        let (d, dev) = (d.clone(), dev.clone());
+        std::thread::spawn(move || {
+            // The first kill comes once the write hangs (the rule was hit: its hit count is
+            // up, or it is gone, spent), so it finds that write in flight.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            loop {
+                let f = d
+                    .rpc("device_faults", serde_json::json!({"id": dev}))
+                    .unwrap();
+                let rules = f["rules"].as_array().cloned().unwrap_or_default();
+                if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "no write hung: {f}");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            kill_workers_until_recovered(d, 5, 40).join().unwrap()
+        })
+    };
     // Every write completes and every block then reads back its last write (checked inside).
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     killer.join().unwrap();
     assert!(
         d.log().contains(RECOVERED),
-        "no kill caught a request in flight"
+        "no kill caught a request in flight:\n{}",
+        d.log()
     );
     stop.store(true, Ordering::Relaxed);
     let neighbour_rounds = neighbour.join().unwrap();
