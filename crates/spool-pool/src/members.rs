@@ -249,9 +249,6 @@ impl Pool {
         let new = Self::join(&mut table, &dev, force)?;
         let mut buddy = new_buddy(&dev, table.min_extent)?;
         let (mut volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
-        // Thin volumes' chunks on it are lost, as thick extents are: their entries become
-        // holes now (durably, before the table forgets the device).
-        volumes.extend(self.evict_thin(old)?);
         table.devices.retain(|d| d.uuid != old);
         for v in table
             .volumes
@@ -275,6 +272,10 @@ impl Pool {
                 dev.zero_range(e.offset, table.min_extent << e.order)?;
             }
         }
+        // Thin volumes' chunks on it are lost, as thick extents are: their entries become
+        // holes now, durably, after every other step that can fail and before the table
+        // forgets the device.
+        volumes.extend(self.evict_thin(old)?);
         let removed = self
             .members
             .iter()
@@ -329,6 +330,13 @@ impl Pool {
             ));
         }
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
+            if let Err(e) = self.thin_device(v) {
+                self.refresh_space();
+                return Err(Error::InvalidArgument(format!(
+                    "thin volume '{}' is not served ({e}): which of its chunks lie on device {old} is unknown, so they cannot be forgotten; delete it first",
+                    v.name
+                )));
+            }
             if v.all_extents().any(|e| e.device == old) {
                 self.refresh_space();
                 return Err(Error::InvalidArgument(format!(

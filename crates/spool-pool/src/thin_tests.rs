@@ -122,6 +122,13 @@ fn a_refused_map_keeps_the_chunks_it_still_names() {
     let r = p.check();
     assert_eq!(r.problems.len(), 1, "{:#?}", r.problems);
     assert!(r.problems[0].contains("volume 't': a map is corrupt: entry 0: checksum"));
+    // Which chunks of a volume not served lie on a device is unknown: no replace under it.
+    let dev = p.members[0].uuid.to_string();
+    let e = p
+        .replace_device(&dev, &spec(d.path(), "n", 9), true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("'t' is not served"), "{e}");
     p.create_volume("v", 4 << 20, false, 1).unwrap();
 }
 

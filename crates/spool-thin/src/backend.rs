@@ -320,9 +320,9 @@ impl ThinBackend {
         w.evictions.push((device, tx));
         drop(w);
         self.shared.wake.notify_one();
-        rx.recv()
-            .map_err(|_| Error::Snapshot("the volume's allocator stopped".into()))?
-            .map_err(Error::Corrupt)
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .map_err(|_| Error::Evict("the volume's allocator did not answer within 60 s".into()))?
+            .map_err(Error::Evict)
     }
 
     /// Copies every chunk the volume shares with another map (a clone stops depending on

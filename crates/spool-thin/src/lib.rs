@@ -48,6 +48,8 @@ pub enum Error {
     Thread(std::io::Error),
     #[error("cannot take the snapshot: {0}")]
     Snapshot(String),
+    #[error("cannot forget the chunks on the replaced device: {0}")]
+    Evict(String),
 }
 
 /// Where a thin volume's chunks come from: the pool's free space.

@@ -169,20 +169,20 @@ pub fn write_image(
     Ok(())
 }
 
-/// Rewrites blocks `blocks` of the map of `volume` in `store` to name exactly what
-/// `entries` (chunk index, where) names in them: every other entry there a hole. Durable.
-pub fn write_blocks(
-    store: &MapStore,
-    volume: Uuid,
-    blocks: &std::collections::BTreeSet<u64>,
-    entries: &[(u64, Placement)],
-) -> Result<(), Error> {
+/// Makes entries `indexes` of the map in `store` holes, durably: each block holding one is
+/// read, those 32-byte slots are zeroed, and it is written back (every other entry, even
+/// one that does not decode, stays as it was). Stops at the first block that fails.
+pub fn clear_entries(store: &MapStore, indexes: &[u64]) -> Result<(), Error> {
+    let mut blocks: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+    for &i in indexes {
+        blocks.entry(block_of(i)).or_default().push(i);
+    }
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
-    for &b in blocks {
-        buf.fill(0);
-        for &(i, p) in entries.iter().filter(|e| block_of(e.0) == b) {
+    for (b, slots) in blocks {
+        store.read_block(b, &mut buf)?;
+        for i in slots {
             let at = ((i % PER_BLOCK) * ENTRY_BYTES) as usize;
-            buf[at..at + ENTRY_BYTES as usize].copy_from_slice(&encode(volume, i, Some(p)));
+            buf[at..at + ENTRY_BYTES as usize].fill(0);
         }
         store.write_block(b, &buf)?;
     }

@@ -293,3 +293,30 @@ fn an_inflate_leaves_a_chunk_unmapped_meanwhile_a_hole() {
     assert_eq!(read(&mut *q, 0), vec![1; 4096]);
     assert_eq!(t.shared_chunks(), 1, "chunk 1 is still the snapshot's too");
 }
+
+/// Clearing entries of a map (a replaced device's chunks) touches only their slots: the
+/// others, even one that does not decode (a damaged snapshot map), stay as they were.
+#[test]
+fn clearing_entries_leaves_every_other_slot_alone() {
+    let f = fixture(8);
+    let s = snap_spec(&f, "s.map");
+    let p = |o: u64| Placement {
+        device: f.source.uuid,
+        offset: CHUNKS_AT + o * CHUNK,
+    };
+    crate::map::write_image(&s.store, s.uuid, &[(0, p(0)), (1, p(1)), (2, p(2))]).unwrap();
+    let mut block = vec![0u8; 4096];
+    s.store.read_block(0, &mut block).unwrap();
+    block[3 * 32..4 * 32].fill(0xab); // entry 3: not an entry
+    s.store.write_block(0, &block).unwrap();
+    crate::map::clear_entries(&s.store, &[1]).unwrap();
+    let mut after = vec![0u8; 4096];
+    s.store.read_block(0, &mut after).unwrap();
+    assert!(after[32..64].iter().all(|&b| b == 0), "entry 1 is a hole");
+    assert_eq!(after[..32], block[..32], "entry 0 kept");
+    assert_eq!(
+        after[64..4096],
+        block[64..4096],
+        "entries 2 and 3 kept as they were"
+    );
+}
