@@ -6,6 +6,10 @@ Each file is a module; a file depends on another when it names it through a path
 `*_tests.rs`, and anything after `#[cfg(test)]`) are left out: they may look at anything.
 Cycles already known are listed in KNOWN with the reason they stay; a new one fails.
 
+It also keeps spoolctl on the wire: the files of `src/bin/spoolctl/` may name no crate of
+the workspace but `spool_api` (the wire types), so the CLI renders only what the daemon
+sends and nothing of the storage stack leaks into what it shows.
+
     python3 scripts/check-cycles.py
 """
 
@@ -119,8 +123,27 @@ def cycles(g):
     return out
 
 
+# Binaries that may name only these crates of the workspace.
+WIRE_ONLY = {("spool-control", "spoolctl"): {"spool_api"}}
+
+
+def foreign_crates(root, allowed):
+    """Workspace crates (spool_*) the files under root name beyond `allowed`."""
+    found = set()
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".rs"):
+                found |= set(re.findall(r"\b(spool_[a-z_]+)::", body(os.path.join(d, f))))
+                found |= set(re.findall(r"\buse (spool_[a-z_]+)\b", body(os.path.join(d, f))))
+    return sorted(found - allowed)
+
+
 def main():
     bad = 0
+    for (crate, binary), allowed in WIRE_ONLY.items():
+        for c in foreign_crates(os.path.join(ROOT, crate, "src", "bin", binary), allowed):
+            print(f"{binary} names {c}: it may use only {', '.join(sorted(allowed))} (the wire types)")
+            bad += 1
     for crate in sorted(os.listdir(ROOT)):
         src = os.path.join(ROOT, crate, "src")
         if not os.path.isdir(src):
@@ -134,9 +157,9 @@ def main():
                 print(f"cycle between files of {name}: {', '.join(c)}")
                 bad += 1
     if bad:
-        print(f"{bad} dependency cycles between files (scripts/check-cycles.py)")
+        print(f"{bad} dependency cycles or layering breaks (scripts/check-cycles.py)")
         sys.exit(1)
-    print("file dependencies: no cycles (beyond the ones listed with a reason)")
+    print("file dependencies: no cycles (beyond the ones listed with a reason); spoolctl uses only the wire types")
 
 
 if __name__ == "__main__":

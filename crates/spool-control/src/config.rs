@@ -3,10 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use crate::qos::{QosError, RateValue};
-use crate::size::parse_size;
 
 mod ceph;
 mod encryption;
@@ -19,24 +18,14 @@ use health::{health, RawHealth};
 
 use io::{volume_threads, RawIo};
 
-/// A size written as a number of bytes or a string with a suffix.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum SizeValue {
-    Bytes(u64),
-    Text(String),
-}
+pub use spool_api::size::SizeValue;
 
-impl SizeValue {
-    fn bytes(&self, what: impl Into<String>) -> Result<u64, ConfigError> {
-        match self {
-            SizeValue::Bytes(n) => Ok(*n),
-            SizeValue::Text(s) => parse_size(s).map_err(|why| ConfigError::Size {
-                what: what.into(),
-                why,
-            }),
-        }
-    }
+/// A size setting in bytes; the error names the setting.
+fn size_bytes(v: &SizeValue, what: impl Into<String>) -> Result<u64, ConfigError> {
+    v.bytes().map_err(|why| ConfigError::Size {
+        what: what.into(),
+        why,
+    })
 }
 
 /// What is wrong with a config (the message names the setting and what it must be).
@@ -346,7 +335,7 @@ impl Base<'_> {
 
 fn min_extent(pool: &RawPool) -> Result<u64, ConfigError> {
     let min_extent = match &pool.min_extent {
-        Some(s) => s.bytes("pool.min_extent")?,
+        Some(s) => size_bytes(s, "pool.min_extent")?,
         None => 4 << 20,
     };
     if !min_extent.is_power_of_two() || min_extent < 64 * 1024 {
@@ -381,7 +370,7 @@ fn device(d: &RawDevice, base: &Base) -> Result<DeviceConfig, ConfigError> {
         create_size: d
             .create_size
             .as_ref()
-            .map(|s| s.bytes(format!("device {path}: create_size")))
+            .map(|s| size_bytes(s, format!("device {path}: create_size")))
             .transpose()?,
     })
 }
@@ -403,7 +392,7 @@ fn volumes(raw: &[RawVolume]) -> Result<Vec<VolumeConfig>, ConfigError> {
     for v in raw {
         ceph::check_rbd_volume(v)?;
         let size = match &v.size {
-            Some(s) => s.bytes(format!("volume {}: size", v.name))?,
+            Some(s) => size_bytes(s, format!("volume {}: size", v.name))?,
             None if v.rbd.is_some() => 0,
             None => return Err(ConfigError::VolumeSize(v.name.clone())),
         };
@@ -527,7 +516,7 @@ impl Config {
             min_extent,
             no_direct: raw.pool.no_direct,
             resync_rate: match &raw.pool.resync_rate {
-                Some(r) => r.bytes("pool.resync_rate")?,
+                Some(r) => size_bytes(r, "pool.resync_rate")?,
                 None => spool_pool::DEFAULT_RESYNC_RATE,
             },
             auto_rebuild: raw.pool.auto_rebuild.unwrap_or(true),

@@ -2,21 +2,23 @@
 //! client side `spoolctl` uses.
 //!
 //! Owns: turning a config file or RPC call into pool and frontend operations, and the
-//! socket layout under the state directory. The typed control API (`api`) is shared by both
-//! ends; `rpc` carries it (errors, method table, socket, client) without knowing the daemon,
-//! which registers a handler per method (`daemon`); `kept` names what is kept with the keeper.
+//! socket layout under the state directory. The typed control API (`api`: the `spool-api`
+//! crate) is shared by both ends, and `wire` converts the lower layers' reports into it;
+//! `rpc` carries it (errors, method table, socket) without knowing the daemon, which
+//! registers a handler per method (`daemon`); `kept` names what is kept with the keeper.
 //!
 //! Must not know: virtio or on-device formats; it talks to the pool and frontend layers only
 //! through their public APIs.
 
-pub mod api;
+pub use spool_api as api;
+pub use spool_api::size;
 pub mod config;
 pub mod daemon;
 pub mod kept;
 pub mod metrics;
 pub mod qos;
 pub mod rpc;
-pub mod size;
+pub mod wire;
 
 pub use config::Config;
 pub use daemon::{Daemon, Keeping};

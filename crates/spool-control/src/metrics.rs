@@ -11,12 +11,12 @@
 use std::fmt::Write as _;
 use std::net::TcpListener;
 
+use crate::api::restart::{KindHistory, STALL_BUCKETS_MS};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use spool_frontend::stats::{LATENCY_BUCKETS, OP_NAMES};
-use spool_keeper::proto::{KindHistory, STALL_BUCKETS_MS};
 
 use crate::api::{DeviceHealthReport, OpStats, Status, VolumeStats};
 
@@ -115,7 +115,8 @@ fn stall_histogram(m: &mut MetricEncoder, h: &KindHistory) -> std::fmt::Result {
             (bound, *n)
         })
         .collect();
-    m.encode_histogram::<NoLabelSet>(h.stall_sum_ms / 1e3, h.count(), &buckets, None)
+    let count = h.stall_buckets.iter().sum();
+    m.encode_histogram::<NoLabelSet>(h.stall_sum_ms / 1e3, count, &buckets, None)
 }
 
 fn per_op(v: &VolumeStats) -> [(&'static str, &OpStats); 3] {

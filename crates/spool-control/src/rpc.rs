@@ -3,7 +3,8 @@
 //!
 //! Owns: the errors a method can answer with and their JSON-RPC codes, the method table
 //! (name → handler + help; the method list is derived from it), request checking and
-//! dispatch, the socket (`transport`) and the blocking client (`client`).
+//! dispatch, the socket (`transport`); the blocking client is the wire crate's
+//! (`spool_api::client`, re-exported here).
 //!
 //! Must not know: what the methods do. The daemon registers one handler per [`Method`] of
 //! the typed API (`crate::api`) and hands the table and itself to [`serve`].
@@ -14,12 +15,11 @@ use serde_json::{json, Value};
 
 use crate::api::Method;
 
-mod client;
 mod error;
 mod transport;
 
-pub use client::{Client, ClientError};
 pub use error::{ErrorObject, RpcError};
+pub use spool_api::client::{Client, ClientError};
 pub use transport::{bind, serve, MAX_REQUEST};
 
 /// The request a handler answers: its id (`None` for a notification) and the connection it

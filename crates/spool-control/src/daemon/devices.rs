@@ -12,8 +12,9 @@ use uuid::Uuid;
 use super::inject;
 use super::volumes::opt_size;
 use super::Daemon;
-use crate::api::{self, FaultRuleInfo, IdParams, NoParams};
+use crate::api::{self, IdParams, NoParams};
 use crate::rpc::{MethodTable, RpcError};
+use crate::wire::{self, ToWire};
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::PoolShow>(Daemon::pool_show)
@@ -31,17 +32,22 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
 
 impl Daemon {
     fn pool_show(&self, _: NoParams) -> Result<api::PoolInfo, RpcError> {
-        Ok(self.pool().info().into())
+        Ok(self.pool().info().wire())
     }
 
     /// `pool check`: reads every thin map from the devices under the pool lock (a few KiB
     /// per GiB of thin volume), so volume changes wait for it.
     fn pool_check(&self, _: NoParams) -> Result<api::CheckReport, RpcError> {
-        Ok(self.pool().check().into())
+        Ok(self.pool().check().wire())
     }
 
     fn device_list(&self, _: NoParams) -> Result<Vec<api::DeviceInfo>, RpcError> {
-        Ok(self.pool().devices().into_iter().map(Into::into).collect())
+        Ok(self
+            .pool()
+            .devices()
+            .into_iter()
+            .map(ToWire::wire)
+            .collect())
     }
 
     fn device_add(&self, p: api::DeviceAddParams) -> Result<api::DeviceInfo, RpcError> {
@@ -51,7 +57,7 @@ impl Daemon {
             create_size,
             null: None,
         };
-        Ok(self.pool().add_device(&spec, p.force)?.into())
+        Ok(self.pool().add_device(&spec, p.force)?.wire())
     }
 
     /// A controller reset: hold the device's I/O, probe it, resume; and resubmit, from the
@@ -104,7 +110,7 @@ impl Daemon {
                     .iter()
                     .find(|(u, _)| *u == r.device)
                     .and_then(|(_, d)| d.controller_status());
-                api::DeviceHealthReport::new(r, nvme)
+                wire::health_report(r, nvme)
             })
             .collect())
     }
@@ -115,7 +121,7 @@ impl Daemon {
         loop {
             let (events, last) = self.monitor.events(p.since);
             if !events.is_empty() || Instant::now() >= deadline {
-                let events = events.iter().filter_map(api::HealthEvent::new).collect();
+                let events = events.iter().filter_map(wire::health_event).collect();
                 return Ok(api::EventsResult { events, last });
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -124,7 +130,7 @@ impl Daemon {
 
     fn device_replace(&self, p: api::DeviceReplaceParams) -> Result<api::Replacement, RpcError> {
         let create_size = opt_size(p.create_size, "create_size")?;
-        Ok(self.replace(&p.old, p.new, create_size, p.force)?.into())
+        Ok(self.replace(&p.old, p.new, create_size, p.force)?.wire())
     }
 
     fn device_inject(&self, p: api::InjectParams) -> Result<api::InjectResult, RpcError> {
@@ -144,7 +150,7 @@ impl Daemon {
         tracing::warn!(device = %uuid, kind = %p.kind, id, "fault injected");
         Ok(api::InjectResult {
             device: uuid,
-            rule: Some(FaultRuleInfo::new(id, &rule, 0, rule.count)),
+            rule: Some(wire::fault_rule(id, &rule, 0, rule.count)),
             smart_critical_warning: None,
         })
     }
@@ -157,7 +163,7 @@ impl Daemon {
             device: uuid,
             rules: rules
                 .iter()
-                .map(|f| FaultRuleInfo::new(f.id, &f.rule, f.hits, f.remaining))
+                .map(|f| wire::fault_rule(f.id, &f.rule, f.hits, f.remaining))
                 .collect(),
             smart_critical_warning: dev.faults().smart_warning(),
         })

@@ -4,6 +4,7 @@
 use super::Daemon;
 use crate::api::{self, ChangedChunks, CloneParams, IdParams, Snapshot, SnapshotParams, Volume};
 use crate::rpc::{MethodTable, RpcError};
+use crate::wire::ToWire;
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::VolumeSnapshot>(Daemon::volume_snapshot)
@@ -16,12 +17,12 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
 
 impl Daemon {
     fn volume_snapshot(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
-        Ok(self.pool().snapshot_volume(&p.id, &p.snapshot)?.into())
+        Ok(self.pool().snapshot_volume(&p.id, &p.snapshot)?.wire())
     }
 
     fn volume_snapshots(&self, p: IdParams) -> Result<Vec<Snapshot>, RpcError> {
         let list = self.pool().snapshots(&p.id)?;
-        Ok(list.into_iter().map(Snapshot::from).collect())
+        Ok(list.into_iter().map(ToWire::wire).collect())
     }
 
     fn snapshot_delete(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
@@ -30,7 +31,7 @@ impl Daemon {
         let (_, deleted) = self.with_exports_stopped(v.uuid, Some(&p.snapshot), || {
             self.pool().delete_snapshot(&p.id, &p.snapshot)
         });
-        Ok(deleted?.into())
+        Ok(deleted?.wire())
     }
 
     /// Offline only: a VM connected to the volume would see its data change under it.

@@ -297,7 +297,7 @@ impl Daemon {
                     name: v.name.clone(),
                     source,
                 })?;
-            tracing::info!(volume = %v.name, limits = %crate::qos::describe(want.as_ref()), "I/O limits from the config");
+            tracing::info!(volume = %v.name, limits = %crate::qos::describe(want.map(crate::wire::ToWire::wire).as_ref()), "I/O limits from the config");
         }
         Ok(())
     }

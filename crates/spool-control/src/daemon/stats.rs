@@ -34,7 +34,7 @@ impl Daemon {
             .filter(|(u, _)| only.is_none_or(|o| o == **u))
             .map(|(u, s)| {
                 let ctx = s.context();
-                api::VolumeStats::new(
+                crate::wire::volume_stats(
                     ctx.name().to_string(),
                     *u,
                     ctx.num_queues(),
@@ -147,7 +147,7 @@ impl Daemon {
             .monitor
             .reports()
             .into_iter()
-            .map(|r| api::DeviceHealthReport::new(r, None))
+            .map(|r| crate::wire::health_report(r, None))
             .collect();
         Snapshot {
             volumes,

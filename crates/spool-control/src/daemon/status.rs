@@ -8,6 +8,7 @@ use super::Daemon;
 use crate::api::{self, KeeperStatus, NoParams, Status, UpgradeParams};
 use crate::kept::StateFormat;
 use crate::rpc::{Call, MethodTable, RpcError};
+use crate::wire::ToWire;
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::DaemonStatus>(Daemon::status)
@@ -39,10 +40,13 @@ impl Daemon {
                 generation: i.generation,
                 start_reason: i.reason,
             }),
-            start_phases: self.start_phases(),
+            start_phases: self.start_phases().into_iter().map(ToWire::wire).collect(),
             first_io_after_restart_ms: first_io_ms,
-            last_restart: self.keeper().and_then(|l| l.last_report()),
-            state_format: StateFormat::current(),
+            last_restart: self
+                .keeper()
+                .and_then(|l| l.last_report())
+                .map(ToWire::wire),
+            state_format: StateFormat::current().wire(),
         }
     }
 

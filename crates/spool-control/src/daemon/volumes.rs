@@ -9,6 +9,7 @@ use super::Daemon;
 use crate::api::{self, IdParams, NoParams, SizeValue, Volume};
 use crate::config::DEFAULT_QUEUES;
 use crate::rpc::{MethodTable, RpcError};
+use crate::wire::ToWire;
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::VolumeList>(Daemon::volume_list)
@@ -146,7 +147,7 @@ impl Daemon {
             .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
         let (v, layout) = {
             let mut pool = self.pool();
-            let limits = change.apply(pool.volume(&p.id)?.qos);
+            let limits = crate::qos::apply(&change, pool.volume(&p.id)?.qos);
             limits.validate().map_err(RpcError::InvalidParams)?;
             let v = pool.set_qos(&p.id, Some(limits))?;
             let l = pool.layout(&v.uuid.to_string());
@@ -204,7 +205,7 @@ impl Daemon {
             self.pool()
                 .delete_volume_with(&v.uuid.to_string(), p.remove_image)
         });
-        Ok(deleted?.into())
+        Ok(deleted?.wire())
     }
 
     /// A volume and how it is served.
@@ -218,7 +219,7 @@ impl Daemon {
                     .expect("a mirror device")
                     .progress()
             });
-            api::MirrorStatus::new(&v, progress)
+            crate::wire::mirror_status(&v, progress)
         });
         // An encrypted volume that is not served: the key's reason, if that is it.
         let thin_error = v.thin.as_ref().and_then(|t| t.error.clone());
@@ -235,7 +236,7 @@ impl Daemon {
             connected: s.is_some_and(|s| s.connected()),
             quarantined_io: self.quarantined_io(v.uuid),
             mirror,
-            info: v.into(),
+            info: v.wire(),
         }
     }
 

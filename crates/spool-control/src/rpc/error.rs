@@ -1,6 +1,5 @@
 //! The errors a method answers with, and the JSON-RPC error object they become on the wire.
 
-use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// Why a request failed. Each variant maps to the JSON-RPC code the wire uses
@@ -59,13 +58,7 @@ impl RpcError {
     }
 }
 
-/// A JSON-RPC error object, as sent and as a client receives it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
-#[error("{message}")]
-pub struct ErrorObject {
-    pub code: i64,
-    pub message: String,
-}
+pub use spool_api::client::ErrorObject;
 
 impl From<&RpcError> for ErrorObject {
     fn from(e: &RpcError) -> Self {

@@ -1,11 +1,11 @@
 //! spoolctl: command-line client of spoold's JSON-RPC API. Each subcommand has one request
-//! builder (`request`) and one renderer (`render`) over the typed API (`spool_control::api`).
+//! builder (`request`) and one renderer (`render`) over the typed API (`spool_api::api`).
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use spool_control::api;
-use spool_control::rpc::{Client, ClientError, ErrorObject};
+use spool_api as api;
+use spool_api::client::{Client, ClientError, ErrorObject};
 
 mod args;
 mod mirror;
@@ -25,9 +25,9 @@ pub enum CtlError {
     #[error(transparent)]
     Rpc(#[from] ErrorObject),
     #[error(transparent)]
-    Size(#[from] spool_control::size::SizeError),
+    Size(#[from] spool_api::size::SizeError),
     #[error(transparent)]
-    Qos(#[from] spool_control::qos::QosError),
+    Qos(#[from] spool_api::qos::QosError),
     #[error("{0}")]
     Path(std::io::Error),
     #[error("params are not JSON: {0}")]

@@ -3,8 +3,8 @@
 
 use std::io::IsTerminal;
 
-use spool_control::api::{MirrorStatus, VerifyResult};
-use spool_control::size::format_size;
+use spool_api::size::format_size;
+use spool_api::{MirrorStatus, VerifyResult};
 
 use super::table::{header, table};
 

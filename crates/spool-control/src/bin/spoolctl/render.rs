@@ -5,9 +5,9 @@ use std::fmt::Display;
 
 use serde::Serialize;
 use serde_json::Value;
-use spool_control::api::{self, DeviceHealthReport, DeviceInfo, HealthEvent, Method, Volume};
-use spool_control::size::format_size;
-use spool_keeper::RestartReport;
+use spool_api::restart::RestartReport;
+use spool_api::size::format_size;
+use spool_api::{self as api, DeviceHealthReport, DeviceInfo, HealthEvent, Method, Volume};
 
 use super::args::{Cmd, DeviceCmd, PoolCmd, VolumeCmd};
 use super::table::{header, table};
@@ -182,15 +182,14 @@ fn volumes_table(vs: &[Volume]) -> String {
 /// One volume: its table row, its I/O limits, its mirror and where its data lies.
 fn volume(v: &Volume) {
     println!("{}", volumes_table(std::slice::from_ref(v)));
-    let limits = v.info.qos.map(spool_pool::QosLimits::from);
     println!(
         "I/O limits: {}",
-        spool_control::qos::describe(limits.as_ref())
+        spool_api::qos::describe(v.info.qos.as_ref())
     );
     if v.info.encrypted {
         println!(
             "encryption: {} (its own data key, wrapped under key-encryption key {})",
-            spool_crypt::CIPHER,
+            spool_api::CIPHER,
             v.info.kek_id.as_deref().unwrap_or("?")
         );
     }

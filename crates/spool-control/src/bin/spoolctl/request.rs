@@ -4,11 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use spool_control::api::{
-    self, CloneParams, ErrnoArg, IdParams, Method, NoParams, RateValue, SizeValue, SnapshotParams,
+use spool_api::qos::parse_burst_ms;
+use spool_api::size::parse_size;
+use spool_api::{
+    self as api, CloneParams, ErrnoArg, IdParams, Method, NoParams, RateValue, SizeValue,
+    SnapshotParams,
 };
-use spool_control::qos::parse_burst_ms;
-use spool_control::size::parse_size;
 
 use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, SnapshotCmd, VolumeCmd};
 use super::snapshot;
@@ -268,7 +269,7 @@ fn qos(a: &QosArgs) -> Result<Request, CtlError> {
         write_bps: bw(&a.write_bw, "--write-bw")?,
         burst_ms: a.burst.as_deref().map(parse_burst_ms).transpose()?,
         weight: a.weight,
-        priority: a.priority.as_deref().and_then(spool_pool::Priority::parse),
+        priority: a.priority.as_deref().and_then(spool_api::Priority::parse),
         clear: a.clear,
     })
 }

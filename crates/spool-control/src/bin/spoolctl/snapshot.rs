@@ -1,8 +1,8 @@
 //! `volume snapshot`, `volume snapshots`, `volume clone`, `snapshot delete`: a snapshot
 //! named as `VOLUME@SNAPSHOT`, and how their results print.
 
-use spool_control::api::{DiffResult, ExportInfo, Snapshot};
-use spool_control::size::format_size;
+use spool_api::size::format_size;
+use spool_api::{DiffResult, ExportInfo, Snapshot};
 
 use super::table::{header, table};
 use super::CtlError;

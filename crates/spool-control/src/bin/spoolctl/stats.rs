@@ -4,10 +4,10 @@
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-use spool_control::api::{self, OpStats, VolumeStats};
-use spool_control::rpc::Client;
-use spool_control::size::format_size;
-use spool_frontend::stats::OpTotals;
+use spool_api::client::Client;
+use spool_api::size::format_size;
+use spool_api::stats::quantile_us;
+use spool_api::{self as api, OpStats, VolumeStats};
 
 use super::args::Args;
 use super::table::{header, table};
@@ -61,17 +61,13 @@ fn delta(now: &OpStats, then: Option<&OpStats>) -> OpStats {
         .zip(&t.buckets)
         .map(|(a, b)| a.saturating_sub(*b))
         .collect();
-    let mut hist = OpTotals::default();
-    for (b, n) in hist.buckets.iter_mut().zip(&buckets) {
-        *b = *n;
-    }
     OpStats {
         ops: now.ops - t.ops,
         bytes: now.bytes.saturating_sub(t.bytes),
         errors: now.errors.saturating_sub(t.errors),
         mean_us: 0.0,
-        p50_us: hist.quantile_us(0.5),
-        p99_us: hist.quantile_us(0.99),
+        p50_us: quantile_us(&buckets, 0.5),
+        p99_us: quantile_us(&buckets, 0.99),
         buckets,
     }
 }

@@ -1,13 +1,22 @@
-//! A blocking JSON-RPC client (used by spoolctl and the tests).
+//! A blocking JSON-RPC client of spoold's socket (used by spoolctl and the tests), and the
+//! JSON-RPC error object as it travels.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::ErrorObject;
-use crate::api::Method;
+use crate::Method;
+
+/// A JSON-RPC error object, as sent and as a client receives it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ErrorObject {
+    pub code: i64,
+    pub message: String,
+}
 
 /// Why a client could not talk to spoold.
 #[derive(Debug, thiserror::Error)]

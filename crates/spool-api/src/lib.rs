@@ -1,12 +1,16 @@
-//! The typed control API: one params type and one result type per JSON-RPC method, shared by
-//! spoold (which registers a handler for each, see `daemon::methods`) and spoolctl (which
-//! builds the params and renders the result). docs/rpc.md describes the same surface.
+//! The wire types of spoold's control API: one params type and one result type per JSON-RPC
+//! method, the JSON-RPC client, and the sizes and rates people write. spoold registers a
+//! handler for each method (spool-control's `daemon::methods`); spoolctl builds the params
+//! and renders the result, and depends on this crate alone. docs/rpc.md describes the same
+//! surface.
 //!
 //! Owns: method names and help, the wire shape of params and results (field names, which
-//! fields are optional, how sizes and errnos may be written).
+//! fields are optional, how sizes and errnos may be written), the client's side of the
+//! socket.
 //!
-//! Must not know: the daemon, the pool or the monitor; results are plain data converted from
-//! them by the daemon (`From` impls in `api/results.rs` take the lower layers' reports).
+//! Must not know: the daemon, the pool, the frontend, the keeper or the monitor; it depends
+//! on none of them. Results are plain data the daemon converts from their reports
+//! (spool-control's `wire` module).
 
 use std::path::PathBuf;
 
@@ -14,13 +18,17 @@ use serde::de::{DeserializeOwned, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
-pub use crate::config::SizeValue;
-pub use crate::qos::RateValue;
+pub use qos::{Priority, RateValue};
+pub use size::SizeValue;
 
 mod check;
+pub mod client;
 mod mirror;
+pub mod qos;
+pub mod restart;
 mod results;
-mod stats;
+pub mod size;
+pub mod stats;
 mod thin;
 pub use thin::{
     ChangedChunks, CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot,
@@ -32,6 +40,9 @@ pub use mirror::*;
 pub use results::*;
 pub use stats::*;
 pub use thin::*;
+
+/// The cipher of encrypted volumes (dm-crypt's name for it; docs/encryption.md).
+pub const CIPHER: &str = "aes-xts-plain64";
 
 /// One JSON-RPC method: its name, a line of help, and the types of its params and result.
 pub trait Method: 'static {
@@ -119,7 +130,7 @@ methods! {
         "I/O counters of every volume (or one): requests, bytes, errors, latency, in flight";
     DaemonStatus = "daemon_status", NoParams => Status,
         "worker and keeper, restart phases, state formats";
-    DaemonUpgrade = "daemon_upgrade", UpgradeParams => spool_keeper::RestartReport,
+    DaemonUpgrade = "daemon_upgrade", UpgradeParams => restart::RestartReport,
         "replace the worker with a new binary, answered by the keeper";
 }
 
@@ -397,7 +408,7 @@ pub struct VolumeQosParams {
     pub weight: Option<u32>,
     /// Scheduling class: "latency", "normal" or "batch".
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub priority: Option<spool_pool::Priority>,
+    pub priority: Option<Priority>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub clear: bool,
 }

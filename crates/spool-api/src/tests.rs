@@ -135,10 +135,17 @@ fn volume_qos_params_and_limits_on_the_wire() {
         serde_json::from_value(json!({"id": "v", "write_bps": "fast"})).unwrap();
     let e = bad.change().unwrap_err().to_string();
     assert!(e.contains("write_bps \"fast\" is not a bandwidth"), "{e}");
-    let q = QosLimits::from(spool_pool::QosLimits {
+    let q = QosLimits {
         iops: 1000,
-        ..spool_pool::QosLimits::default()
-    });
+        read_iops: 0,
+        write_iops: 0,
+        bps: 0,
+        read_bps: 0,
+        write_bps: 0,
+        burst_ms: 1000,
+        weight: 0,
+        priority: Priority::Normal,
+    };
     assert_eq!(wire(&q), r#"{"burst_ms":1000,"iops":1000}"#);
     let clear = VolumeQosParams {
         id: "v".into(),

@@ -1,5 +1,5 @@
-//! Result types of the control API, as they appear on the wire, and their conversions from
-//! the reports of the lower layers (pool, health monitor, devices).
+//! Result types of the control API, as they appear on the wire (the daemon converts the
+//! reports of the lower layers, pool, health monitor and devices, into these).
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -13,19 +13,6 @@ pub struct DeviceInfo {
     pub free: u64,
     pub present: bool,
     pub direct_io: bool,
-}
-
-impl From<spool_pool::DeviceInfo> for DeviceInfo {
-    fn from(d: spool_pool::DeviceInfo) -> Self {
-        DeviceInfo {
-            uuid: d.uuid,
-            path: d.path,
-            size: d.size,
-            free: d.free,
-            present: d.present,
-            direct_io: d.direct_io,
-        }
-    }
 }
 
 /// A configured device the pool runs without, and why.
@@ -56,32 +43,6 @@ pub struct PoolInfo {
     /// Bytes of chunks named by more than one map (snapshots, clones; docs/snapshots.md).
     #[serde(default)]
     pub thin_shared: u64,
-}
-
-impl From<spool_pool::PoolInfo> for PoolInfo {
-    fn from(p: spool_pool::PoolInfo) -> Self {
-        PoolInfo {
-            name: p.name,
-            uuid: p.uuid,
-            generation: p.generation,
-            min_extent: p.min_extent,
-            size: p.size,
-            free: p.free,
-            devices: p.devices.into_iter().map(DeviceInfo::from).collect(),
-            volumes: p.volumes,
-            left_out: p
-                .left_out
-                .into_iter()
-                .map(|l| LeftOut {
-                    path: l.path,
-                    reason: l.reason,
-                })
-                .collect(),
-            thin_provisioned: p.thin_provisioned,
-            thin_mapped: p.thin_mapped,
-            thin_shared: p.thin_shared,
-        }
-    }
 }
 
 /// A volume as the pool keeps it (`volume_delete`, and the first part of [`Volume`]).
@@ -154,76 +115,36 @@ pub struct QosLimits {
     #[serde(default, skip_serializing_if = "is_zero32")]
     pub weight: u32,
     /// Scheduling class; absent: normal.
-    #[serde(default, skip_serializing_if = "spool_pool::Priority::is_normal")]
-    pub priority: spool_pool::Priority,
+    #[serde(default, skip_serializing_if = "crate::Priority::is_normal")]
+    pub priority: crate::Priority,
+}
+
+impl QosLimits {
+    /// Each limit by name, as spoolctl and the RPC spell them.
+    pub fn rates(&self) -> [(&'static str, u64); 6] {
+        [
+            ("iops", self.iops),
+            ("read_iops", self.read_iops),
+            ("write_iops", self.write_iops),
+            ("bps", self.bps),
+            ("read_bps", self.read_bps),
+            ("write_bps", self.write_bps),
+        ]
+    }
+
+    /// No rate limited.
+    pub fn is_unlimited(&self) -> bool {
+        self.rates().iter().all(|(_, r)| *r == 0)
+    }
+
+    /// No limit, the default weight and priority: nothing worth showing.
+    pub fn is_default(&self) -> bool {
+        self.is_unlimited() && self.weight == 0 && self.priority.is_normal()
+    }
 }
 
 fn is_zero32(v: &u32) -> bool {
     *v == 0
-}
-
-impl From<spool_pool::QosLimits> for QosLimits {
-    fn from(q: spool_pool::QosLimits) -> Self {
-        QosLimits {
-            iops: q.iops,
-            read_iops: q.read_iops,
-            write_iops: q.write_iops,
-            bps: q.bps,
-            read_bps: q.read_bps,
-            write_bps: q.write_bps,
-            burst_ms: q.burst_ms,
-            weight: q.weight,
-            priority: q.priority,
-        }
-    }
-}
-
-impl From<QosLimits> for spool_pool::QosLimits {
-    fn from(q: QosLimits) -> Self {
-        spool_pool::QosLimits {
-            iops: q.iops,
-            read_iops: q.read_iops,
-            write_iops: q.write_iops,
-            bps: q.bps,
-            read_bps: q.read_bps,
-            write_bps: q.write_bps,
-            burst_ms: q.burst_ms,
-            weight: q.weight,
-            priority: q.priority,
-        }
-    }
-}
-
-impl From<spool_pool::VolumeInfo> for VolumeInfo {
-    fn from(v: spool_pool::VolumeInfo) -> Self {
-        VolumeInfo {
-            uuid: v.uuid,
-            name: v.name,
-            size: v.size,
-            allocated: v.allocated,
-            read_only: v.read_only,
-            num_queues: v.num_queues,
-            extents: v.extents,
-            devices: v.devices,
-            online: v.online,
-            qos: v.qos.map(QosLimits::from),
-            rbd: v.rbd,
-            extent_map: v
-                .extent_map
-                .into_iter()
-                .map(|e| ExtentInfo {
-                    copy: e.copy,
-                    volume_offset: e.volume_offset,
-                    device: e.device,
-                    offset: e.offset,
-                    len: e.len,
-                })
-                .collect(),
-            encrypted: v.encrypted,
-            kek_id: v.kek_id,
-            thin: v.thin.map(super::ThinInfo::from),
-        }
-    }
 }
 
 /// A volume and how it is served (`volume_list`, `volume_show`, `volume_create`, …).
@@ -254,17 +175,6 @@ pub struct Replacement {
     /// Volumes whose extents moved to the new device (their data there reads as zeroes).
     pub volumes: Vec<String>,
     pub extents: usize,
-}
-
-impl From<spool_pool::Replacement> for Replacement {
-    fn from(r: spool_pool::Replacement) -> Self {
-        Replacement {
-            old: r.old,
-            new: r.new.into(),
-            volumes: r.volumes,
-            extents: r.extents,
-        }
-    }
 }
 
 /// `device_reset`.
@@ -306,39 +216,6 @@ pub struct DeviceHealthReport {
     /// Only for NVMe devices.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub nvme: Option<NvmeHealth>,
-}
-
-impl DeviceHealthReport {
-    /// The monitor's report of a device, with its NVMe controller's status if it has one.
-    pub fn new(
-        r: spool_health::DeviceReport,
-        nvme: Option<spool_devices::ControllerStatus>,
-    ) -> Self {
-        let c = r.counters;
-        DeviceHealthReport {
-            device: r.device,
-            path: r.path,
-            state: r.state.to_string(),
-            reason: r.reason,
-            epoch: r.epoch,
-            counters: Counters {
-                media_errors: c.media_errors,
-                path_errors: c.path_errors,
-                timeouts: c.timeouts,
-                gone_errors: c.gone_errors,
-                request_errors: c.request_errors,
-                dropped_reports: c.dropped_reports,
-                resets: c.resets,
-                failed_probes: c.failed_probes,
-            },
-            last_error: r.last_error,
-            smart_critical_warning: r.smart_critical_warning,
-            injected_faults: r.injected_faults,
-            injected_hits: r.injected_hits,
-            since_s: r.since_s,
-            nvme: nvme.map(NvmeHealth::from),
-        }
-    }
 }
 
 /// The NVMe part of a device's health report.
@@ -389,52 +266,6 @@ pub struct NvmeSmart {
     pub error_log_entries: u64,
 }
 
-impl From<spool_devices::ControllerStatus> for NvmeHealth {
-    fn from(n: spool_devices::ControllerStatus) -> Self {
-        NvmeHealth {
-            pci: n.pci,
-            model: n.model,
-            serial: n.serial,
-            firmware: n.firmware,
-            version: n.version,
-            lba_size: n.lba_size,
-            blocks: n.blocks,
-            io_queues: n.io_queues,
-            max_transfer: n.max_transfer,
-            resets: n.resets,
-            attached: n.attached,
-            zero_copy_requests: n.zero_copy_requests,
-            bounced_requests: n.bounced_requests,
-            sgl: n.sgl,
-            sgl_requests: n.sgl_requests,
-            flush_commands: n.flush_commands,
-            deallocate_commands: n.deallocate_commands,
-            write_zeroes_commands: n.write_zeroes_commands,
-            gone: n.gone,
-            error_log: n
-                .error_log
-                .iter()
-                .map(|e| NvmeErrorEntry {
-                    error_count: e.error_count,
-                    sqid: e.sqid,
-                    cid: e.cid,
-                    status: e.status.to_string(),
-                    lba: e.lba,
-                    nsid: e.nsid,
-                })
-                .collect(),
-            smart: n.smart.map(|s| NvmeSmart {
-                critical_warning: s.critical_warning,
-                temperature_k: s.temperature,
-                available_spare_pct: s.available_spare,
-                percentage_used: s.percentage_used,
-                media_errors: s.media_errors,
-                error_log_entries: s.error_log_entries,
-            }),
-        }
-    }
-}
-
 /// What a health event is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -477,22 +308,6 @@ pub struct HealthEvent {
     pub reason: String,
 }
 
-impl HealthEvent {
-    /// The monitor's event; `None` for a kind this layer does not know.
-    pub fn new(e: &spool_health::Event) -> Option<HealthEvent> {
-        Some(HealthEvent {
-            seq: e.seq,
-            time_ms: e.time_ms,
-            device: e.device,
-            path: e.path.clone(),
-            kind: HealthEventKind::parse(&e.kind)?,
-            from: e.from.map(str::to_string),
-            to: e.to.map(str::to_string),
-            reason: e.reason.clone(),
-        })
-    }
-}
-
 /// `events_list`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EventsResult {
@@ -516,36 +331,6 @@ pub struct FaultRuleInfo {
     pub duration_ms: Option<u64>,
     pub fails_probe: bool,
     pub hits: u64,
-}
-
-impl FaultRuleInfo {
-    pub fn new(id: u64, r: &spool_devices::FaultRule, hits: u64, remaining: Option<u64>) -> Self {
-        use spool_devices::{FaultEffect, FaultOps};
-        FaultRuleInfo {
-            id,
-            effect: match r.effect {
-                FaultEffect::Errno(e) => {
-                    format!("errno {e} ({})", std::io::Error::from_raw_os_error(e))
-                }
-                FaultEffect::Hang => "hang".into(),
-                FaultEffect::Stuck => "stuck".into(),
-                FaultEffect::Crash => "crash".into(),
-            },
-            op: match r.ops {
-                FaultOps::Read => "read",
-                FaultOps::Write => "write",
-                FaultOps::Any => "any",
-            }
-            .into(),
-            offset: r.offset,
-            len: r.len,
-            count: r.count,
-            remaining,
-            duration_ms: r.duration.map(|d| d.as_millis() as u64),
-            fails_probe: r.fails_probe,
-            hits,
-        }
-    }
 }
 
 /// `device_inject`: the armed rule, or the simulated SMART byte for kind smart.
@@ -589,8 +374,16 @@ pub struct Status {
     pub version: String,
     pub binary: Option<String>,
     pub keeper: Option<KeeperStatus>,
-    pub start_phases: Vec<spool_keeper::Phase>,
+    pub start_phases: Vec<crate::restart::Phase>,
     pub first_io_after_restart_ms: Option<f64>,
-    pub last_restart: Option<spool_keeper::RestartReport>,
-    pub state_format: crate::kept::StateFormat,
+    pub last_restart: Option<crate::restart::RestartReport>,
+    pub state_format: StateFormat,
+}
+
+/// The formats of the state a worker keeps with the keeper (an upgrade needs the new
+/// binary to read them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateFormat {
+    /// Format of the frontend's session state.
+    pub session: u32,
 }

@@ -1,4 +1,24 @@
-//! Human sizes ("512M", "4G", "4096") for config files and the CLI.
+//! Human sizes ("512M", "4G", "4096") for config files, the CLI and the wire.
+
+use serde::{Deserialize, Serialize};
+
+/// A size written as a number of bytes or a string with a suffix.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    /// The size in bytes.
+    pub fn bytes(&self) -> Result<u64, SizeError> {
+        match self {
+            SizeValue::Bytes(n) => Ok(*n),
+            SizeValue::Text(s) => parse_size(s),
+        }
+    }
+}
 
 /// A size that could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

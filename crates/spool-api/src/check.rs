@@ -22,18 +22,3 @@ pub struct CheckReport {
     /// What could not be checked and why (a missing device).
     pub skipped: Vec<String>,
 }
-
-impl From<spool_pool::CheckReport> for CheckReport {
-    fn from(r: spool_pool::CheckReport) -> Self {
-        CheckReport {
-            volumes: r.volumes,
-            maps: r.maps,
-            extent_bytes: r.extent_bytes,
-            chunks: r.chunks,
-            shared_chunks: r.shared_chunks,
-            leaked_bytes: r.leaked_bytes,
-            problems: r.problems,
-            skipped: r.skipped,
-        }
-    }
-}

@@ -22,19 +22,6 @@ pub struct ThinInfo {
     pub error: Option<String>,
 }
 
-impl From<spool_pool::ThinInfo> for ThinInfo {
-    fn from(t: spool_pool::ThinInfo) -> Self {
-        ThinInfo {
-            chunk: t.chunk,
-            mapped: t.mapped,
-            map_bytes: t.map_bytes,
-            waiting_for_space: t.waiting_for_space,
-            max_size: t.max_size,
-            error: t.error,
-        }
-    }
-}
-
 /// `volume_snapshot` and `snapshot_delete`: snapshot `snapshot` of volume `id`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -72,22 +59,6 @@ pub struct Snapshot {
     /// RBD's own snapshot (docs/ceph.md): `mapped` and `exclusive` are not counted here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rbd: bool,
-}
-
-impl From<spool_pool::SnapshotInfo> for Snapshot {
-    fn from(s: spool_pool::SnapshotInfo) -> Self {
-        Snapshot {
-            volume: s.volume,
-            name: s.name,
-            uuid: s.uuid,
-            size: s.size,
-            created: s.created,
-            mapped: s.mapped,
-            exclusive: s.exclusive,
-            error: s.error,
-            rbd: s.rbd,
-        }
-    }
 }
 
 /// `volume_diff`: what differs between snapshot `from` of volume `id` and snapshot `to`

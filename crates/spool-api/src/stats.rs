@@ -1,10 +1,30 @@
-//! The wire form of `volume_stats`: a volume's I/O counters and latency, converted from the
-//! frontend's [`spool_frontend::stats::VolumeStatsSnapshot`] so that it can change without
-//! changing the wire.
+//! The wire form of `volume_stats`: a volume's I/O counters and latency (the daemon converts
+//! the frontend's counters, so that they can change without changing the wire).
 
 use serde::{Deserialize, Serialize};
-use spool_frontend::stats::{OpTotals, VolumeStatsSnapshot, LATENCY_BUCKETS};
 use uuid::Uuid;
+
+/// Latency buckets on the wire: bucket i counts requests of at most 2^i µs, the last one
+/// the slower ones too.
+pub const LATENCY_BUCKETS: usize = 24;
+
+/// The latency below which a fraction `q` of the requests counted in `buckets` completed
+/// (a bucket's bound), µs; `None` without requests.
+pub fn quantile_us(buckets: &[u64], q: f64) -> Option<u64> {
+    let total: u64 = buckets.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let want = ((total as f64) * q).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (i, n) in buckets.iter().enumerate() {
+        seen += n;
+        if seen >= want {
+            return Some(1u64 << i);
+        }
+    }
+    Some(1u64 << (buckets.len().max(1) - 1))
+}
 
 /// `volume_stats`: every volume, or one.
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -27,24 +47,6 @@ pub struct OpStats {
     pub p99_us: Option<u64>,
     /// Requests per latency bucket, bucket i counting those ≤ 2^i µs (the last one: slower).
     pub buckets: Vec<u64>,
-}
-
-impl From<&OpTotals> for OpStats {
-    fn from(t: &OpTotals) -> Self {
-        OpStats {
-            ops: t.ops,
-            bytes: t.bytes,
-            errors: t.errors,
-            mean_us: if t.ops == 0 {
-                0.0
-            } else {
-                t.latency_sum_ns as f64 / t.ops as f64 / 1e3
-            },
-            p50_us: t.quantile_us(0.5),
-            p99_us: t.quantile_us(0.99),
-            buckets: t.buckets[..LATENCY_BUCKETS].to_vec(),
-        }
-    }
 }
 
 /// One volume's counters since this worker process started.
@@ -72,28 +74,16 @@ pub struct VolumeStats {
     pub uptime_s: f64,
 }
 
-impl VolumeStats {
-    pub fn new(
-        volume: String,
-        uuid: Uuid,
-        queues: u16,
-        s: &VolumeStatsSnapshot,
-        uptime_s: f64,
-    ) -> Self {
-        VolumeStats {
-            volume,
-            uuid,
-            read: (&s.ops[0]).into(),
-            write: (&s.ops[1]).into(),
-            other: (&s.ops[2]).into(),
-            rejected: s.rejected,
-            in_flight: s.in_flight,
-            queues,
-            queue_size: s.queue_size,
-            resubmitted: s.resubmitted,
-            journal_recoveries: s.recoveries,
-            qos_throttled_rounds: s.throttled_rounds,
-            uptime_s,
-        }
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn quantiles_are_bucket_bounds() {
+        let mut b = [0u64; super::LATENCY_BUCKETS];
+        assert_eq!(super::quantile_us(&b, 0.5), None);
+        b[0] = 99;
+        b[12] = 1;
+        assert_eq!(super::quantile_us(&b, 0.5), Some(1));
+        assert_eq!(super::quantile_us(&b, 0.99), Some(1));
+        assert_eq!(super::quantile_us(&b, 1.0), Some(4096));
     }
 }
