@@ -2,9 +2,9 @@
 # Installs what the test suite needs on a fresh Debian 12 machine: QEMU 7.2 (system emulator
 # and qemu-storage-daemon), fio and a static busybox for the test guest, systemd (run as a
 # private user manager by the systemd test, never as this machine's init), libvirt, and Ceph's
-# monitor, OSD and client tools (a private test cluster), libnbd's nbdinfo and nbdcopy. The machine may carry
-# bookworm-backports' qemu-utils; Debian refuses to mix it with bookworm's
-# qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
+# monitor, OSD and client tools (a private test cluster), libnbd's nbdinfo and nbdcopy, and
+# qemu-utils. The machine may carry bookworm-backports' qemu-utils; Debian refuses to mix it
+# with bookworm's qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
 set -euo pipefail
 need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
@@ -27,12 +27,16 @@ command -v ceph-osd >/dev/null || need+=(ceph-osd)
 command -v rbd >/dev/null || need+=(ceph-common)
 # The snapshot export is read by libnbd's tools as a backup would (tests/snapshots.rs).
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
+# qemu-img, qemu-io and qemu-nbd (qemu-utils, pinned below with every install) write to and
+# serve NBD exports in the nbd:// device and NBD server tests.
+utils=ok
+command -v qemu-nbd >/dev/null && command -v qemu-io >/dev/null && command -v qemu-img >/dev/null || utils=missing
 # libvirtd's QEMU driver resolves its default user at start even when qemu.conf overrides it;
 # libvirt-daemon-system's postinst would create it (we do not install that package: it wants
 # systemd as init).
 getent group libvirt-qemu >/dev/null || groupadd -r libvirt-qemu
 id libvirt-qemu >/dev/null 2>&1 || useradd -r -M -g libvirt-qemu -s /usr/sbin/nologin libvirt-qemu
-if ((${#need[@]} == 0)); then
+if ((${#need[@]} == 0)) && [ "$utils" = ok ]; then
     exit 0
 fi
 echo "installing: ${need[*]}"

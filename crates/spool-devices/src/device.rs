@@ -52,11 +52,14 @@ impl Device {
     /// A path `nvme:DDDD:BB:DD.F` opens namespace 1 of an NVMe controller through VFIO
     /// (VFIO gives one process the device at a time, which is the lock); anything else is a
     /// regular file or a block device. `rbd:POOL/IMAGE` is a Ceph RBD image on the cluster
-    /// `opts.ceph` names (created with `create_size` when missing).
+    /// `opts.ceph` names (created with `create_size` when missing). `nbd://HOST[:PORT]/EXPORT`
+    /// and `nbd+unix:///EXPORT?socket=PATH` are an export of an NBD server.
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Device> {
         let name = path.to_str().unwrap_or_default();
         let backend: Box<dyn PoolDevice> = if let Some(bdf) = name.strip_prefix("nvme:") {
             Box::new(NvmeBackend::open(bdf, !opts.no_nvme_sgl)?)
+        } else if name.starts_with("nbd://") || name.starts_with("nbd+unix://") {
+            Box::new(crate::NbdBackend::open(name)?)
         } else if let Some(image) = name.strip_prefix("rbd:") {
             Box::new(crate::RbdBackend::open(
                 image,

@@ -88,6 +88,11 @@ impl ErrorClass {
             | libc::EAGAIN
             | libc::EBUSY
             | libc::ECONNRESET
+            | libc::ENOTCONN
+            | libc::ECONNREFUSED
+            | libc::EPIPE
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
             | libc::EBADE => ErrorClass::Path,
             libc::ENODEV | libc::ENXIO | libc::ESHUTDOWN | libc::ESTALE => ErrorClass::Gone,
             _ => ErrorClass::Request,

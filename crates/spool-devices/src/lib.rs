@@ -12,6 +12,7 @@
 //! device byte offsets; the pool maps volume offsets onto them.
 
 mod backend;
+mod completions;
 mod device;
 mod fault;
 mod file;
@@ -20,6 +21,7 @@ mod health;
 mod inline;
 pub mod iov;
 pub mod mirror;
+mod nbd;
 mod null;
 mod nvme;
 mod queue;
@@ -35,6 +37,7 @@ pub use fault::{
 pub use file::FileBackend;
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
+pub use nbd::{NbdBackend, NbdQueue};
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
 pub use rbd::{

@@ -20,8 +20,12 @@ pub struct Session {
     pub contexts: Vec<u32>,
 }
 
-fn flags() -> u16 {
-    TFLAG_HAS_FLAGS | TFLAG_READ_ONLY | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN | TFLAG_SEND_CACHE
+fn flags(e: &dyn Export) -> u16 {
+    let base = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN | TFLAG_SEND_CACHE;
+    match e.writable() {
+        true => base | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES,
+        false => base | TFLAG_READ_ONLY,
+    }
 }
 
 fn dirty_name(e: &dyn Export) -> Option<String> {
@@ -50,7 +54,7 @@ pub fn run(
                     return Ok(None);
                 }
                 w.write_all(&e.size().to_be_bytes())?;
-                w.write_all(&flags().to_be_bytes())?;
+                w.write_all(&flags(e).to_be_bytes())?;
                 if !no_zeroes {
                     w.write_all(&[0u8; 124])?;
                 }
@@ -113,7 +117,7 @@ fn info(w: &mut impl Write, e: &dyn Export, opt: u32, data: &[u8]) -> io::Result
         (0..n as usize).any(|i| u16_at(data, at + 2 + 2 * i) == Some(INFO_BLOCK_SIZE));
     let mut d = INFO_EXPORT.to_be_bytes().to_vec();
     d.extend_from_slice(&e.size().to_be_bytes());
-    d.extend_from_slice(&flags().to_be_bytes());
+    d.extend_from_slice(&flags(e).to_be_bytes());
     option_reply(w, opt, REP_INFO, &d)?;
     if wants_sizes {
         let mut d = INFO_BLOCK_SIZE.to_be_bytes().to_vec();

@@ -41,12 +41,17 @@ pub const TFLAG_HAS_FLAGS: u16 = 1;
 pub const TFLAG_READ_ONLY: u16 = 1 << 1;
 pub const TFLAG_SEND_FLUSH: u16 = 1 << 2;
 pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
+pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 pub const TFLAG_SEND_CACHE: u16 = 1 << 10;
 
 pub const CMD_READ: u16 = 0;
+pub const CMD_WRITE: u16 = 1;
 pub const CMD_DISC: u16 = 2;
 pub const CMD_FLUSH: u16 = 3;
+pub const CMD_TRIM: u16 = 4;
 pub const CMD_CACHE: u16 = 5;
+pub const CMD_WRITE_ZEROES: u16 = 6;
 pub const CMD_BLOCK_STATUS: u16 = 7;
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 
@@ -67,8 +72,8 @@ pub const EOVERFLOW: u32 = 75;
 
 /// The longest option payload accepted (names, queries): anything larger is refused.
 pub const MAX_OPTION: u32 = 64 << 10;
-/// The largest read served in one request (advertised as the maximum block size; clients
-/// split larger ones). It bounds what one connection holds in memory.
+/// The largest read or write served in one request (advertised as the maximum block size;
+/// clients split larger ones). It bounds what one connection holds in memory.
 pub const MAX_READ: u32 = 8 << 20;
 
 pub fn u16_at(b: &[u8], at: usize) -> Option<u16> {

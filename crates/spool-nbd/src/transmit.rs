@@ -27,15 +27,25 @@ pub fn run(
         if q.kind == CMD_DISC {
             return Ok(());
         }
-        // A write's payload follows its header: read (and drop) it before replying.
-        if q.kind == 1 {
+        // A write's payload follows its header: read it before replying (a read-only
+        // export drops it).
+        let mut payload = Vec::new();
+        if q.kind == CMD_WRITE {
             if q.len > MAX_READ {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "write too large",
                 ));
             }
-            io::copy(&mut r.take(q.len as u64), &mut io::sink())?;
+            match e.writable() {
+                true => {
+                    payload.resize(q.len as usize, 0);
+                    r.read_exact(&mut payload)?;
+                }
+                false => {
+                    io::copy(&mut r.take(q.len as u64), &mut io::sink())?;
+                }
+            }
         }
         if stop.load(Ordering::SeqCst) {
             error(w, sess, q.cookie, ESHUTDOWN, "the export was stopped")?;
@@ -50,9 +60,16 @@ pub fn run(
             CMD_READ if q.len > MAX_READ => error(w, sess, q.cookie, EOVERFLOW, "read too large")?,
             CMD_READ if q.len == 0 => error(w, sess, q.cookie, EINVAL, "a read of no bytes")?,
             CMD_READ => read(w, e, sess, &q)?,
-            CMD_FLUSH | CMD_CACHE => done(w, sess, q.cookie)?,
+            CMD_CACHE => done(w, sess, q.cookie)?,
+            CMD_FLUSH => result(w, e, sess, &q, e.flush())?,
             CMD_BLOCK_STATUS => block_status(w, e, sess, &q)?,
-            1 | 4 | 6 => error(w, sess, q.cookie, EPERM, "the export is read-only")?,
+            CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !e.writable() => {
+                error(w, sess, q.cookie, EPERM, "the export is read-only")?
+            }
+            CMD_WRITE => result(w, e, sess, &q, e.write_at(&payload, q.offset))?,
+            CMD_WRITE_ZEROES => result(w, e, sess, &q, e.write_zeroes(q.offset, q.len as u64))?,
+            // A hint: the data may stay.
+            CMD_TRIM => done(w, sess, q.cookie)?,
             _ => error(w, sess, q.cookie, EINVAL, "command not supported")?,
         }
         w.flush()?;
@@ -63,6 +80,23 @@ fn error(w: &mut impl Write, sess: &Session, cookie: u64, err: u32, msg: &str) -
     match sess.structured {
         true => error_chunk(w, cookie, err, msg),
         false => simple_reply(w, cookie, err, &[]),
+    }
+}
+
+/// The reply to a write, write-zeroes or flush: done, or EIO (logged) when it failed.
+fn result(
+    w: &mut impl Write,
+    e: &dyn Export,
+    sess: &Session,
+    q: &Request,
+    r: io::Result<()>,
+) -> io::Result<()> {
+    match r {
+        Ok(()) => done(w, sess, q.cookie),
+        Err(err) => {
+            tracing::warn!(export = e.name(), kind = q.kind, offset = q.offset, len = q.len, error = %err, "an NBD write failed");
+            error(w, sess, q.cookie, EIO, "write failed")
+        }
     }
 }
 

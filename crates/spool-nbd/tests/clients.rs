@@ -213,3 +213,91 @@ fn tcp_works_and_hostile_requests_get_errors_not_crashes() {
     c.read_exact(&mut data).unwrap();
     assert!(data.iter().all(|&b| b == 0), "a hole");
 }
+
+/// A writable export of 1 MiB in memory, counting flushes.
+struct Disk {
+    data: std::sync::Mutex<Vec<u8>>,
+    flushes: std::sync::atomic::AtomicU64,
+}
+
+impl Export for Disk {
+    fn name(&self) -> &str {
+        "incoming"
+    }
+    fn size(&self) -> u64 {
+        1 << 20
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let d = self.data.lock().unwrap();
+        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn extent(&self) -> u64 {
+        EXTENT
+    }
+    fn allocated(&self, _i: u64) -> bool {
+        true
+    }
+    fn base(&self) -> Option<&str> {
+        None
+    }
+    fn changed(&self, _i: u64) -> bool {
+        false
+    }
+    fn writable(&self) -> bool {
+        true
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let mut d = self.data.lock().unwrap();
+        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.flushes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[test]
+#[ignore = "needs qemu-io, qemu-img and nbdcopy (scripts/install-deps.sh installs them)"]
+fn a_writable_export_takes_what_qemu_io_and_nbdcopy_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("in.sock");
+    let disk = Arc::new(Disk {
+        data: std::sync::Mutex::new(vec![0xeeu8; 1 << 20]),
+        flushes: Default::default(),
+    });
+    let _s = Server::start(Listen::Unix(sock.clone()), disk.clone()).unwrap();
+    let uri = format!("nbd+unix:///incoming?socket={}", sock.display());
+    let info = run(Command::new("nbdinfo").arg(&uri));
+    assert!(info.contains("is_read_only: false"), "{info}");
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x5a 4096 8192",
+        "-c",
+        "write -z 65536 4096",
+        "-c",
+        "flush",
+        &uri,
+    ]));
+    {
+        let d = disk.data.lock().unwrap();
+        assert!(d[4096..12288].iter().all(|&b| b == 0x5a));
+        assert!(d[65536..69632].iter().all(|&b| b == 0));
+        assert!(d[..4096].iter().all(|&b| b == 0xee) && d[69632] == 0xee);
+    }
+    assert!(disk.flushes.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    // A whole image copied in, as a transfer's first pass would, and compared.
+    let src = dir.path().join("src.img");
+    let bytes: Vec<u8> = (0..1u32 << 20).map(|i| (i % 253) as u8).collect();
+    std::fs::write(&src, &bytes).unwrap();
+    run(Command::new("nbdcopy").arg(&src).arg(&uri));
+    assert!(*disk.data.lock().unwrap() == bytes);
+    run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&src)
+        .arg(&uri));
+}

@@ -14,23 +14,13 @@
 //! Must not know: health, pools, what the requests are for.
 
 use std::ffi::{c_int, c_void};
-use std::fs::File;
-use std::io::Write;
-use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::RawFd;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use super::{ffi, Image};
+use crate::completions::Completions;
 use crate::queue::{DeviceIo, DeviceQueue};
-
-/// What completions and the worker share.
-struct Shared {
-    done: Mutex<Vec<(u64, i32)>>,
-    /// The worker wants the eventfd signalled (it is about to sleep).
-    notify: AtomicBool,
-    event: File,
-}
 
 /// Where an operation is: with librbd, completed, or given up by the queue.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -56,7 +46,7 @@ unsafe impl Sync for Ctl {}
 
 /// One request's context, owned by its completion until the callback runs.
 struct Op {
-    shared: Arc<Shared>,
+    shared: Arc<Completions>,
     ctl: Arc<Ctl>,
     /// Reads report the bytes read, as the file backends do; everything else 0.
     read: bool,
@@ -105,20 +95,13 @@ extern "C" fn on_complete(c: ffi::rbd_completion_t, arg: *mut c_void) {
     }
     *state = State::Done;
     drop(state);
-    op.shared
-        .done
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((op.ctl.tag, res));
-    if op.shared.notify.load(Ordering::SeqCst) {
-        let _ = (&op.shared.event).write(&1u64.to_ne_bytes());
-    }
+    op.shared.push(op.ctl.tag, res);
 }
 
 /// A queue on an RBD image for one worker.
 pub struct RbdQueue {
     image: Arc<Image>,
-    shared: Arc<Shared>,
+    shared: Arc<Completions>,
     /// Completions reaped from `shared` and not yet handed out, and submissions librbd
     /// refused (they complete with its error).
     local: Vec<(u64, i32)>,
@@ -131,11 +114,7 @@ impl RbdQueue {
     pub(crate) fn new(image: Arc<Image>) -> std::io::Result<Self> {
         Ok(RbdQueue {
             image,
-            shared: Arc::new(Shared {
-                done: Mutex::new(Vec::with_capacity(256)),
-                notify: AtomicBool::new(false),
-                event: crate::queue::completion_eventfd()?,
-            }),
+            shared: Arc::new(Completions::new()?),
             local: Vec::with_capacity(256),
             in_flight: 0,
             live: Vec::with_capacity(256),
@@ -224,12 +203,8 @@ impl DeviceQueue for RbdQueue {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
-        {
-            let mut shared = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
-            if shared.is_empty() && self.local.is_empty() {
-                return 0;
-            }
-            self.local.append(&mut shared);
+        if !self.shared.take_into(&mut self.local) && self.local.is_empty() {
+            return 0;
         }
         let n = self.local.len();
         for (tag, res) in self.local.drain(..) {
@@ -242,19 +217,15 @@ impl DeviceQueue for RbdQueue {
     }
 
     fn completion_fd(&self) -> RawFd {
-        self.shared.event.as_raw_fd()
+        self.shared.fd()
     }
 
     fn ack_completion_event(&self) {
-        let mut b = [0u8; 8];
-        // Non-blocking: an eventfd with nothing to read is WouldBlock, which is fine.
-        let _ = std::io::Read::read(&mut &self.shared.event, &mut b);
+        self.shared.ack();
     }
 
-    /// The worker reaps after turning events on, so a completion that came in between is
-    /// never left unsignalled.
     fn set_completion_events(&mut self, enabled: bool) {
-        self.shared.notify.store(enabled, Ordering::SeqCst);
+        self.shared.set_notify(enabled);
     }
 
     fn in_flight(&self) -> usize {

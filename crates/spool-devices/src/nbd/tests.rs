@@ -1,0 +1,359 @@
+//! The NBD backend against a real server: qemu-nbd (Debian's qemu-utils) serving a file.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::mirror::{create_clean_bitmap, LegPiece, LegSpec, MirrorBackend, MirrorSpec};
+use crate::{Device, DeviceIo, DeviceQueue, ErrorClass, IoVec, OpenOptions, Probe};
+
+const MIB: u64 = 1 << 20;
+
+/// qemu-nbd serving `file` as export `exp` on a Unix socket, killed when dropped.
+struct QemuNbd {
+    pid: i32,
+    file: PathBuf,
+    uri: String,
+}
+
+impl QemuNbd {
+    /// Starts qemu-nbd and returns once it serves (`--fork`: the parent exits then).
+    fn start(dir: &Path, size: u64) -> QemuNbd {
+        let file = dir.join("remote.img");
+        std::fs::File::create(&file).unwrap().set_len(size).unwrap();
+        let (sock, pid_file) = (dir.join("nbd.sock"), dir.join("nbd.pid"));
+        let st = Command::new("qemu-nbd")
+            .args([
+                "-f",
+                "raw",
+                "-x",
+                "exp",
+                "-t",
+                "-e",
+                "16",
+                "--fork",
+                "--pid-file",
+            ])
+            .arg(&pid_file)
+            .arg("-k")
+            .arg(&sock)
+            .arg(&file)
+            .status()
+            .expect("qemu-nbd (Debian's qemu-utils) runs");
+        assert!(st.success(), "qemu-nbd: {st}");
+        let pid = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let uri = format!("nbd+unix:///exp?socket={}", sock.display());
+        QemuNbd { pid, file, uri }
+    }
+
+    fn device(&self) -> Arc<Device> {
+        Arc::new(Device::open(Path::new(&self.uri), &OpenOptions::default()).unwrap())
+    }
+
+    fn contents(&self, offset: u64, len: u64) -> Vec<u8> {
+        let all = std::fs::read(&self.file).unwrap();
+        all[offset as usize..(offset + len) as usize].to_vec()
+    }
+
+    /// SIGKILLs the server and waits until it is gone.
+    fn kill(&mut self) {
+        if self.pid == 0 {
+            return;
+        }
+        // SAFETY: a plain signal to the server's pid.
+        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        let proc_dir = PathBuf::from(format!("/proc/{}", self.pid));
+        let t0 = Instant::now();
+        while std::fs::read_to_string(proc_dir.join("stat")).is_ok_and(|s| !s.contains(") Z "))
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.pid = 0;
+    }
+}
+
+impl Drop for QemuNbd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Submits `io` (tag 1), kicks and waits for its result.
+fn run(q: &mut dyn DeviceQueue, io: DeviceIo) -> i32 {
+    // SAFETY: the callers keep the iovecs and buffers alive until this returns (reaped).
+    unsafe { q.submit(io, 1) };
+    q.kick().unwrap();
+    wait(q)
+}
+
+fn wait(q: &mut dyn DeviceQueue) -> i32 {
+    let t0 = Instant::now();
+    loop {
+        let mut res = None;
+        q.reap(&mut |tag, r| {
+            assert_eq!(tag, 1);
+            res = Some(r)
+        });
+        if let Some(r) = res {
+            return r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "request never completed"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn iov(b: &mut [u8]) -> IoVec {
+    IoVec {
+        iov_base: b.as_mut_ptr().cast(),
+        iov_len: b.len(),
+    }
+}
+
+fn pattern(len: u64, seed: u64) -> Vec<u8> {
+    (0..len).map(|i| ((i * 31 + seed) % 251) as u8).collect()
+}
+
+#[test]
+#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
+fn queues_read_and_write_an_export_of_qemu_nbd() {
+    let d = tempfile::tempdir().unwrap();
+    let srv = QemuNbd::start(d.path(), 64 * MIB);
+    let dev = srv.device();
+    assert_eq!(dev.size(), 64 * MIB);
+    assert_eq!(dev.info().backend, "nbd");
+    let mut q = dev.open_queue(64).unwrap();
+    // A write from three buffers, then read back into two.
+    let (mut a, mut b, mut c) = (pattern(4096, 1), pattern(8192, 2), pattern(512, 3));
+    let w = [iov(&mut a), iov(&mut b), iov(&mut c)];
+    let io = DeviceIo::data(true, 12288, 12800, w.as_ptr(), 3);
+    assert_eq!(run(&mut *q, io), 12800);
+    assert_eq!(run(&mut *q, DeviceIo::Flush), 0);
+    let written: Vec<u8> = [a.clone(), b.clone(), c.clone()].concat();
+    assert_eq!(srv.contents(12288, 12800), written);
+    let (mut x, mut y) = (vec![0u8; 10000], vec![0u8; 2800]);
+    let r = [iov(&mut x), iov(&mut y)];
+    let io = DeviceIo::data(false, 12288, 12800, r.as_ptr(), 2);
+    assert_eq!(run(&mut *q, io), 12800);
+    assert_eq!([x, y].concat(), written);
+    // Write-zeroes and discard of part of it.
+    let io = DeviceIo::WriteZeroes {
+        offset: 12288,
+        len: 4096,
+    };
+    assert_eq!(run(&mut *q, io), 0);
+    assert!(srv.contents(12288, 4096).iter().all(|&v| v == 0));
+    assert_eq!(srv.contents(16384, 8704), written[4096..]);
+    let io = DeviceIo::Discard {
+        offset: 32 * MIB,
+        len: MIB,
+    };
+    assert_eq!(run(&mut *q, io), 0);
+    // Larger than one NBD request (32 MiB): split, and whole.
+    let mut big = pattern(40 * MIB, 9);
+    let v = [iov(&mut big)];
+    let io = DeviceIo::data(true, 8 * MIB, 40 * MIB, v.as_ptr(), 1);
+    assert_eq!(run(&mut *q, io), (40 * MIB) as i32);
+    let mut back = vec![0u8; (40 * MIB) as usize];
+    let v = [iov(&mut back)];
+    let io = DeviceIo::data(false, 8 * MIB, 40 * MIB, v.as_ptr(), 1);
+    assert_eq!(run(&mut *q, io), (40 * MIB) as i32);
+    assert!(back == big, "a split read or write lost its place");
+    // Beyond the end: refused alone, the queue goes on.
+    let mut one = vec![0u8; 4096];
+    let v = [iov(&mut one)];
+    let io = DeviceIo::data(false, 64 * MIB - 512, 4096, v.as_ptr(), 1);
+    assert_eq!(run(&mut *q, io), -libc::EINVAL);
+    // Synchronous metadata I/O shares nothing with the queues.
+    dev.write_at_durable(&[5u8; 1024], 0).unwrap();
+    let mut m = [0u8; 1024];
+    dev.read_at(&mut m, 0).unwrap();
+    assert!(m.iter().all(|&v| v == 5));
+    dev.zero_range(0, 512).unwrap();
+    assert_eq!(
+        srv.contents(0, 1024),
+        [vec![0u8; 512], vec![5u8; 512]].concat()
+    );
+    assert_eq!(dev.backend().probe(), Probe::Ok);
+}
+
+#[test]
+#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
+fn a_server_that_dies_fails_what_is_in_flight_as_a_path_error() {
+    let d = tempfile::tempdir().unwrap();
+    let mut srv = QemuNbd::start(d.path(), 16 * MIB);
+    let dev = srv.device();
+    let mut q = dev.open_queue(64).unwrap();
+    let mut buf = pattern(MIB, 4);
+    let v = [iov(&mut buf)];
+    assert_eq!(
+        run(&mut *q, DeviceIo::data(true, 0, MIB, v.as_ptr(), 1)),
+        MIB as i32
+    );
+    srv.kill();
+    let r = run(&mut *q, DeviceIo::data(false, 0, MIB, v.as_ptr(), 1));
+    assert_eq!(
+        r,
+        -libc::ENOTCONN,
+        "{}",
+        std::io::Error::from_raw_os_error(-r)
+    );
+    assert_eq!(ErrorClass::of_errno(-r), ErrorClass::Path);
+    // And every request after it, at once.
+    assert_eq!(run(&mut *q, DeviceIo::Flush), -libc::ENOTCONN);
+    assert!(matches!(dev.backend().probe(), Probe::Gone(_)));
+    assert!(dev.open_queue(8).is_err());
+}
+
+#[test]
+#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
+fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
+    let d = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    let local = Arc::new(
+        Device::open(
+            &d.path().join("local.img"),
+            &OpenOptions {
+                create_size: Some(16 * MIB),
+                no_direct: true,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let data = pattern(size, 6);
+    local.write_at_durable(&data, MIB).unwrap();
+    let srv = QemuNbd::start(d.path(), size);
+    create_clean_bitmap(&d.path().join("bitmap"), size).unwrap();
+    let piece = |device| LegPiece {
+        logical: 0,
+        len: size,
+        device,
+        offset: if device == 0 { MIB } else { 0 },
+    };
+    let spec = MirrorSpec {
+        name: "moving".into(),
+        size,
+        devices: vec![local.clone(), srv.device()],
+        legs: vec![
+            LegSpec {
+                slot: 0,
+                id: 1,
+                synced: true,
+                pieces: vec![piece(0)],
+            },
+            LegSpec {
+                slot: 1,
+                id: 2,
+                synced: false,
+                pieces: vec![piece(1)],
+            },
+        ],
+        bitmap: Some(d.path().join("bitmap")),
+        resync_rate: 0,
+    };
+    let m = MirrorBackend::open(spec).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    // Written while the remote copy is made (or just after): both copies get it.
+    let mut q = m.open_queue(64).unwrap();
+    let mut w = pattern(64 << 10, 7);
+    let v = [iov(&mut w)];
+    let io = DeviceIo::data(true, 3 * MIB, 64 << 10, v.as_ptr(), 1);
+    assert!(run(&mut *q, io) >= 0);
+    let t0 = Instant::now();
+    while !mirror.leg_current(1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the remote leg never caught up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut want = data.clone();
+    want[(3 * MIB) as usize..(3 * MIB + (64 << 10)) as usize].copy_from_slice(&w);
+    assert!(srv.contents(0, size) == want, "the remote copy differs");
+    let v = mirror.verify().unwrap();
+    assert_eq!(v.regions_differing, 0);
+}
+
+/// A writable export in memory, for the client against spool-nbd's own server.
+struct Mem(std::sync::Mutex<Vec<u8>>);
+
+impl spool_nbd::Export for Mem {
+    fn name(&self) -> &str {
+        "m"
+    }
+    fn size(&self) -> u64 {
+        self.0.lock().unwrap().len() as u64
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let d = self.0.lock().unwrap();
+        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn extent(&self) -> u64 {
+        1 << 16
+    }
+    fn allocated(&self, _i: u64) -> bool {
+        true
+    }
+    fn base(&self) -> Option<&str> {
+        None
+    }
+    fn changed(&self, _i: u64) -> bool {
+        false
+    }
+    fn writable(&self) -> bool {
+        true
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let mut d = self.0.lock().unwrap();
+        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+}
+
+#[test]
+fn queues_work_against_spool_nbd_s_own_writable_server_over_tcp() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mem = Arc::new(Mem(std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize])));
+    let listen = spool_nbd::Listen::parse(&format!("127.0.0.1:{port}")).unwrap();
+    let _srv = spool_nbd::Server::start(listen, mem.clone()).unwrap();
+    let uri = format!("nbd://127.0.0.1:{port}/m");
+    let dev = Device::open(Path::new(&uri), &OpenOptions::default()).unwrap();
+    assert_eq!(dev.size(), 4 * MIB);
+    let mut q = dev.open_queue(8).unwrap();
+    // More than spool-nbd's largest request (8 MiB is its limit; this is 3 MiB in one).
+    let mut w = pattern(3 * MIB, 5);
+    let v = [iov(&mut w)];
+    let io = DeviceIo::data(true, 512, 3 * MIB, v.as_ptr(), 1);
+    assert_eq!(run(&mut *q, io), (3 * MIB) as i32);
+    assert_eq!(run(&mut *q, DeviceIo::Flush), 0);
+    let io = DeviceIo::WriteZeroes {
+        offset: 512,
+        len: 4096,
+    };
+    assert_eq!(run(&mut *q, io), 0);
+    let mut r = vec![0u8; (3 * MIB) as usize];
+    let v = [iov(&mut r)];
+    assert_eq!(
+        run(&mut *q, DeviceIo::data(false, 512, 3 * MIB, v.as_ptr(), 1)),
+        (3 * MIB) as i32
+    );
+    assert!(r[..4096].iter().all(|&b| b == 0));
+    assert!(r[4096..] == w[4096..]);
+    let d = mem.0.lock().unwrap();
+    assert_eq!(d[511], 1);
+    assert!(d[512 + 4096..512 + (3 * MIB) as usize] == w[4096..]);
+}

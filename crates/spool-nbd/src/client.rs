@@ -1,0 +1,355 @@
+//! The client side of the protocol: where an export is (an NBD URI), the fixed newstyle
+//! handshake up to `NBD_OPT_GO`, and the framing of requests and simple replies. What a
+//! device backend needs to send I/O to any NBD server (qemu-nbd, nbdkit, ours).
+//!
+//! Owns: URIs, connecting with a deadline, option haggling from the client's side, request
+//! headers, simple reply headers. Must not know: queues, devices, what the I/O is for.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::proto::*;
+
+/// The port NBD servers listen on unless told otherwise.
+pub const DEFAULT_PORT: u16 = 10809;
+
+pub use crate::proto::{
+    CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, TFLAG_SEND_TRIM,
+    TFLAG_SEND_WRITE_ZEROES,
+};
+
+/// The largest read or write this client sends in one request (32 MiB: what qemu-nbd takes;
+/// smaller when the server says so at the handshake).
+pub const MAX_IO: u32 = 32 << 20;
+
+/// Where an export is: `nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`, the
+/// URI form of the NBD project's doc/uri.md (as qemu and libnbd write it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub addr: Addr,
+    pub export: String,
+}
+
+/// The server's socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Addr {
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl Target {
+    /// Reads an NBD URI; the error says what a URI looks like.
+    pub fn parse(uri: &str) -> Result<Target, crate::Error> {
+        let bad = || crate::Error::Uri(uri.to_string());
+        if let Some(rest) = uri.strip_prefix("nbd+unix://") {
+            let (path, query) = rest.split_once('?').ok_or_else(bad)?;
+            let export = path.strip_prefix('/').unwrap_or(path);
+            let socket = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("socket="))
+                .filter(|s| !s.is_empty())
+                .ok_or_else(bad)?;
+            return Ok(Target {
+                addr: Addr::Unix(socket.into()),
+                export: export.to_string(),
+            });
+        }
+        let rest = uri.strip_prefix("nbd://").ok_or_else(bad)?;
+        let (host, export) = rest.split_once('/').unwrap_or((rest, ""));
+        if host.is_empty() || export.contains('?') {
+            return Err(bad());
+        }
+        // A port after the host, or after the brackets of an IPv6 address.
+        let port = match host.strip_prefix('[') {
+            Some(v6) => v6.split_once("]:").map(|(_, p)| p),
+            None => host.rsplit_once(':').map(|(_, p)| p),
+        };
+        let addr = match port {
+            Some(p) => {
+                p.parse::<u16>().map_err(|_| bad())?;
+                host.to_string()
+            }
+            None => format!("{host}:{DEFAULT_PORT}"),
+        };
+        Ok(Target {
+            addr: Addr::Tcp(addr),
+            export: export.to_string(),
+        })
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.addr {
+            Addr::Tcp(a) => write!(f, "nbd://{a}/{}", self.export),
+            Addr::Unix(p) => write!(f, "nbd+unix:///{}?socket={}", self.export, p.display()),
+        }
+    }
+}
+
+/// A connected socket of either kind.
+#[derive(Debug)]
+pub enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// A second handle on the same socket (one thread reads, another writes).
+    pub fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    /// Ends the connection both ways: a thread blocked reading it returns.
+    pub fn shutdown(&self) {
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A connection in the transmission phase, with what the server said of the export.
+#[derive(Debug)]
+pub struct Connection {
+    pub stream: Stream,
+    /// Bytes.
+    pub size: u64,
+    /// Transmission flags (`NBD_FLAG_*`).
+    pub flags: u16,
+    /// The largest read or write to send in one request.
+    pub max_io: u32,
+}
+
+impl Connection {
+    pub fn read_only(&self) -> bool {
+        self.flags & TFLAG_READ_ONLY != 0
+    }
+    pub fn can_flush(&self) -> bool {
+        self.flags & TFLAG_SEND_FLUSH != 0
+    }
+    pub fn can_trim(&self) -> bool {
+        self.flags & TFLAG_SEND_TRIM != 0
+    }
+    pub fn can_write_zeroes(&self) -> bool {
+        self.flags & TFLAG_SEND_WRITE_ZEROES != 0
+    }
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// Connects to `t` and negotiates its export (`NBD_OPT_GO`), all within `deadline`. The
+/// connection then blocks without a timeout (a queue's reader waits for replies).
+pub fn connect(t: &Target, deadline: Duration) -> io::Result<Connection> {
+    let until = Instant::now() + deadline;
+    let stream = match &t.addr {
+        Addr::Tcp(a) => {
+            let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{a}: no address"));
+            let mut found = None;
+            for sa in a.to_socket_addrs()? {
+                match TcpStream::connect_timeout(&sa, deadline) {
+                    Ok(s) => {
+                        found = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = found.ok_or(last)?;
+            s.set_nodelay(true)?;
+            Stream::Tcp(s)
+        }
+        Addr::Unix(p) => Stream::Unix(UnixStream::connect(p)?),
+    };
+    let left = until.saturating_duration_since(Instant::now());
+    stream.set_timeouts(Some(left.max(Duration::from_millis(1))))?;
+    let mut s = stream;
+    let (size, flags, max_io) = handshake(&mut s, &t.export)?;
+    s.set_timeouts(None)?;
+    Ok(Connection {
+        stream: s,
+        size,
+        flags,
+        max_io,
+    })
+}
+
+/// The client's half of the fixed newstyle handshake: size, transmission flags and the
+/// largest request the server takes.
+fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, u32)> {
+    let mut h = [0u8; 18];
+    s.read_exact(&mut h)?;
+    if u64::from_be_bytes(h[0..8].try_into().expect("8 bytes")) != NBDMAGIC
+        || u64::from_be_bytes(h[8..16].try_into().expect("8 bytes")) != IHAVEOPT
+    {
+        return Err(invalid("not an NBD server (or not newstyle)".into()));
+    }
+    let server = u16::from_be_bytes([h[16], h[17]]);
+    if server & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(invalid("the server does not speak fixed newstyle".into()));
+    }
+    let no_zeroes = server & FLAG_NO_ZEROES != 0;
+    let client = FLAG_FIXED_NEWSTYLE as u32 | if no_zeroes { CLIENT_NO_ZEROES } else { 0 };
+    s.write_all(&client.to_be_bytes())?;
+    // NBD_OPT_GO: the export's name, and a request for its block sizes.
+    let mut data = (export.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(export.as_bytes());
+    data.extend_from_slice(&1u16.to_be_bytes());
+    data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+    let mut opt = IHAVEOPT.to_be_bytes().to_vec();
+    opt.extend_from_slice(&OPT_GO.to_be_bytes());
+    opt.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    opt.extend_from_slice(&data);
+    s.write_all(&opt)?;
+    let (mut size, mut flags, mut max_io) = (None, 0u16, MAX_IO);
+    loop {
+        let mut r = [0u8; 20];
+        s.read_exact(&mut r)?;
+        if u64::from_be_bytes(r[0..8].try_into().expect("8 bytes")) != REPLY_MAGIC {
+            return Err(invalid("bad option reply magic".into()));
+        }
+        let kind = u32::from_be_bytes(r[12..16].try_into().expect("4 bytes"));
+        let len = u32::from_be_bytes(r[16..20].try_into().expect("4 bytes"));
+        if len > MAX_OPTION {
+            return Err(invalid("option reply too long".into()));
+        }
+        let mut p = vec![0u8; len as usize];
+        s.read_exact(&mut p)?;
+        match kind {
+            REP_ACK => break,
+            REP_INFO => match u16_at(&p, 0) {
+                Some(INFO_EXPORT) if p.len() >= 12 => {
+                    size = Some(u64::from_be_bytes(p[2..10].try_into().expect("8 bytes")));
+                    flags = u16_at(&p, 10).expect("checked length");
+                }
+                Some(INFO_BLOCK_SIZE) if p.len() >= 14 => {
+                    let max = u32_at(&p, 10).expect("checked length");
+                    max_io = max_io.min(max.max(4096));
+                }
+                _ => {}
+            },
+            k if k & (1 << 31) != 0 => {
+                let msg = String::from_utf8_lossy(&p);
+                let what = match k {
+                    REP_ERR_UNKNOWN => "no such export",
+                    REP_ERR_UNSUP => "the server does not support NBD_OPT_GO",
+                    _ => "refused",
+                };
+                return Err(io::Error::other(format!(
+                    "export '{export}': {what} ({msg})"
+                )));
+            }
+            _ => {}
+        }
+    }
+    let size = size.ok_or_else(|| invalid("the server did not describe the export".into()))?;
+    Ok((size, flags, max_io))
+}
+
+/// A request's header (28 bytes); a write's payload follows it.
+pub fn request(kind: u16, cookie: u64, offset: u64, len: u32) -> [u8; 28] {
+    let mut h = [0u8; 28];
+    h[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    h[6..8].copy_from_slice(&kind.to_be_bytes());
+    h[8..16].copy_from_slice(&cookie.to_be_bytes());
+    h[16..24].copy_from_slice(&offset.to_be_bytes());
+    h[24..28].copy_from_slice(&len.to_be_bytes());
+    h
+}
+
+/// A simple reply's header: the request's cookie and the error (0: success; NBD's errors
+/// are Linux errnos). A successful read's data follows it.
+pub fn read_reply(r: &mut impl Read) -> io::Result<(u64, u32)> {
+    let mut h = [0u8; 16];
+    r.read_exact(&mut h)?;
+    if u32_at(&h, 0) != Some(SIMPLE_REPLY_MAGIC) {
+        return Err(invalid(
+            "not a simple reply (the server sent something this client did not ask for)".into(),
+        ));
+    }
+    let err = u32_at(&h, 4).expect("in the header");
+    Ok((
+        u64::from_be_bytes(h[8..16].try_into().expect("8 bytes")),
+        err,
+    ))
+}
+
+/// The disconnect request (`NBD_CMD_DISC`): the server closes after what is in flight.
+pub fn disconnect(w: &mut impl Write) -> io::Result<()> {
+    w.write_all(&request(CMD_DISC, 0, 0, 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_as_qemu_and_libnbd_write_them() {
+        let t = Target::parse("nbd://10.0.0.2:10810/vol0").unwrap();
+        assert_eq!(t.addr, Addr::Tcp("10.0.0.2:10810".into()));
+        assert_eq!(t.export, "vol0");
+        let t = Target::parse("nbd://backup.example/").unwrap();
+        assert_eq!(t.addr, Addr::Tcp("backup.example:10809".into()));
+        assert_eq!(t.export, "");
+        let t = Target::parse("nbd://[::1]:10900/x").unwrap();
+        assert_eq!(t.addr, Addr::Tcp("[::1]:10900".into()));
+        let t = Target::parse("nbd://[::1]/x").unwrap();
+        assert_eq!(t.addr, Addr::Tcp("[::1]:10809".into()));
+        let t = Target::parse("nbd+unix:///snap?socket=/run/x.sock").unwrap();
+        assert_eq!(t.addr, Addr::Unix("/run/x.sock".into()));
+        assert_eq!(t.export, "snap");
+        assert_eq!(t.to_string(), "nbd+unix:///snap?socket=/run/x.sock");
+        for bad in [
+            "nbd:/x",
+            "nbd://",
+            "nbd://h:port/x",
+            "nbd+unix:///x",
+            "nbd+unix:///x?socket=",
+            "http://h/x",
+        ] {
+            assert!(Target::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
