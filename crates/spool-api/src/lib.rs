@@ -253,10 +253,12 @@ pub enum FaultKind {
     Removed,
     Errno,
     Smart,
+    ResetPanic,
+    ResetWedge,
 }
 
 impl FaultKind {
-    pub const ALL: [(FaultKind, &'static str); 8] = [
+    pub const ALL: [(FaultKind, &'static str); 10] = [
         (FaultKind::Media, "media"),
         (FaultKind::Transient, "transient"),
         (FaultKind::LinkDown, "link-down"),
@@ -265,6 +267,8 @@ impl FaultKind {
         (FaultKind::Removed, "removed"),
         (FaultKind::Errno, "errno"),
         (FaultKind::Smart, "smart"),
+        (FaultKind::ResetPanic, "reset-panic"),
+        (FaultKind::ResetWedge, "reset-wedge"),
     ];
 
     /// The kind named `s` (as on the wire).

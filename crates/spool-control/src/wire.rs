@@ -309,6 +309,8 @@ pub fn fault_rule(
             FaultEffect::Hang => "hang".into(),
             FaultEffect::Stuck => "stuck".into(),
             FaultEffect::Crash => "crash".into(),
+            FaultEffect::PanicOnReset => "panic on reset".into(),
+            FaultEffect::WedgeOnReset => "wedge on reset".into(),
         },
         op: match r.ops {
             FaultOps::Read => "read",

@@ -203,8 +203,8 @@ fn device_of(d: &Spoold, vol: &str) -> String {
         .to_string()
 }
 
-/// After 300 ms, resets the volume's device `dev` (which takes the test hooks' path), then
-/// waits for a worker other than `before`; returns its pid.
+/// After 300 ms, resets the volume's device `dev` (which takes the injected reset fault's
+/// path), then waits for a worker other than `before`; returns its pid.
 fn reset_then_wait_for_a_new_worker(
     d: &Arc<Spoold>,
     dev: String,
@@ -228,17 +228,17 @@ fn reset_then_wait_for_a_new_worker(
     })
 }
 
-/// A panic in a queue thread (here forced by a test hook on the device-reset path, with
-/// requests in flight) ends the worker; the keeper restarts it and the journal resubmits
+/// A panic in a queue thread (here forced by an injected `reset-panic` fault on the
+/// device-reset path, with requests in flight) ends the worker; the keeper restarts it and the journal resubmits
 /// what was in flight. Without that the panicked queue would never answer again and the
 /// client's requests would hang (the client waits 10 s at most, then fails the test).
 #[test]
 fn a_panicking_queue_thread_restarts_the_worker_invisibly() {
     let d = Arc::new(Spoold::start(ONE_VOLUME));
-    let panicky = wrapper(&d, "spoold-panics", "SPOOL_TEST_PANIC_ON_DEVICE_RESET=1");
-    d.upgrade(Some(&panicky)).unwrap();
     let before = d.worker_pid();
     let dev = device_of(&d, "a");
+    d.rpc("device_inject", json!({"id": dev, "kind": "reset-panic"}))
+        .unwrap();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
     let resetter = reset_then_wait_for_a_new_worker(&d, dev, before);
     let rounds = write_rounds_until(&mut c, &|| resetter.is_finished(), 10);
@@ -260,19 +260,18 @@ fn a_panicking_queue_thread_restarts_the_worker_invisibly() {
     );
 }
 
-/// A queue thread that stops turning (forced by a test hook: it stops for good on the
-/// device-reset path, with requests in flight) stops the worker's progress reports; the
+/// A queue thread that stops turning (forced by an injected `reset-wedge` fault: it stops
+/// for good on the device-reset path, with requests in flight) stops the worker's progress reports; the
 /// keeper's worker watchdog kills the worker and the standby takes over, resubmitting from
 /// the journal. The client sees a pause, no error.
 #[test]
 fn a_wedged_queue_thread_is_restarted_by_the_worker_watchdog() {
     let config = format!("{ONE_VOLUME}[health]\nworker_watchdog_ms = 1000\n");
-    let d = Arc::new(Spoold::start_env(
-        &config,
-        &[("SPOOL_TEST_WEDGE_ON_DEVICE_RESET", "1")],
-    ));
+    let d = Arc::new(Spoold::start(&config));
     let before = d.worker_pid();
     let dev = device_of(&d, "a");
+    d.rpc("device_inject", json!({"id": dev, "kind": "reset-wedge"}))
+        .unwrap();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
     let t0 = std::time::Instant::now();
     let resetter = reset_then_wait_for_a_new_worker(&d, dev, before);

@@ -42,6 +42,19 @@ pub enum FaultEffect {
     /// [`FaultRule::crash_on_write_from_env`]), so every restarted worker crashes on it
     /// again: what a poison request does.
     Crash,
+    /// Not an I/O effect: the worker's queue thread that resets this device panics there,
+    /// with requests in flight (a bug on the reset path). The keeper restarts the worker.
+    PanicOnReset,
+    /// Not an I/O effect: that queue thread stops there for good (a wedged worker, which
+    /// the worker watchdog finds and the keeper replaces).
+    WedgeOnReset,
+}
+
+impl FaultEffect {
+    /// Whether it acts on the worker's reset path rather than on I/O.
+    pub fn on_reset(&self) -> bool {
+        matches!(self, FaultEffect::PanicOnReset | FaultEffect::WedgeOnReset)
+    }
 }
 
 /// Environment variable that arms a [`FaultEffect::Crash`] rule for writes covering this
@@ -204,6 +217,9 @@ impl FaultSet {
             return None;
         }
         let hit = rules.iter_mut().find(|a| {
+            if a.rule.effect.on_reset() {
+                return false;
+            }
             let ops = match a.rule.ops {
                 FaultOps::Any => true,
                 FaultOps::Read => !write,
@@ -215,6 +231,20 @@ impl FaultSet {
                     && a.rule.offset < offset.saturating_add(len));
             ops && range
         })?;
+        hit.hits += 1;
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        Some(hit.rule.effect)
+    }
+
+    /// What the worker's reset path does under the armed rules: a panic or a wedge rule
+    /// (counted as hit), or `None`.
+    pub fn check_reset(&self) -> Option<FaultEffect> {
+        if !self.armed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut rules = self.lock();
+        Self::expire(&mut rules);
+        let hit = rules.iter_mut().find(|a| a.rule.effect.on_reset())?;
         hit.hits += 1;
         self.injected.fetch_add(1, Ordering::Relaxed);
         Some(hit.rule.effect)
@@ -232,7 +262,11 @@ impl FaultSet {
             .find(|a| a.rule.fails_probe)
             .map(|a| match a.rule.effect {
                 FaultEffect::Errno(e) => e,
-                FaultEffect::Hang | FaultEffect::Stuck | FaultEffect::Crash => libc::ETIMEDOUT,
+                FaultEffect::Hang
+                | FaultEffect::Stuck
+                | FaultEffect::Crash
+                | FaultEffect::PanicOnReset
+                | FaultEffect::WedgeOnReset => libc::ETIMEDOUT,
             })
     }
 }
@@ -271,7 +305,8 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
             }
         };
         match self.faults.check(write, offset, len) {
-            None => {
+            // (`check` never answers with a reset-path effect.)
+            None | Some(FaultEffect::PanicOnReset | FaultEffect::WedgeOnReset) => {
                 // SAFETY: the caller's guarantee is passed on unchanged.
                 unsafe { self.inner.submit(io, tag) }
             }
@@ -429,5 +464,24 @@ mod tests {
         q.reap(&mut |t, r| got.push((t, r)));
         assert_eq!(got, vec![(1, -libc::ECANCELED)]);
         assert_eq!(q.in_flight(), 0);
+    }
+
+    #[test]
+    fn reset_rules_act_on_the_reset_path_only_and_run_out() {
+        let f = FaultSet::default();
+        f.add(FaultRule {
+            effect: FaultEffect::PanicOnReset,
+            ops: FaultOps::Any,
+            offset: 0,
+            len: 0,
+            count: Some(1),
+            duration: None,
+            fails_probe: false,
+        });
+        assert_eq!(f.check(true, 0, 4096), None, "no I/O is touched");
+        assert_eq!(f.probe_fault(), None);
+        assert_eq!(f.check_reset(), Some(FaultEffect::PanicOnReset));
+        assert_eq!(f.check_reset(), None, "once");
+        assert_eq!(f.injected(), 1);
     }
 }

@@ -83,6 +83,8 @@ pub(super) fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError
         FaultKind::Timeout => (FaultEffect::Hang, 1, false),
         FaultKind::Stuck => (FaultEffect::Stuck, 1, false),
         FaultKind::Removed => (FaultEffect::Errno(libc::ENODEV), 0, true),
+        FaultKind::ResetPanic => (FaultEffect::PanicOnReset, 1, false),
+        FaultKind::ResetWedge => (FaultEffect::WedgeOnReset, 1, false),
         FaultKind::Smart => return Err(smart_needs_bits()),
         FaultKind::Errno => {
             let e = p.errno.as_ref().ok_or_else(|| {

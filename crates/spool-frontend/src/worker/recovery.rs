@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use spool_devices::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
+use spool_devices::{DeviceHealth, ErrorClass, ErrorReport, FaultEffect, HealthState, Signal};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent};
 
@@ -196,8 +196,7 @@ impl QueueWorker {
     /// guest, reopen them, and resubmit every request the journal (or, without a journal,
     /// the in-flight table) says is outstanding.
     pub(super) fn reset_devices(&mut self) {
-        #[cfg(feature = "test-hooks")]
-        test_hook_on_device_reset();
+        self.injected_reset_fault();
         let mut waiting = self.inflight.take_held();
         waiting.append(&mut self.inflight.take_cancelled());
         let journaled = self.vq.journaled_inflight();
@@ -212,6 +211,26 @@ impl QueueWorker {
         tracing::info!(volume = %self.volume, queue = self.index, resubmitted = heads.len(), "device reset: resubmitting in-flight requests");
         for h in heads {
             self.resubmit_head(h, &mem);
+        }
+    }
+
+    /// A fault injected on the reset path of one of this volume's devices (docs/failures.md,
+    /// `reset-panic` and `reset-wedge`): this queue thread panics here with its requests in
+    /// flight, or stops here for good, as a bug on this path would.
+    fn injected_reset_fault(&self) {
+        for d in &self.layout.devices {
+            match d.faults().check_reset() {
+                Some(FaultEffect::PanicOnReset) => {
+                    panic!("fault injection: reset-panic on {}", d.path().display())
+                }
+                Some(FaultEffect::WedgeOnReset) => {
+                    tracing::warn!(volume = %self.volume, queue = self.index, device = %d.path().display(), "fault injection: reset-wedge; this queue thread stops here");
+                    loop {
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                }
+                _ => {}
+            }
         }
     }
 
@@ -481,23 +500,5 @@ impl QueueWorker {
         }
         self.abandoned.fetch_add(stuck as u64, Ordering::AcqRel);
         tracing::error!(volume = %self.volume, queue = self.index, commands = stuck, "device commands never completed: their queue and guest memory are quarantined for the life of the process; the volume's extents stay allocated");
-    }
-}
-
-/// Test hooks (docs/upgrade.md, "Test hooks"): with `SPOOL_TEST_PANIC_ON_DEVICE_RESET` set, a
-/// queue thread panics when it takes the device-reset path, with requests in flight; with
-/// `SPOOL_TEST_WEDGE_ON_DEVICE_RESET` set it stops there for good (a wedged worker, for the
-/// watchdog). Only built with the `test-hooks` feature, which spool-control's tests turn on
-/// for the spoold they run; a production build has no such path.
-#[cfg(feature = "test-hooks")]
-fn test_hook_on_device_reset() {
-    if std::env::var_os("SPOOL_TEST_PANIC_ON_DEVICE_RESET").is_some() {
-        panic!("SPOOL_TEST_PANIC_ON_DEVICE_RESET is set");
-    }
-    if std::env::var_os("SPOOL_TEST_WEDGE_ON_DEVICE_RESET").is_some() {
-        tracing::warn!("SPOOL_TEST_WEDGE_ON_DEVICE_RESET is set: this queue thread stops here");
-        loop {
-            std::thread::sleep(std::time::Duration::from_secs(1));
-        }
     }
 }

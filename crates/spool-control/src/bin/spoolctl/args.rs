@@ -124,7 +124,9 @@ pub enum DeviceCmd {
     /// Inject a fault (to test and rehearse failure handling). Kinds: media (ENODATA,
     /// until cleared), transient (EIO, once), link-down (EIO, probes fail too, until cleared
     /// or --duration-ms), timeout (commands hang until the reset aborts them, once),
-    /// removed (ENODEV), errno (--errno), smart (--bits: SMART critical-warning byte).
+    /// removed (ENODEV), errno (--errno), smart (--bits: SMART critical-warning byte),
+    /// reset-panic / reset-wedge (the worker's queue thread that resets the device panics
+    /// there, or stops there for good: the keeper's restart and the worker watchdog).
     Inject(InjectArgs),
     /// Armed fault-injection rules of a device.
     Faults { id: String },
