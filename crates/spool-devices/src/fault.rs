@@ -126,7 +126,10 @@ pub struct FaultStatus {
 /// The fault rules of one device.
 #[derive(Debug, Default)]
 pub struct FaultSet {
+    /// Some rule acts on I/O (what the data path checks, one relaxed load per request).
     armed: AtomicBool,
+    /// Some rule acts on the worker's reset path (kept apart, so that it costs I/O nothing).
+    reset_armed: AtomicBool,
     rules: Mutex<Vec<Armed>>,
     next_id: AtomicU64,
     smart_warning: AtomicU8,
@@ -142,6 +145,7 @@ impl FaultSet {
     pub fn add(&self, rule: FaultRule) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let until = rule.duration.map(|d| Instant::now() + d);
+        let on_reset = rule.effect.on_reset();
         let mut rules = self.lock();
         rules.push(Armed {
             id,
@@ -149,7 +153,10 @@ impl FaultSet {
             until,
             hits: 0,
         });
-        self.armed.store(true, Ordering::Release);
+        match on_reset {
+            true => self.reset_armed.store(true, Ordering::Release),
+            false => self.armed.store(true, Ordering::Release),
+        }
         id
     }
 
@@ -159,6 +166,7 @@ impl FaultSet {
         let n = rules.len();
         rules.clear();
         self.armed.store(false, Ordering::Release);
+        self.reset_armed.store(false, Ordering::Release);
         self.smart_warning.store(0, Ordering::Release);
         n
     }
@@ -212,7 +220,7 @@ impl FaultSet {
     fn check_slow(&self, write: bool, offset: u64, len: u64) -> Option<FaultEffect> {
         let mut rules = self.lock();
         Self::expire(&mut rules);
-        if rules.is_empty() {
+        if rules.iter().all(|a| a.rule.effect.on_reset()) {
             self.armed.store(false, Ordering::Release);
             return None;
         }
@@ -239,7 +247,7 @@ impl FaultSet {
     /// What the worker's reset path does under the armed rules: a panic or a wedge rule
     /// (counted as hit), or `None`.
     pub fn check_reset(&self) -> Option<FaultEffect> {
-        if !self.armed.load(Ordering::Relaxed) {
+        if !self.reset_armed.load(Ordering::Relaxed) {
             return None;
         }
         let mut rules = self.lock();

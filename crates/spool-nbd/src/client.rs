@@ -17,8 +17,8 @@ use crate::proto::*;
 pub const DEFAULT_PORT: u16 = 10809;
 
 pub use crate::proto::{
-    CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, TFLAG_SEND_TRIM,
-    TFLAG_SEND_WRITE_ZEROES,
+    CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, TFLAG_CAN_MULTI_CONN,
+    TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES,
 };
 
 /// The largest read or write this client sends in one request (32 MiB: what qemu-nbd takes;
@@ -46,15 +46,16 @@ impl Target {
         let bad = || crate::Error::Uri(uri.to_string());
         if let Some(rest) = uri.strip_prefix("nbd+unix://") {
             let (path, query) = rest.split_once('?').ok_or_else(bad)?;
-            let export = path.strip_prefix('/').unwrap_or(path);
+            // No host: the socket names the server.
+            let export = path.strip_prefix('/').ok_or_else(bad)?;
             let socket = query
                 .split('&')
                 .find_map(|kv| kv.strip_prefix("socket="))
                 .filter(|s| !s.is_empty())
                 .ok_or_else(bad)?;
             return Ok(Target {
-                addr: Addr::Unix(socket.into()),
-                export: export.to_string(),
+                addr: Addr::Unix(decode(socket).ok_or_else(bad)?.into()),
+                export: decode(export).ok_or_else(bad)?,
             });
         }
         let rest = uri.strip_prefix("nbd://").ok_or_else(bad)?;
@@ -76,9 +77,27 @@ impl Target {
         };
         Ok(Target {
             addr: Addr::Tcp(addr),
-            export: export.to_string(),
+            export: decode(export).ok_or_else(bad)?,
         })
     }
+}
+
+/// A URI component with its `%XX` escapes decoded (`None`: a bad escape or not UTF-8).
+fn decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 impl std::fmt::Display for Target {
@@ -114,7 +133,17 @@ impl Stream {
         };
     }
 
-    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+    /// Bounds every write on the socket (all its handles): a server that stops taking data
+    /// fails the writer instead of holding it.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(t),
+            Stream::Unix(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// Bounds reads and writes on the socket.
+    pub fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => {
                 s.set_read_timeout(t)?;
@@ -174,6 +203,10 @@ impl Connection {
     pub fn can_write_zeroes(&self) -> bool {
         self.flags & TFLAG_SEND_WRITE_ZEROES != 0
     }
+    /// A flush on one connection covers writes completed on every connection.
+    pub fn multi_conn(&self) -> bool {
+        self.flags & TFLAG_CAN_MULTI_CONN != 0
+    }
 }
 
 fn invalid(msg: String) -> io::Error {
@@ -203,10 +236,8 @@ pub fn connect(t: &Target, deadline: Duration) -> io::Result<Connection> {
         }
         Addr::Unix(p) => Stream::Unix(UnixStream::connect(p)?),
     };
-    let left = until.saturating_duration_since(Instant::now());
-    stream.set_timeouts(Some(left.max(Duration::from_millis(1))))?;
     let mut s = stream;
-    let (size, flags, max_io) = handshake(&mut s, &t.export)?;
+    let (size, flags, max_io) = handshake(&mut s, &t.export, until)?;
     s.set_timeouts(None)?;
     Ok(Connection {
         stream: s,
@@ -216,9 +247,22 @@ pub fn connect(t: &Target, deadline: Duration) -> io::Result<Connection> {
     })
 }
 
-/// The client's half of the fixed newstyle handshake: size, transmission flags and the
-/// largest request the server takes.
-fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, u32)> {
+/// Bounds the next read or write on `s` by what is left until `until`.
+fn deadline(s: &Stream, until: Instant) -> io::Result<()> {
+    let left = until.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the NBD handshake took too long",
+        ));
+    }
+    s.set_timeouts(Some(left))
+}
+
+/// The client's half of the fixed newstyle handshake, all of it before `until`: size,
+/// transmission flags and the largest request the server takes.
+fn handshake(s: &mut Stream, export: &str, until: Instant) -> io::Result<(u64, u16, u32)> {
+    deadline(s, until)?;
     let mut h = [0u8; 18];
     s.read_exact(&mut h)?;
     if u64::from_be_bytes(h[0..8].try_into().expect("8 bytes")) != NBDMAGIC
@@ -245,6 +289,7 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, u32)> {
     s.write_all(&opt)?;
     let (mut size, mut flags, mut max_io) = (None, 0u16, MAX_IO);
     loop {
+        deadline(s, until)?;
         let mut r = [0u8; 20];
         s.read_exact(&mut r)?;
         if u64::from_be_bytes(r[0..8].try_into().expect("8 bytes")) != REPLY_MAGIC {
@@ -256,6 +301,7 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, u32)> {
             return Err(invalid("option reply too long".into()));
         }
         let mut p = vec![0u8; len as usize];
+        deadline(s, until)?;
         s.read_exact(&mut p)?;
         match kind {
             REP_ACK => break,
@@ -265,8 +311,10 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<(u64, u16, u32)> {
                     flags = u16_at(&p, 10).expect("checked length");
                 }
                 Some(INFO_BLOCK_SIZE) if p.len() >= 14 => {
+                    // The data path sends whole sectors: a smaller maximum is not one
+                    // a block device's server gives.
                     let max = u32_at(&p, 10).expect("checked length");
-                    max_io = max_io.min(max.max(4096));
+                    max_io = max_io.min(max.max(512));
                 }
                 _ => {}
             },
@@ -340,6 +388,9 @@ mod tests {
         let t = Target::parse("nbd+unix:///snap?socket=/run/x.sock").unwrap();
         assert_eq!(t.addr, Addr::Unix("/run/x.sock".into()));
         assert_eq!(t.export, "snap");
+        let u = Target::parse("nbd+unix:///db%40s1?socket=/run/a%20b.sock").unwrap();
+        assert_eq!(u.addr, Addr::Unix("/run/a b.sock".into()));
+        assert_eq!(u.export, "db@s1");
         assert_eq!(t.to_string(), "nbd+unix:///snap?socket=/run/x.sock");
         for bad in [
             "nbd:/x",
@@ -347,6 +398,9 @@ mod tests {
             "nbd://h:port/x",
             "nbd+unix:///x",
             "nbd+unix:///x?socket=",
+            "nbd+unix://host/x?socket=/s",
+            "nbd://h/x%4",
+            "nbd://h/x%zz",
             "http://h/x",
         ] {
             assert!(Target::parse(bad).is_err(), "{bad}");

@@ -67,7 +67,11 @@ pub const STATE_DIRTY: u32 = 1;
 
 pub const EPERM: u32 = 1;
 pub const EIO: u32 = 5;
+pub const ENOMEM: u32 = 12;
 pub const EINVAL: u32 = 22;
+pub const ENOSPC: u32 = 28;
+pub const ENOTSUP: u32 = 95;
+pub const ESHUTDOWN: u32 = 108;
 pub const EOVERFLOW: u32 = 75;
 
 /// The longest option payload accepted (names, queries): anything larger is refused.

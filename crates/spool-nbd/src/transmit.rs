@@ -11,8 +11,6 @@ use crate::handshake::{Session, DIRTY_ID};
 use crate::proto::*;
 use crate::Export;
 
-const ESHUTDOWN: u32 = 108;
-
 /// Serves requests until the client disconnects, or the server stops (the next request
 /// then fails with `ESHUTDOWN` and the connection closes).
 pub fn run(
@@ -54,6 +52,12 @@ pub fn run(
         }
         let end = q.offset.checked_add(q.len as u64);
         match q.kind {
+            // Past the end: the spec's ENOSPC for what would write, EINVAL for the rest.
+            CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM
+                if e.writable() && end.is_none_or(|end| end > e.size()) =>
+            {
+                error(w, sess, q.cookie, ENOSPC, "beyond the end of the export")?
+            }
             _ if end.is_none_or(|end| end > e.size()) => {
                 error(w, sess, q.cookie, EINVAL, "beyond the end of the export")?
             }
@@ -83,7 +87,8 @@ fn error(w: &mut impl Write, sess: &Session, cookie: u64, err: u32, msg: &str) -
     }
 }
 
-/// The reply to a write, write-zeroes or flush: done, or EIO (logged) when it failed.
+/// The reply to a write, write-zeroes or flush: done, or (logged) the error as NBD names it:
+/// the errno when the protocol has it, else EIO.
 fn result(
     w: &mut impl Write,
     e: &dyn Export,
@@ -95,7 +100,15 @@ fn result(
         Ok(()) => done(w, sess, q.cookie),
         Err(err) => {
             tracing::warn!(export = e.name(), kind = q.kind, offset = q.offset, len = q.len, error = %err, "an NBD write failed");
-            error(w, sess, q.cookie, EIO, "write failed")
+            let known = [
+                EPERM, EIO, ENOMEM, EINVAL, ENOSPC, EOVERFLOW, ENOTSUP, ESHUTDOWN,
+            ];
+            let errno = err
+                .raw_os_error()
+                .map(|n| n as u32)
+                .filter(|n| known.contains(n))
+                .unwrap_or(EIO);
+            error(w, sess, q.cookie, errno, "write failed")
         }
     }
 }

@@ -3,10 +3,13 @@
 //! it). The way to put a copy of a volume on another host: a mirror leg on a remote export
 //! (qemu-nbd, nbdkit, another spoold).
 //!
-//! Each queue has a connection of its own ([`NbdQueue`]); the synchronous calls (metadata,
-//! probes) share one more, opened again after it breaks. Every connect and handshake has a
-//! deadline ([`CONNECT_TIMEOUT`]), so an unreachable server fails an open or a probe instead
-//! of holding it.
+//! Each queue has a connection of its own ([`NbdQueue`]), so a flush on one must cover the
+//! writes completed on the others: with a server that does not say so
+//! (`NBD_FLAG_CAN_MULTI_CONN`), a second queue is refused rather than risking a flush that
+//! leaves a completed write volatile. The synchronous calls (metadata) share one more
+//! connection, opened again after it breaks, each call bounded by [`SYNC_TIMEOUT`]; a probe
+//! opens its own. Every connect and handshake has a deadline ([`CONNECT_TIMEOUT`]), so an
+//! unreachable or silent server fails an open or a probe instead of holding it.
 //!
 //! Owns: opening, the synchronous I/O, probing. Must not know: health, pools, mirrors.
 
@@ -14,7 +17,8 @@ mod queue;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use spool_nbd::client::{
@@ -25,8 +29,10 @@ pub use queue::NbdQueue;
 
 use crate::{BackendInfo, DeviceQueue, Error, PoolDevice, Probe, Result};
 
-/// How long connecting and the handshake may take.
+/// How long connecting and the handshake may take, and a probe's read.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one synchronous request may take.
+pub const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// An NBD export.
 #[derive(Debug)]
@@ -36,6 +42,12 @@ pub struct NbdBackend {
     size: u64,
     /// The server takes `NBD_CMD_WRITE_ZEROES`.
     write_zeroes: bool,
+    /// A flush covers every connection's writes (`NBD_FLAG_CAN_MULTI_CONN`).
+    multi_conn: bool,
+    /// The largest read or write in one request.
+    max_io: u64,
+    /// Queues open now.
+    queues: Arc<AtomicUsize>,
     /// The synchronous calls' connection (`None` after it broke).
     sync: Mutex<Option<Connection>>,
 }
@@ -63,6 +75,9 @@ impl NbdBackend {
             target,
             size,
             write_zeroes: conn.can_write_zeroes(),
+            multi_conn: conn.multi_conn(),
+            max_io: conn.max_io as u64,
+            queues: Arc::default(),
             sync: Mutex::new(Some(conn)),
         })
     }
@@ -85,32 +100,37 @@ impl NbdBackend {
             ));
         }
         let mut sync = self.sync.lock().unwrap_or_else(|e| e.into_inner());
-        let mut run = |c: &mut Connection| -> std::io::Result<()> {
+        // The server's answer: 0 or its errno (the stream stays in step either way).
+        let mut run = |c: &mut Connection| -> std::io::Result<u32> {
             let mut msg = client::request(kind, 0, offset, len as u32).to_vec();
             msg.extend_from_slice(payload);
             c.stream.write_all(&msg)?;
             let (_, err) = client::read_reply(&mut c.stream)?;
-            if err != 0 {
-                return Err(std::io::Error::from_raw_os_error(err as i32));
-            }
-            if !into.is_empty() {
+            if err == 0 && !into.is_empty() {
                 c.stream.read_exact(into)?;
             }
-            Ok(())
+            Ok(err)
         };
         if sync.is_none() {
             let c = client::connect(&self.target, CONNECT_TIMEOUT)
+                .and_then(|c| c.stream.set_timeouts(Some(SYNC_TIMEOUT)).map(|_| c))
                 .map_err(|e| Error::io(&self.path, "connect to the NBD server", e))?;
             *sync = Some(c);
         }
         let c = sync.as_mut().expect("connected above");
-        run(c).map_err(|e| {
-            // A request that failed halfway leaves the stream out of step: start afresh.
-            if e.raw_os_error().is_none() {
+        match run(c) {
+            Ok(0) => Ok(()),
+            Ok(err) => Err(Error::io(
+                &self.path,
+                "NBD request",
+                std::io::Error::from_raw_os_error(err as i32),
+            )),
+            Err(e) => {
+                // A request that failed on the socket leaves the stream out of step.
                 *sync = None;
+                Err(Error::io(&self.path, "NBD request", e))
             }
-            Error::io(&self.path, "NBD request", e)
-        })
+        }
     }
 
     fn flush(&self) -> Result<()> {
@@ -136,23 +156,29 @@ impl PoolDevice for NbdBackend {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        for (i, part) in buf.chunks_mut(client::MAX_IO as usize / 2).enumerate() {
-            let at = offset + (i * (client::MAX_IO as usize / 2)) as u64;
+        let step = self.max_io as usize;
+        for (i, part) in buf.chunks_mut(step).enumerate() {
+            let at = offset + (i * step) as u64;
             self.request(CMD_READ, at, part.len() as u64, &[], part)?;
         }
         Ok(())
     }
 
     fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
-        for (i, part) in buf.chunks(client::MAX_IO as usize / 2).enumerate() {
-            let at = offset + (i * (client::MAX_IO as usize / 2)) as u64;
+        let step = self.max_io as usize;
+        for (i, part) in buf.chunks(step).enumerate() {
+            let at = offset + (i * step) as u64;
             self.request(CMD_WRITE, at, part.len() as u64, part, &mut [])?;
         }
         self.flush()
     }
 
     fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
-        let step = if self.write_zeroes { 1 << 30 } else { 1 << 20 };
+        let step = if self.write_zeroes {
+            1 << 30
+        } else {
+            self.max_io.min(1 << 20)
+        };
         let zeroes = vec![0u8; if self.write_zeroes { 0 } else { step as usize }];
         let mut at = 0;
         while at < len {
@@ -170,25 +196,41 @@ impl PoolDevice for NbdBackend {
     }
 
     fn open_queue(&self, _depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
+        if !self.multi_conn && self.queues.load(Ordering::SeqCst) > 0 {
+            return Err(std::io::Error::other(format!(
+                "{}: the NBD server does not let a flush on one connection cover the others \
+                 (NBD_FLAG_CAN_MULTI_CONN), so only one queue may use it: give the volume \
+                 one queue, or serve the export with multi-connection support \
+                 (qemu-nbd --shared=N with N > 1)",
+                self.target
+            )));
+        }
         let conn = client::connect(&self.target, CONNECT_TIMEOUT)?;
-        Ok(Box::new(NbdQueue::new(conn)?))
+        Ok(Box::new(NbdQueue::new(conn, self.queues.clone())?))
     }
 
-    /// A fresh connection and a read of the first sector, within [`CONNECT_TIMEOUT`] for
-    /// the connection.
+    /// A connection of its own and a read of the first sector, each within
+    /// [`CONNECT_TIMEOUT`]: a server that does not answer fails the probe instead of holding
+    /// the health monitor.
     fn probe(&self) -> Probe {
-        match client::connect(&self.target, CONNECT_TIMEOUT) {
-            Ok(c) => {
-                *self.sync.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
-                let mut b = [0u8; 512];
-                match self.request(CMD_READ, 0, 512, &[], &mut b) {
-                    Ok(()) => Probe::Ok,
-                    Err(Error::Io { source, .. }) => {
-                        Probe::Failed(source.raw_os_error().unwrap_or(libc::EIO))
-                    }
-                    Err(e) => Probe::Gone(e.to_string()),
-                }
+        let read = |c: &mut Connection| -> std::io::Result<u32> {
+            c.stream.set_timeouts(Some(CONNECT_TIMEOUT))?;
+            c.stream.write_all(&client::request(CMD_READ, 0, 0, 512))?;
+            let (_, err) = client::read_reply(&mut c.stream)?;
+            if err == 0 {
+                c.stream.read_exact(&mut [0u8; 512])?;
             }
+            let _ = client::disconnect(&mut c.stream);
+            Ok(err)
+        };
+        match client::connect(&self.target, CONNECT_TIMEOUT) {
+            Ok(mut c) => match read(&mut c) {
+                Ok(0) => Probe::Ok,
+                // A server shutting down may come back: a path error, not a gone device.
+                Ok(108) => Probe::Failed(libc::ENOTCONN),
+                Ok(err) => Probe::Failed(err as i32),
+                Err(e) => Probe::Failed(e.raw_os_error().unwrap_or(libc::ETIMEDOUT)),
+            },
             Err(e) => Probe::Gone(format!("{}: {e}", self.target)),
         }
     }

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use spool_nbd::client::{
@@ -29,6 +29,18 @@ use crate::queue::{DeviceIo, DeviceQueue};
 
 /// The largest trim or write-zeroes range sent in one request.
 const MAX_RANGE: u64 = 1 << 30;
+/// How long the writer may wait for the server to take data before the connection is
+/// treated as broken.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// What write-zeroes sent as data writes from (a server without `NBD_CMD_WRITE_ZEROES`).
+static ZEROES: [u8; 64 << 10] = [0u8; 64 << 10];
+
+/// What the writer thread sends: bytes framed at submit, or a run of zeroes (a write's
+/// payload for write-zeroes), written from [`ZEROES`] without being held in memory.
+enum Out {
+    Bytes(Vec<u8>),
+    Zeroes(u64),
+}
 
 /// Where an operation is: with the server, completed, or given up by the queue.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -118,8 +130,10 @@ impl Shared {
 /// A queue on an NBD export for one worker.
 pub struct NbdQueue {
     shared: Arc<Shared>,
-    out: Option<mpsc::Sender<Vec<u8>>>,
-    batch: Vec<u8>,
+    out: Option<mpsc::Sender<Vec<Out>>>,
+    batch: Vec<Out>,
+    /// Queues open on the device (one connection each), this one included.
+    open: Arc<AtomicUsize>,
     size: u64,
     flags: (bool, bool, bool, bool),
     max_io: u64,
@@ -133,20 +147,21 @@ pub struct NbdQueue {
 }
 
 impl NbdQueue {
-    pub(crate) fn new(conn: Connection) -> std::io::Result<Self> {
+    pub(crate) fn new(conn: Connection, open: Arc<AtomicUsize>) -> std::io::Result<Self> {
+        conn.stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
         let shared = Arc::new(Shared {
             completions: Completions::new()?,
             pending: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
         });
-        let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let (tx, rx) = mpsc::channel::<Vec<Out>>();
         let mut w = conn.stream.try_clone()?;
         let r = conn.stream.try_clone()?;
         let writer = std::thread::Builder::new()
             .name("spool-nbd-send".into())
             .spawn(move || {
-                for buf in rx {
-                    if w.write_all(&buf).is_err() {
+                for batch in rx {
+                    if send(&mut w, batch).is_err() {
                         // The reader sees the connection end and fails what is in flight.
                         w.shutdown();
                         return;
@@ -158,10 +173,12 @@ impl NbdQueue {
         let reader = std::thread::Builder::new()
             .name("spool-nbd-recv".into())
             .spawn(move || receive(r, &s))?;
+        open.fetch_add(1, Ordering::SeqCst);
         Ok(NbdQueue {
             shared,
             out: Some(tx),
             batch: Vec::new(),
+            open,
             size: conn.size,
             flags: (
                 conn.read_only(),
@@ -208,9 +225,52 @@ impl NbdQueue {
             }
             pending.insert(cookie, part);
         }
-        self.batch
-            .extend_from_slice(&client::request(kind, cookie, offset, len as u32));
+        let header = client::request(kind, cookie, offset, len as u32);
+        self.bytes(header.len()).copy_from_slice(&header);
         true
+    }
+
+    /// `n` more bytes at the end of the batch, to fill.
+    fn bytes(&mut self, n: usize) -> &mut [u8] {
+        if !matches!(self.batch.last(), Some(Out::Bytes(_))) {
+            self.batch.push(Out::Bytes(Vec::new()));
+        }
+        let Some(Out::Bytes(b)) = self.batch.last_mut() else {
+            unreachable!("pushed above");
+        };
+        let from = b.len();
+        b.resize(from + n, 0);
+        &mut b[from..]
+    }
+
+    /// The result of a request that goes nowhere: refused (the connection is gone, out of
+    /// range, a write to a read-only export), or done at once (nothing to do: no bytes, a
+    /// flush or trim the server does not take).
+    fn answered_here(&self, io: DeviceIo) -> Option<i32> {
+        let (read_only, flush, trim, _) = self.flags;
+        let range = match io {
+            DeviceIo::Read { offset, len, .. }
+            | DeviceIo::Write { offset, len, .. }
+            | DeviceIo::Discard { offset, len }
+            | DeviceIo::WriteZeroes { offset, len } => Some((offset, len)),
+            DeviceIo::Flush => None,
+        };
+        let refused = match io {
+            _ if self.shared.dead.load(Ordering::SeqCst) => Some(-libc::ENOTCONN),
+            _ if range.is_some_and(|(o, l)| o.checked_add(l).is_none_or(|e| e > self.size)) => {
+                Some(-libc::EINVAL)
+            }
+            DeviceIo::Read { .. } | DeviceIo::Flush => None,
+            _ if read_only => Some(-libc::EROFS),
+            _ => None,
+        };
+        let nothing = range.is_some_and(|(_, l)| l == 0)
+            || match io {
+                DeviceIo::Flush => !flush,
+                DeviceIo::Discard { .. } => !trim,
+                _ => false,
+            };
+        refused.or(nothing.then_some(0))
     }
 
     /// Splits `[offset, offset + len)` into parts of at most `max` bytes.
@@ -224,6 +284,23 @@ impl NbdQueue {
         }
         v
     }
+}
+
+/// One batch onto the connection.
+fn send(w: &mut Stream, batch: Vec<Out>) -> std::io::Result<()> {
+    for o in batch {
+        match o {
+            Out::Bytes(b) => w.write_all(&b)?,
+            Out::Zeroes(mut n) => {
+                while n > 0 {
+                    let k = n.min(ZEROES.len() as u64) as usize;
+                    w.write_all(&ZEROES[..k])?;
+                    n -= k as u64;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The reader thread: replies until the connection ends.
@@ -242,7 +319,12 @@ fn receive(mut r: Stream, s: &Shared) {
             );
             break;
         };
-        let mut e = -(err.min(i32::MAX as u32) as i32);
+        // A server shutting down (ESHUTDOWN) is a path that may come back, not a device
+        // that is gone.
+        let mut e = match err {
+            108 => -libc::ENOTCONN,
+            n => -(n.min(i32::MAX as u32) as i32),
+        };
         if let (Some((at, len)), 0) = (part.read_at, err) {
             buf.resize(len, 0);
             if r.read_exact(&mut buf).is_err() {
@@ -302,32 +384,11 @@ unsafe fn iovecs(iov: *const libc::iovec, iovcnt: u32) -> Vec<(usize, usize)> {
 impl DeviceQueue for NbdQueue {
     unsafe fn submit(&mut self, io: DeviceIo, tag: u64) {
         self.in_flight += 1;
-        let (read_only, flush, trim, zeroes) = self.flags;
-        let range = match io {
-            DeviceIo::Read { offset, len, .. }
-            | DeviceIo::Write { offset, len, .. }
-            | DeviceIo::Discard { offset, len }
-            | DeviceIo::WriteZeroes { offset, len } => Some((offset, len)),
-            DeviceIo::Flush => None,
-        };
-        let refused = match io {
-            _ if self.shared.dead.load(Ordering::SeqCst) => Some(-libc::ENOTCONN),
-            _ if range.is_some_and(|(o, l)| o.checked_add(l).is_none_or(|e| e > self.size)) => {
-                Some(-libc::EINVAL)
-            }
-            DeviceIo::Read { .. } | DeviceIo::Flush => None,
-            _ if read_only => Some(-libc::EROFS),
-            _ => None,
-        };
-        let skip = match io {
-            DeviceIo::Flush => !flush,
-            DeviceIo::Discard { .. } => !trim,
-            _ => false,
-        };
-        if let Some(res) = refused.or(skip.then_some(0)) {
+        if let Some(res) = self.answered_here(io) {
             self.shared.complete(tag, res);
             return;
         }
+        let (_, _, _, zeroes) = self.flags;
         // SAFETY: the caller's `submit` contract: iovecs valid until reaped.
         let guest = match io {
             DeviceIo::Read { iov, iovcnt, .. } | DeviceIo::Write { iov, iovcnt, .. } => unsafe {
@@ -367,13 +428,16 @@ impl DeviceQueue for NbdQueue {
         for (o, l) in parts {
             let at = (o - offset) as usize;
             let read_at = (kind == CMD_READ).then_some(at);
-            if self.part(&op, kind, o, l, read_at) && kind == CMD_WRITE {
-                let from = self.batch.len();
-                self.batch.resize(from + l as usize, 0);
-                if matches!(io, DeviceIo::Write { .. }) {
+            if !self.part(&op, kind, o, l, read_at) || kind != CMD_WRITE {
+                continue;
+            }
+            match io {
+                DeviceIo::Write { .. } => {
+                    let to = self.bytes(l as usize);
                     // SAFETY: the caller's buffers are alive until reaped; only read here.
-                    unsafe { copy_from(&op.guest, at, &mut self.batch[from..]) };
+                    unsafe { copy_from(&op.guest, at, to) };
                 }
+                _ => self.batch.push(Out::Zeroes(l)),
             }
         }
         self.live.push(op);
@@ -421,12 +485,9 @@ impl DeviceQueue for NbdQueue {
         self.in_flight
     }
 
-    /// A request on the network cannot be taken back, but it can be given up: it completes
-    /// with -ECANCELED now and its reply, whenever it comes, touches nothing of the caller's.
-    fn abort(&mut self) -> usize {
-        self.abandon()
-    }
-
+    /// A request on the network cannot be taken back, so `abort` (a reset, a health epoch)
+    /// leaves it to complete; a device declared failed gives it up here: it completes with
+    /// -ECANCELED now and its reply, whenever it comes, touches nothing of the caller's.
     fn abandon(&mut self) -> usize {
         let mut n = 0;
         for op in self.live.drain(..) {
@@ -476,18 +537,22 @@ impl Drop for NbdQueue {
     fn drop(&mut self) {
         self.out = None;
         self.abandon();
-        if let Some(w) = self.writer.take() {
-            let _ = w.join();
-        }
+        self.open.fetch_sub(1, Ordering::SeqCst);
         let t0 = std::time::Instant::now();
-        while self.reader.as_ref().is_some_and(|r| !r.is_finished())
+        let ended =
+            |t: &Option<std::thread::JoinHandle<()>>| t.as_ref().is_none_or(|t| t.is_finished());
+        while !(ended(&self.writer) && ended(&self.reader))
             && t0.elapsed() < std::time::Duration::from_secs(1)
         {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
+        // Whatever still blocks on the socket returns now.
         self.stream.shutdown();
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
+        for t in [self.writer.take(), self.reader.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = t.join();
         }
     }
 }

@@ -167,6 +167,10 @@ fn queues_read_and_write_an_export_of_qemu_nbd() {
     let io = DeviceIo::data(false, 8 * MIB, 40 * MIB, v.as_ptr(), 1);
     assert_eq!(run(&mut *q, io), (40 * MIB) as i32);
     assert!(back == big, "a split read or write lost its place");
+    // No bytes at all (a guest may ask): done at once, nothing sent.
+    let io = DeviceIo::data(true, 4096, 0, w.as_ptr(), 0);
+    assert_eq!(run(&mut *q, io), 0);
+    assert_eq!(q.in_flight(), 0);
     // Beyond the end: refused alone, the queue goes on.
     let mut one = vec![0u8; 4096];
     let v = [iov(&mut one)];
