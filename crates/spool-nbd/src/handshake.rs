@@ -23,7 +23,8 @@ pub struct Session {
 fn flags(e: &dyn Export) -> u16 {
     let base = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN | TFLAG_SEND_CACHE;
     match e.writable() {
-        true => base | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES,
+        true if e.offers_write_zeroes() => base | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES,
+        true => base | TFLAG_SEND_TRIM,
         false => base | TFLAG_READ_ONLY,
     }
 }

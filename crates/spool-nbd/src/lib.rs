@@ -52,6 +52,11 @@ pub trait Export: Send + Sync + 'static {
     fn write_at(&self, _buf: &[u8], _offset: u64) -> std::io::Result<()> {
         Err(std::io::Error::from_raw_os_error(1))
     }
+    /// Whether clients are told they may send `NBD_CMD_WRITE_ZEROES` (default: yes, on a
+    /// writable export); without it they write zeroes as data.
+    fn offers_write_zeroes(&self) -> bool {
+        true
+    }
     /// Makes `len` bytes at `offset` read back as zeroes (by default, zeroes written).
     fn write_zeroes(&self, offset: u64, len: u64) -> std::io::Result<()> {
         let zeroes = vec![0u8; len.min(1 << 20) as usize];

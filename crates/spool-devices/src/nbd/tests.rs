@@ -287,8 +287,9 @@ fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
     assert_eq!(v.regions_differing, 0);
 }
 
-/// A writable export in memory, for the client against spool-nbd's own server.
-struct Mem(std::sync::Mutex<Vec<u8>>);
+/// A writable export in memory, for the client against spool-nbd's own server; with
+/// `false`, it does not offer write-zeroes (the client then writes zeroes as data).
+struct Mem(std::sync::Mutex<Vec<u8>>, bool);
 
 impl spool_nbd::Export for Mem {
     fn name(&self) -> &str {
@@ -317,6 +318,9 @@ impl spool_nbd::Export for Mem {
     fn writable(&self) -> bool {
         true
     }
+    fn offers_write_zeroes(&self) -> bool {
+        self.1
+    }
     fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
         let mut d = self.0.lock().unwrap();
         d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
@@ -326,19 +330,28 @@ impl spool_nbd::Export for Mem {
 
 #[test]
 fn queues_work_against_spool_nbd_s_own_writable_server_over_tcp() {
+    for offers_write_zeroes in [true, false] {
+        against_our_server(offers_write_zeroes);
+    }
+}
+
+fn against_our_server(offers_write_zeroes: bool) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let mem = Arc::new(Mem(std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize])));
+    let mem = Arc::new(Mem(
+        std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize]),
+        offers_write_zeroes,
+    ));
     let listen = spool_nbd::Listen::parse(&format!("127.0.0.1:{port}")).unwrap();
     let _srv = spool_nbd::Server::start(listen, mem.clone()).unwrap();
     let uri = format!("nbd://127.0.0.1:{port}/m");
     let dev = Device::open(Path::new(&uri), &OpenOptions::default()).unwrap();
     assert_eq!(dev.size(), 4 * MIB);
     let mut q = dev.open_queue(8).unwrap();
-    // More than spool-nbd's largest request (8 MiB is its limit; this is 3 MiB in one).
+    // 3 MiB in one request (spool-nbd takes up to 8 MiB).
     let mut w = pattern(3 * MIB, 5);
     let v = [iov(&mut w)];
     let io = DeviceIo::data(true, 512, 3 * MIB, v.as_ptr(), 1);
@@ -349,6 +362,17 @@ fn queues_work_against_spool_nbd_s_own_writable_server_over_tcp() {
         len: 4096,
     };
     assert_eq!(run(&mut *q, io), 0);
+    // A longer run: one write-zeroes, or without it zeroes sent as data from one buffer.
+    let io = DeviceIo::WriteZeroes {
+        offset: 3 * MIB + 512,
+        len: MIB - 1024,
+    };
+    assert_eq!(run(&mut *q, io), 0);
+    assert!(
+        mem.0.lock().unwrap()[(3 * MIB + 512) as usize..(4 * MIB - 512) as usize]
+            .iter()
+            .all(|&b| b == 0)
+    );
     let mut r = vec![0u8; (3 * MIB) as usize];
     let v = [iov(&mut r)];
     assert_eq!(
