@@ -37,7 +37,7 @@ import time
 
 import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, OUT, REPO, ctl, log  # noqa: E402
+from benchlib import BIN, OUT, REPO, ctl, daemon_status, kill_worker, log  # noqa: E402
 
 CACHE = os.environ.get("SPOOL_CACHE", os.path.join(REPO, ".cache"))
 CONFIG = """state_dir = "{d}/state"
@@ -58,15 +58,6 @@ num_queues = 2
 def pct(v, p):
     v = sorted(v)
     return v[min(len(v) - 1, round((len(v) - 1) * p))]
-
-
-def status(sock):
-    for _ in range(4000):
-        try:
-            return ctl(sock, "status")
-        except Exception:
-            time.sleep(0.005)
-    raise RuntimeError("daemon_status never answered")
 
 
 def rpc_status(path):
@@ -210,20 +201,13 @@ def run(mode, kills, seed):
     spoold_log = open(os.path.join(d, "spoold.log"), "w")
     sp = subprocess.Popen(args, stderr=spoold_log, stdout=subprocess.DEVNULL)
     sock = os.path.join(d, "state", "spoold.sock")
-    status(sock)
+    daemon_status(sock)
     vm, con = start_guest(d, 30 + kills)
     rng = random.Random(seed)
     reports = []
     for k in range(kills):
         time.sleep(0.3 + rng.random() * 0.5)
-        old = status(sock)["pid"]
-        os.kill(old, signal.SIGKILL)
-        while True:
-            s = status(sock)
-            r = s.get("last_restart") or {}
-            if s["pid"] != old and r.get("new_pid") == s["pid"]:
-                break
-            time.sleep(0.002)
+        r = kill_worker(sock)
         reports.append({"stall_ms": r["stall_ms"],
                         "phases": {p["name"]: p["ms"] for p in r["phases"]}})
         if vm.poll() is not None:

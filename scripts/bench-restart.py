@@ -30,18 +30,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, OUT, REPO, ctl, log  # noqa: E402
+from benchlib import BIN, OUT, REPO, ctl, daemon_status, kill_worker, log  # noqa: E402
 
 
-
-
-def status(sock):
-    for _ in range(2000):
-        try:
-            return ctl(sock, "status")
-        except Exception:
-            time.sleep(0.005)
-    raise RuntimeError("daemon_status never answered")
 
 
 def bench(vsock, runtime, timeline=None):
@@ -56,13 +47,7 @@ def bench(vsock, runtime, timeline=None):
 def event(kind, sock):
     if kind == "upgrade":
         return ctl(sock, "upgrade")
-    pid = status(sock)["pid"]
-    os.kill(pid, signal.SIGKILL)
-    while True:
-        s = status(sock)
-        if s["pid"] != pid and s.get("last_restart", {}).get("new_pid") == s["pid"]:
-            return s["last_restart"]
-        time.sleep(0.002)
+    return kill_worker(sock)
 
 
 def main():
@@ -91,7 +76,7 @@ num_queues = 1
                          stderr=logf)
     sock, vsock = f"{work}/state/spoold.sock", f"{work}/state/vhost/vol.sock"
     try:
-        status(sock)
+        daemon_status(sock)
         results = {"baseline": [], "upgrade": [], "worker-kill": []}
         reports = {"upgrade": [], "worker-kill": []}
         for i in range(runs):

@@ -24,6 +24,31 @@ def ctl(sock, *args):
     return json.loads(r.stdout)
 
 
+def daemon_status(sock):
+    """`spoolctl status` of the spoold whose RPC socket is `sock`, waiting (up to 20 s) while
+    it does not answer (a worker restarting)."""
+    for _ in range(4000):
+        try:
+            return ctl(sock, "status")
+        except Exception:
+            time.sleep(0.005)
+    raise RuntimeError("daemon_status never answered")
+
+
+def kill_worker(sock):
+    """SIGKILLs spoold's worker and waits until its successor serves; returns the keeper's
+    report of that restart (stall and phases)."""
+    import signal
+    pid = daemon_status(sock)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        s = daemon_status(sock)
+        r = s.get("last_restart") or {}
+        if s["pid"] != pid and r.get("new_pid") == s["pid"]:
+            return r
+        time.sleep(0.002)
+
+
 def wait_socket(path, proc, what, timeout=20, settle=0.1):
     """Waits until `proc` (named `what` in errors) has created the socket `path`, then `settle`
     seconds more (for it to start listening)."""
