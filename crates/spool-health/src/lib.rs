@@ -26,6 +26,15 @@ use uuid::Uuid;
 mod machine;
 use machine::Emitted;
 
+/// Why a controller reset was not started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResetRefused {
+    #[error("device {0} is not watched")]
+    NotWatched(Uuid),
+    #[error("device {device} is {state}: it is isolated until it is replaced (`spoolctl device replace`)")]
+    Isolated { device: Uuid, state: &'static str },
+}
+
 /// How the monitor decides. The defaults are safe for real devices.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -314,13 +323,13 @@ impl Monitor {
     }
 
     /// Asks for a controller reset of a device (operator or control plane).
-    pub fn request_reset(&self, uuid: Uuid, why: &str) -> Result<(), String> {
+    pub fn request_reset(&self, uuid: Uuid, why: &str) -> Result<(), ResetRefused> {
         let inner = self.lock();
         let w = inner
             .devices
             .iter()
             .find(|w| w.uuid == uuid)
-            .ok_or_else(|| format!("device {uuid} is not watched"))?;
+            .ok_or(ResetRefused::NotWatched(uuid))?;
         match w.dev.health().state() {
             HealthState::Healthy => {
                 w.dev
@@ -330,10 +339,10 @@ impl Monitor {
                 Ok(())
             }
             HealthState::Resetting => Ok(()),
-            s => Err(format!(
-                "device {uuid} is {}: it is isolated until it is replaced (`spoolctl device replace`)",
-                s.name()
-            )),
+            s => Err(ResetRefused::Isolated {
+                device: uuid,
+                state: s.name(),
+            }),
         }
     }
 

@@ -68,7 +68,7 @@ impl Daemon {
         if dev.health().state() == HealthState::Healthy {
             self.monitor
                 .request_reset(uuid, "operator")
-                .map_err(RpcError::Health)?;
+                .map_err(|e| RpcError::Health(e.to_string()))?;
         }
         let vols: Vec<_> = self
             .pool()
