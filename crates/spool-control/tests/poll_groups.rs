@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    connect, kill_workers_until_recovered, pattern, write_rounds_until, Spoold, RECOVERED,
+    connect, kill_workers_holding_a_write, pattern, write_rounds_until, Spoold, RECOVERED,
 };
 
 fn config(threads: u32) -> String {
@@ -128,7 +128,13 @@ fn a_group_thread_ends_with_its_queues_and_starts_again_with_new_ones() {
 fn worker_kills_under_load_with_grouped_queues_lose_nothing() {
     let d = Arc::new(Spoold::start(&config(1)));
     let mut c = connect(&d.socket("b"), 4, false).unwrap();
-    let killer = kill_workers_until_recovered(d.clone(), 5, 40);
+    let dev = d
+        .rpc("volume_show", serde_json::json!({"id": "b"}))
+        .unwrap()["devices"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let killer = kill_workers_holding_a_write(d.clone(), &dev, 5, 40);
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     killer.join().unwrap();
     assert!(rounds >= 5);

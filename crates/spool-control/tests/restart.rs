@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    connect, kill_workers_until_recovered, pattern, write_rounds_until, Spoold, RECOVERED,
+    connect, kill_workers_holding_a_write, pattern, write_rounds_until, Spoold, RECOVERED,
 };
 use serde_json::json;
 
@@ -37,7 +37,8 @@ fn worker_sigkill_under_load_is_invisible_to_the_client() {
     let keeper = d.keeper_pid();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
     let n = kills();
-    let killer = kill_workers_until_recovered(d.clone(), n, 4 * n);
+    let dev = device_of(&d, "a");
+    let killer = kill_workers_holding_a_write(d.clone(), &dev, n, 4 * n);
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     let pids = killer.join().unwrap();
     let n = pids.len() - 1;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::{
-    connect, kill_workers_until_recovered, pattern, write_rounds_until, Spoold, BS, RECOVERED,
+    connect, kill_workers_holding_a_write, pattern, write_rounds_until, Spoold, BS, RECOVERED,
 };
 
 fn config(dev: &Path) -> String {
@@ -82,26 +82,7 @@ fn writes_through_the_mapping_survive_worker_kills_and_a_restart() {
         serde_json::json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
     )
     .unwrap();
-    let killer = {
-        let (d, dev) = (d.clone(), dev.clone());
-        std::thread::spawn(move || {
-            // The first kill comes once the write hangs (the rule was hit: its hit count is
-            // up, or it is gone, spent), so it finds that write in flight.
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-            loop {
-                let f = d
-                    .rpc("device_faults", serde_json::json!({"id": dev}))
-                    .unwrap();
-                let rules = f["rules"].as_array().cloned().unwrap_or_default();
-                if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
-                    break;
-                }
-                assert!(std::time::Instant::now() < deadline, "no write hung: {f}");
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            kill_workers_until_recovered(d, 5, 40).join().unwrap()
-        })
-    };
+    let killer = kill_workers_holding_a_write(d.clone(), dev.to_str().unwrap(), 5, 40);
     // Every write completes and every block then reads back its last write (checked inside).
     let rounds = write_rounds_until(&mut c, &|| killer.is_finished(), 5);
     killer.join().unwrap();

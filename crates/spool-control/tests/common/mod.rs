@@ -425,6 +425,42 @@ pub fn kill_workers_until_recovered(
     })
 }
 
+/// Like [`kill_workers_until_recovered`], but certain to exercise recovery: one write to
+/// device `dev` first hangs there (an injected `timeout` fault, once), and the first kill
+/// comes once it does, so that kill finds the write in flight. The successor, which has no
+/// such rule, resubmits it from the journal. (Kills at random moments can all miss a
+/// request in flight, most of all on a loaded machine or with inline I/O on tmpfs.)
+#[allow(dead_code)]
+pub fn kill_workers_holding_a_write(
+    d: std::sync::Arc<Spoold>,
+    dev: &str,
+    min: usize,
+    max: usize,
+) -> std::thread::JoinHandle<Vec<u32>> {
+    d.rpc(
+        "device_inject",
+        serde_json::json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
+    )
+    .unwrap();
+    let dev = dev.to_string();
+    std::thread::spawn(move || {
+        // The rule was hit when its hit count is up, or it is gone (spent).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let f = d
+                .rpc("device_faults", serde_json::json!({"id": dev}))
+                .unwrap();
+            let rules = f["rules"].as_array().cloned().unwrap_or_default();
+            if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no write hung: {f}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        kill_workers_until_recovered(d, min, max).join().unwrap()
+    })
+}
+
 /// Block `off` (BS bytes), read on queue 0.
 #[allow(dead_code)]
 pub fn block(c: &mut Client_, off: u64) -> Vec<u8> {
