@@ -16,7 +16,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::{
-    connect, kill_workers_until_recovered, pattern, spoolctl, write_rounds_until, Spoold, BS,
+    connect, kill_workers_holding_a_write, pattern, spoolctl, write_rounds_until, Spoold, BS,
+    RECOVERED,
 };
 use serde_json::json;
 
@@ -162,7 +163,7 @@ fn an_encrypted_volume_stores_only_ciphertext_and_its_keys_rotate_and_erase() {
 
     // Writes through worker kills: the journal resubmits them through the cipher again.
     let mut c = connect(&d.socket("sec"), 2, false).unwrap();
-    let killer = kill_workers_until_recovered(d.clone(), 2, 8);
+    let killer = kill_workers_holding_a_write(d.clone(), dev.to_str().unwrap(), 2, 8);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let rounds = std::thread::scope(|s| {
         let h = s.spawn(|| {
@@ -176,6 +177,10 @@ fn an_encrypted_volume_stores_only_ciphertext_and_its_keys_rotate_and_erase() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         h.join().unwrap()
     });
+    assert!(
+        d.log().contains(RECOVERED),
+        "no kill caught a write in flight"
+    );
     drop(c);
     let last = rounds - 1;
     // The plain volume beside it: its plaintext is on the device, so the scan can see one.

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::{
-    assert_pool_checks_clean, block, connect, kill_workers_until_recovered, pattern, spoolctl,
-    whole_rounds, write_rounds_until, Spoold, BS,
+    assert_pool_checks_clean, block, connect, kill_workers_holding_a_write, pattern, spoolctl,
+    whole_rounds, write_rounds_until, Spoold, BS, RECOVERED,
 };
 
 const MIB: u64 = 1 << 20;
@@ -80,7 +80,8 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
     let (ok, _, err) = spoolctl(&d0, &["volume", "snapshot", "t", "s2"]);
     assert!(!ok && err.contains("already"), "{err}");
     // More writes through worker kills: none of them reach the snapshots.
-    let killer = kill_workers_until_recovered(d0.clone(), 2, 8);
+    let dev = d0.dir.path().join("d0.img");
+    let killer = kill_workers_holding_a_write(d0.clone(), dev.to_str().unwrap(), 2, 8);
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         let h = s.spawn(|| write_rounds_until(&mut c, &|| stop.load(Ordering::Relaxed), 4));
@@ -88,6 +89,10 @@ fn snapshots_keep_their_moment_through_load_kills_and_a_restart_and_clones_serve
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap()
     });
+    assert!(
+        d0.log().contains(RECOVERED),
+        "no kill caught a write in flight"
+    );
     drop(c);
     let mut d = Arc::into_inner(d0).expect("the killer is done");
     assert_pool_checks_clean(&d);

@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use blkio::ReqFlags;
 use common::{
-    assert_pool_checks_clean, connect, kill_workers_until_recovered, pattern, spoolctl,
-    write_rounds_until, Client_, Spoold, BS,
+    assert_pool_checks_clean, connect, kill_workers_holding_a_write, pattern, spoolctl,
+    write_rounds_until, Client_, Spoold, BS, RECOVERED,
 };
 use serde_json::json;
 
@@ -107,7 +107,8 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
     assert_eq!(c.capacity, 1 << 30);
     let (r, data) = c.read_sync(0, 900 * MIB, BS);
     assert!(r == 0 && data.iter().all(|&b| b == 0));
-    let killer = kill_workers_until_recovered(d.clone(), 2, 8);
+    let dev = d.dir.path().join("d0.img");
+    let killer = kill_workers_holding_a_write(d.clone(), dev.to_str().unwrap(), 2, 8);
     let stop = AtomicBool::new(false);
     let rounds = std::thread::scope(|s| {
         let h = s.spawn(|| write_rounds_until(&mut c, &|| stop.load(Ordering::Relaxed), 4));
@@ -115,6 +116,10 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap()
     });
+    assert!(
+        d.log().contains(RECOVERED),
+        "no kill caught a write in flight"
+    );
     assert_eq!(mapped(&d), 4 * MIB);
     assert_pool_checks_clean(&d);
     // One block far away takes one more chunk; the rest of that chunk reads zeroes.
