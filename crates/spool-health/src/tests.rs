@@ -60,14 +60,27 @@ fn row(report: Option<ErrorReport>, setup: impl Fn(&Device), want: &str) -> Devi
     let uuid = Uuid::new_v4();
     m.watch(uuid, dev.clone());
     setup(&dev);
+    let reported = report.is_some();
     if let Some(r) = report {
         dev.health().report(r);
     }
-    // Settle: a transient state is passed through within a few ticks.
-    std::thread::sleep(Duration::from_millis(120));
+    // Settle: the report counted (so that a device that starts in the state wanted is not
+    // taken for one that came back to it), then the state wanted.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reported && !counted(&m, uuid) {
+        assert!(Instant::now() < deadline, "the monitor never took the report");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let r = wait_state(&m, uuid, want);
     m.stop();
     r
+}
+
+/// Whether the monitor has counted an error report of device `uuid`.
+fn counted(m: &Monitor, uuid: Uuid) -> bool {
+    let r = m.reports().into_iter().find(|r| r.device == uuid).unwrap();
+    let c = &r.counters;
+    c.media_errors + c.path_errors + c.timeouts + c.gone_errors + c.request_errors > 0
 }
 
 #[test]
