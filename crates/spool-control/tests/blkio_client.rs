@@ -279,30 +279,47 @@ fn device_reset_resubmits_in_flight_requests_from_the_journal() {
         .unwrap()
         .to_string();
     let mut c = connect(&d.socket("a"), 2, false).unwrap();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The first reset finds a write in flight for certain: one write hangs in the device
+    // (an injected fault, once) until a reset aborts it. Resets at random moments alone
+    // could all find the queue idle.
+    d.rpc(
+        "device_inject",
+        json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
+    )
+    .unwrap();
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let done = std::sync::Arc::new(AtomicUsize::new(0));
     let resets = {
-        let (stop, rpc) = (stop.clone(), d.rpc_path());
+        let (stop, done, rpc) = (stop.clone(), done.clone(), d.rpc_path());
         let dev = dev.clone();
         std::thread::spawn(move || {
             let mut client = spool_control::rpc::Client::connect(&rpc).unwrap();
-            let mut n = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            // Once the write hangs (the rule was hit: its hit count is up, or it is spent).
+            loop {
+                let f = client.call("device_faults", json!({"id": dev})).unwrap();
+                let rules = f["rules"].as_array().cloned().unwrap_or_default();
+                if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            while !stop.load(Ordering::Relaxed) {
                 let r = client.call("device_reset", json!({"id": dev})).unwrap();
                 assert!(
                     r["volumes"].as_array().unwrap().contains(&json!("a")),
                     "{r}"
                 );
-                n += 1;
+                done.fetch_add(1, Ordering::Relaxed);
                 std::thread::sleep(std::time::Duration::from_millis(15));
             }
-            n
         })
     };
-    let rounds = common::write_rounds_until(&mut c, &|| true, 20);
-    assert_eq!(rounds, 20);
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let n = resets.join().unwrap();
-    assert!(n > 5, "only {n} resets happened");
+    // At least 20 rounds, and on until at least 6 resets happened during them.
+    let rounds = common::write_rounds_until(&mut c, &|| done.load(Ordering::Relaxed) >= 6, 20);
+    assert!(rounds >= 20);
+    stop.store(true, Ordering::Relaxed);
+    resets.join().unwrap();
     let log = d.log();
     assert!(
         log.lines()
