@@ -305,7 +305,6 @@ burst = "100ms"
         measured <= 1.1 * 1000.0 + burst_ops / secs,
         "{measured:.0} IOPS over a cap of 1000"
     );
-    assert!(measured >= 500.0, "{measured:.0} IOPS under a cap of 1000");
 
     let r = d
         .rpc("volume_qos", json!({"id": "capped", "iops": 3000}))
@@ -316,12 +315,23 @@ burst = "100ms"
     // Within a second the new cap applies: the second second runs well above the old cap.
     let after = rate(&done, t1, 1.0, 2.0);
     assert!(
-        after >= 0.5 * 3000.0,
-        "{after:.0} IOPS a second after raising the cap to 3000"
-    );
-    assert!(
         after <= 1.1 * 3000.0 + 300.0,
         "{after:.0} IOPS over the raised cap of 3000"
+    );
+    // The lower bounds are relative to what this client gets with no cap at all, measured
+    // here too: a loaded host may not reach 1000 IOPS of single synchronous reads.
+    d.rpc("volume_qos", json!({"id": "capped", "clear": true}))
+        .unwrap();
+    let t2 = Instant::now();
+    let free =
+        random_reads(&mut c, Duration::from_secs(1)).len() as f64 / t2.elapsed().as_secs_f64();
+    assert!(
+        measured >= 500.0_f64.min(0.5 * free),
+        "{measured:.0} IOPS under a cap of 1000 ({free:.0} without one)"
+    );
+    assert!(
+        after >= 1500.0_f64.min(0.5 * free),
+        "{after:.0} IOPS a second after raising the cap to 3000 ({free:.0} without one)"
     );
 }
 
