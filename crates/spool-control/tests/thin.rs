@@ -184,8 +184,10 @@ fn a_thin_volume_takes_space_on_write_and_gives_it_back() {
     let said = wait_event(&d, "0% free");
     assert!(said.contains("thin volumes promise"), "{said}");
     assert_pool_checks_clean(&d);
-    // Freeing a chunk lets the same write through.
+    // Freeing a chunk lets the same write through (once the chunk is back, after its grace
+    // period: a starved allocator could otherwise outlast thin_full_wait_ms).
     assert_eq!(trim(&mut c, false, 100 * MIB, MIB), 0);
+    wait_free(&d, MIB);
     assert_eq!(c.write_sync(0, (100 + free) * MIB, &pattern(1, 0, 4096)), 0);
     drop(c);
 
