@@ -338,8 +338,10 @@ fn an_unreachable_cluster_holds_io_then_fails_it_cleanly() {
     ));
     let (load, t) = Load::start_patient(d.socket("a"), 64 << 20, Duration::from_secs(120));
     load.wait_progress(64);
-    cluster.stop_osd();
+    // Taken before the OSD is asked to stop: I/O may stall as soon as it starts shutting
+    // down, well before `stop_osd` has seen it exit.
     let down = Instant::now();
+    cluster.stop_osd();
     Load::wait_more_for(
         &load.errors,
         1,
