@@ -168,7 +168,14 @@ fn keeper_death_under_systemd_keeps_every_vm_connection() {
             > kills,
         "not every keeper restart took the descriptors back:\n{log}"
     );
-    assert_eq!(m.show(UNIT, "NRestarts"), (kills + 1).to_string());
+    // Every kill and the wedge restarted the unit; a keeper that a loaded host kept from
+    // pinging the watchdog for 2 s may have added a restart of its own (which the checks
+    // above show cost the guest nothing).
+    let restarts: usize = m.show(UNIT, "NRestarts").parse().unwrap();
+    assert!(
+        restarts > kills,
+        "NRestarts {restarts} after {kills} kills and a wedge"
+    );
     let (ok, out) = m.systemctl(&["stop", UNIT]);
     assert!(ok, "stop: {out}");
     assert_eq!(m.show(UNIT, "Result"), "success", "{}", d.log());
