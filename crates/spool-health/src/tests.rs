@@ -68,7 +68,10 @@ fn row(report: Option<ErrorReport>, setup: impl Fn(&Device), want: &str) -> Devi
     // taken for one that came back to it), then the state wanted.
     let deadline = Instant::now() + Duration::from_secs(10);
     while reported && !counted(&m, uuid) {
-        assert!(Instant::now() < deadline, "the monitor never took the report");
+        assert!(
+            Instant::now() < deadline,
+            "the monitor never took the report"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let r = wait_state(&m, uuid, want);
