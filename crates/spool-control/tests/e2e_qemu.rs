@@ -177,21 +177,7 @@ fn hang_one_write(d: &Spoold) {
         serde_json::json!({"id": dev, "kind": "timeout", "op": "write", "count": 1}),
     )
     .unwrap();
-    let deadline = Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let f = d
-            .rpc("device_faults", serde_json::json!({"id": dev}))
-            .unwrap();
-        let rules = f["rules"].as_array().cloned().unwrap_or_default();
-        if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no guest write reached the device: {f}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    common::wait_fault_hit(d, &dev);
 }
 
 /// With the keeper: the worker is SIGKILLed 20 times and upgraded 20 times, alternating at

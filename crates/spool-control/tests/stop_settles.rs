@@ -47,19 +47,7 @@ fn inject(s: &Spoold, rule: Value) {
 /// Waits until the injected rule was hit (its hit count is up, or it is spent and gone):
 /// the request it holds is in the device now.
 fn wait_hit(s: &Spoold) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let f = s.rpc("device_faults", json!({"id": device(s)})).unwrap();
-        let rules = f["rules"].as_array().cloned().unwrap_or_default();
-        if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the request never reached the device: {f}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_fault_hit(s, &device(s));
 }
 
 fn state(s: &Spoold) -> String {

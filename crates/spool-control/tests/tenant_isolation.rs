@@ -62,20 +62,7 @@ fn inject_write_fault(d: &Spoold, kind: &str) {
 /// is up, or it is spent and gone): the write is in the device now. Returns when.
 fn wait_write_fault_hit(d: &Spoold) -> std::time::Instant {
     let vol = d.rpc("volume_show", json!({"id": "target"})).unwrap();
-    let dev = vol["devices"][0].as_str().unwrap().to_string();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let f = d.rpc("device_faults", json!({"id": dev})).unwrap();
-        let rules = f["rules"].as_array().cloned().unwrap_or_default();
-        if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
-            return std::time::Instant::now();
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the write never reached the device: {f}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_fault_hit(d, vol["devices"][0].as_str().unwrap())
 }
 
 /// The victim volume still reads back what was written before the attack.

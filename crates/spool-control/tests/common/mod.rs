@@ -444,21 +444,30 @@ pub fn kill_workers_holding_a_write(
     .unwrap();
     let dev = dev.to_string();
     std::thread::spawn(move || {
-        // The rule was hit when its hit count is up, or it is gone (spent).
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let f = d
-                .rpc("device_faults", serde_json::json!({"id": dev}))
-                .unwrap();
-            let rules = f["rules"].as_array().cloned().unwrap_or_default();
-            if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "no write hung: {f}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_fault_hit(&d, &dev);
         kill_workers_until_recovered(d, min, max).join().unwrap()
     })
+}
+
+/// Waits (60 s at most) until the fault injected on device `dev` was hit: its hit count is
+/// up, or it is spent and gone. The request it holds is in the device now. Returns when.
+#[allow(dead_code)]
+pub fn wait_fault_hit(d: &Spoold, dev: &str) -> std::time::Instant {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let f = d
+            .rpc("device_faults", serde_json::json!({"id": dev}))
+            .unwrap();
+        let rules = f["rules"].as_array().cloned().unwrap_or_default();
+        if rules.is_empty() || rules[0]["hits"].as_u64().unwrap_or(0) > 0 {
+            return std::time::Instant::now();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no request reached the device's fault: {f}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// Block `off` (BS bytes), read on queue 0.
