@@ -426,13 +426,19 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
         let v = self.vring(index as u32)?;
-        // QEMU sends the call fd after the kick that started the queue, so completions made
-        // before it (a migration's source draining, or the first round here) may not have
-        // been signalled to the guest: one interrupt, possibly spurious, lets it see them.
+        // QEMU sends the call fd after the kick that started the queue, and again whenever
+        // the guest masks or unmasks the queue's vector, so completions made before it (a
+        // migration's source draining, the first round here, a round signalling the old fd)
+        // may not have been signalled to the guest: one interrupt, possibly spurious, lets
+        // it see them. The fd is stored first: a completion after the store signals the new
+        // fd itself, one before it is covered by this interrupt. (The other order left a
+        // window where a completion signalled only the old fd, which with EVENT_IDX stalls
+        // the queue for good: no later completion passes the guest's used_event again.)
+        let fd = fd.map(Arc::new);
+        v.call.store(fd.clone());
         if let (Some(f), true) = (&fd, v.worker.is_some()) {
-            let _ = (&*f).write(&1u64.to_ne_bytes());
+            let _ = (&**f).write(&1u64.to_ne_bytes());
         }
-        v.call.store(fd.map(Arc::new));
         Ok(())
     }
 
