@@ -30,10 +30,12 @@ mod results;
 pub mod size;
 pub mod stats;
 mod thin;
+mod transfer;
 pub use thin::{
     ChangedChunks, CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot,
     SnapshotParams,
 };
+pub use transfer::{ReceiveInfo, ReceiveParams, ReceiveStopParams};
 
 pub use check::CheckReport;
 pub use mirror::*;
@@ -124,6 +126,10 @@ methods! {
         "serve a snapshot read-only over NBD, with base:allocation and, given a base, qemu:dirty-bitmap:BASE";
     SnapshotUnexport = "snapshot_unexport", SnapshotParams => ExportInfo,
         "stop serving a snapshot over NBD (open connections fail their next request)";
+    VolumeReceive = "volume_receive", ReceiveParams => ReceiveInfo,
+        "serve a volume no VM uses as a writable NBD export, for another host or qemu-img/nbdcopy to write its data into";
+    VolumeReceiveStop = "volume_receive_stop", ReceiveStopParams => ReceiveInfo,
+        "stop receiving a volume (open connections fail their next request)";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     VolumeStatsGet = "volume_stats", VolumeStatsParams => Vec<VolumeStats>,

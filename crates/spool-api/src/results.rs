@@ -165,6 +165,9 @@ pub struct Volume {
     /// it cannot unwrap).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub not_served: Option<String>,
+    /// The transfer writing the volume's data from elsewhere (`volume receive`), if any.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub receiving: Option<super::ReceiveInfo>,
 }
 
 /// `device_replace`.

@@ -81,8 +81,10 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         quarantined_io: None,
         mirror: None,
         not_served: None,
+        receiving: None,
     };
     let j = serde_json::to_value(&v).unwrap();
+    assert!(j.get("receiving").is_none(), "no transfer, no field: {j}");
     assert_eq!(j["socket"], Value::Null);
     assert!(j.get("quarantined_io").is_none());
     assert!(j.get("qos").is_none(), "no limits, no qos field: {j}");

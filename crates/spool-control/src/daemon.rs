@@ -26,6 +26,7 @@ mod inject;
 mod keeper;
 mod methods;
 mod mirrors;
+mod receive;
 mod snapshots;
 mod startup;
 mod stats;
@@ -57,6 +58,8 @@ pub struct Daemon {
     quarantined: Mutex<BTreeMap<Uuid, u64>>,
     /// Snapshots served over NBD (`volume export`).
     exports: Mutex<Vec<exports::Exported>>,
+    /// Volumes being received over NBD (`volume receive`).
+    receiving: Mutex<Vec<receive::Receiving>>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -130,6 +133,7 @@ impl Daemon {
             spares_used: Mutex::new(Vec::new()),
             quarantined: Mutex::new(BTreeMap::new()),
             exports: Mutex::default(),
+            receiving: Mutex::default(),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,

@@ -145,7 +145,13 @@ pub struct VolumeContext {
     /// The threads serving the volume's queues (`settings.volume_threads` of them, started
     /// as their first queue starts).
     groups: std::sync::Mutex<Vec<Option<worker::PollGroup>>>,
+    /// What must end before a frontend's queue of the volume starts (a transfer writing
+    /// the volume: docs/transfer.md), run once at the next queue start.
+    before_serving: std::sync::Mutex<Vec<BeforeServing>>,
 }
+
+/// Run once before a frontend's queue of a volume starts ([`VolumeContext::on_serving`]).
+pub type BeforeServing = Box<dyn FnOnce() + Send>;
 
 impl Drop for VolumeContext {
     fn drop(&mut self) {
@@ -205,7 +211,31 @@ impl VolumeContext {
             stats: Arc::new(stats::VolumeStats::new(layout_queues)),
             share,
             groups: Default::default(),
+            before_serving: Default::default(),
         })
+    }
+
+    /// Registers `f` to run, once, before a frontend's next queue start on this volume
+    /// (before its claim and its first request): what writes the volume behind the guest's
+    /// back ends there.
+    pub fn on_serving(&self, f: BeforeServing) {
+        self.before_serving
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(f);
+    }
+
+    /// Runs what [`Self::on_serving`] registered (a queue is about to start).
+    pub(crate) fn serving(&self) {
+        let hooks = std::mem::take(
+            &mut *self
+                .before_serving
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        for f in hooks {
+            f();
+        }
     }
 
     /// Volume name.

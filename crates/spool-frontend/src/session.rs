@@ -233,6 +233,7 @@ impl Session {
         if !v.started || !v.enabled || v.worker.is_some() {
             return Ok(());
         }
+        self.ctx.serving();
         if let Err(why) = self.claim(restored) {
             return Err(invalid(
                 &format!("volume cannot be served by this host now: {why}"),

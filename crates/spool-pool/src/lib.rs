@@ -23,6 +23,7 @@ mod rbd;
 mod rbd_snapshots;
 mod snapshots;
 mod thin;
+mod volume_image;
 mod volumes;
 
 use std::path::Path;

@@ -73,7 +73,21 @@ impl Exported {
     }
 }
 
-fn uri(listen: &Listen, name: &str) -> String {
+/// `unix:PATH` (absolute) or `HOST:PORT`, as a listening address of an export.
+pub(super) fn parse_listen(nbd: &str) -> Result<Listen, RpcError> {
+    let listen = Listen::parse(nbd).map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+    if let Listen::Unix(path) = &listen {
+        if !path.is_absolute() {
+            return Err(RpcError::InvalidParams(format!(
+                "unix:{}: give an absolute path",
+                path.display()
+            )));
+        }
+    }
+    Ok(listen)
+}
+
+pub(super) fn uri(listen: &Listen, name: &str) -> String {
     match listen {
         Listen::Unix(p) => format!("nbd+unix:///{name}?socket={}", p.display()),
         Listen::Tcp(a) => format!("nbd://{a}/{name}"),
@@ -92,15 +106,10 @@ impl Daemon {
     }
 
     fn snapshot_export(&self, p: ExportParams) -> Result<ExportInfo, RpcError> {
-        let listen = Listen::parse(&p.nbd).map_err(|e| RpcError::InvalidParams(e.to_string()))?;
-        if let Listen::Unix(path) = &listen {
-            if !path.is_absolute() {
-                return Err(RpcError::InvalidParams(format!(
-                    "unix:{}: give an absolute path",
-                    path.display()
-                )));
-            }
-        }
+        let listen = parse_listen(&p.nbd)?;
+        // Not under the exports' lock: `volume_receive` takes the transfers' lock, then
+        // looks at the exports.
+        let receiving = self.receiving_listens(&listen.to_string());
         // Lock order: exports, then the pool. Held until the export is registered, so a
         // delete (which stops exports under this lock first) cannot free its chunks between.
         let mut exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
@@ -119,7 +128,7 @@ impl Daemon {
                 pool.snapshot_image(&p.id, &p.snapshot, p.since.as_deref())?,
             )
         };
-        if exports.iter().any(|e| e.info.nbd == listen.to_string()) {
+        if exports.iter().any(|e| e.info.nbd == listen.to_string()) || receiving {
             return Err(RpcError::InvalidParams(format!(
                 "{listen} serves another export already"
             )));
@@ -157,6 +166,12 @@ impl Daemon {
                 v.name, p.snapshot
             ))
         })
+    }
+
+    /// Whether a snapshot export listens on `nbd` (as [`Listen`] prints it).
+    pub(super) fn export_listens(&self, nbd: &str) -> bool {
+        let exports = self.exports.lock().unwrap_or_else(|e| e.into_inner());
+        exports.iter().any(|e| e.info.nbd == nbd)
     }
 
     /// Stops the exports of volume `volume` (of its snapshot `snapshot` only, if given).

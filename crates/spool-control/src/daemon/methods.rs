@@ -18,6 +18,7 @@ pub fn method_table() -> MethodTable<Daemon> {
     super::mirrors::register(&mut t);
     super::snapshots::register(&mut t);
     super::exports::register(&mut t);
+    super::receive::register(&mut t);
     super::stats::register(&mut t);
     super::status::register(&mut t);
     t
@@ -62,7 +63,7 @@ mod tests {
         let doc = include_str!("../../../../docs/rpc.md");
         let t = method_table();
         let names: Vec<_> = t.methods().map(|m| m.name).collect();
-        assert_eq!(names.len(), 32, "{names:?}");
+        assert_eq!(names.len(), 34, "{names:?}");
         for n in names {
             assert!(doc.contains(&format!("| `{n}` |")), "docs/rpc.md lacks {n}");
         }

@@ -200,6 +200,7 @@ impl Daemon {
                 return Err(stuck(n));
             }
         }
+        self.stop_receiving(v.uuid, "the volume was deleted");
         // Its snapshots' chunks go back to the pool: no export may read them any more.
         let (_, deleted) = self.with_exports_stopped(v.uuid, None, || {
             self.pool()
@@ -228,9 +229,12 @@ impl Daemon {
             .flatten()
             .map(|e| e.to_string())
             .or(thin_error.filter(|_| !served));
+        // Before the servers' lock: `volume_receive` takes the transfers' lock, then it.
+        let receiving = self.receive_info(v.uuid);
         let servers = self.servers();
         let s = servers.get(&v.uuid);
         Volume {
+            receiving,
             not_served,
             socket: s.map(|s| s.path().display().to_string()),
             connected: s.is_some_and(|s| s.connected()),

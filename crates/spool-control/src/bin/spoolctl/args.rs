@@ -244,6 +244,20 @@ pub enum VolumeCmd {
         /// VOLUME@SNAPSHOT.
         snapshot: String,
     },
+    /// Receive a volume's data from elsewhere: serve the volume (thick, not encrypted, no VM
+    /// running it) as a writable NBD export, for another host, `qemu-img convert -n` or
+    /// `nbdcopy` to write into. It ends when a VM starts the volume, with --stop, or when
+    /// the volume is deleted (docs/transfer.md).
+    #[command(group = clap::ArgGroup::new("receive_how").required(true).args(["nbd", "stop"]))]
+    Receive {
+        id: String,
+        /// unix:PATH or HOST:PORT.
+        #[arg(long, value_name = "unix:PATH|HOST:PORT")]
+        nbd: Option<String>,
+        /// End the transfer (open connections fail their next request).
+        #[arg(long)]
+        stop: bool,
+    },
     /// Create a writable thin volume from a snapshot and serve it: it shares the snapshot's
     /// chunks until it writes there.
     Clone {

@@ -73,6 +73,7 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             VolumeCmd::Unexport { .. } => show::<api::SnapshotUnexport>(r, |e| {
                 println!("stopped serving {}@{} on {}", e.volume, e.snapshot, e.nbd)
             }),
+            VolumeCmd::Receive { stop, .. } => receive(*stop, r),
             VolumeCmd::Show { .. }
             | VolumeCmd::Clone { .. }
             | VolumeCmd::Create { .. }
@@ -209,6 +210,21 @@ fn volume(v: &Volume) {
     }
     if let Some(why) = &v.not_served {
         println!("not served: {why}");
+    }
+    if let Some(r) = &v.receiving {
+        match &r.ended {
+            None => println!(
+                "receiving over NBD: {} ({} written)",
+                r.uri,
+                format_size(r.written)
+            ),
+            Some(why) => println!(
+                "received over NBD until {why} ({} written); `volume receive {} --stop` closes {}",
+                format_size(r.written),
+                r.volume,
+                r.nbd
+            ),
+        }
     }
     if let Some(m) = &v.mirror {
         super::mirror::status(m);
@@ -417,4 +433,28 @@ pub fn check_verdict(r: &api::CheckReport) -> Result<(), CtlError> {
             format_size(r.leaked_bytes)
         ))),
     }
+}
+
+/// `volume receive` (started, or with --stop ended).
+fn receive(stop: bool, r: Value) -> Result<(), CtlError> {
+    if stop {
+        return show::<api::VolumeReceiveStop>(r, |e| {
+            println!(
+                "volume {} no longer received on {}: {} written",
+                e.volume,
+                e.nbd,
+                format_size(e.written)
+            )
+        });
+    }
+    show::<api::VolumeReceive>(r, |e| {
+        println!(
+            "receiving volume {} ({}) over NBD: {}\nwrite it with: qemu-img convert -n -O raw IMAGE '{}' (or nbdcopy IMAGE '{}')",
+            e.volume,
+            format_size(e.size),
+            e.uri,
+            e.uri,
+            e.uri
+        )
+    })
 }

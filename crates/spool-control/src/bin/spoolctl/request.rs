@@ -189,6 +189,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             let (id, snapshot) = snapshot::split(s)?;
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
         }
+        VolumeCmd::Receive { id, nbd, .. } => receive(id, nbd.as_deref()),
     }
 }
 
@@ -227,23 +228,39 @@ fn diff(from: &str, to: Option<&str>) -> Result<Request, CtlError> {
     build::<api::VolumeDiff>(api::DiffParams { id, from, to })
 }
 
-/// `volume export`: a Unix socket path made absolute (spoold has its own working
-/// directory).
+/// `volume export`.
 fn export(s: &str, nbd: &str, since: Option<String>, decrypt: bool) -> Result<Request, CtlError> {
     let (id, snapshot) = snapshot::split(s)?;
-    let nbd = match nbd.strip_prefix("unix:") {
+    build::<api::SnapshotExport>(api::ExportParams {
+        id,
+        snapshot,
+        nbd: absolute_nbd(nbd)?,
+        since,
+        decrypt,
+    })
+}
+
+/// `volume receive`: start (with an address) or stop.
+fn receive(id: &str, nbd: Option<&str>) -> Result<Request, CtlError> {
+    let id = id.to_string();
+    match nbd {
+        None => build::<api::VolumeReceiveStop>(api::ReceiveStopParams { id }),
+        Some(nbd) => build::<api::VolumeReceive>(api::ReceiveParams {
+            id,
+            nbd: absolute_nbd(nbd)?,
+        }),
+    }
+}
+
+/// An NBD listening address with a Unix socket path made absolute (spoold has its own
+/// working directory).
+fn absolute_nbd(nbd: &str) -> Result<String, CtlError> {
+    Ok(match nbd.strip_prefix("unix:") {
         Some(p) if !p.is_empty() => format!(
             "unix:{}",
             std::path::absolute(p).map_err(CtlError::Path)?.display()
         ),
         _ => nbd.to_string(),
-    };
-    build::<api::SnapshotExport>(api::ExportParams {
-        id,
-        snapshot,
-        nbd,
-        since,
-        decrypt,
     })
 }
 
