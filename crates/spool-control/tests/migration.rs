@@ -842,8 +842,8 @@ fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
         la.contains("dirty log set") && lb.contains("dirty log set"),
         "a migration ran without spoold's dirty log"
     );
-    // A request lost by whoever served a ring before a fresh start is served by the next
-    // spoold (the guest passes), but it is a defect all the same: name where.
+    // A request lost by whoever served a ring before a fresh start leaves the guest waiting
+    // for it; the spoold that starts the ring says so (docs/failures.md): name where.
     for (name, log) in [("A", &la), ("B", &lb)] {
         let lost: Vec<&str> = log
             .lines()

@@ -237,59 +237,28 @@ fn a_new_frontend_after_a_crash_never_gets_the_old_frontends_requests() {
 
 /// A fresh start (a migration's destination, `cont` after a reconnect) whose base counts two
 /// writes that the used ring never got: whoever served the ring before took them and lost
-/// them, and the guest would wait for them for ever. spoold serves them from the avail ring
-/// (their entries and descriptors are still the device's), says so in its log, and goes on
-/// from the base.
+/// them, and the guest waits for them for ever. The rings cannot tell which heads are lost
+/// (completions come out of order), so spoold cannot serve them; it says so in its log, with
+/// the numbers, and goes on from the base.
 #[test]
-fn a_fresh_start_serves_requests_below_its_base_that_were_never_completed() {
+fn a_fresh_start_names_requests_below_its_base_that_were_never_completed() {
     let s = Spoold::start(CFG);
     let mem = GuestMem::new(1 << 20);
     let mut ring = Ring::new(16);
     for slot in 0..2u16 {
-        mem.fill(
-            common::raw::DATA + slot as u64 * 4096,
-            &[0xa0 + slot as u8; 4096],
-        );
         post(&mut ring, &mem, slot, T_OUT);
     }
     let mut fe = RawFrontend::connect(&s.socket("vm"));
     fe.sync().unwrap();
     ring.start_enabled(&mut fe, &mem, 0, 0, 2);
-    let used = ring.wait_used(&mem, 2, Duration::from_secs(10));
-    assert_eq!(
-        used.len(),
-        2,
-        "the writes below the base were never completed:\n{}",
-        s.log()
-    );
-    assert_eq!((ring.status(&mem, 0), ring.status(&mem, 1)), (OK, OK));
+    post(&mut ring, &mem, 2, T_OUT);
+    let used = ring.wait_used(&mem, 1, Duration::from_secs(10));
+    assert_eq!(used, vec![(6, 1)], "the ring goes on from the base");
+    assert_eq!(ring.status(&mem, 2), OK);
+    let log = s.log();
     assert!(
-        s.log()
-            .contains("never completed by the backend that took them"),
-        "{}",
-        s.log()
+        log.contains("never completed by the backend that took them")
+            && log.contains("base=2 used_idx=0 lost=2"),
+        "{log}"
     );
-    // They reached the device, and the ring goes on from the base: read both back.
-    for slot in 2..4u16 {
-        ring.prepare(
-            &mem,
-            slot * 3,
-            slot as u64,
-            T_IN,
-            (slot as u64 - 2) * 8,
-            4096,
-        );
-        ring.post(&mem, slot * 3);
-    }
-    let used = ring.wait_used(&mem, 2, Duration::from_secs(10));
-    assert_eq!(used.len(), 2, "{}", s.log());
-    for slot in 2..4u64 {
-        assert_eq!(ring.status(&mem, slot), OK);
-        assert_eq!(
-            mem.bytes(common::raw::DATA + slot * 4096, 4096),
-            vec![0xa0 + slot as u8 - 2; 4096],
-            "the write of slot {} did not reach the device",
-            slot - 2
-        );
-    }
 }
