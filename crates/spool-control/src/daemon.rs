@@ -98,6 +98,7 @@ impl Daemon {
         d.ensure_volumes()?;
         d.apply_configured_qos()?;
         d.serve_volumes();
+        d.restore_receiving();
         d.release_unserved_kept();
         d.start_spare_watcher();
         d.start_mirror_settler();

@@ -39,6 +39,14 @@ fn ctl_err(d: &Spoold, args: &[&str]) -> String {
     err
 }
 
+/// `prog`, stopped after 120 s: a sender that waits on a socket nobody serves fails the
+/// test instead of hanging it.
+fn tool_cmd(prog: &str) -> std::process::Command {
+    let mut c = std::process::Command::new("timeout");
+    c.args(["120", prog]);
+    c
+}
+
 fn tool(cmd: &mut std::process::Command) -> (bool, String) {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
     let text = format!(
@@ -87,14 +95,14 @@ fn a_volume_received_with_qemu_img_reads_back_through_vhost_user() {
         ctl_err(&d, &["volume", "receive", "v", "--nbd", &nbd]).contains("being received already")
     );
     let (ok, text) = tool(
-        std::process::Command::new("qemu-img")
+        tool_cmd("qemu-img")
             .args(["convert", "-n", "-f", "raw", "-O", "raw"])
             .arg(&src)
             .arg(&uri),
     );
     assert!(ok, "qemu-img convert: {text}\n{}", d.log());
     let (ok, text) = tool(
-        std::process::Command::new("qemu-img")
+        tool_cmd("qemu-img")
             .args(["compare", "-f", "raw", "-F", "raw"])
             .arg(&src)
             .arg(&uri),
@@ -114,7 +122,7 @@ fn a_volume_received_with_qemu_img_reads_back_through_vhost_user() {
         assert!(got == data[i * MIB..(i + 1) * MIB], "MiB {i} differs");
     }
     let (_, text) = tool(
-        std::process::Command::new("qemu-io")
+        tool_cmd("qemu-io")
             .args(["-f", "raw", "-c", "write -P 0x55 0 4k"])
             .arg(&uri),
     );
@@ -133,4 +141,56 @@ fn a_volume_received_with_qemu_img_reads_back_through_vhost_user() {
     assert!(out.contains("no longer received"), "{out}");
     // While the frontend runs the volume, a new transfer is refused.
     assert!(ctl_err(&d, &["volume", "receive", "v", "--nbd", &nbd]).contains("in use"));
+}
+
+/// `qemu-io -c CMD URI`: its output (it reports a failed command in its output).
+fn qemu_io(uri: &str, cmd: &str) -> String {
+    let (ok, text) = tool(tool_cmd("qemu-io").args(["-f", "raw", "-c", cmd]).arg(uri));
+    assert!(ok && !text.contains("failed"), "qemu-io {cmd}: {text}");
+    text
+}
+
+/// A transfer outlives a worker kill and an upgrade: the listening socket stays with the
+/// keeper, the new worker serves it again there, and a sender reconnecting to the same
+/// address goes on; what every worker wrote reads back.
+#[test]
+#[ignore = "needs qemu-io (QEMU; scripts/install-deps.sh installs it)"]
+fn a_transfer_outlives_a_worker_kill_and_an_upgrade() {
+    let d = Spoold::start(CONFIG);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let uri = format!("nbd+unix:///v?socket={}", sock.display());
+    ctl(
+        &d,
+        &[
+            "volume",
+            "receive",
+            "v",
+            "--nbd",
+            &format!("unix:{}", sock.display()),
+        ],
+    );
+    qemu_io(&uri, "write -P 0x11 0 6M");
+    d.kill_worker();
+    qemu_io(&uri, "write -P 0x22 6M 6M");
+    let r = d.upgrade(None).expect("upgrade");
+    assert_eq!(r["outcome"], "ok", "{r}");
+    qemu_io(&uri, "write -P 0x33 12M 8M");
+    for (p, at, len) in [(0x11, 0, 6), (0x22, 6, 6), (0x33, 12, 8)] {
+        qemu_io(&uri, &format!("read -P {p:#x} {at}M {len}M"));
+    }
+    let show = ctl(&d, &["volume", "show", "v"]);
+    assert!(
+        show.contains(&format!("receiving over NBD: {uri}")),
+        "{show}"
+    );
+    // Stopped, it stays stopped across the next restart.
+    ctl(&d, &["volume", "receive", "v", "--stop"]);
+    d.kill_worker();
+    let show = ctl(&d, &["volume", "show", "v"]);
+    assert!(!show.contains("receiving"), "{show}");
+    assert!(
+        !sock.exists(),
+        "the stopped transfer's socket is still there"
+    );
 }

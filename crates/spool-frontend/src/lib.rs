@@ -146,8 +146,9 @@ pub struct VolumeContext {
     /// as their first queue starts).
     groups: std::sync::Mutex<Vec<Option<worker::PollGroup>>>,
     /// What must end before a frontend's queue of the volume starts (a transfer writing
-    /// the volume: docs/transfer.md), run once at the next queue start.
-    before_serving: std::sync::Mutex<Vec<BeforeServing>>,
+    /// the volume: docs/transfer.md), run once at the next queue start; and whether a
+    /// frontend's queues run (from the first start to the stop of the last).
+    before_serving: std::sync::Mutex<(Vec<BeforeServing>, bool)>,
 }
 
 /// Run once before a frontend's queue of a volume starts ([`VolumeContext::on_serving`]).
@@ -217,25 +218,41 @@ impl VolumeContext {
 
     /// Registers `f` to run, once, before a frontend's next queue start on this volume
     /// (before its claim and its first request): what writes the volume behind the guest's
-    /// back ends there.
-    pub fn on_serving(&self, f: BeforeServing) {
-        self.before_serving
+    /// back ends there. Refused (`f` given back) while a frontend's queues run.
+    pub fn on_serving(&self, f: BeforeServing) -> Result<(), BeforeServing> {
+        let mut s = self
+            .before_serving
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(f);
+            .unwrap_or_else(|e| e.into_inner());
+        if s.1 {
+            return Err(f);
+        }
+        s.0.push(f);
+        Ok(())
     }
 
-    /// Runs what [`Self::on_serving`] registered (a queue is about to start).
+    /// A queue is about to start: from now on the frontend's queues run; runs what
+    /// [`Self::on_serving`] registered.
     pub(crate) fn serving(&self) {
-        let hooks = std::mem::take(
-            &mut *self
+        let hooks = {
+            let mut s = self
                 .before_serving
                 .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-        );
+                .unwrap_or_else(|e| e.into_inner());
+            s.1 = true;
+            std::mem::take(&mut s.0)
+        };
         for f in hooks {
             f();
         }
+    }
+
+    /// No queue of the volume runs any more (the frontend stopped them all, or went away).
+    pub(crate) fn not_serving(&self) {
+        self.before_serving
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1 = false;
     }
 
     /// Volume name.

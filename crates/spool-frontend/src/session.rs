@@ -207,6 +207,7 @@ impl Session {
         if self.vrings.iter().any(|v| v.worker.is_some()) {
             return;
         }
+        self.ctx.not_serving();
         let owner = &self.ctx.settings().owner;
         if !self.claimed.is_empty() {
             tracing::info!(volume = %self.ctx.name(), "volume claim given back");

@@ -58,6 +58,9 @@ type Conns = Arc<std::sync::Mutex<Vec<(u64, Box<dyn Stream>)>>>;
 /// connection down.
 pub struct Server {
     pub listen: Listen,
+    /// The listening socket (owned by the accepting thread), for a daemon that keeps it
+    /// across its restarts.
+    listener_fd: std::os::fd::RawFd,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     conns: Conns,
@@ -141,6 +144,56 @@ impl Server {
                 Listener::Tcp(l)
             }
         };
+        Self::serve_on(listen, l, export)
+    }
+
+    /// Serves `export` on `fd`, a socket listening on `listen` that an earlier process of
+    /// the daemon kept (clients that connected meanwhile wait in its backlog): nothing is
+    /// bound or replaced. Refused when `fd` is not a listening socket of that kind and
+    /// address.
+    pub fn start_on(
+        listen: Listen,
+        fd: std::os::fd::OwnedFd,
+        export: Arc<dyn Export>,
+    ) -> Result<Server, Error> {
+        let err = |e| Error::Listen(listen.to_string(), e);
+        let other = |what: String| err(io::Error::new(io::ErrorKind::InvalidInput, what));
+        let l = match &listen {
+            Listen::Unix(p) => {
+                let l = UnixListener::from(fd);
+                let at = l.local_addr().map_err(err)?;
+                if at.as_pathname() != Some(p.as_path()) {
+                    return Err(other(format!("the kept socket listens on {at:?}")));
+                }
+                l.set_nonblocking(true).map_err(err)?;
+                Listener::Unix(l)
+            }
+            Listen::Tcp(a) => {
+                let l = TcpListener::from(fd);
+                let at = l.local_addr().map_err(err)?;
+                if !a.ends_with(&format!(":{}", at.port())) {
+                    return Err(other(format!("the kept socket listens on {at}")));
+                }
+                l.set_nonblocking(true).map_err(err)?;
+                Listener::Tcp(l)
+            }
+        };
+        Self::serve_on(listen, l, export)
+    }
+
+    /// The listening socket, to keep across a restart ([`Server::start_on`]); valid while
+    /// the server runs.
+    pub fn listener_fd(&self) -> std::os::fd::RawFd {
+        self.listener_fd
+    }
+
+    fn serve_on(listen: Listen, l: Listener, export: Arc<dyn Export>) -> Result<Server, Error> {
+        use std::os::fd::AsRawFd;
+        let err = |e| Error::Listen(listen.to_string(), e);
+        let listener_fd = match &l {
+            Listener::Unix(u) => u.as_raw_fd(),
+            Listener::Tcp(t) => t.as_raw_fd(),
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Conns::default();
         let (s, c) = (stop.clone(), conns.clone());
@@ -150,6 +203,7 @@ impl Server {
             .map_err(err)?;
         Ok(Server {
             listen,
+            listener_fd,
             stop,
             thread: Some(thread),
             conns,

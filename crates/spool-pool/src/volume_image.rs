@@ -61,12 +61,15 @@ impl VolumeLayout {
 
 impl Pool {
     /// Whether volume `id`'s data may be written outside the data path (through its
-    /// layout: [`VolumeLayout::write_at`]): thick volumes, mirrored or not, and volumes on
-    /// RBD. A thin volume (whose chunks are allocated by its queues), an encrypted one
-    /// (whose data would cross the wire in the clear) and a read-only one are refused.
+    /// layout: [`VolumeLayout::write_at`]): thick volumes, mirrored or not. A volume on RBD
+    /// (shared, and claimed by whoever serves it), a thin volume (whose chunks are allocated
+    /// by its queues), an encrypted one (whose data would cross the wire in the clear) and a
+    /// read-only one are refused.
     pub fn check_writable_outside(&self, id: &str) -> Result<VolumeInfo> {
         let v = self.volume(id)?;
-        let why = if v.thin.is_some() {
+        let why = if v.rbd.is_some() {
+            "is on RBD (its image is shared by the cluster's hosts: it needs no transfer, and one would write it without its claim)"
+        } else if v.thin.is_some() {
             "is thin (its chunks are allocated by its queues)"
         } else if v.encrypted {
             "is encrypted (its data would cross the wire in the clear)"

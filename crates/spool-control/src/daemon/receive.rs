@@ -3,17 +3,20 @@
 //! write its data into, through the volume's layout devices.
 //!
 //! The transfer ends, for good, when a frontend starts one of the volume's queues (the
-//! guest writes it from then on: the switchover of a move), when the operator stops it, or
-//! when the volume is deleted; from then on every request of a sender fails. A request in
-//! progress finishes before the end returns, so nothing it writes lands after the guest's
-//! first request. It also ends with the worker process: a restarted worker does not serve it
-//! again, and the sender reconnects to a new `volume receive` (docs/transfer.md, "Limits").
+//! guest writes it from then on: the switchover of a move; the frontend's
+//! `VolumeContext::on_serving` hook), when the operator stops it, or when the volume is
+//! deleted; from then on every request of a sender fails. A request in progress finishes
+//! before the end returns, so nothing it writes lands after the guest's first request.
+//!
+//! A worker restart does not end it: its listening socket is kept with the keeper, and the
+//! next worker serves it again there (a sender reconnects to the same address; what was
+//! written is on the devices).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use spool_frontend::VolumeContext;
-use spool_nbd::Server;
+use spool_nbd::{Listen, Server};
 use uuid::Uuid;
 
 use super::Daemon;
@@ -25,6 +28,25 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
         .register::<api::VolumeReceiveStop>(Daemon::volume_receive_stop);
 }
 
+/// Where the keeper keeps a transfer's listening socket (value: `{"nbd": ADDRESS}`).
+const KEPT_PREFIX: &str = "receive/";
+
+fn kept_key(volume: Uuid) -> String {
+    format!("{KEPT_PREFIX}{volume}")
+}
+
+/// Drops the kept socket of the transfer into `volume`: the next worker does not serve it.
+fn forget_kept(store: &Option<Arc<dyn spool_frontend::StateStore>>, volume: Uuid) {
+    if let Some(s) = store {
+        if let Err(e) = s.remove(&kept_key(volume)) {
+            tracing::error!(%volume, "keeper: {e}");
+        }
+    }
+}
+
+/// The largest range one zeroing call covers.
+const ZERO_PIECE: u64 = 64 << 20;
+
 /// Extent size the export reports `base:allocation` in (everything is allocated).
 const EXTENT: u64 = 1 << 20;
 
@@ -33,6 +55,9 @@ struct ReceiveExport {
     name: String,
     size: u64,
     ctx: Arc<VolumeContext>,
+    /// Set first when the transfer ends: requests not yet begun fail at once, and a long
+    /// write-zeroes stops between its pieces.
+    ending: AtomicBool,
     /// Why the transfer ended (None: it goes on); taken for writing to end it, so a
     /// request in progress finishes first.
     ended: RwLock<Option<String>>,
@@ -49,11 +74,17 @@ impl ReceiveExport {
         if let Some(why) = &*ended {
             return Err(std::io::Error::other(format!("the transfer ended: {why}")));
         }
+        if self.ending.load(Ordering::Acquire) {
+            return Err(std::io::Error::other("the transfer is ending"));
+        }
         f(&self.ctx.layout().load())
     }
 
-    /// Ends the transfer (the first reason stays).
+    /// Ends the transfer (the first reason stays), once the request in progress, if any,
+    /// is done: at most one write (8 MiB, NBD's largest payload here), or one piece of
+    /// [`ZERO_PIECE`] bytes of zeroes.
     fn end(&self, why: &str) {
+        self.ending.store(true, Ordering::Release);
         let mut ended = self.ended.write().unwrap_or_else(|p| p.into_inner());
         if ended.is_none() {
             tracing::info!(volume = %self.name, written = self.written.load(Ordering::Relaxed), "volume transfer ended: {why}");
@@ -93,8 +124,14 @@ impl spool_nbd::Export for ReceiveExport {
         Ok(())
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.with_layout(|l| l.zero(offset, len))?;
-        self.written.fetch_add(len, Ordering::Relaxed);
+        // In pieces, each under the transfer's lock: an end waits for one piece at most.
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(ZERO_PIECE);
+            self.with_layout(|l| l.zero(offset + at, n))?;
+            self.written.fetch_add(n, Ordering::Relaxed);
+            at += n;
+        }
         Ok(())
     }
 }
@@ -153,6 +190,18 @@ impl Daemon {
                 "{listen} serves another export already"
             )));
         }
+        self.start_receiving(&mut receiving, &v, listen, None)
+    }
+
+    /// Serves the transfer into `v` on `listen` (on `kept`, the socket a previous worker
+    /// left, if given), kept with the keeper for the next worker.
+    fn start_receiving(
+        &self,
+        receiving: &mut Vec<Receiving>,
+        v: &spool_pool::VolumeInfo,
+        listen: Listen,
+        kept: Option<std::os::fd::OwnedFd>,
+    ) -> Result<ReceiveInfo, RpcError> {
         let ctx = self
             .servers()
             .get(&v.uuid)
@@ -164,24 +213,34 @@ impl Daemon {
             name: v.name.clone(),
             size: v.size,
             ctx: ctx.clone(),
+            ending: AtomicBool::new(false),
             ended: RwLock::new(None),
             written: AtomicU64::new(0),
         });
-        // The hook first, then the look at the queues: a queue that starts between the two
-        // still ends the transfer.
-        let ending = export.clone();
-        ctx.on_serving(Box::new(move || {
-            ending.end("a frontend started the volume")
-        }));
-        if ctx.stats().snapshot().queue_size > 0 {
-            export.end("the volume was in use");
+        // Registered only while no frontend's queue runs (the context decides that under the
+        // lock its queue starts take): a queue that starts later ends the transfer first.
+        // The hook holds the export weakly: a transfer stopped meanwhile is gone.
+        let (ending, store, volume) = (Arc::downgrade(&export), self.store.clone(), v.uuid);
+        let hook = Box::new(move || {
+            if let Some(e) = ending.upgrade() {
+                e.end("a frontend started the volume");
+                forget_kept(&store, volume);
+            }
+        });
+        if ctx.on_serving(hook).is_err() {
             return Err(RpcError::InvalidParams(format!(
                 "volume '{}' is in use: a frontend runs its queues, and a transfer would write behind its back; stop the VM first",
                 v.name
             )));
         }
-        let server = Server::start(listen.clone(), export.clone())
-            .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+        let started = match kept {
+            Some(fd) => Server::start_on(listen.clone(), fd, export.clone()),
+            None => Server::start(listen.clone(), export.clone()),
+        };
+        let server = started.map_err(|e| {
+            export.end("it could not listen");
+            RpcError::InvalidParams(e.to_string())
+        })?;
         let r = Receiving {
             volume: v.uuid,
             nbd: listen.to_string(),
@@ -189,10 +248,51 @@ impl Daemon {
             export,
             server,
         };
+        if let Some(s) = &self.store {
+            let value = serde_json::json!({ "nbd": r.nbd }).to_string();
+            if let Err(e) = s.put(&kept_key(v.uuid), value, &[r.server.listener_fd()]) {
+                tracing::error!(volume = %v.name, "cannot keep the transfer's socket with the keeper ({e}): a worker restart ends it");
+            }
+        }
         tracing::info!(volume = %v.name, uri = %r.uri, "receiving the volume over NBD");
         let info = r.info();
         receiving.push(r);
         Ok(info)
+    }
+
+    /// Serves again the transfers the previous worker kept, on their kept sockets (at
+    /// start, once the volumes are served): a sender reconnecting finds each where it was.
+    pub(super) fn restore_receiving(&self) {
+        let Some(k) = &self.keeping else { return };
+        for key in k.keys(KEPT_PREFIX) {
+            let Some((value, fds)) = k.take(&key) else {
+                continue;
+            };
+            let r = (|| -> Result<ReceiveInfo, RpcError> {
+                let bad = || RpcError::InvalidParams(format!("kept transfer {key}: {value}"));
+                let uuid: Uuid = key[KEPT_PREFIX.len()..].parse().map_err(|_| bad())?;
+                let nbd: String = serde_json::from_str::<serde_json::Value>(&value)
+                    .ok()
+                    .and_then(|v| v["nbd"].as_str().map(str::to_string))
+                    .ok_or_else(bad)?;
+                let fd = fds.into_iter().next().ok_or_else(bad)?;
+                let listen = super::exports::parse_listen(&nbd)?;
+                let v = self.pool().check_writable_outside(&uuid.to_string())?;
+                let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
+                self.start_receiving(&mut receiving, &v, listen, Some(fd.into()))
+            })();
+            match r {
+                Ok(info) => {
+                    tracing::info!(volume = %info.volume, uri = %info.uri, "receiving the volume again after the worker's restart")
+                }
+                Err(e) => {
+                    tracing::warn!(key = %key, "a kept transfer is not served again: {e}");
+                    if let Ok(uuid) = key[KEPT_PREFIX.len()..].parse() {
+                        forget_kept(&self.store, uuid);
+                    }
+                }
+            }
+        }
     }
 
     fn volume_receive_stop(&self, p: ReceiveStopParams) -> Result<ReceiveInfo, RpcError> {
@@ -206,6 +306,7 @@ impl Daemon {
     pub(super) fn stop_receiving(&self, volume: Uuid, why: &str) -> Option<ReceiveInfo> {
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         let i = receiving.iter().position(|r| r.volume == volume)?;
+        forget_kept(&self.store, volume);
         Some(receiving.remove(i).stop(why))
     }
 
