@@ -244,12 +244,14 @@ pub enum VolumeCmd {
         /// VOLUME@SNAPSHOT.
         snapshot: String,
     },
-    /// Receive a volume's data from elsewhere: serve the volume (thick, not encrypted, no VM
-    /// running it) as a writable NBD export, for another host, `qemu-img convert -n` or
-    /// `nbdcopy` to write into. It ends when a VM starts the volume, with --stop, or when
-    /// the volume is deleted (docs/transfer.md).
+    /// Receive a volume's data from elsewhere: serve the volume (thick, on the pool's own
+    /// devices, not encrypted, no VM running it) as a writable NBD export, for another host,
+    /// `qemu-img convert -n` or `nbdcopy` to write into. It ends when a VM starts the
+    /// volume, with --stop, or when the volume is deleted; worker restarts keep it
+    /// (docs/transfer.md).
     #[command(group = clap::ArgGroup::new("receive_how").required(true).args(["nbd", "stop"]))]
     Receive {
+        /// The volume (name or UUID).
         id: String,
         /// unix:PATH or HOST:PORT.
         #[arg(long, value_name = "unix:PATH|HOST:PORT")]
