@@ -84,7 +84,7 @@ impl ReceiveExport {
     /// is done: at most one write (8 MiB, NBD's largest payload here), or one piece of
     /// [`ZERO_PIECE`] bytes of zeroes.
     fn end(&self, why: &str) {
-        self.ending.store(true, Ordering::Release);
+        self.ending.store(true, Ordering::SeqCst);
         let mut ended = self.ended.write().unwrap_or_else(|p| p.into_inner());
         if ended.is_none() {
             tracing::info!(volume = %self.name, written = self.written.load(Ordering::Relaxed), "volume transfer ended: {why}");
@@ -252,6 +252,13 @@ impl Daemon {
             let value = serde_json::json!({ "nbd": r.nbd }).to_string();
             if let Err(e) = s.put(&kept_key(v.uuid), value, &[r.server.listener_fd()]) {
                 tracing::error!(volume = %v.name, "cannot keep the transfer's socket with the keeper ({e}): a worker restart ends it");
+            }
+            // A queue that started since the hook was registered ended the transfer, and its
+            // hook may have forgotten the key before it was kept: forget it again, or the
+            // next worker would serve an ended transfer. (The hook sets `ending` before it
+            // forgets; this looks after keeping.)
+            if r.export.ending.load(Ordering::SeqCst) {
+                forget_kept(&self.store, v.uuid);
             }
         }
         tracing::info!(volume = %v.name, uri = %r.uri, "receiving the volume over NBD");
