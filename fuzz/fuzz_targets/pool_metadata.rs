@@ -140,6 +140,16 @@ fn generated(b: &mut Bytes) -> PoolTable {
                             order: (b.u8() % 5) as u32,
                         })
                         .collect(),
+                    // A remote leg (format version 8) now and then, well formed or not.
+                    remote: match b.u8() % 4 {
+                        0 => Some(spool_pool::metadata::RemoteLeg {
+                            uri: ["nbd://h:10809/v", "nbd+unix:///v?socket=/s", "file:///x", "nbd://h/\n", ""]
+                                [(b.u8() % 5) as usize]
+                                .into(),
+                            id: Uuid::from_u128(b.u8() as u128),
+                        }),
+                        _ => None,
+                    },
                 })
                 .collect(),
             // An RBD image (format version 4) on some volumes, valid names or not.

@@ -35,7 +35,7 @@ pub use thin::{
     ChangedChunks, CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot,
     SnapshotParams,
 };
-pub use transfer::{ReceiveInfo, ReceiveParams, ReceiveStopParams};
+pub use transfer::{ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams};
 
 pub use check::CheckReport;
 pub use mirror::*;
@@ -130,6 +130,8 @@ methods! {
         "serve a volume no VM uses as a writable NBD export, for another host or qemu-img/nbdcopy to write its data into";
     VolumeReceiveStop = "volume_receive_stop", ReceiveStopParams => ReceiveInfo,
         "stop receiving a volume (open connections fail their next request)";
+    VolumeSend = "volume_send", SendParams => SendInfo,
+        "send a volume to another host's NBD export (a remote copy kept in step while it runs), or cancel or finish that";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,
         "set or clear a volume's I/O limits (IOPS, bytes/s, read/write, burst); running queues apply them at once";
     VolumeStatsGet = "volume_stats", VolumeStatsParams => Vec<VolumeStats>,

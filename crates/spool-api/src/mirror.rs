@@ -17,6 +17,9 @@ pub struct MirrorLeg {
     /// Bytes still to copy to this leg.
     pub stale_bytes: u64,
     pub devices: Vec<Uuid>,
+    /// A copy on another host (`volume send`): its NBD URI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<String>,
 }
 
 /// A mirrored volume's copies and copying progress.

@@ -168,6 +168,9 @@ pub struct Volume {
     /// The transfer writing the volume's data from elsewhere (`volume receive`), if any.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub receiving: Option<super::ReceiveInfo>,
+    /// Its copy being sent to another host (`volume send`), if any.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub sending: Option<super::SendInfo>,
 }
 
 /// `device_replace`.

@@ -82,9 +82,11 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         mirror: None,
         not_served: None,
         receiving: None,
+        sending: None,
     };
     let j = serde_json::to_value(&v).unwrap();
     assert!(j.get("receiving").is_none(), "no transfer, no field: {j}");
+    assert!(j.get("sending").is_none(), "no send, no field: {j}");
     assert_eq!(j["socket"], Value::Null);
     assert!(j.get("quarantined_io").is_none());
     assert!(j.get("qos").is_none(), "no limits, no qos field: {j}");

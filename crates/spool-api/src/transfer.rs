@@ -1,6 +1,7 @@
-//! The wire form of receiving a volume's data from another host (docs/transfer.md): the
+//! The wire form of moving a volume's data between hosts (docs/transfer.md): receiving (the
 //! volume served as a writable NBD export until a frontend starts it or the operator stops
-//! the transfer.
+//! the transfer) and sending (the volume's copy on the other host kept as a remote mirror
+//! leg).
 
 use serde::{Deserialize, Serialize};
 
@@ -34,4 +35,42 @@ pub struct ReceiveInfo {
     /// Why it ended, once it has (`stopped`, `a frontend started the volume`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended: Option<String>,
+}
+
+/// `volume_send`: start (or resume) sending volume `id` to the NBD export `to`, or, with
+/// `cancel`, stop sending it, or, with `finish`, delete the volume here once its copy there
+/// is complete and no frontend runs it. With none of them: how the send stands.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendParams {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+    #[serde(default)]
+    pub cancel: bool,
+    #[serde(default)]
+    pub finish: bool,
+}
+
+/// How sending a volume stands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SendInfo {
+    pub volume: String,
+    /// The destination's NBD URI.
+    pub to: String,
+    /// "copying", "current" (every write completed here is there too), "disconnected",
+    /// "cancelled" or "finished" (the volume here was deleted).
+    pub state: String,
+    /// The copy there was complete at least once (the pool table says so).
+    pub synced: bool,
+    /// Bytes still to copy, bytes copied since the copy (re)started, bytes per second,
+    /// seconds left.
+    pub remaining_bytes: u64,
+    pub copied_bytes: u64,
+    pub rate: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_secs: Option<u64>,
+    /// Why the destination is not connected now, if it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trouble: Option<String>,
 }

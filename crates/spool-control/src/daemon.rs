@@ -27,6 +27,7 @@ mod keeper;
 mod methods;
 mod mirrors;
 mod receive;
+mod send;
 mod snapshots;
 mod startup;
 mod stats;

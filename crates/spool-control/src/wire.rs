@@ -349,6 +349,7 @@ pub fn mirror_status(
                     .to_string(),
                 stale_bytes: p.map_or(0, |p| p.stale_bytes),
                 devices: l.devices.clone(),
+                remote: l.remote.clone(),
             }
         })
         .collect();

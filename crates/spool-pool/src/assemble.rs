@@ -60,6 +60,7 @@ impl Pool {
             opts,
             left_out,
             mirrors: Default::default(),
+            remotes: Default::default(),
             rbd_devices: Default::default(),
             ciphers: Default::default(),
             space: Default::default(),

@@ -105,6 +105,10 @@ pub struct LegInfo {
     /// All of its devices are present and not isolated.
     pub present: bool,
     pub devices: Vec<Uuid>,
+    /// A copy on another host (a volume being sent): its NBD address.
+    pub remote: Option<String>,
+    /// Why the remote copy is not connected now, if it is not.
+    pub remote_trouble: Option<String>,
 }
 
 /// Public description of the pool, for the control plane.
@@ -207,11 +211,14 @@ impl Pool {
                         devices.push(e.device);
                     }
                 }
+                let trouble = l.remote.as_ref().and_then(|r| self.remote_trouble(r));
                 LegInfo {
                     slot: l.slot,
                     synced: l.synced,
-                    present: present(&l.extents),
+                    present: present(&l.extents) && trouble.is_none(),
                     devices,
+                    remote: l.remote.as_ref().map(|r| r.uri.clone()),
+                    remote_trouble: trouble,
                 }
             })
             .collect();

@@ -13,7 +13,7 @@ use crate::{Error, Pool, QosLimits, Result};
 use spool_devices::mirror::{LegPiece, LegSpec, MirrorBackend, MirrorSpec, MISSING};
 use spool_devices::Device;
 
-use crate::metadata::{ExtentEntry, VolumeEntry};
+use crate::metadata::{ExtentEntry, LegEntry, VolumeEntry};
 
 /// Mirror devices by volume, each with what it was built from.
 pub(crate) type MirrorCache = std::collections::HashMap<Uuid, (MirrorKey, Arc<Device>)>;
@@ -24,7 +24,7 @@ pub(crate) struct MirrorKey {
     size: u64,
     /// Slot and placement of each leg (not its synced flag: marking a rebuilt leg synced
     /// changes nothing on the data path).
-    legs: Vec<(u8, Vec<ExtentEntry>)>,
+    legs: Vec<(u8, Vec<ExtentEntry>, Option<Uuid>)>,
     handles: Vec<usize>,
 }
 
@@ -44,6 +44,12 @@ pub(crate) fn leg_id(extents: &[ExtentEntry]) -> u64 {
         }
     }
     h.max(1)
+}
+
+/// Identity of a remote leg's placement (from the id the send gave it), never 0.
+fn remote_leg_id(id: Uuid) -> u64 {
+    let (hi, lo) = id.as_u64_pair();
+    (hi ^ lo).max(1)
 }
 
 /// The discard alignment of a volume that is not thin.
@@ -164,12 +170,7 @@ impl Pool {
         }
         if v.is_mirrored() {
             let dev = self.mirror_device(v)?;
-            let len = v.legs[0]
-                .extents
-                .iter()
-                .map(|e| self.table.min_extent << e.order)
-                .sum();
-            return Ok(one_segment(v, len, dev, cipher));
+            return Ok(one_segment(v, self.mirror_size(v), dev, cipher));
         }
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();
@@ -228,41 +229,75 @@ impl Pool {
             .map(|d| d.join(format!("{uuid}.bitmap")))
     }
 
+    /// The bytes each copy of mirrored `v` holds (a local leg's extents).
+    fn mirror_size(&self, v: &VolumeEntry) -> u64 {
+        v.copies_extents()
+            .first()
+            .map(|x| x.iter().map(|e| self.table.min_extent << e.order).sum())
+            .unwrap_or(0)
+    }
+
+    /// What the mirror is told of leg `l` (a copy of `size` bytes), its devices added to
+    /// `devices`. A remote leg is one piece over the whole volume, missing while its link
+    /// is down (the leg then misses writes, and the bitmap says which).
+    fn leg_spec(&self, l: &LegEntry, size: u64, devices: &mut Vec<Arc<Device>>) -> LegSpec {
+        let mut index = |dev: Arc<Device>| match devices.iter().position(|d| Arc::ptr_eq(d, &dev)) {
+            Some(d) => d,
+            None => {
+                devices.push(dev);
+                devices.len() - 1
+            }
+        };
+        if let Some(r) = &l.remote {
+            let device = self.remote_device(r).map_or(MISSING, &mut index);
+            return LegSpec {
+                slot: l.slot,
+                id: remote_leg_id(r.id),
+                synced: l.synced,
+                far: true,
+                pieces: vec![LegPiece {
+                    logical: 0,
+                    len: size,
+                    device,
+                    offset: 0,
+                }],
+            };
+        }
+        let mut pieces = Vec::new();
+        let mut logical = 0;
+        for e in &l.extents {
+            let len = self.table.min_extent << e.order;
+            let device = match self.members.iter().find(|m| m.uuid == e.device) {
+                Some(m) => index(m.dev.clone()),
+                None => MISSING,
+            };
+            pieces.push(LegPiece {
+                logical,
+                len,
+                device,
+                offset: e.offset,
+            });
+            logical += len;
+        }
+        LegSpec {
+            slot: l.slot,
+            id: leg_id(&l.extents),
+            synced: l.synced,
+            far: false,
+            pieces,
+        }
+    }
+
     /// The mirror device of `v`: the cached one while its legs are unchanged, else a new one
     /// (sharing the old one's region state).
     fn mirror_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
         let mut devices: Vec<Arc<Device>> = Vec::new();
-        let mut legs = Vec::new();
-        for l in &v.legs {
-            let mut pieces = Vec::new();
-            let mut logical = 0;
-            for e in &l.extents {
-                let len = self.table.min_extent << e.order;
-                let device = match self.members.iter().find(|m| m.uuid == e.device) {
-                    Some(m) => match devices.iter().position(|d| Arc::ptr_eq(d, &m.dev)) {
-                        Some(d) => d,
-                        None => {
-                            devices.push(m.dev.clone());
-                            devices.len() - 1
-                        }
-                    },
-                    None => MISSING,
-                };
-                pieces.push(LegPiece {
-                    logical,
-                    len,
-                    device,
-                    offset: e.offset,
-                });
-                logical += len;
-            }
-            legs.push(LegSpec {
-                slot: l.slot,
-                id: leg_id(&l.extents),
-                synced: l.synced,
-                pieces,
-            });
-        }
+        let size = self.mirror_size(v);
+        let legs = v
+            .legs
+            .iter()
+            .map(|l| self.leg_spec(l, size, &mut devices))
+            .collect();
         let present = |u: Uuid| self.members.iter().any(|m| m.uuid == u);
         if !crate::mirror::covered(v, self.table.min_extent, present) {
             return Err(Error::Corrupt {
@@ -270,14 +305,13 @@ impl Pool {
                 why: "part of the mirrored volume has no synced copy on a present device; the volume is offline".into(),
             });
         }
-        let size = v.legs[0]
-            .extents
-            .iter()
-            .map(|e| self.table.min_extent << e.order)
-            .sum();
         let key = MirrorKey {
             size,
-            legs: v.legs.iter().map(|l| (l.slot, l.extents.clone())).collect(),
+            legs: v
+                .legs
+                .iter()
+                .map(|l| (l.slot, l.extents.clone(), l.remote.as_ref().map(|r| r.id)))
+                .collect(),
             handles: devices.iter().map(|d| Arc::as_ptr(d) as usize).collect(),
         };
         let mut cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());

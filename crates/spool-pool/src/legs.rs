@@ -24,14 +24,7 @@ impl Pool {
         let i = self.find(id)?;
         let mut v = self.table.volumes[i].clone();
         Self::refuse_thin(&v, "mirroring")?;
-        if !v.is_mirrored() {
-            v.copies = 1;
-            v.legs = vec![LegEntry {
-                slot: 0,
-                synced: true,
-                extents: std::mem::take(&mut v.extents),
-            }];
-        }
+        v.make_mirrored();
         if v.legs.len() >= MAX_COPIES as usize {
             return Err(Error::InvalidArgument(format!(
                 "volume '{}' already has {} copies (at most {MAX_COPIES})",
@@ -46,11 +39,7 @@ impl Pool {
         let slot = (0..MAX_COPIES)
             .find(|s| !v.legs.iter().any(|l| l.slot == *s))
             .expect("fewer legs than slots");
-        v.legs.push(LegEntry {
-            slot,
-            synced: false,
-            extents: extents.clone(),
-        });
+        v.legs.push(LegEntry::local(slot, false, extents.clone()));
         v.copies = v.copies.max(v.legs.len() as u8);
         if self.table.volumes[i].is_mirrored() {
             // Nothing to prepare: the bitmap marks the new placement stale when it opens.
@@ -108,7 +97,7 @@ impl Pool {
     }
 
     /// Commits `v` as volume `i`: on failure frees `allocated`; on success frees `freed`.
-    fn replace_volume(
+    pub(crate) fn replace_volume(
         &mut self,
         i: usize,
         v: VolumeEntry,

@@ -21,6 +21,7 @@ mod mirror;
 pub mod qos;
 mod rbd;
 mod rbd_snapshots;
+mod remote;
 mod snapshots;
 mod thin;
 mod volume_image;
@@ -42,6 +43,7 @@ pub use members::DeviceSpec;
 pub use mirror::MAX_COPIES;
 pub use qos::{Priority, QosLimits};
 pub use rbd::RbdTarget;
+pub use remote::RemoteDue;
 pub use snapshots::{inflate, SnapshotInfo};
 pub use thin::{PoolSpace, DEFAULT_FULL_WAIT};
 
@@ -158,6 +160,8 @@ pub struct Pool {
     /// The mirror device of each mirrored volume being served, kept while its legs stay
     /// the same (workers compare device handles: a new one resets their queues).
     mirrors: std::sync::Mutex<layout::MirrorCache>,
+    /// The connection of each remote leg (a volume being sent to another host).
+    remotes: std::sync::Arc<std::sync::Mutex<remote::RemoteCache>>,
     /// The device of each RBD volume in use.
     rbd_devices: std::sync::Mutex<rbd::RbdCache>,
     /// The cipher of each encrypted volume, unwrapped once.
@@ -234,6 +238,8 @@ impl Pool {
 mod check_tests;
 #[cfg(test)]
 mod mirror_tests;
+#[cfg(test)]
+mod remote_tests;
 #[cfg(test)]
 mod snapshot_tests;
 #[cfg(test)]

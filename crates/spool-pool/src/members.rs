@@ -255,12 +255,17 @@ impl Pool {
             .iter_mut()
             .filter(|v| volumes.contains(&v.name))
         {
-            if v.is_mirrored() && !v.legs.iter().any(|l| l.synced) {
-                // Every complete copy was on the old device: the data is gone, as on a plain
-                // volume; the first leg is zeroed and the others rebuilt from it.
+            let local = |l: &crate::metadata::LegEntry| l.remote.is_none();
+            if v.is_mirrored() && !v.legs.iter().any(|l| l.synced && local(l)) {
+                // Every complete copy here was on the old device: the data is gone, as on a
+                // plain volume; the first local leg is zeroed and the others rebuilt from it.
                 tracing::error!(volume = %v.name, "every synced copy was on the replaced device; the volume's data is lost");
-                v.legs[0].synced = true;
-                for e in &v.legs[0].extents {
+                let first = v.legs.iter().position(local).unwrap_or(0);
+                for l in &mut v.legs {
+                    l.synced = false;
+                }
+                v.legs[first].synced = true;
+                for e in &v.legs[first].extents {
                     if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
                         m.dev.zero_range(e.offset, table.min_extent << e.order)?;
                     } else if e.device == new {

@@ -257,11 +257,7 @@ impl Pool {
                 Err(e) => return Err(mirror_room(self, e)),
             };
             for (slot, extents) in legs.into_iter().enumerate() {
-                v.legs.push(LegEntry {
-                    slot: slot as u8,
-                    synced: true,
-                    extents,
-                });
+                v.legs.push(LegEntry::local(slot as u8, true, extents));
             }
         } else {
             v.extents = self.allocate(bytes)?;

@@ -117,7 +117,7 @@ impl Daemon {
     }
 
     /// Publishes volume `v`'s current layout to its running queues.
-    fn republish(&self, v: &VolumeInfo) {
+    pub(super) fn republish(&self, v: &VolumeInfo) {
         match self.pool().layout(&v.uuid.to_string()) {
             Ok(l) => self.publish_layout(v, l),
             Err(e) => tracing::error!(volume = %v.name, "no layout after a change of copies: {e}"),
@@ -140,6 +140,7 @@ impl Daemon {
                         return;
                     }
                     d.settle_mirrors();
+                    d.reconnect_remotes();
                     d.report_mirrors(&mut seen);
                     d.report_thin_space(&mut space);
                 }

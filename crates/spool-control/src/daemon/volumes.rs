@@ -172,7 +172,10 @@ impl Daemon {
 
     /// Deletes a volume once its server is stopped; a volume whose device commands never
     /// completed keeps its extents (quarantined) until restart.
-    fn volume_delete(&self, p: api::VolumeDeleteParams) -> Result<api::VolumeInfo, RpcError> {
+    pub(super) fn volume_delete(
+        &self,
+        p: api::VolumeDeleteParams,
+    ) -> Result<api::VolumeInfo, RpcError> {
         let v = self.pool().volume(&p.id)?;
         let stuck = |commands: u64| RpcError::Quarantined {
             volume: v.name.clone(),
@@ -214,14 +217,8 @@ impl Daemon {
     /// never while holding the servers' lock (or the caller's pool guard: pass `v` in).
     pub(super) fn volume_view(&self, v: VolumeInfo) -> Volume {
         let served = self.servers().contains_key(&v.uuid);
-        let mirror = (v.copies > 1).then(|| {
-            let progress = served.then(|| self.mirror_of(&v)).flatten().map(|m| {
-                spool_devices::mirror::MirrorBackend::of(&m)
-                    .expect("a mirror device")
-                    .progress()
-            });
-            crate::wire::mirror_status(&v, progress)
-        });
+        let mirror = self.volume_view_mirror(&v);
+        let sending = self.sending(&v);
         // An encrypted volume that is not served: the key's reason, if that is it.
         let thin_error = v.thin.as_ref().and_then(|t| t.error.clone());
         let not_served = (!served && v.encrypted && v.online)
@@ -235,6 +232,7 @@ impl Daemon {
         let s = servers.get(&v.uuid);
         Volume {
             receiving,
+            sending,
             not_served,
             socket: s.map(|s| s.path().display().to_string()),
             connected: s.is_some_and(|s| s.connected()),
@@ -242,6 +240,20 @@ impl Daemon {
             mirror,
             info: v.wire(),
         }
+    }
+
+    /// A mirrored volume's copies and copying progress (the progress only while served).
+    /// Takes the pool's lock and the servers' (not at once).
+    pub(super) fn volume_view_mirror(&self, v: &VolumeInfo) -> Option<crate::api::MirrorStatus> {
+        let served = self.servers().contains_key(&v.uuid);
+        (v.copies > 1).then(|| {
+            let progress = served.then(|| self.mirror_of(v)).flatten().map(|m| {
+                spool_devices::mirror::MirrorBackend::of(&m)
+                    .expect("a mirror device")
+                    .progress()
+            });
+            crate::wire::mirror_status(v, progress)
+        })
     }
 
     /// Device commands of a stopped volume that never completed, if any.

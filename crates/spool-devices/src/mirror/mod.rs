@@ -71,6 +71,9 @@ pub struct LegSpec {
     pub id: u64,
     /// Holds a complete copy (false: being rebuilt; never read until caught up).
     pub synced: bool,
+    /// A leg behind a network link (a copy on another host): written like any leg, read only
+    /// when no other leg can serve the read (md's "write-mostly").
+    pub far: bool,
     /// Ascending and contiguous over the volume.
     pub pieces: Vec<LegPiece>,
 }
@@ -151,6 +154,8 @@ fn stripes(legs: &[LegSpec]) -> Vec<Stripe> {
 pub(crate) struct Shared {
     pub(crate) spec: MirrorSpec,
     pub(crate) stripes: Vec<Stripe>,
+    /// Stale bits of the far legs (read only when no other leg can serve a read).
+    pub(crate) far: u8,
     pub(crate) regions: Arc<Regions>,
     /// The health cell of the `Device` wrapping this mirror (set once it exists).
     pub(crate) health: OnceLock<Arc<DeviceHealth>>,
@@ -322,8 +327,14 @@ impl MirrorBackend {
                 (Arc::new(regions), Default::default(), intents)
             }
         };
+        let far = spec
+            .legs
+            .iter()
+            .filter(|l| l.far)
+            .fold(0, |m, l| m | bitmap::stale(l.slot));
         let shared = Arc::new(Shared {
             stripes: stripes(&spec.legs),
+            far,
             spec,
             regions,
             health: OnceLock::new(),

@@ -226,9 +226,12 @@ impl MirrorQueue {
 
     fn submit_read(&mut self, i: usize) -> bool {
         let op = self.ops[i].as_ref().expect("live op");
-        let choices = self.readable(op) & !op.issued;
+        let mut choices = self.readable(op) & !op.issued;
         if choices == 0 {
             return false;
+        }
+        if choices & !self.shared.far != 0 {
+            choices &= !self.shared.far;
         }
         let mut slot = self.next_read % 3;
         while choices & stale(slot) == 0 {

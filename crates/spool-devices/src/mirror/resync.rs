@@ -194,7 +194,10 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
             None if sync_source(byte).is_some() => continue,
             None => match current {
                 0 => continue,
-                c => (c.trailing_zeros() as u8, byte & writable & 0b111),
+                c => (
+                    near_first(shared, c).trailing_zeros() as u8,
+                    byte & writable & 0b111,
+                ),
             },
         };
         if targets == 0 && sync_source(byte).is_none() {
@@ -442,9 +445,20 @@ fn leg_write(
 }
 
 /// Synchronous read from a current leg (not the data path).
+/// `mask` without its far legs, unless only far legs are in it.
+fn near_first(shared: &Shared, mask: u8) -> u8 {
+    match mask & !shared.far {
+        0 => mask,
+        near => near,
+    }
+}
+
 pub(crate) fn read_current(shared: &Shared, buf: &mut [u8], off: u64) -> Result<()> {
     let regions = shared.regions.span(off, buf.len() as u64);
-    let mask = shared.readable(shared.healthy(), off, buf.len() as u64, regions);
+    let mask = near_first(
+        shared,
+        shared.readable(shared.healthy(), off, buf.len() as u64, regions),
+    );
     match (0..MAX_LEGS as u8).find(|s| mask & stale(*s) != 0) {
         Some(s) => {
             let mut aligned = AlignedBuf::default();

@@ -38,6 +38,7 @@ pub(super) fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> Mirr
                 slot: 0,
                 id: 10,
                 synced: true,
+                far: false,
                 pieces: vec![LegPiece {
                     logical: 0,
                     len: SIZE,
@@ -49,6 +50,7 @@ pub(super) fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> Mirr
                 slot: 1,
                 id: 11,
                 synced: synced1,
+                far: false,
                 pieces: vec![
                     LegPiece {
                         logical: 0,
@@ -418,4 +420,31 @@ fn a_mirror_reopened_with_other_regions_ends_the_previous_ones_thread_first() {
     let new = MirrorBackend::of(&m2).unwrap();
     assert!(!Arc::ptr_eq(&old.shared.regions, &new.shared.regions));
     assert!(!new.shared.stopped.load(Ordering::Acquire));
+}
+
+/// A far leg (a copy on another host) is written like any other but read only when no other
+/// leg can serve: reads of a region where the legs differ always return the near leg's bytes
+/// (without the preference, reads alternate between the legs).
+#[test]
+fn reads_avoid_a_far_leg_while_a_near_one_serves() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    let mut s = spec(d.path(), devs.clone(), true);
+    s.legs[1].far = true;
+    let m = MirrorBackend::open(s).unwrap();
+    let mut q = m.open_queue(8).unwrap();
+    let mut data = vec![0x5au8; 64 << 10];
+    assert_eq!(run(&mut *q, true, 0, &mut data), 0);
+    let (a, b) = legs_of(&devs);
+    assert!(
+        a[..data.len()] == data[..] && b[..data.len()] == data[..],
+        "written to both"
+    );
+    // Only the far copy changes behind the mirror's back.
+    devs[1].write_at_durable(&[0xa5u8; 4096], MIB).unwrap();
+    for _ in 0..8 {
+        let mut got = vec![0u8; 4096];
+        assert_eq!(run(&mut *q, false, 0, &mut got), 0);
+        assert!(got.iter().all(|&x| x == 0x5a), "a read went to the far leg");
+    }
 }

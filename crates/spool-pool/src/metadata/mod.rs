@@ -20,9 +20,10 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// a higher version. A table is written as version 1 unless it uses something version 1
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
 /// images: version 4; encrypted volumes: version 5; thin volumes: version 6; snapshots and
-/// clones: version 7), so an older spoold refuses a table it would
-/// otherwise rewrite without them, and still reads every table that needs nothing new.
-pub const FORMAT_VERSION: u32 = 7;
+/// clones: version 7; a copy being sent to another host: version 8), so an older spoold
+/// refuses a table it would otherwise rewrite without them, and still reads every table that
+/// needs nothing new.
+pub const FORMAT_VERSION: u32 = 8;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -202,11 +203,51 @@ pub struct LegEntry {
     /// volume onto it: such a leg is never read from, and is rebuilt whole when its bitmap is
     /// lost.
     pub synced: bool,
-    /// Extents in logical order.
+    /// Extents in logical order (none for a remote leg).
     pub extents: Vec<ExtentEntry>,
+    /// A copy on another host, reached over NBD (format version 8; docs/transfer.md): the
+    /// leg has no extents here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemoteLeg>,
+}
+
+/// Where a remote leg lives: an NBD export (normally another spoold's `volume receive`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RemoteLeg {
+    /// `nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`.
+    pub uri: String,
+    /// The leg's identity: fixed when the send starts, so the write-intent bitmap's record
+    /// of what the leg missed outlives reconnections and restarts.
+    pub id: Uuid,
+}
+
+impl LegEntry {
+    /// A leg on this pool's devices.
+    pub fn local(slot: u8, synced: bool, extents: Vec<ExtentEntry>) -> LegEntry {
+        LegEntry {
+            slot,
+            synced,
+            extents,
+            remote: None,
+        }
+    }
 }
 
 impl VolumeEntry {
+    /// A plain volume becomes a mirror of one copy, its extents that copy's (a leg is then
+    /// added); a mirrored one stays as it is.
+    pub(crate) fn make_mirrored(&mut self) {
+        if !self.is_mirrored() {
+            self.copies = 1;
+            self.legs = vec![LegEntry::local(0, true, std::mem::take(&mut self.extents))];
+        }
+    }
+
+    /// The leg on another host this volume is being sent to, if any.
+    pub fn remote_leg(&self) -> Option<&LegEntry> {
+        self.legs.iter().find(|l| l.remote.is_some())
+    }
+
     /// A new volume (fresh UUID) with no data placed yet: no extents, legs or image.
     pub fn new(name: &str, size: u64, read_only: bool, num_queues: u16) -> VolumeEntry {
         VolumeEntry {
@@ -244,10 +285,15 @@ impl VolumeEntry {
             )
     }
 
-    /// Each copy's extents in logical order (a plain volume has one).
+    /// Each local copy's extents in logical order (a plain volume has one; a remote leg has
+    /// none here and is left out).
     pub fn copies_extents(&self) -> Vec<&[ExtentEntry]> {
         if self.is_mirrored() {
-            self.legs.iter().map(|l| l.extents.as_slice()).collect()
+            self.legs
+                .iter()
+                .filter(|l| l.remote.is_none())
+                .map(|l| l.extents.as_slice())
+                .collect()
         } else {
             vec![self.extents.as_slice()]
         }
@@ -259,6 +305,12 @@ impl PoolTable {
     pub fn format_version(&self) -> u32 {
         let shares = |t: &ThinMap| !t.snapshots.is_empty() || t.origin.is_some();
         if self
+            .volumes
+            .iter()
+            .any(|v| v.legs.iter().any(|l| l.remote.is_some()))
+        {
+            8
+        } else if self
             .volumes
             .iter()
             .any(|v| v.thin.as_ref().is_some_and(shares))

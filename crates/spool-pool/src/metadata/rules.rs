@@ -320,8 +320,41 @@ fn validate_legs(v: &VolumeEntry) -> std::result::Result<(), String> {
             return Err(format!("leg slot {} is out of range or repeated", l.slot));
         }
     }
-    if !v.legs.iter().any(|l| l.synced) {
-        return Err("has no synced leg (no complete copy of its data)".into());
+    if !v.legs.iter().any(|l| l.synced && l.remote.is_none()) {
+        return Err("has no synced leg on this pool (no complete copy of its data here)".into());
+    }
+    validate_remote(v)
+}
+
+/// Most bytes of a remote leg's NBD URI.
+const MAX_URI: usize = 1024;
+
+/// A remote leg (a copy being sent to another host): at most one, no extents here, and an
+/// NBD URI of printable ASCII.
+fn validate_remote(v: &VolumeEntry) -> std::result::Result<(), String> {
+    let remote: Vec<_> = v
+        .legs
+        .iter()
+        .filter_map(|l| Some((l, l.remote.as_ref()?)))
+        .collect();
+    if remote.len() > 1 {
+        return Err(format!("has {} remote legs (at most one)", remote.len()));
+    }
+    for (l, r) in remote {
+        if !l.extents.is_empty() {
+            return Err(format!("remote leg {} has extents on this pool", l.slot));
+        }
+        let printable = r.uri.bytes().all(|b| b.is_ascii_graphic());
+        let scheme = r.uri.starts_with("nbd://") || r.uri.starts_with("nbd+unix://");
+        if r.uri.len() > MAX_URI || !printable || !scheme {
+            return Err(format!(
+                "remote leg {}: its address is not an nbd:// or nbd+unix:// URI of at most {MAX_URI} printable characters",
+                l.slot
+            ));
+        }
+        if r.id.is_nil() {
+            return Err(format!("remote leg {} has a nil id", l.slot));
+        }
     }
     Ok(())
 }

@@ -260,6 +260,11 @@ pub enum VolumeCmd {
         #[arg(long)]
         stop: bool,
     },
+    /// Send a volume to another host while it runs: the destination's NBD export (its
+    /// spoold's `volume receive`) becomes a remote copy, rebuilt online and then kept in step
+    /// (a write completes once both hosts have it). A dropped link is resumed from the
+    /// write-intent bitmap. Without an option: how the send stands (docs/transfer.md).
+    Send(SendArgs),
     /// Create a writable thin volume from a snapshot and serve it: it shares the snapshot's
     /// chunks until it writes there.
     Clone {
@@ -378,4 +383,24 @@ pub struct InjectArgs {
     /// 8 read-only).
     #[arg(long)]
     pub bits: Option<u8>,
+}
+
+/// `volume send`.
+#[derive(clap::Args, Debug)]
+pub struct SendArgs {
+    /// The volume (name or UUID).
+    pub id: String,
+    /// The destination: nbd://HOST:PORT/NAME or nbd+unix:///NAME?socket=PATH.
+    #[arg(long, value_name = "NBD-URI", conflicts_with_all = ["cancel", "finish"])]
+    pub to: Option<String>,
+    /// Stop sending: the remote copy is dropped, the volume here is as it was.
+    #[arg(long, conflicts_with = "finish")]
+    pub cancel: bool,
+    /// The VM has moved: delete the volume here (refused until the copy there is complete
+    /// and while a VM still runs it here).
+    #[arg(long)]
+    pub finish: bool,
+    /// Print the progress every second until the copy there is current.
+    #[arg(long, conflicts_with_all = ["cancel", "finish"])]
+    pub wait: bool,
 }

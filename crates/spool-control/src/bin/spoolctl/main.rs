@@ -11,6 +11,7 @@ mod args;
 mod mirror;
 mod render;
 mod request;
+mod send;
 mod snapshot;
 mod stats;
 mod table;
@@ -62,6 +63,14 @@ fn run(args: Args) -> Result<(), CtlError> {
     let req = request::request(&args.cmd)?;
     let mut c = Client::connect(&args.socket)?;
     let r = c.call(&req.method, req.params)?;
+    if let Cmd::Volume {
+        cmd: VolumeCmd::Send(a),
+    } = &args.cmd
+    {
+        if a.wait && !args.json {
+            return send::wait(&args, &a.id);
+        }
+    }
     if args.json || matches!(args.cmd, Cmd::Rpc { .. }) {
         println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
         if let Cmd::Pool {

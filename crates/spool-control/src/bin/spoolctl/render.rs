@@ -74,6 +74,9 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
                 println!("stopped serving {}@{} on {}", e.volume, e.snapshot, e.nbd)
             }),
             VolumeCmd::Receive { stop, .. } => receive(*stop, r),
+            VolumeCmd::Send(_) => {
+                show::<api::VolumeSend>(r, |s| println!("{}", super::send::line(s)))
+            }
             VolumeCmd::Show { .. }
             | VolumeCmd::Clone { .. }
             | VolumeCmd::Create { .. }
@@ -225,6 +228,9 @@ fn volume(v: &Volume) {
                 r.nbd
             ),
         }
+    }
+    if let Some(s) = &v.sending {
+        println!("{}", super::send::line(s));
     }
     if let Some(m) = &v.mirror {
         super::mirror::status(m);

@@ -21,7 +21,7 @@ pub struct Request {
     pub params: Value,
 }
 
-fn build<M: Method>(params: M::Params) -> Result<Request, CtlError> {
+pub(crate) fn build<M: Method>(params: M::Params) -> Result<Request, CtlError> {
     Ok(Request {
         method: M::NAME.to_string(),
         params: serde_json::to_value(params).map_err(CtlError::Params)?,
@@ -190,6 +190,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
         }
         VolumeCmd::Receive { id, nbd, .. } => receive(id, nbd.as_deref()),
+        VolumeCmd::Send(a) => super::send::request(a),
     }
 }
 

@@ -1,0 +1,78 @@
+//! `spoolctl volume send`: the request, the answer, and `--wait`'s progress line until the
+//! copy on the other host is current.
+
+use std::time::Duration;
+
+use spool_api as api;
+use spool_api::client::Client;
+use spool_api::size::format_size;
+
+use crate::args::{Args, SendArgs};
+use crate::request::{build, Request};
+use crate::CtlError;
+
+/// The request of `volume send ID [--to URI | --cancel | --finish]`.
+pub fn request(a: &SendArgs) -> Result<Request, CtlError> {
+    build::<api::VolumeSend>(api::SendParams {
+        id: a.id.clone(),
+        to: a.to.clone(),
+        cancel: a.cancel,
+        finish: a.finish,
+    })
+}
+
+/// How the send of volume `id` stands.
+fn status(id: &str) -> api::SendParams {
+    api::SendParams {
+        id: id.into(),
+        ..Default::default()
+    }
+}
+
+/// One line saying how a send stands.
+pub fn line(s: &api::SendInfo) -> String {
+    let progress = match s.state.as_str() {
+        "copying" => format!(
+            ": {} left{}{}",
+            format_size(s.remaining_bytes),
+            match s.rate {
+                0 => String::new(),
+                r => format!(", {}/s", format_size(r)),
+            },
+            s.eta_secs
+                .map_or(String::new(), |e| format!(", about {e} s to go"))
+        ),
+        "current" => ": every write completed here is there too".into(),
+        "disconnected" => format!(
+            " ({}; {} to copy when it is back)",
+            s.trouble.as_deref().unwrap_or("no link"),
+            format_size(s.remaining_bytes)
+        ),
+        "finished" => ": the volume here is deleted".into(),
+        "cancelled" => {
+            ": the volume here is as it was; what the other host received stays there".into()
+        }
+        _ => String::new(),
+    };
+    format!("sending {} to {}: {}{progress}", s.volume, s.to, s.state)
+}
+
+/// `--wait`: asks every second and prints the progress until the copy is current (or the
+/// send ended, or the link is down and `--wait` would wait for ever).
+pub fn wait(args: &Args, id: &str) -> Result<(), CtlError> {
+    let mut c = Client::connect(&args.socket)?;
+    loop {
+        let s = c.request::<api::VolumeSend>(&status(id))?;
+        println!("{}", line(&s));
+        match s.state.as_str() {
+            "current" => return Ok(()),
+            "copying" => std::thread::sleep(Duration::from_secs(1)),
+            _ => {
+                return Err(CtlError::Found(format!(
+                    "the send of volume {} is {}; not waiting",
+                    s.volume, s.state
+                )))
+            }
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! `volume_send` (docs/transfer.md): a volume's copy on another host, kept as a remote
+//! mirror leg on that host's NBD export (normally its spoold's `volume receive`). The
+//! mirror's rebuild is the copy; every write completes only once both hosts have it, so
+//! when the VM's migration stops the rings here, the other host holds every write. The
+//! mirror settler connects a remote leg again after its link dropped (or this worker
+//! restarted), and the rebuild then carries over what the write-intent bitmap says it
+//! missed.
+//!
+//! Owns: the RPC, how a send stands ([`SendInfo`]), reconnecting. Must not know: the NBD
+//! protocol, how the mirror copies.
+
+use spool_pool::VolumeInfo;
+
+use super::Daemon;
+use crate::api::{self, SendInfo, SendParams};
+use crate::rpc::{MethodTable, RpcError};
+
+pub(super) fn register(t: &mut MethodTable<Daemon>) {
+    t.register::<api::VolumeSend>(Daemon::volume_send);
+}
+
+impl Daemon {
+    fn volume_send(&self, p: SendParams) -> Result<SendInfo, RpcError> {
+        let flags = [p.to.is_some(), p.cancel, p.finish];
+        if flags.iter().filter(|f| **f).count() > 1 {
+            return Err(RpcError::InvalidParams(
+                "give one of to, cancel and finish".into(),
+            ));
+        }
+        if let Some(to) = &p.to {
+            let v = self.pool().send_volume(&p.id, to)?;
+            self.republish(&v);
+            return self.send_info(&p.id, None);
+        }
+        if p.cancel {
+            let before = self.send_info(&p.id, None)?;
+            let v = self.pool().cancel_send(&p.id)?;
+            self.republish(&v);
+            return Ok(SendInfo {
+                state: "cancelled".into(),
+                ..before
+            });
+        }
+        if p.finish {
+            return self.finish_send(&p.id);
+        }
+        self.send_info(&p.id, None)
+    }
+
+    /// Deletes the volume here once its copy there is complete and no frontend runs it
+    /// (the VM has moved).
+    fn finish_send(&self, id: &str) -> Result<SendInfo, RpcError> {
+        let info = self.send_info(id, None)?;
+        if !self.pool().send_complete(id)? {
+            return Err(RpcError::InvalidParams(format!(
+                "the copy of volume '{}' on {} is not complete yet ({} bytes left): finishing now would lose data; wait, or cancel the send",
+                info.volume, info.to, info.remaining_bytes
+            )));
+        }
+        self.volume_delete(api::VolumeDeleteParams {
+            id: id.into(),
+            force: false,
+            remove_image: false,
+        })?;
+        tracing::info!(volume = %info.volume, to = %info.to, "volume send finished: the volume here is deleted");
+        Ok(SendInfo {
+            state: "finished".into(),
+            ..info
+        })
+    }
+
+    /// How sending volume `id` stands (`v`: its info, when the caller has it).
+    fn send_info(&self, id: &str, v: Option<VolumeInfo>) -> Result<SendInfo, RpcError> {
+        let v = match v {
+            Some(v) => v,
+            None => self.pool().volume(id)?,
+        };
+        self.sending(&v).ok_or_else(|| {
+            RpcError::InvalidParams(format!(
+                "volume '{}' is not being sent anywhere (volume send {} --to URI)",
+                v.name, v.name
+            ))
+        })
+    }
+
+    /// How sending volume `v` stands, if it is being sent (for `volume show` too). Takes
+    /// the pool's lock.
+    pub(super) fn sending(&self, v: &VolumeInfo) -> Option<SendInfo> {
+        let leg = v.legs.iter().find(|l| l.remote.is_some())?;
+        let to = leg.remote.clone()?;
+        let status = self.volume_view_mirror(v);
+        let here = status
+            .as_ref()
+            .and_then(|m| m.legs.iter().find(|l| l.slot == leg.slot));
+        let state = match (&leg.remote_trouble, here.map(|l| l.state.as_str())) {
+            (Some(_), _) => "disconnected",
+            (None, Some("current")) => "current",
+            _ => "copying",
+        };
+        let m = status.as_ref();
+        Some(SendInfo {
+            volume: v.name.clone(),
+            to,
+            state: state.into(),
+            synced: leg.synced,
+            remaining_bytes: here.map_or(0, |l| l.stale_bytes),
+            copied_bytes: m.map_or(0, |m| m.copied_bytes),
+            rate: m.map_or(0, |m| m.rate),
+            eta_secs: m.and_then(|m| m.eta_secs),
+            trouble: leg.remote_trouble.clone(),
+        })
+    }
+
+    /// Connects again the remote legs whose link dropped (from the mirror settler), and
+    /// publishes the volumes' layouts with the new connections.
+    pub(super) fn reconnect_remotes(&self) {
+        let due = self.pool().remotes_due();
+        for d in due {
+            let name = d.volume.clone();
+            if d.connect() {
+                // Not in the match: its guard would hold the pool's lock through republish.
+                let v = self.pool().volume(&name);
+                match v {
+                    Ok(v) => self.republish(&v),
+                    Err(e) => tracing::warn!(volume = %name, "remote leg connected: {e}"),
+                }
+            }
+        }
+    }
+}

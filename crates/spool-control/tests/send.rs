@@ -1,0 +1,147 @@
+//! Sending a running volume to another spoold (`spoolctl volume send`, docs/transfer.md):
+//! spoold A keeps a remote copy on spoold B's `volume receive` export in step while the real
+//! libblkio client writes through vhost-user, across a worker kill on each side; once the
+//! copy is current, B's frontend starts the volume (the switchover) and reads every byte A's
+//! client wrote, and A's copy is deleted by `--finish`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{connect, pattern, spoolctl, Spoold};
+
+/// Each spoold's config: the same volume on both hosts (the destination's is created by
+/// hand, as docs/transfer.md says).
+const CONFIG: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "v"
+size = "16M"
+num_queues = 1
+"#;
+
+const MIB: usize = 1 << 20;
+
+fn ctl(d: &Spoold, args: &[&str]) -> String {
+    let (ok, out, err) = spoolctl(d, args);
+    assert!(ok, "spoolctl {args:?}: {out}{err}\n{}", d.log());
+    out
+}
+
+fn ctl_err(d: &Spoold, args: &[&str]) -> String {
+    let (ok, out, err) = spoolctl(d, args);
+    assert!(!ok, "spoolctl {args:?} succeeded: {out}");
+    err
+}
+
+/// Waits (up to 120 s) until `volume send v` says the copy is current.
+fn wait_current(a: &Spoold, b: &Spoold) {
+    let t0 = Instant::now();
+    loop {
+        let out = ctl(a, &["volume", "send", "v"]);
+        if out.contains(": current") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the copy never became current: {out}\nsource:\n{}\ndestination:\n{}",
+            a.log(),
+            b.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides() {
+    let a = Spoold::start(CONFIG);
+    let b = Spoold::start(CONFIG);
+    let sock = b.dir.path().join("in.sock");
+    let uri = format!("nbd+unix:///v?socket={}", sock.display());
+    ctl(
+        &b,
+        &[
+            "volume",
+            "receive",
+            "v",
+            "--nbd",
+            &format!("unix:{}", sock.display()),
+        ],
+    );
+
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    let mut model = vec![0u8; 16 * MIB];
+    let mut write = |c: &mut common::Client_, salt: u64, at: usize, len: usize| {
+        let data = pattern(salt, at as u64, len);
+        assert_eq!(c.write_sync(0, at as u64, &data), 0, "write at {at}");
+        model[at..at + len].copy_from_slice(&data);
+    };
+    for i in 0..16 {
+        write(&mut c, 1, i * MIB, MIB);
+    }
+    assert!(ctl_err(&a, &["volume", "send", "v"]).contains("not being sent"));
+    let out = ctl(&a, &["volume", "send", "v", "--to", &uri]);
+    assert!(out.contains(&format!("sending v to {uri}")), "{out}");
+    // Cancelled, the volume is plain again; sent again, the copy starts over.
+    let out = ctl(&a, &["volume", "send", "v", "--cancel"]);
+    assert!(out.contains("cancelled"), "{out}");
+    assert!(!ctl(&a, &["volume", "show", "v"]).contains("sending"));
+    ctl(&a, &["volume", "send", "v", "--to", &uri]);
+    assert!(
+        ctl_err(&a, &["volume", "send", "v", "--to", "nbd://127.0.0.1:1/v"])
+            .contains("being sent to")
+    );
+
+    // Writes go on during the copy, with a worker kill on each side, each while the leg is
+    // connected: the source's new worker connects the leg again, and so does the source
+    // after the destination's restart broke the link (the destination serves its kept
+    // socket again); what the leg missed meanwhile is copied from the bitmap.
+    for round in 0..3u64 {
+        for i in 0..16 {
+            write(
+                &mut c,
+                2 + round,
+                i * MIB + (round as usize) * 4096,
+                256 << 10,
+            );
+            if i == 5 && round == 0 {
+                a.kill_worker();
+            }
+            if i == 10 && round == 1 {
+                b.kill_worker();
+            }
+        }
+        wait_current(&a, &b);
+        let connected = a.log().matches("remote leg connected").count();
+        assert!(
+            connected >= [1, 2, 2][round as usize],
+            "round {round}: the leg was connected again {connected} times\n{}",
+            a.log()
+        );
+    }
+    let show = ctl(&a, &["volume", "show", "v"]);
+    assert!(
+        show.contains(&format!("sending v to {uri}: current")),
+        "{show}"
+    );
+    let out = ctl(&a, &["volume", "send", "v", "--wait"]);
+    assert!(out.contains("current"), "{out}");
+
+    // The switchover: the VM leaves A, B's frontend starts the volume (the transfer ends
+    // there) and reads what A's client wrote; then A's copy goes.
+    drop(c);
+    let mut c = connect(&b.socket("v"), 1, false).unwrap();
+    for i in 0..16 {
+        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
+        assert_eq!(r, 0);
+        assert!(
+            got == model[i * MIB..(i + 1) * MIB],
+            "MiB {i} differs on the destination"
+        );
+    }
+    let out = ctl(&a, &["volume", "send", "v", "--finish"]);
+    assert!(out.contains("finished"), "{out}");
+    assert!(ctl_err(&a, &["volume", "show", "v"]).contains("v"));
+}

@@ -1,0 +1,259 @@
+//! Sending a volume to another host (`volume send`, docs/transfer.md): the copy there is one
+//! more mirror leg, a *remote leg*, whose device is an NBD export (normally the destination
+//! spoold's `volume receive`). The mirror's rebuild is the copy, every write reaches both
+//! hosts before it completes, and a leg the link dropped is resynced from the write-intent
+//! bitmap when its connection is back.
+//!
+//! Owns: the table side of a send (adding, resuming and removing the remote leg), the open
+//! connections to remote legs ([`RemoteCache`]) and reconnecting them. Must not know: how
+//! the mirror copies, the NBD protocol, who runs the volume.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use spool_devices::{Device, HealthState};
+use uuid::Uuid;
+
+use crate::metadata::{LegEntry, RemoteLeg, VolumeEntry};
+use crate::mirror::MAX_COPIES;
+use crate::{Error, Pool, Result, VolumeInfo};
+
+/// The first wait before connecting again to a remote leg that could not be reached; it
+/// doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// A remote leg's connection, or when to try again.
+pub(crate) enum Remote {
+    Open(Arc<Device>),
+    Unreachable {
+        next: Instant,
+        backoff: Duration,
+        why: String,
+    },
+}
+
+/// The remote legs' devices by leg id.
+pub(crate) type RemoteCache = HashMap<Uuid, Remote>;
+
+/// A remote leg to connect again ([`Pool::remotes_due`]).
+pub struct RemoteDue {
+    /// The volume being sent.
+    pub volume: String,
+    leg: RemoteLeg,
+    need: u64,
+    backoff: Duration,
+    links: Arc<Mutex<RemoteCache>>,
+}
+
+impl RemoteDue {
+    /// Connects (without the pool's lock: an unreachable host may take the connect
+    /// timeout); true when connected, and the volume's layout must then be published again
+    /// for its queues to use the new connection. A failure waits out the back-off.
+    pub fn connect(self) -> bool {
+        let entry = match open_remote(&self.volume, &self.leg.uri, self.need) {
+            Ok(dev) => {
+                tracing::info!(volume = %self.volume, to = %self.leg.uri, "remote leg connected; resyncing what it missed");
+                Remote::Open(dev)
+            }
+            Err(e) => {
+                tracing::debug!(volume = %self.volume, to = %self.leg.uri, error = %e, "remote leg unreachable");
+                Remote::Unreachable {
+                    next: Instant::now() + self.backoff,
+                    backoff: (self.backoff * 2).min(MAX_BACKOFF),
+                    why: e.to_string(),
+                }
+            }
+        };
+        let connected = matches!(entry, Remote::Open(_));
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        // A send cancelled meanwhile has no entry to come back to.
+        if links.contains_key(&self.leg.id) || connected {
+            links.insert(self.leg.id, entry);
+        }
+        connected
+    }
+}
+
+impl Pool {
+    /// Starts (or resumes) sending volume `id` to the NBD export `uri`: the export becomes a
+    /// remote leg of the volume (a plain volume becomes a mirror), rebuilt online while the
+    /// volume serves. Sending again to the same address reconnects and resumes from what
+    /// the write-intent bitmap says the leg missed.
+    pub fn send_volume(&mut self, id: &str, uri: &str) -> Result<VolumeInfo> {
+        let i = self.find(id)?;
+        let v = self.table.volumes[i].clone();
+        self.refuse_send(&v)?;
+        if let Some(l) = v.remote_leg() {
+            let r = l.remote.as_ref().expect("a remote leg");
+            if r.uri != uri {
+                return Err(Error::InvalidArgument(format!(
+                    "volume '{}' is being sent to {} already; cancel that first (volume send {} --cancel)",
+                    v.name, r.uri, v.name
+                )));
+            }
+            let dev = open_remote(&v.name, uri, self.round_up(v.size)?)?;
+            self.remote_cache().insert(r.id, Remote::Open(dev));
+            tracing::info!(volume = %v.name, to = %uri, "volume send resumed");
+            return Ok(self.volume_info(&v));
+        }
+        let mut v = v;
+        let plain = !v.is_mirrored();
+        v.make_mirrored();
+        if v.legs.len() >= MAX_COPIES as usize {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' has {} copies, the most a volume has; remove one first (volume mirror {} remove)",
+                v.name,
+                v.legs.len(),
+                v.name
+            )));
+        }
+        let dev = open_remote(&v.name, uri, self.round_up(v.size)?)?;
+        let slot = (0..MAX_COPIES)
+            .find(|s| !v.legs.iter().any(|l| l.slot == *s))
+            .expect("fewer legs than slots");
+        let leg_id = Uuid::new_v4();
+        v.legs.push(LegEntry {
+            slot,
+            synced: false,
+            extents: Vec::new(),
+            remote: Some(RemoteLeg {
+                uri: uri.into(),
+                id: leg_id,
+            }),
+        });
+        v.copies = v.copies.max(v.legs.len() as u8);
+        if plain {
+            if let Some(path) = self.bitmap_path(v.uuid) {
+                let bytes = self.round_up(v.size)?;
+                spool_devices::mirror::create_clean_bitmap(&path, bytes).map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "cannot create the write-intent bitmap {}: {e}",
+                        path.display()
+                    ))
+                })?;
+            }
+        }
+        self.remote_cache().insert(leg_id, Remote::Open(dev));
+        let r = self.replace_volume(i, v, &[], &[]);
+        if r.is_err() {
+            self.remote_cache().remove(&leg_id);
+        } else {
+            tracing::info!(volume = %id, to = %uri, "volume send started: the copy on the other host is rebuilt online");
+        }
+        r
+    }
+
+    /// Ends sending volume `id`: its remote leg is removed (the volume here is as it was
+    /// before the send; what the other host received stays there).
+    pub fn cancel_send(&mut self, id: &str) -> Result<VolumeInfo> {
+        let v = &self.table.volumes[self.find(id)?];
+        let Some(l) = v.remote_leg() else {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is not being sent anywhere",
+                v.name
+            )));
+        };
+        let (slot, leg_id) = (l.slot, l.remote.as_ref().expect("a remote leg").id);
+        let info = self.remove_leg(id, Some(slot))?;
+        self.remote_cache().remove(&leg_id);
+        tracing::info!(volume = %id, "volume send ended: the remote leg is removed");
+        Ok(info)
+    }
+
+    /// Whether volume `id`'s remote leg holds a complete, current copy now.
+    pub fn send_complete(&mut self, id: &str) -> Result<bool> {
+        self.settle_mirrors()?;
+        let v = &self.table.volumes[self.find(id)?];
+        Ok(v.remote_leg().is_some_and(|l| l.synced))
+    }
+
+    /// The remote legs to connect again now: not connected, or whose connection broke
+    /// (their device left the healthy state: the link dropped, the other host's worker
+    /// restarted), each at most once per back-off step. Connecting is left to the caller,
+    /// outside the pool's lock ([`RemoteDue::connect`]).
+    pub fn remotes_due(&self) -> Vec<RemoteDue> {
+        let now = Instant::now();
+        let cache = self.remote_cache();
+        let mut due = Vec::new();
+        for v in &self.table.volumes {
+            let Some(leg) = v.remote_leg().and_then(|l| l.remote.clone()) else {
+                continue;
+            };
+            let backoff = match cache.get(&leg.id) {
+                Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => continue,
+                Some(Remote::Unreachable { next, .. }) if *next > now => continue,
+                Some(Remote::Unreachable { backoff, .. }) => *backoff,
+                _ => FIRST_BACKOFF,
+            };
+            let Ok(need) = self.round_up(v.size) else {
+                continue;
+            };
+            due.push(RemoteDue {
+                volume: v.name.clone(),
+                leg,
+                need,
+                backoff,
+                links: self.remotes.clone(),
+            });
+        }
+        due
+    }
+
+    /// The open device of remote leg `r` (`None`: not connected now).
+    pub(crate) fn remote_device(&self, r: &RemoteLeg) -> Option<Arc<Device>> {
+        match self.remote_cache().get(&r.id) {
+            Some(Remote::Open(d)) => Some(d.clone()),
+            _ => None,
+        }
+    }
+
+    /// Why remote leg `r` is not connected, if it is not.
+    pub fn remote_trouble(&self, r: &RemoteLeg) -> Option<String> {
+        match self.remote_cache().get(&r.id) {
+            Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => None,
+            Some(Remote::Open(d)) => Some(format!("link {}", d.health().state().name())),
+            Some(Remote::Unreachable { why, .. }) => Some(why.clone()),
+            None => Some("not connected yet".into()),
+        }
+    }
+
+    fn remote_cache(&self) -> std::sync::MutexGuard<'_, RemoteCache> {
+        self.remotes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What a send cannot carry, refused with the reason.
+    fn refuse_send(&self, v: &VolumeEntry) -> Result<()> {
+        let why = if v.rbd.is_some() {
+            Some("it is an RBD image: every host of the cluster reaches it already")
+        } else if v.thin.is_some() {
+            Some("thin volumes cannot be sent yet")
+        } else if v.encryption.is_some() {
+            Some("its data would cross the network in the clear (encrypted volumes cannot be sent yet)")
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(Error::InvalidArgument(format!(
+                "volume '{}' cannot be sent: {why}",
+                v.name
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Connects to `uri` as the remote leg of volume `name`: it must take writes and hold all
+/// of the volume's copy (`need` bytes: its size rounded up to the pool's extent).
+fn open_remote(name: &str, uri: &str, need: u64) -> Result<Arc<Device>> {
+    let dev = Device::open(std::path::Path::new(uri), &Default::default())
+        .map_err(|e| Error::InvalidArgument(format!("cannot reach the destination {uri}: {e}")))?;
+    if dev.size() < need {
+        return Err(Error::InvalidArgument(format!(
+            "the destination {uri} holds {} bytes; volume '{name}' needs {need} (its size rounded up to the pool's extent): create the volume there with at least that size",
+            dev.size()
+        )));
+    }
+    Ok(Arc::new(dev))
+}

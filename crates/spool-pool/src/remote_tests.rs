@@ -1,0 +1,223 @@
+//! Sending a volume: its remote leg on a real NBD server (qemu-nbd, Debian's qemu-utils).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::tests::{opts, spec};
+use super::*;
+use spool_devices::mirror::MirrorBackend;
+
+/// qemu-nbd serving a file of `size` bytes on a Unix socket, killed when dropped.
+struct Remote {
+    pid: String,
+    file: PathBuf,
+    uri: String,
+}
+
+impl Remote {
+    fn start(dir: &Path, name: &str, size: u64) -> Remote {
+        let file = dir.join(format!("{name}.img"));
+        std::fs::File::create(&file).unwrap().set_len(size).unwrap();
+        let (sock, pid) = (
+            dir.join(format!("{name}.sock")),
+            dir.join(format!("{name}.pid")),
+        );
+        let st = Command::new("qemu-nbd")
+            .args([
+                "-f",
+                "raw",
+                "-x",
+                "v",
+                "-t",
+                "-e",
+                "8",
+                "--fork",
+                "--pid-file",
+            ])
+            .arg(&pid)
+            .arg("-k")
+            .arg(&sock)
+            .arg(&file)
+            .status()
+            .expect("qemu-nbd (Debian's qemu-utils) runs");
+        assert!(st.success(), "qemu-nbd: {st}");
+        Remote {
+            pid: std::fs::read_to_string(&pid).unwrap().trim().into(),
+            file,
+            uri: format!("nbd+unix:///v?socket={}", sock.display()),
+        }
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-9", &self.pid]).status();
+    }
+}
+
+/// Waits (up to 60 s) until the volume's remote leg holds a complete, current copy.
+fn wait_current(p: &mut Pool, v: &str) {
+    let t0 = Instant::now();
+    while !p.send_complete(v).unwrap() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the copy never completed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn pattern(salt: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i / 512) as u8 ^ salt).collect()
+}
+
+#[test]
+#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
+fn a_volume_sent_to_an_nbd_export_is_copied_kept_in_step_and_survives_reopen() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 20), spec(d.path(), "b", 20)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume("v", 4 << 20, false, 1).unwrap();
+    let data = pattern(1, 4 << 20);
+    p.layout("v").unwrap().write_at(&data, 0).unwrap();
+    let far = Remote::start(d.path(), "far", 4 << 20);
+    let v = p.send_volume("v", &far.uri).unwrap();
+    assert_eq!(v.copies, 2);
+    assert_eq!(v.legs[1].remote.as_deref(), Some(far.uri.as_str()));
+    assert!(!v.legs[1].synced);
+    // The mirror's rebuild is the copy.
+    let layout = p.layout("v").unwrap();
+    wait_current(&mut p, "v");
+    assert!(
+        std::fs::read(&far.file).unwrap() == data,
+        "the copy differs"
+    );
+    // A write reaches both hosts; reads stay here.
+    let more = pattern(7, 64 << 10);
+    layout.write_at(&more, 1 << 20).unwrap();
+    let there = std::fs::read(&far.file).unwrap();
+    assert!(there[1 << 20..(1 << 20) + (64 << 10)] == more[..]);
+    // Sending again to the same address resumes; to another one is refused.
+    p.send_volume("v", &far.uri).unwrap();
+    let e = p
+        .send_volume("v", "nbd://127.0.0.1:1/v")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("being sent to"), "{e}");
+    drop((layout, p));
+    // After a restart the leg is in the table, connected again by whoever reconnects.
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    assert_eq!(
+        p.volume("v").unwrap().legs[1].remote.as_deref(),
+        Some(far.uri.as_str())
+    );
+    let due = p.remotes_due();
+    assert_eq!(due.len(), 1);
+    assert!(due.into_iter().all(|r| r.connect()));
+    assert!(p.remotes_due().is_empty(), "connected: nothing due");
+    let m = p.mirror("v").unwrap().unwrap();
+    let t0 = Instant::now();
+    while !MirrorBackend::of(&m).unwrap().leg_current(1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "never current again"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Cancelled: plain again, its data as it was.
+    let v = p.cancel_send("v").unwrap();
+    assert_eq!((v.copies, v.legs.len()), (1, 0));
+    let mut back = vec![0u8; 4 << 20];
+    p.layout("v").unwrap().read_at(&mut back, 0).unwrap();
+    let mut want = data.clone();
+    want[1 << 20..(1 << 20) + (64 << 10)].copy_from_slice(&more);
+    assert!(back == want, "the volume's data changed");
+    let e = p.cancel_send("v").unwrap_err().to_string();
+    assert!(e.contains("not being sent"), "{e}");
+}
+
+#[test]
+#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
+fn a_send_the_destination_cannot_hold_is_refused_with_the_reason() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 20), spec(d.path(), "b", 20)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume("v", 4 << 20, false, 1).unwrap();
+    let small = Remote::start(d.path(), "small", 2 << 20);
+    let e = p.send_volume("v", &small.uri).unwrap_err().to_string();
+    assert!(e.contains("create the volume there with at least"), "{e}");
+    let sock = d.path().join("nobody.sock");
+    let e = p
+        .send_volume("v", &format!("nbd+unix:///v?socket={}", sock.display()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot reach the destination"), "{e}");
+    assert_eq!(p.volume("v").unwrap().copies, 1, "nothing changed");
+}
+
+#[test]
+fn hostile_remote_legs_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 20), spec(d.path(), "b", 20)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume_copies("m", 2 << 20, false, 1, 2).unwrap();
+    let good = p.table.clone();
+    let remote = |uri: &str| metadata::LegEntry {
+        slot: 2,
+        synced: false,
+        extents: Vec::new(),
+        remote: Some(metadata::RemoteLeg {
+            uri: uri.into(),
+            id: uuid::Uuid::new_v4(),
+        }),
+    };
+    let mut ok = good.clone();
+    ok.volumes[0].legs.push(remote("nbd://host:10809/m"));
+    ok.volumes[0].copies = 3;
+    ok.validate().unwrap();
+    assert_eq!(ok.format_version(), 8);
+    type Break = Box<dyn Fn(&mut metadata::PoolTable)>;
+    let cases: Vec<(Break, &str)> = vec![
+        (
+            Box::new(|t| {
+                t.volumes[0].legs[2].remote.as_mut().unwrap().uri = "file:///etc/passwd".into()
+            }),
+            "nbd://",
+        ),
+        (
+            Box::new(|t| t.volumes[0].legs[2].remote.as_mut().unwrap().uri = "nbd://h/\n".into()),
+            "printable",
+        ),
+        (
+            Box::new(|t| t.volumes[0].legs[2].remote.as_mut().unwrap().id = uuid::Uuid::nil()),
+            "nil id",
+        ),
+        (
+            Box::new(|t| t.volumes[0].legs[2].extents = t.volumes[0].legs[0].extents.clone()),
+            "has extents",
+        ),
+        (
+            Box::new(|t| {
+                let mut second = t.volumes[0].legs[2].clone();
+                second.slot = 1;
+                t.volumes[0].legs[1] = second;
+            }),
+            "remote legs",
+        ),
+        (
+            Box::new(|t| {
+                for l in &mut t.volumes[0].legs {
+                    l.synced = l.remote.is_some();
+                }
+            }),
+            "no synced leg on this pool",
+        ),
+    ];
+    for (break_it, want) in cases {
+        let mut t = ok.clone();
+        break_it(&mut t);
+        let e = t.validate().unwrap_err();
+        assert!(e.contains(want), "wanted '{want}' in: {e}");
+    }
+}
