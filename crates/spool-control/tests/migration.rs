@@ -6,6 +6,10 @@
 //! copied, the third with an upgrade. Passes only with zero fio errors and verify failures.
 //! `#[ignore]`d by default (it needs QEMU, the test guest and Ceph): scripts/test.sh runs it.
 //!
+//! A second test moves a VM with its *local* volume (no Ceph): spoold A sends the volume to
+//! spoold B (`volume send`, a remote mirror leg on B's `volume receive` export) through a
+//! worker kill on each side, then the same page-checked live migration moves the guest.
+//!
 //! **Every migration is checked page by page.** Both QEMUs keep guest RAM in files under
 //! /dev/shm, the destination starts paused (`-S`), and when the migration completes the test
 //! compares the two RAM files before the destination runs: a differing page is a write the
@@ -643,6 +647,25 @@ fn wait_guest_end(vm: &mut Vm, d: &Spoold) -> (String, Option<String>) {
     }
 }
 
+/// A request lost by whoever served a ring before a fresh start leaves the guest waiting
+/// for it; the spoold that starts the ring says so (docs/failures.md): fails naming where.
+fn assert_no_lost_requests(logs: &[(&str, &String)]) {
+    for (name, log) in logs {
+        let lost: Vec<&str> = log
+            .lines()
+            .filter(|l| {
+                l.contains("never completed by the backend")
+                    || l.contains("base and the used index")
+            })
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "{name} started a ring whose base counts requests never completed:\n{}",
+            lost.join("\n")
+        );
+    }
+}
+
 /// How long a running guest job may go without a write before the test calls it hung.
 const HUNG_AFTER: Duration = Duration::from_secs(90);
 
@@ -842,22 +865,7 @@ fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
         la.contains("dirty log set") && lb.contains("dirty log set"),
         "a migration ran without spoold's dirty log"
     );
-    // A request lost by whoever served a ring before a fresh start leaves the guest waiting
-    // for it; the spoold that starts the ring says so (docs/failures.md): name where.
-    for (name, log) in [("A", &la), ("B", &lb)] {
-        let lost: Vec<&str> = log
-            .lines()
-            .filter(|l| {
-                l.contains("never completed by the backend")
-                    || l.contains("base and the used index")
-            })
-            .collect();
-        assert!(
-            lost.is_empty(),
-            "{name} started a ring whose base counts requests never completed:\n{}",
-            lost.join("\n")
-        );
-    }
+    assert_no_lost_requests(&[("A", &la), ("B", &lb)]);
     if !console.contains("SPOOL-E2E: PASS") {
         // The whole story first, then the spoolds gone (their drop prints nothing when not
         // panicking), so that the report's last lines, all a CI summary keeps, are the
@@ -987,4 +995,134 @@ fn migration_soak() {
         ROLLED_BACK.load(std::sync::atomic::Ordering::Relaxed)
     );
     let _ = vm.qmp.execute("quit", json!({}));
+}
+
+/// `volume_send`'s state on `d` for volume "vm".
+fn send_state(d: &Spoold) -> serde_json::Value {
+    d.rpc("volume_send", json!({"id": "vm"}))
+        .unwrap_or_else(|e| panic!("volume_send: {e:?}\n{}", d.log()))
+}
+
+/// A VM on a local volume moves to another spoold with its data (docs/transfer.md): A sends
+/// the volume to B's `volume receive` export while the guest runs its verifying job, through
+/// a worker kill on A and one on B (which cuts the link), until B's copy is current; then
+/// QEMU's live migration, checked page by page, moves the guest to B, whose first queue start
+/// ends the transfer; the guest's job goes on and verifies on B what it wrote on A, and
+/// `--finish` deletes A's copy.
+#[test]
+#[ignore = "needs QEMU and the test guest: scripts/test.sh runs it (cargo test -- --include-ignored)"]
+fn a_vm_moves_with_its_local_volume_to_another_spoold() {
+    let config = |rate: &str| {
+        format!(
+            // The harness's config ends in its [pool] table: the rate goes there.
+            "resync_rate = \"{rate}\"\n[io]\npoll_idle_us = 20\n\
+             [[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"160M\"\n\
+             [[volumes]]\nname = \"vm\"\nsize = \"96M\"\nnum_queues = 2\n"
+        )
+    };
+    let map_a = write_map("local-A");
+    // The copy at 16 MiB/s: 6 s for the 96 MiB, long enough for both kills to land in it.
+    let a = Spoold::start_env(
+        &config("16M"),
+        &[("SPOOL_TEST_WRITE_MAP", map_a.to_str().unwrap())],
+    );
+    let b = Spoold::start(&config("64M"));
+    let sock = b.dir.path().join("in.sock");
+    let uri = format!("nbd+unix:///vm?socket={}", sock.display());
+    b.rpc(
+        "volume_receive",
+        json!({"id": "vm", "nbd": format!("unix:{}", sock.display())}),
+    )
+    .unwrap();
+    let dir = a.dir.path().to_path_buf();
+    let runtime = 60;
+    let mut vm = boot(&a, &b, runtime);
+
+    let t0 = Instant::now();
+    a.rpc("volume_send", json!({"id": "vm", "to": uri}))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    a.kill_worker();
+    let t = Instant::now();
+    while !a.log().contains("remote leg connected") {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "A's new worker never connected the leg"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let left = send_state(&a)["remaining_bytes"].as_u64().unwrap_or(0);
+    b.kill_worker();
+    let copied = loop {
+        let s = send_state(&a);
+        if s["state"] == json!("current") {
+            break t0.elapsed();
+        }
+        vm.assert_running("copy", &a, &b);
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the copy never became current: {s}\n--- A ---\n{}\n--- B ---\n{}",
+            a.log(),
+            b.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let reconnects = a.log().matches("remote leg connected").count();
+    assert!(
+        reconnects >= 2,
+        "the leg was connected {reconnects} times\n{}",
+        a.log()
+    );
+
+    let source = Source {
+        map: Some(&map_a),
+        disturb: None,
+        spoold: Some(&a),
+    };
+    let (downtime, writes) = hop(&mut vm, &b, &dir, 0, runtime, false, source);
+    let lb = b.log();
+    assert!(
+        lb.contains("a frontend started the volume"),
+        "B's first queue start did not end the transfer:\n{lb}"
+    );
+    // The VM has left A: A's copy goes (its frontend gone once QEMU quit).
+    let t = Instant::now();
+    let finished = loop {
+        match a.rpc("volume_send", json!({"id": "vm", "finish": true})) {
+            Ok(r) => break r,
+            Err(e) if t.elapsed() < Duration::from_secs(10) => {
+                eprintln!("finish: {e:?}; again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("volume send --finish: {e:?}\n{}", a.log()),
+        }
+    };
+    assert_eq!(finished["state"], json!("finished"), "{finished}");
+    b.rpc("volume_receive_stop", json!({"id": "vm"})).unwrap();
+
+    let (status, hang) = wait_guest_end(&mut vm, &b);
+    let console = vm.console();
+    eprintln!(
+        "local volume moved: copy current after {:.1} s ({} MiB left when B's worker was killed), \
+         a kill on each side; downtime {downtime} ms, {writes} writes on B right after; qemu {status}; \
+         migrations rolled back for pages QEMU lost: {}",
+        copied.as_secs_f64(),
+        left >> 20,
+        ROLLED_BACK.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert_no_lost_requests(&[("A", &a.log()), ("B", &b.log())]);
+    if !console.contains("SPOOL-E2E: PASS") {
+        eprintln!(
+            "--- A ---\n{}\n--- B ---\n{}\n--- every console ---\n{}",
+            a.log(),
+            b.log(),
+            all_consoles(&vm)
+        );
+        panic!(
+            "guest failed after moving ({status}):\n{}",
+            hang.unwrap_or_default()
+        );
+    }
+    assert_pass(&console, &b, "killtest");
 }

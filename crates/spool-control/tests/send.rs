@@ -128,6 +128,19 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     );
     let out = ctl(&a, &["volume", "send", "v", "--wait"]);
     assert!(out.contains("current"), "{out}");
+    assert!(ctl_err(&a, &["volume", "resize", "v", "32M"]).contains("being sent"));
+
+    // The destination goes away (its transfer stopped): a write completes here alone, and
+    // finishing now would lose it, so it is refused; once the destination receives again,
+    // the leg connects again, catches up, and is current.
+    let receive = ["volume", "receive", "v", "--nbd"];
+    let listen = format!("unix:{}", sock.display());
+    ctl(&b, &["volume", "receive", "v", "--stop"]);
+    write(&mut c, 9, 3 * MIB, 64 << 10);
+    let e = ctl_err(&a, &["volume", "send", "v", "--finish"]);
+    assert!(e.contains("not complete yet"), "{e}");
+    ctl(&b, &[&receive[..], &[listen.as_str()]].concat());
+    wait_current(&a, &b);
 
     // The switchover: the VM leaves A, B's frontend starts the volume (the transfer ends
     // there) and reads what A's client wrote; then A's copy goes.

@@ -52,6 +52,14 @@ fn remote_leg_id(id: Uuid) -> u64 {
     (hi ^ lo).max(1)
 }
 
+/// The identity the mirror knows leg `l` by (its bits in the write-intent bitmap).
+fn table_leg_id(l: &LegEntry) -> u64 {
+    match &l.remote {
+        Some(r) => remote_leg_id(r.id),
+        None => leg_id(&l.extents),
+    }
+}
+
 /// The discard alignment of a volume that is not thin.
 pub const DEFAULT_DISCARD_ALIGNMENT: u64 = 4096;
 
@@ -252,7 +260,7 @@ impl Pool {
             let device = self.remote_device(r).map_or(MISSING, &mut index);
             return LegSpec {
                 slot: l.slot,
-                id: remote_leg_id(r.id),
+                id: table_leg_id(l),
                 synced: l.synced,
                 far: true,
                 pieces: vec![LegPiece {
@@ -281,7 +289,7 @@ impl Pool {
         }
         LegSpec {
             slot: l.slot,
-            id: leg_id(&l.extents),
+            id: table_leg_id(l),
             synced: l.synced,
             far: false,
             pieces,
@@ -290,7 +298,7 @@ impl Pool {
 
     /// The mirror device of `v`: the cached one while its legs are unchanged, else a new one
     /// (sharing the old one's region state).
-    fn mirror_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
+    pub(crate) fn mirror_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let size = self.mirror_size(v);
         let legs = v
@@ -345,7 +353,9 @@ impl Pool {
                     continue;
                 };
                 for l in v.legs.iter_mut().filter(|l| !l.synced) {
-                    if m.leg_current(l.slot) {
+                    // The mirror built from this very leg (not one a later change put in
+                    // the same slot, before the layout was published again).
+                    if m.leg_id(l.slot) == Some(table_leg_id(l)) && m.leg_current(l.slot) {
                         l.synced = true;
                         tracing::info!(volume = %v.name, leg = l.slot, "mirror leg rebuilt: it holds a complete copy");
                         changed.push(v.name.clone());

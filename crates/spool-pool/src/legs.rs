@@ -80,7 +80,7 @@ impl Pool {
                 .unwrap_or(v.legs.len() - 1),
         };
         let leg = v.legs.remove(at);
-        if !v.legs.iter().any(|l| l.synced) {
+        if !v.legs.iter().any(|l| l.synced && l.remote.is_none()) {
             return Err(Error::InvalidArgument(format!(
                 "leg {} holds the only complete copy of volume '{}'; add another copy first",
                 leg.slot, v.name
@@ -140,8 +140,11 @@ impl Pool {
         let (mut done, mut taken, mut freed) = (Vec::new(), Vec::new(), Vec::new());
         for v in table.volumes.iter_mut().filter(|v| v.is_mirrored()) {
             for li in 0..v.legs.len() {
-                // Only while another copy is complete: that is what the rebuild copies from.
-                if !v.legs.iter().enumerate().any(|(j, l)| j != li && l.synced) {
+                // Only while another copy here is complete: that is what the rebuild copies
+                // from (a remote copy never is, and the table needs a complete one here).
+                let local_synced =
+                    |(j, l): (usize, &LegEntry)| j != li && l.synced && l.remote.is_none();
+                if !v.legs.iter().enumerate().any(local_synced) {
                     continue;
                 }
                 let mut moved = 0;

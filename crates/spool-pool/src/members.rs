@@ -263,6 +263,11 @@ impl Pool {
                 let first = v.legs.iter().position(local).unwrap_or(0);
                 for l in &mut v.legs {
                     l.synced = false;
+                    // A copy on another host gets a new identity: every region of it is
+                    // copied again from the zeroed leg, so both hosts hold the same bytes.
+                    if let Some(r) = &mut l.remote {
+                        r.id = Uuid::new_v4();
+                    }
                 }
                 v.legs[first].synced = true;
                 for e in &v.legs[first].extents {

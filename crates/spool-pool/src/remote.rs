@@ -27,6 +27,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// A remote leg's connection, or when to try again.
 pub(crate) enum Remote {
     Open(Arc<Device>),
+    /// A connect is under way ([`RemoteDue::connect`]), with the connection it replaces.
+    Connecting(Option<Arc<Device>>),
     Unreachable {
         next: Instant,
         backoff: Duration,
@@ -66,13 +68,17 @@ impl RemoteDue {
                 }
             }
         };
-        let connected = matches!(entry, Remote::Open(_));
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        // A send cancelled meanwhile has no entry to come back to.
-        if links.contains_key(&self.leg.id) || connected {
-            links.insert(self.leg.id, entry);
+        // A send cancelled or finished meanwhile has no entry to come back to: the new
+        // connection is dropped with it.
+        match links.get_mut(&self.leg.id) {
+            Some(e @ Remote::Connecting(_)) => {
+                let connected = matches!(entry, Remote::Open(_));
+                *e = entry;
+                connected
+            }
+            _ => false,
         }
-        connected
     }
 }
 
@@ -82,6 +88,11 @@ impl Pool {
     /// volume serves. Sending again to the same address reconnects and resumes from what
     /// the write-intent bitmap says the leg missed.
     pub fn send_volume(&mut self, id: &str, uri: &str) -> Result<VolumeInfo> {
+        if !(uri.starts_with("nbd://") || uri.starts_with("nbd+unix://")) {
+            return Err(Error::InvalidArgument(format!(
+                "'{uri}' is not an NBD URI: nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH"
+            )));
+        }
         let i = self.find(id)?;
         let v = self.table.volumes[i].clone();
         self.refuse_send(&v)?;
@@ -162,11 +173,26 @@ impl Pool {
         Ok(info)
     }
 
-    /// Whether volume `id`'s remote leg holds a complete, current copy now.
+    /// Whether volume `id`'s remote leg holds every write completed here: it was copied
+    /// whole once (the table says so) and has missed nothing since (the write-intent
+    /// bitmap says so: no region stale for it, none out of sync). Its link may be down: the
+    /// other host stops taking writes once it serves the volume.
     pub fn send_complete(&mut self, id: &str) -> Result<bool> {
         self.settle_mirrors()?;
-        let v = &self.table.volumes[self.find(id)?];
-        Ok(v.remote_leg().is_some_and(|l| l.synced))
+        let v = self.table.volumes[self.find(id)?].clone();
+        let Some(slot) = v.remote_leg().filter(|l| l.synced).map(|l| l.slot) else {
+            return Ok(false);
+        };
+        let m = self.mirror_device(&v)?;
+        let Some(p) = spool_devices::mirror::MirrorBackend::of(&m).map(|m| m.progress()) else {
+            return Ok(false);
+        };
+        let missed = p
+            .legs
+            .iter()
+            .find(|l| l.slot == slot)
+            .map(|l| l.stale_bytes);
+        Ok(missed == Some(0) && p.out_of_sync_bytes == 0)
     }
 
     /// The remote legs to connect again now: not connected, or whose connection broke
@@ -175,18 +201,39 @@ impl Pool {
     /// outside the pool's lock ([`RemoteDue::connect`]).
     pub fn remotes_due(&self) -> Vec<RemoteDue> {
         let now = Instant::now();
-        let cache = self.remote_cache();
+        let mut cache = self.remote_cache();
+        // Connections of legs the table no longer has (a send cancelled, finished, the leg
+        // or the volume removed) are closed here.
+        let legs: Vec<Uuid> = self
+            .table
+            .volumes
+            .iter()
+            .filter_map(|v| Some(v.remote_leg()?.remote.as_ref()?.id))
+            .collect();
+        cache.retain(|id, _| legs.contains(id));
         let mut due = Vec::new();
         for v in &self.table.volumes {
             let Some(leg) = v.remote_leg().and_then(|l| l.remote.clone()) else {
                 continue;
             };
-            let backoff = match cache.get(&leg.id) {
-                Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => continue,
-                Some(Remote::Unreachable { next, .. }) if *next > now => continue,
-                Some(Remote::Unreachable { backoff, .. }) => *backoff,
-                _ => FIRST_BACKOFF,
+            let (backoff, was) = match cache.remove(&leg.id) {
+                Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => {
+                    cache.insert(leg.id, Remote::Open(d));
+                    continue;
+                }
+                Some(e @ Remote::Unreachable { next, .. }) if next > now => {
+                    cache.insert(leg.id, e);
+                    continue;
+                }
+                Some(e @ Remote::Connecting(_)) => {
+                    cache.insert(leg.id, e);
+                    continue;
+                }
+                Some(Remote::Unreachable { backoff, .. }) => (backoff, None),
+                Some(Remote::Open(d)) => (FIRST_BACKOFF, Some(d)),
+                None => (FIRST_BACKOFF, None),
             };
+            cache.insert(leg.id, Remote::Connecting(was));
             let Ok(need) = self.round_up(v.size) else {
                 continue;
             };
@@ -204,7 +251,7 @@ impl Pool {
     /// The open device of remote leg `r` (`None`: not connected now).
     pub(crate) fn remote_device(&self, r: &RemoteLeg) -> Option<Arc<Device>> {
         match self.remote_cache().get(&r.id) {
-            Some(Remote::Open(d)) => Some(d.clone()),
+            Some(Remote::Open(d)) | Some(Remote::Connecting(Some(d))) => Some(d.clone()),
             _ => None,
         }
     }
@@ -214,6 +261,7 @@ impl Pool {
         match self.remote_cache().get(&r.id) {
             Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => None,
             Some(Remote::Open(d)) => Some(format!("link {}", d.health().state().name())),
+            Some(Remote::Connecting(_)) => Some("connecting".into()),
             Some(Remote::Unreachable { why, .. }) => Some(why.clone()),
             None => Some("not connected yet".into()),
         }

@@ -98,6 +98,8 @@ fn a_volume_sent_to_an_nbd_export_is_copied_kept_in_step_and_survives_reopen() {
     layout.write_at(&more, 1 << 20).unwrap();
     let there = std::fs::read(&far.file).unwrap();
     assert!(there[1 << 20..(1 << 20) + (64 << 10)] == more[..]);
+    let e = p.resize_volume("v", 8 << 20).unwrap_err().to_string();
+    assert!(e.contains("being sent"), "{e}");
     // Sending again to the same address resumes; to another one is refused.
     p.send_volume("v", &far.uri).unwrap();
     let e = p
@@ -212,6 +214,20 @@ fn hostile_remote_legs_are_refused() {
                 }
             }),
             "no synced leg on this pool",
+        ),
+        (
+            // A second volume whose remote leg has the first one's id.
+            Box::new(|t| {
+                let mut other = t.volumes[0].clone();
+                other.uuid = uuid::Uuid::new_v4();
+                other.name = "n".into();
+                other.legs = vec![t.volumes[0].legs[2].clone()];
+                let mut local = t.volumes[0].legs[0].clone();
+                local.extents.clear();
+                other.legs.insert(0, local);
+                t.volumes.push(other);
+            }),
+            "used twice",
         ),
     ];
     for (break_it, want) in cases {

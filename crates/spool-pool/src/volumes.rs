@@ -334,6 +334,12 @@ impl Pool {
         if old.rbd.is_some() {
             return self.resize_rbd_volume(i, new_size);
         }
+        if let Some(r) = old.remote_leg().and_then(|l| l.remote.as_ref()) {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is being sent to {}, whose size is fixed: finish or cancel the send before growing it",
+                old.name, r.uri
+            )));
+        }
         if old.thin.is_some() {
             return self.resize_thin_volume(i, new_size);
         }

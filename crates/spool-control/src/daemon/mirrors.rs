@@ -118,7 +118,10 @@ impl Daemon {
 
     /// Publishes volume `v`'s current layout to its running queues.
     pub(super) fn republish(&self, v: &VolumeInfo) {
-        match self.pool().layout(&v.uuid.to_string()) {
+        // Not in the match: its guard would hold the pool's lock while publishing takes the
+        // servers' (the other order is taken elsewhere).
+        let layout = self.pool().layout(&v.uuid.to_string());
+        match layout {
             Ok(l) => self.publish_layout(v, l),
             Err(e) => tracing::error!(volume = %v.name, "no layout after a change of copies: {e}"),
         }

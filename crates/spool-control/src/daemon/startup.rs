@@ -234,6 +234,12 @@ impl Daemon {
             match pool.volume(&v.name) {
                 // An attached image at its own size (size 0 in the config).
                 Ok(_) if v.size == 0 => {}
+                Ok(have) if have.size < v.size && have.legs.iter().any(|l| l.remote.is_some()) => {
+                    tracing::warn!(
+                        volume = %v.name, have = have.size, config = v.size,
+                        "volume is smaller than the config says, but it is being sent to another host: not grown until the send ends"
+                    )
+                }
                 Ok(have) if have.size < v.size => {
                     pool.resize_volume(&v.name, v.size)?;
                 }

@@ -372,6 +372,11 @@ impl MirrorBackend {
         verify::verify(&self.shared)
     }
 
+    /// The identity of leg `slot` as this mirror was built (`None`: no such leg).
+    pub fn leg_id(&self, slot: u8) -> Option<u64> {
+        self.shared.leg(slot).map(|l| l.id)
+    }
+
     /// Whether leg `slot` holds a complete, current copy (present, nothing stale).
     pub fn leg_current(&self, slot: u8) -> bool {
         self.shared.writable() & bitmap::stale(slot) != 0

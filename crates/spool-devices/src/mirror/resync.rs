@@ -444,7 +444,6 @@ fn leg_write(
     Ok(())
 }
 
-/// Synchronous read from a current leg (not the data path).
 /// `mask` without its far legs, unless only far legs are in it.
 fn near_first(shared: &Shared, mask: u8) -> u8 {
     match mask & !shared.far {
@@ -453,6 +452,7 @@ fn near_first(shared: &Shared, mask: u8) -> u8 {
     }
 }
 
+/// Synchronous read from a current leg, a near one first (not the data path).
 pub(crate) fn read_current(shared: &Shared, buf: &mut [u8], off: u64) -> Result<()> {
     let regions = shared.regions.span(off, buf.len() as u64);
     let mask = near_first(

@@ -51,6 +51,15 @@ impl PoolTable {
                     v.name, v.uuid
                 ));
             }
+            // A remote leg's id names its connection: two volumes must never share one.
+            if let Some(r) = v.remote_leg().and_then(|l| l.remote.as_ref()) {
+                if !uuids.insert(r.id) {
+                    return Err(format!(
+                        "volume '{}': remote leg id {} is used twice in the table",
+                        v.name, r.id
+                    ));
+                }
+            }
             self.validate_volume(v, &devices, |dev, start, end| {
                 used.push((dev, start, end, vi))
             })?;
