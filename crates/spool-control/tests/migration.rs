@@ -565,27 +565,33 @@ fn assert_writes_go_on(vm: &mut Vm, d: &Spoold, file: bool, tag: &str) -> u64 {
             return w - w0;
         }
         if t.elapsed() > Duration::from_secs(30) {
-            let regs = vm
-                .qmp
-                .execute(
-                    "human-monitor-command",
-                    json!({"command-line": "info registers -a"}),
-                )
-                .unwrap_or_default();
-            let regs: Vec<&str> = regs
-                .as_str()
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| ["CPU", "RIP", "EFL"].iter().any(|k| l.starts_with(k)))
-                .collect();
             panic!(
                 "{tag}: the guest's writes stopped after it resumed ({w0} -> {w})\n{}\n--- vCPUs ---\n{}\n--- spoold ---\n{}",
                 all_consoles(vm),
-                regs.join("\n"),
+                vcpus(vm),
                 d.log()
             );
         }
     }
+}
+
+/// A human monitor command's answer (empty when QEMU does not answer).
+fn hmp(vm: &mut Vm, cmd: &str) -> String {
+    vm.qmp
+        .execute("human-monitor-command", json!({ "command-line": cmd }))
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// Where the guest's vCPUs are: each one's instruction pointer and flags.
+fn vcpus(vm: &mut Vm) -> String {
+    let regs = hmp(vm, "info registers -a");
+    let lines: Vec<&str> = regs
+        .lines()
+        .filter(|l| ["CPU", "RIP", "EFL"].iter().any(|k| l.starts_with(k)))
+        .collect();
+    lines.join("\n")
 }
 
 /// Waits for the guest to end its job and power off: its exit status, and what was seen if
@@ -610,18 +616,7 @@ fn wait_guest_end(vm: &mut Vm, d: &Spoold) -> (String, Option<String>) {
         if since.elapsed() < HUNG_AFTER {
             continue;
         }
-        let hmp = |vm: &mut Vm, cmd: &str| -> String {
-            vm.qmp
-                .execute("human-monitor-command", json!({ "command-line": cmd }))
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default()
-        };
-        let regs = hmp(vm, "info registers -a");
-        let regs: Vec<&str> = regs
-            .lines()
-            .filter(|l| ["CPU", "RIP", "EFL"].iter().any(|k| l.starts_with(k)))
-            .collect();
+        let regs = vcpus(vm);
         let mut rings = String::new();
         let devices = hmp(vm, "info virtio");
         for path in devices.lines().filter_map(|l| l.split_whitespace().next()) {
@@ -640,8 +635,7 @@ fn wait_guest_end(vm: &mut Vm, d: &Spoold) -> (String, Option<String>) {
         return (
             format!("{st}, killed: no write for {} s", HUNG_AFTER.as_secs()),
             Some(format!(
-                "--- vCPUs ---\n{}\n--- rings (QEMU) ---\n{rings}\n--- volume_stats ---\n{stats}",
-                regs.join("\n")
+                "--- vCPUs ---\n{regs}\n--- rings (QEMU) ---\n{rings}\n--- volume_stats ---\n{stats}"
             )),
         );
     }

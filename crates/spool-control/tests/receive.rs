@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{connect, pattern, spoolctl, Spoold};
+use common::{connect, ctl, ctl_err, pattern, Spoold};
 
 const CONFIG: &str = r#"
 [[devices]]
@@ -26,18 +26,6 @@ thin = true
 "#;
 
 const MIB: usize = 1 << 20;
-
-fn ctl(d: &Spoold, args: &[&str]) -> String {
-    let (ok, out, err) = spoolctl(d, args);
-    assert!(ok, "spoolctl {args:?}: {out}{err}");
-    out
-}
-
-fn ctl_err(d: &Spoold, args: &[&str]) -> String {
-    let (ok, out, err) = spoolctl(d, args);
-    assert!(!ok, "spoolctl {args:?} succeeded: {out}");
-    err
-}
 
 /// `prog`, stopped after 120 s: a sender that waits on a socket nobody serves fails the
 /// test instead of hanging it.

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{connect, pattern, spoolctl, Spoold};
+use common::{connect, ctl, ctl_err, pattern, Spoold};
 
 /// Each spoold's config: the same volume on both hosts (the destination's is created by
 /// hand, as docs/transfer.md says).
@@ -23,18 +23,6 @@ num_queues = 1
 "#;
 
 const MIB: usize = 1 << 20;
-
-fn ctl(d: &Spoold, args: &[&str]) -> String {
-    let (ok, out, err) = spoolctl(d, args);
-    assert!(ok, "spoolctl {args:?}: {out}{err}\n{}", d.log());
-    out
-}
-
-fn ctl_err(d: &Spoold, args: &[&str]) -> String {
-    let (ok, out, err) = spoolctl(d, args);
-    assert!(!ok, "spoolctl {args:?} succeeded: {out}");
-    err
-}
 
 /// Waits (up to 120 s) until `volume send v` says the copy is current.
 fn wait_current(a: &Spoold, b: &Spoold) {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::{
-    assert_pool_checks_clean, block, connect, kill_workers_holding_a_write, pattern, spoolctl,
+    assert_pool_checks_clean, block, connect, ctl, kill_workers_holding_a_write, pattern, spoolctl,
     whole_rounds, write_rounds_until, Spoold, BS, RECOVERED,
 };
 
@@ -33,12 +33,6 @@ thin = true
 /// (away from the 4 MiB the load writes).
 fn marks() -> Vec<u64> {
     (0..8).map(|i| 16 * MIB + i * 3 * MIB / 2).collect()
-}
-
-fn ctl(d: &Spoold, args: &[&str]) -> String {
-    let (ok, out, err) = spoolctl(d, args);
-    assert!(ok, "spoolctl {args:?}: {out}{err}");
-    out
 }
 
 #[test]

@@ -275,6 +275,20 @@ pub fn spoolctl(d: &Spoold, args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `spoolctl ARGS` against `d`, which must succeed: its output.
+pub fn ctl(d: &Spoold, args: &[&str]) -> String {
+    let (ok, out, err) = spoolctl(d, args);
+    assert!(ok, "spoolctl {args:?}: {out}{err}\n{}", d.log());
+    out
+}
+
+/// `spoolctl ARGS` against `d`, which must fail: its error output.
+pub fn ctl_err(d: &Spoold, args: &[&str]) -> String {
+    let (ok, out, err) = spoolctl(d, args);
+    assert!(!ok, "spoolctl {args:?} succeeded: {out}");
+    err
+}
+
 /// `spoolctl pool check` finds nothing wrong (docs/pool-check.md).
 #[allow(dead_code)]
 pub fn assert_pool_checks_clean(d: &Spoold) {
