@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import OUT, bin_dir, cpu_model, ctl, log, run_spoold  # noqa: E402
+from benchlib import bin_dir, cpu_model, ctl, log, run_spoold, save  # noqa: E402
 
 
 def copy(src, dst):
@@ -85,9 +85,7 @@ mirror = 2
                   "cpu": cpu_model(), "cores": os.cpu_count(), "mib": mib, "dir": a.dir,
                   "rows": rows}
         if not a.quick:
-            with open(os.path.join(OUT, "receive.json"), "w") as f:
-                json.dump(result, f, indent=1)
-            write_md(result)
+            save("receive", result, md(result))
         print(json.dumps(result))
     finally:
         if p:
@@ -96,7 +94,8 @@ mirror = 2
         shutil.rmtree(work, ignore_errors=True)
 
 
-def write_md(r):
+def md(r):
+    """The result as markdown lines."""
     lines = [
         "# Receiving a volume over NBD",
         "",
@@ -120,8 +119,7 @@ def write_md(r):
         "local copy.",
         "",
     ]
-    with open(os.path.join(OUT, "receive.md"), "w") as f:
-        f.write("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

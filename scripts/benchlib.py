@@ -104,3 +104,12 @@ def spool_bench(args):
     if out.returncode != 0:
         sys.exit(f"spool-bench {' '.join(args)} failed: {out.stderr}")
     return json.loads(out.stdout)
+
+
+def save(name, result, md_lines):
+    """Writes a benchmark's result to docs/benchmarks/NAME.json and its table and notes
+    (`md_lines`) to NAME.md."""
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(OUT, f"{name}.md"), "w") as f:
+        f.write("\n".join(md_lines))
