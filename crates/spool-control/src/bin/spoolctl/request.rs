@@ -11,7 +11,7 @@ use spool_api::{
     SnapshotParams,
 };
 
-use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, SnapshotCmd, VolumeCmd};
+use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, SendArgs, SnapshotCmd, VolumeCmd};
 use super::snapshot;
 use super::CtlError;
 
@@ -21,7 +21,7 @@ pub struct Request {
     pub params: Value,
 }
 
-pub(crate) fn build<M: Method>(params: M::Params) -> Result<Request, CtlError> {
+fn build<M: Method>(params: M::Params) -> Result<Request, CtlError> {
     Ok(Request {
         method: M::NAME.to_string(),
         params: serde_json::to_value(params).map_err(CtlError::Params)?,
@@ -190,7 +190,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
         }
         VolumeCmd::Receive { id, nbd, .. } => receive(id, nbd.as_deref()),
-        VolumeCmd::Send(a) => super::send::request(a),
+        VolumeCmd::Send(a) => send(a),
     }
 }
 
@@ -238,6 +238,16 @@ fn export(s: &str, nbd: &str, since: Option<String>, decrypt: bool) -> Result<Re
         nbd: absolute_nbd(nbd)?,
         since,
         decrypt,
+    })
+}
+
+/// `volume send ID [--to URI | --cancel | --finish]` (none: how it stands).
+fn send(a: &SendArgs) -> Result<Request, CtlError> {
+    build::<api::VolumeSend>(api::SendParams {
+        id: a.id.clone(),
+        to: a.to.clone(),
+        cancel: a.cancel,
+        finish: a.finish,
     })
 }
 

@@ -1,5 +1,5 @@
-//! `spoolctl volume send`: the request, the answer, and `--wait`'s progress line until the
-//! copy on the other host is current.
+//! `spoolctl volume send`: the answer, and `--wait`'s progress line until the copy on the
+//! other host is current (the request is built in `request.rs`).
 
 use std::time::Duration;
 
@@ -7,19 +7,8 @@ use spool_api as api;
 use spool_api::client::Client;
 use spool_api::size::format_size;
 
-use crate::args::{Args, SendArgs};
-use crate::request::{build, Request};
+use crate::args::Args;
 use crate::CtlError;
-
-/// The request of `volume send ID [--to URI | --cancel | --finish]`.
-pub fn request(a: &SendArgs) -> Result<Request, CtlError> {
-    build::<api::VolumeSend>(api::SendParams {
-        id: a.id.clone(),
-        to: a.to.clone(),
-        cancel: a.cancel,
-        finish: a.finish,
-    })
-}
 
 /// How the send of volume `id` stands.
 fn status(id: &str) -> api::SendParams {
