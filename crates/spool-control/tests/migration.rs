@@ -120,6 +120,16 @@ impl Drop for Vm {
     }
 }
 
+/// One test of this file at a time (cargo runs a file's tests on parallel threads): two TCG
+/// guests on a 2-core machine would each run at half speed, and their tags (so their RAM
+/// files, consoles and write maps) are the same.
+static ONE_GUEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds [`ONE_GUEST`] (a test that failed holding it does not fail the next one).
+fn one_guest_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_GUEST.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Where guest `tag`'s RAM lives (tmpfs: the page check reads 2 × 512 MiB per migration).
 fn ram_file(tag: &str) -> PathBuf {
     PathBuf::from(format!(
@@ -718,6 +728,7 @@ fn pool_uuid(d: &Spoold) -> String {
 #[test]
 #[ignore = "needs QEMU, the test guest and Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
+    let _one = one_guest_at_a_time();
     let cluster = CephCluster::start("migrate");
     let rounds = count("SPOOL_RBD_ROUNDS", 10);
     let migrations = count("SPOOL_MIGRATIONS", 3);
@@ -922,6 +933,7 @@ fn soak_file_guest(file: &str, runtime: u64, tcg: &str, memory: &str) -> std::pr
 #[test]
 #[ignore = "a soak, run by hand: SPOOL_MIGRATION_SOAK=N cargo test --test migration migration_soak -- --ignored"]
 fn migration_soak() {
+    let _one = one_guest_at_a_time();
     let n = std::env::var("SPOOL_MIGRATION_SOAK")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -1006,6 +1018,7 @@ fn send_state(d: &Spoold) -> serde_json::Value {
 #[test]
 #[ignore = "needs QEMU and the test guest: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn a_vm_moves_with_its_local_volume_to_another_spoold() {
+    let _one = one_guest_at_a_time();
     let config = |rate: &str| {
         format!(
             // The harness's config ends in its [pool] table: the rate goes there.
