@@ -291,6 +291,9 @@ pub enum HealthEventKind {
     /// pool's name): below 20%, 10% or 5%, above again, writes waiting for space.
     #[serde(rename = "pool-space")]
     PoolSpace,
+    /// A volume being sent to another host (device: the volume's UUID, path: the
+    /// destination's URI): copying (at every quarter), current, disconnected.
+    Send,
 }
 
 impl HealthEventKind {

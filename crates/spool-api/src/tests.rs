@@ -112,6 +112,7 @@ fn event_kinds_are_the_monitors_strings() {
         "restored",
         "mirror",
         "pool-space",
+        "send",
     ] {
         let kind = HealthEventKind::parse(k).unwrap();
         assert_eq!(serde_json::to_value(kind).unwrap(), json!(k));

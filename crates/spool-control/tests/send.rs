@@ -116,6 +116,16 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     );
     let out = ctl(&a, &["volume", "send", "v", "--wait"]);
     assert!(out.contains("current"), "{out}");
+    // The health events say it too (kind send), once the settler has looked.
+    let t = Instant::now();
+    while !ctl(&a, &["events"]).contains("v: current on") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{}",
+            ctl(&a, &["events"])
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert!(ctl_err(&a, &["volume", "resize", "v", "32M"]).contains("being sent"));
 
     // The destination goes away (its transfer stopped): a write completes here alone, and

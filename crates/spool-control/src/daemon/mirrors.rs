@@ -134,7 +134,7 @@ impl Daemon {
         let _ = std::thread::Builder::new()
             .name("spool-mirrors".into())
             .spawn(move || {
-                let mut seen = HashMap::new();
+                let (mut seen, mut sends) = (HashMap::new(), HashMap::new());
                 let mut space = super::thin::SpaceWatch::default();
                 loop {
                     std::thread::sleep(Duration::from_millis(500));
@@ -145,6 +145,7 @@ impl Daemon {
                     d.settle_mirrors();
                     d.reconnect_remotes();
                     d.report_mirrors(&mut seen);
+                    d.report_sends(&mut sends);
                     d.report_thin_space(&mut space);
                 }
             });
@@ -193,11 +194,12 @@ impl Daemon {
             if before.as_ref() == Some(&now) || (before.is_none() && m.state == "healthy") {
                 continue;
             }
-            let leg = m
-                .legs
-                .iter()
+            // A leg on this pool's devices (a remote copy's events are `send`'s).
+            let mut local = m.legs.iter().filter(|l| !l.devices.is_empty());
+            let leg = local
+                .clone()
                 .find(|l| l.state != "current")
-                .or(m.legs.first());
+                .or(local.next());
             let Some(device) = leg.and_then(|l| l.devices.first().copied()) else {
                 continue;
             };

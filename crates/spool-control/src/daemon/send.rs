@@ -9,7 +9,10 @@
 //! Owns: the RPC, how a send stands ([`SendInfo`]), reconnecting. Must not know: the NBD
 //! protocol, how the mirror copies.
 
+use std::collections::HashMap;
+
 use spool_pool::VolumeInfo;
+use uuid::Uuid;
 
 use super::Daemon;
 use crate::api::{self, SendInfo, SendParams};
@@ -111,6 +114,36 @@ impl Daemon {
         })
     }
 
+    /// Records a health event (kind `send`) when a send of a served volume changes state
+    /// (copying, current, disconnected) and at every quarter of a copy; `seen` holds each
+    /// volume's last (state, quarter). The event's device is the volume's UUID, its path
+    /// the destination's URI.
+    pub(super) fn report_sends(&self, seen: &mut HashMap<Uuid, (String, u8)>) {
+        let volumes = self.pool().volumes();
+        let mut sending = Vec::new();
+        for v in volumes {
+            if let Some(s) = self.sending(&v) {
+                sending.push((v, s));
+            }
+        }
+        seen.retain(|u, _| sending.iter().any(|(v, _)| v.uuid == *u));
+        for (v, s) in sending {
+            if !self.servers().contains_key(&v.uuid) {
+                continue;
+            }
+            let done = 100 - (s.remaining_bytes.min(v.size) * 100 / v.size.max(1)) as u8;
+            let now = (
+                s.state.clone(),
+                if s.state == "copying" { done / 25 } else { 0 },
+            );
+            if seen.insert(v.uuid, now.clone()).as_ref() == Some(&now) {
+                continue;
+            }
+            self.monitor
+                .note(v.uuid, &s.to, "send", format!("volume {}", line_of(&s)));
+        }
+    }
+
     /// Connects again the remote legs whose link dropped (from the mirror settler), and
     /// publishes the volumes' layouts with the new connections.
     pub(super) fn reconnect_remotes(&self) {
@@ -126,5 +159,23 @@ impl Daemon {
                 }
             }
         }
+    }
+}
+
+/// How a send stands, in words (the event's reason).
+fn line_of(s: &SendInfo) -> String {
+    match s.state.as_str() {
+        "copying" => format!(
+            "{}: copying to {}, {} bytes left",
+            s.volume, s.to, s.remaining_bytes
+        ),
+        "disconnected" => format!(
+            "{}: the link to {} is down ({}); {} bytes to copy when it is back",
+            s.volume,
+            s.to,
+            s.trouble.as_deref().unwrap_or("no link"),
+            s.remaining_bytes
+        ),
+        state => format!("{}: {state} on {}", s.volume, s.to),
     }
 }
