@@ -57,6 +57,8 @@ out="$work/results.jsonl"
 # time (fresh connections, fresh worker threads): one connection can be unlucky for its whole
 # life (where its threads landed), which the slices of that connection alone cannot show.
 reps=8
+# The smoke checks that the cases run, not their statistics: two connections each.
+[[ $name == *quick ]] && reps=2
 cases=("on off randread 32" "on off randwrite 32" "on off randread 1" "on off randwrite 1"
        "ctl off randread 32" "ctl off randread 1" "non noff randread 32" "non noff randread 1")
 for c in "${cases[@]}"; do

@@ -1042,7 +1042,8 @@ fn a_vm_moves_with_its_local_volume_to_another_spoold() {
     )
     .unwrap();
     let dir = a.dir.path().to_path_buf();
-    let runtime = 60;
+    // The copy takes about 10 s and the migration 3: the job goes on for 25 s more on B.
+    let runtime = 40;
     let mut vm = boot(&a, &b, runtime);
 
     let t0 = Instant::now();
