@@ -4,8 +4,8 @@
 //! the kernel may then fail to invalidate a cached page ("Page cache invalidation failure on
 //! direct I/O") and a later buffered read copies stale data onto another leg.
 //!
-//! Owns: one small queue per leg device, opened on first use, and page-aligned buffers.
-//! Must not know: regions, the bitmap.
+//! Owns: one small queue per leg device, opened on first use, page-aligned buffers, and the
+//! mapping of a leg's volume range to its devices' pieces. Must not know: regions, the bitmap.
 
 use std::time::Duration;
 
@@ -131,4 +131,84 @@ fn gone(shared: &Shared) -> Error {
         "leg",
         std::io::Error::from_raw_os_error(libc::ENODEV),
     )
+}
+
+/// Calls `f(device index, device offset, length, offset within the range)` for each piece of
+/// leg `slot` in volume range `[off, off + len)`.
+fn leg_pieces(
+    shared: &Shared,
+    slot: u8,
+    off: u64,
+    len: u64,
+    mut f: impl FnMut(usize, u64, u64, u64) -> Result<()>,
+) -> Result<()> {
+    let Some(pieces) = shared.leg(slot).map(|l| &l.pieces) else {
+        return Err(Error::io(
+            std::path::Path::new(&shared.spec.name),
+            "leg",
+            std::io::Error::other(format!("leg {slot} is missing")),
+        ));
+    };
+    let mut done = 0;
+    for p in pieces
+        .iter()
+        .skip(pieces.partition_point(|p| p.logical + p.len <= off))
+    {
+        if done >= len {
+            break;
+        }
+        let within = off + done - p.logical;
+        let n = (p.len - within).min(len - done);
+        if p.device >= shared.spec.devices.len() {
+            return Err(Error::io(
+                std::path::Path::new(&shared.spec.name),
+                "leg",
+                std::io::Error::from_raw_os_error(libc::ENODEV),
+            ));
+        }
+        f(p.device, p.offset + within, n, done)?;
+        done += n;
+    }
+    Ok(())
+}
+
+pub(super) fn leg_read(
+    shared: &Shared,
+    io: &mut LegIo,
+    slot: u8,
+    off: u64,
+    buf: &mut [u8],
+) -> Result<()> {
+    leg_pieces(shared, slot, off, buf.len() as u64, |d, o, n, at| {
+        io.rw(
+            shared,
+            d,
+            false,
+            o,
+            &mut buf[at as usize..(at + n) as usize],
+        )
+    })
+}
+
+/// Writes `data` (or zeroes, when `None`, `len` bytes) to leg `slot` at volume offset `off`,
+/// adding the devices written to `written` (the caller flushes them).
+pub(super) fn leg_write(
+    shared: &Shared,
+    io: &mut LegIo,
+    slot: u8,
+    off: u64,
+    data: Option<&mut [u8]>,
+    len: u64,
+    written: &mut Vec<usize>,
+) -> Result<()> {
+    let mut data = data;
+    leg_pieces(shared, slot, off, len, |d, o, n, at| {
+        if !written.contains(&d) {
+            written.push(d);
+        }
+        match data.as_deref_mut() {
+            Some(b) => io.rw(shared, d, true, o, &mut b[at as usize..(at + n) as usize]),
+            None => shared.spec.devices[d].zero_range(o, n),
+        }
+    })
 }

@@ -46,6 +46,11 @@ use bitmap::{Bitmap, Found, INTENT, SYNC_SOURCE};
 pub const MAX_LEGS: usize = 3;
 /// A region's writes counter has this bit while the bitmap thread clears its intent bit.
 const CLEARING: u32 = 1 << 31;
+/// A region's writes counter has this bit while the copy reads a piece of it from its source
+/// and writes it to its targets: writes entering then wait (see [`regions::Regions::enter`]).
+const COPYING: u32 = 1 << 30;
+/// The flag bits of a region's writes counter (what is not a count of writes).
+const FLAGS: u32 = CLEARING | COPYING;
 
 /// The device index of a leg piece whose device is not in the pool (never usable).
 pub const MISSING: usize = usize::MAX;

@@ -78,6 +78,8 @@ pub struct MirrorQueue {
     ops: Vec<Option<Op>>,
     free: Vec<usize>,
     done: VecDeque<(u64, i32)>,
+    /// Writes waiting for the copy to let their regions go (see `Regions::enter`).
+    waiting: VecDeque<usize>,
     in_flight: usize,
     next_read: u8,
     /// Ops whose last piece came back in this reap (kept to reuse its allocation).
@@ -119,6 +121,7 @@ impl MirrorQueue {
             ops: Vec::new(),
             free: Vec::new(),
             done: VecDeque::new(),
+            waiting: VecDeque::new(),
             in_flight: 0,
             next_read: 0,
             finished: Vec::new(),
@@ -245,7 +248,8 @@ impl MirrorQueue {
 
     /// A write starts only when a leg that is current in all of its regions can take it: a
     /// write that only reached legs still being copied to would be acknowledged with no
-    /// readable copy holding it.
+    /// readable copy holding it. While the copy holds one of its regions it waits (queued,
+    /// not blocking the worker) and is tried again at the next reap.
     fn submit_write(&mut self, i: usize) -> bool {
         let op = self.ops[i].as_ref().expect("live op");
         let writable = self.shared.usable(self.healthy, op.offset, op.len);
@@ -257,8 +261,14 @@ impl MirrorQueue {
         }
         let (first, last) = op.regions;
         let want = INTENT | (self.shared.all_slots() & !writable);
-        if self.shared.regions.enter(first, last, want) {
-            self.shared.regions.bitmap.sync(first, last);
+        match self.shared.regions.enter(first, last, want) {
+            None => {
+                self.waiting.push_back(i);
+                let _ = (&self.event).write(&1u64.to_ne_bytes());
+                return true;
+            }
+            Some(true) => self.shared.regions.bitmap.sync(first, last),
+            Some(false) => {}
         }
         let op = self.ops[i].as_mut().expect("live op");
         op.issued = writable;
@@ -295,6 +305,25 @@ impl MirrorQueue {
             busy(&mut self.outstanding, &mut self.progress, d);
         }
         !devices.is_empty()
+    }
+
+    /// Tries the writes waiting for the copy again (those still waiting signal the event).
+    fn retry_waiting(&mut self) {
+        for i in std::mem::take(&mut self.waiting) {
+            if !self.submit_write(i) {
+                self.fail_unstarted(i);
+            }
+        }
+        let _ = self.kick();
+    }
+
+    /// Completes op `i`, which no leg took, with the error that says why.
+    fn fail_unstarted(&mut self, i: usize) {
+        let res = self.no_leg_errno(i);
+        let tag = self.ops[i].take().expect("live op").tag;
+        self.free.push(i);
+        self.in_flight -= 1;
+        self.finish_now(tag, res);
     }
 
     /// The last piece of op `i` came back: retry a failed read elsewhere, or settle.
@@ -450,11 +479,7 @@ impl DeviceQueue for MirrorQueue {
             Kind::Flush => self.submit_flush(i),
         };
         if !started {
-            let res = self.no_leg_errno(i);
-            self.ops[i] = None;
-            self.free.push(i);
-            self.in_flight -= 1;
-            self.finish_now(tag, res);
+            self.fail_unstarted(i);
         }
     }
 
@@ -467,6 +492,9 @@ impl DeviceQueue for MirrorQueue {
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
         self.check_epochs();
+        if !self.waiting.is_empty() {
+            self.retry_waiting();
+        }
         let mut finished = std::mem::take(&mut self.finished);
         for d in 0..self.queues.len() {
             let (ops, devices) = (&mut self.ops, &self.shared.spec.devices);

@@ -16,13 +16,14 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::bitmap::{out_of_sync, stale, sync_source, Bitmap, INTENT, SYNC_SOURCE};
 use super::writes::WriteCounts;
-use super::{Shared, CLEARING, MAX_LEGS};
+use super::{Shared, CLEARING, COPYING, MAX_LEGS};
 
 /// The per-region state shared by every queue of one mirror.
 pub(crate) struct Regions {
     pub(crate) shift: u32,
     pub(crate) bitmap: Bitmap,
-    /// Writes in flight per region (| CLEARING), where a killed worker's successor reads them.
+    /// Writes in flight per region (| CLEARING, | COPYING), where a killed worker's successor
+    /// reads them.
     pub(crate) writes: WriteCounts,
     /// Writes ever started per region (the copy's race check).
     pub(crate) gens: Box<[AtomicU32]>,
@@ -54,19 +55,45 @@ impl Regions {
     }
 
     /// A write enters regions `first..=last`: counts it, and returns whether the bitmap bytes
-    /// needed `want` set (then the caller syncs them before the write goes out).
-    pub(crate) fn enter(&self, first: usize, last: usize, want: u8) -> bool {
-        let mut changed = false;
+    /// needed `want` set (then the caller syncs them before the write goes out). `None`, with
+    /// nothing counted, while the copy holds one of the regions ([`Regions::hold_for_copy`]):
+    /// the write must not reach a leg until that piece of the copy has landed, or the copy's
+    /// older bytes could land on a target after it and the target, once the only current
+    /// leg, would serve them (md's resync barrier). The caller tries again later.
+    pub(crate) fn enter(&self, first: usize, last: usize, want: u8) -> Option<bool> {
         for r in first..=last {
-            if self.writes[r].fetch_add(1, Ordering::SeqCst) & CLEARING != 0 {
+            let was = self.writes[r].fetch_add(1, Ordering::SeqCst);
+            if was & COPYING != 0 {
+                for q in first..=r {
+                    self.writes[q].fetch_sub(1, Ordering::SeqCst);
+                }
+                return None;
+            }
+            if was & CLEARING != 0 {
                 while self.writes[r].load(Ordering::SeqCst) & CLEARING != 0 {
                     std::hint::spin_loop();
                 }
             }
+        }
+        let mut changed = false;
+        for r in first..=last {
             self.gens[r].fetch_add(1, Ordering::SeqCst);
             changed |= self.mark(r, want);
         }
-        changed
+        Some(changed)
+    }
+
+    /// Keeps writes out of region `r` while the copy moves a piece of it: true when no write
+    /// was in flight there and none will enter until [`Regions::release_copy`].
+    pub(crate) fn hold_for_copy(&self, r: usize) -> bool {
+        self.writes[r]
+            .compare_exchange(0, COPYING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Lets writes into region `r` again (see [`Regions::hold_for_copy`]).
+    pub(crate) fn release_copy(&self, r: usize) {
+        self.writes[r].fetch_and(!COPYING, Ordering::SeqCst);
     }
 
     /// A write leaves regions `first..=last`.

@@ -4,10 +4,12 @@
 //! (healthy while every region has a usable current leg), also during a long pass; the leg
 //! I/O that `verify` shares.
 //!
-//! A region is copied only while no write is in flight there, and the copy counts only if no
-//! write started there meanwhile (the region's generation is unchanged); otherwise it is
-//! copied again on a later pass. Reads never go to a leg stale in the region, so a copy in
-//! progress is never seen.
+//! A region is copied in pieces of [`COPY_PIECE`]; while a piece is read from the source and
+//! written to the targets no write is in flight in the region and none enters (writes wait in
+//! their queue: md's resync barrier), so the copy never lands older bytes over a newer write.
+//! The copy counts only if no write started in the region meanwhile (its generation is
+//! unchanged); otherwise it is copied again on a later pass. Reads never go to a leg stale in
+//! the region, so a copy in progress is never seen.
 //!
 //! Owns: [`Progress`]. Must not know: the data path's queues, the pool.
 
@@ -16,7 +18,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, sync_source, INTENT, SYNC_SOURCE};
-use super::legio::{AlignedBuf, LegIo};
+use super::legio::{leg_read, leg_write, AlignedBuf, LegIo};
 use super::{Shared, MAX_LEGS, MISSING};
 use crate::{Error, HealthState, Result};
 
@@ -26,6 +28,9 @@ const IDLE_TICK: Duration = Duration::from_millis(200);
 const CLEAR_AFTER: Duration = Duration::from_secs(1);
 /// Longest wait for a region's writes to drain before the copy moves on to other regions.
 const DRAIN_WAIT: Duration = Duration::from_millis(20);
+/// The copy moves a region this much at a time, keeping writes out of the region meanwhile:
+/// short enough that a write waiting for it waits about one device write.
+const COPY_PIECE: u64 = 256 << 10;
 
 /// What the copying has done since it last started.
 #[derive(Default)]
@@ -285,7 +290,7 @@ pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
     let t0 = Instant::now();
     loop {
         let g = shared.regions.gens[r].load(Ordering::SeqCst);
-        if shared.regions.writes[r].load(Ordering::SeqCst) & !super::CLEARING == 0 {
+        if shared.regions.writes[r].load(Ordering::SeqCst) & !super::FLAGS == 0 {
             return Some(g);
         }
         if t0.elapsed() > DRAIN_WAIT {
@@ -310,12 +315,24 @@ fn copy_region(
     };
     let (off, len) = region_range(shared, r);
     if targets != 0 {
-        let buf = buf.get(len as usize);
-        leg_read(shared, io, source, off, buf)?;
-        for t in 0..MAX_LEGS as u8 {
-            if targets & stale(t) != 0 {
-                leg_write(shared, io, t, off, Some(&mut *buf), len)?;
+        let mut written = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let n = COPY_PIECE.min(len - at);
+            let Some(_held) = HeldForCopy::wait(shared, r) else {
+                return Ok(false);
+            };
+            let buf = buf.get(n as usize);
+            leg_read(shared, io, source, off + at, buf)?;
+            for t in 0..MAX_LEGS as u8 {
+                if targets & stale(t) != 0 {
+                    leg_write(shared, io, t, off + at, Some(&mut *buf), n, &mut written)?;
+                }
             }
+            at += n;
+        }
+        for d in written {
+            io.flush(shared, d)?;
         }
     }
     if shared.regions.gens[r].load(Ordering::SeqCst) != g {
@@ -360,88 +377,31 @@ fn clear_pass(shared: &Shared, seen: &mut Vec<(u32, Instant)>) {
     }
 }
 
-/// Calls `f(device index, device offset, length, offset within the range)` for each piece of
-/// leg `slot` in volume range `[off, off + len)`.
-fn leg_pieces(
-    shared: &Shared,
-    slot: u8,
-    off: u64,
-    len: u64,
-    mut f: impl FnMut(usize, u64, u64, u64) -> Result<()>,
-) -> Result<()> {
-    let Some(pieces) = shared.leg(slot).map(|l| &l.pieces) else {
-        return Err(Error::io(
-            std::path::Path::new(&shared.spec.name),
-            "leg",
-            std::io::Error::other(format!("leg {slot} is missing")),
-        ));
-    };
-    let mut done = 0;
-    for p in pieces
-        .iter()
-        .skip(pieces.partition_point(|p| p.logical + p.len <= off))
-    {
-        if done >= len {
-            break;
-        }
-        let within = off + done - p.logical;
-        let n = (p.len - within).min(len - done);
-        if p.device >= shared.spec.devices.len() {
-            return Err(Error::io(
-                std::path::Path::new(&shared.spec.name),
-                "leg",
-                std::io::Error::from_raw_os_error(libc::ENODEV),
-            ));
-        }
-        f(p.device, p.offset + within, n, done)?;
-        done += n;
-    }
-    Ok(())
+/// Region `r` held for one piece of a copy (no write in flight or entering), until dropped.
+struct HeldForCopy<'a> {
+    shared: &'a Shared,
+    r: usize,
 }
 
-pub(super) fn leg_read(
-    shared: &Shared,
-    io: &mut LegIo,
-    slot: u8,
-    off: u64,
-    buf: &mut [u8],
-) -> Result<()> {
-    leg_pieces(shared, slot, off, buf.len() as u64, |d, o, n, at| {
-        io.rw(
-            shared,
-            d,
-            false,
-            o,
-            &mut buf[at as usize..(at + n) as usize],
-        )
-    })
+impl<'a> HeldForCopy<'a> {
+    /// Waits (briefly: [`DRAIN_WAIT`]) for the writes in flight in region `r` to drain and
+    /// holds it; `None` when writes kept coming.
+    fn wait(shared: &'a Shared, r: usize) -> Option<HeldForCopy<'a>> {
+        let t0 = Instant::now();
+        while !shared.regions.hold_for_copy(r) {
+            if t0.elapsed() > DRAIN_WAIT {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Some(HeldForCopy { shared, r })
+    }
 }
 
-/// Writes `data` (or zeroes, when `None`, `len` bytes) to leg `slot` at volume offset `off`,
-/// durably (every device written is flushed).
-fn leg_write(
-    shared: &Shared,
-    io: &mut LegIo,
-    slot: u8,
-    off: u64,
-    data: Option<&mut [u8]>,
-    len: u64,
-) -> Result<()> {
-    let mut written: Vec<usize> = Vec::new();
-    let mut data = data;
-    leg_pieces(shared, slot, off, len, |d, o, n, at| {
-        if !written.contains(&d) {
-            written.push(d);
-        }
-        match data.as_deref_mut() {
-            Some(b) => io.rw(shared, d, true, o, &mut b[at as usize..(at + n) as usize]),
-            None => shared.spec.devices[d].zero_range(o, n),
-        }
-    })?;
-    for d in written {
-        io.flush(shared, d)?;
+impl Drop for HeldForCopy<'_> {
+    fn drop(&mut self) {
+        self.shared.regions.release_copy(self.r);
     }
-    Ok(())
 }
 
 /// `mask` without its far legs, unless only far legs are in it.
@@ -484,23 +444,31 @@ pub(crate) fn write_all_legs(
 ) -> Result<()> {
     let writable = shared.usable(shared.healthy(), off, len);
     let (first, last) = shared.regions.span(off, len);
-    shared
-        .regions
-        .enter(first, last, INTENT | (shared.all_slots() & !writable));
+    let want = INTENT | (shared.all_slots() & !writable);
+    while shared.regions.enter(first, last, want).is_none() {
+        // A piece of the copy is landing there: one device write.
+        std::thread::sleep(Duration::from_micros(100));
+    }
     shared.regions.bitmap.sync(first, last);
     let mut res = Ok(());
     let (mut io, mut aligned) = (LegIo::default(), AlignedBuf::default());
+    let mut written = Vec::new();
     for s in (0..MAX_LEGS as u8).filter(|s| writable & stale(*s) != 0) {
         let r = match data {
             Some(d) => {
                 let b = aligned.get(d.len());
                 b.copy_from_slice(d);
-                leg_write(shared, &mut io, s, off, Some(b), len)
+                leg_write(shared, &mut io, s, off, Some(b), len, &mut written)
             }
-            None => leg_write(shared, &mut io, s, off, None, len),
+            None => leg_write(shared, &mut io, s, off, None, len, &mut written),
         };
         if r.is_err() {
             res = r;
+        }
+    }
+    for d in written {
+        if let Err(e) = io.flush(shared, d) {
+            res = Err(e);
         }
     }
     shared.regions.leave(first, last);

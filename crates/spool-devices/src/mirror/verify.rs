@@ -7,8 +7,8 @@
 use std::sync::atomic::Ordering;
 
 use super::bitmap::{stale, sync_source};
-use super::legio::{AlignedBuf, LegIo};
-use super::resync::{leg_read, quiet_gen, region_range};
+use super::legio::{leg_read, AlignedBuf, LegIo};
+use super::resync::{quiet_gen, region_range};
 use super::{Shared, MAX_LEGS};
 use crate::Result;
 

@@ -68,8 +68,8 @@ impl WriteCounts {
         Some(
             counts
                 .chunks_exact(4)
-                // The top bit is the clearing flag, not a write.
-                .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]) & !(1 << 31) != 0)
+                // The top bits are the clearing and copying flags, not writes.
+                .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]) & !super::FLAGS != 0)
                 .collect(),
         )
     }
