@@ -20,6 +20,10 @@ pub struct MirrorLeg {
     /// A copy on another host (`volume send`): its NBD URI.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<String>,
+    /// A copy on another host that was current once: every write waits until it took it
+    /// (docs/transfer.md, "When the link drops").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub required: bool,
 }
 
 /// A mirrored volume's copies and copying progress.

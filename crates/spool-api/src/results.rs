@@ -292,7 +292,7 @@ pub enum HealthEventKind {
     #[serde(rename = "pool-space")]
     PoolSpace,
     /// A volume being sent to another host (device: the volume's UUID, path: the
-    /// destination's URI): copying (at every quarter), current, disconnected.
+    /// destination's URI): copying (at every quarter), current, disconnected, waiting.
     Send,
 }
 

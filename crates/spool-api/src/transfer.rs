@@ -58,8 +58,10 @@ pub struct SendInfo {
     pub volume: String,
     /// The destination's NBD URI.
     pub to: String,
-    /// "copying", "current" (every write completed here is there too), "disconnected",
-    /// "cancelled" or "finished" (the volume here was deleted).
+    /// "copying", "current" (every write completed here is there too), "disconnected"
+    /// (the link is down while copying), "waiting" (the link is down and the copy there was
+    /// current: the volume's requests wait until it is back, or `cancel`), "cancelled" or
+    /// "finished" (the volume here was deleted).
     pub state: String,
     /// The copy there was complete at least once (the pool table says so).
     pub synced: bool,

@@ -350,6 +350,7 @@ pub fn mirror_status(
                 stale_bytes: p.map_or(0, |p| p.stale_bytes),
                 devices: l.devices.clone(),
                 remote: l.remote.clone(),
+                required: p.is_some_and(|p| p.required),
             }
         })
         .collect();

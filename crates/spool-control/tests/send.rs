@@ -128,16 +128,50 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     }
     assert!(ctl_err(&a, &["volume", "resize", "v", "32M"]).contains("being sent"));
 
-    // The destination goes away (its transfer stopped): a write completes here alone, and
-    // finishing now would lose it, so it is refused; once the destination receives again,
-    // the leg connects again, catches up, and is current.
+    // The destination goes away (its transfer stopped). The copy there was current, so a
+    // write must not complete here alone (a VM moving there would not find it): it waits,
+    // and the send says why; once the destination receives again, the leg connects again
+    // and the write completes on both.
     let receive = ["volume", "receive", "v", "--nbd"];
     let listen = format!("unix:{}", sock.display());
     ctl(&b, &["volume", "receive", "v", "--stop"]);
-    write(&mut c, 9, 3 * MIB, 64 << 10);
-    let e = ctl_err(&a, &["volume", "send", "v", "--finish"]);
-    assert!(e.contains("not complete yet"), "{e}");
+    let (at, data) = (3 * MIB, pattern(9, (3 * MIB) as u64, 64 << 10));
+    std::thread::scope(|s| {
+        let w = s.spawn(|| c.write_sync(0, at as u64, &data));
+        let t = Instant::now();
+        loop {
+            let out = ctl(&a, &["volume", "send", "v"]);
+            if out.contains(": waiting") {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "{out}\n{}", a.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            !w.is_finished(),
+            "a write completed here alone while the current copy there could not take it"
+        );
+        assert!(ctl(&a, &["events"]).contains("the copy there was current"));
+        ctl(&b, &[&receive[..], &[listen.as_str()]].concat());
+        assert_eq!(w.join().unwrap(), 0, "the held write failed\n{}", a.log());
+    });
+    model[at..at + data.len()].copy_from_slice(&data);
+    wait_current(&a, &b);
+    // The operator can always let the volume go on without that copy: `--cancel` drops it
+    // and the waiting write completes here; sent again, the copy starts over.
+    ctl(&b, &["volume", "receive", "v", "--stop"]);
+    let (at, data) = (5 * MIB, pattern(10, (5 * MIB) as u64, 64 << 10));
+    std::thread::scope(|s| {
+        let w = s.spawn(|| c.write_sync(0, at as u64, &data));
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(!w.is_finished(), "a write completed here alone");
+        ctl(&a, &["volume", "send", "v", "--cancel"]);
+        assert_eq!(w.join().unwrap(), 0, "the held write failed\n{}", a.log());
+    });
+    model[at..at + data.len()].copy_from_slice(&data);
     ctl(&b, &[&receive[..], &[listen.as_str()]].concat());
+    ctl(&a, &["volume", "send", "v", "--to", &uri]);
     wait_current(&a, &b);
 
     // The switchover: the VM leaves A, B's frontend starts the volume (the transfer ends

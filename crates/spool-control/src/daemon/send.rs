@@ -95,7 +95,10 @@ impl Daemon {
         let here = status
             .as_ref()
             .and_then(|m| m.legs.iter().find(|l| l.slot == leg.slot));
+        let cut_off = leg.remote_trouble.is_some()
+            || here.is_some_and(|l| matches!(l.state.as_str(), "missing" | "unusable"));
         let state = match (&leg.remote_trouble, here.map(|l| l.state.as_str())) {
+            _ if cut_off && here.is_some_and(|l| l.required) => "waiting",
             (Some(_), _) => "disconnected",
             (None, Some("current")) => "current",
             _ => "copying",
@@ -175,6 +178,14 @@ fn line_of(s: &SendInfo) -> String {
             s.to,
             s.trouble.as_deref().unwrap_or("no link"),
             s.remaining_bytes
+        ),
+        "waiting" => format!(
+            "{}: the link to {} is down ({}) and the copy there was current: the volume's I/O \
+             waits until it is back (or volume send {} --cancel)",
+            s.volume,
+            s.to,
+            s.trouble.as_deref().unwrap_or("no link"),
+            s.volume
         ),
         state => format!("{}: {state} on {}", s.volume, s.to),
     }

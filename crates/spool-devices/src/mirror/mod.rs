@@ -18,6 +18,7 @@
 
 pub mod bitmap;
 mod legio;
+mod op;
 mod queue;
 mod regions;
 mod resync;
@@ -29,7 +30,7 @@ mod verify;
 mod writes;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
 pub use queue::MirrorQueue;
@@ -77,7 +78,11 @@ pub struct LegSpec {
     /// Holds a complete copy (false: being rebuilt; never read until caught up).
     pub synced: bool,
     /// A leg behind a network link (a copy on another host): written like any leg, read only
-    /// when no other leg can serve the read (md's "write-mostly").
+    /// when no other leg can serve the read (md's "write-mostly"). Once it has held a
+    /// complete copy (`synced`, or caught up while open) it is *required*: a write completes
+    /// only once it took it, and while it cannot the mirror is resetting (every request
+    /// waits). A copy elsewhere that was current never silently falls behind: it is what a
+    /// VM moving there will read (docs/transfer.md).
     pub far: bool,
     /// Ascending and contiguous over the volume.
     pub pieces: Vec<LegPiece>,
@@ -161,6 +166,8 @@ pub(crate) struct Shared {
     pub(crate) stripes: Vec<Stripe>,
     /// Stale bits of the far legs (read only when no other leg can serve a read).
     pub(crate) far: u8,
+    /// Stale bits of the required legs (see [`LegSpec::far`]); only grows while open.
+    pub(crate) required: AtomicU8,
     pub(crate) regions: Arc<Regions>,
     /// The health cell of the `Device` wrapping this mirror (set once it exists).
     pub(crate) health: OnceLock<Arc<DeviceHealth>>,
@@ -337,9 +344,11 @@ impl MirrorBackend {
             .iter()
             .filter(|l| l.far)
             .fold(0, |m, l| m | bitmap::stale(l.slot));
+        let required = regions.required_legs(&spec.legs);
         let shared = Arc::new(Shared {
             stripes: stripes(&spec.legs),
             far,
+            required: AtomicU8::new(required),
             spec,
             regions,
             health: OnceLock::new(),

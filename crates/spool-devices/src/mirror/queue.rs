@@ -24,10 +24,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, INTENT};
+use super::op::{piece_io, Kind, Op};
 use super::Shared;
-use crate::iov::split_iov;
 use crate::queue::epoll_watch as watch;
-use crate::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
+use crate::{DeviceIo, DeviceQueue, ErrorReport, Signal};
 
 /// A leg device with commands outstanding and no completion this long is hung (on `abort`).
 const HUNG: Duration = Duration::from_millis(100);
@@ -35,38 +35,6 @@ const HUNG: Duration = Duration::from_millis(100);
 /// Sub-operation tags: op index << 2 | slot (slot 3: a flush, which is per device).
 const SLOT_BITS: u64 = 2;
 const FLUSH_SLOT: u8 = 3;
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Read,
-    Write,
-    Zeroes,
-    Flush,
-}
-
-/// One request of the worker's, spread over legs.
-struct Op {
-    tag: u64,
-    kind: Kind,
-    offset: u64,
-    len: u64,
-    iov: *const IoVec,
-    iovcnt: u32,
-    regions: (usize, usize),
-    pending: u32,
-    /// Slots the request went to (reads: the legs tried so far).
-    issued: u8,
-    failed: u8,
-    media: u8,
-    err: i32,
-    /// Writes: the legs current in every region of the write when it was submitted.
-    current: u8,
-    /// Flushes: devices asked, and devices that failed.
-    pending_devices: u32,
-    failed_devices: u32,
-    /// Iovec arrays of pieces that split the request's own (kept until completion).
-    split: Vec<Box<[IoVec]>>,
-}
 
 /// A worker's queue on a mirror (see the module doc).
 pub struct MirrorQueue {
@@ -256,7 +224,11 @@ impl MirrorQueue {
         let current = self
             .shared
             .current(self.healthy, op.offset, op.len, op.regions);
-        if current == 0 {
+        let required = self
+            .shared
+            .required
+            .load(std::sync::atomic::Ordering::Acquire);
+        if current == 0 || required & !writable != 0 {
             return false;
         }
         let (first, last) = op.regions;
@@ -372,7 +344,15 @@ impl MirrorQueue {
                         }
                         self.shared.regions.bitmap.sync(first, last);
                     }
-                    0
+                    // A required leg missed it: held (a path error) until it can take it.
+                    let required = self
+                        .shared
+                        .required
+                        .load(std::sync::atomic::Ordering::Acquire);
+                    match op.failed & required {
+                        0 => 0,
+                        _ => -libc::ENOLINK,
+                    }
                 } else {
                     op.err
                 };
@@ -391,36 +371,6 @@ fn busy(outstanding: &mut [u32], progress: &mut [Instant], d: usize) {
     outstanding[d] += 1;
     if outstanding[d] == 1 {
         progress[d] = Instant::now();
-    }
-}
-
-/// The device operation for `op`'s bytes `[at, at + n)` at device offset `dev_off`; a piece
-/// of a read or write that is not the whole request gets its own iovec array, kept in `op`.
-fn piece_io(op: &mut Op, dev_off: u64, n: u64, at: u64) -> DeviceIo {
-    match op.kind {
-        Kind::Zeroes => DeviceIo::WriteZeroes {
-            offset: dev_off,
-            len: n,
-        },
-        Kind::Flush => DeviceIo::Flush,
-        kind if at == 0 && n == op.len => {
-            DeviceIo::data(kind == Kind::Write, dev_off, n, op.iov, op.iovcnt)
-        }
-        kind => {
-            // SAFETY: the caller of `submit` keeps `iov[..iovcnt]` valid until completion.
-            let iov = unsafe { std::slice::from_raw_parts(op.iov, op.iovcnt as usize) };
-            let part = split_iov(iov, at, n);
-            // The boxed slice's heap block does not move when the box moves into `split`.
-            let io = DeviceIo::data(
-                kind == Kind::Write,
-                dev_off,
-                n,
-                part.as_ptr(),
-                part.len() as u32,
-            );
-            op.split.push(part);
-            io
-        }
     }
 }
 

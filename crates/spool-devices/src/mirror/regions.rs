@@ -31,6 +31,9 @@ pub(crate) struct Regions {
     pub(crate) stale: [AtomicU64; MAX_LEGS],
     /// Regions out of sync (a read source recorded).
     pub(crate) out_of_sync: AtomicU64,
+    /// Per slot, the id of the far leg there that has held a complete copy (0: none): kept
+    /// across the reopens a link's coming and going makes (see `LegSpec::far`).
+    pub(crate) required_ids: [AtomicU64; MAX_LEGS],
 }
 
 impl Regions {
@@ -43,7 +46,24 @@ impl Regions {
             gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
             stale: Default::default(),
             out_of_sync: AtomicU64::new(0),
+            required_ids: Default::default(),
         }
+    }
+
+    /// Stale bits of the far legs of `legs` that must take every write: synced in the table,
+    /// or caught up while an earlier mirror over these regions was open.
+    pub(crate) fn required_legs(&self, legs: &[super::LegSpec]) -> u8 {
+        let mut mask = 0;
+        for l in legs.iter().filter(|l| l.far) {
+            let id = &self.required_ids[l.slot as usize % MAX_LEGS];
+            if l.synced {
+                id.store(l.id, Ordering::Relaxed);
+            }
+            if id.load(Ordering::Relaxed) == l.id {
+                mask |= stale(l.slot);
+            }
+        }
+        mask
     }
 
     /// The regions `[offset, offset + len)` touches (`len` > 0).

@@ -48,6 +48,8 @@ pub struct LegProgress {
     /// "unusable" (a device not healthy), "missing" (a device not in the pool).
     pub state: &'static str,
     pub stale_bytes: u64,
+    /// A far leg that held a complete copy: writes wait for it (see `LegSpec::far`).
+    pub required: bool,
 }
 
 /// A mirror's copying progress.
@@ -116,8 +118,12 @@ fn keep_health(shared: &Shared) {
         return;
     };
     let healthy = shared.healthy();
+    let required = require_caught_up_far_legs(shared, healthy);
     let to = match stripes_health(shared, healthy) {
         HealthState::Healthy if waiting_region(shared, healthy) => HealthState::Resetting,
+        // A copy elsewhere that was current cannot take writes (its link is down): every
+        // request waits until it can, or until the operator drops it.
+        HealthState::Healthy if required & !shared.writable() != 0 => HealthState::Resetting,
         h => h,
     };
     let state = cell.state();
@@ -132,6 +138,30 @@ fn keep_health(shared: &Shared) {
             }
         }
     }
+}
+
+/// Makes every far leg that holds a complete copy now required (see `LegSpec::far`);
+/// returns the required legs.
+fn require_caught_up_far_legs(shared: &Shared, healthy: u64) -> u8 {
+    let required = shared.required.load(Ordering::Acquire);
+    let candidates = shared.far & !required & shared.usable(healthy, 0, shared.spec.size);
+    if candidates == 0 {
+        return required;
+    }
+    let mut now = required;
+    for l in shared
+        .spec
+        .legs
+        .iter()
+        .filter(|l| candidates & stale(l.slot) != 0)
+    {
+        if shared.regions.stale[l.slot as usize].load(Ordering::Acquire) == 0 {
+            shared.regions.required_ids[l.slot as usize].store(l.id, Ordering::Relaxed);
+            now |= stale(l.slot);
+            tracing::info!(mirror = %shared.spec.name, leg = l.slot, "the far leg holds a complete copy: every write now waits for it");
+        }
+    }
+    shared.required.fetch_or(now, Ordering::AcqRel) | now
 }
 
 /// Whether some region has no usable current leg but a current leg on a resetting device.
@@ -496,6 +526,7 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
                 slot: l.slot,
                 state,
                 stale_bytes: stale_regions * size,
+                required: shared.required.load(Ordering::Relaxed) & stale(l.slot) != 0,
             }
         })
         .collect();

@@ -448,3 +448,61 @@ fn reads_avoid_a_far_leg_while_a_near_one_serves() {
         assert!(got.iter().all(|&x| x == 0x5a), "a read went to the far leg");
     }
 }
+
+/// A far leg that has held a complete copy is required: while it cannot take writes (its
+/// link down: here its device resetting) a write is held as a path error and the mirror
+/// waits (resetting) instead of completing writes the far copy would lack; a write it fails
+/// is held too (and its range marked stale there); once it is back they complete on both.
+/// A far leg being rebuilt is not required until it has caught up.
+#[test]
+fn a_far_leg_that_was_current_takes_every_write_or_the_mirror_waits() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
+    let mut s = spec(d.path(), devs.clone(), false);
+    s.legs[1].far = true;
+    let m = MirrorBackend::open(s.clone()).unwrap();
+    let mirror = MirrorBackend::of(&m).unwrap();
+    let mut q = m.open_queue(8).unwrap();
+    // Being rebuilt: writes complete without it.
+    assert!(!mirror.progress().legs[1].required);
+    devs[1].health().set(HealthState::Resetting);
+    assert_eq!(run(&mut *q, true, 0, &mut [1u8; 4096]), 0);
+    devs[1].health().set(HealthState::Healthy);
+    wait_until("the far leg caught up and required", || {
+        mirror.progress().legs[1].required
+    });
+    // Its link goes down: writes wait, and so does the mirror.
+    devs[1].health().set(HealthState::Resetting);
+    assert_eq!(
+        run(&mut *q, true, 2 * MIB, &mut [2u8; 4096]),
+        -libc::ENOLINK
+    );
+    wait_until("mirror resetting", || {
+        m.health().state() == HealthState::Resetting
+    });
+    assert_eq!(leg_bytes(&devs[0], &[(3 * MIB, 4096)]), vec![0u8; 4096]);
+    devs[1].health().set(HealthState::Healthy);
+    wait_until("mirror healthy", || {
+        m.health().state() == HealthState::Healthy
+    });
+    assert_eq!(run(&mut *q, true, 2 * MIB, &mut [2u8; 4096]), 0);
+    // A write the far leg fails is held, and the far leg is stale there until copied (its
+    // device, reported, resets; no monitor here to bring it back).
+    devs[1]
+        .faults()
+        .add(errno_rule(FaultOps::Write, libc::EIO, Some(1)));
+    assert_eq!(
+        run(&mut *q, true, 4 * MIB, &mut [3u8; 4096]),
+        -libc::ENOLINK
+    );
+    assert_eq!(mirror.progress().legs[1].stale_bytes, MIB);
+    devs[1].health().set(HealthState::Healthy);
+    assert_eq!(run(&mut *q, true, 4 * MIB, &mut [3u8; 4096]), 0);
+    wait_until("copied", || mirror.leg_current(1));
+    let (a, b) = legs_of(&devs);
+    assert!(a == b, "legs differ");
+    // Reopened (the link came back, or a worker restarted) it stays required.
+    drop(q);
+    let m2 = MirrorBackend::open_after(s, Some(&m)).unwrap();
+    assert!(MirrorBackend::of(&m2).unwrap().progress().legs[1].required);
+}

@@ -37,6 +37,12 @@ pub fn line(s: &api::SendInfo) -> String {
             s.trouble.as_deref().unwrap_or("no link"),
             format_size(s.remaining_bytes)
         ),
+        "waiting" => format!(
+            " ({}): the copy there was current, so the volume's I/O waits until the link is \
+             back, or until `volume send {} --cancel` drops that copy",
+            s.trouble.as_deref().unwrap_or("no link"),
+            s.volume
+        ),
         "finished" => ": the volume here is deleted".into(),
         "cancelled" => {
             ": the volume here is as it was; what the other host received stays there".into()
