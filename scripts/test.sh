@@ -17,11 +17,13 @@ echo "== tests (unit, property, libblkio integration, QEMU end-to-end)"
 # Tests that need QEMU, the guest or Ceph are #[ignore]d (a plain `cargo test` lists them as
 # ignored); here they run too. The soaks stay by hand.
 SPOOL_E2E=1 cargo test --workspace -- --include-ignored --skip migration_soak
-echo "== the guest kill, upgrade, stop, migration and systemd tests again on QEMU 10.0 (bookworm-backports)"
+echo "== the guest kill, upgrade, stop and migration tests again on QEMU 10.0 (bookworm-backports)"
+# (Not the systemd test: what it adds to the keeper test below, systemd's descriptor store,
+# does not depend on QEMU's version; dropped here to keep CI under 40 minutes.)
 q10=$(scripts/install-qemu10.sh)
 SPOOL_E2E=1 SPOOL_QEMU=$q10 SPOOL_QEMU_DATA=$(dirname "$(dirname "$q10")")/share/qemu \
-    cargo test -p spool-control --test e2e_qemu --test systemd --test migration -- --include-ignored \
-    vm_runs_fio_verify vm_survives vm_stopped keeper_death a_vm_on_rbd
+    cargo test -p spool-control --test e2e_qemu --test migration -- --include-ignored \
+    vm_runs_fio_verify vm_survives vm_stopped a_vm_on_rbd
 echo "== userspace NVMe driver in a TCG guest (VFIO, intel-iommu, QEMU's emulated NVMe)"
 python3 scripts/test-nvme.py
 echo "== fuzz smoke"
