@@ -35,7 +35,10 @@ pub use thin::{
     ChangedChunks, CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot,
     SnapshotParams,
 };
-pub use transfer::{ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams};
+pub use transfer::{
+    ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams, TransferHello,
+    TransferReply, TRANSFER_VERSION,
+};
 
 pub use check::CheckReport;
 pub use mirror::*;

@@ -6,12 +6,17 @@
 use serde::{Deserialize, Serialize};
 
 /// `volume_receive`: serve volume `id` as a writable NBD export on `nbd` (`unix:PATH` or
-/// `HOST:PORT`), for a sender (another spoold, `qemu-img convert`, `nbdcopy`) to write.
+/// `HOST:PORT`), for a sender (another spoold, `qemu-img convert`, `nbdcopy`) to write; or,
+/// with `token` instead, expect a spoold sending volume `id` (which need not exist yet) on
+/// the `[transfer] listen` socket, with that token.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReceiveParams {
     pub id: String,
-    pub nbd: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// `volume_receive_stop`: stop receiving volume `id`.
@@ -35,6 +40,9 @@ pub struct ReceiveInfo {
     /// Why it ended, once it has (`stopped`, `a frontend started the volume`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended: Option<String>,
+    /// Expected on the transfer listener (`nbd` its address), no sender has said hello yet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expecting: bool,
 }
 
 /// `volume_send`: start (or resume) sending volume `id` to the NBD export `to`, or, with
@@ -46,6 +54,10 @@ pub struct SendParams {
     pub id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to: Option<String>,
+    /// With `to` a destination's transfer listener (`HOST:PORT`): the token its operator
+    /// gave `volume receive` there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
     #[serde(default)]
     pub cancel: bool,
     #[serde(default)]
@@ -75,4 +87,34 @@ pub struct SendInfo {
     /// Why the destination is not connected now, if it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trouble: Option<String>,
+}
+
+/// What a sending spoold says first on a destination's transfer listener (one JSON line):
+/// the token, and the volume as the destination is to create it if it does not exist.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransferHello {
+    /// [`TRANSFER_VERSION`].
+    pub version: u32,
+    pub token: String,
+    pub volume: String,
+    pub size: u64,
+    pub num_queues: u16,
+    /// Copies the volume keeps on the sending host (the remote one not counted).
+    pub copies: u8,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qos: Option<crate::QosLimits>,
+}
+
+/// The transfer hello's version.
+pub const TRANSFER_VERSION: u32 = 1;
+
+/// The destination's answer (one JSON line): the NBD URI to send to, or why not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransferReply {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }

@@ -11,10 +11,12 @@ mod ceph;
 mod encryption;
 mod health;
 mod io;
+mod transfer;
 
 pub use encryption::{read_private, KeySource};
 pub use health::HealthConfig;
 use health::{health, RawHealth};
+pub use transfer::TransferConfig;
 
 use io::{volume_threads, RawIo};
 
@@ -195,6 +197,8 @@ struct RawConfig {
     ceph: Option<RawCeph>,
     #[serde(default)]
     encryption: encryption::RawEncryption,
+    #[serde(default)]
+    transfer: transfer::RawTransfer,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -281,6 +285,8 @@ pub struct Config {
     pub ceph_claim_wait_ms: u64,
     /// `[encryption]`: where the key-encryption key comes from (docs/encryption.md).
     pub encryption: Option<KeySource>,
+    /// `[transfer]`: where other spoolds send volumes here (off when unset).
+    pub transfer: Option<TransferConfig>,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -467,13 +473,11 @@ impl Config {
         let devices = devices(&raw.devices, &base)?;
         let volumes = volumes(&raw.volumes)?;
         let health = health(&raw.health, &base)?;
-        let metrics_listen = match &raw.metrics.listen {
-            Some(a) => Some(
-                a.parse()
-                    .map_err(|_| ConfigError::MetricsListen(a.clone()))?,
-            ),
-            None => None,
-        };
+        let metrics_listen = raw
+            .metrics
+            .listen
+            .as_ref()
+            .map(|a| a.parse().map_err(|_| ConfigError::MetricsListen(a.clone())));
         let ceph = ceph::options(&raw.ceph.clone().unwrap_or_default(), &base)?;
         let encryption = match raw.encryption.source()? {
             Some(KeySource::File(p)) => Some(KeySource::File(base.abs(&p))),
@@ -495,9 +499,10 @@ impl Config {
             )));
         }
         Ok(Config {
+            transfer: transfer::transfer(&raw.transfer)?,
             encryption,
             health,
-            metrics_listen,
+            metrics_listen: metrics_listen.transpose()?,
             ceph,
             ceph_configured: raw.ceph.is_some(),
             ceph_claim_wait_ms: ceph::claim_wait_ms(raw.ceph.as_ref())?,
@@ -590,6 +595,22 @@ mod tests {
             (
                 "state_dir = \"/x\"\n[metrics]\nlisten = \"localhost\"",
                 "metrics.listen: \"localhost\" is not an address and port",
+            ),
+            (
+                "state_dir = \"/x\"\n[transfer]\nlisten = \"127.0.0.1:10810\"",
+                "transfer.listen needs transfer.peers",
+            ),
+            (
+                "state_dir = \"/x\"\n[transfer]\npeers = [\"10.0.0.1\"]",
+                "transfer.peers without transfer.listen",
+            ),
+            (
+                "state_dir = \"/x\"\n[transfer]\nlisten = \"b:1\"\npeers = [\"10.0.0.1\"]",
+                "give IP:PORT",
+            ),
+            (
+                "state_dir = \"/x\"\n[transfer]\nlisten = \"10.0.0.2:1\"\npeers = [\"a\"]",
+                "transfer.peers: \"a\" is not an IP address",
             ),
             (
                 "state_dir = \"/x\"\n[[volumes]]\nname = \"a\"\nsize = \"lots\"",

@@ -33,6 +33,7 @@ mod startup;
 mod stats;
 mod status;
 mod thin;
+mod transfer;
 mod volumes;
 
 pub use keeper::Keeping;
@@ -61,6 +62,8 @@ pub struct Daemon {
     exports: Mutex<Vec<exports::Exported>>,
     /// Volumes being received over NBD (`volume receive`).
     receiving: Mutex<Vec<receive::Receiving>>,
+    /// Volumes expected on the transfer listener (`volume receive NAME --token`).
+    expected: Mutex<Vec<transfer::Expected>>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -136,6 +139,7 @@ impl Daemon {
             quarantined: Mutex::new(BTreeMap::new()),
             exports: Mutex::default(),
             receiving: Mutex::default(),
+            expected: Mutex::default(),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,

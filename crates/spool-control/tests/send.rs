@@ -190,3 +190,90 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     assert!(out.contains("finished"), "{out}");
     assert!(ctl_err(&a, &["volume", "show", "v"]).contains("v"));
 }
+
+/// The destination's config for a send through its transfer listener: no volume (the
+/// hello creates it), a listener on a free port of 127.0.0.1, this host the only peer.
+const LISTENING: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[transfer]
+listen = "127.0.0.1:0"
+peers = ["127.0.0.1"]
+"#;
+
+/// The port B's transfer listener got (from its log).
+fn transfer_port(b: &Spoold) -> u16 {
+    let t = Instant::now();
+    loop {
+        let log = b.log();
+        let port = log
+            .lines()
+            .find(|l| l.contains("transfer listener"))
+            .and_then(|l| l.split("listen=127.0.0.1:").nth(1))
+            .and_then(|p| p.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|p| p.parse().ok());
+        if let Some(p) = port {
+            return p;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no listener:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `volume send --to HOST:PORT --token`: the destination creates the volume as the source
+/// has it (size, queues, I/O limits) once the hello carries the token its operator gave
+/// `volume receive --token`; a wrong token or no expectation is refused and creates
+/// nothing; the copy then runs as with an export given by hand.
+#[test]
+fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
+    let a = Spoold::start(CONFIG);
+    let b = Spoold::start(LISTENING);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+    let token = "0123456789abcdef0123";
+    ctl(&a, &["volume", "qos", "v", "--iops", "40k"]);
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    let data = pattern(3, 0, 16 * MIB);
+    for (i, m) in data.chunks(MIB).enumerate() {
+        assert_eq!(c.write_sync(0, (i * MIB) as u64, m), 0);
+    }
+
+    let send = |token: &str| ctl_err(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    let e = send(token);
+    assert!(
+        e.contains("no transfer of volume 'v' with that token"),
+        "{e}"
+    );
+    let out = ctl(&b, &["volume", "receive", "v", "--token", token]);
+    assert!(out.contains("expecting volume v"), "{out}");
+    let e = send("0123456789abcdef0124");
+    assert!(
+        e.contains("no transfer of volume 'v' with that token"),
+        "{e}"
+    );
+    assert!(send("short").contains("16 to 256"));
+    assert!(
+        ctl_err(&b, &["volume", "show", "v"]).contains("v"),
+        "created on a refusal"
+    );
+
+    let out = ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    assert!(out.contains("sending v to nbd://127.0.0.1:"), "{out}");
+    let show = ctl(&b, &["volume", "show", "v"]);
+    assert!(
+        show.contains(" 16M ") && show.contains("iops 40k"),
+        "{show}"
+    );
+    assert!(
+        show.contains("receiving over NBD: nbd://127.0.0.1:"),
+        "{show}"
+    );
+    wait_current(&a, &b);
+    drop(c);
+    let mut c = connect(&b.socket("v"), 1, false).unwrap();
+    for (i, m) in data.chunks(MIB).enumerate() {
+        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
+        assert_eq!(r, 0);
+        assert!(got == m, "MiB {i} differs on the destination");
+    }
+}

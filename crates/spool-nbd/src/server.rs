@@ -5,7 +5,7 @@
 //! chosen). Must not know: what the export reads from.
 
 use std::io::{self, BufReader, BufWriter, Read, Write};
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,7 +68,8 @@ pub struct Server {
 
 enum Listener {
     Unix(UnixListener),
-    Tcp(TcpListener),
+    /// With the peers it accepts (`None`: any).
+    Tcp(TcpListener, Option<Arc<[IpAddr]>>),
 }
 
 /// A stream either kind of socket gives.
@@ -104,8 +105,15 @@ impl Listener {
                 s.set_nonblocking(false)?;
                 Ok(Box::new(s))
             }
-            Listener::Tcp(l) => {
-                let (s, _) = l.accept()?;
+            Listener::Tcp(l, peers) => {
+                let (s, from) = l.accept()?;
+                if peers.as_ref().is_some_and(|p| !p.contains(&from.ip())) {
+                    tracing::warn!(peer = %from, "an NBD client from a peer not allowed was turned away");
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        "peer not allowed",
+                    ));
+                }
                 s.set_nonblocking(false)?;
                 s.set_nodelay(true)?;
                 Ok(Box::new(s))
@@ -118,7 +126,24 @@ impl Server {
     /// Listens on `listen` and serves `export` to every client until dropped. A Unix
     /// socket path is replaced if it exists.
     pub fn start(listen: Listen, export: Arc<dyn Export>) -> Result<Server, Error> {
-        let err = |e| Error::Listen(listen.to_string(), e);
+        Self::start_for(listen, None, export, None)
+    }
+
+    /// [`Server::start`] on `kept` (see [`Server::start_on`]) when given, accepting TCP
+    /// clients only from `peers` when given. A TCP port 0 is bound to a free port, which
+    /// the server's `listen` then names.
+    pub fn start_for(
+        listen: Listen,
+        kept: Option<std::os::fd::OwnedFd>,
+        export: Arc<dyn Export>,
+        peers: Option<Arc<[IpAddr]>>,
+    ) -> Result<Server, Error> {
+        if let Some(fd) = kept {
+            return Self::start_kept(listen, fd, export, peers);
+        }
+        let named = listen.to_string();
+        let err = |e| Error::Listen(named.clone(), e);
+        let mut bound = None;
         let l = match &listen {
             Listen::Unix(p) => {
                 // A socket left by an earlier export is replaced; anything else is not ours.
@@ -141,10 +166,13 @@ impl Server {
             Listen::Tcp(a) => {
                 let l = TcpListener::bind(a).map_err(err)?;
                 l.set_nonblocking(true).map_err(err)?;
-                Listener::Tcp(l)
+                if let (Some((host, "0")), Ok(at)) = (a.rsplit_once(':'), l.local_addr()) {
+                    bound = Some(Listen::Tcp(format!("{host}:{}", at.port())));
+                }
+                Listener::Tcp(l, peers)
             }
         };
-        Self::serve_on(listen, l, export)
+        Self::serve_on(bound.unwrap_or(listen), l, export)
     }
 
     /// Serves `export` on `fd`, a socket listening on `listen` that an earlier process of
@@ -155,6 +183,15 @@ impl Server {
         listen: Listen,
         fd: std::os::fd::OwnedFd,
         export: Arc<dyn Export>,
+    ) -> Result<Server, Error> {
+        Self::start_kept(listen, fd, export, None)
+    }
+
+    fn start_kept(
+        listen: Listen,
+        fd: std::os::fd::OwnedFd,
+        export: Arc<dyn Export>,
+        peers: Option<Arc<[IpAddr]>>,
     ) -> Result<Server, Error> {
         let err = |e| Error::Listen(listen.to_string(), e);
         let other = |what: String| err(io::Error::new(io::ErrorKind::InvalidInput, what));
@@ -175,7 +212,7 @@ impl Server {
                     return Err(other(format!("the kept socket listens on {at}")));
                 }
                 l.set_nonblocking(true).map_err(err)?;
-                Listener::Tcp(l)
+                Listener::Tcp(l, peers)
             }
         };
         Self::serve_on(listen, l, export)
@@ -192,7 +229,7 @@ impl Server {
         let err = |e| Error::Listen(listen.to_string(), e);
         let listener_fd = match &l {
             Listener::Unix(u) => u.as_raw_fd(),
-            Listener::Tcp(t) => t.as_raw_fd(),
+            Listener::Tcp(t, _) => t.as_raw_fd(),
         };
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Conns::default();
@@ -265,6 +302,7 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conn
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
             }
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {}
             Err(e) => {
                 tracing::warn!(error = %e, "accepting an NBD client failed");
                 std::thread::sleep(Duration::from_millis(20));

@@ -153,14 +153,16 @@ fn standard_clients_read_the_export_its_holes_and_what_changed() {
 
 #[test]
 fn tcp_works_and_hostile_requests_get_errors_not_crashes() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let l = Listen::parse(&format!("127.0.0.1:{port}")).unwrap();
+    // Port 0: a free port, which the server's `listen` names (no window in which another
+    // process could take a port picked beforehand).
+    let l = Listen::parse("127.0.0.1:0").unwrap();
     assert!(Listen::parse("nowhere").is_err() && Listen::parse("unix:").is_err());
-    let _s = Server::start(l, Arc::new(Mem::new())).unwrap();
+    let s = Server::start(l, Arc::new(Mem::new())).unwrap();
+    let Listen::Tcp(at) = &s.listen else {
+        panic!("{:?}", s.listen)
+    };
+    let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
+    assert_ne!(port, 0);
     let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     let mut hello = [0u8; 18];
     c.read_exact(&mut hello).unwrap();
@@ -300,4 +302,21 @@ fn a_writable_export_takes_what_qemu_io_and_nbdcopy_write() {
         .args(["compare", "-f", "raw", "-F", "raw"])
         .arg(&src)
         .arg(&uri));
+}
+
+/// A server for given peers turns every other address away before the greeting.
+#[test]
+fn a_server_for_some_peers_turns_the_others_away() {
+    let only = |ip: &str| -> Arc<[std::net::IpAddr]> { vec![ip.parse().unwrap()].into() };
+    let greeted = |peers| {
+        let l = Listen::parse("127.0.0.1:0").unwrap();
+        let s = Server::start_for(l, None, Arc::new(Mem::new()), Some(peers)).unwrap();
+        let mut c = std::net::TcpStream::connect(s.listen.to_string()).unwrap();
+        c.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut hello = [0u8; 8];
+        c.read_exact(&mut hello).is_ok() && &hello == b"NBDMAGIC"
+    };
+    assert!(greeted(only("127.0.0.1")));
+    assert!(!greeted(only("10.9.9.9")), "a peer not allowed was served");
 }

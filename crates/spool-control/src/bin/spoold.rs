@@ -299,6 +299,11 @@ enum WorkerError {
         addr: Option<std::net::SocketAddr>,
         source: std::io::Error,
     },
+    #[error("transfer listener {}: {source}", .addr.map(|a| a.to_string()).unwrap_or_default())]
+    Transfer {
+        addr: Option<std::net::SocketAddr>,
+        source: std::io::Error,
+    },
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     #[error(transparent)]
@@ -441,6 +446,13 @@ fn serve(
         daemon.shutdown();
         return Err(WorkerError::Metrics {
             addr: daemon.config().metrics_listen,
+            source,
+        });
+    }
+    if let Err(source) = daemon.serve_transfers() {
+        daemon.shutdown();
+        return Err(WorkerError::Transfer {
+            addr: daemon.config().transfer.as_ref().map(|t| t.listen),
             source,
         });
     }

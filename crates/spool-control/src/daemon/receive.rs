@@ -159,6 +159,7 @@ impl Receiving {
                 .read()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            expecting: false,
         }
     }
 
@@ -173,7 +174,16 @@ impl Receiving {
 
 impl Daemon {
     fn volume_receive(&self, p: ReceiveParams) -> Result<ReceiveInfo, RpcError> {
-        let listen = super::exports::parse_listen(&p.nbd)?;
+        let nbd = match (&p.nbd, &p.token) {
+            (None, Some(token)) => return self.expect_transfer(&p.id, token),
+            (Some(nbd), None) => nbd,
+            _ => {
+                return Err(RpcError::InvalidParams(
+                    "give one of nbd (where to listen) and token (a sender's hello on the transfer listener)".into(),
+                ))
+            }
+        };
+        let listen = super::exports::parse_listen(nbd)?;
         // Lock order: the transfers, then the pool, the servers; the exports' lock is
         // never held with it (`snapshot_export` looks at the transfers without its own).
         let exported = self.export_listens(&listen.to_string());
@@ -190,17 +200,19 @@ impl Daemon {
                 "{listen} serves another export already"
             )));
         }
-        self.start_receiving(&mut receiving, &v, listen, None)
+        self.start_receiving(&mut receiving, &v, listen, None, None)
     }
 
     /// Serves the transfer into `v` on `listen` (on `kept`, the socket a previous worker
-    /// left, if given), kept with the keeper for the next worker.
-    fn start_receiving(
+    /// left, if given; only to `peers` when given: the transfer listener's), kept with the
+    /// keeper for the next worker.
+    pub(super) fn start_receiving(
         &self,
         receiving: &mut Vec<Receiving>,
         v: &spool_pool::VolumeInfo,
         listen: Listen,
         kept: Option<std::os::fd::OwnedFd>,
+        peers: Option<Arc<[std::net::IpAddr]>>,
     ) -> Result<ReceiveInfo, RpcError> {
         let ctx = self
             .servers()
@@ -233,14 +245,13 @@ impl Daemon {
                 v.name
             )));
         }
-        let started = match kept {
-            Some(fd) => Server::start_on(listen.clone(), fd, export.clone()),
-            None => Server::start(listen.clone(), export.clone()),
-        };
+        let restricted = peers.is_some();
+        let started = Server::start_for(listen, kept, export.clone(), peers);
         let server = started.map_err(|e| {
             export.end("it could not listen");
             RpcError::InvalidParams(e.to_string())
         })?;
+        let listen = server.listen.clone();
         let r = Receiving {
             volume: v.uuid,
             nbd: listen.to_string(),
@@ -249,7 +260,7 @@ impl Daemon {
             server,
         };
         if let Some(s) = &self.store {
-            let value = serde_json::json!({ "nbd": r.nbd }).to_string();
+            let value = serde_json::json!({ "nbd": r.nbd, "peers": restricted }).to_string();
             if let Err(e) = s.put(&kept_key(v.uuid), value, &[r.server.listener_fd()]) {
                 tracing::error!(volume = %v.name, "cannot keep the transfer's socket with the keeper ({e}): a worker restart ends it");
             }
@@ -278,15 +289,28 @@ impl Daemon {
             let r = (|| -> Result<ReceiveInfo, RpcError> {
                 let bad = || RpcError::InvalidParams(format!("kept transfer {key}: {value}"));
                 let uuid: Uuid = key[KEPT_PREFIX.len()..].parse().map_err(|_| bad())?;
-                let nbd: String = serde_json::from_str::<serde_json::Value>(&value)
-                    .ok()
-                    .and_then(|v| v["nbd"].as_str().map(str::to_string))
-                    .ok_or_else(bad)?;
+                let kept: serde_json::Value = serde_json::from_str(&value).map_err(|_| bad())?;
+                let nbd = kept["nbd"].as_str().ok_or_else(bad)?.to_string();
+                // Started by the transfer listener: only its peers, as configured now.
+                let peers = match kept["peers"].as_bool() {
+                    Some(true) => Some(
+                        self.cfg
+                            .transfer
+                            .as_ref()
+                            .map(|t| t.peers.clone())
+                            .ok_or_else(|| {
+                                RpcError::InvalidParams(
+                                    "the config has no [transfer] peers any more".into(),
+                                )
+                            })?,
+                    ),
+                    _ => None,
+                };
                 let fd = fds.into_iter().next().ok_or_else(bad)?;
                 let listen = super::exports::parse_listen(&nbd)?;
                 let v = self.pool().check_writable_outside(&uuid.to_string())?;
                 let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-                self.start_receiving(&mut receiving, &v, listen, Some(fd.into()))
+                self.start_receiving(&mut receiving, &v, listen, Some(fd.into()), peers)
             })();
             match r {
                 Ok(info) => {
@@ -303,7 +327,12 @@ impl Daemon {
     }
 
     fn volume_receive_stop(&self, p: ReceiveStopParams) -> Result<ReceiveInfo, RpcError> {
-        let v = self.pool().volume(&p.id)?;
+        let was_expected = self.forget_expected(&p.id);
+        let found = self.pool().volume(&p.id);
+        let v = match (found, was_expected) {
+            (Err(_), Some(info)) => return Ok(info),
+            (found, _) => found?,
+        };
         self.stop_receiving(v.uuid, "stopped").ok_or_else(|| {
             RpcError::InvalidParams(format!("volume '{}' is not being received", v.name))
         })
@@ -331,4 +360,12 @@ impl Daemon {
         let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         receiving.iter().any(|r| r.nbd == nbd)
     }
+}
+
+/// The URI the transfer into `volume` is served at, if it is received.
+pub(super) fn uri_of(receiving: &[Receiving], volume: Uuid) -> Option<String> {
+    receiving
+        .iter()
+        .find(|r| r.volume == volume)
+        .map(|r| r.uri.clone())
 }

@@ -30,8 +30,21 @@ impl Daemon {
                 "give one of to, cancel and finish".into(),
             ));
         }
+        if p.token.is_some() && p.to.is_none() {
+            return Err(RpcError::InvalidParams(
+                "a token goes with to (the destination's transfer listener, HOST:PORT)".into(),
+            ));
+        }
         if let Some(to) = &p.to {
-            let v = self.pool().send_volume(&p.id, to)?;
+            // Through the destination's transfer listener: its answer is the export.
+            let to = match &p.token {
+                Some(token) => {
+                    let v = self.pool().volume(&p.id)?;
+                    self.say_hello(to, token, &v)?
+                }
+                None => to.clone(),
+            };
+            let v = self.pool().send_volume(&p.id, &to)?;
             self.republish(&v);
             return self.send_info(&p.id, None);
         }

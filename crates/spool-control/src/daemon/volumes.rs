@@ -75,7 +75,7 @@ impl Daemon {
         Ok(self.volume_view(v))
     }
 
-    fn volume_create(&self, p: api::VolumeCreateParams) -> Result<Volume, RpcError> {
+    pub(super) fn volume_create(&self, p: api::VolumeCreateParams) -> Result<Volume, RpcError> {
         let size = p.size.as_ref().map(|s| size_arg(s, "size")).transpose()?;
         let queues = p.num_queues.unwrap_or(DEFAULT_QUEUES);
         let v = match &p.rbd {

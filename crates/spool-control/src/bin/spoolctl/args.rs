@@ -247,15 +247,21 @@ pub enum VolumeCmd {
     /// Receive a volume's data from elsewhere: serve the volume (thick, on the pool's own
     /// devices, not encrypted, no VM running it) as a writable NBD export, for another host,
     /// `qemu-img convert -n` or `nbdcopy` to write into. It ends when a VM starts the
-    /// volume, with --stop, or when the volume is deleted; worker restarts keep it
-    /// (docs/transfer.md).
-    #[command(group = clap::ArgGroup::new("receive_how").required(true).args(["nbd", "stop"]))]
+    /// volume, with --stop, or when the volume is deleted; worker restarts keep it. With
+    /// --token instead of --nbd: expect another spoold sending the volume (created here as
+    /// the sender has it if missing) on the `[transfer] listen` socket (docs/transfer.md).
+    #[command(group = clap::ArgGroup::new("receive_how").required(true).args(["nbd", "token", "stop"]))]
     Receive {
-        /// The volume (name or UUID).
+        /// The volume (name or UUID; with --token, the name, which need not exist yet).
         id: String,
         /// unix:PATH or HOST:PORT.
         #[arg(long, value_name = "unix:PATH|HOST:PORT")]
         nbd: Option<String>,
+        /// The token the sender gives (16 to 256 printable characters; `openssl rand -hex
+        /// 16` makes one). Visible to other users of this host in the process list while
+        /// spoolctl runs.
+        #[arg(long, value_name = "TOKEN")]
+        token: Option<String>,
         /// End the transfer (open connections fail their next request).
         #[arg(long)]
         stop: bool,
@@ -390,9 +396,14 @@ pub struct InjectArgs {
 pub struct SendArgs {
     /// The volume (name or UUID).
     pub id: String,
-    /// The destination: nbd://HOST:PORT/NAME or nbd+unix:///NAME?socket=PATH.
-    #[arg(long, value_name = "NBD-URI", conflicts_with_all = ["cancel", "finish"])]
+    /// The destination: nbd://HOST:PORT/NAME or nbd+unix:///NAME?socket=PATH; with
+    /// --token, the destination spoold's transfer listener, HOST:PORT.
+    #[arg(long, value_name = "NBD-URI|HOST:PORT", conflicts_with_all = ["cancel", "finish"])]
     pub to: Option<String>,
+    /// The token the destination's operator gave `volume receive NAME --token` there: the
+    /// destination then creates the volume as it is here and answers with its export.
+    #[arg(long, value_name = "TOKEN", requires = "to")]
+    pub token: Option<String>,
     /// Stop sending: the remote copy is dropped, the volume here is as it was.
     #[arg(long, conflicts_with = "finish")]
     pub cancel: bool,

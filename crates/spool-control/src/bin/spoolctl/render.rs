@@ -454,6 +454,12 @@ fn receive(stop: bool, r: Value) -> Result<(), CtlError> {
         });
     }
     show::<api::VolumeReceive>(r, |e| {
+        if e.expecting {
+            return println!(
+                "expecting volume {} on the transfer listener {}: on the sending host, `spoolctl volume send {} --to {} --token TOKEN` with the same token",
+                e.volume, e.nbd, e.volume, e.nbd
+            );
+        }
         println!(
             "receiving volume {} ({}) over NBD: {}\nwrite it with: qemu-img convert -n -O raw IMAGE '{}' (or nbdcopy IMAGE '{}')",
             e.volume,

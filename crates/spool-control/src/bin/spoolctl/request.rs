@@ -189,7 +189,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             let (id, snapshot) = snapshot::split(s)?;
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
         }
-        VolumeCmd::Receive { id, nbd, .. } => receive(id, nbd.as_deref()),
+        VolumeCmd::Receive { id, nbd, token, .. } => receive(id, nbd.as_deref(), token.as_deref()),
         VolumeCmd::Send(a) => send(a),
     }
 }
@@ -246,19 +246,22 @@ fn send(a: &SendArgs) -> Result<Request, CtlError> {
     build::<api::VolumeSend>(api::SendParams {
         id: a.id.clone(),
         to: a.to.clone(),
+        token: a.token.clone(),
         cancel: a.cancel,
         finish: a.finish,
     })
 }
 
-/// `volume receive`: start (with an address) or stop.
-fn receive(id: &str, nbd: Option<&str>) -> Result<Request, CtlError> {
+/// `volume receive`: start (with an address, or a token for the transfer listener) or
+/// stop.
+fn receive(id: &str, nbd: Option<&str>, token: Option<&str>) -> Result<Request, CtlError> {
     let id = id.to_string();
-    match nbd {
-        None => build::<api::VolumeReceiveStop>(api::ReceiveStopParams { id }),
-        Some(nbd) => build::<api::VolumeReceive>(api::ReceiveParams {
+    match (nbd, token) {
+        (None, None) => build::<api::VolumeReceiveStop>(api::ReceiveStopParams { id }),
+        (nbd, token) => build::<api::VolumeReceive>(api::ReceiveParams {
             id,
-            nbd: absolute_nbd(nbd)?,
+            nbd: nbd.map(absolute_nbd).transpose()?,
+            token: token.map(str::to_string),
         }),
     }
 }

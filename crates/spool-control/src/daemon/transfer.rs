@@ -1,0 +1,356 @@
+//! The transfer listener (`[transfer] listen`, docs/transfer.md): a spoold about to send a
+//! volume here says hello first, one JSON line each way. The hello carries the token the
+//! operator gave both hosts (`volume receive NAME --token` here, `volume send NAME --to
+//! HOST:PORT --token` there) and the volume as the sender has it; the answer is the NBD URI
+//! of the volume's receive export, on a port of its own, after the volume was created here
+//! as the sender has it (size, queues, copies, I/O limits) if it did not exist. Only the
+//! configured peers may connect, to the listener and to the exports it starts. The sender
+//! side of the hello is here too ([`Daemon::say_hello`]).
+//!
+//! Owns: the listener, the transfers expected, both sides of the hello. Must not know: the
+//! NBD protocol, the mirror.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use spool_nbd::Listen;
+use spool_pool::VolumeInfo;
+
+use super::Daemon;
+use crate::api::{self, ReceiveInfo, TransferHello, TransferReply, TRANSFER_VERSION};
+use crate::rpc::RpcError;
+
+/// A volume a sender may send here, with its token (`volume receive NAME --token`).
+pub(super) struct Expected {
+    volume: String,
+    token: String,
+}
+
+/// Where the keeper keeps the listening socket across worker restarts.
+const KEPT_KEY: &str = "transfer-listen";
+/// The longest hello line either way.
+const HELLO_MAX: u64 = 16 << 10;
+/// How long the listener waits for a sender's hello.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+/// How long a sender waits for the answer (the volume may be created first).
+const ANSWER_WAIT: Duration = Duration::from_secs(60);
+/// A token's length bounds (printable ASCII, no spaces).
+const TOKEN_LEN: std::ops::RangeInclusive<usize> = 16..=256;
+
+fn check_token(t: &str) -> Result<(), RpcError> {
+    if TOKEN_LEN.contains(&t.len()) && t.bytes().all(|b| b.is_ascii_graphic()) {
+        return Ok(());
+    }
+    Err(RpcError::InvalidParams(format!(
+        "a transfer token is {} to {} printable characters without spaces (for example `openssl rand -hex 16`)",
+        TOKEN_LEN.start(),
+        TOKEN_LEN.end()
+    )))
+}
+
+/// Whether two tokens are equal, in a time that does not depend on where they differ.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Reads one line of at most [`HELLO_MAX`] bytes.
+fn read_line(s: &TcpStream) -> std::io::Result<String> {
+    let mut line = String::new();
+    BufReader::new(s.take(HELLO_MAX)).read_line(&mut line)?;
+    if !line.ends_with('\n') {
+        return Err(std::io::Error::other("no complete line"));
+    }
+    Ok(line)
+}
+
+impl Daemon {
+    /// `volume receive NAME --token T`: volume NAME (which need not exist) may be sent here
+    /// by a peer that says hello with token T; replaces an earlier expectation of NAME.
+    pub(super) fn expect_transfer(&self, name: &str, token: &str) -> Result<ReceiveInfo, RpcError> {
+        let Some(t) = &self.cfg.transfer else {
+            return Err(RpcError::InvalidParams(
+                "no transfer listener: set [transfer] listen and peers in the config (docs/transfer.md), or give --nbd".into(),
+            ));
+        };
+        check_token(token)?;
+        if let Ok(v) = self.pool().volume(name) {
+            self.pool().check_writable_outside(&v.uuid.to_string())?;
+        }
+        let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        expected.retain(|e| e.volume != name);
+        expected.push(Expected {
+            volume: name.into(),
+            token: token.into(),
+        });
+        tracing::info!(volume = %name, listen = %t.listen, "a transfer of the volume is expected");
+        Ok(ReceiveInfo {
+            volume: name.into(),
+            nbd: t.listen.to_string(),
+            uri: String::new(),
+            size: 0,
+            written: 0,
+            ended: None,
+            expecting: true,
+        })
+    }
+
+    /// Forgets the expected transfer of volume `name`; how it stood, if it was expected.
+    pub(super) fn forget_expected(&self, name: &str) -> Option<ReceiveInfo> {
+        let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        let i = expected.iter().position(|e| e.volume == name)?;
+        expected.remove(i);
+        Some(ReceiveInfo {
+            volume: name.into(),
+            nbd: self
+                .cfg
+                .transfer
+                .as_ref()
+                .map(|t| t.listen.to_string())
+                .unwrap_or_default(),
+            uri: String::new(),
+            size: 0,
+            written: 0,
+            ended: Some("stopped".into()),
+            expecting: false,
+        })
+    }
+
+    /// Starts the transfer listener if the config asks for one, on the socket the previous
+    /// worker kept if any (a sender's hello then waits in its backlog), kept for the next.
+    pub fn serve_transfers(self: &Arc<Self>) -> std::io::Result<()> {
+        let Some(t) = &self.cfg.transfer else {
+            return Ok(());
+        };
+        let kept = self
+            .keeping
+            .as_ref()
+            .and_then(|k| k.take(KEPT_KEY))
+            .and_then(|(_, f)| f.into_iter().next())
+            .map(|f| TcpListener::from(std::os::fd::OwnedFd::from(f)))
+            .filter(|l| {
+                // Port 0 (any free port) keeps the port the first worker got.
+                l.local_addr().is_ok_and(|a| {
+                    a == t.listen || (t.listen.port() == 0 && a.ip() == t.listen.ip())
+                })
+            });
+        let listener = match kept {
+            Some(l) => l,
+            None => TcpListener::bind(t.listen)?,
+        };
+        listener.set_nonblocking(true)?;
+        if let Some(s) = &self.store {
+            if let Err(e) = s.put(KEPT_KEY, "{}".into(), &[listener.as_raw_fd()]) {
+                tracing::error!("cannot keep the transfer listener with the keeper: {e}");
+            }
+        }
+        let weak = Arc::downgrade(self);
+        let at = listener.local_addr()?;
+        std::thread::Builder::new()
+            .name("transfer".into())
+            .spawn(move || accept_loop(listener, weak))?;
+        tracing::info!(listen = %at, "transfer listener: other spoolds may send volumes here");
+        Ok(())
+    }
+
+    /// Answers one hello: the NBD URI of the volume's receive export, or why not.
+    fn answer(&self, h: &TransferHello) -> Result<String, String> {
+        let peers = self
+            .cfg
+            .transfer
+            .as_ref()
+            .map(|t| (t.listen, t.peers.clone()));
+        let Some((listen, peers)) = peers else {
+            return Err("no transfer listener".into());
+        };
+        if h.version != TRANSFER_VERSION {
+            return Err(format!(
+                "transfer version {} is not spoken here (this spoold speaks {TRANSFER_VERSION})",
+                h.version
+            ));
+        }
+        let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        if !expected
+            .iter()
+            .any(|e| e.volume == h.volume && same_token(&e.token, &h.token))
+        {
+            // The same answer for an unknown volume and a wrong token: no oracle.
+            return Err(format!(
+                "no transfer of volume '{}' with that token is expected here (`spoolctl volume receive {} --token TOKEN` on this host first)",
+                h.volume, h.volume
+            ));
+        }
+        drop(expected);
+        let v = self.volume_as_sent(h).map_err(|e| e.to_string())?;
+        let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(uri) = super::receive::uri_of(&receiving, v.uuid) {
+            return Ok(uri);
+        }
+        let at = Listen::Tcp(SocketAddr::new(listen.ip(), 0).to_string());
+        self.start_receiving(&mut receiving, &v, at, None, Some(peers))
+            .map(|info| info.uri)
+            .map_err(|e| e.to_string())
+    }
+
+    /// The volume a hello names: created as the sender has it if it does not exist, else
+    /// checked (as large, receivable).
+    fn volume_as_sent(&self, h: &TransferHello) -> Result<VolumeInfo, RpcError> {
+        let found = self.pool().volume(&h.volume);
+        match found {
+            Ok(v) if v.size < h.size => Err(RpcError::InvalidParams(format!(
+                "volume '{}' here has {} bytes, fewer than the sender's {}",
+                v.name, v.size, h.size
+            ))),
+            Ok(v) => self
+                .pool()
+                .check_writable_outside(&v.uuid.to_string())
+                .map_err(Into::into),
+            Err(_) => {
+                self.volume_create(api::VolumeCreateParams {
+                    name: h.volume.clone(),
+                    size: Some(api::SizeValue::Bytes(h.size)),
+                    num_queues: Some(h.num_queues),
+                    mirror: Some(h.copies),
+                    read_only: false,
+                    rbd: None,
+                    encrypt: false,
+                    thin: false,
+                })?;
+                if let Some(q) = h.qos {
+                    let (v, layout) = {
+                        let mut pool = self.pool();
+                        let v = pool.set_qos(&h.volume, Some(crate::wire::qos_from_wire(q)))?;
+                        let l = pool.layout(&v.uuid.to_string());
+                        (v, l)
+                    };
+                    if let Ok(l) = layout {
+                        self.publish_layout(&v, l);
+                    }
+                }
+                tracing::info!(volume = %h.volume, size = h.size, queues = h.num_queues, copies = h.copies, "volume created for a transfer");
+                self.pool()
+                    .check_writable_outside(&h.volume)
+                    .map_err(Into::into)
+            }
+        }
+    }
+
+    /// The sender's side: says hello to the transfer listener at `to` (`HOST:PORT`) for
+    /// volume `v` with `token`; returns the NBD URI to send to.
+    pub(super) fn say_hello(
+        &self,
+        to: &str,
+        token: &str,
+        v: &VolumeInfo,
+    ) -> Result<String, RpcError> {
+        check_token(token)?;
+        let fail = |why: String| RpcError::InvalidParams(format!("transfer listener {to}: {why}"));
+        let addr = to
+            .to_socket_addrs()
+            .map_err(|e| fail(format!("not a HOST:PORT address ({e})")))?
+            .next()
+            .ok_or_else(|| fail("no address".into()))?;
+        let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+            .map_err(|e| fail(e.to_string()))?;
+        s.set_read_timeout(Some(ANSWER_WAIT))
+            .map_err(|e| fail(e.to_string()))?;
+        let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
+        let hello = TransferHello {
+            version: TRANSFER_VERSION,
+            token: token.into(),
+            volume: v.name.clone(),
+            size: v.size,
+            num_queues: v.num_queues,
+            copies: v.copies.saturating_sub(remote).max(1),
+            qos: v.qos.map(crate::wire::ToWire::wire),
+        };
+        let mut line = serde_json::to_string(&hello).map_err(|e| fail(e.to_string()))?;
+        line.push('\n');
+        (&s).write_all(line.as_bytes())
+            .map_err(|e| fail(e.to_string()))?;
+        let answer = read_line(&s).map_err(|e| fail(format!("no answer ({e})")))?;
+        let reply: TransferReply =
+            serde_json::from_str(&answer).map_err(|e| fail(format!("a bad answer ({e})")))?;
+        match (reply.nbd, reply.error) {
+            (Some(uri), None) if uri.starts_with("nbd://") && uri.len() <= 1024 => Ok(uri),
+            (_, Some(e)) => Err(fail(format!("refused: {e}"))),
+            _ => Err(fail("a bad answer".into())),
+        }
+    }
+}
+
+/// Accepts senders until the daemon stops: each hello on a thread of its own.
+fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
+    loop {
+        let Some(d) = weak.upgrade() else { return };
+        if d.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        match l.accept() {
+            Ok((s, from)) => {
+                let allowed = d
+                    .cfg
+                    .transfer
+                    .as_ref()
+                    .is_some_and(|t| t.peers.contains(&from.ip()));
+                if !allowed {
+                    tracing::warn!(peer = %from, "a transfer hello from a peer not in [transfer] peers was turned away");
+                    continue;
+                }
+                let w = weak.clone();
+                let _ = std::thread::Builder::new()
+                    .name("transfer-hello".into())
+                    .spawn(move || hello(s, from.ip(), w));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                drop(d);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a transfer hello failed");
+                drop(d);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+/// One sender's hello and its answer.
+fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
+    let _ = s.set_nonblocking(false);
+    let _ = s.set_read_timeout(Some(HELLO_WAIT));
+    let reply = match read_line(&s).map(|l| serde_json::from_str::<TransferHello>(&l)) {
+        Err(e) => TransferReply {
+            nbd: None,
+            error: Some(format!("no hello ({e})")),
+        },
+        Ok(Err(e)) => TransferReply {
+            nbd: None,
+            error: Some(format!("a bad hello ({e})")),
+        },
+        Ok(Ok(h)) => {
+            let Some(d) = weak.upgrade() else { return };
+            let answer = d.answer(&h);
+            match &answer {
+                Ok(uri) => {
+                    tracing::info!(volume = %h.volume, %peer, %uri, "a sender said hello: receiving the volume")
+                }
+                Err(e) => {
+                    tracing::warn!(volume = %h.volume, %peer, "a transfer hello was refused: {e}")
+                }
+            }
+            let (nbd, error) = match answer {
+                Ok(u) => (Some(u), None),
+                Err(e) => (None, Some(e)),
+            };
+            TransferReply { nbd, error }
+        }
+    };
+    if let Ok(mut line) = serde_json::to_string(&reply) {
+        line.push('\n');
+        let _ = (&s).write_all(line.as_bytes());
+    }
+}
