@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use common::ceph::CephCluster;
 use common::guest::{assert_pass, qemu_tcg_on};
+use common::link::Link;
 use common::qmp::Qmp;
 use common::Spoold;
 use serde_json::json;
@@ -1010,8 +1011,9 @@ fn send_state(d: &Spoold) -> serde_json::Value {
 }
 
 /// A VM on a local volume moves to another spoold with its data (docs/transfer.md): A sends
-/// the volume to B's `volume receive` export while the guest runs its verifying job, through
-/// a worker kill on A and one on B (which cuts the link), until B's copy is current; then
+/// the volume to B's `volume receive` export (TCP) while the guest runs its verifying job,
+/// through a worker kill on A, one on B, and a cut of the link between them (B running on),
+/// until B's copy is current; then
 /// QEMU's live migration, checked page by page, moves the guest to B, whose first queue start
 /// ends the transfer; the guest's job goes on and verifies on B what it wrote on A, and
 /// `--finish` deletes A's copy.
@@ -1034,13 +1036,12 @@ fn a_vm_moves_with_its_local_volume_to_another_spoold() {
         &[("SPOOL_TEST_WRITE_MAP", map_a.to_str().unwrap())],
     );
     let b = Spoold::start(&config("64M"));
-    let sock = b.dir.path().join("in.sock");
-    let uri = format!("nbd+unix:///vm?socket={}", sock.display());
-    b.rpc(
-        "volume_receive",
-        json!({"id": "vm", "nbd": format!("unix:{}", sock.display())}),
-    )
-    .unwrap();
+    // B receives on TCP; A reaches it through a link the test can cut.
+    let receive = b
+        .rpc("volume_receive", json!({"id": "vm", "nbd": "127.0.0.1:0"}))
+        .unwrap();
+    let link = Link::start(receive["nbd"].as_str().unwrap().parse().unwrap());
+    let uri = format!("nbd://127.0.0.1:{}/vm", link.port);
     let dir = a.dir.path().to_path_buf();
     // The copy takes about 10 s and the migration 3: the job goes on for 25 s more on B.
     let runtime = 40;
@@ -1062,6 +1063,22 @@ fn a_vm_moves_with_its_local_volume_to_another_spoold() {
     std::thread::sleep(Duration::from_millis(500));
     let left = send_state(&a)["remaining_bytes"].as_u64().unwrap_or(0);
     b.kill_worker();
+    // Once connected again, the link is cut for a second and a half (B keeps running): A's
+    // leg drops out and connects again when the link is back.
+    let connected = |n| {
+        let t = Instant::now();
+        while a.log().matches("remote leg connected").count() < n {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the leg never connected again\n{}",
+                a.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    connected(2);
+    link.cut(Duration::from_millis(1500));
+    connected(3);
     let copied = loop {
         let s = send_state(&a);
         if s["state"] == json!("current") {
@@ -1078,7 +1095,7 @@ fn a_vm_moves_with_its_local_volume_to_another_spoold() {
     };
     let reconnects = a.log().matches("remote leg connected").count();
     assert!(
-        reconnects >= 2,
+        reconnects >= 3,
         "the leg was connected {reconnects} times\n{}",
         a.log()
     );
@@ -1113,7 +1130,7 @@ fn a_vm_moves_with_its_local_volume_to_another_spoold() {
     let console = vm.console();
     eprintln!(
         "local volume moved: copy current after {:.1} s ({} MiB left when B's worker was killed), \
-         a kill on each side; downtime {downtime} ms, {writes} writes on B right after; qemu {status}; \
+         a kill on each side and a 1.5 s link cut; downtime {downtime} ms, {writes} writes on B right after; qemu {status}; \
          migrations rolled back for pages QEMU lost: {}",
         copied.as_secs_f64(),
         left >> 20,

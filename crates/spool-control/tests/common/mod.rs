@@ -4,6 +4,7 @@
 pub mod ceph;
 pub mod guest;
 pub mod libvirt;
+pub mod link;
 pub mod load;
 pub mod mirror_events;
 pub mod qmp;
