@@ -22,7 +22,8 @@ fn status(id: &str) -> api::SendParams {
 pub fn line(s: &api::SendInfo) -> String {
     let progress = match s.state.as_str() {
         "copying" => format!(
-            ": {} left{}{}",
+            ": {} {} left{}{}",
+            bar(s.copied_bytes, s.remaining_bytes),
             format_size(s.remaining_bytes),
             match s.rate {
                 0 => String::new(),
@@ -52,6 +53,19 @@ pub fn line(s: &api::SendInfo) -> String {
     format!("sending {} to {}: {}{progress}", s.volume, s.to, s.state)
 }
 
+/// A progress bar of what the copy has done since it (re)started: `[#####.....] 50%`.
+fn bar(done: u64, left: u64) -> String {
+    const WIDTH: u64 = 20;
+    let total = (done + left).max(1);
+    let filled = (done.min(total) * WIDTH / total) as usize;
+    format!(
+        "[{}{}] {:>3}%",
+        "#".repeat(filled),
+        ".".repeat(WIDTH as usize - filled),
+        done.min(total) * 100 / total
+    )
+}
+
 /// `--wait`: asks every second and prints the progress until the copy is current (or the
 /// send ended, or the link is down and `--wait` would wait for ever).
 pub fn wait(args: &Args, id: &str) -> Result<(), CtlError> {
@@ -69,5 +83,16 @@ pub fn wait(args: &Args, id: &str) -> Result<(), CtlError> {
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_bar_shows_the_share_copied() {
+        assert_eq!(super::bar(0, 10), "[....................]   0%");
+        assert_eq!(super::bar(5, 5), "[##########..........]  50%");
+        assert_eq!(super::bar(10, 0), "[####################] 100%");
+        assert_eq!(super::bar(0, 0), "[....................]   0%");
     }
 }
