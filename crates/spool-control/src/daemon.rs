@@ -64,6 +64,8 @@ pub struct Daemon {
     receiving: Mutex<Vec<receive::Receiving>>,
     /// Volumes expected on the transfer listener (`volume receive NAME --token`).
     expected: Mutex<Vec<transfer::Expected>>,
+    /// Where the transfer listener listens (once started).
+    transfer_at: std::sync::OnceLock<std::net::SocketAddr>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -140,6 +142,7 @@ impl Daemon {
             exports: Mutex::default(),
             receiving: Mutex::default(),
             expected: Mutex::default(),
+            transfer_at: std::sync::OnceLock::new(),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use common::{connect, ctl, ctl_err, pattern, Spoold};
@@ -147,12 +148,19 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
             assert!(t.elapsed() < Duration::from_secs(30), "{out}\n{}", a.log());
             std::thread::sleep(Duration::from_millis(100));
         }
-        std::thread::sleep(Duration::from_millis(500));
+        // The event comes from the settler's next look.
+        while !ctl(&a, &["events"]).contains("the copy there was current") {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{}",
+                ctl(&a, &["events"])
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         assert!(
             !w.is_finished(),
             "a write completed here alone while the current copy there could not take it"
         );
-        assert!(ctl(&a, &["events"]).contains("the copy there was current"));
         ctl(&b, &[&receive[..], &[listen.as_str()]].concat());
         assert_eq!(w.join().unwrap(), 0, "the held write failed\n{}", a.log());
     });
@@ -276,4 +284,31 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
         assert_eq!(r, 0);
         assert!(got == m, "MiB {i} differs on the destination");
     }
+
+    // The transfer ended when B's frontend started: the token opens nothing again.
+    let hello = |line: &str| {
+        let mut s = std::net::TcpStream::connect(&to).unwrap();
+        s.write_all(line.as_bytes()).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let again = format!(
+        "{{\"version\":1,\"token\":\"{token}\",\"volume\":\"v\",\"size\":16777216,\"num_queues\":1,\"copies\":1}}\n"
+    );
+    let answer = hello(&again);
+    assert!(answer.contains("has ended"), "{answer}");
+    assert!(hello("not json\n").contains("a bad hello"));
+    assert!(hello(&again.replace("\"version\":1", "\"version\":9")).contains("version 9"));
+    // An existing volume may be expected too; --stop forgets it.
+    let out = ctl(
+        &b,
+        &["volume", "receive", "v", "--token", "another-token-0123"],
+    );
+    assert!(
+        out.contains("expecting volume v on the transfer listener 127.0.0.1:"),
+        "{out}"
+    );
+    ctl(&b, &["volume", "receive", "v", "--stop"]);
+    assert!(hello(&again).contains("no transfer of volume 'v'"));
 }

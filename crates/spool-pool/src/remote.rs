@@ -23,6 +23,9 @@ use crate::{Error, Pool, Result, VolumeInfo};
 /// doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// The back-off's cap for a leg whose copy was complete: the volume's requests wait for it
+/// (see `LegSpec::far`), so the link is tried again often.
+const REQUIRED_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 /// A remote leg's connection, or when to try again.
 pub(crate) enum Remote {
@@ -46,6 +49,8 @@ pub struct RemoteDue {
     leg: RemoteLeg,
     need: u64,
     backoff: Duration,
+    /// The longest back-off for this leg.
+    cap: Duration,
     links: Arc<Mutex<RemoteCache>>,
 }
 
@@ -63,7 +68,7 @@ impl RemoteDue {
                 tracing::debug!(volume = %self.volume, to = %self.leg.uri, error = %e, "remote leg unreachable");
                 Remote::Unreachable {
                     next: Instant::now() + self.backoff,
-                    backoff: (self.backoff * 2).min(MAX_BACKOFF),
+                    backoff: (self.backoff * 2).min(self.cap),
                     why: e.to_string(),
                 }
             }
@@ -213,8 +218,16 @@ impl Pool {
         cache.retain(|id, _| legs.contains(id));
         let mut due = Vec::new();
         for v in &self.table.volumes {
-            let Some(leg) = v.remote_leg().and_then(|l| l.remote.clone()) else {
+            let Some((leg, synced)) = v
+                .remote_leg()
+                .and_then(|l| Some((l.remote.clone()?, l.synced)))
+            else {
                 continue;
+            };
+            let cap = if synced {
+                REQUIRED_MAX_BACKOFF
+            } else {
+                MAX_BACKOFF
             };
             let (backoff, was) = match cache.remove(&leg.id) {
                 Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => {
@@ -229,7 +242,7 @@ impl Pool {
                     cache.insert(leg.id, e);
                     continue;
                 }
-                Some(Remote::Unreachable { backoff, .. }) => (backoff, None),
+                Some(Remote::Unreachable { backoff, .. }) => (backoff.min(cap), None),
                 Some(Remote::Open(d)) => (FIRST_BACKOFF, Some(d)),
                 None => (FIRST_BACKOFF, None),
             };
@@ -242,6 +255,7 @@ impl Pool {
                 leg,
                 need,
                 backoff,
+                cap,
                 links: self.remotes.clone(),
             });
         }
@@ -272,6 +286,22 @@ impl Pool {
     }
 
     /// What a send cannot carry, refused with the reason.
+    /// Whether volume `id` may be sent (before anything is asked of a destination): not on
+    /// RBD, thin or encrypted, and with room for one more copy unless it is sent already.
+    pub fn check_sendable(&self, id: &str) -> Result<()> {
+        let v = &self.table.volumes[self.find(id)?];
+        self.refuse_send(v)?;
+        if v.remote_leg().is_none() && v.legs.len() >= MAX_COPIES as usize {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' has {} copies, the most a volume has; remove one first (volume mirror {} remove)",
+                v.name,
+                v.legs.len(),
+                v.name
+            )));
+        }
+        Ok(())
+    }
+
     fn refuse_send(&self, v: &VolumeEntry) -> Result<()> {
         let why = if v.rbd.is_some() {
             Some("it is an RBD image: every host of the cluster reaches it already")

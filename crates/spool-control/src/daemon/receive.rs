@@ -329,11 +329,12 @@ impl Daemon {
     fn volume_receive_stop(&self, p: ReceiveStopParams) -> Result<ReceiveInfo, RpcError> {
         let was_expected = self.forget_expected(&p.id);
         let found = self.pool().volume(&p.id);
-        let v = match (found, was_expected) {
-            (Err(_), Some(info)) => return Ok(info),
+        let v = match (found, &was_expected) {
+            (Err(_), Some(info)) => return Ok(info.clone()),
             (found, _) => found?,
         };
-        self.stop_receiving(v.uuid, "stopped").ok_or_else(|| {
+        let stopped = self.stop_receiving(v.uuid, "stopped");
+        stopped.or(was_expected).ok_or_else(|| {
             RpcError::InvalidParams(format!("volume '{}' is not being received", v.name))
         })
     }
@@ -362,10 +363,10 @@ impl Daemon {
     }
 }
 
-/// The URI the transfer into `volume` is served at, if it is received.
+/// The URI the transfer into `volume` is served at, if it is received and has not ended.
 pub(super) fn uri_of(receiving: &[Receiving], volume: Uuid) -> Option<String> {
     receiving
         .iter()
-        .find(|r| r.volume == volume)
+        .find(|r| r.volume == volume && !r.export.ending.load(Ordering::SeqCst))
         .map(|r| r.uri.clone())
 }

@@ -39,7 +39,12 @@ impl Daemon {
             // Through the destination's transfer listener: its answer is the export.
             let to = match &p.token {
                 Some(token) => {
-                    let v = self.pool().volume(&p.id)?;
+                    // Refused here before the destination creates anything.
+                    let v = {
+                        let pool = self.pool();
+                        pool.check_sendable(&p.id)?;
+                        pool.volume(&p.id)?
+                    };
                     self.say_hello(to, token, &v)?
                 }
                 None => to.clone(),
@@ -113,7 +118,8 @@ impl Daemon {
         let state = match (&leg.remote_trouble, here.map(|l| l.state.as_str())) {
             _ if cut_off && here.is_some_and(|l| l.required) => "waiting",
             (Some(_), _) => "disconnected",
-            (None, Some("current")) => "current",
+            // Current once required too: from then on no write completes without it.
+            (None, Some("current")) if here.is_some_and(|l| l.required) => "current",
             _ => "copying",
         };
         let m = status.as_ref();

@@ -10,12 +10,12 @@
 //! Owns: the listener, the transfers expected, both sides of the hello. Must not know: the
 //! NBD protocol, the mirror.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use spool_nbd::Listen;
 use spool_pool::VolumeInfo;
@@ -24,18 +24,23 @@ use super::Daemon;
 use crate::api::{self, ReceiveInfo, TransferHello, TransferReply, TRANSFER_VERSION};
 use crate::rpc::RpcError;
 
-/// A volume a sender may send here, with its token (`volume receive NAME --token`).
+/// A volume a sender may send here, with its token (`volume receive NAME --token`), and
+/// the volume a hello was answered for: a later hello with the token gets the same export
+/// while that transfer runs, and nothing once it has ended.
 pub(super) struct Expected {
     volume: String,
     token: String,
+    answered: Option<uuid::Uuid>,
 }
 
 /// Where the keeper keeps the listening socket across worker restarts.
 const KEPT_KEY: &str = "transfer-listen";
 /// The longest hello line either way.
 const HELLO_MAX: u64 = 16 << 10;
-/// How long the listener waits for a sender's hello.
+/// How long the listener waits for a sender's whole hello.
 const HELLO_WAIT: Duration = Duration::from_secs(5);
+/// Hellos answered at once; more connections are closed.
+const HELLOS_AT_ONCE: usize = 8;
 /// How long a sender waits for the answer (the volume may be created first).
 const ANSWER_WAIT: Duration = Duration::from_secs(60);
 /// A token's length bounds (printable ASCII, no spaces).
@@ -57,14 +62,23 @@ fn same_token(a: &str, b: &str) -> bool {
     a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
-/// Reads one line of at most [`HELLO_MAX`] bytes.
-fn read_line(s: &TcpStream) -> std::io::Result<String> {
-    let mut line = String::new();
-    BufReader::new(s.take(HELLO_MAX)).read_line(&mut line)?;
-    if !line.ends_with('\n') {
-        return Err(std::io::Error::other("no complete line"));
+/// Reads one line of at most [`HELLO_MAX`] bytes, all of it within `wait`.
+fn read_line(s: &TcpStream, wait: Duration) -> std::io::Result<String> {
+    let deadline = Instant::now() + wait;
+    let mut line = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !line.ends_with(b"\n") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || line.len() as u64 >= HELLO_MAX {
+            return Err(std::io::Error::other("no complete line in time"));
+        }
+        s.set_read_timeout(Some(left))?;
+        match (&*s).read(&mut buf)? {
+            0 => return Err(std::io::Error::other("no complete line")),
+            n => line.extend_from_slice(&buf[..n]),
+        }
     }
-    Ok(line)
+    String::from_utf8(line).map_err(|_| std::io::Error::other("not UTF-8"))
 }
 
 impl Daemon {
@@ -77,7 +91,9 @@ impl Daemon {
             ));
         };
         check_token(token)?;
-        if let Ok(v) = self.pool().volume(name) {
+        // Not in the `if let`: its guard would hold the pool's lock through the block.
+        let found = self.pool().volume(name);
+        if let Ok(v) = found {
             self.pool().check_writable_outside(&v.uuid.to_string())?;
         }
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
@@ -85,11 +101,13 @@ impl Daemon {
         expected.push(Expected {
             volume: name.into(),
             token: token.into(),
+            answered: None,
         });
-        tracing::info!(volume = %name, listen = %t.listen, "a transfer of the volume is expected");
+        let at = self.transfer_at.get().copied().unwrap_or(t.listen);
+        tracing::info!(volume = %name, listen = %at, "a transfer of the volume is expected");
         Ok(ReceiveInfo {
             volume: name.into(),
-            nbd: t.listen.to_string(),
+            nbd: at.to_string(),
             uri: String::new(),
             size: 0,
             written: 0,
@@ -149,6 +167,7 @@ impl Daemon {
         }
         let weak = Arc::downgrade(self);
         let at = listener.local_addr()?;
+        let _ = self.transfer_at.set(at);
         std::thread::Builder::new()
             .name("transfer".into())
             .spawn(move || accept_loop(listener, weak))?;
@@ -156,14 +175,10 @@ impl Daemon {
         Ok(())
     }
 
-    /// Answers one hello: the NBD URI of the volume's receive export, or why not.
-    fn answer(&self, h: &TransferHello) -> Result<String, String> {
-        let peers = self
-            .cfg
-            .transfer
-            .as_ref()
-            .map(|t| (t.listen, t.peers.clone()));
-        let Some((listen, peers)) = peers else {
+    /// Answers one hello that reached this host at `here`: the NBD URI of the volume's
+    /// receive export (bound to that address), or why not.
+    fn answer(&self, h: &TransferHello, here: IpAddr) -> Result<String, String> {
+        let Some(peers) = self.cfg.transfer.as_ref().map(|t| t.peers.clone()) else {
             return Err("no transfer listener".into());
         };
         if h.version != TRANSFER_VERSION {
@@ -172,27 +187,42 @@ impl Daemon {
                 h.version
             ));
         }
-        let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
-        if !expected
-            .iter()
-            .any(|e| e.volume == h.volume && same_token(&e.token, &h.token))
-        {
+        let answered = {
+            let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+            let e = expected
+                .iter()
+                .find(|e| e.volume == h.volume && same_token(&e.token, &h.token));
             // The same answer for an unknown volume and a wrong token: no oracle.
-            return Err(format!(
-                "no transfer of volume '{}' with that token is expected here (`spoolctl volume receive {} --token TOKEN` on this host first)",
-                h.volume, h.volume
-            ));
+            let Some(e) = e else {
+                return Err(format!(
+                    "no transfer of volume '{}' with that token is expected here (`spoolctl volume receive {} --token TOKEN` on this host first)",
+                    h.volume, h.volume
+                ));
+            };
+            e.answered
+        };
+        if let Some(uuid) = answered {
+            // Said hello again (a send resumed): the same export while it runs.
+            let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
+            return super::receive::uri_of(&receiving, uuid).ok_or_else(|| {
+                format!(
+                    "the transfer of volume '{}' here has ended; `spoolctl volume receive {} --token TOKEN` on this host allows another",
+                    h.volume, h.volume
+                )
+            });
         }
-        drop(expected);
+        // Before the transfers' lock: creating the volume shows it, which looks at them.
         let v = self.volume_as_sent(h).map_err(|e| e.to_string())?;
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(uri) = super::receive::uri_of(&receiving, v.uuid) {
-            return Ok(uri);
+        let at = Listen::Tcp(SocketAddr::new(here, 0).to_string());
+        let info = self
+            .start_receiving(&mut receiving, &v, at, None, Some(peers))
+            .map_err(|e| e.to_string())?;
+        let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = expected.iter_mut().find(|e| e.volume == h.volume) {
+            e.answered = Some(v.uuid);
         }
-        let at = Listen::Tcp(SocketAddr::new(listen.ip(), 0).to_string());
-        self.start_receiving(&mut receiving, &v, at, None, Some(peers))
-            .map(|info| info.uri)
-            .map_err(|e| e.to_string())
+        Ok(info.uri)
     }
 
     /// The volume a hello names: created as the sender has it if it does not exist, else
@@ -209,6 +239,10 @@ impl Daemon {
                 .check_writable_outside(&v.uuid.to_string())
                 .map_err(Into::into),
             Err(_) => {
+                let qos = h.qos.map(crate::wire::qos_from_wire);
+                if let Some(q) = &qos {
+                    q.validate().map_err(RpcError::InvalidParams)?;
+                }
                 self.volume_create(api::VolumeCreateParams {
                     name: h.volume.clone(),
                     size: Some(api::SizeValue::Bytes(h.size)),
@@ -219,10 +253,10 @@ impl Daemon {
                     encrypt: false,
                     thin: false,
                 })?;
-                if let Some(q) = h.qos {
+                if let Some(q) = qos {
                     let (v, layout) = {
                         let mut pool = self.pool();
-                        let v = pool.set_qos(&h.volume, Some(crate::wire::qos_from_wire(q)))?;
+                        let v = pool.set_qos(&h.volume, Some(q))?;
                         let l = pool.layout(&v.uuid.to_string());
                         (v, l)
                     };
@@ -255,7 +289,7 @@ impl Daemon {
             .ok_or_else(|| fail("no address".into()))?;
         let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
             .map_err(|e| fail(e.to_string()))?;
-        s.set_read_timeout(Some(ANSWER_WAIT))
+        s.set_write_timeout(Some(HELLO_WAIT))
             .map_err(|e| fail(e.to_string()))?;
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
         let hello = TransferHello {
@@ -271,7 +305,7 @@ impl Daemon {
         line.push('\n');
         (&s).write_all(line.as_bytes())
             .map_err(|e| fail(e.to_string()))?;
-        let answer = read_line(&s).map_err(|e| fail(format!("no answer ({e})")))?;
+        let answer = read_line(&s, ANSWER_WAIT).map_err(|e| fail(format!("no answer ({e})")))?;
         let reply: TransferReply =
             serde_json::from_str(&answer).map_err(|e| fail(format!("a bad answer ({e})")))?;
         match (reply.nbd, reply.error) {
@@ -282,8 +316,10 @@ impl Daemon {
     }
 }
 
-/// Accepts senders until the daemon stops: each hello on a thread of its own.
+/// Accepts senders until the daemon stops: each hello on a thread of its own, at most
+/// [`HELLOS_AT_ONCE`] at a time.
 fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
+    let busy = Arc::new(AtomicUsize::new(0));
     loop {
         let Some(d) = weak.upgrade() else { return };
         if d.stopping.load(Ordering::Acquire) {
@@ -291,19 +327,31 @@ fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
         }
         match l.accept() {
             Ok((s, from)) => {
+                let ip = from.ip().to_canonical();
                 let allowed = d
                     .cfg
                     .transfer
                     .as_ref()
-                    .is_some_and(|t| t.peers.contains(&from.ip()));
+                    .is_some_and(|t| t.peers.iter().any(|p| p.to_canonical() == ip));
                 if !allowed {
                     tracing::warn!(peer = %from, "a transfer hello from a peer not in [transfer] peers was turned away");
                     continue;
                 }
-                let w = weak.clone();
-                let _ = std::thread::Builder::new()
+                if busy.fetch_add(1, Ordering::AcqRel) >= HELLOS_AT_ONCE {
+                    busy.fetch_sub(1, Ordering::AcqRel);
+                    tracing::warn!(peer = %from, "a transfer hello was turned away: {HELLOS_AT_ONCE} are being answered");
+                    continue;
+                }
+                let (w, b) = (weak.clone(), busy.clone());
+                let spawned = std::thread::Builder::new()
                     .name("transfer-hello".into())
-                    .spawn(move || hello(s, from.ip(), w));
+                    .spawn(move || {
+                        hello(s, ip, w);
+                        b.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if spawned.is_err() {
+                    busy.fetch_sub(1, Ordering::AcqRel);
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 drop(d);
@@ -321,8 +369,9 @@ fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
 /// One sender's hello and its answer.
 fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
     let _ = s.set_nonblocking(false);
-    let _ = s.set_read_timeout(Some(HELLO_WAIT));
-    let reply = match read_line(&s).map(|l| serde_json::from_str::<TransferHello>(&l)) {
+    let _ = s.set_write_timeout(Some(HELLO_WAIT));
+    let here = s.local_addr().map(|a| a.ip().to_canonical());
+    let reply = match read_line(&s, HELLO_WAIT).map(|l| serde_json::from_str::<TransferHello>(&l)) {
         Err(e) => TransferReply {
             nbd: None,
             error: Some(format!("no hello ({e})")),
@@ -333,7 +382,10 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
         },
         Ok(Ok(h)) => {
             let Some(d) = weak.upgrade() else { return };
-            let answer = d.answer(&h);
+            let answer = match here {
+                Ok(here) => d.answer(&h, here),
+                Err(e) => Err(format!("no local address ({e})")),
+            };
             match &answer {
                 Ok(uri) => {
                     tracing::info!(volume = %h.volume, %peer, %uri, "a sender said hello: receiving the volume")

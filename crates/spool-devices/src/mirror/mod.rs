@@ -50,8 +50,11 @@ const CLEARING: u32 = 1 << 31;
 /// A region's writes counter has this bit while the copy reads a piece of it from its source
 /// and writes it to its targets: writes entering then wait (see [`regions::Regions::enter`]).
 const COPYING: u32 = 1 << 30;
+/// A region's writes counter has this bit while a write waits for the copy there: the copy
+/// lets the region go before its next piece until the write got in (writes come first).
+const WAITER: u32 = 1 << 29;
 /// The flag bits of a region's writes counter (what is not a count of writes).
-const FLAGS: u32 = CLEARING | COPYING;
+const FLAGS: u32 = CLEARING | COPYING | WAITER;
 
 /// The device index of a leg piece whose device is not in the pool (never usable).
 pub const MISSING: usize = usize::MAX;

@@ -532,7 +532,15 @@ impl DeviceQueue for MirrorQueue {
     /// [`HUNG`] are aborted, and reported as timed out to their own health cell (the monitor
     /// resets them); their commands come back cancelled and count as that leg failing.
     fn abort(&mut self) -> usize {
-        let mut n = 0;
+        // Writes waiting for the copy hold nothing of a device: given back at once, to be
+        // submitted again.
+        let mut n = self.waiting.len();
+        for i in std::mem::take(&mut self.waiting) {
+            let tag = self.ops[i].take().expect("live op").tag;
+            self.free.push(i);
+            self.in_flight -= 1;
+            self.finish_now(tag, -libc::ECANCELED);
+        }
         for d in 0..self.queues.len() {
             if self.outstanding[d] > 0 && self.progress[d].elapsed() >= HUNG {
                 self.shared.spec.devices[d].health().report(ErrorReport {

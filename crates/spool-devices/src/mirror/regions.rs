@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::bitmap::{out_of_sync, stale, sync_source, Bitmap, INTENT, SYNC_SOURCE};
 use super::writes::WriteCounts;
-use super::{Shared, CLEARING, COPYING, MAX_LEGS};
+use super::{Shared, CLEARING, COPYING, MAX_LEGS, WAITER};
 
 /// The per-region state shared by every queue of one mirror.
 pub(crate) struct Regions {
@@ -87,7 +87,11 @@ impl Regions {
                 for q in first..=r {
                     self.writes[q].fetch_sub(1, Ordering::SeqCst);
                 }
+                self.writes[r].fetch_or(WAITER, Ordering::SeqCst);
                 return None;
+            }
+            if was & WAITER != 0 {
+                self.writes[r].fetch_and(!WAITER, Ordering::SeqCst);
             }
             if was & CLEARING != 0 {
                 while self.writes[r].load(Ordering::SeqCst) & CLEARING != 0 {
@@ -104,7 +108,7 @@ impl Regions {
     }
 
     /// Keeps writes out of region `r` while the copy moves a piece of it: true when no write
-    /// was in flight there and none will enter until [`Regions::release_copy`].
+    /// was in flight or waiting there and none will enter until [`Regions::release_copy`].
     pub(crate) fn hold_for_copy(&self, r: usize) -> bool {
         self.writes[r]
             .compare_exchange(0, COPYING, Ordering::SeqCst, Ordering::SeqCst)
@@ -114,6 +118,12 @@ impl Regions {
     /// Lets writes into region `r` again (see [`Regions::hold_for_copy`]).
     pub(crate) fn release_copy(&self, r: usize) {
         self.writes[r].fetch_and(!COPYING, Ordering::SeqCst);
+    }
+
+    /// Forgets that a write waits in region `r` (the copy gave up on the region meanwhile:
+    /// a write that never came back must not keep it from being copied).
+    pub(crate) fn forget_waiter(&self, r: usize) {
+        self.writes[r].fetch_and(!WAITER, Ordering::SeqCst);
     }
 
     /// A write leaves regions `first..=last`.

@@ -241,6 +241,9 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
         match copy_region(shared, io, buf, (r, source, targets)) {
             Ok(true) => {
                 any = true;
+                // A far leg current now takes every write from now on (before anyone
+                // sees it current: see `Daemon::sending`).
+                require_caught_up_far_legs(shared, healthy);
                 note_copied(shared, r);
             }
             Ok(false) => {}
@@ -414,12 +417,14 @@ struct HeldForCopy<'a> {
 }
 
 impl<'a> HeldForCopy<'a> {
-    /// Waits (briefly: [`DRAIN_WAIT`]) for the writes in flight in region `r` to drain and
-    /// holds it; `None` when writes kept coming.
+    /// Waits (briefly: [`DRAIN_WAIT`]) for the writes in flight or waiting in region `r`
+    /// to be done and holds it; `None` when writes kept coming (the region is copied on a
+    /// later pass).
     fn wait(shared: &'a Shared, r: usize) -> Option<HeldForCopy<'a>> {
         let t0 = Instant::now();
         while !shared.regions.hold_for_copy(r) {
             if t0.elapsed() > DRAIN_WAIT {
+                shared.regions.forget_waiter(r);
                 return None;
             }
             std::thread::sleep(Duration::from_micros(100));
