@@ -47,8 +47,8 @@ impl std::fmt::Display for Listen {
     }
 }
 
-/// Clients served at once by one server; more are turned away (each may hold a read of up
-/// to `MAX_READ` bytes in memory).
+/// Clients served at once by one server; more are turned away (each may make the server
+/// hold up to `transmit::IN_FLIGHT_BYTES` of data).
 pub const MAX_CONNECTIONS: usize = 16;
 
 /// The connections open now, by number (shut down when the server stops).
@@ -322,7 +322,7 @@ fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()
 /// target's entry point).
 pub fn serve_io(
     r: &mut impl Read,
-    w: &mut impl Write,
+    w: &mut (impl Write + Send),
     e: &dyn Export,
     stop: &AtomicBool,
 ) -> io::Result<()> {

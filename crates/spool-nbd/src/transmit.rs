@@ -1,82 +1,191 @@
-//! The transmission phase: requests served in order, one reply each (simple, or structured
-//! chunks when the client asked for them).
+//! The transmission phase: requests read in order and served [`IN_FLIGHT`] at a time, one
+//! reply each (simple, or structured chunks when the client asked for them), sent as each
+//! finishes: clients match replies to requests by cookie (the protocol allows any order),
+//! and a writable export's writes, made durable one by one, overlap instead of queueing
+//! behind each other.
 //!
 //! Owns: bounds checks, reads, block status descriptors. Must not know: what the export
 //! reads from.
 
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::sync_channel;
+use std::sync::Mutex;
 
 use crate::handshake::{Session, DIRTY_ID};
 use crate::proto::*;
 use crate::Export;
 
+/// Requests of one connection served at once (each on a thread of the connection's own).
+pub const IN_FLIGHT: usize = 4;
+/// Bytes of data one connection's requests in progress may hold (reads and writes; one
+/// request larger than the rest goes alone): what a client can make the server keep in memory.
+pub const IN_FLIGHT_BYTES: u64 = 2 * MAX_READ as u64;
+
+/// The bytes a connection's requests in progress hold, and the wait for some to be freed.
+struct Budget {
+    used: Mutex<u64>,
+    freed: std::sync::Condvar,
+}
+
+impl Budget {
+    /// Waits until `n` more bytes fit (always, with nothing in progress), and takes them.
+    fn take(&self, n: u64) {
+        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let mut used = self
+            .freed
+            .wait_while(used, |u| *u > 0 && *u + n > IN_FLIGHT_BYTES)
+            .unwrap_or_else(|p| p.into_inner());
+        *used += n;
+    }
+
+    fn give(&self, n: u64) {
+        *self.used.lock().unwrap_or_else(|p| p.into_inner()) -= n;
+        self.freed.notify_all();
+    }
+}
+
+/// The data bytes request `q` makes the server hold.
+fn cost(q: &Request) -> u64 {
+    match q.kind {
+        CMD_READ | CMD_WRITE => q.len.min(MAX_READ) as u64,
+        _ => 0,
+    }
+}
+
 /// Serves requests until the client disconnects, or the server stops (the next request
-/// then fails with `ESHUTDOWN` and the connection closes).
-pub fn run(
+/// then fails with `ESHUTDOWN` and the connection closes). A reply that cannot be sent ends
+/// the connection.
+pub fn run<W: Write + Send>(
     r: &mut impl Read,
-    w: &mut impl Write,
+    w: &mut W,
     e: &dyn Export,
     sess: &Session,
     stop: &AtomicBool,
 ) -> io::Result<()> {
-    loop {
-        let q = read_request(r)?;
-        if q.kind == CMD_DISC {
-            return Ok(());
-        }
-        // A write's payload follows its header: read it before replying (a read-only
-        // export drops it).
-        let mut payload = Vec::new();
-        if q.kind == CMD_WRITE {
-            if q.len > MAX_READ {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "write too large",
-                ));
-            }
-            match e.writable() {
-                true => {
-                    payload.resize(q.len as usize, 0);
-                    r.read_exact(&mut payload)?;
+    let out = Mutex::new(w);
+    let failed: Mutex<Option<io::Error>> = Mutex::new(None);
+    let send = |reply: &[u8]| -> io::Result<()> {
+        let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
+        w.write_all(reply)?;
+        w.flush()
+    };
+    // No queue: the reader hands a request over only to a free server thread.
+    let (tx, rx) = sync_channel::<(Request, Vec<u8>)>(0);
+    let rx = Mutex::new(rx);
+    let budget = Budget {
+        used: Mutex::new(0),
+        freed: std::sync::Condvar::new(),
+    };
+    std::thread::scope(|sc| {
+        for _ in 0..IN_FLIGHT {
+            sc.spawn(|| loop {
+                let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                let Ok((q, payload)) = job else { return };
+                let mut reply = Vec::new();
+                let sent = serve(&mut reply, e, sess, &q, &payload).and_then(|()| send(&reply));
+                drop((reply, payload));
+                budget.give(cost(&q));
+                if let Err(err) = sent {
+                    failed
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(err);
+                    return;
                 }
-                false => {
-                    io::copy(&mut r.take(q.len as u64), &mut io::sink())?;
-                }
+            });
+        }
+        let read = (|| loop {
+            if failed.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+                return Ok(());
+            }
+            let q = read_request(r)?;
+            if q.kind == CMD_DISC {
+                return Ok(());
+            }
+            budget.take(cost(&q));
+            let payload = read_payload(r, e, &q)?;
+            if stop.load(Ordering::SeqCst) {
+                let mut reply = Vec::new();
+                error(
+                    &mut reply,
+                    sess,
+                    q.cookie,
+                    ESHUTDOWN,
+                    "the export was stopped",
+                )?;
+                return send(&reply);
+            }
+            if tx.send((q, payload)).is_err() {
+                return Ok(()); // every server thread ended: a reply failed
+            }
+        })();
+        drop(tx);
+        read
+    })?;
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(err) => Err(err),
+        None => Ok(()),
+    }
+}
+
+/// A write's payload follows its header: read before replying (a read-only export drops
+/// it).
+fn read_payload(r: &mut impl Read, e: &dyn Export, q: &Request) -> io::Result<Vec<u8>> {
+    let mut payload = Vec::new();
+    if q.kind == CMD_WRITE {
+        if q.len > MAX_READ {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "write too large",
+            ));
+        }
+        match e.writable() {
+            true => {
+                payload.resize(q.len as usize, 0);
+                r.read_exact(&mut payload)?;
+            }
+            false => {
+                io::copy(&mut r.take(q.len as u64), &mut io::sink())?;
             }
         }
-        if stop.load(Ordering::SeqCst) {
-            error(w, sess, q.cookie, ESHUTDOWN, "the export was stopped")?;
-            w.flush()?;
-            return Ok(());
+    }
+    Ok(payload)
+}
+
+/// Serves request `q` (a write's `payload` with it) and writes its reply to `w`.
+fn serve(
+    w: &mut impl Write,
+    e: &dyn Export,
+    sess: &Session,
+    q: &Request,
+    payload: &[u8],
+) -> io::Result<()> {
+    let end = q.offset.checked_add(q.len as u64);
+    match q.kind {
+        // Past the end: the spec's ENOSPC for what would write, EINVAL for the rest.
+        CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM
+            if e.writable() && end.is_none_or(|end| end > e.size()) =>
+        {
+            error(w, sess, q.cookie, ENOSPC, "beyond the end of the export")
         }
-        let end = q.offset.checked_add(q.len as u64);
-        match q.kind {
-            // Past the end: the spec's ENOSPC for what would write, EINVAL for the rest.
-            CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM
-                if e.writable() && end.is_none_or(|end| end > e.size()) =>
-            {
-                error(w, sess, q.cookie, ENOSPC, "beyond the end of the export")?
-            }
-            _ if end.is_none_or(|end| end > e.size()) => {
-                error(w, sess, q.cookie, EINVAL, "beyond the end of the export")?
-            }
-            CMD_READ if q.len > MAX_READ => error(w, sess, q.cookie, EOVERFLOW, "read too large")?,
-            CMD_READ if q.len == 0 => error(w, sess, q.cookie, EINVAL, "a read of no bytes")?,
-            CMD_READ => read(w, e, sess, &q)?,
-            CMD_CACHE => done(w, sess, q.cookie)?,
-            CMD_FLUSH => result(w, e, sess, &q, e.flush())?,
-            CMD_BLOCK_STATUS => block_status(w, e, sess, &q)?,
-            CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !e.writable() => {
-                error(w, sess, q.cookie, EPERM, "the export is read-only")?
-            }
-            CMD_WRITE => result(w, e, sess, &q, e.write_at(&payload, q.offset))?,
-            CMD_WRITE_ZEROES => result(w, e, sess, &q, e.write_zeroes(q.offset, q.len as u64))?,
-            // A hint: the data may stay.
-            CMD_TRIM => done(w, sess, q.cookie)?,
-            _ => error(w, sess, q.cookie, EINVAL, "command not supported")?,
+        _ if end.is_none_or(|end| end > e.size()) => {
+            error(w, sess, q.cookie, EINVAL, "beyond the end of the export")
         }
-        w.flush()?;
+        CMD_READ if q.len > MAX_READ => error(w, sess, q.cookie, EOVERFLOW, "read too large"),
+        CMD_READ if q.len == 0 => error(w, sess, q.cookie, EINVAL, "a read of no bytes"),
+        CMD_READ => read(w, e, sess, q),
+        CMD_CACHE => done(w, sess, q.cookie),
+        CMD_FLUSH => result(w, e, sess, q, e.flush()),
+        CMD_BLOCK_STATUS => block_status(w, e, sess, q),
+        CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !e.writable() => {
+            error(w, sess, q.cookie, EPERM, "the export is read-only")
+        }
+        CMD_WRITE => result(w, e, sess, q, e.write_at(payload, q.offset)),
+        CMD_WRITE_ZEROES => result(w, e, sess, q, e.write_zeroes(q.offset, q.len as u64)),
+        // A hint: the data may stay.
+        CMD_TRIM => done(w, sess, q.cookie),
+        _ => error(w, sess, q.cookie, EINVAL, "command not supported"),
     }
 }
 

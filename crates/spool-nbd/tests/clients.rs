@@ -320,3 +320,81 @@ fn a_server_for_some_peers_turns_the_others_away() {
     assert!(greeted(only("127.0.0.1")));
     assert!(!greeted(only("10.9.9.9")), "a peer not allowed was served");
 }
+
+/// A writable export whose writes wait (up to 5 s) until another write is in progress with
+/// them: what tells a server that serves a connection's requests together from one that
+/// serves them one after the other (each write would then wait the 5 s alone).
+struct Overlapping {
+    active: std::sync::Mutex<(u32, u32)>,
+    more: std::sync::Condvar,
+}
+
+impl Export for Overlapping {
+    fn name(&self) -> &str {
+        "in"
+    }
+    fn size(&self) -> u64 {
+        1 << 20
+    }
+    fn read_at(&self, _: &mut [u8], _: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn extent(&self) -> u64 {
+        1 << 20
+    }
+    fn allocated(&self, _: u64) -> bool {
+        true
+    }
+    fn base(&self) -> Option<&str> {
+        None
+    }
+    fn changed(&self, _: u64) -> bool {
+        false
+    }
+    fn writable(&self) -> bool {
+        true
+    }
+    fn write_at(&self, _: &[u8], _: u64) -> std::io::Result<()> {
+        let mut a = self.active.lock().unwrap();
+        a.0 += 1;
+        a.1 = a.1.max(a.0);
+        self.more.notify_all();
+        let (mut a, _) = self
+            .more
+            .wait_timeout_while(a, std::time::Duration::from_secs(5), |a| a.1 < 2)
+            .unwrap();
+        a.0 -= 1;
+        Ok(())
+    }
+}
+
+/// One connection's requests are served together: two writes sent back to back are in the
+/// export at the same time, and each reply carries its own request's cookie.
+#[test]
+fn a_connections_requests_are_served_together() {
+    use spool_nbd::client;
+    let e = Arc::new(Overlapping {
+        active: std::sync::Mutex::new((0, 0)),
+        more: std::sync::Condvar::new(),
+    });
+    let s = Server::start(Listen::parse("127.0.0.1:0").unwrap(), e.clone()).unwrap();
+    let t = client::Target::parse(&format!("nbd://{}/in", s.listen)).unwrap();
+    let mut c = client::connect(&t, std::time::Duration::from_secs(10)).unwrap();
+    for cookie in [7u64, 8] {
+        c.stream
+            .write_all(&client::request(1, cookie, cookie * 4096, 4096))
+            .unwrap();
+        c.stream.write_all(&[0u8; 4096]).unwrap();
+    }
+    let mut cookies = vec![
+        client::read_reply(&mut c.stream).unwrap(),
+        client::read_reply(&mut c.stream).unwrap(),
+    ];
+    cookies.sort();
+    assert_eq!(cookies, vec![(7, 0), (8, 0)]);
+    assert_eq!(
+        e.active.lock().unwrap().1,
+        2,
+        "the writes were served one at a time"
+    );
+}
