@@ -152,9 +152,29 @@ impl PollGroup {
     }
 }
 
+/// Marks the group's thread gone should it die of a panic (a bug): the next queue to join
+/// then starts a new thread instead of waiting for ever on a dead one, queues waiting to
+/// join go back unserved (their handles see no queue), and a pass asked for is not waited
+/// for. The queues it served went down with it (their handles see no queue either). Weak:
+/// the thread's own reference must be the one whose drop closes the group's descriptors.
+struct Unwinding(std::sync::Weak<Shared>);
+
+impl Drop for Unwinding {
+    fn drop(&mut self) {
+        let Some(shared) = self.0.upgrade().filter(|_| std::thread::panicking()) else {
+            return;
+        };
+        tracing::error!(group = %shared.name, "a poll thread panicked: its queues stopped; the next queue to join gets a new thread");
+        let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.joining.clear();
+        st.running = false;
+    }
+}
+
 /// The group's thread: takes new members, stops those asked to, polls every member each
 /// round, and after `poll_idle` without work sleeps once for all of them.
 fn run(shared: Arc<Shared>) {
+    let _unwinding = Unwinding(Arc::downgrade(&shared));
     let mut members: Vec<Member> = Vec::new();
     let mut events = vec![EpollEvent::default(); 16];
     let mut idle = Idle::new();

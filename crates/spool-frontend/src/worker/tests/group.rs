@@ -145,3 +145,53 @@ fn a_pass_asked_during_a_round_comes_after_it() {
     }
     ja.stop(&group);
 }
+
+/// A device queue whose submit panics: a bug in the poll thread, as a test can make one.
+struct Panicking;
+
+impl DeviceQueue for Panicking {
+    unsafe fn submit(&mut self, _: DeviceIo, _: u64) {
+        panic!("a bug in the poll thread (injected by the test)");
+    }
+    fn kick(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn reap(&mut self, _: &mut dyn FnMut(u64, i32)) -> usize {
+        0
+    }
+    fn completion_fd(&self) -> std::os::fd::RawFd {
+        -1
+    }
+    fn ack_completion_event(&self) {}
+    fn in_flight(&self) -> usize {
+        0
+    }
+}
+
+/// A group whose thread died of a panic gives the next queue a new thread rather than
+/// handing it to the dead one (where it would never be served).
+#[test]
+fn after_its_thread_panicked_a_group_serves_the_next_queue_on_a_new_one() {
+    let group = PollGroup::new("t", Arc::default()).unwrap();
+    let mut a = Harness::new(0);
+    a.w.devices[0] = Box::new(Panicking);
+    a.post_read(0);
+    let (ja, _a) = join(&group, &mut Some(a));
+    // The queue went down with the thread: its way back is closed.
+    assert!(ja.back.recv_timeout(Duration::from_secs(5)).is_err());
+    let mut b = Harness::new(0);
+    b.w.io_timeout = Duration::from_secs(600);
+    let hb = b.post_read(1);
+    let (jb, b) = join(&group, &mut Some(b));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while b.submitted().is_empty() {
+        assert!(Instant::now() < deadline, "the next queue was never served");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    b.device_completes(hb, LEN as i32);
+    while b.status(hb) == UNWRITTEN {
+        assert!(Instant::now() < deadline, "its request never completed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(jb.stop(&group).next_avail(), 1);
+}
