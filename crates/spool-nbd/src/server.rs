@@ -314,17 +314,28 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conn
 fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()> {
     let mut r = BufReader::new(s.try_clone_box()?);
     let mut w = BufWriter::new(s);
-    serve_io(&mut r, &mut w, e, stop)
+    serve_threads(&mut r, &mut w, e, stop, crate::transmit::IN_FLIGHT)
 }
 
 /// Serves one client on any byte stream: the greeting, the option phase, then requests
-/// until the client leaves or `stop` is set (what each connection runs; also the fuzz
-/// target's entry point).
+/// until the client leaves or `stop` is set, one at a time (the fuzz target's entry point;
+/// a connection runs the same with its requests served [`crate::transmit::IN_FLIGHT`] at a
+/// time).
 pub fn serve_io(
     r: &mut impl Read,
     w: &mut (impl Write + Send),
     e: &dyn Export,
     stop: &AtomicBool,
+) -> io::Result<()> {
+    serve_threads(r, w, e, stop, 1)
+}
+
+fn serve_threads(
+    r: &mut impl Read,
+    w: &mut (impl Write + Send),
+    e: &dyn Export,
+    stop: &AtomicBool,
+    threads: usize,
 ) -> io::Result<()> {
     w.write_all(&NBDMAGIC.to_be_bytes())?;
     w.write_all(&IHAVEOPT.to_be_bytes())?;
@@ -336,5 +347,5 @@ pub fn serve_io(
     let Some(sess) = crate::handshake::run(r, w, e, no_zeroes)? else {
         return Ok(());
     };
-    crate::transmit::run(r, w, e, &sess, stop)
+    crate::transmit::run(r, w, e, &sess, stop, threads)
 }

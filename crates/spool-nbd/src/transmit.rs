@@ -54,15 +54,20 @@ fn cost(q: &Request) -> u64 {
 }
 
 /// Serves requests until the client disconnects, or the server stops (the next request
-/// then fails with `ESHUTDOWN` and the connection closes). A reply that cannot be sent ends
-/// the connection.
+/// then fails with `ESHUTDOWN` and the connection closes), `threads` at a time ([`IN_FLIGHT`]
+/// on a connection; 1: one after the other on this thread, what the fuzz target drives). A
+/// reply that cannot be sent ends the connection.
 pub fn run<W: Write + Send>(
     r: &mut impl Read,
     w: &mut W,
     e: &dyn Export,
     sess: &Session,
     stop: &AtomicBool,
+    threads: usize,
 ) -> io::Result<()> {
+    if threads <= 1 {
+        return run_inline(r, w, e, sess, stop);
+    }
     let out = Mutex::new(w);
     let failed: Mutex<Option<io::Error>> = Mutex::new(None);
     let send = |reply: &[u8]| -> io::Result<()> {
@@ -78,7 +83,7 @@ pub fn run<W: Write + Send>(
         freed: std::sync::Condvar::new(),
     };
     std::thread::scope(|sc| {
-        for _ in 0..IN_FLIGHT {
+        for _ in 0..threads {
             sc.spawn(|| loop {
                 let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                 let Ok((q, payload)) = job else { return };
@@ -126,6 +131,29 @@ pub fn run<W: Write + Send>(
     match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(err) => Err(err),
         None => Ok(()),
+    }
+}
+
+/// [`run`] one request at a time on this thread.
+fn run_inline(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    e: &dyn Export,
+    sess: &Session,
+    stop: &AtomicBool,
+) -> io::Result<()> {
+    loop {
+        let q = read_request(r)?;
+        if q.kind == CMD_DISC {
+            return Ok(());
+        }
+        let payload = read_payload(r, e, &q)?;
+        if stop.load(Ordering::SeqCst) {
+            error(w, sess, q.cookie, ESHUTDOWN, "the export was stopped")?;
+            return w.flush();
+        }
+        serve(w, e, sess, &q, &payload)?;
+        w.flush()?;
     }
 }
 
