@@ -152,11 +152,11 @@ impl PollGroup {
     }
 }
 
-/// Marks the group's thread gone should it die of a panic (a bug): the next queue to join
-/// then starts a new thread instead of waiting for ever on a dead one, queues waiting to
-/// join go back unserved (their handles see no queue), and a pass asked for is not waited
-/// for. The queues it served went down with it (their handles see no queue either). Weak:
-/// the thread's own reference must be the one whose drop closes the group's descriptors.
+/// Marks the group's thread gone should it die of a panic (a bug), so the next queue to
+/// join starts a new thread instead of waiting for ever on a dead one; queues that joined
+/// meanwhile get that new thread at once, and a pass asked for is not waited for. The
+/// queues it served went down with it (their handles see no queue). Weak: the thread's own
+/// reference must be the one whose drop closes the group's descriptors on a normal end.
 struct Unwinding(std::sync::Weak<Shared>);
 
 impl Drop for Unwinding {
@@ -164,18 +164,30 @@ impl Drop for Unwinding {
         let Some(shared) = self.0.upgrade().filter(|_| std::thread::panicking()) else {
             return;
         };
-        tracing::error!(group = %shared.name, "a poll thread panicked: its queues stopped; the next queue to join gets a new thread");
+        tracing::error!(group = %shared.name, "a poll thread panicked: its queues stopped; queues joining get a new thread");
         let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.joining.clear();
         st.running = false;
+        if st.joining.is_empty() {
+            return;
+        }
+        let s = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(shared.name.clone())
+            .spawn(move || run(s));
+        match spawned {
+            Ok(_) => st.running = true,
+            Err(_) => st.joining.clear(),
+        }
     }
 }
 
 /// The group's thread: takes new members, stops those asked to, polls every member each
 /// round, and after `poll_idle` without work sleeps once for all of them.
 fn run(shared: Arc<Shared>) {
-    let _unwinding = Unwinding(Arc::downgrade(&shared));
     let mut members: Vec<Member> = Vec::new();
+    // After `members`, so dropped before them: the group is marked free before the queues'
+    // ways back close (a handle that sees its queue gone may join again at once).
+    let _unwinding = Unwinding(Arc::downgrade(&shared));
     let mut events = vec![EpollEvent::default(); 16];
     let mut idle = Idle::new();
     let epoll = match Epoll::new() {
