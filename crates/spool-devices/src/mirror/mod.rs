@@ -17,6 +17,7 @@
 //! Must not know: volumes, extents or pool metadata (the pool describes the legs), virtio.
 
 pub mod bitmap;
+mod gone;
 mod legio;
 mod op;
 mod queue;

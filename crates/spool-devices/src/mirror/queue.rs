@@ -73,7 +73,18 @@ impl MirrorQueue {
         let mut queues = Vec::new();
         let mut epochs = Vec::new();
         for d in &shared.spec.devices {
-            let q = d.open_queue(depth)?;
+            // A leg device that cannot be had (a remote leg's link down as the worker
+            // reopens its queues) drops out of the requests, not the mirror with it.
+            let q = d.open_queue(depth).or_else(|e| {
+                tracing::warn!(mirror = %shared.spec.name, device = %d.path().display(), error = %e, "a leg device's queue cannot be opened: the leg fails its commands until it is reopened");
+                d.health().report(ErrorReport {
+                    signal: Signal::Errno(libc::ENOTCONN),
+                    offset: 0,
+                    len: 0,
+                    write: false,
+                });
+                super::gone::GoneQueue::new().map(|q| Box::new(q) as Box<dyn DeviceQueue>)
+            })?;
             watch(epoll.as_raw_fd(), q.completion_fd())?;
             epochs.push(d.health().load().1);
             queues.push(q);

@@ -338,18 +338,14 @@ fn queues_work_against_spool_nbd_s_own_writable_server_over_tcp() {
 }
 
 fn against_our_server(offers_write_zeroes: bool) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let mem = Arc::new(Mem(
         std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize]),
         offers_write_zeroes,
     ));
-    let listen = spool_nbd::Listen::parse(&format!("127.0.0.1:{port}")).unwrap();
-    let _srv = spool_nbd::Server::start(listen, mem.clone()).unwrap();
-    let uri = format!("nbd://127.0.0.1:{port}/m");
+    // Port 0: a free port the server names (no window for another process to take it).
+    let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();
+    let srv = spool_nbd::Server::start(listen, mem.clone()).unwrap();
+    let uri = format!("nbd://{}/m", srv.listen);
     let dev = Device::open(Path::new(&uri), &OpenOptions::default()).unwrap();
     assert_eq!(dev.size(), 4 * MIB);
     let mut q = dev.open_queue(8).unwrap();
