@@ -507,43 +507,6 @@ fn a_far_leg_that_was_current_takes_every_write_or_the_mirror_waits() {
     assert!(MirrorBackend::of(&m2).unwrap().progress().legs[1].required);
 }
 
-/// An in-memory NBD export for a remote leg.
-struct MemExport(std::sync::Mutex<Vec<u8>>);
-
-impl spool_nbd::Export for MemExport {
-    fn name(&self) -> &str {
-        "m"
-    }
-    fn size(&self) -> u64 {
-        self.0.lock().unwrap().len() as u64
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let d = self.0.lock().unwrap();
-        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
-        Ok(())
-    }
-    fn extent(&self) -> u64 {
-        MIB
-    }
-    fn allocated(&self, _: u64) -> bool {
-        true
-    }
-    fn base(&self) -> Option<&str> {
-        None
-    }
-    fn changed(&self, _: u64) -> bool {
-        false
-    }
-    fn writable(&self) -> bool {
-        true
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        let mut d = self.0.lock().unwrap();
-        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
-        Ok(())
-    }
-}
-
 /// A worker reopening its queues while a remote leg's link is down (seen in the guest test
 /// with the link cut): the mirror's queue opens all the same, the leg failing its commands
 /// (a path error on that leg, its device reported), instead of the whole queue failing to
@@ -551,7 +514,10 @@ impl spool_nbd::Export for MemExport {
 #[test]
 fn a_mirror_opens_its_queue_while_a_remote_legs_export_is_unreachable() {
     let d = tempfile::tempdir().unwrap();
-    let mem = Arc::new(MemExport(std::sync::Mutex::new(vec![0u8; SIZE as usize])));
+    let mem = Arc::new(crate::nbd::tests::Mem(
+        std::sync::Mutex::new(vec![0u8; SIZE as usize]),
+        true,
+    ));
     let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();
     let srv = spool_nbd::Server::start(listen, mem).unwrap();
     let uri = format!("nbd://{}/m", srv.listen);

@@ -237,4 +237,4 @@ impl PoolDevice for NbdBackend {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

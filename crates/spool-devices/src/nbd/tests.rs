@@ -291,7 +291,7 @@ fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
 
 /// A writable export in memory, for the client against spool-nbd's own server; with
 /// `false`, it does not offer write-zeroes (the client then writes zeroes as data).
-struct Mem(std::sync::Mutex<Vec<u8>>, bool);
+pub(crate) struct Mem(pub(crate) std::sync::Mutex<Vec<u8>>, pub(crate) bool);
 
 impl spool_nbd::Export for Mem {
     fn name(&self) -> &str {
