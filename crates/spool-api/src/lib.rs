@@ -37,7 +37,7 @@ pub use thin::{
 };
 pub use transfer::{
     ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams, TransferHello,
-    TransferReply, TRANSFER_VERSION,
+    TransferKey, TransferReply, TRANSFER_VERSION,
 };
 
 pub use check::CheckReport;

@@ -104,6 +104,23 @@ pub struct TransferHello {
     pub copies: u8,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qos: Option<crate::QosLimits>,
+    /// An encrypted volume's data key, which the destination's copy is to have: what is
+    /// sent is its ciphertext.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<TransferKey>,
+}
+
+/// An encrypted volume's data key as the sender's pool table holds it: wrapped (AES key
+/// wrap) under the key-encryption key `kek_id`, which the destination must have too. Never
+/// the key in the clear: it tells an eavesdropper what a stolen device's metadata does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransferKey {
+    /// `aes-xts-plain64`.
+    pub cipher: String,
+    pub kek_id: String,
+    /// The wrapped key, in hex.
+    pub wrapped: String,
 }
 
 /// The transfer hello's version.

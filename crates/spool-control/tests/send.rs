@@ -185,18 +185,21 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     // The switchover: the VM leaves A, B's frontend starts the volume (the transfer ends
     // there) and reads what A's client wrote; then A's copy goes.
     drop(c);
-    let mut c = connect(&b.socket("v"), 1, false).unwrap();
-    for i in 0..16 {
-        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
-        assert_eq!(r, 0);
-        assert!(
-            got == model[i * MIB..(i + 1) * MIB],
-            "MiB {i} differs on the destination"
-        );
-    }
+    reads_back(&b, &model);
     let out = ctl(&a, &["volume", "send", "v", "--finish"]);
     assert!(out.contains("finished"), "{out}");
     assert!(ctl_err(&a, &["volume", "show", "v"]).contains("v"));
+}
+
+/// Reads volume v through `d`'s vhost-user socket (its frontend starts it: the switchover)
+/// and checks it holds `data`, MiB by MiB.
+fn reads_back(d: &Spoold, data: &[u8]) {
+    let mut c = connect(&d.socket("v"), 1, false).unwrap();
+    for (i, m) in data.chunks(MIB).enumerate() {
+        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
+        assert_eq!(r, 0);
+        assert!(got == m, "MiB {i} differs on the destination");
+    }
 }
 
 /// The destination's config for a send through its transfer listener: no volume (the
@@ -278,12 +281,7 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
     );
     wait_current(&a, &b);
     drop(c);
-    let mut c = connect(&b.socket("v"), 1, false).unwrap();
-    for (i, m) in data.chunks(MIB).enumerate() {
-        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
-        assert_eq!(r, 0);
-        assert!(got == m, "MiB {i} differs on the destination");
-    }
+    reads_back(&b, &data);
 
     // The transfer ended when B's frontend started: the token opens nothing again.
     let hello = |line: &str| {
@@ -311,4 +309,85 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
     );
     ctl(&b, &["volume", "receive", "v", "--stop"]);
     assert!(hello(&again).contains("no transfer of volume 'v'"));
+}
+
+/// A key file of `byte` repeated, in hex, mode 0600.
+fn write_key(path: &std::path::Path, byte: u8) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("{byte:02x}").repeat(32)).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// A spoold of `config` (plus a key-encryption key of `byte`s in `@DIR@/kek`).
+fn keyed(config: &str, byte: u8) -> Spoold {
+    let mut d = Spoold::prepared(&format!("[encryption]\nkey_file = \"@DIR@/kek\"\n{config}"));
+    write_key(&d.dir.path().join("kek"), byte);
+    d.spawn();
+    d
+}
+
+/// An encrypted volume crosses as its ciphertext, with its data key wrapped under the
+/// key-encryption key both hosts have: the destination stores no plaintext, and its guest
+/// reads what the source's wrote. A destination with another key refuses and creates
+/// nothing; an export given by hand (no key can go there) is refused at the source.
+#[test]
+fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
+    let a = keyed(
+        &CONFIG.replace("num_queues = 1", "num_queues = 1\nencrypt = true"),
+        0x11,
+    );
+    let (b, other) = (keyed(LISTENING, 0x11), keyed(LISTENING, 0x22));
+    let token = "0123456789abcdef0123";
+    let data = pattern(5, 0, 16 * MIB);
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    for (i, m) in data.chunks(MIB).enumerate() {
+        assert_eq!(c.write_sync(0, (i * MIB) as u64, m), 0);
+    }
+    let e = ctl_err(&a, &["volume", "send", "v", "--to", "nbd://127.0.0.1:9/v"]);
+    assert!(
+        e.contains("through the destination's transfer listener"),
+        "{e}"
+    );
+
+    ctl(&other, &["volume", "receive", "v", "--token", token]);
+    let to = format!("127.0.0.1:{}", transfer_port(&other));
+    let e = ctl_err(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    assert!(
+        e.contains("give both hosts the same key-encryption key"),
+        "{e}"
+    );
+    ctl_err(&other, &["volume", "show", "v"]);
+
+    ctl(&b, &["volume", "receive", "v", "--token", token]);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+    ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    // The transfer, served again by B's next worker, still takes the ciphertext.
+    b.kill_worker();
+    let t = Instant::now();
+    while !b
+        .log()
+        .contains("receiving the volume again after the worker's restart")
+    {
+        assert!(t.elapsed() < Duration::from_secs(30), "{}", b.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_current(&a, &b);
+    let show = ctl(&b, &["volume", "show", "v"]);
+    let kek = |d: &Spoold| {
+        d.rpc("volume_show", serde_json::json!({"id": "v"}))
+            .unwrap()["kek_id"]
+            .clone()
+    };
+    assert!(show.contains("aes-xts-plain64"), "{show}");
+    assert_eq!(kek(&b), kek(&a));
+    let img = std::fs::read(b.dir.path().join("d0.img")).unwrap();
+    let plain: std::collections::HashSet<&[u8]> =
+        data.chunks_exact(512).map(|s| &s[..64]).collect();
+    assert!(
+        !img.chunks_exact(512).any(|s| plain.contains(&s[..64])),
+        "plaintext on the destination's device"
+    );
+    drop(c);
+    reads_back(&b, &data);
+    ctl(&a, &["volume", "send", "v", "--finish"]);
 }

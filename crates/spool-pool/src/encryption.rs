@@ -45,6 +45,16 @@ fn key_error(v: &VolumeEntry, why: impl std::fmt::Display) -> Error {
     }
 }
 
+/// The data key a new volume gets.
+pub(crate) enum NewKey {
+    /// None: the volume is not encrypted.
+    Plain,
+    /// A fresh one.
+    Fresh,
+    /// The key of a volume received from another host, as its table holds it.
+    Given(VolumeKey),
+}
+
 impl Pool {
     /// The pool's key-encryption key, or an error saying how to give spoold one.
     fn kek(&self, v: &VolumeEntry) -> Result<&Arc<Kek>> {
@@ -65,6 +75,72 @@ impl Pool {
             kek_id: kek.id(),
             wrapped: spool_crypt::to_hex(&kek.wrap(&dk)),
         })
+    }
+
+    /// `key`, the data key of a volume another host sends here, if it is one this pool can
+    /// use: the cipher spoold speaks, wrapped under this pool's key-encryption key (its
+    /// unwrap checks that), so the sender's ciphertext is this volume's.
+    pub(crate) fn check_received_key(&self, v: &VolumeEntry, key: VolumeKey) -> Result<VolumeKey> {
+        if key.cipher != spool_crypt::CIPHER {
+            return Err(key_error(
+                v,
+                format!(
+                    "its cipher '{}' is not spoold's ({})",
+                    key.cipher,
+                    spool_crypt::CIPHER
+                ),
+            ));
+        }
+        let kek = self.opts.kek.as_ref().ok_or_else(|| {
+            key_error(
+                v,
+                format!(
+                    "is sent encrypted under key-encryption key {}, and spoold here has none: give this host that key ([encryption], docs/encryption.md)",
+                    key.kek_id
+                ),
+            )
+        })?;
+        if kek.id() != key.kek_id {
+            return Err(key_error(
+                v,
+                format!(
+                    "is sent encrypted under key-encryption key {}, and spoold here has {}: give both hosts the same key-encryption key (docs/transfer.md)",
+                    key.kek_id,
+                    kek.id()
+                ),
+            ));
+        }
+        if spool_crypt::from_hex(&key.wrapped).map(|w| w.len()) != Some(spool_crypt::WRAPPED_LEN) {
+            return Err(key_error(v, "its wrapped data key is malformed"));
+        }
+        unwrap_key(v, &key, kek)?;
+        Ok(key)
+    }
+
+    /// The wrapped data key of volume `id` as the table holds it (None: not encrypted),
+    /// for sending it to a host with the same key-encryption key: wrapped, it is no more
+    /// than the pool's own metadata gives away.
+    pub fn wrapped_key(&self, id: &str) -> Result<Option<VolumeKey>> {
+        Ok(self.table.volumes[self.find(id)?].encryption.clone())
+    }
+
+    /// Whether volume `id` has exactly the data key `key` (both None: neither encrypted),
+    /// for a transfer into a volume that exists here: AES key wrap is deterministic, so
+    /// under one key-encryption key the same data key wraps to the same bytes.
+    pub fn check_same_key(&self, id: &str, key: Option<&VolumeKey>) -> Result<()> {
+        let v = &self.table.volumes[self.find(id)?];
+        if v.encryption.as_ref() == key {
+            return Ok(());
+        }
+        let why = match (&v.encryption, key) {
+            (None, _) => "it is not encrypted here, and the sender's copy is",
+            (Some(_), None) => "it is encrypted here, and the sender's copy is not",
+            _ => "its data key here is not the sender's",
+        };
+        Err(Error::InvalidArgument(format!(
+            "volume '{}' cannot receive the sender's data: {why}; delete it here and let the transfer create it",
+            v.name
+        )))
     }
 
     /// The data key of encrypted volume `v`, unwrapped.
@@ -316,5 +392,102 @@ mod tests {
         for b in bad {
             assert!(b.validate().is_err(), "{b:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod transfer_tests {
+    use super::*;
+    use crate::tests::{opts, spec};
+    use crate::PoolOptions;
+
+    fn pool(dir: &std::path::Path, kek: Option<&Arc<Kek>>) -> Pool {
+        let specs = [spec(dir, "a", 9)];
+        let o = PoolOptions {
+            kek: kek.cloned(),
+            ..opts()
+        };
+        Pool::open(&specs, o).unwrap()
+    }
+
+    /// A volume received with the sender's wrapped key has the sender's data key, so the
+    /// sender's ciphertext is its own; a key this pool cannot use is refused, naming why.
+    #[test]
+    fn a_received_volume_takes_the_senders_data_key_under_the_same_kek_only() {
+        let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let k1 = Arc::new(Kek::generate().unwrap());
+        let mut a = pool(da.path(), Some(&k1));
+        a.create_volume_opts("s", 1 << 20, false, 1, 1, true)
+            .unwrap();
+        let sent = a.wrapped_key("s").unwrap().expect("encrypted");
+        assert_eq!(
+            a.wrapped_key("nobody").unwrap_err().to_string(),
+            a.find("nobody").unwrap_err().to_string()
+        );
+
+        let mut b = pool(db.path(), Some(&k1));
+        let v = b
+            .create_received_volume("s", 1 << 20, 1, 1, Some(sent.clone()))
+            .unwrap();
+        assert!(v.encrypted);
+        assert_eq!(
+            b.export_data_key("s").unwrap().bytes(),
+            a.export_data_key("s").unwrap().bytes()
+        );
+        b.check_same_key("s", Some(&sent)).unwrap();
+        let e = b.check_same_key("s", None).unwrap_err().to_string();
+        assert!(
+            e.contains("encrypted here, and the sender's copy is not"),
+            "{e}"
+        );
+
+        let refused = |b: &mut Pool, key: VolumeKey| {
+            let e = b.create_received_volume("t", 1 << 20, 1, 1, Some(key));
+            assert!(b.volume("t").is_err(), "created on a refusal");
+            e.unwrap_err().to_string()
+        };
+        let other = VolumeKey {
+            cipher: "aes-cbc-essiv".into(),
+            ..sent.clone()
+        };
+        assert!(refused(&mut b, other).contains("not spoold's"));
+        let mut bad = sent.clone();
+        bad.wrapped.truncate(10);
+        assert!(refused(&mut b, bad).contains("malformed"));
+        let mut flipped = sent.clone();
+        flipped.wrapped.replace_range(
+            0..2,
+            if sent.wrapped.starts_with("00") {
+                "01"
+            } else {
+                "00"
+            },
+        );
+        assert!(refused(&mut b, flipped).contains("does not unwrap"));
+
+        let k2 = Arc::new(Kek::generate().unwrap());
+        let (dc, dd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let e = refused(&mut pool(dc.path(), Some(&k2)), sent.clone());
+        assert!(e.contains(&k1.id()) && e.contains(&k2.id()), "{e}");
+        assert!(e.contains("same key-encryption key"), "{e}");
+        let e = refused(&mut pool(dd.path(), None), sent);
+        assert!(e.contains("spoold here has none"), "{e}");
+    }
+
+    /// Only through a transfer listener (which took the key) is an encrypted volume sent.
+    #[test]
+    fn an_encrypted_volume_is_sendable_only_where_its_key_goes_too() {
+        let d = tempfile::tempdir().unwrap();
+        let k = Arc::new(Kek::generate().unwrap());
+        let mut a = pool(d.path(), Some(&k));
+        a.create_volume_opts("s", 1 << 20, false, 1, 1, true)
+            .unwrap();
+        let e = a.check_sendable("s", false).unwrap_err().to_string();
+        assert!(e.contains("transfer listener"), "{e}");
+        let e = a
+            .send_volume("s", "nbd://127.0.0.1:1/s", false)
+            .unwrap_err();
+        assert!(e.to_string().contains("transfer listener"), "{e}");
+        a.check_sendable("s", true).unwrap();
     }
 }

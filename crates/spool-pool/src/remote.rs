@@ -91,8 +91,9 @@ impl Pool {
     /// Starts (or resumes) sending volume `id` to the NBD export `uri`: the export becomes a
     /// remote leg of the volume (a plain volume becomes a mirror), rebuilt online while the
     /// volume serves. Sending again to the same address reconnects and resumes from what
-    /// the write-intent bitmap says the leg missed.
-    pub fn send_volume(&mut self, id: &str, uri: &str) -> Result<VolumeInfo> {
+    /// the write-intent bitmap says the leg missed. An encrypted volume is sent as its
+    /// ciphertext, only where the destination has its data key (`key_there`).
+    pub fn send_volume(&mut self, id: &str, uri: &str, key_there: bool) -> Result<VolumeInfo> {
         if !(uri.starts_with("nbd://") || uri.starts_with("nbd+unix://")) {
             return Err(Error::InvalidArgument(format!(
                 "'{uri}' is not an NBD URI: nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH"
@@ -100,7 +101,7 @@ impl Pool {
         }
         let i = self.find(id)?;
         let v = self.table.volumes[i].clone();
-        self.refuse_send(&v)?;
+        self.refuse_send(&v, key_there)?;
         if let Some(l) = v.remote_leg() {
             let r = l.remote.as_ref().expect("a remote leg");
             if r.uri != uri {
@@ -285,12 +286,13 @@ impl Pool {
         self.remotes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What a send cannot carry, refused with the reason.
     /// Whether volume `id` may be sent (before anything is asked of a destination): not on
-    /// RBD, thin or encrypted, and with room for one more copy unless it is sent already.
-    pub fn check_sendable(&self, id: &str) -> Result<()> {
+    /// RBD or thin, encrypted only when the destination has its data key (`key_there`: a
+    /// transfer listener took it in the hello), and with room for one more copy unless it
+    /// is sent already.
+    pub fn check_sendable(&self, id: &str, key_there: bool) -> Result<()> {
         let v = &self.table.volumes[self.find(id)?];
-        self.refuse_send(v)?;
+        self.refuse_send(v, key_there)?;
         if v.remote_leg().is_none() && v.legs.len() >= MAX_COPIES as usize {
             return Err(Error::InvalidArgument(format!(
                 "volume '{}' has {} copies, the most a volume has; remove one first (volume mirror {} remove)",
@@ -302,13 +304,14 @@ impl Pool {
         Ok(())
     }
 
-    fn refuse_send(&self, v: &VolumeEntry) -> Result<()> {
+    /// What a send cannot carry, refused with the reason.
+    fn refuse_send(&self, v: &VolumeEntry, key_there: bool) -> Result<()> {
         let why = if v.rbd.is_some() {
             Some("it is an RBD image: every host of the cluster reaches it already")
         } else if v.thin.is_some() {
             Some("thin volumes cannot be sent yet")
-        } else if v.encryption.is_some() {
-            Some("its data would cross the network in the clear (encrypted volumes cannot be sent yet)")
+        } else if v.encryption.is_some() && !key_there && v.remote_leg().is_none() {
+            Some("it is encrypted, and an export given by hand has no data key for its ciphertext: send it through the destination's transfer listener (--to HOST:PORT --token T), which creates it there under the same data key")
         } else {
             None
         };

@@ -82,7 +82,7 @@ fn a_volume_sent_to_an_nbd_export_is_copied_kept_in_step_and_survives_reopen() {
     let data = pattern(1, 4 << 20);
     p.layout("v").unwrap().write_at(&data, 0).unwrap();
     let far = Remote::start(d.path(), "far", 4 << 20);
-    let v = p.send_volume("v", &far.uri).unwrap();
+    let v = p.send_volume("v", &far.uri, false).unwrap();
     assert_eq!(v.copies, 2);
     assert_eq!(v.legs[1].remote.as_deref(), Some(far.uri.as_str()));
     assert!(!v.legs[1].synced);
@@ -101,9 +101,9 @@ fn a_volume_sent_to_an_nbd_export_is_copied_kept_in_step_and_survives_reopen() {
     let e = p.resize_volume("v", 8 << 20).unwrap_err().to_string();
     assert!(e.contains("being sent"), "{e}");
     // Sending again to the same address resumes; to another one is refused.
-    p.send_volume("v", &far.uri).unwrap();
+    p.send_volume("v", &far.uri, false).unwrap();
     let e = p
-        .send_volume("v", "nbd://127.0.0.1:1/v")
+        .send_volume("v", "nbd://127.0.0.1:1/v", false)
         .unwrap_err()
         .to_string();
     assert!(e.contains("being sent to"), "{e}");
@@ -147,11 +147,18 @@ fn a_send_the_destination_cannot_hold_is_refused_with_the_reason() {
     let mut p = Pool::open(&specs, opts()).unwrap();
     p.create_volume("v", 4 << 20, false, 1).unwrap();
     let small = Remote::start(d.path(), "small", 2 << 20);
-    let e = p.send_volume("v", &small.uri).unwrap_err().to_string();
+    let e = p
+        .send_volume("v", &small.uri, false)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("create the volume there with at least"), "{e}");
     let sock = d.path().join("nobody.sock");
     let e = p
-        .send_volume("v", &format!("nbd+unix:///v?socket={}", sock.display()))
+        .send_volume(
+            "v",
+            &format!("nbd+unix:///v?socket={}", sock.display()),
+            false,
+        )
         .unwrap_err()
         .to_string();
     assert!(e.contains("cannot reach the destination"), "{e}");

@@ -4,7 +4,8 @@
 //! space), scrubbing new extents (a volume never reads another tenant's old data) and the
 //! argument checks of the volume operations. Must not know: the data path, virtio.
 
-use crate::metadata::{self, ExtentEntry, LegEntry, VolumeEntry, MAX_QUEUES};
+use crate::encryption::NewKey;
+use crate::metadata::{self, ExtentEntry, LegEntry, VolumeEntry, VolumeKey, MAX_QUEUES};
 use crate::{Error, Pool, QosLimits, Result, VolumeInfo};
 
 pub(crate) fn valid_name(name: &str) -> Result<()> {
@@ -237,6 +238,41 @@ impl Pool {
         copies: u8,
         encrypt: bool,
     ) -> Result<VolumeInfo> {
+        let key = match encrypt {
+            true => NewKey::Fresh,
+            false => NewKey::Plain,
+        };
+        self.create_volume_with(name, size, read_only, num_queues, copies, key)
+    }
+
+    /// A writable volume of `copies` copies received from another host (docs/transfer.md):
+    /// with `key`, encrypted under the data key the sender's table holds, wrapped under the
+    /// same key-encryption key as this pool's (checked: the sender's ciphertext is then
+    /// this volume's).
+    pub fn create_received_volume(
+        &mut self,
+        name: &str,
+        size: u64,
+        num_queues: u16,
+        copies: u8,
+        key: Option<VolumeKey>,
+    ) -> Result<VolumeInfo> {
+        let key = match key {
+            Some(k) => NewKey::Given(k),
+            None => NewKey::Plain,
+        };
+        self.create_volume_with(name, size, false, num_queues, copies, key)
+    }
+
+    fn create_volume_with(
+        &mut self,
+        name: &str,
+        size: u64,
+        read_only: bool,
+        num_queues: u16,
+        copies: u8,
+        key: NewKey,
+    ) -> Result<VolumeInfo> {
         self.check_new_volume(name, size, num_queues)?;
         self.check_copies(copies)?;
         let bytes = self.round_up(size)?;
@@ -247,9 +283,12 @@ impl Pool {
         self.check_space(bytes.saturating_mul(copies as u64))
             .map_err(|e| mirror_room(self, e))?;
         let mut v = VolumeEntry::new(name, size, read_only, num_queues);
-        if encrypt {
-            v.encryption = Some(self.new_volume_key(&v)?);
-        }
+        v.encryption = match key {
+            NewKey::Plain => None,
+            NewKey::Fresh => Some(self.new_volume_key(&v)?),
+            NewKey::Given(k) => Some(self.check_received_key(&v, k)?),
+        };
+        let encrypt = v.encryption.is_some();
         if copies > 1 {
             v.copies = copies;
             let legs = match self.allocate_legs(bytes, copies) {

@@ -188,7 +188,7 @@ impl Daemon {
         // never held with it (`snapshot_export` looks at the transfers without its own).
         let exported = self.export_listens(&listen.to_string());
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-        let v = self.pool().check_writable_outside(&p.id)?;
+        let v = self.pool().check_writable_outside(&p.id, false)?;
         if receiving.iter().any(|r| r.volume == v.uuid) {
             return Err(RpcError::InvalidParams(format!(
                 "volume '{}' is being received already; `spoolctl volume receive {} --stop` ends that first",
@@ -308,7 +308,11 @@ impl Daemon {
                 };
                 let fd = fds.into_iter().next().ok_or_else(bad)?;
                 let listen = super::exports::parse_listen(&nbd)?;
-                let v = self.pool().check_writable_outside(&uuid.to_string())?;
+                // The transfer listener's carry another spoold's ciphertext, if encrypted.
+                let ciphertext = peers.is_some();
+                let v = self
+                    .pool()
+                    .check_writable_outside(&uuid.to_string(), ciphertext)?;
                 let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
                 self.start_receiving(&mut receiving, &v, listen, Some(fd.into()), peers)
             })();

@@ -42,14 +42,16 @@ impl Daemon {
                     // Refused here before the destination creates anything.
                     let v = {
                         let pool = self.pool();
-                        pool.check_sendable(&p.id)?;
+                        pool.check_sendable(&p.id, true)?;
                         pool.volume(&p.id)?
                     };
                     self.say_hello(to, token, &v)?
                 }
                 None => to.clone(),
             };
-            let v = self.pool().send_volume(&p.id, &to)?;
+            // Through the listener, the hello gave the destination the data key.
+            let key_there = p.token.is_some();
+            let v = self.pool().send_volume(&p.id, &to, key_there)?;
             self.republish(&v);
             return self.send_info(&p.id, None);
         }

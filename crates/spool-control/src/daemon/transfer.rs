@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use spool_nbd::Listen;
+use spool_pool::metadata::VolumeKey;
 use spool_pool::VolumeInfo;
 
 use super::Daemon;
@@ -94,7 +95,8 @@ impl Daemon {
         // Not in the `if let`: its guard would hold the pool's lock through the block.
         let found = self.pool().volume(name);
         if let Ok(v) = found {
-            self.pool().check_writable_outside(&v.uuid.to_string())?;
+            self.pool()
+                .check_writable_outside(&v.uuid.to_string(), true)?;
         }
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         expected.retain(|e| e.volume != name);
@@ -225,34 +227,42 @@ impl Daemon {
         Ok(info.uri)
     }
 
-    /// The volume a hello names: created as the sender has it if it does not exist, else
-    /// checked (as large, receivable).
+    /// The volume a hello names: created as the sender has it if it does not exist (an
+    /// encrypted one under the sender's data key), else checked (as large, the same data
+    /// key, receivable).
     fn volume_as_sent(&self, h: &TransferHello) -> Result<VolumeInfo, RpcError> {
+        let key = h.key.clone().map(|k| VolumeKey {
+            cipher: k.cipher,
+            kek_id: k.kek_id,
+            wrapped: k.wrapped,
+        });
         let found = self.pool().volume(&h.volume);
         match found {
             Ok(v) if v.size < h.size => Err(RpcError::InvalidParams(format!(
                 "volume '{}' here has {} bytes, fewer than the sender's {}",
                 v.name, v.size, h.size
             ))),
-            Ok(v) => self
-                .pool()
-                .check_writable_outside(&v.uuid.to_string())
-                .map_err(Into::into),
+            Ok(v) => {
+                let pool = self.pool();
+                let id = v.uuid.to_string();
+                pool.check_same_key(&id, key.as_ref())?;
+                pool.check_writable_outside(&id, true).map_err(Into::into)
+            }
             Err(_) => {
                 let qos = h.qos.map(crate::wire::qos_from_wire);
                 if let Some(q) = &qos {
                     q.validate().map_err(RpcError::InvalidParams)?;
                 }
-                self.volume_create(api::VolumeCreateParams {
-                    name: h.volume.clone(),
-                    size: Some(api::SizeValue::Bytes(h.size)),
-                    num_queues: Some(h.num_queues),
-                    mirror: Some(h.copies),
-                    read_only: false,
-                    rbd: None,
-                    encrypt: false,
-                    thin: false,
-                })?;
+                let created = self.pool().create_received_volume(
+                    &h.volume,
+                    h.size,
+                    h.num_queues,
+                    h.copies,
+                    key,
+                );
+                if let Err(e) = self.serve(&created?) {
+                    return Err(RpcError::NotServed(e.to_string()));
+                }
                 if let Some(q) = qos {
                     let (v, layout) = {
                         let mut pool = self.pool();
@@ -266,7 +276,7 @@ impl Daemon {
                 }
                 tracing::info!(volume = %h.volume, size = h.size, queues = h.num_queues, copies = h.copies, "volume created for a transfer");
                 self.pool()
-                    .check_writable_outside(&h.volume)
+                    .check_writable_outside(&h.volume, true)
                     .map_err(Into::into)
             }
         }
@@ -300,6 +310,11 @@ impl Daemon {
             num_queues: v.num_queues,
             copies: v.copies.saturating_sub(remote).max(1),
             qos: v.qos.map(crate::wire::ToWire::wire),
+            key: self.pool().wrapped_key(&v.name)?.map(|k| api::TransferKey {
+                cipher: k.cipher,
+                kek_id: k.kek_id,
+                wrapped: k.wrapped,
+            }),
         };
         let mut line = serde_json::to_string(&hello).map_err(|e| fail(e.to_string()))?;
         line.push('\n');
