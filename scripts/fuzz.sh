@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs=${1:-60}
 shift || true
-all=(request_parser pool_metadata journal keeper_proto vhost_session nbd_server thin_map)
+all=(request_parser pool_metadata journal keeper_proto vhost_session nbd_server nbd_client thin_map)
 if [ $# -gt 0 ]; then targets=("$@"); else targets=("${all[@]}"); fi
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1

@@ -262,7 +262,22 @@ fn deadline(s: &Stream, until: Instant) -> io::Result<()> {
 /// The client's half of the fixed newstyle handshake, all of it before `until`: size,
 /// transmission flags and the largest request the server takes.
 fn handshake(s: &mut Stream, export: &str, until: Instant) -> io::Result<(u64, u16, u32)> {
-    deadline(s, until)?;
+    negotiate(s, export, &mut |s: &Stream| deadline(s, until))
+}
+
+/// The handshake of [`connect`] over any byte stream, with no deadline: what the fuzz
+/// target `nbd_client` feeds a hostile server's bytes to.
+pub fn handshake_io<S: Read + Write>(s: &mut S, export: &str) -> io::Result<(u64, u16, u32)> {
+    negotiate(s, export, &mut |_: &S| Ok(()))
+}
+
+/// The handshake; `bound` runs before each read (the caller's deadline).
+fn negotiate<S: Read + Write>(
+    s: &mut S,
+    export: &str,
+    bound: &mut dyn FnMut(&S) -> io::Result<()>,
+) -> io::Result<(u64, u16, u32)> {
+    bound(s)?;
     let mut h = [0u8; 18];
     s.read_exact(&mut h)?;
     if u64::from_be_bytes(h[0..8].try_into().expect("8 bytes")) != NBDMAGIC
@@ -289,7 +304,7 @@ fn handshake(s: &mut Stream, export: &str, until: Instant) -> io::Result<(u64, u
     s.write_all(&opt)?;
     let (mut size, mut flags, mut max_io) = (None, 0u16, MAX_IO);
     loop {
-        deadline(s, until)?;
+        bound(s)?;
         let mut r = [0u8; 20];
         s.read_exact(&mut r)?;
         if u64::from_be_bytes(r[0..8].try_into().expect("8 bytes")) != REPLY_MAGIC {
@@ -301,7 +316,7 @@ fn handshake(s: &mut Stream, export: &str, until: Instant) -> io::Result<(u64, u
             return Err(invalid("option reply too long".into()));
         }
         let mut p = vec![0u8; len as usize];
-        deadline(s, until)?;
+        bound(s)?;
         s.read_exact(&mut p)?;
         match kind {
             REP_ACK => break,
@@ -405,5 +420,75 @@ mod tests {
         ] {
             assert!(Target::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A connection whose reads are a server's bytes; what the client writes is dropped.
+    struct FromServer(std::io::Cursor<Vec<u8>>);
+
+    impl Read for FromServer {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+
+    impl Write for FromServer {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A server's option reply to `NBD_OPT_GO`.
+    fn reply(kind: u32, payload: &[u8]) -> Vec<u8> {
+        let mut r = REPLY_MAGIC.to_be_bytes().to_vec();
+        r.extend_from_slice(&OPT_GO.to_be_bytes());
+        r.extend_from_slice(&kind.to_be_bytes());
+        r.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        r.extend_from_slice(payload);
+        r
+    }
+
+    /// The handshake as a server's bytes drive it: the export's size and flags taken, a
+    /// block size below a sector raised to one, and every short or refused answer an error.
+    #[test]
+    fn a_servers_handshake_is_taken_and_its_odd_answers_refused() {
+        let mut server = NBDMAGIC.to_be_bytes().to_vec();
+        server.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        server.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        let head = server.clone();
+        let mut export = INFO_EXPORT.to_be_bytes().to_vec();
+        export.extend_from_slice(&(8u64 << 20).to_be_bytes());
+        export.extend_from_slice(&TFLAG_CAN_MULTI_CONN.to_be_bytes());
+        server.extend(reply(REP_INFO, &export));
+        let mut block = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        for v in [1u32, 1, 100] {
+            block.extend_from_slice(&v.to_be_bytes());
+        }
+        server.extend(reply(REP_INFO, &block));
+        server.extend(reply(REP_ACK, &[]));
+        let mut io = FromServer(std::io::Cursor::new(server.clone()));
+        let (size, flags, max_io) = handshake_io(&mut io, "v").unwrap();
+        assert_eq!((size, flags, max_io), (8 << 20, TFLAG_CAN_MULTI_CONN, 512));
+
+        let go = |bytes: Vec<u8>| handshake_io(&mut FromServer(std::io::Cursor::new(bytes)), "v");
+        for cut in [0, 10, head.len(), server.len() - 1] {
+            assert!(go(server[..cut].to_vec()).is_err(), "cut at {cut}");
+        }
+        let mut no_export = head.clone();
+        no_export.extend(reply(REP_ACK, &[]));
+        let e = go(no_export).unwrap_err().to_string();
+        assert!(e.contains("did not describe the export"), "{e}");
+        let mut refused = head.clone();
+        refused.extend(reply(REP_ERR_UNKNOWN, b"nope"));
+        assert!(go(refused)
+            .unwrap_err()
+            .to_string()
+            .contains("no such export"));
+        let mut long = head;
+        long.extend(&reply(REP_INFO, &[])[..16]);
+        long.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(go(long).unwrap_err().to_string().contains("too long"));
     }
 }
