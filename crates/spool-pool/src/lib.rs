@@ -24,6 +24,7 @@ mod rbd_snapshots;
 mod remote;
 mod snapshots;
 mod thin;
+mod thin_move;
 mod volume_image;
 mod volumes;
 

@@ -245,6 +245,9 @@ impl Pool {
         let dev = open_spec(spec, &self.opts)?;
         let path = dev.path().display().to_string();
         check_replacement_blank(&dev, old, force)?;
+        // Thin maps on it are written elsewhere first (each in a commit of its own): the
+        // moves below then find none there.
+        self.move_thin_maps_off(old)?;
         let mut table = self.table.clone();
         let new = Self::join(&mut table, &dev, force)?;
         let mut buddy = new_buddy(&dev, table.min_extent)?;
@@ -347,11 +350,16 @@ impl Pool {
                     v.name
                 )));
             }
-            if v.all_extents().any(|e| e.device == old) {
+            // The volume's own map moves (`thin_move.rs`); a snapshot's is not moved yet.
+            let snapshots = v.thin.iter().flat_map(|t| &t.snapshots);
+            if let Some(s) = snapshots
+                .into_iter()
+                .find(|s| s.map.iter().any(|e| e.device == old))
+            {
                 self.refresh_space();
                 return Err(Error::InvalidArgument(format!(
-                    "thin volume '{}' keeps its map (or a snapshot's) on device {old}; replacing a device that holds a thin map is not supported yet (its chunks alone can be: delete the volume, or its snapshot, first)",
-                    v.name
+                    "snapshot '{}@{}' keeps its map on device {old}; moving a snapshot's map is not supported yet (delete the snapshot first)",
+                    v.name, s.name
                 )));
             }
         }

@@ -7,6 +7,7 @@
 use crate::encryption::NewKey;
 use crate::metadata::{self, ExtentEntry, LegEntry, VolumeEntry, VolumeKey, MAX_QUEUES};
 use crate::{Error, Pool, QosLimits, Result, VolumeInfo};
+use uuid::Uuid;
 
 pub(crate) fn valid_name(name: &str) -> Result<()> {
     metadata::check_volume_name(name).map_err(Error::InvalidArgument)
@@ -59,6 +60,15 @@ impl Pool {
     /// Allocates extents covering `bytes` (a multiple of the minimum extent), largest blocks
     /// first, each on the device with the most free space that has a block of that order.
     pub(crate) fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
+        self.allocate_off(bytes, None)
+    }
+
+    /// [`Self::allocate`] on devices other than `avoid`.
+    pub(crate) fn allocate_off(
+        &mut self,
+        bytes: u64,
+        avoid: Option<Uuid>,
+    ) -> Result<Vec<ExtentEntry>> {
         self.check_not_frozen()?;
         let min = self.table.min_extent;
         let mut units = bytes / min;
@@ -74,7 +84,7 @@ impl Pool {
             let best = self
                 .members
                 .iter_mut()
-                .filter(|m| !m.isolated() && m.has_order(order))
+                .filter(|m| !m.isolated() && Some(m.uuid) != avoid && m.has_order(order))
                 .max_by_key(|m| m.free_bytes());
             match best.map(|m| (m.uuid, m.alloc(order))) {
                 // A thin volume's allocator took the block since the check: look again.

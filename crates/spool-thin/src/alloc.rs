@@ -113,6 +113,9 @@ impl Allocator<'_> {
             for (device, reply) in work.evictions {
                 let _ = reply.send(self.evict(device));
             }
+            for r in work.relocations {
+                self.relocate(r);
+            }
             self.allocate(work.allocs);
             self.retire_drained();
         }
@@ -407,6 +410,9 @@ pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
     }
     let mut failed = Vec::new();
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
+    // Every place the map is written to (two while a move was not recorded for sure): a
+    // block is written only when all of them took it.
+    let places = s.map_places.lock().unwrap_or_else(|p| p.into_inner());
     for (b, ch) in blocks {
         for i in map::block_entries(b, s.map.capacity()) {
             let p = ch
@@ -417,12 +423,15 @@ pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
             let e = map::encode(s.spec.volume, i, p.and_then(|(d, o)| s.placement(d, o)));
             buf[at..at + ENTRY_BYTES as usize].copy_from_slice(&e);
         }
-        if let Err(e) = s.spec.store.write_block(b, &buf) {
-            tracing::error!(volume = %s.spec.path.display(), block = b, error = %e, "writing the thin volume's map failed");
-            if let Some((dev, off)) = s.spec.store.locate(b * BLOCK_BYTES) {
-                report(dev, off, BLOCK_BYTES);
+        for store in places.iter() {
+            if let Err(e) = store.write_block(b, &buf) {
+                tracing::error!(volume = %s.spec.path.display(), block = b, error = %e, "writing the thin volume's map failed");
+                if let Some((dev, off)) = store.locate(b * BLOCK_BYTES) {
+                    report(dev, off, BLOCK_BYTES);
+                }
+                failed.push(b);
+                break;
             }
-            failed.push(b);
         }
         buf.fill(0);
     }

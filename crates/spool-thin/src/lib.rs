@@ -20,6 +20,7 @@ mod evict;
 mod grace;
 pub mod map;
 mod queue;
+mod relocate;
 mod share;
 mod shared;
 mod snapshot;
@@ -30,6 +31,7 @@ use uuid::Uuid;
 
 pub use backend::{LoadedMap, MapScan, ScanProblem, ThinBackend};
 pub use queue::ThinQueue;
+pub use relocate::MapMove;
 pub use share::SharedChunks;
 pub use shared::{SnapshotSpec, ThinSpec};
 
@@ -50,6 +52,8 @@ pub enum Error {
     Snapshot(String),
     #[error("cannot forget the chunks on the replaced device: {0}")]
     Evict(String),
+    #[error("cannot move the thin volume's map: {0}")]
+    Relocate(String),
 }
 
 /// Where a thin volume's chunks come from: the pool's free space.

@@ -88,6 +88,9 @@ pub(crate) struct Shared {
     pub(crate) retire: Mutex<Retire>,
     /// The volume's snapshots (their chunks are named by their maps too).
     pub(crate) snapshots: Mutex<Vec<SnapImage>>,
+    /// Where every change of the map is written: `spec.store` until the map moves
+    /// (`relocate.rs`); two places while a move was not recorded for sure.
+    pub(crate) map_places: Mutex<Vec<crate::map::MapStore>>,
     /// Chunks the allocator took and has not published or given back yet (what `pool
     /// check` must not call leaked): set by `take_filled`, emptied when the batch is done.
     pub(crate) in_hand: Mutex<Vec<Placement>>,
@@ -113,6 +116,7 @@ impl Shared {
         devices: Vec<(Uuid, Option<Arc<Device>>)>,
     ) -> Shared {
         Shared {
+            map_places: Mutex::new(vec![spec.store.clone()]),
             size: AtomicU64::new(spec.size),
             spec,
             map,
@@ -302,6 +306,25 @@ pub(crate) struct Work {
     pub(crate) reverts: Vec<Revert>,
     /// Devices leaving the pool: each answered with how many entries became holes.
     pub(crate) evictions: Vec<(Uuid, std::sync::mpsc::Sender<Result<u64, String>>)>,
+    /// Moves of the map to another place (`relocate.rs`).
+    pub(crate) relocations: Vec<Relocation>,
+}
+
+/// What the pool decided about a map written to its new place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// The table names the new place.
+    Recorded,
+    /// The table may or may not name it.
+    Unsure,
+}
+
+/// A map move the allocator thread is to make.
+#[derive(Debug)]
+pub(crate) struct Relocation {
+    pub(crate) store: crate::map::MapStore,
+    pub(crate) copied: std::sync::mpsc::Sender<Result<(), String>>,
+    pub(crate) decision: std::sync::mpsc::Receiver<Decision>,
 }
 
 /// A revert: the snapshot's chunks (chunk index, where), and where the number of entries
@@ -321,6 +344,7 @@ impl Work {
             && self.snapshots.is_empty()
             && self.reverts.is_empty()
             && self.evictions.is_empty()
+            && self.relocations.is_empty()
     }
 }
 

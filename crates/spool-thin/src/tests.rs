@@ -12,6 +12,7 @@ use uuid::Uuid;
 use crate::map::{MapExtent, MapStore};
 use crate::{ChunkSource, SharedChunks, ThinBackend, ThinSpec};
 
+mod relocate;
 mod snapshots;
 
 const CHUNK: u64 = 64 << 10;
