@@ -121,6 +121,10 @@ pub struct TransferKey {
     pub kek_id: String,
     /// The wrapped key, in hex.
     pub wrapped: String,
+    /// HMAC-SHA256 (hex), under a key derived from the key-encryption key, of the whole
+    /// hello as JSON with this field empty: proves the sender holds the key-encryption key,
+    /// so only such a host makes the destination adopt a data key.
+    pub tag: String,
 }
 
 /// The transfer hello's version.

@@ -360,6 +360,25 @@ fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
 
     ctl(&b, &["volume", "receive", "v", "--token", token]);
     let to = format!("127.0.0.1:{}", transfer_port(&b));
+    // A hello carrying a data key without the tag only a holder of the KEK makes.
+    let kek_id = a
+        .rpc("volume_show", serde_json::json!({"id": "v"}))
+        .unwrap()["kek_id"]
+        .clone();
+    let forged = format!(
+        "{{\"version\":1,\"token\":\"{token}\",\"volume\":\"v\",\"size\":16777216,\"num_queues\":1,\"copies\":1,\"key\":{{\"cipher\":\"aes-xts-plain64\",\"kek_id\":{kek_id},\"wrapped\":\"{}\",\"tag\":\"{}\"}}}}\n",
+        "ab".repeat(72),
+        "cd".repeat(32)
+    );
+    let mut s = std::net::TcpStream::connect(&to).unwrap();
+    s.write_all(forged.as_bytes()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.contains("does not prove the sender holds"),
+        "{answer}"
+    );
+    ctl_err(&b, &["volume", "show", "v"]);
     ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
     // The transfer, served again by B's next worker, still takes the ciphertext.
     b.kill_worker();
@@ -379,6 +398,7 @@ fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
             .clone()
     };
     assert!(show.contains("aes-xts-plain64"), "{show}");
+    assert!(kek(&a).is_string());
     assert_eq!(kek(&b), kek(&a));
     let img = std::fs::read(b.dir.path().join("d0.img")).unwrap();
     let plain: std::collections::HashSet<&[u8]> =

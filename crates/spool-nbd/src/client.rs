@@ -329,7 +329,7 @@ fn negotiate<S: Read + Write>(
                     // The data path sends whole sectors: a smaller maximum is not one
                     // a block device's server gives.
                     let max = u32_at(&p, 10).expect("checked length");
-                    max_io = max_io.min(max.max(512));
+                    max_io = max_io.min(max.max(512) / 512 * 512);
                 }
                 _ => {}
             },
@@ -463,7 +463,7 @@ mod tests {
         export.extend_from_slice(&TFLAG_CAN_MULTI_CONN.to_be_bytes());
         server.extend(reply(REP_INFO, &export));
         let mut block = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
-        for v in [1u32, 1, 100] {
+        for v in [1u32, 1, 1000] {
             block.extend_from_slice(&v.to_be_bytes());
         }
         server.extend(reply(REP_INFO, &block));

@@ -107,7 +107,8 @@ impl Listener {
             }
             Listener::Tcp(l, peers) => {
                 let (s, from) = l.accept()?;
-                if peers.as_ref().is_some_and(|p| !p.contains(&from.ip())) {
+                let ip = from.ip().to_canonical();
+                if (peers.as_ref()).is_some_and(|p| !p.iter().any(|a| a.to_canonical() == ip)) {
                     tracing::warn!(peer = %from, "an NBD client from a peer not allowed was turned away");
                     return Err(io::Error::new(
                         io::ErrorKind::PermissionDenied,

@@ -16,6 +16,9 @@ use uuid::Uuid;
 use crate::metadata::{VolumeEntry, VolumeKey};
 use crate::{Error, Pool, Result};
 
+/// What a transfer hello's tag is for (the key-encryption key's tags are kept apart by it).
+const TRANSFER_PURPOSE: &str = "spool transfer hello v1";
+
 /// Each encrypted volume's cipher, unwrapped once.
 pub(crate) type CipherCache = HashMap<Uuid, Arc<Locked<XtsCipher>>>;
 
@@ -110,11 +113,68 @@ impl Pool {
                 ),
             ));
         }
-        if spool_crypt::from_hex(&key.wrapped).map(|w| w.len()) != Some(spool_crypt::WRAPPED_LEN) {
-            return Err(key_error(v, "its wrapped data key is malformed"));
+        let wrapped = spool_crypt::from_hex(&key.wrapped)
+            .filter(|w| w.len() == spool_crypt::WRAPPED_LEN)
+            .ok_or_else(|| key_error(v, "its wrapped data key is malformed"))?;
+        // As this pool writes it (lowercase), so that equal keys compare equal.
+        let key = VolumeKey {
+            wrapped: spool_crypt::to_hex(&wrapped),
+            ..key
+        };
+        if let Some(other) = (self.table.volumes.iter()).find(|o| {
+            o.encryption
+                .as_ref()
+                .is_some_and(|k| k.wrapped == key.wrapped)
+        }) {
+            return Err(key_error(
+                v,
+                format!(
+                    "volume '{}' here has that data key already: one data key is one volume's",
+                    other.name
+                ),
+            ));
         }
         unwrap_key(v, &key, kek)?;
         Ok(key)
+    }
+
+    /// A tag (hex) proving to a host with the same key-encryption key that this one sent
+    /// `message` (a transfer hello carrying a data key: docs/transfer.md).
+    pub fn transfer_tag(&self, message: &[u8]) -> Result<String> {
+        let kek = self
+            .opts
+            .kek
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("spoold has no key-encryption key".into()))?;
+        Ok(spool_crypt::to_hex(
+            &kek.authenticate(TRANSFER_PURPOSE, message),
+        ))
+    }
+
+    /// Whether `tag` is [`Self::transfer_tag`]'s for `message` under this pool's
+    /// key-encryption key, which must be `kek_id` (the sender's): an error says which
+    /// check failed, naming key ids only.
+    pub fn check_transfer_tag(&self, kek_id: &str, message: &[u8], tag: &str) -> Result<()> {
+        let refuse =
+            |why: String| Error::InvalidArgument(format!("the hello's data key is refused: {why}"));
+        let kek = self.opts.kek.as_ref().ok_or_else(|| {
+            refuse(format!(
+                "it is wrapped under key-encryption key {kek_id}, and spoold here has none: give this host that key ([encryption], docs/encryption.md)"
+            ))
+        })?;
+        if kek.id() != kek_id {
+            return Err(refuse(format!(
+                "it is wrapped under key-encryption key {kek_id}, and spoold here has {}: give both hosts the same key-encryption key (docs/transfer.md)",
+                kek.id()
+            )));
+        }
+        let tag = spool_crypt::from_hex(tag).unwrap_or_default();
+        match kek.verify(TRANSFER_PURPOSE, message, &tag) {
+            true => Ok(()),
+            false => Err(refuse(
+                "its tag does not prove the sender holds this host's key-encryption key (a forged or altered hello)".into(),
+            )),
+        }
     }
 
     /// The wrapped data key of volume `id` as the table holds it (None: not encrypted),
@@ -129,7 +189,11 @@ impl Pool {
     /// under one key-encryption key the same data key wraps to the same bytes.
     pub fn check_same_key(&self, id: &str, key: Option<&VolumeKey>) -> Result<()> {
         let v = &self.table.volumes[self.find(id)?];
-        if v.encryption.as_ref() == key {
+        let lower = key.map(|k| VolumeKey {
+            wrapped: k.wrapped.to_ascii_lowercase(),
+            ..k.clone()
+        });
+        if v.encryption == lower {
             return Ok(());
         }
         let why = match (&v.encryption, key) {
@@ -472,6 +536,52 @@ mod transfer_tests {
         assert!(e.contains("same key-encryption key"), "{e}");
         let e = refused(&mut pool(dd.path(), None), sent);
         assert!(e.contains("spoold here has none"), "{e}");
+    }
+
+    /// One data key is one volume's; a key sent in uppercase is the same key; an existing
+    /// volume takes a transfer only with the sender's key; a hello's tag proves the KEK.
+    #[test]
+    fn a_received_key_is_one_volumes_and_its_hello_is_proven() {
+        let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let k = Arc::new(Kek::generate().unwrap());
+        let mut a = pool(da.path(), Some(&k));
+        a.create_volume_opts("s", 1 << 20, false, 1, 1, true)
+            .unwrap();
+        a.create_volume_opts("o", 1 << 20, false, 1, 1, true)
+            .unwrap();
+        let sent = a.wrapped_key("s").unwrap().unwrap();
+        let mut b = pool(db.path(), Some(&k));
+        let upper = VolumeKey {
+            wrapped: sent.wrapped.to_ascii_uppercase(),
+            ..sent.clone()
+        };
+        b.create_received_volume("s", 1 << 20, 1, 1, Some(upper.clone()))
+            .unwrap();
+        assert_eq!(b.wrapped_key("s").unwrap(), Some(sent.clone()));
+        b.check_same_key("s", Some(&upper)).unwrap();
+        let e = b.create_received_volume("t", 1 << 20, 1, 1, Some(sent.clone()));
+        let e = e.unwrap_err().to_string();
+        assert!(
+            e.contains("volume 's' here has that data key already"),
+            "{e}"
+        );
+        let other = a.wrapped_key("o").unwrap();
+        let e = b
+            .check_same_key("s", other.as_ref())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("its data key here is not the sender's"), "{e}");
+        b.create_volume("p", 1 << 20, false, 1).unwrap();
+        let e = b.check_same_key("p", Some(&sent)).unwrap_err().to_string();
+        assert!(e.contains("not encrypted here"), "{e}");
+        b.check_same_key("p", None).unwrap();
+
+        let tag = a.transfer_tag(b"hello").unwrap();
+        b.check_transfer_tag(&k.id(), b"hello", &tag).unwrap();
+        let e = b.check_transfer_tag(&k.id(), b"hellO", &tag).unwrap_err();
+        assert!(e.to_string().contains("does not prove"), "{e}");
+        let e = b.check_transfer_tag("00ff", b"hello", &tag).unwrap_err();
+        assert!(e.to_string().contains("same key-encryption key"), "{e}");
     }
 
     /// Only through a transfer listener (which took the key) is an encrypted volume sent.

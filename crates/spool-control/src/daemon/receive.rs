@@ -245,7 +245,8 @@ impl Daemon {
                 v.name
             )));
         }
-        let restricted = peers.is_some();
+        let allowed: Option<Vec<String>> =
+            (peers.as_ref()).map(|p| p.iter().map(|ip| ip.to_string()).collect());
         let started = Server::start_for(listen, kept, export.clone(), peers);
         let server = started.map_err(|e| {
             export.end("it could not listen");
@@ -260,7 +261,12 @@ impl Daemon {
             server,
         };
         if let Some(s) = &self.store {
-            let value = serde_json::json!({ "nbd": r.nbd, "peers": restricted }).to_string();
+            let value = serde_json::json!({
+                "nbd": r.nbd,
+                "peers": allowed.is_some(),
+                "allowed": allowed,
+            })
+            .to_string();
             if let Err(e) = s.put(&kept_key(v.uuid), value, &[r.server.listener_fd()]) {
                 tracing::error!(volume = %v.name, "cannot keep the transfer's socket with the keeper ({e}): a worker restart ends it");
             }
@@ -291,19 +297,10 @@ impl Daemon {
                 let uuid: Uuid = key[KEPT_PREFIX.len()..].parse().map_err(|_| bad())?;
                 let kept: serde_json::Value = serde_json::from_str(&value).map_err(|_| bad())?;
                 let nbd = kept["nbd"].as_str().ok_or_else(bad)?.to_string();
-                // Started by the transfer listener: only its peers, as configured now.
+                // Started by the transfer listener: only the peer that said hello (the
+                // peers, from a worker that did not record it), as configured now.
                 let peers = match kept["peers"].as_bool() {
-                    Some(true) => Some(
-                        self.cfg
-                            .transfer
-                            .as_ref()
-                            .map(|t| t.peers.clone())
-                            .ok_or_else(|| {
-                                RpcError::InvalidParams(
-                                    "the config has no [transfer] peers any more".into(),
-                                )
-                            })?,
-                    ),
+                    Some(true) => Some(self.kept_peers(&kept["allowed"])?),
                     _ => None,
                 };
                 let fd = fds.into_iter().next().ok_or_else(bad)?;
@@ -328,6 +325,34 @@ impl Daemon {
                 }
             }
         }
+    }
+
+    /// The peers a kept transfer may serve: those it recorded (`allowed`, if any) that the
+    /// config's `[transfer] peers` still names.
+    fn kept_peers(&self, allowed: &serde_json::Value) -> Result<Arc<[std::net::IpAddr]>, RpcError> {
+        let configured = (self.cfg.transfer.as_ref())
+            .map(|t| t.peers.clone())
+            .ok_or_else(|| {
+                RpcError::InvalidParams("the config has no [transfer] peers any more".into())
+            })?;
+        let Some(list) = allowed.as_array() else {
+            return Ok(configured);
+        };
+        let recorded: Vec<std::net::IpAddr> = list
+            .iter()
+            .filter_map(|v| v.as_str()?.parse().ok())
+            .filter(|ip: &std::net::IpAddr| {
+                configured
+                    .iter()
+                    .any(|c| c.to_canonical() == ip.to_canonical())
+            })
+            .collect();
+        if recorded.is_empty() {
+            return Err(RpcError::InvalidParams(
+                "the peer it was started for is not in [transfer] peers any more".into(),
+            ));
+        }
+        Ok(recorded.into())
     }
 
     fn volume_receive_stop(&self, p: ReceiveStopParams) -> Result<ReceiveInfo, RpcError> {

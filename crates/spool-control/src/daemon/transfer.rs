@@ -63,6 +63,15 @@ fn same_token(a: &str, b: &str) -> bool {
     a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
+/// What a hello's tag covers: the hello as JSON, its tag empty.
+fn untagged(h: &TransferHello) -> Vec<u8> {
+    let mut h = h.clone();
+    if let Some(k) = &mut h.key {
+        k.tag.clear();
+    }
+    serde_json::to_vec(&h).unwrap_or_default()
+}
+
 /// Reads one line of at most [`HELLO_MAX`] bytes, all of it within `wait`.
 fn read_line(s: &TcpStream, wait: Duration) -> std::io::Result<String> {
     let deadline = Instant::now() + wait;
@@ -177,12 +186,12 @@ impl Daemon {
         Ok(())
     }
 
-    /// Answers one hello that reached this host at `here`: the NBD URI of the volume's
-    /// receive export (bound to that address), or why not.
-    fn answer(&self, h: &TransferHello, here: IpAddr) -> Result<String, String> {
-        let Some(peers) = self.cfg.transfer.as_ref().map(|t| t.peers.clone()) else {
+    /// Answers one hello from `peer` that reached this host at `here`: the NBD URI of the
+    /// volume's receive export (bound to that address, for that peer only), or why not.
+    fn answer(&self, h: &TransferHello, here: IpAddr, peer: IpAddr) -> Result<String, String> {
+        if self.cfg.transfer.is_none() {
             return Err("no transfer listener".into());
-        };
+        }
         if h.version != TRANSFER_VERSION {
             return Err(format!(
                 "transfer version {} is not spoken here (this spoold speaks {TRANSFER_VERSION})",
@@ -217,8 +226,9 @@ impl Daemon {
         let v = self.volume_as_sent(h).map_err(|e| e.to_string())?;
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         let at = Listen::Tcp(SocketAddr::new(here, 0).to_string());
+        let only = Arc::from([peer]);
         let info = self
-            .start_receiving(&mut receiving, &v, at, None, Some(peers))
+            .start_receiving(&mut receiving, &v, at, None, Some(only))
             .map_err(|e| e.to_string())?;
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = expected.iter_mut().find(|e| e.volume == h.volume) {
@@ -231,6 +241,12 @@ impl Daemon {
     /// encrypted one under the sender's data key), else checked (as large, the same data
     /// key, receivable).
     fn volume_as_sent(&self, h: &TransferHello) -> Result<VolumeInfo, RpcError> {
+        if let Some(k) = &h.key {
+            // Before anything else: only a holder of this host's key-encryption key sends
+            // a data key that is taken.
+            self.pool()
+                .check_transfer_tag(&k.kek_id, &untagged(h), &k.tag)?;
+        }
         let key = h.key.clone().map(|k| VolumeKey {
             cipher: k.cipher,
             kek_id: k.kek_id,
@@ -302,7 +318,7 @@ impl Daemon {
         s.set_write_timeout(Some(HELLO_WAIT))
             .map_err(|e| fail(e.to_string()))?;
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
-        let hello = TransferHello {
+        let mut hello = TransferHello {
             version: TRANSFER_VERSION,
             token: token.into(),
             volume: v.name.clone(),
@@ -314,8 +330,15 @@ impl Daemon {
                 cipher: k.cipher,
                 kek_id: k.kek_id,
                 wrapped: k.wrapped,
+                tag: String::new(),
             }),
         };
+        if hello.key.is_some() {
+            let tag = self.pool().transfer_tag(&untagged(&hello))?;
+            if let Some(k) = &mut hello.key {
+                k.tag = tag;
+            }
+        }
         let mut line = serde_json::to_string(&hello).map_err(|e| fail(e.to_string()))?;
         line.push('\n');
         (&s).write_all(line.as_bytes())
@@ -398,7 +421,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
         Ok(Ok(h)) => {
             let Some(d) = weak.upgrade() else { return };
             let answer = match here {
-                Ok(here) => d.answer(&h, here),
+                Ok(here) => d.answer(&h, here, peer),
                 Err(e) => Err(format!("no local address ({e})")),
             };
             match &answer {
