@@ -350,18 +350,6 @@ impl Pool {
                     v.name
                 )));
             }
-            // The volume's own map moves (`thin_move.rs`); a snapshot's is not moved yet.
-            let snapshots = v.thin.iter().flat_map(|t| &t.snapshots);
-            if let Some(s) = snapshots
-                .into_iter()
-                .find(|s| s.map.iter().any(|e| e.device == old))
-            {
-                self.refresh_space();
-                return Err(Error::InvalidArgument(format!(
-                    "snapshot '{}@{}' keeps its map on device {old}; moving a snapshot's map is not supported yet (delete the snapshot first)",
-                    v.name, s.name
-                )));
-            }
         }
         if let Some(m) = self.members.iter().find(|m| m.uuid == old) {
             if !m.isolated() && !force {

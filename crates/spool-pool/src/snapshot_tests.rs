@@ -319,8 +319,7 @@ fn a_snapshot_of_an_encrypted_volume_reads_decrypted() {
 
 /// A device replaced under a thin volume: the chunks on it are lost, as a thick volume's
 /// extents are (their entries read zeroes, in the volume and in its snapshot and clone), the
-/// rest is kept, and the pool checks clean before and after a reopen. A device holding a
-/// snapshot's map is still refused.
+/// rest is kept, and the pool checks clean before and after a reopen.
 #[test]
 fn replacing_a_device_under_a_thin_volume_loses_only_its_chunks() {
     let d = tempfile::tempdir().unwrap();
@@ -359,15 +358,6 @@ fn replacing_a_device_under_a_thin_volume_loses_only_its_chunks() {
         .unwrap()
         .to_string();
     let gone_file = gone_file.as_str();
-    let snap_map = v.thin.as_ref().unwrap().snapshots[0].map[0].device;
-    let err = p
-        .replace_device(&snap_map.to_string(), &spec(d.path(), "x", 17), true)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("snapshot 't@s' keeps its map") && err.contains("delete the snapshot first"),
-        "{err}"
-    );
     let r = p
         .replace_device(&victim.to_string(), &spec(d.path(), "n", 17), true)
         .unwrap();
@@ -435,14 +425,7 @@ fn replacing_the_device_holding_a_thin_volumes_map_moves_the_map() {
     // The old map is garbage from now on: only memory holds it.
     let member = p.members.iter().find(|m| m.uuid == old).unwrap();
     let old_file = member.dev.path().to_path_buf();
-    for e in &map {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&old_file)
-            .unwrap();
-        let junk = vec![0x5au8; (p.table.min_extent << e.order) as usize];
-        std::os::unix::fs::FileExt::write_all_at(&f, &junk, e.offset).unwrap();
-    }
+    junk(&p, &old_file, &map);
     let r = p
         .replace_device(&old.to_string(), &spec(d.path(), "n", 17), true)
         .unwrap();
@@ -476,5 +459,83 @@ fn replacing_the_device_holding_a_thin_volumes_map_moves_the_map() {
             _ => expect(i),
         };
         assert_eq!(get(&p, "t", i << 20), want, "chunk {i} after a reopen");
+    }
+}
+
+/// Junk over `extents` of the device file `file` (a map only memory holds from now on).
+fn junk(p: &Pool, file: &std::path::Path, extents: &[crate::metadata::ExtentEntry]) {
+    let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    for e in extents {
+        let junk = vec![0x5au8; (p.table.min_extent << e.order) as usize];
+        std::os::unix::fs::FileExt::write_all_at(&f, &junk, e.offset).unwrap();
+    }
+}
+
+/// The device holding a snapshot's map is replaced: the snapshot's map is written elsewhere
+/// from memory (the old one junk), and a clone of the snapshot made after, and after a
+/// reopen without the device, reads the snapshot's data less the chunks that were on it.
+#[test]
+fn replacing_the_device_holding_a_snapshots_map_moves_the_map() {
+    let d = tempfile::tempdir().unwrap();
+    let names = ["a", "b", "c"];
+    let specs: Vec<DeviceSpec> = names.iter().map(|n| spec(d.path(), n, 17)).collect();
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_thin_volume("t", 12 << 20, false, 1, false)
+        .unwrap();
+    for i in 0..12u64 {
+        put(&p, "t", i << 20, i as u8 + 1);
+    }
+    p.snapshot_volume("t", "s").unwrap();
+    for i in 0..12u64 {
+        put(&p, "t", i << 20, 0xee);
+    }
+    let v = p.table.volumes[p.find("t").unwrap()].clone();
+    let thin = v.thin.as_ref().unwrap();
+    let old = thin.snapshots[0].map[0].device;
+    let dev = p.thin_device(&v).unwrap();
+    let snap = spool_thin::ThinBackend::of(&dev)
+        .unwrap()
+        .snapshot_entries(thin.snapshots[0].uuid);
+    let lost: Vec<u64> = (snap.unwrap().iter().filter(|e| e.1.device == old))
+        .map(|e| e.0)
+        .collect();
+    let file = p
+        .members
+        .iter()
+        .find(|m| m.uuid == old)
+        .unwrap()
+        .dev
+        .path()
+        .to_path_buf();
+    junk(&p, &file, &thin.snapshots[0].map);
+    p.replace_device(&old.to_string(), &spec(d.path(), "n", 17), true)
+        .unwrap();
+    let moved = &p.table.volumes[p.find("t").unwrap()]
+        .thin
+        .as_ref()
+        .unwrap()
+        .snapshots[0]
+        .map;
+    assert!(moved.iter().all(|e| e.device != old), "{moved:?}");
+    p.clone_snapshot("t", "s", "c").unwrap();
+    let expect = |i: u64| if lost.contains(&i) { 0 } else { i as u8 + 1 };
+    for i in 0..12u64 {
+        assert_eq!(get(&p, "c", i << 20), expect(i), "clone, chunk {i}");
+    }
+    super::check_tests::assert_clean(&p);
+    drop((dev, p));
+    let gone = file.file_name().unwrap().to_str().unwrap().to_string();
+    let kept: Vec<DeviceSpec> = (["a", "b", "c", "n"].iter())
+        .filter(|n| !gone.starts_with(**n))
+        .map(|n| spec(d.path(), n, 17))
+        .collect();
+    let p = Pool::open(&kept, opts()).unwrap();
+    super::check_tests::assert_clean(&p);
+    for i in 0..12u64 {
+        assert_eq!(
+            get(&p, "c", i << 20),
+            expect(i),
+            "clone after a reopen, chunk {i}"
+        );
     }
 }

@@ -328,14 +328,19 @@ impl ThinBackend {
             .map_err(Error::Evict)
     }
 
-    /// Writes the volume's map whole to `store` (new, zeroed, as large) and holds every map
-    /// change until the returned move is decided. Fails if the copy fails, or if an earlier
-    /// move was left unsure (the map is written to two places already).
-    pub fn move_map(&self, store: crate::map::MapStore) -> Result<crate::MapMove, Error> {
+    /// Writes the volume's map (or `snapshot`'s) whole to `store` (new, zeroed, as large)
+    /// and holds every map change until the returned move is decided. Fails if the copy
+    /// fails, if an earlier move was left unsure, or if the snapshot's map is damaged.
+    pub fn move_map(
+        &self,
+        snapshot: Option<Uuid>,
+        store: crate::map::MapStore,
+    ) -> Result<crate::MapMove, Error> {
         let (copied, done) = std::sync::mpsc::channel();
         let (decision, decided) = std::sync::mpsc::channel();
         let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
         w.relocations.push(crate::shared::Relocation {
+            snapshot,
             store,
             copied,
             decision: decided,

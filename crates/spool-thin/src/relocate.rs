@@ -17,7 +17,7 @@
 use std::sync::mpsc::Sender;
 
 use crate::alloc::Allocator;
-use crate::map::{self, Placement};
+use crate::map::{self, MapStore, Placement};
 use crate::shared::{Decision, Relocation};
 
 /// A map written whole to its new place; the allocator changes nothing until the caller
@@ -45,23 +45,9 @@ impl Allocator<'_> {
     /// Copies the map to `r.store`, then waits for the decision (nothing else changes the
     /// map meanwhile) and writes where it says.
     pub(crate) fn relocate(&mut self, r: Relocation) {
-        let s = self.s;
-        let copy = {
-            let places = s.map_places.lock().unwrap_or_else(|p| p.into_inner());
-            if places.len() > 1 {
-                Err("an earlier move of the map was not recorded for sure; restart spoold before moving it again".to_string())
-            } else if r.store.capacity() < s.map.capacity() {
-                Err(format!(
-                    "the new place holds {} entries, the map {}",
-                    r.store.capacity(),
-                    s.map.capacity()
-                ))
-            } else {
-                let live: Vec<(u64, Placement)> = (s.map.entries())
-                    .filter_map(|(c, d, off)| s.placement(d, off).map(|p| (c, p)))
-                    .collect();
-                map::write_image(&r.store, s.spec.volume, &live).map_err(|e| e.to_string())
-            }
+        let copy = match r.snapshot {
+            None => self.copy_map(&r.store),
+            Some(uuid) => self.copy_snapshot_map(uuid, &r.store),
         };
         let copied = copy.is_ok();
         if r.copied.send(copy).is_err() || !copied {
@@ -69,17 +55,74 @@ impl Allocator<'_> {
         }
         // The pool commits its table now; no map change may land in between.
         let decision = r.decision.recv();
+        let s = self.s;
+        let volume = s.spec.path.display();
+        if let Some(uuid) = r.snapshot {
+            // A snapshot's map changes only when a device leaves (`evict.rs`): unsure,
+            // where it lives is unknown until a restart, so nothing writes either copy.
+            let mut snaps = s.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(img) = snaps.iter_mut().find(|i| i.uuid == uuid) else {
+                return;
+            };
+            match decision {
+                Ok(Decision::Recorded) => {
+                    tracing::info!(%volume, snapshot = %uuid, "the snapshot's map moved");
+                    img.store = Some(r.store);
+                }
+                Ok(Decision::Unsure) => img.store = None,
+                Err(_) => {}
+            }
+            return;
+        }
         let mut places = s.map_places.lock().unwrap_or_else(|p| p.into_inner());
         match decision {
             Ok(Decision::Recorded) => {
-                tracing::info!(volume = %s.spec.path.display(), "the thin volume's map moved");
+                tracing::info!(%volume, "the thin volume's map moved");
                 *places = vec![r.store];
             }
             Ok(Decision::Unsure) => {
-                tracing::warn!(volume = %s.spec.path.display(), "the thin volume's map is written to its old and its new place until spoold restarts (the table's commit failed part way)");
+                tracing::warn!(%volume, "the thin volume's map is written to its old and its new place until spoold restarts (the table's commit failed part way)");
                 places.push(r.store);
             }
             Err(_) => {}
         }
+    }
+
+    /// The volume's map, from memory, to `store`.
+    fn copy_map(&self, store: &MapStore) -> Result<(), String> {
+        let s = self.s;
+        let places = s.map_places.lock().unwrap_or_else(|p| p.into_inner());
+        if places.len() > 1 {
+            return Err("an earlier move of the map was not recorded for sure; restart spoold before moving it again".into());
+        }
+        if store.capacity() < s.map.capacity() {
+            return Err(format!(
+                "the new place holds {} entries, the map {}",
+                store.capacity(),
+                s.map.capacity()
+            ));
+        }
+        let live: Vec<(u64, Placement)> = (s.map.entries())
+            .filter_map(|(c, d, off)| s.placement(d, off).map(|p| (c, p)))
+            .collect();
+        map::write_image(store, s.spec.volume, &live).map_err(|e| e.to_string())
+    }
+
+    /// Snapshot `uuid`'s map, from memory (what it named at open, less what evictions
+    /// cleared since), to `store`. A damaged map is not moved: what did not decode would
+    /// be lost, and the snapshot would then read as whole.
+    fn copy_snapshot_map(&self, uuid: uuid::Uuid, store: &MapStore) -> Result<(), String> {
+        let snaps = self.s.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+        let img =
+            (snaps.iter().find(|i| i.uuid == uuid)).ok_or_else(|| format!("no snapshot {uuid}"))?;
+        if let Some(why) = &img.damage {
+            return Err(format!(
+                "the snapshot's map is damaged ({why}): delete the snapshot"
+            ));
+        }
+        if img.store.is_none() {
+            return Err("an earlier move of the snapshot's map was not recorded for sure; restart spoold before moving it again".into());
+        }
+        map::write_image(store, uuid, &img.entries).map_err(|e| e.to_string())
     }
 }

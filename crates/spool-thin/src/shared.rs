@@ -322,6 +322,8 @@ pub(crate) enum Decision {
 /// A map move the allocator thread is to make.
 #[derive(Debug)]
 pub(crate) struct Relocation {
+    /// The snapshot whose map moves (None: the volume's).
+    pub(crate) snapshot: Option<Uuid>,
     pub(crate) store: crate::map::MapStore,
     pub(crate) copied: std::sync::mpsc::Sender<Result<(), String>>,
     pub(crate) decision: std::sync::mpsc::Receiver<Decision>,

@@ -21,12 +21,17 @@ fn place(f: &super::Fixture, name: &str) -> MapStore {
     .unwrap()
 }
 
-/// Entry `i` of the map in file `name` (a map at offset 0), as decoded.
+/// Entry `i` of the volume's map in file `name` (a map at offset 0), as decoded.
 fn entry(f: &super::Fixture, name: &str, i: u64) -> Option<Placement> {
+    entry_of(f, name, f.volume, i)
+}
+
+/// Entry `i` of `owner`'s map in file `name`.
+fn entry_of(f: &super::Fixture, name: &str, owner: uuid::Uuid, i: u64) -> Option<Placement> {
     let file = std::fs::File::open(f._dir.path().join(name)).unwrap();
     let mut b = [0u8; 32];
     file.read_exact_at(&mut b, i * 32).unwrap();
-    map::decode(f.volume, i, &b).unwrap()
+    map::decode(owner, i, &b).unwrap()
 }
 
 fn fill(byte: u8) -> Vec<u8> {
@@ -42,7 +47,7 @@ fn a_map_moves_whole_and_each_decision_leaves_it_whole_where_a_table_points() {
     assert_eq!(rw(&mut *q, true, 0, &mut fill(1)), 0);
 
     // Recorded: the copy is whole, and a write needing a chunk waits for the decision.
-    let moving = t.move_map(place(&f, "m1.img")).unwrap();
+    let moving = t.move_map(None, place(&f, "m1.img")).unwrap();
     assert!(entry(&f, "m1.img", 0).is_some() && entry(&f, "m1.img", 1).is_none());
     let (done, waited) = mpsc::channel();
     let writer = {
@@ -66,10 +71,13 @@ fn a_map_moves_whole_and_each_decision_leaves_it_whole_where_a_table_points() {
     assert!(entry(&f, "d.img", 1).is_none(), "the old place takes none");
 
     // Unsure: every change goes to both places; a third move is refused meanwhile.
-    t.move_map(place(&f, "m2.img")).unwrap().unsure();
+    t.move_map(None, place(&f, "m2.img")).unwrap().unsure();
     assert_eq!(rw(&mut *q, true, 2 * CHUNK, &mut fill(3)), 0);
     assert!(entry(&f, "m1.img", 2).is_some() && entry(&f, "m2.img", 2).is_some());
-    let e = t.move_map(place(&f, "m3.img")).unwrap_err().to_string();
+    let e = t
+        .move_map(None, place(&f, "m3.img"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("restart spoold"), "{e}");
     drop(q);
     t.shut_down();
@@ -99,7 +107,7 @@ fn a_move_given_up_leaves_the_map_where_it_was() {
     let (thin, _) = f.open(4 * CHUNK);
     let t = ThinBackend::of(&thin).unwrap();
     let mut q = thin.open_queue(8).unwrap();
-    drop(t.move_map(place(&f, "m1.img")).unwrap());
+    drop(t.move_map(None, place(&f, "m1.img")).unwrap());
     assert_eq!(rw(&mut *q, true, 0, &mut fill(1)), 0);
     assert!(entry(&f, "d.img", 0).is_some());
     assert!(entry(&f, "m1.img", 0).is_none());
@@ -110,8 +118,38 @@ fn a_move_given_up_leaves_the_map_where_it_was() {
         len: 4096,
     }])
     .unwrap();
-    let e = t.move_map(small).unwrap_err().to_string();
+    let e = t.move_map(None, small).unwrap_err().to_string();
     assert!(e.contains("holds 128 entries"), "{e}");
+    drop(q);
+    t.shut_down();
+}
+
+/// A snapshot's map moves from memory too; unsure, nothing writes it until a restart (a
+/// device's eviction is refused), and a second move is refused.
+#[test]
+fn a_snapshots_map_moves_and_an_unsure_move_freezes_it() {
+    let f = fixture(8);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut q = thin.open_queue(8).unwrap();
+    assert_eq!(rw(&mut *q, true, 0, &mut fill(1)), 0);
+    let s = super::snapshots::snap_spec(&f, "s.map");
+    t.snapshot(&s).unwrap();
+    t.move_map(Some(s.uuid), place(&f, "s1.img"))
+        .unwrap()
+        .recorded();
+    assert!(entry_of(&f, "s1.img", s.uuid, 0).is_some());
+    assert!(entry_of(&f, "s1.img", s.uuid, 1).is_none());
+    t.move_map(Some(s.uuid), place(&f, "s2.img"))
+        .unwrap()
+        .unsure();
+    assert!(entry_of(&f, "s2.img", s.uuid, 0).is_some());
+    let e = t.move_map(Some(s.uuid), place(&f, "s3.img")).unwrap_err();
+    assert!(e.to_string().contains("restart spoold"), "{e}");
+    let e = t.evict(f.source.uuid).unwrap_err().to_string();
+    assert!(e.contains("where its map lives is unknown"), "{e}");
+    let e = t.move_map(Some(uuid::Uuid::new_v4()), place(&f, "s4.img"));
+    assert!(e.unwrap_err().to_string().contains("no snapshot"));
     drop(q);
     t.shut_down();
 }

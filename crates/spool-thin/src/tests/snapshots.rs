@@ -7,7 +7,7 @@ use crate::map::Placement;
 use crate::SnapshotSpec;
 
 /// A snapshot's map store: a zeroed file of its own.
-fn snap_spec(f: &Fixture, name: &str) -> SnapshotSpec {
+pub(super) fn snap_spec(f: &Fixture, name: &str) -> SnapshotSpec {
     let dev = device(&f._dir.path().join(name), CHUNKS_AT);
     SnapshotSpec {
         uuid: Uuid::new_v4(),
