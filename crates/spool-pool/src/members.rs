@@ -228,6 +228,7 @@ impl Pool {
     ) -> Result<Replacement> {
         let old = self.device_uuid(old)?;
         let replaced = self.replace_checked(old, spec, force);
+        self.space.end_exclusion();
         if replaced.is_err() {
             // The device stays: thin allocators may use it again.
             self.refresh_space();
@@ -247,7 +248,7 @@ impl Pool {
         check_replacement_blank(&dev, old, force)?;
         // Thin maps on it are written elsewhere first (each in a commit of its own): the
         // moves below then find none there.
-        self.move_thin_maps_off(old)?;
+        let maps_moved = self.move_thin_maps_off(old)?;
         let mut table = self.table.clone();
         let new = Self::join(&mut table, &dev, force)?;
         let mut buddy = new_buddy(&dev, table.min_extent)?;
@@ -289,6 +290,11 @@ impl Pool {
         // holes now, durably, after every other step that can fail and before the table
         // forgets the device.
         volumes.extend(self.evict_thin(old)?);
+        for v in maps_moved {
+            if !volumes.contains(&v) {
+                volumes.push(v);
+            }
+        }
         let removed = self
             .members
             .iter()

@@ -32,8 +32,8 @@ pub(crate) type ThinCache = HashMap<Uuid, std::result::Result<Arc<Device>, Strin
 
 /// One member as thin allocators see it.
 #[derive(Debug)]
-struct SpaceMember {
-    uuid: Uuid,
+pub(crate) struct SpaceMember {
+    pub(crate) uuid: Uuid,
     dev: Arc<Device>,
     buddy: Arc<Mutex<Buddy>>,
 }
@@ -42,12 +42,15 @@ struct SpaceMember {
 /// one minimum extent per chunk), refreshed whenever the table is committed.
 #[derive(Debug, Default)]
 pub struct PoolSpace {
-    members: RwLock<Vec<SpaceMember>>,
+    pub(crate) members: RwLock<Vec<SpaceMember>>,
     /// Why nothing may be allocated: a thin volume's map could not be read, so which chunks
     /// it names is unknown (until a start reads it).
     frozen: RwLock<Option<String>>,
     /// Chunks taken and not settled yet (zeroing, their map entry being written).
     in_flight: AtomicUsize,
+    /// A device being replaced: kept out of `members` by every refresh until the replace
+    /// ends (its commits, a thin map's move among them, refresh the members).
+    excluded: RwLock<Option<Uuid>>,
     /// Chunks named by more than one map (snapshots, clones), rebuilt from every map at
     /// open.
     pub(crate) refs: SharedChunks,
@@ -71,6 +74,7 @@ impl PoolSpace {
     /// (up to 5 s) until no chunk taken before is still being allocated, so that the maps
     /// name every chunk on it. False when allocations did not settle in time.
     pub(crate) fn exclude(&self, uuid: Uuid) -> bool {
+        *self.excluded.write().unwrap_or_else(|p| p.into_inner()) = Some(uuid);
         self.members
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -83,6 +87,11 @@ impl PoolSpace {
             std::thread::sleep(Duration::from_millis(1));
         }
         true
+    }
+
+    /// The replace ended: the next refresh lets thin allocators use every member again.
+    pub(crate) fn end_exclusion(&self) {
+        *self.excluded.write().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 
@@ -142,9 +151,15 @@ impl ChunkSource for PoolSpace {
 impl Pool {
     /// Publishes the current members to thin volumes' allocators.
     pub(crate) fn refresh_space(&self) {
+        let excluded = *self
+            .space
+            .excluded
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
         let fresh = self
             .members
             .iter()
+            .filter(|m| Some(m.uuid) != excluded)
             .map(|m| SpaceMember {
                 uuid: m.uuid,
                 dev: m.dev.clone(),

@@ -57,17 +57,24 @@ impl Pool {
         let backend = crate::snapshots::thin_backend(&v, &dev)?;
         let bytes: u64 = (map.iter()).map(|e| self.table.min_extent << e.order).sum();
         let new = self.allocate_off(bytes, Some(old))?;
-        let moving = self
-            .scrub(&new)
-            .and_then(|()| self.map_store(&v, &new))
-            .and_then(|store| {
-                (backend.move_map(snapshot.map(|s| s.uuid), store)).map_err(|e| Error::Thin {
-                    volume: what.clone(),
-                    why: e.to_string(),
-                })
-            });
+        let store = self.scrub(&new).and_then(|()| self.map_store(&v, &new));
+        let moving = store.map(|s| backend.move_map(snapshot.map(|s| s.uuid), s));
+        let thin_err = |e: spool_thin::Error| Error::Thin {
+            volume: what.clone(),
+            why: e.to_string(),
+        };
         let moving = match moving {
-            Ok(m) => m,
+            Ok(Ok(m)) => m,
+            Ok(Err(e @ spool_thin::Error::RelocateAbandoned(_))) => {
+                // The allocator may still write there: the extents stay taken until a
+                // restart.
+                tracing::error!(map = %what, "moving a thin map timed out while it was being copied; its new extents stay taken until spoold restarts");
+                return Err(thin_err(e));
+            }
+            Ok(Err(e)) => {
+                self.release(&new);
+                return Err(thin_err(e));
+            }
             Err(e) => {
                 self.release(&new);
                 return Err(e);

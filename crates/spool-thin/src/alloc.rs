@@ -411,7 +411,8 @@ pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
     let mut failed = Vec::new();
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
     // Every place the map is written to (two while a move was not recorded for sure): a
-    // block is written only when all of them took it.
+    // block counts as written only when all of them took it (one that failed may still be
+    // in some: as after any failed write, its chunks are never given back).
     let places = s.map_places.lock().unwrap_or_else(|p| p.into_inner());
     for (b, ch) in blocks {
         for i in map::block_entries(b, s.map.capacity()) {

@@ -24,9 +24,6 @@ const MAX_OFFSET: u64 = 1 << 59;
 /// naming each (a chunk is named at one index only, by however many maps).
 pub type LoadedMap = Vec<(u64, Placement)>;
 
-/// How long the map's copy may take before the move is given up.
-const MAP_COPY_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
-
 /// A thin volume as a pool device (see the crate doc).
 #[derive(Debug)]
 pub struct ThinBackend {
@@ -326,34 +323,6 @@ impl ThinBackend {
         rx.recv_timeout(std::time::Duration::from_secs(60))
             .map_err(|_| Error::Evict("the volume's allocator did not answer within 60 s".into()))?
             .map_err(Error::Evict)
-    }
-
-    /// Writes the volume's map (or `snapshot`'s) whole to `store` (new, zeroed, as large)
-    /// and holds every map change until the returned move is decided. Fails if the copy
-    /// fails, if an earlier move was left unsure, or if the snapshot's map is damaged.
-    pub fn move_map(
-        &self,
-        snapshot: Option<Uuid>,
-        store: crate::map::MapStore,
-    ) -> Result<crate::MapMove, Error> {
-        let (copied, done) = std::sync::mpsc::channel();
-        let (decision, decided) = std::sync::mpsc::channel();
-        let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
-        w.relocations.push(crate::shared::Relocation {
-            snapshot,
-            store,
-            copied,
-            decision: decided,
-        });
-        drop(w);
-        self.shared.wake.notify_one();
-        match done.recv_timeout(MAP_COPY_WAIT) {
-            Ok(Ok(())) => Ok(crate::MapMove { decision }),
-            Ok(Err(why)) => Err(Error::Relocate(why)),
-            Err(_) => Err(Error::Relocate(
-                "the volume's allocator did not copy the map within 60 s".into(),
-            )),
-        }
     }
 
     /// Copies every chunk the volume shares with another map (a clone stops depending on

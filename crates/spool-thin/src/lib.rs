@@ -54,6 +54,10 @@ pub enum Error {
     Evict(String),
     #[error("cannot move the thin volume's map: {0}")]
     Relocate(String),
+    /// As [`Error::Relocate`], but the allocator may still write the new place: it must
+    /// stay taken (until a restart).
+    #[error("cannot move the thin volume's map: {0}")]
+    RelocateAbandoned(String),
 }
 
 /// Where a thin volume's chunks come from: the pool's free space.

@@ -14,11 +14,17 @@
 //! Owns: the handshake and which places a change is written to. Must not know: the pool
 //! table, why the map moves.
 
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use uuid::Uuid;
 
 use crate::alloc::Allocator;
+use crate::backend::ThinBackend;
 use crate::map::{self, MapStore, Placement};
-use crate::shared::{Decision, Relocation};
+use crate::shared::{Decision, Relocation, MOVE_COPYING, MOVE_QUEUED};
+use crate::Error;
 
 /// A map written whole to its new place; the allocator changes nothing until the caller
 /// says whether the table records the place ([`MapMove::recorded`], [`MapMove::unsure`]).
@@ -41,10 +47,59 @@ impl MapMove {
     }
 }
 
+/// How long the map's copy may take before the move is given up.
+const MAP_COPY_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl ThinBackend {
+    /// Writes the volume's map (or `snapshot`'s) whole to `store` (new, zeroed, as large)
+    /// and holds every map change until the returned move is decided. Fails if the copy
+    /// fails, if an earlier move was left unsure, or if the snapshot's map is damaged.
+    pub fn move_map(
+        &self,
+        snapshot: Option<Uuid>,
+        store: crate::map::MapStore,
+    ) -> Result<crate::MapMove, Error> {
+        let (copied, done) = std::sync::mpsc::channel();
+        let (decision, decided) = std::sync::mpsc::channel();
+        let state = Arc::new(std::sync::atomic::AtomicU8::new(crate::shared::MOVE_QUEUED));
+        let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
+        w.relocations.push(crate::shared::Relocation {
+            snapshot,
+            store,
+            state: state.clone(),
+            copied,
+            decision: decided,
+        });
+        drop(w);
+        self.shared.wake.notify_one();
+        match done.recv_timeout(MAP_COPY_WAIT) {
+            Ok(Ok(())) => Ok(crate::MapMove { decision }),
+            Ok(Err(why)) => Err(Error::Relocate(why)),
+            Err(_) => {
+                use crate::shared::{MOVE_CANCELLED, MOVE_QUEUED};
+                use std::sync::atomic::Ordering::SeqCst;
+                let why = "the volume's allocator did not copy the map within 60 s".to_string();
+                match state.compare_exchange(MOVE_QUEUED, MOVE_CANCELLED, SeqCst, SeqCst) {
+                    Ok(_) => Err(Error::Relocate(why)),
+                    // Copying: it may still write there, so the place must stay taken.
+                    Err(_) => Err(Error::RelocateAbandoned(why)),
+                }
+            }
+        }
+    }
+}
+
 impl Allocator<'_> {
     /// Copies the map to `r.store`, then waits for the decision (nothing else changes the
     /// map meanwhile) and writes where it says.
     pub(crate) fn relocate(&mut self, r: Relocation) {
+        let start = r
+            .state
+            .compare_exchange(MOVE_QUEUED, MOVE_COPYING, SeqCst, SeqCst);
+        if start.is_err() {
+            // Given up before it started: its extents may be someone else's by now.
+            return;
+        }
         let copy = match r.snapshot {
             None => self.copy_map(&r.store),
             Some(uuid) => self.copy_snapshot_map(uuid, &r.store),

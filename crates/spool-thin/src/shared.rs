@@ -310,6 +310,13 @@ pub(crate) struct Work {
     pub(crate) relocations: Vec<Relocation>,
 }
 
+/// A map move not started yet.
+pub(crate) const MOVE_QUEUED: u8 = 0;
+/// A map move the allocator is copying (it may write its extents).
+pub(crate) const MOVE_COPYING: u8 = 1;
+/// A map move given up before it started (its extents are never written).
+pub(crate) const MOVE_CANCELLED: u8 = 2;
+
 /// What the pool decided about a map written to its new place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Decision {
@@ -325,6 +332,9 @@ pub(crate) struct Relocation {
     /// The snapshot whose map moves (None: the volume's).
     pub(crate) snapshot: Option<Uuid>,
     pub(crate) store: crate::map::MapStore,
+    /// [`MOVE_QUEUED`], then [`MOVE_COPYING`] (the allocator's) or [`MOVE_CANCELLED`] (a
+    /// caller that gave up waiting: its extents may go back then, and only then).
+    pub(crate) state: Arc<std::sync::atomic::AtomicU8>,
     pub(crate) copied: std::sync::mpsc::Sender<Result<(), String>>,
     pub(crate) decision: std::sync::mpsc::Receiver<Decision>,
 }
