@@ -34,7 +34,7 @@ impl QueueWorker {
                 let (kind, bytes, taken, ok) = (inf.kind, inf.bytes, inf.taken, inf.ok());
                 if let Some(len) = self.settle(head, inf) {
                     used.push((head, len));
-                    self.tally.add(kind, bytes as u64, ok, taken, now);
+                    self.tel.tally.add(kind, bytes as u64, ok, taken, now);
                 }
             }
         }
@@ -54,7 +54,7 @@ impl QueueWorker {
         for d in 0..self.devices.len() {
             let (slots, bufs) = self.inflight.records();
             let volume = &self.volume;
-            let io_err_log = &mut self.io_err_log;
+            let io_err_log = &mut self.tel.io_err_log;
             let health = self.layout.devices[d].health();
             let n = self.devices[d].reap(&mut |tag, res| {
                 let Some(Some(inf)) = slots.get_mut(tag as usize) else {
@@ -81,10 +81,10 @@ impl QueueWorker {
     /// completed in the same round counts as under a microsecond.
     #[inline]
     pub(super) fn round_now(&mut self) -> u64 {
-        if self.now_ticks == 0 {
-            self.now_ticks = now_ticks();
+        if self.tel.now_ticks == 0 {
+            self.tel.now_ticks = now_ticks();
         }
-        self.now_ticks
+        self.tel.now_ticks
     }
 
     #[inline]
@@ -129,9 +129,9 @@ impl QueueWorker {
             w.record(&self.host, used, len);
         }
         self.need_notify = true;
-        if !self.served_one {
-            self.served_one = true;
-            self.clock.note_first_completion();
+        if !self.tel.served_one {
+            self.tel.served_one = true;
+            self.tel.clock.note_first_completion();
         }
     }
 }

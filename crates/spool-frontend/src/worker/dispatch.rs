@@ -44,7 +44,7 @@ impl QueueWorker {
             }
             Err(rej) if self.head_busy(rej.head) => self.note_reposted(rej.head),
             Err(rej) => {
-                self.stats.queue(self.index).rejected();
+                self.tel.stats.queue(self.index).rejected();
                 self.note_rejected(&rej);
                 if let Some(a) = rej.status_addr {
                     self.refresh_host(mem);
@@ -62,7 +62,7 @@ impl QueueWorker {
     fn note_rejected(&mut self, rej: &request::Rejected) {
         if !rej.failure.is_malformed() {
             tracing::debug!(volume = %self.volume, head = rej.head, reason = rej.reason(), "request rejected");
-        } else if let Verdict::Log { suppressed } = self.rejected_log.check() {
+        } else if let Verdict::Log { suppressed } = self.tel.rejected_log.check() {
             tracing::warn!(volume = %self.volume, queue = self.index, head = rej.head, suppressed, reason = rej.reason(), "malformed request rejected");
         }
     }
@@ -70,7 +70,7 @@ impl QueueWorker {
     #[cold]
     #[inline(never)]
     fn note_reposted(&mut self, head: u16) {
-        if let Verdict::Log { suppressed } = self.dup_log.check() {
+        if let Verdict::Log { suppressed } = self.tel.dup_log.check() {
             tracing::warn!(volume = %self.volume, queue = self.index, head, suppressed, "guest re-posted a descriptor head that is still in flight; ignored");
         }
     }

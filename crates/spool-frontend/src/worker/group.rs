@@ -446,7 +446,7 @@ impl Idle {
             .contended_since
             .is_some_and(|t| t.elapsed() < crate::share::CONTENDED_HOLD);
         if let Some(m) = members.first() {
-            m.worker.share.set_contended(contended);
+            m.worker.pace.share.set_contended(contended);
         }
         self.window_start = Instant::now();
         self.window_wait = wait;

@@ -18,7 +18,9 @@
 //! - `recovery`: what failures do to requests (held, cancelled, retried), device health
 //!   changes, the timeout sweep, device reset, the quiesce shared by reset and stop, and
 //!   quarantining commands that never complete;
-//! - `replay`: requests resubmitted from the journal at start (and poisoned ones).
+//! - `replay`: requests resubmitted from the journal at start (and poisoned ones);
+//! - `pacing`, `telemetry`: two parts of a worker's state kept apart from the rest (its
+//!   I/O limits and fair share; its statistics, restart clock and rate-limited warnings).
 //!
 //! How the journal makes a restart invisible: docs/journal-format.md; how failures are
 //! handled: docs/failures.md.
@@ -29,9 +31,11 @@ mod complete;
 mod dispatch;
 mod group;
 mod inflight;
+mod pacing;
 mod recovery;
 mod replay;
 mod run;
+mod telemetry;
 #[cfg(test)]
 mod tests;
 
@@ -48,21 +52,23 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use spool_crypt::{CryptQueue, TweakMap};
 use spool_devices::DeviceQueue;
 use spool_journal::{Journal, ReplayRecord};
-use spool_pool::{QosLimits, VolumeLayout};
+use spool_pool::VolumeLayout;
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::hostmem::HostMap;
 use crate::qos::{is_limited, VolumeQos};
-use crate::ratelimit::{self, LogLimit};
+use crate::ratelimit;
 use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
 use crate::share::{ShareGroup, VolumeShare};
 use crate::stats::{Tally, VolumeStats};
 use crate::vring::JournaledQueue;
 pub use group::PollGroup;
 use inflight::InflightTable;
+use pacing::Pacing;
 use replay::ReplayGuard;
+use telemetry::Telemetry;
 
 /// What a worker needs to start.
 pub struct WorkerSpec {
@@ -267,8 +273,6 @@ pub struct QueueWorker {
     epoll: Epoll,
     need_notify: bool,
     broken: bool,
-    /// Whether this worker completed a request yet (the restart report's "first I/O").
-    served_one: bool,
     /// The health epoch of each device this worker last acted on.
     seen_epochs: Vec<u64>,
     request_retries: u32,
@@ -277,56 +281,23 @@ pub struct QueueWorker {
     sweep: u32,
     last_sweep: Instant,
     rounds: u32,
-    /// Guest-triggered warnings, rate-limited per worker (a guest must not flood the log).
-    dup_log: LogLimit,
-    /// Malformed chains refused (rate-limited warnings).
-    rejected_log: LogLimit,
-    io_err_log: LogLimit,
     /// `spool_sigbus::faults()` when last checked, and where to report a fault of ours.
     seen_faults: u64,
     fault: Arc<crate::SessionFault>,
     abandoned: Arc<AtomicU64>,
-    clock: Arc<crate::StartClock>,
     /// While heads resubmitted from the journal have not completed (the in-flight table
     /// counts them), the record that says so should this process crash before they are.
     replay: Option<ReplayGuard>,
     poison: Vec<u16>,
-    /// The volume's buckets, and the same while the layout sets limits (None: no QoS, and
-    /// the take loop is the one without any check).
-    qos_shared: Arc<VolumeQos>,
-    qos: Option<Arc<VolumeQos>>,
-    /// The limits last seen in a layout (to notice a change).
-    qos_seen: Option<QosLimits>,
-    /// Set by a take loop stopped by a bucket in debt: how long (ns) until it may take
-    /// again. The worker then sleeps in epoll for that long instead of on a kick.
-    throttled: Option<u64>,
-    stats: Arc<VolumeStats>,
-    share: Arc<VolumeShare>,
-    share_group: Arc<ShareGroup>,
-    fair_share: bool,
-    /// The scheduling class this thread is in.
-    pub(super) priority: spool_pool::Priority,
-    /// Set when the volume was ahead of its fair share with requests waiting: the thread
-    /// pauses after the round (see `group.rs`).
-    stepped_aside: bool,
+    /// The volume's I/O limits and fair share, as this queue applies them.
+    pace: Pacing,
+    /// What the worker counts and reports: statistics, restart timing, rate-limited warnings.
+    tel: Telemetry,
     /// The drain window this queue's thread shares between its queues (see
     /// `recovery::quiesce`).
     drain_window: Arc<std::sync::Mutex<Option<Instant>>>,
-    /// Most requests a round takes (see [`INLINE_TAKE_BUDGET`]; unlimited otherwise).
-    take_budget: u64,
     /// Whether every device of the volume does its I/O inline.
     inline_devices: bool,
-    /// Whether the thread's cores are contended (set by its group).
-    contended: bool,
-    /// Whether this queue counts as busy in the share group (requests waiting or in flight).
-    share_busy: bool,
-    /// Whether it had more than one request in flight since it became busy (`share::LINGER`).
-    share_deep: bool,
-    /// The poll round's clock ([`crate::stats::now_ticks`]) once read, 0 until then: requests
-    /// are stamped when taken and measured when completed with one read per busy round.
-    now_ticks: u64,
-    /// Counts not yet published to `stats`.
-    tally: Tally,
     #[cfg(test)]
     queue_factory: Option<QueueFactory>,
 }
@@ -390,40 +361,44 @@ impl QueueWorker {
             epoll,
             need_notify: false,
             broken: false,
-            served_one: false,
             seen_epochs: Vec::new(),
             request_retries: spec.request_retries,
             io_timeout: spec.io_timeout.max(Duration::from_millis(4)),
             sweep: 0,
             last_sweep: Instant::now(),
             rounds: 0,
-            dup_log: ratelimit::guest_warning(),
-            rejected_log: ratelimit::guest_warning(),
-            io_err_log: ratelimit::guest_warning(),
             seen_faults: spool_sigbus::faults(),
             fault: spec.fault,
             abandoned: spec.abandoned,
-            clock: spec.clock,
             replay: spec.replay.map(ReplayGuard::new),
             poison: spec.poison,
-            qos,
-            stats: spec.stats,
-            share: spec.share,
-            share_group: spec.share_group,
-            fair_share: spec.fair_share,
-            priority: spool_pool::Priority::Normal,
-            share_busy: false,
-            share_deep: false,
-            stepped_aside: false,
-            take_budget: u64::MAX,
             inline_devices: false,
-            contended: false,
             drain_window: Arc::default(),
-            now_ticks: 0,
-            tally: Tally::default(),
-            qos_seen,
-            qos_shared: spec.qos,
-            throttled: None,
+            tel: Telemetry {
+                stats: spec.stats,
+                tally: Tally::default(),
+                now_ticks: 0,
+                served_one: false,
+                clock: spec.clock,
+                dup_log: ratelimit::guest_warning(),
+                rejected_log: ratelimit::guest_warning(),
+                io_err_log: ratelimit::guest_warning(),
+            },
+            pace: Pacing {
+                qos_shared: spec.qos,
+                qos,
+                qos_seen,
+                throttled: None,
+                share: spec.share,
+                share_group: spec.share_group,
+                fair_share: spec.fair_share,
+                priority: spool_pool::Priority::Normal,
+                stepped_aside: false,
+                take_budget: u64::MAX,
+                contended: false,
+                share_busy: false,
+                share_deep: false,
+            },
             #[cfg(test)]
             queue_factory: None,
         })
@@ -436,7 +411,7 @@ impl QueueWorker {
         let inline = |d: &Arc<spool_devices::Device>| d.inline_io();
         self.inline_devices =
             !self.layout.devices.is_empty() && self.layout.devices.iter().all(inline);
-        self.set_contended(self.contended);
+        self.set_contended(self.pace.contended);
         let depth = (self.inflight.len() as u32 * 2).max(64);
         while self.devices.len() < self.layout.devices.len() {
             let d = self.devices.len();
@@ -457,8 +432,8 @@ impl QueueWorker {
     /// Whether the thread's cores are contended: bounds what a round takes from the ring on
     /// inline devices (see [`INLINE_TAKE_BUDGET`]).
     pub(super) fn set_contended(&mut self, contended: bool) {
-        self.contended = contended;
-        self.take_budget = if self.inline_devices && !contended {
+        self.pace.contended = contended;
+        self.pace.take_budget = if self.inline_devices && !contended {
             INLINE_TAKE_BUDGET
         } else {
             u64::MAX
@@ -529,14 +504,16 @@ impl QueueWorker {
     /// (idempotent: every queue of the volume may do it; `update_layout` already has) and
     /// turns the take loop's checks on or off.
     fn follow_qos(&mut self) {
-        if self.qos_seen == self.layout.qos {
+        if self.pace.qos_seen == self.layout.qos {
             return;
         }
-        self.qos_seen = self.layout.qos;
-        let limits = self.qos_seen.as_ref();
-        self.qos_shared.configure(limits, self.qos_shared.now());
-        self.qos = is_limited(limits).then(|| self.qos_shared.clone());
-        self.throttled = None;
+        self.pace.qos_seen = self.layout.qos;
+        let limits = self.pace.qos_seen.as_ref();
+        self.pace
+            .qos_shared
+            .configure(limits, self.pace.qos_shared.now());
+        self.pace.qos = is_limited(limits).then(|| self.pace.qos_shared.clone());
+        self.pace.throttled = None;
         tracing::debug!(volume = %self.volume, queue = self.index, limits = ?limits, "I/O limits changed");
         self.follow_priority();
     }
@@ -544,8 +521,8 @@ impl QueueWorker {
     /// Puts this worker thread in its volume's scheduling class when it changed.
     pub(super) fn follow_priority(&mut self) {
         let p = self.layout.qos.map(|q| q.priority).unwrap_or_default();
-        if p != self.priority {
-            self.priority = p;
+        if p != self.pace.priority {
+            self.pace.priority = p;
             set_thread_priority(p, &self.volume);
         }
     }

@@ -56,7 +56,10 @@ impl QueueWorker {
             let mem = self.mem.load().clone();
             let heads = std::mem::take(&mut self.resubmit);
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
-            self.stats.queue(self.index).resubmitted(heads.len() as u64);
+            self.tel
+                .stats
+                .queue(self.index)
+                .resubmitted(heads.len() as u64);
             for &h in &heads {
                 self.inflight.start_replay(h);
             }

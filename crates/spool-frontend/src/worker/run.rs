@@ -75,8 +75,11 @@ impl QueueWorker {
         self.set_device_events(false);
         // Completions a previous process put in the used ring just before it died may not
         // have been signalled: one (possibly spurious) interrupt lets the guest see them.
-        self.stats.queue(self.index).set_state(QueueState::Running);
-        self.stats.queue(self.index).set_size(self.vq.size());
+        self.tel
+            .stats
+            .queue(self.index)
+            .set_state(QueueState::Running);
+        self.tel.stats.queue(self.index).set_size(self.vq.size());
         self.follow_priority();
         self.signal_guest();
         self.replay_journal();
@@ -92,8 +95,8 @@ impl QueueWorker {
     /// back.
     pub(super) fn finish(mut self) -> Queue {
         self.publish_stats();
-        self.stats.queue(self.index).set_state(QueueState::Idle);
-        self.stats.queue(self.index).set_size(0);
+        self.tel.stats.queue(self.index).set_state(QueueState::Idle);
+        self.tel.stats.queue(self.index).set_size(0);
         let kind = if self.handoff.load(Ordering::Acquire) {
             StopKind::Handoff
         } else {
@@ -125,7 +128,7 @@ impl QueueWorker {
     /// requests wait in its ring, so no kick is asked for).
     #[inline]
     fn sleeps_throttled(&self) -> bool {
-        self.throttled.is_some() && !self.broken
+        self.pace.throttled.is_some() && !self.broken
     }
 
     /// Event-driven mode, first half: asks the guest (unless throttled) and the devices to
@@ -147,7 +150,10 @@ impl QueueWorker {
         }
         self.sweep_timeouts();
         self.publish_stats();
-        self.stats.queue(self.index).set_state(QueueState::Asleep);
+        self.tel
+            .stats
+            .queue(self.index)
+            .set_state(QueueState::Asleep);
         true
     }
 
@@ -155,7 +161,7 @@ impl QueueWorker {
     /// [`MAX_THROTTLED_SLEEP_MS`], so new limits, stop and reset are seen soon), else
     /// [`Self::sleep_ms`].
     pub(super) fn sleep_budget_ms(&self) -> i32 {
-        match self.throttled {
+        match self.pace.throttled {
             Some(wait_ns) if !self.broken => {
                 let ms = wait_ns.div_ceil(1_000_000).clamp(1, MAX_THROTTLED_SLEEP_MS) as i32;
                 ms.min(self.sleep_ms())
@@ -175,7 +181,10 @@ impl QueueWorker {
 
     /// Back to polling after a sleep whose events are cleared.
     fn wake_up(&mut self, mem: &Arc<GuestMemory>) {
-        self.stats.queue(self.index).set_state(QueueState::Running);
+        self.tel
+            .stats
+            .queue(self.index)
+            .set_state(QueueState::Running);
         if !self.broken && !self.sleeps_throttled() {
             let _ = self.vq.disable_notification(mem);
         }
@@ -221,8 +230,8 @@ impl QueueWorker {
         self.check_memory_faults(&mem);
         self.check_health(&mem);
         self.rounds = self.rounds.wrapping_add(1);
-        self.tally.round();
-        self.now_ticks = 0;
+        self.tel.tally.round();
+        self.tel.now_ticks = 0;
         if self.rounds.is_multiple_of(1024) {
             self.sweep_timeouts();
             self.publish_stats();
@@ -341,19 +350,19 @@ impl QueueWorker {
         // The latency class is never held back (its clock still runs, holding the others).
         // An empty ring is not asked about: an idle poll round would read every busy
         // volume's clock (cache lines their threads write) for nothing.
-        if self.fair_share
-            && self.priority != spool_pool::Priority::Latency
+        if self.pace.fair_share
+            && self.pace.priority != spool_pool::Priority::Latency
             && self.vq.has_avail(&self.host)
-            && !self.share_group.may_take(&self.share)
+            && !self.pace.share_group.may_take(&self.pace.share)
         {
             return self.yield_share();
         }
         self.vq.prefetch(&self.host);
-        let taken = match &self.qos {
+        let taken = match &self.pace.qos {
             Some(q) => self.take_limited(mem, q.clone()),
             None => {
                 let mut n = 0;
-                while n < self.take_budget {
+                while n < self.pace.take_budget {
                     let Some(head) = self.pop_head() else { break };
                     n += 1;
                     let (parsed, newer) = self.parse_head(head, mem);
@@ -363,9 +372,9 @@ impl QueueWorker {
             }
         };
         if taken > 0 {
-            self.share.charge(taken);
+            self.pace.share.charge(taken);
         }
-        if self.throttled.is_some() {
+        if self.pace.throttled.is_some() {
             // Held back by its own limits, the volume cannot use a fair share, so it must not
             // hold the others to its pace (a capped QD128 writer held a QD1 reader to the
             // writer's cap: p99 178 µs against 63 µs uncapped). Taking again after the wait
@@ -373,7 +382,7 @@ impl QueueWorker {
             self.set_share_idle(false);
         } else if taken > 0 {
             self.set_share_busy();
-            self.share_deep |= self.inflight.submitted() > 1;
+            self.pace.share_deep |= self.inflight.submitted() > 1;
         }
         taken > 0
     }
@@ -388,7 +397,7 @@ impl QueueWorker {
             // The thread goes off the core for a moment after this round (`SHARE_PAUSE`, once
             // for all its queues; not a yield, which on a busy core hands it straight back and
             // burns it in system calls): about a window's worth of service elsewhere.
-            self.stepped_aside = true;
+            self.pace.stepped_aside = true;
         }
         false
     }
@@ -396,22 +405,22 @@ impl QueueWorker {
     /// Whether this queue stepped aside for the fair share since the last look (clears it).
     #[inline]
     pub(super) fn take_stepped_aside(&mut self) -> bool {
-        std::mem::take(&mut self.stepped_aside)
+        std::mem::take(&mut self.pace.stepped_aside)
     }
 
     /// Adds this thread's counts to the queue's shared counters (see `stats::Tally`).
     pub(super) fn publish_stats(&mut self) {
-        let q = self.stats.queue(self.index);
-        self.tally.publish(q);
+        let q = self.tel.stats.queue(self.index);
+        self.tel.tally.publish(q);
         q.set_in_flight(self.inflight.submitted() as u64);
     }
 
     /// Tells the share group that this queue became busy.
     #[inline]
     pub(super) fn set_share_busy(&mut self) {
-        if !self.share_busy {
-            self.share_busy = true;
-            self.share_group.queue_busy(&self.share);
+        if !self.pace.share_busy {
+            self.pace.share_busy = true;
+            self.pace.share_group.queue_busy(&self.pace.share);
         }
     }
 
@@ -420,10 +429,10 @@ impl QueueWorker {
     /// client is off its core does. Not when it stops or its own limits hold it.
     #[inline]
     pub(super) fn set_share_idle(&mut self, may_linger: bool) {
-        if self.share_busy {
-            self.share_busy = false;
-            let deep = std::mem::take(&mut self.share_deep) && may_linger;
-            self.share_group.queue_idle(&self.share, deep);
+        if self.pace.share_busy {
+            self.pace.share_busy = false;
+            let deep = std::mem::take(&mut self.pace.share_deep) && may_linger;
+            self.pace.share_group.queue_idle(&self.pace.share, deep);
         }
     }
 
@@ -449,10 +458,10 @@ impl QueueWorker {
     fn take_limited(&mut self, mem: &Arc<GuestMemory>, q: Arc<VolumeQos>) -> u64 {
         q.refill(q.now());
         let mut taken = 0;
-        while taken < self.take_budget {
+        while taken < self.pace.take_budget {
             if !q.may_take() {
-                self.stats.queue(self.index).throttled();
-                self.throttled = Some(q.wait_ns());
+                self.tel.stats.queue(self.index).throttled();
+                self.pace.throttled = Some(q.wait_ns());
                 return taken;
             }
             let Some(head) = self.pop_head() else { break };
@@ -465,7 +474,7 @@ impl QueueWorker {
             }
             self.dispatch(parsed, newer.as_ref().unwrap_or(mem));
         }
-        self.throttled = None;
+        self.pace.throttled = None;
         taken
     }
 

@@ -437,7 +437,7 @@ fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
     use spool_pool::QosLimits;
     const SEC: u64 = 1_000_000_000;
     let mut h = Harness::new(2);
-    let qos = h.w.qos_shared.clone();
+    let qos = h.w.pace.qos_shared.clone();
     qos.set_manual_now(1);
     // 1 IOPS with a 1 s burst: the bucket holds one op; the worker takes while it is not
     // in debt, so two requests go at once and the third waits a second.
@@ -450,7 +450,7 @@ fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
     let heads: Vec<u16> = (0..3).map(|k| h.post_read(k)).collect();
     h.round();
     assert_eq!(h.submitted(), vec![heads[0] as u64, heads[1] as u64]);
-    let wait = h.w.throttled.expect("throttled");
+    let wait = h.w.pace.throttled.expect("throttled");
     assert!(wait > SEC / 2 && wait <= SEC + 1, "wait {wait}");
     // Completions are still reaped and given to the guest while throttled.
     h.device_completes(heads[0], LEN as i32);
@@ -474,19 +474,19 @@ fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
     h.post_read(4);
     h.round();
     assert_eq!(h.submitted().len(), 5);
-    assert!(h.w.qos.is_none() && h.w.throttled.is_none());
+    assert!(h.w.pace.qos.is_none() && h.w.pace.throttled.is_none());
 }
 
 #[test]
 fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
     use spool_pool::QosLimits;
     let mut h = Harness::new(2);
-    h.w.qos_shared.set_manual_now(1);
-    h.w.share = h.w.share_group.join(100);
+    h.w.pace.qos_shared.set_manual_now(1);
+    h.w.pace.share = h.w.pace.share_group.join(100);
     // Another volume, busy; their threads take turns at a core.
-    let other = h.w.share_group.join(100);
-    h.w.share_group.queue_busy(&other);
-    h.w.share.set_contended(true);
+    let other = h.w.pace.share_group.join(100);
+    h.w.pace.share_group.queue_busy(&other);
+    h.w.pace.share.set_contended(true);
     other.set_contended(true);
     let mut l = (*h.w.layout).clone();
     l.qos = Some(QosLimits {
@@ -499,13 +499,13 @@ fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
     }
     h.round();
     assert!(
-        h.w.throttled.is_some(),
+        h.w.pace.throttled.is_some(),
         "the third request waits for its budget"
     );
     // The other runs well ahead of this one in service.
     other.charge(10 * crate::share::WINDOW);
     assert!(
-        h.w.share_group.may_take(&other),
+        h.w.pace.share_group.may_take(&other),
         "the capped volume, requests waiting in its ring, must not hold the other back"
     );
 }
@@ -517,11 +517,11 @@ fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
 fn a_queue_that_ran_deep_and_drained_keeps_its_volume_busy_for_a_while() {
     for depth in [2u16, 1] {
         let mut h = Harness::new(2);
-        h.w.share = h.w.share_group.join(100);
-        let other = h.w.share_group.join(100);
-        h.w.share_group.queue_busy(&other);
+        h.w.pace.share = h.w.pace.share_group.join(100);
+        let other = h.w.pace.share_group.join(100);
+        h.w.pace.share_group.queue_busy(&other);
         // Their threads take turns at a core (else nobody is held back).
-        h.w.share.set_contended(true);
+        h.w.pace.share.set_contended(true);
         other.set_contended(true);
         let heads: Vec<u16> = (0..depth).map(|k| h.post_read(k)).collect();
         h.round();
@@ -533,7 +533,7 @@ fn a_queue_that_ran_deep_and_drained_keeps_its_volume_busy_for_a_while() {
         h.w.note_idle();
         other.charge(10 * crate::share::WINDOW);
         assert_eq!(
-            h.w.share_group.may_take(&other),
+            h.w.pace.share_group.may_take(&other),
             depth == 1,
             "depth {depth}: the drained volume {} the other back",
             if depth == 1 {
