@@ -55,7 +55,7 @@ pub struct MirrorQueue {
     /// Readable when any leg queue has completions or `event` was signalled.
     epoll: OwnedFd,
     /// Signalled for completions decided without a device (no usable leg).
-    event: File,
+    event: Arc<File>,
     /// Commands outstanding per device, and when each device last completed one (or became
     /// busy): what tells a hung leg device.
     outstanding: Vec<u32>,
@@ -107,7 +107,7 @@ impl MirrorQueue {
             outstanding: vec![0; n],
             progress: vec![Instant::now(); n],
             epoll,
-            event,
+            event: Arc::new(event),
         })
     }
 
@@ -145,7 +145,7 @@ impl MirrorQueue {
     /// Completes `op` without a device (its result is already decided).
     fn finish_now(&mut self, tag: u64, res: i32) {
         self.done.push_back((tag, res));
-        let _ = (&self.event).write(&1u64.to_ne_bytes());
+        let _ = (&*self.event).write(&1u64.to_ne_bytes());
     }
 
     /// Legs a read of the op may go to (see [`Shared::readable`]).
@@ -247,7 +247,11 @@ impl MirrorQueue {
         match self.shared.regions.enter(first, last, want) {
             None => {
                 self.waiting.push_back(i);
-                let _ = (&self.event).write(&1u64.to_ne_bytes());
+                // Woken when the copy lets a region go (at once if it did already): the
+                // worker does not poll for it meanwhile.
+                if !self.shared.regions.wait_for_copy(first, last, &self.event) {
+                    let _ = (&*self.event).write(&1u64.to_ne_bytes());
+                }
                 return true;
             }
             Some(true) => self.shared.regions.bitmap.sync(first, last),
@@ -290,7 +294,8 @@ impl MirrorQueue {
         !devices.is_empty()
     }
 
-    /// Tries the writes waiting for the copy again (those still waiting signal the event).
+    /// Tries the writes waiting for the copy again (those still waiting wait for the next
+    /// release of a region the copy holds).
     fn retry_waiting(&mut self) {
         for i in std::mem::take(&mut self.waiting) {
             if !self.submit_write(i) {
@@ -521,7 +526,7 @@ impl DeviceQueue for MirrorQueue {
             q.ack_completion_event();
         }
         let mut buf = [0u8; 8];
-        let _ = (&self.event).read(&mut buf);
+        let _ = (&*self.event).read(&mut buf);
     }
 
     fn set_completion_events(&mut self, enabled: bool) {

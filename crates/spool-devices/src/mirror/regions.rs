@@ -34,6 +34,9 @@ pub(crate) struct Regions {
     /// Per slot, the id of the far leg there that has held a complete copy (0: none): kept
     /// across the reopens a link's coming and going makes (see `LegSpec::far`).
     pub(crate) required_ids: [AtomicU64; MAX_LEGS],
+    /// The completion events of queues with writes waiting for the copy to let a region
+    /// go ([`Regions::wait_for_copy`]), signalled by [`Regions::release_copy`].
+    wakers: std::sync::Mutex<Vec<std::sync::Weak<std::fs::File>>>,
 }
 
 impl Regions {
@@ -47,6 +50,7 @@ impl Regions {
             stale: Default::default(),
             out_of_sync: AtomicU64::new(0),
             required_ids: Default::default(),
+            wakers: Default::default(),
         }
     }
 
@@ -115,9 +119,33 @@ impl Regions {
             .is_ok()
     }
 
-    /// Lets writes into region `r` again (see [`Regions::hold_for_copy`]).
+    /// Lets writes into region `r` again (see [`Regions::hold_for_copy`]), and wakes the
+    /// queues whose writes wait for the copy.
     pub(crate) fn release_copy(&self, r: usize) {
         self.writes[r].fetch_and(!COPYING, Ordering::SeqCst);
+        let wakers = std::mem::take(&mut *self.wakers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in wakers.iter().filter_map(std::sync::Weak::upgrade) {
+            let _ = std::io::Write::write(&mut &*w, &1u64.to_ne_bytes());
+        }
+    }
+
+    /// A write [`Regions::enter`] turned away waits in the queue whose completion event is
+    /// `waker`: signalled when the copy lets a region go. False when the copy let go of
+    /// regions `first..=last` already (the write is to be tried again at once): the waker is
+    /// registered before that is checked, so no release is missed.
+    pub(crate) fn wait_for_copy(
+        &self,
+        first: usize,
+        last: usize,
+        waker: &std::sync::Arc<std::fs::File>,
+    ) -> bool {
+        let mut wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+        if !wakers.iter().any(|w| std::ptr::eq(w.as_ptr(), &**waker)) {
+            wakers.retain(|w| w.strong_count() > 0);
+            wakers.push(std::sync::Arc::downgrade(waker));
+        }
+        drop(wakers);
+        (first..=last).any(|r| self.writes[r].load(Ordering::SeqCst) & COPYING != 0)
     }
 
     /// Forgets that a write waits in region `r` (the copy gave up on the region meanwhile:

@@ -287,10 +287,19 @@ fn a_write_waits_while_the_copy_moves_its_region_and_is_never_overwritten_by_it(
         0,
         "a waiting write counts in none of its regions"
     );
+    // Nothing signals the queue of the waiting write until the copy lets the region go.
+    assert!(
+        !signalled_after_reap(&mut *q),
+        "the queue kept signalling itself"
+    );
     // The copy's piece lands on leg 1 (whose range here is on device 1 at 1 MiB), then the
     // copy lets the region go.
     devs[1].write_at_durable(&copied, MIB + at).unwrap();
     regions.release_copy(3);
+    assert!(
+        readable(q.completion_fd()),
+        "the copy's release woke nobody"
+    );
     // Writes come first: the copy cannot take the region again before the waiting write
     // got in.
     assert!(
@@ -316,8 +325,7 @@ fn a_write_waits_while_the_copy_moves_its_region_and_is_never_overwritten_by_it(
         vec![7u8; 4096],
         "the copy landed over an acknowledged write"
     );
-    // The region is the copy's again once the write is done.
-    // (The intent clearer may hold it for an instant.)
+    // The region is the copy's again once the write is done (the clearer aside).
     assert_eq!(regions.writes[3].load(Ordering::SeqCst) & !CLEARING, 0);
 }
 
@@ -345,4 +353,22 @@ fn an_abort_gives_a_write_waiting_for_the_copy_back() {
     assert_eq!(res, Some(-libc::ECANCELED));
     assert_eq!(q.in_flight(), 0);
     regions.release_copy(3);
+}
+
+/// Acks `q`'s event, reaps (nothing may complete), and tells whether the event is set again.
+fn signalled_after_reap(q: &mut dyn DeviceQueue) -> bool {
+    q.ack_completion_event();
+    q.reap(&mut |_, r| panic!("a completion ({r}) while the write waits"));
+    readable(q.completion_fd())
+}
+
+/// Whether `fd` is readable now.
+fn readable(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd on the stack, valid for the call; no wait.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 }
 }
