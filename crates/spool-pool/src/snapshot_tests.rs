@@ -546,13 +546,20 @@ fn replacing_the_device_holding_a_snapshots_map_moves_the_map() {
         .filter(|n| !gone.starts_with(**n))
         .map(|n| spec(d.path(), n, 17))
         .collect();
-    let p = Pool::open(&kept, opts()).unwrap();
+    let mut p = Pool::open(&kept, opts()).unwrap();
     super::check_tests::assert_clean(&p);
+    // The moved map itself, read at open: a clone made from it now reads the same.
+    p.clone_snapshot("t", "s", "c2").unwrap();
     for i in 0..12u64 {
         assert_eq!(
             get(&p, "c", i << 20),
             expect(i),
             "clone after a reopen, chunk {i}"
+        );
+        assert_eq!(
+            get(&p, "c2", i << 20),
+            expect(i),
+            "a clone of the moved map, chunk {i}"
         );
     }
 }

@@ -15,7 +15,7 @@
 //! table, why the map moves.
 
 use std::sync::atomic::Ordering::SeqCst;
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{RecvTimeoutError, Sender};
 use std::sync::Arc;
 
 use uuid::Uuid;
@@ -75,14 +75,22 @@ impl ThinBackend {
         match done.recv_timeout(MAP_COPY_WAIT) {
             Ok(Ok(())) => Ok(crate::MapMove { decision }),
             Ok(Err(why)) => Err(Error::Relocate(why)),
-            Err(_) => {
+            Err(e) => {
                 use crate::shared::{MOVE_CANCELLED, MOVE_QUEUED};
-                use std::sync::atomic::Ordering::SeqCst;
-                let why = "the volume's allocator did not copy the map within 60 s".to_string();
+                let why = match e {
+                    RecvTimeoutError::Timeout => {
+                        "the volume's allocator did not copy the map within 60 s"
+                    }
+                    RecvTimeoutError::Disconnected => "the volume's allocator stopped",
+                };
                 match state.compare_exchange(MOVE_QUEUED, MOVE_CANCELLED, SeqCst, SeqCst) {
-                    Ok(_) => Err(Error::Relocate(why)),
-                    // Copying: it may still write there, so the place must stay taken.
-                    Err(_) => Err(Error::RelocateAbandoned(why)),
+                    Ok(_) => Err(Error::Relocate(why.into())),
+                    Err(_) => match done.try_recv() {
+                        // Copied just now: the move goes on.
+                        Ok(Ok(())) => Ok(crate::MapMove { decision }),
+                        // Copying: it may still write there, so the place must stay taken.
+                        _ => Err(Error::RelocateAbandoned(why.into())),
+                    },
                 }
             }
         }
