@@ -10,13 +10,15 @@ it is acknowledged). The resync rate is unlimited (`[pool] resync_rate = "0"`).
 
     scripts/bench-send.py              # 1 GiB, DIR /var/tmp
     scripts/bench-send.py --quick      # 64 MiB, 1 s runs (checks it works)
-Results: docs/benchmarks/send.{json,md}.
+    scripts/bench-send.py --encrypted  # an encrypted volume, through B's transfer listener
+Results: docs/benchmarks/send.{json,md} (send-encrypted.{json,md} with --encrypted).
 """
 
 import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,18 +29,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import bin_dir, cpu_model, ctl, log, run_spoold, save, spool_bench  # noqa: E402
 
 
-def config(work, mib):
-    return f"""state_dir = "{work}/state"
+def config(work, mib, encrypted=False, volume=True):
+    """A spoold's config; `encrypted`: with a key-encryption key (the same on both hosts)
+    and the volume encrypted; without `volume`, a transfer listener instead (B)."""
+    c = f"""state_dir = "{work}/state"
 [pool]
 resync_rate = "0"
 [[devices]]
 path = "{work}/d0.img"
 create_size = "{mib + 64}M"
-[[volumes]]
-name = "v"
-size = "{mib}M"
-num_queues = 1
 """
+    if encrypted:
+        key = os.path.join(work, "kek")
+        with open(key, "w") as f:
+            f.write("5a" * 32)
+        os.chmod(key, 0o600)
+        c += f'[encryption]\nkey_file = "{key}"\n'
+    if volume:
+        c += f'[[volumes]]\nname = "v"\nsize = "{mib}M"\nnum_queues = 1\n'
+        c += "encrypt = true\n" if encrypted else ""
+    else:
+        c += '[transfer]\nlisten = "127.0.0.1:0"\npeers = ["127.0.0.1"]\n'
+    return c
+
+
+def listener_port(work, timeout=30):
+    """The port B's transfer listener got (from its log)."""
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        with open(os.path.join(work, "spoold.log")) as f:
+            m = re.search(r"transfer listener.*listen=127\.0\.0\.1:(\d+)", f.read())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.05)
+    raise RuntimeError("no transfer listener in B's log")
 
 
 def writes(sock, qd, secs, label):
@@ -64,6 +88,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--encrypted", action="store_true")
     a = ap.parse_args()
     mib, secs = (64, 1) if a.quick else (1024, 5)
     work = tempfile.mkdtemp(prefix="spool-bench-send-", dir=a.dir)
@@ -72,24 +97,36 @@ def main():
         wa, wb = os.path.join(work, "a"), os.path.join(work, "b")
         os.makedirs(wa)
         os.makedirs(wb)
-        pa, sa = run_spoold(wa, config(wa, mib), ["v"])
-        pb, _ = run_spoold(wb, config(wb, mib), ["v"])
+        enc = a.encrypted
+        pa, sa = run_spoold(wa, config(wa, mib, enc), ["v"])
+        pb, _ = run_spoold(wb, config(wb, mib, enc, volume=not enc), [] if enc else ["v"])
         procs = [pa, pb]
         rpc_a, rpc_b = (os.path.join(w, "state", "spoold.sock") for w in (wa, wb))
-        sock = os.path.join(wb, "in.sock")
-        uri = f"nbd+unix:///v?socket={sock}"
-        ctl(rpc_b, "volume", "receive", "v", "--nbd", f"unix:{sock}")
+        if enc:
+            # Through B's listener, which creates the volume under A's data key.
+            token = "0123456789abcdef0123"
+            to = ["--to", f"127.0.0.1:{listener_port(wb)}", "--token", token]
+            ctl(rpc_b, "volume", "receive", "v", "--token", token)
+        else:
+            sock = os.path.join(wb, "in.sock")
+            to = ["--to", f"nbd+unix:///v?socket={sock}"]
+            ctl(rpc_b, "volume", "receive", "v", "--nbd", f"unix:{sock}")
         rows = []
         for qd in (1, 32):
-            rows.append(writes(sa["v"], qd, secs, "plain volume"))
+            rows.append(writes(sa["v"], qd, secs, "encrypted, not sent" if enc else "plain volume"))
         copies = []
-        ctl(rpc_a, "volume", "send", "v", "--to", uri)
+        ctl(rpc_a, "volume", "send", "v", *to)
         copies.append({"copy": "idle", "s": wait_current(rpc_a)})
         for qd in (1, 32):
-            rows.append(writes(sa["v"], qd, secs, "sending, copy current"))
+            label = "encrypted, sending, copy current" if enc else "sending, copy current"
+            rows.append(writes(sa["v"], qd, secs, label))
         # The copy again, under a QD8 write load for its whole length.
         ctl(rpc_a, "volume", "send", "v", "--cancel")
-        ctl(rpc_a, "volume", "send", "v", "--to", uri)
+        if enc:
+            # A token opens one transfer: B expects the volume (which it has) again.
+            ctl(rpc_b, "volume", "receive", "v", "--stop")
+            ctl(rpc_b, "volume", "receive", "v", "--token", token)
+        ctl(rpc_a, "volume", "send", "v", *to)
         load = spool_bench_background(sa["v"])
         copies.append({"copy": "under 4K QD8 random writes", "s": wait_current(rpc_a)})
         load.terminate()
@@ -102,9 +139,9 @@ def main():
                 f'p99 {r["p99_us"]:.0f} µs')
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   "cpu": cpu_model(), "cores": os.cpu_count(), "mib": mib, "dir": a.dir,
-                  "copies": copies, "writes": rows}
+                  "encrypted": enc, "copies": copies, "writes": rows}
         if not a.quick:
-            save("send", result, md(result))
+            save("send-encrypted" if enc else "send", result, md(result))
         print(json.dumps(result))
     finally:
         for p in procs:
@@ -122,13 +159,18 @@ def spool_bench_background(sock):
 
 def md(r):
     """The result as markdown lines."""
+    how = ("an encrypted volume (`scripts/bench-send.py --encrypted`) through B's transfer "
+           "listener over TCP on 127.0.0.1 (B creates it under A's data key, both having the "
+           "same key-encryption key; the copy moves A's ciphertext as it is)"
+           if r.get("encrypted") else
+           "a volume to B's `volume receive` export over a Unix socket")
     lines = [
-        "# Sending a volume to another spoold",
+        "# Sending " + ("an encrypted volume" if r.get("encrypted") else "a volume")
+        + " to another spoold",
         "",
         f"`scripts/bench-send.py`, {r['date'][:10]}, {r['cpu']} ({r['cores']} cores): two "
-        f"spoolds on this machine, A sending a {r['mib']} MiB volume to B's `volume receive` "
-        f"export over a Unix socket, devices are files under {r['dir']}, resync rate "
-        "unlimited.",
+        f"spoolds on this machine, A sending {how}; {r['mib']} MiB, devices are files under "
+        f"{r['dir']}, resync rate unlimited.",
         "",
         "| copy | seconds | MiB/s |",
         "|---|---|---|",
