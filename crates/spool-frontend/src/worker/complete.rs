@@ -22,8 +22,8 @@ impl QueueWorker {
         let mut finished: SmallVec<[u16; 32]> = SmallVec::new();
         let any = self.reap_devices(&mut finished);
         if finished.is_empty() {
-            if self.inflight.submitted() == 0 && !self.retired_maps.is_empty() {
-                self.retired_maps.clear();
+            if self.inflight.submitted() == 0 && !self.guest.retired_maps.is_empty() {
+                self.guest.retired_maps.clear();
             }
             return any;
         }
@@ -39,9 +39,9 @@ impl QueueWorker {
             }
         }
         self.complete_used_batch(mem, &used);
-        if self.inflight.submitted() == 0 && !self.retired_maps.is_empty() {
+        if self.inflight.submitted() == 0 && !self.guest.retired_maps.is_empty() {
             // Nothing taken under an earlier memory map is in flight any more.
-            self.retired_maps.clear();
+            self.guest.retired_maps.clear();
         }
         any
     }
@@ -105,18 +105,18 @@ impl QueueWorker {
         self.refresh_host(mem);
         if let Some(log) = mem.dirty_log() {
             for &(head, _) in done {
-                self.vq.log_chain(&self.host, head, log);
+                self.vq.log_chain(&self.guest.host, head, log);
             }
         }
         #[cfg(feature = "test-hooks")]
         if let Some(w) = crate::test_witness::witness() {
             for &(head, _) in done {
-                let host = &self.host;
+                let host = &self.guest.host;
                 self.vq
                     .written_by_device(host, head, |gpa, len| w.record(host, gpa, len));
             }
         }
-        if let Err(e) = self.vq.complete_batch(&self.host, done, &mut |_| {}) {
+        if let Err(e) = self.vq.complete_batch(&self.guest.host, done, &mut |_| {}) {
             self.fail_queue(&e.to_string());
         }
         if let Some(log) = mem.dirty_log() {
@@ -126,7 +126,7 @@ impl QueueWorker {
         #[cfg(feature = "test-hooks")]
         if let Some(w) = crate::test_witness::witness() {
             let (used, len) = self.vq.used_ring_range();
-            w.record(&self.host, used, len);
+            w.record(&self.guest.host, used, len);
         }
         self.need_notify = true;
         if !self.tel.served_one {

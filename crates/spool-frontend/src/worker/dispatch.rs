@@ -48,7 +48,7 @@ impl QueueWorker {
                 self.note_rejected(&rej);
                 if let Some(a) = rej.status_addr {
                     self.refresh_host(mem);
-                    self.host.write(a.0, &[rej.status()]);
+                    self.guest.host.write(a.0, &[rej.status()]);
                 }
                 self.complete_used(mem, rej.head, 1);
             }

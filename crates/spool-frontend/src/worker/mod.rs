@@ -19,8 +19,9 @@
 //!   changes, the timeout sweep, device reset, the quiesce shared by reset and stop, and
 //!   quarantining commands that never complete;
 //! - `replay`: requests resubmitted from the journal at start (and poisoned ones);
-//! - `pacing`, `telemetry`: two parts of a worker's state kept apart from the rest (its
-//!   I/O limits and fair share; its statistics, restart clock and rate-limited warnings).
+//! - `guest`, `pacing`, `telemetry`: parts of a worker's state kept apart from the rest
+//!   (the guest memory maps it holds; its I/O limits and fair share; its statistics,
+//!   restart clock and rate-limited warnings).
 //!
 //! How the journal makes a restart invisible: docs/journal-format.md; how failures are
 //! handled: docs/failures.md.
@@ -30,6 +31,7 @@
 mod complete;
 mod dispatch;
 mod group;
+mod guest;
 mod inflight;
 mod pacing;
 mod recovery;
@@ -65,6 +67,7 @@ use crate::share::{ShareGroup, VolumeShare};
 use crate::stats::{Tally, VolumeStats};
 use crate::vring::JournaledQueue;
 pub use group::PollGroup;
+use guest::GuestMaps;
 use inflight::InflightTable;
 use pacing::Pacing;
 use replay::ReplayGuard;
@@ -244,16 +247,10 @@ pub struct QueueWorker {
     index: u16,
     volume: String,
     vq: JournaledQueue,
-    /// Host addresses of `host_of`, the guest memory map the worker last loaded.
-    host: HostMap,
-    host_of: Option<Arc<GuestMemory>>,
-    /// Earlier memory maps, kept mapped until the requests taken under them have completed
-    /// (devices and status bytes point into them).
-    retired_maps: Vec<Arc<GuestMemory>>,
+    /// The guest's memory as this worker maps it.
+    guest: GuestMaps,
     resubmit: Vec<u16>,
     reset: Arc<AtomicBool>,
-    /// The frontend's current memory map (one atomic load to check per round).
-    mem: Cache<Arc<ArcSwap<GuestMemory>>, Arc<GuestMemory>>,
     kick: File,
     call: Arc<ArcSwapOption<File>>,
     layout_src: Arc<ArcSwap<VolumeLayout>>,
@@ -339,12 +336,8 @@ impl QueueWorker {
             index: spec.index,
             volume: spec.volume,
             vq: JournaledQueue::new(spec.queue, spec.journal),
-            host: HostMap::default(),
-            host_of: None,
-            retired_maps: Vec::new(),
             resubmit: spec.resubmit,
             reset,
-            mem: Cache::new(spec.mem),
             kick: spec.kick,
             call: spec.call,
             layout_now: Cache::new(spec.layout.clone()),
@@ -374,6 +367,12 @@ impl QueueWorker {
             poison: spec.poison,
             inline_devices: false,
             drain_window: Arc::default(),
+            guest: GuestMaps {
+                host: HostMap::default(),
+                host_of: None,
+                retired_maps: Vec::new(),
+                mem: Cache::new(spec.mem),
+            },
             tel: Telemetry {
                 stats: spec.stats,
                 tally: Tally::default(),
@@ -530,7 +529,7 @@ impl QueueWorker {
     /// The frontend's current memory map.
     #[inline]
     pub(super) fn current_memory(&mut self) -> Arc<GuestMemory> {
-        self.mem.load().clone()
+        self.guest.mem.load().clone()
     }
 
     /// Tells the guest to look at the used ring (one interrupt on its call eventfd).

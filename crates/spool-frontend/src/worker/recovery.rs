@@ -187,8 +187,8 @@ impl QueueWorker {
     /// Re-parses a journaled request from its descriptor chain and submits it again.
     pub(super) fn resubmit_head(&mut self, head: u16, mem: &Arc<GuestMemory>) {
         self.refresh_host(mem);
-        let walker = self.vq.chain(&self.host, head);
-        let parsed = request::parse(head, walker, &self.host, &self.limits);
+        let walker = self.vq.chain(&self.guest.host, head);
+        let parsed = request::parse(head, walker, &self.guest.host, &self.limits);
         self.dispatch(parsed, mem);
     }
 
@@ -207,7 +207,7 @@ impl QueueWorker {
             None => submitted.iter().map(|&(h, _)| h).chain(waiting).collect(),
         };
         self.reopen_device_queues();
-        let mem = self.mem.load().clone();
+        let mem = self.guest.mem.load().clone();
         tracing::info!(volume = %self.volume, queue = self.index, resubmitted = heads.len(), "device reset: resubmitting in-flight requests");
         for h in heads {
             self.resubmit_head(h, &mem);
@@ -287,7 +287,7 @@ impl QueueWorker {
             if self.reset.swap(false, Ordering::AcqRel) {
                 self.reset_devices();
             }
-            let mem = self.mem.load().clone();
+            let mem = self.guest.mem.load().clone();
             self.check_health(&mem);
             for d in 0..self.devices.len() {
                 let _ = self.devices[d].kick();
@@ -328,7 +328,7 @@ impl QueueWorker {
     /// back (quarantined: their memory maps stay alive, so their status bytes can be written).
     #[cold]
     fn fail_unsettled(&mut self) {
-        let mem = self.mem.load().clone();
+        let mem = self.guest.mem.load().clone();
         self.refresh_host(&mem);
         let ioerr = VIRTIO_BLK_S_IOERR as u8;
         let mut done: Vec<(u16, u32)> = Vec::new();
@@ -339,12 +339,12 @@ impl QueueWorker {
         let mut taken = self.inflight.take_held();
         taken.append(&mut self.inflight.take_cancelled());
         for head in taken {
-            let walker = self.vq.chain(&self.host, head);
-            match request::parse(head, walker, &self.host, &self.limits) {
+            let walker = self.vq.chain(&self.guest.host, head);
+            match request::parse(head, walker, &self.guest.host, &self.limits) {
                 Ok(req) => write_status(req.status_host, ioerr),
                 Err(rej) => {
                     if let Some(a) = rej.status_addr {
-                        self.host.write(a.0, &[ioerr]);
+                        self.guest.host.write(a.0, &[ioerr]);
                     }
                 }
             }
@@ -375,7 +375,7 @@ impl QueueWorker {
             }
             let progress = match mode {
                 Quiesce::Complete => {
-                    let mem = self.mem.load().clone();
+                    let mem = self.guest.mem.load().clone();
                     let any = self.reap(&mem);
                     self.notify(&mem);
                     any
@@ -427,7 +427,7 @@ impl QueueWorker {
         tracing::warn!(volume = %self.volume, queue = self.index, operations = given_up, "device operations abandoned after the drain window");
         match mode {
             Quiesce::Complete => {
-                let mem = self.mem.load().clone();
+                let mem = self.guest.mem.load().clone();
                 self.reap(&mem);
             }
             Quiesce::Discard => {
@@ -488,11 +488,12 @@ impl QueueWorker {
         if stuck == 0 {
             return;
         }
-        let current = self.mem.load().clone();
+        let current = self.guest.mem.load().clone();
         for m in self
+            .guest
             .retired_maps
             .drain(..)
-            .chain(self.host_of.clone())
+            .chain(self.guest.host_of.clone())
             .chain(std::iter::once(current))
         {
             // Deliberately leaked: keeps the regions mapped (and registered for DMA).

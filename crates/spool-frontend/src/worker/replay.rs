@@ -47,13 +47,13 @@ impl QueueWorker {
     /// first poll round).
     pub(super) fn replay_journal(&mut self) {
         if !self.poison.is_empty() {
-            let mem = self.mem.load().clone();
+            let mem = self.guest.mem.load().clone();
             for head in std::mem::take(&mut self.poison) {
                 self.fail_poisoned(head, &mem);
             }
         }
         if !self.resubmit.is_empty() {
-            let mem = self.mem.load().clone();
+            let mem = self.guest.mem.load().clone();
             let heads = std::mem::take(&mut self.resubmit);
             tracing::info!(volume = %self.volume, queue = self.index, count = heads.len(), "resubmitting requests recovered from the journal");
             self.tel
@@ -90,12 +90,12 @@ impl QueueWorker {
     fn fail_poisoned(&mut self, head: u16, mem: &Arc<GuestMemory>) {
         tracing::error!(volume = %self.volume, queue = self.index, head, "request crashed the previous worker while it was replayed; failing it (IOERR) instead of replaying it again");
         self.refresh_host(mem);
-        let chain = self.vq.chain(&self.host, head);
-        match request::parse(head, chain, &self.host, &self.limits) {
+        let chain = self.vq.chain(&self.guest.host, head);
+        match request::parse(head, chain, &self.guest.host, &self.limits) {
             Ok(req) => write_status(req.status_host, VIRTIO_BLK_S_IOERR as u8),
             Err(rej) => {
                 if let Some(a) = rej.status_addr {
-                    self.host.write(a.0, &[VIRTIO_BLK_S_IOERR as u8]);
+                    self.guest.host.write(a.0, &[VIRTIO_BLK_S_IOERR as u8]);
                 }
             }
         }

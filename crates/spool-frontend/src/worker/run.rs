@@ -119,7 +119,7 @@ impl QueueWorker {
 
     /// Idle for `poll_idle`: the volume no longer holds the others to its share.
     pub(super) fn note_idle(&mut self) {
-        if self.inflight.submitted() == 0 && !self.vq.has_avail(&self.host) {
+        if self.inflight.submitted() == 0 && !self.vq.has_avail(&self.guest.host) {
             self.set_share_idle(true);
         }
     }
@@ -226,7 +226,7 @@ impl QueueWorker {
             self.reset_devices();
         }
         self.refresh_layout();
-        let mem = self.mem.load().clone();
+        let mem = self.guest.mem.load().clone();
         self.check_memory_faults(&mem);
         self.check_health(&mem);
         self.rounds = self.rounds.wrapping_add(1);
@@ -315,7 +315,7 @@ impl QueueWorker {
             return;
         }
         self.seen_faults = now;
-        if mem.faulted() || self.retired_maps.iter().any(|m| m.faulted()) {
+        if mem.faulted() || self.guest.retired_maps.iter().any(|m| m.faulted()) {
             tracing::error!(volume = %self.volume, queue = self.index, "the frontend's memory faulted under the worker (its file was truncated?); ending the session");
             self.fail_queue("guest memory faulted");
             self.fault.raise();
@@ -352,12 +352,12 @@ impl QueueWorker {
         // volume's clock (cache lines their threads write) for nothing.
         if self.pace.fair_share
             && self.pace.priority != spool_pool::Priority::Latency
-            && self.vq.has_avail(&self.host)
+            && self.vq.has_avail(&self.guest.host)
             && !self.pace.share_group.may_take(&self.pace.share)
         {
             return self.yield_share();
         }
-        self.vq.prefetch(&self.host);
+        self.vq.prefetch(&self.guest.host);
         let taken = match &self.pace.qos {
             Some(q) => self.take_limited(mem, q.clone()),
             None => {
@@ -392,7 +392,7 @@ impl QueueWorker {
     #[cold]
     #[inline(never)]
     fn yield_share(&mut self) -> bool {
-        if self.vq.has_avail(&self.host) {
+        if self.vq.has_avail(&self.guest.host) {
             self.set_share_busy();
             // The thread goes off the core for a moment after this round (`SHARE_PAUSE`, once
             // for all its queues; not a yield, which on a busy core hands it straight back and
@@ -440,8 +440,8 @@ impl QueueWorker {
     /// before we look at it); None when the ring is empty (or broken: the queue fails).
     #[inline(always)]
     fn pop_head(&mut self) -> Option<u16> {
-        self.vq.prefetch_ahead(&self.host);
-        match self.vq.pop(&self.host, &mut |_| {}) {
+        self.vq.prefetch_ahead(&self.guest.host);
+        match self.vq.pop(&self.guest.host, &mut |_| {}) {
             Ok(h) => h,
             Err(e) => {
                 self.fail_queue(&e.to_string());
@@ -493,19 +493,19 @@ impl QueueWorker {
         Result<request::Request, request::Rejected>,
         Option<Arc<GuestMemory>>,
     ) {
-        let chain = self.vq.chain(&self.host, head);
-        let parsed = request::parse(head, chain, &self.host, &self.limits);
+        let chain = self.vq.chain(&self.guest.host, head);
+        let parsed = request::parse(head, chain, &self.guest.host, &self.limits);
         if !matches!(&parsed, Err(r) if r.failure == request::Failure::OutsideMemory) {
             return (parsed, None);
         }
-        let newest = self.mem.load().clone();
+        let newest = self.guest.mem.load().clone();
         if Arc::ptr_eq(&newest, mem) {
             return (parsed, None);
         }
         self.refresh_host(&newest);
-        let chain = self.vq.chain(&self.host, head);
+        let chain = self.vq.chain(&self.guest.host, head);
         (
-            request::parse(head, chain, &self.host, &self.limits),
+            request::parse(head, chain, &self.guest.host, &self.limits),
             Some(newest),
         )
     }
@@ -513,12 +513,17 @@ impl QueueWorker {
     /// Rebuilds the host map when the frontend's memory table changed.
     #[inline]
     pub(super) fn refresh_host(&mut self, mem: &Arc<GuestMemory>) {
-        if !self.host_of.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
-            self.host = HostMap::new(mem);
-            if let Some(old) = self.host_of.replace(mem.clone()) {
+        if !self
+            .guest
+            .host_of
+            .as_ref()
+            .is_some_and(|m| Arc::ptr_eq(m, mem))
+        {
+            self.guest.host = HostMap::new(mem);
+            if let Some(old) = self.guest.host_of.replace(mem.clone()) {
                 if self.inflight.submitted() > 0 {
-                    self.retired_maps.push(old);
-                    if self.retired_maps.len() > MAX_RETIRED_MAPS {
+                    self.guest.retired_maps.push(old);
+                    if self.guest.retired_maps.len() > MAX_RETIRED_MAPS {
                         // Each kept map holds mappings, DMA registrations and SIGBUS watch
                         // slots: a frontend replacing its table over and over while requests
                         // are in flight would exhaust them for every tenant.
@@ -538,7 +543,7 @@ impl QueueWorker {
         }
         self.need_notify = false;
         self.refresh_host(mem);
-        if self.vq.needs_notification(&self.host) {
+        if self.vq.needs_notification(&self.guest.host) {
             self.signal_guest();
         }
     }
