@@ -17,7 +17,7 @@ def log(*a):
 
 def ctl(sock, *args):
     """Runs `spoolctl --socket SOCK --json ARGS` and returns its JSON answer."""
-    r = subprocess.run([os.path.join(BIN, "spoolctl"), "--socket", sock, "--json", *args],
+    r = subprocess.run([os.path.join(bin_dir(), "spoolctl"), "--socket", sock, "--json", *args],
                        capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise RuntimeError(f"spoolctl {' '.join(args)}: {r.stderr.strip()}")
