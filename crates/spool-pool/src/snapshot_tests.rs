@@ -317,23 +317,36 @@ fn a_snapshot_of_an_encrypted_volume_reads_decrypted() {
     assert!(sealed != plain, "the device holds ciphertext");
 }
 
+/// Devices a, b and c of 17 MiB, and thin volume t of `mib` MiB whose first 12 chunks
+/// hold 1, 2, ... 12.
+fn thin_pool_of_three(dir: &std::path::Path, mib: u64) -> Pool {
+    let specs: Vec<DeviceSpec> = ["a", "b", "c"].map(|n| spec(dir, n, 17)).to_vec();
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_thin_volume("t", mib << 20, false, 1, false)
+        .unwrap();
+    for i in 0..12u64 {
+        put(&p, "t", i << 20, i as u8 + 1);
+    }
+    p
+}
+
+/// The pool of a, b, c and the replacement n, opened without the replaced device's file
+/// `gone`.
+fn reopen_without(dir: &std::path::Path, gone: &str) -> Pool {
+    let kept: Vec<DeviceSpec> = (["a", "b", "c", "n"].iter())
+        .filter(|n| **n != gone)
+        .map(|n| spec(dir, n, 17))
+        .collect();
+    Pool::open(&kept, opts()).unwrap()
+}
+
 /// A device replaced under a thin volume: the chunks on it are lost, as a thick volume's
 /// extents are (their entries read zeroes, in the volume and in its snapshot and clone), the
 /// rest is kept, and the pool checks clean before and after a reopen.
 #[test]
 fn replacing_a_device_under_a_thin_volume_loses_only_its_chunks() {
     let d = tempfile::tempdir().unwrap();
-    let specs = [
-        spec(d.path(), "a", 17),
-        spec(d.path(), "b", 17),
-        spec(d.path(), "c", 17),
-    ];
-    let mut p = Pool::open(&specs, opts()).unwrap();
-    p.create_thin_volume("t", 12 << 20, false, 1, false)
-        .unwrap();
-    for i in 0..12u64 {
-        put(&p, "t", i << 20, i as u8 + 1);
-    }
+    let mut p = thin_pool_of_three(d.path(), 12);
     p.snapshot_volume("t", "s").unwrap();
     let v = p.table.volumes[p.find("t").unwrap()].clone();
     let dev = p.thin_device(&v).unwrap();
@@ -374,12 +387,7 @@ fn replacing_a_device_under_a_thin_volume_loses_only_its_chunks() {
     assert_eq!(get(&p, "t", lost[0] << 20), 0x77);
     assert_eq!(get(&p, "c", lost[0] << 20), 0);
     drop((dev, p));
-    let kept: Vec<DeviceSpec> = ["a", "b", "c", "n"]
-        .iter()
-        .filter(|n| **n != gone_file)
-        .map(|n| spec(d.path(), n, 17))
-        .collect();
-    let p = Pool::open(&kept, opts()).unwrap();
+    let p = reopen_without(d.path(), gone_file);
     super::check_tests::assert_clean(&p);
     for i in (0..12u64).filter(|i| *i != lost[0]) {
         assert_eq!(
@@ -402,18 +410,8 @@ fn replacing_a_device_under_a_thin_volume_loses_only_its_chunks() {
 #[test]
 fn replacing_the_device_holding_a_thin_volumes_map_moves_the_map() {
     let d = tempfile::tempdir().unwrap();
-    let specs = [
-        spec(d.path(), "a", 17),
-        spec(d.path(), "b", 17),
-        spec(d.path(), "c", 17),
-    ];
-    let mut p = Pool::open(&specs, opts()).unwrap();
     // One chunk more than is written before the move: a hole written after it.
-    p.create_thin_volume("t", 13 << 20, false, 1, false)
-        .unwrap();
-    for i in 0..12u64 {
-        put(&p, "t", i << 20, i as u8 + 1);
-    }
+    let mut p = thin_pool_of_three(d.path(), 13);
     let v = p.table.volumes[p.find("t").unwrap()].clone();
     let map = v.thin.as_ref().unwrap().map.clone();
     let old = map[0].device;
@@ -458,12 +456,7 @@ fn replacing_the_device_holding_a_thin_volumes_map_moves_the_map() {
     }
     put(&p, "t", 12 << 20, 0x99);
     drop((dev, p));
-    let gone = old_file.file_name().unwrap().to_str().unwrap().to_string();
-    let kept: Vec<DeviceSpec> = (["a", "b", "c", "n"].iter())
-        .filter(|n| !gone.starts_with(**n))
-        .map(|n| spec(d.path(), n, 17))
-        .collect();
-    let p = Pool::open(&kept, opts()).unwrap();
+    let p = reopen_without(d.path(), old_file.file_name().unwrap().to_str().unwrap());
     super::check_tests::assert_clean(&p);
     for i in 0..12u64 {
         let want = match lost.first() {
@@ -494,14 +487,7 @@ fn junk(p: &Pool, file: &std::path::Path, extents: &[crate::metadata::ExtentEntr
 #[test]
 fn replacing_the_device_holding_a_snapshots_map_moves_the_map() {
     let d = tempfile::tempdir().unwrap();
-    let names = ["a", "b", "c"];
-    let specs: Vec<DeviceSpec> = names.iter().map(|n| spec(d.path(), n, 17)).collect();
-    let mut p = Pool::open(&specs, opts()).unwrap();
-    p.create_thin_volume("t", 12 << 20, false, 1, false)
-        .unwrap();
-    for i in 0..12u64 {
-        put(&p, "t", i << 20, i as u8 + 1);
-    }
+    let mut p = thin_pool_of_three(d.path(), 12);
     p.snapshot_volume("t", "s").unwrap();
     for i in 0..12u64 {
         put(&p, "t", i << 20, 0xee);
@@ -541,12 +527,7 @@ fn replacing_the_device_holding_a_snapshots_map_moves_the_map() {
     }
     super::check_tests::assert_clean(&p);
     drop((dev, p));
-    let gone = file.file_name().unwrap().to_str().unwrap().to_string();
-    let kept: Vec<DeviceSpec> = (["a", "b", "c", "n"].iter())
-        .filter(|n| !gone.starts_with(**n))
-        .map(|n| spec(d.path(), n, 17))
-        .collect();
-    let mut p = Pool::open(&kept, opts()).unwrap();
+    let mut p = reopen_without(d.path(), file.file_name().unwrap().to_str().unwrap());
     super::check_tests::assert_clean(&p);
     // The moved map itself, read at open: a clone made from it now reads the same.
     p.clone_snapshot("t", "s", "c2").unwrap();
