@@ -332,7 +332,7 @@ pub fn fault_rule(
 /// its mirror's progress.
 pub fn mirror_status(
     info: &spool_pool::VolumeInfo,
-    progress: Option<spool_devices::mirror::Progress>,
+    progress: Option<spool_mirror::Progress>,
 ) -> MirrorStatus {
     let legs: Vec<MirrorLeg> = info
         .legs

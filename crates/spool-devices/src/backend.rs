@@ -1,8 +1,8 @@
 //! The [`PoolDevice`] trait: what any storage under a pool must do, and the plain types its
 //! methods speak in ([`Probe`], [`BackendInfo`], [`ControllerStatus`], [`OpenOptions`]).
 //!
-//! Owns: the contract every backend (file/block, NVMe, null, and a future mirror composed of
-//! others) fills, with defaults for the capabilities only some have (a controller to reset,
+//! Owns: the contract every backend (file/block, NVMe, null, NBD, RBD, and spool-mirror's
+//! mirror composed of others) fills, with defaults for the capabilities only some have (a controller to reset,
 //! SMART warnings, a controller status). The trait is object safe and assumes no file
 //! descriptor, so a backend may be built from other `PoolDevice`s.
 //!
@@ -69,20 +69,10 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// The mirror, when this backend is one (its progress and verify are the control
-    /// plane's business).
-    fn as_mirror(&self) -> Option<&crate::mirror::MirrorBackend> {
-        None
-    }
-
-    /// The RBD image, when this backend is one (resizing and removing it are the pool's).
-    fn as_rbd(&self) -> Option<&crate::RbdBackend> {
-        None
-    }
-
-    /// The backend as `Any`, for a backend whose crate offers more than this trait (a thin
-    /// volume's allocation counts) to find itself under a [`crate::Device`]; `None` by
-    /// default.
+    /// The backend as `Any`, for a backend that offers more than this trait (a thin volume's
+    /// allocation counts, an RBD image's resize and snapshots) to find itself under a
+    /// [`crate::Device`] (`ThinBackend::of`, [`crate::RbdBackend::of`]); `None` by default.
+    /// The trait itself names no backend.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }

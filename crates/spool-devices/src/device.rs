@@ -239,14 +239,6 @@ impl PoolDevice for Device {
         Device::controller_status(self)
     }
 
-    fn as_mirror(&self) -> Option<&crate::mirror::MirrorBackend> {
-        self.backend.as_mirror()
-    }
-
-    fn as_rbd(&self) -> Option<&crate::RbdBackend> {
-        self.backend.as_rbd()
-    }
-
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         self.backend.as_any()
     }

@@ -20,12 +20,13 @@ mod file_map;
 mod health;
 mod inline;
 pub mod iov;
-pub mod mirror;
 mod nbd;
 mod null;
 mod nvme;
 mod queue;
 mod rbd;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use backend::{
     BackendInfo, ControllerStatus, ErrorLogRecord, OpenOptions, PoolDevice, Probe, SmartHealth,
@@ -65,7 +66,8 @@ pub fn unregister_dma_memory(addr: u64, len: u64) {
     spool_nvme::unregister_memory(addr, len)
 }
 pub use queue::{
-    completion_eventfd, epoll_new, epoll_watch, DeviceIo, DeviceQueue, IoVec, UringQueue,
+    completion_eventfd, drain_done, epoll_new, epoll_watch, DeviceIo, DeviceQueue, IoVec,
+    UringQueue,
 };
 
 /// Errors of the devices layer.
@@ -87,7 +89,8 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(path: &std::path::Path, what: &'static str, source: std::io::Error) -> Self {
+    /// An I/O error of `what` on the device at `path`.
+    pub fn io(path: &std::path::Path, what: &'static str, source: std::io::Error) -> Self {
         Error::Io {
             path: path.display().to_string(),
             what,

@@ -156,7 +156,7 @@ impl<Q: DeviceQueue + ?Sized> DeviceQueue for Box<Q> {
 }
 
 /// Hands every completion already known (tag, result) to `done`; returns how many.
-pub(crate) fn drain_done(q: &mut VecDeque<(u64, i32)>, done: &mut dyn FnMut(u64, i32)) -> usize {
+pub fn drain_done(q: &mut VecDeque<(u64, i32)>, done: &mut dyn FnMut(u64, i32)) -> usize {
     let n = q.len();
     while let Some((t, r)) = q.pop_front() {
         done(t, r);

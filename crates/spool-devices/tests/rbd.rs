@@ -171,7 +171,7 @@ fn rbd_images_serve_io_and_hold_it_while_the_osd_is_down() {
         conf: cluster.conf.clone(),
         id: "admin".into(),
     };
-    let rbd = dev.backend().as_rbd().expect("an RBD backend");
+    let rbd = RbdBackend::of(&dev).expect("an RBD backend");
     rbd.resize(128 << 20).unwrap();
     assert_eq!(dev.size(), 128 << 20);
     assert!(rbd

@@ -1,7 +1,7 @@
 //! The data path's view of a volume: its logical→physical map onto device handles.
 //!
 //! Owns: [`VolumeLayout`] and [`Segment`], and building them from the pool table (a mirrored
-//! volume is one segment on its mirror device, a spool-devices `MirrorBackend` over its legs,
+//! volume is one segment on its mirror device, a spool-mirror `Mirror` over its legs,
 //! kept in [`MirrorCache`] while the legs stay the same). Must not know: how I/O is submitted
 //! (the frontend does that), metadata on disk.
 
@@ -10,13 +10,13 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use crate::{Error, Pool, QosLimits, Result};
-use spool_devices::mirror::{LegPiece, LegSpec, MirrorBackend, MirrorSpec, MISSING};
 use spool_devices::Device;
+use spool_mirror::{LegPiece, LegSpec, Mirror, MirrorSpec, MISSING};
 
 use crate::metadata::{ExtentEntry, LegEntry, VolumeEntry};
 
 /// Mirror devices by volume, each with what it was built from.
-pub(crate) type MirrorCache = std::collections::HashMap<Uuid, (MirrorKey, Arc<Device>)>;
+pub(crate) type MirrorCache = std::collections::HashMap<Uuid, (MirrorKey, Mirror)>;
 
 /// What a mirror device was built from: its legs and the member handles they use.
 #[derive(PartialEq, Eq)]
@@ -177,7 +177,7 @@ impl Pool {
             return Ok(one_segment(v, v.size, dev, cipher));
         }
         if v.is_mirrored() {
-            let dev = self.mirror_device(v)?;
+            let dev = self.open_mirror(v)?.device().clone();
             return Ok(one_segment(v, self.mirror_size(v), dev, cipher));
         }
         let mut devices: Vec<Arc<Device>> = Vec::new();
@@ -296,9 +296,9 @@ impl Pool {
         }
     }
 
-    /// The mirror device of `v`: the cached one while its legs are unchanged, else a new one
+    /// The mirror of `v`: the cached one while its legs are unchanged, else a new one
     /// (sharing the old one's region state).
-    pub(crate) fn mirror_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
+    pub(crate) fn open_mirror(&self, v: &VolumeEntry) -> Result<Mirror> {
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let size = self.mirror_size(v);
         let legs = v
@@ -324,8 +324,8 @@ impl Pool {
         };
         let mut cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
         let previous = match cache.get(&v.uuid) {
-            Some((k, dev)) if *k == key => return Ok(dev.clone()),
-            Some((_, dev)) => Some(dev.clone()),
+            Some((k, m)) if *k == key => return Ok(m.clone()),
+            Some((_, m)) => Some(m.clone()),
             None => None,
         };
         let spec = MirrorSpec {
@@ -336,9 +336,9 @@ impl Pool {
             bitmap: self.bitmap_path(v.uuid),
             resync_rate: self.opts.resync_rate,
         };
-        let dev = MirrorBackend::open_after(spec, previous.as_deref())?;
-        cache.insert(v.uuid, (key, dev.clone()));
-        Ok(dev)
+        let m = Mirror::open_after(spec, previous.as_ref())?;
+        cache.insert(v.uuid, (key, m.clone()));
+        Ok(m)
     }
 
     /// Records in the table every leg a rebuild has made current (so a lost bitmap never
@@ -349,7 +349,7 @@ impl Pool {
         {
             let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
             for v in table.volumes.iter_mut().filter(|v| v.is_mirrored()) {
-                let Some(m) = cache.get(&v.uuid).and_then(|(_, d)| MirrorBackend::of(d)) else {
+                let Some((_, m)) = cache.get(&v.uuid) else {
                     continue;
                 };
                 for l in v.legs.iter_mut().filter(|l| !l.synced) {
@@ -373,10 +373,8 @@ impl Pool {
     /// mirror, so the next start resyncs only regions a write was really in flight in.
     pub fn quiesce_mirrors(&self) {
         let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
-        for (_, dev) in cache.values() {
-            if let Some(m) = MirrorBackend::of(dev) {
-                m.clear_quiet_intents();
-            }
+        for (_, m) in cache.values() {
+            m.clear_quiet_intents();
         }
     }
 
@@ -392,11 +390,11 @@ impl Pool {
     }
 
     /// The mirror of a mirrored volume being served (`None`: plain, or not served yet).
-    pub fn mirror(&self, id: &str) -> Result<Option<Arc<Device>>> {
+    pub fn mirror(&self, id: &str) -> Result<Option<Mirror>> {
         let v = &self.table.volumes[self.find(id)?];
         if !v.is_mirrored() {
             return Ok(None);
         }
-        self.mirror_device(v).map(Some)
+        self.open_mirror(v).map(Some)
     }
 }

@@ -44,7 +44,7 @@ impl Pool {
         if self.table.volumes[i].is_mirrored() {
             // Nothing to prepare: the bitmap marks the new placement stale when it opens.
         } else if let Some(path) = self.bitmap_path(v.uuid) {
-            if let Err(e) = spool_devices::mirror::create_clean_bitmap(&path, bytes) {
+            if let Err(e) = spool_mirror::create_clean_bitmap(&path, bytes) {
                 self.release(&extents);
                 return Err(Error::InvalidArgument(format!(
                     "cannot create the write-intent bitmap {}: {e}",

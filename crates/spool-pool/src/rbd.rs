@@ -229,7 +229,7 @@ impl Pool {
         };
         let dev = self.rbd_device(&v, &image)?;
         if new_size > dev.size() {
-            let rbd = dev.backend().as_rbd().ok_or_else(|| {
+            let rbd = RbdBackend::of(&dev).ok_or_else(|| {
                 Error::InvalidArgument(format!("volume '{}': not an RBD device", v.name))
             })?;
             rbd.resize(new_size)?;

@@ -16,7 +16,7 @@ use crate::{Error, Pool, Result, SnapshotInfo, VolumeInfo};
 
 /// The RBD backend of RBD volume `v`'s device.
 fn backend<'a>(v: &VolumeEntry, dev: &'a Arc<Device>) -> Result<&'a RbdBackend> {
-    dev.backend().as_rbd().ok_or_else(|| {
+    RbdBackend::of(dev).ok_or_else(|| {
         Error::InvalidArgument(format!("volume '{}': its device is not RBD", v.name))
     })
 }

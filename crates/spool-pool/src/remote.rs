@@ -144,7 +144,7 @@ impl Pool {
         if plain {
             if let Some(path) = self.bitmap_path(v.uuid) {
                 let bytes = self.round_up(v.size)?;
-                spool_devices::mirror::create_clean_bitmap(&path, bytes).map_err(|e| {
+                spool_mirror::create_clean_bitmap(&path, bytes).map_err(|e| {
                     Error::InvalidArgument(format!(
                         "cannot create the write-intent bitmap {}: {e}",
                         path.display()
@@ -189,10 +189,7 @@ impl Pool {
         let Some(slot) = v.remote_leg().filter(|l| l.synced).map(|l| l.slot) else {
             return Ok(false);
         };
-        let m = self.mirror_device(&v)?;
-        let Some(p) = spool_devices::mirror::MirrorBackend::of(&m).map(|m| m.progress()) else {
-            return Ok(false);
-        };
+        let p = self.open_mirror(&v)?.progress();
         let missed = p
             .legs
             .iter()

@@ -1,60 +1,10 @@
 //! Sending a volume: its remote leg on a real NBD server (qemu-nbd, Debian's qemu-utils).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::tests::{opts, spec};
 use super::*;
-use spool_devices::mirror::MirrorBackend;
-
-/// qemu-nbd serving a file of `size` bytes on a Unix socket, killed when dropped.
-struct Remote {
-    pid: String,
-    file: PathBuf,
-    uri: String,
-}
-
-impl Remote {
-    fn start(dir: &Path, name: &str, size: u64) -> Remote {
-        let file = dir.join(format!("{name}.img"));
-        std::fs::File::create(&file).unwrap().set_len(size).unwrap();
-        let (sock, pid) = (
-            dir.join(format!("{name}.sock")),
-            dir.join(format!("{name}.pid")),
-        );
-        let st = Command::new("qemu-nbd")
-            .args([
-                "-f",
-                "raw",
-                "-x",
-                "v",
-                "-t",
-                "-e",
-                "8",
-                "--fork",
-                "--pid-file",
-            ])
-            .arg(&pid)
-            .arg("-k")
-            .arg(&sock)
-            .arg(&file)
-            .status()
-            .expect("qemu-nbd (Debian's qemu-utils) runs");
-        assert!(st.success(), "qemu-nbd: {st}");
-        Remote {
-            pid: std::fs::read_to_string(&pid).unwrap().trim().into(),
-            file,
-            uri: format!("nbd+unix:///v?socket={}", sock.display()),
-        }
-    }
-}
-
-impl Drop for Remote {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").args(["-9", &self.pid]).status();
-    }
-}
+use spool_devices::testing::QemuNbd as Remote;
 
 /// Waits (up to 60 s) until the volume's remote leg holds a complete, current copy.
 fn wait_current(p: &mut Pool, v: &str) {
@@ -81,7 +31,7 @@ fn a_volume_sent_to_an_nbd_export_is_copied_kept_in_step_and_survives_reopen() {
     p.create_volume("v", 4 << 20, false, 1).unwrap();
     let data = pattern(1, 4 << 20);
     p.layout("v").unwrap().write_at(&data, 0).unwrap();
-    let far = Remote::start(d.path(), "far", 4 << 20);
+    let far = Remote::start_as(d.path(), "far", 4 << 20);
     let v = p.send_volume("v", &far.uri, false).unwrap();
     assert_eq!(v.copies, 2);
     assert_eq!(v.legs[1].remote.as_deref(), Some(far.uri.as_str()));
@@ -120,7 +70,7 @@ fn a_volume_sent_to_an_nbd_export_is_copied_kept_in_step_and_survives_reopen() {
     assert!(p.remotes_due().is_empty(), "connected: nothing due");
     let m = p.mirror("v").unwrap().unwrap();
     let t0 = Instant::now();
-    while !MirrorBackend::of(&m).unwrap().leg_current(1) {
+    while !m.leg_current(1) {
         assert!(
             t0.elapsed() < Duration::from_secs(60),
             "never current again"
@@ -146,7 +96,7 @@ fn a_send_the_destination_cannot_hold_is_refused_with_the_reason() {
     let specs = [spec(d.path(), "a", 20), spec(d.path(), "b", 20)];
     let mut p = Pool::open(&specs, opts()).unwrap();
     p.create_volume("v", 4 << 20, false, 1).unwrap();
-    let small = Remote::start(d.path(), "small", 2 << 20);
+    let small = Remote::start_as(d.path(), "small", 2 << 20);
     let e = p
         .send_volume("v", &small.uri, false)
         .unwrap_err()

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use serde::Serialize;
-use spool_devices::Device;
+use spool_devices::{Device, RbdBackend};
 use spool_thin::{SnapshotSpec, ThinBackend};
 use uuid::Uuid;
 
@@ -306,7 +306,7 @@ impl Pool {
 /// [`ThinBackend::inflate`]); returns how many were shared.
 pub fn inflate(dev: &Arc<Device>) -> Result<u64> {
     let volume = dev.path().display().to_string();
-    if let Some(rbd) = dev.backend().as_rbd() {
+    if let Some(rbd) = RbdBackend::of(dev) {
         rbd.flatten()?;
         tracing::info!(image = %volume, "RBD volume flattened: it depends on no snapshot now");
         return Ok(0);

@@ -319,7 +319,7 @@ impl Pool {
         }
         if let Some(path) = v.is_mirrored().then(|| self.bitmap_path(v.uuid)).flatten() {
             // Identical (zeroed) legs: a bitmap that says so, before the table names them.
-            if let Err(e) = spool_devices::mirror::create_clean_bitmap(&path, bytes) {
+            if let Err(e) = spool_mirror::create_clean_bitmap(&path, bytes) {
                 self.release(&all);
                 return Err(Error::InvalidArgument(format!(
                     "cannot create the write-intent bitmap {}: {e}",

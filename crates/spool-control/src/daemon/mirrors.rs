@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use spool_devices::mirror::MirrorBackend;
+use spool_mirror::Mirror;
 use spool_pool::VolumeInfo;
 use uuid::Uuid;
 
@@ -22,18 +22,14 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
 }
 
 impl Daemon {
-    /// The mirror device of a mirrored volume (built when first served).
-    pub(super) fn mirror_of(&self, v: &VolumeInfo) -> Option<Arc<spool_devices::Device>> {
+    /// The mirror of a mirrored volume (built when first served).
+    pub(super) fn mirror_of(&self, v: &VolumeInfo) -> Option<Mirror> {
         self.pool().mirror(&v.uuid.to_string()).ok().flatten()
     }
 
-    /// The mirror device of mirrored volume `v`, or why there is none (`why`: what a plain
-    /// volume lacks for the request).
-    fn served_mirror(
-        &self,
-        v: &VolumeInfo,
-        why: &str,
-    ) -> Result<Arc<spool_devices::Device>, RpcError> {
+    /// The mirror of mirrored volume `v`, or why there is none (`why`: what a plain volume
+    /// lacks for the request).
+    fn served_mirror(&self, v: &VolumeInfo, why: &str) -> Result<Mirror, RpcError> {
         if v.copies < 2 {
             return Err(RpcError::InvalidParams(format!(
                 "volume '{}' is not mirrored: {why}",
@@ -49,10 +45,7 @@ impl Daemon {
     fn volume_verify(&self, p: IdParams) -> Result<api::VerifyResult, RpcError> {
         let v = self.pool().volume(&p.id)?;
         let m = self.served_mirror(&v, "there is nothing to compare")?;
-        let r = MirrorBackend::of(&m)
-            .expect("a mirror device")
-            .verify()
-            .map_err(|e| RpcError::Pool(e.into()))?;
+        let r = m.verify().map_err(|e| RpcError::Pool(e.into()))?;
         Ok(api::VerifyResult {
             volume: v.name,
             regions: r.regions,
@@ -96,8 +89,7 @@ impl Daemon {
             ));
         };
         let m = self.served_mirror(&v, "there is no leg to accept")?;
-        let n = MirrorBackend::of(&m)
-            .expect("a mirror device")
+        let n = m
             .accept_leg(leg)
             .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
         if let Some(&device) = v

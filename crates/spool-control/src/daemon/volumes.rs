@@ -247,11 +247,10 @@ impl Daemon {
     pub(super) fn volume_view_mirror(&self, v: &VolumeInfo) -> Option<crate::api::MirrorStatus> {
         let served = self.servers().contains_key(&v.uuid);
         (v.copies > 1).then(|| {
-            let progress = served.then(|| self.mirror_of(v)).flatten().map(|m| {
-                spool_devices::mirror::MirrorBackend::of(&m)
-                    .expect("a mirror device")
-                    .progress()
-            });
+            let progress = served
+                .then(|| self.mirror_of(v))
+                .flatten()
+                .map(|m| m.progress());
             crate::wire::mirror_status(v, progress)
         })
     }

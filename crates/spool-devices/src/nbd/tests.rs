@@ -1,88 +1,13 @@
 //! The NBD backend against a real server: qemu-nbd (Debian's qemu-utils) serving a file.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::mirror::{create_clean_bitmap, LegPiece, LegSpec, MirrorBackend, MirrorSpec};
+use crate::testing::{MemExport, QemuNbd};
 use crate::{Device, DeviceIo, DeviceQueue, ErrorClass, IoVec, OpenOptions, Probe};
 
 const MIB: u64 = 1 << 20;
-
-/// qemu-nbd serving `file` as export `exp` on a Unix socket, killed when dropped.
-struct QemuNbd {
-    pid: i32,
-    file: PathBuf,
-    uri: String,
-}
-
-impl QemuNbd {
-    /// Starts qemu-nbd and returns once it serves (`--fork`: the parent exits then).
-    fn start(dir: &Path, size: u64) -> QemuNbd {
-        let file = dir.join("remote.img");
-        std::fs::File::create(&file).unwrap().set_len(size).unwrap();
-        let (sock, pid_file) = (dir.join("nbd.sock"), dir.join("nbd.pid"));
-        let st = Command::new("qemu-nbd")
-            .args([
-                "-f",
-                "raw",
-                "-x",
-                "exp",
-                "-t",
-                "-e",
-                "16",
-                "--fork",
-                "--pid-file",
-            ])
-            .arg(&pid_file)
-            .arg("-k")
-            .arg(&sock)
-            .arg(&file)
-            .status()
-            .expect("qemu-nbd (Debian's qemu-utils) runs");
-        assert!(st.success(), "qemu-nbd: {st}");
-        let pid = std::fs::read_to_string(&pid_file)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        let uri = format!("nbd+unix:///exp?socket={}", sock.display());
-        QemuNbd { pid, file, uri }
-    }
-
-    fn device(&self) -> Arc<Device> {
-        Arc::new(Device::open(Path::new(&self.uri), &OpenOptions::default()).unwrap())
-    }
-
-    fn contents(&self, offset: u64, len: u64) -> Vec<u8> {
-        let all = std::fs::read(&self.file).unwrap();
-        all[offset as usize..(offset + len) as usize].to_vec()
-    }
-
-    /// SIGKILLs the server and waits until it is gone.
-    fn kill(&mut self) {
-        if self.pid == 0 {
-            return;
-        }
-        // SAFETY: a plain signal to the server's pid.
-        unsafe { libc::kill(self.pid, libc::SIGKILL) };
-        let proc_dir = PathBuf::from(format!("/proc/{}", self.pid));
-        let t0 = Instant::now();
-        while std::fs::read_to_string(proc_dir.join("stat")).is_ok_and(|s| !s.contains(") Z "))
-            && t0.elapsed() < Duration::from_secs(10)
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        self.pid = 0;
-    }
-}
-
-impl Drop for QemuNbd {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// Submits `io` (tag 1), kicks and waits for its result.
 fn run(q: &mut dyn DeviceQueue, io: DeviceIo) -> i32 {
@@ -218,119 +143,6 @@ fn a_server_that_dies_fails_what_is_in_flight_as_a_path_error() {
 }
 
 #[test]
-#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
-fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
-    let d = tempfile::tempdir().unwrap();
-    let size = 8 * MIB;
-    let local = Arc::new(
-        Device::open(
-            &d.path().join("local.img"),
-            &OpenOptions {
-                create_size: Some(16 * MIB),
-                no_direct: true,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
-    let data = pattern(size, 6);
-    local.write_at_durable(&data, MIB).unwrap();
-    let srv = QemuNbd::start(d.path(), size);
-    create_clean_bitmap(&d.path().join("bitmap"), size).unwrap();
-    let piece = |device| LegPiece {
-        logical: 0,
-        len: size,
-        device,
-        offset: if device == 0 { MIB } else { 0 },
-    };
-    let spec = MirrorSpec {
-        name: "moving".into(),
-        size,
-        devices: vec![local.clone(), srv.device()],
-        legs: vec![
-            LegSpec {
-                slot: 0,
-                id: 1,
-                synced: true,
-                far: false,
-                pieces: vec![piece(0)],
-            },
-            LegSpec {
-                slot: 1,
-                id: 2,
-                synced: false,
-                far: false,
-                pieces: vec![piece(1)],
-            },
-        ],
-        bitmap: Some(d.path().join("bitmap")),
-        resync_rate: 0,
-    };
-    let m = MirrorBackend::open(spec).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
-    // Written while the remote copy is made (or just after): both copies get it.
-    let mut q = m.open_queue(64).unwrap();
-    let mut w = pattern(64 << 10, 7);
-    let v = [iov(&mut w)];
-    let io = DeviceIo::data(true, 3 * MIB, 64 << 10, v.as_ptr(), 1);
-    assert!(run(&mut *q, io) >= 0);
-    let t0 = Instant::now();
-    while !mirror.leg_current(1) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the remote leg never caught up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let mut want = data.clone();
-    want[(3 * MIB) as usize..(3 * MIB + (64 << 10)) as usize].copy_from_slice(&w);
-    assert!(srv.contents(0, size) == want, "the remote copy differs");
-    let v = mirror.verify().unwrap();
-    assert_eq!(v.regions_differing, 0);
-}
-
-/// A writable export in memory, for the client against spool-nbd's own server; with
-/// `false`, it does not offer write-zeroes (the client then writes zeroes as data).
-pub(crate) struct Mem(pub(crate) std::sync::Mutex<Vec<u8>>, pub(crate) bool);
-
-impl spool_nbd::Export for Mem {
-    fn name(&self) -> &str {
-        "m"
-    }
-    fn size(&self) -> u64 {
-        self.0.lock().unwrap().len() as u64
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let d = self.0.lock().unwrap();
-        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
-        Ok(())
-    }
-    fn extent(&self) -> u64 {
-        1 << 16
-    }
-    fn allocated(&self, _i: u64) -> bool {
-        true
-    }
-    fn base(&self) -> Option<&str> {
-        None
-    }
-    fn changed(&self, _i: u64) -> bool {
-        false
-    }
-    fn writable(&self) -> bool {
-        true
-    }
-    fn offers_write_zeroes(&self) -> bool {
-        self.1
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        let mut d = self.0.lock().unwrap();
-        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
-        Ok(())
-    }
-}
-
-#[test]
 fn queues_work_against_spool_nbd_s_own_writable_server_over_tcp() {
     for offers_write_zeroes in [true, false] {
         against_our_server(offers_write_zeroes);
@@ -338,7 +150,7 @@ fn queues_work_against_spool_nbd_s_own_writable_server_over_tcp() {
 }
 
 fn against_our_server(offers_write_zeroes: bool) {
-    let mem = Arc::new(Mem(
+    let mem = Arc::new(MemExport(
         std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize]),
         offers_write_zeroes,
     ));

@@ -373,6 +373,12 @@ fn open_image(
 }
 
 impl RbdBackend {
+    /// The RBD backend under `dev`, if it is one (resizing, snapshots and clones of the image
+    /// are the pool's).
+    pub fn of(dev: &crate::Device) -> Option<&RbdBackend> {
+        dev.backend().as_any()?.downcast_ref()
+    }
+
     /// Grows the image to `size` bytes (a multiple of 512; shrinking is refused).
     pub fn resize(&self, size: u64) -> Result<()> {
         crate::backend::check_size(&self.path, size)?;
@@ -519,7 +525,7 @@ impl PoolDevice for RbdBackend {
         self.fence.release_claim(owner)
     }
 
-    fn as_rbd(&self) -> Option<&RbdBackend> {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
 

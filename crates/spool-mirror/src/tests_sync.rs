@@ -7,19 +7,20 @@ use std::sync::atomic::Ordering;
 
 use super::tests::*;
 use super::*;
-use crate::{DeviceIo, FaultOps, IoVec};
 use bitmap::INTENT;
+use spool_devices::{DeviceIo, FaultOps, IoVec};
 use std::time::{Duration, Instant};
 
 /// What a kill mid-write leaves: a write (of 9s) in flight in region 2, which reached leg 0
 /// and not leg 1 and which no one saw complete. Returns the devices (the mirror is gone).
 fn crash_with_region_2_differing(d: &Path) -> Vec<Arc<Device>> {
     let devs = vec![file_device(d, "a"), file_device(d, "b")];
-    let m = MirrorBackend::open(spec(d, devs.clone(), true)).unwrap();
+    let m_mirror = Mirror::open(spec(d, devs.clone(), true)).unwrap();
+    let m = m_mirror.device().clone();
     let mut q = m.open_queue(64).unwrap();
     assert_eq!(run(&mut *q, true, 2 * MIB, &mut [1u8; 4096]), 0);
     // Entered (its intent durable) and never left: the process died with it in flight.
-    let regions = &MirrorBackend::of(&m).unwrap().shared.regions;
+    let regions = &m_mirror.shared.regions;
     regions.enter(2, 2, INTENT);
     regions.bitmap.sync(2, 2);
     devs[0]
@@ -27,6 +28,7 @@ fn crash_with_region_2_differing(d: &Path) -> Vec<Arc<Device>> {
         .unwrap();
     drop(q);
     drop(m);
+    drop(m_mirror);
     devs
 }
 
@@ -35,27 +37,26 @@ fn after_a_kill_only_the_regions_with_writes_in_flight_are_in_doubt() {
     let d = tempfile::tempdir().unwrap();
     let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
     {
-        let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let m = m_mirror.device().clone();
         let mut q = m.open_queue(64).unwrap();
         for r in 0..6 {
             assert_eq!(run(&mut *q, true, r * MIB, &mut [2u8; 4096]), 0);
         }
         // Region 3's next write is in flight when the worker dies; the other five regions
         // have intent (written less than a second ago) and nothing in flight.
-        MirrorBackend::of(&m)
-            .unwrap()
-            .shared
-            .regions
-            .enter(3, 3, INTENT);
+        m_mirror.shared.regions.enter(3, 3, INTENT);
     }
-    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     assert_eq!(mirror.resync_at_open(), 1, "region 3 only");
     // After a reboot (the counters say nothing) all six are in doubt.
     drop(m);
+    drop(m_mirror);
     std::fs::remove_file(d.path().join("bitmap.writes")).unwrap();
-    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
-    assert_eq!(MirrorBackend::of(&m).unwrap().resync_at_open(), 6);
+    let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+    assert_eq!(m_mirror.resync_at_open(), 6);
 }
 
 #[test]
@@ -64,8 +65,9 @@ fn after_a_crash_either_leg_serves_the_regions_in_doubt_when_the_other_fails() {
     let devs = crash_with_region_2_differing(d.path());
     // Leg 0's device fails before the resync could copy region 2 anywhere.
     devs[0].health().set(HealthState::Failed);
-    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     assert_eq!(mirror.resync_at_open(), 1);
     let mut q = m.open_queue(64).unwrap();
     // Leg 1 holds every acknowledged write of region 2: reads and writes go on there.
@@ -96,8 +98,9 @@ fn after_a_crash_the_regions_in_doubt_read_from_one_leg_until_resynced() {
     // copied to once back), so every read comes from the source, leg 0.
     devs[1].health().set(HealthState::Resetting);
     s.resync_rate = 0;
-    let m = MirrorBackend::open(s).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(s).unwrap();
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     let mut back = vec![0u8; 4096];
     for _ in 0..4 {
@@ -122,8 +125,9 @@ fn after_a_crash_the_regions_in_doubt_read_from_one_leg_until_resynced() {
 #[test]
 fn a_media_error_on_the_only_current_copy_fails_the_read_and_keeps_the_copy() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     // Leg 1 misses a write of region 3 (its device resetting), so leg 0 alone is current.
     devs[1].health().set(HealthState::Resetting);
@@ -146,8 +150,9 @@ fn a_media_error_on_the_only_current_copy_fails_the_read_and_keeps_the_copy() {
 #[test]
 fn regions_with_no_current_leg_are_shown_and_an_operator_can_accept_a_leg() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     assert_eq!(run(&mut *q, true, 4 * MIB, &mut [3u8; 4096]), 0);
     // What a second failure can leave: both legs stale in region 4.
@@ -185,7 +190,8 @@ fn the_only_current_leg_resetting_makes_the_mirror_wait_not_fail() {
     let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
     let mut s = spec(d.path(), devs.clone(), false);
     s.resync_rate = 1; // leg 1 stays stale almost everywhere
-    let m = MirrorBackend::open(s).unwrap();
+    let m_mirror = Mirror::open(s).unwrap();
+    let m = m_mirror.device().clone();
     let mut q = m.open_queue(64).unwrap();
     devs[0].health().set(HealthState::Resetting);
     assert_eq!(
@@ -226,8 +232,9 @@ fn damaged_write_counters_and_read_sources_are_not_trusted() {
             .fetch_or(INTENT | bitmap::out_of_sync(2), Ordering::AcqRel);
         bitmap.sync(3, 3);
         drop(bitmap);
-        let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
-        let mirror = MirrorBackend::of(&m).unwrap();
+        let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let m = m_mirror.device().clone();
+        let mirror = &m_mirror;
         assert!(mirror.resync_at_open() >= 2, "intent bits decide");
         let mut q = m.open_queue(64).unwrap();
         let mut back = vec![0u8; 4096];
@@ -251,8 +258,9 @@ fn damaged_write_counters_and_read_sources_are_not_trusted() {
 #[test]
 fn a_write_waits_while_the_copy_moves_its_region_and_is_never_overwritten_by_it() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     // Straddles regions 2 and 3 (leg 1's piece boundary is elsewhere).
     let at = 3 * MIB - 2048;
@@ -334,8 +342,9 @@ fn a_write_waits_while_the_copy_moves_its_region_and_is_never_overwritten_by_it(
 #[test]
 fn an_abort_gives_a_write_waiting_for_the_copy_back() {
     let d = tempfile::tempdir().unwrap();
-    let (_devs, m) = setup(d.path());
-    let regions = &MirrorBackend::of(&m).unwrap().shared.regions;
+    let (_devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let regions = &m_mirror.shared.regions;
     let mut q = m.open_queue(64).unwrap();
     wait_until("region 3 held", || regions.hold_for_copy(3));
     let mut data = vec![7u8; 4096];

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::{DeviceIo, FaultEffect, FaultOps, FaultRule, IoVec, OpenOptions};
+use spool_devices::{DeviceIo, FaultEffect, FaultOps, FaultRule, IoVec, OpenOptions};
 
 pub(super) const MIB: u64 = 1 << 20;
 pub(super) const SIZE: u64 = 8 * MIB;
@@ -86,10 +86,9 @@ pub(super) fn errno_rule(ops: FaultOps, errno: i32, count: Option<u64>) -> Fault
 }
 
 /// Two file devices and a new mirror over them (identical, zeroed legs).
-pub(super) fn setup(d: &Path) -> (Vec<Arc<Device>>, Arc<Device>) {
+pub(super) fn setup(d: &Path) -> (Vec<Arc<Device>>, Mirror) {
     let devs = vec![file_device(d, "a"), file_device(d, "b")];
-    let m = MirrorBackend::open(spec(d, devs.clone(), true)).unwrap();
-    (devs, m)
+    (devs.clone(), Mirror::open(spec(d, devs, true)).unwrap())
 }
 
 pub(super) fn leg_bytes(dev: &Device, offsets: &[(u64, u64)]) -> Vec<u8> {
@@ -154,7 +153,8 @@ pub(super) fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn writes_reach_every_leg_including_across_a_piece_boundary() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
     let mut q = m.open_queue(64).unwrap();
     let mut data: Vec<u8> = (0..2 * MIB).map(|i| (i * 7 % 251) as u8).collect();
     // 2 MiB straddling leg 1's piece boundary at 4 MiB.
@@ -167,15 +167,16 @@ fn writes_reach_every_leg_including_across_a_piece_boundary() {
         assert_eq!(run(&mut *q, false, 3 * MIB, &mut back), 0);
         assert_eq!(back, data);
     }
-    let v = MirrorBackend::of(&m).unwrap().verify().unwrap();
+    let v = m_mirror.verify().unwrap();
     assert_eq!((v.regions_differing, v.regions_skipped), (0, 0), "{v:?}");
 }
 
 #[test]
 fn a_failing_leg_costs_no_request_and_is_caught_up_when_healthy_again() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     devs[1]
         .faults()
@@ -220,7 +221,8 @@ fn a_crash_leaves_intent_regions_that_are_resynced_at_open() {
     let d = tempfile::tempdir().unwrap();
     let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
     {
-        let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+        let m = m_mirror.device().clone();
         let mut q = m.open_queue(64).unwrap();
         let mut data = vec![1u8; 4096];
         assert_eq!(run(&mut *q, true, 2 * MIB, &mut data), 0);
@@ -231,11 +233,12 @@ fn a_crash_leaves_intent_regions_that_are_resynced_at_open() {
         // Gone without its intent bits cleared (they clear after a quiet second).
         drop(q);
         drop(m);
+        drop(m_mirror);
     }
     // After a reboot the write counters say nothing (here: gone); the intent bits decide.
     std::fs::remove_file(d.path().join("bitmap.writes")).unwrap();
-    let m = MirrorBackend::open(spec(d.path(), devs.clone(), true)).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(spec(d.path(), devs.clone(), true)).unwrap();
+    let mirror = &m_mirror;
     assert_eq!(
         mirror.resync_at_open(),
         1,
@@ -256,8 +259,9 @@ fn a_new_leg_is_rebuilt_and_a_lost_bitmap_resyncs_everything() {
     devs[0]
         .write_at_durable(&vec![3u8; SIZE as usize], MIB)
         .unwrap();
-    let m = MirrorBackend::open(spec(d.path(), devs.clone(), false)).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(spec(d.path(), devs.clone(), false)).unwrap();
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     assert_eq!(mirror.progress().legs[1].state, "catching-up");
     // Reads never see the leg being rebuilt.
     let mut q = m.open_queue(64).unwrap();
@@ -270,13 +274,14 @@ fn a_new_leg_is_rebuilt_and_a_lost_bitmap_resyncs_everything() {
     assert_eq!(legs_of(&devs).0, legs_of(&devs).1);
     drop(q);
     drop(m);
+    drop(m_mirror);
     // The bitmap lost: every region is in doubt and copied from the synced leg.
     std::fs::remove_file(d.path().join("bitmap")).unwrap();
     devs[1].write_at_durable(&[8u8; 4096], MIB).unwrap();
     let s = spec(d.path(), devs.clone(), true);
     std::fs::remove_file(d.path().join("bitmap")).unwrap();
-    let m = MirrorBackend::open(s).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(s).unwrap();
+    let mirror = &m_mirror;
     assert_eq!(mirror.resync_at_open(), 8);
     wait_until("full resync", || mirror.leg_current(1));
     assert_eq!(legs_of(&devs).0, legs_of(&devs).1);
@@ -285,8 +290,9 @@ fn a_new_leg_is_rebuilt_and_a_lost_bitmap_resyncs_everything() {
 #[test]
 fn a_media_error_on_read_moves_to_the_other_leg_and_repairs_the_range() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     let mut data = vec![0x42_u8; 8192];
     assert_eq!(run(&mut *q, true, 5 * MIB, &mut data), 0);
@@ -308,7 +314,8 @@ fn a_media_error_on_read_moves_to_the_other_leg_and_repairs_the_range() {
 #[test]
 fn with_no_usable_leg_requests_fail_as_path_errors_and_the_mirror_follows() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
     let mut q = m.open_queue(64).unwrap();
     for dev in &devs {
         dev.health().set(HealthState::Resetting);
@@ -333,8 +340,9 @@ fn with_no_usable_leg_requests_fail_as_path_errors_and_the_mirror_follows() {
 #[test]
 fn a_hung_leg_is_aborted_when_the_worker_asks_and_costs_no_request() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     devs[1].faults().add(FaultRule {
         effect: FaultEffect::Hang,
@@ -377,8 +385,9 @@ fn a_write_that_reaches_only_a_leg_being_rebuilt_fails_and_marks_nothing() {
     let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
     let mut s = spec(d.path(), devs.clone(), false);
     s.resync_rate = 1; // one region copied, then the copy waits: leg 1 stays stale elsewhere
-    let m = MirrorBackend::open(s).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(s).unwrap();
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(64).unwrap();
     devs[0]
         .faults()
@@ -406,18 +415,18 @@ fn a_write_that_reaches_only_a_leg_being_rebuilt_fails_and_marks_nothing() {
 #[test]
 fn a_mirror_reopened_with_other_regions_ends_the_previous_ones_thread_first() {
     let d = tempfile::tempdir().unwrap();
-    let (devs, m) = setup(d.path());
-    let old = MirrorBackend::of(&m).unwrap();
+    let (devs, m_mirror) = setup(d.path());
+    let old = &m_mirror;
     let mut small = spec(d.path(), devs.clone(), true);
     small.size = SIZE / 2;
     small.legs[0].pieces[0].len = SIZE / 2;
     small.legs[1].pieces.truncate(1);
-    let m2 = MirrorBackend::open_after(small, Some(&m)).unwrap();
+    let m2_mirror = Mirror::open_after(small, Some(&m_mirror)).unwrap();
     // The old mirror still exists (as while workers move over): its thread ends anyway.
     wait_until("the previous mirror's resync thread to end", || {
         old.shared.stopped.load(Ordering::Acquire)
     });
-    let new = MirrorBackend::of(&m2).unwrap();
+    let new = &m2_mirror;
     assert!(!Arc::ptr_eq(&old.shared.regions, &new.shared.regions));
     assert!(!new.shared.stopped.load(Ordering::Acquire));
 }
@@ -431,7 +440,8 @@ fn reads_avoid_a_far_leg_while_a_near_one_serves() {
     let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
     let mut s = spec(d.path(), devs.clone(), true);
     s.legs[1].far = true;
-    let m = MirrorBackend::open(s).unwrap();
+    let m_mirror = Mirror::open(s).unwrap();
+    let m = m_mirror.device().clone();
     let mut q = m.open_queue(8).unwrap();
     let mut data = vec![0x5au8; 64 << 10];
     assert_eq!(run(&mut *q, true, 0, &mut data), 0);
@@ -460,8 +470,9 @@ fn a_far_leg_that_was_current_takes_every_write_or_the_mirror_waits() {
     let devs = vec![file_device(d.path(), "a"), file_device(d.path(), "b")];
     let mut s = spec(d.path(), devs.clone(), false);
     s.legs[1].far = true;
-    let m = MirrorBackend::open(s.clone()).unwrap();
-    let mirror = MirrorBackend::of(&m).unwrap();
+    let m_mirror = Mirror::open(s.clone()).unwrap();
+    let m = m_mirror.device().clone();
+    let mirror = &m_mirror;
     let mut q = m.open_queue(8).unwrap();
     // Being rebuilt: writes complete without it.
     assert!(!mirror.progress().legs[1].required);
@@ -503,8 +514,8 @@ fn a_far_leg_that_was_current_takes_every_write_or_the_mirror_waits() {
     assert!(a == b, "legs differ");
     // Reopened (the link came back, or a worker restarted) it stays required.
     drop(q);
-    let m2 = MirrorBackend::open_after(s, Some(&m)).unwrap();
-    assert!(MirrorBackend::of(&m2).unwrap().progress().legs[1].required);
+    let m2_mirror = Mirror::open_after(s, Some(&m_mirror)).unwrap();
+    assert!(m2_mirror.progress().legs[1].required);
 }
 
 /// A worker reopening its queues while a remote leg's link is down (seen in the guest test
@@ -514,7 +525,7 @@ fn a_far_leg_that_was_current_takes_every_write_or_the_mirror_waits() {
 #[test]
 fn a_mirror_opens_its_queue_while_a_remote_legs_export_is_unreachable() {
     let d = tempfile::tempdir().unwrap();
-    let mem = Arc::new(crate::nbd::tests::Mem(
+    let mem = Arc::new(spool_devices::testing::MemExport(
         std::sync::Mutex::new(vec![0u8; SIZE as usize]),
         true,
     ));
@@ -531,7 +542,8 @@ fn a_mirror_opens_its_queue_while_a_remote_legs_export_is_unreachable() {
         device: 1,
         offset: 0,
     }];
-    let m = MirrorBackend::open(s).unwrap();
+    let m_mirror = Mirror::open(s).unwrap();
+    let m = m_mirror.device().clone();
     drop(srv);
     let mut q = m
         .open_queue(8)

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use super::bitmap::{stale, sync_source, INTENT, SYNC_SOURCE};
 use super::legio::{leg_read, leg_write, AlignedBuf, LegIo};
 use super::{Shared, MAX_LEGS, MISSING};
-use crate::{Error, HealthState, Result};
+use spool_devices::{Error, HealthState, Result};
 
 /// How often the thread looks for work when there is none.
 const IDLE_TICK: Duration = Duration::from_millis(200);
@@ -71,7 +71,7 @@ pub struct Progress {
     /// acknowledged write there, one serves the reads until the resync makes them agree.
     pub out_of_sync_bytes: u64,
     /// Regions where no leg is current, and the volume offsets of the first few: nothing
-    /// can be read there until an operator accepts a leg (`MirrorBackend::accept_leg`).
+    /// can be read there until an operator accepts a leg (`Mirror::accept_leg`).
     pub regions_without_current: u64,
     pub without_current_offsets: Vec<u64>,
     /// Write-intent bitmap syncs since the mirror was opened, and their mean latency (µs):

@@ -267,7 +267,7 @@ impl Regions {
     }
 
     /// Makes leg `slot` the only current leg of region `r` (the operator's decision where no
-    /// usable leg is current; see `MirrorBackend::accept_leg`): every other leg of `all` (the
+    /// usable leg is current; see `Mirror::accept_leg`): every other leg of `all` (the
     /// mirror's slots) is stale there and will be copied from it.
     pub(crate) fn accept(&self, r: usize, all: u8, slot: u8) {
         self.update(r, |b| ((b | all) & !stale(slot)) & !SYNC_SOURCE);

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use super::Shared;
-use crate::{DeviceIo, DeviceQueue, Error, ErrorReport, IoVec, Result, Signal};
+use spool_devices::{DeviceIo, DeviceQueue, Error, ErrorReport, IoVec, Result, Signal};
 
 /// A byte buffer whose usable part is page aligned (what O_DIRECT and DMA want).
 #[derive(Default)]

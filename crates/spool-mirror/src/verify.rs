@@ -10,9 +10,9 @@ use super::bitmap::{stale, sync_source};
 use super::legio::{leg_read, AlignedBuf, LegIo};
 use super::resync::{quiet_gen, region_range};
 use super::{Shared, MAX_LEGS};
-use crate::Result;
+use spool_devices::Result;
 
-/// What [`super::MirrorBackend::verify`] found.
+/// What [`super::Mirror::verify`] found.
 #[derive(Debug, Clone, Default)]
 pub struct Verify {
     pub regions: u64,

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use super::bitmap::{stale, INTENT};
 use super::op::{piece_io, Kind, Op};
 use super::Shared;
-use crate::queue::epoll_watch as watch;
-use crate::{DeviceIo, DeviceQueue, ErrorReport, Signal};
+use spool_devices::epoll_watch as watch;
+use spool_devices::{DeviceIo, DeviceQueue, ErrorReport, Signal};
 
 /// A leg device with commands outstanding and no completion this long is hung (on `abort`).
 const HUNG: Duration = Duration::from_millis(100);
@@ -68,8 +68,8 @@ unsafe impl Send for MirrorQueue {}
 
 impl MirrorQueue {
     pub(crate) fn new(shared: Arc<Shared>, depth: u32) -> std::io::Result<MirrorQueue> {
-        let epoll = crate::queue::epoll_new()?;
-        let event = crate::queue::completion_eventfd()?;
+        let epoll = spool_devices::epoll_new()?;
+        let event = spool_devices::completion_eventfd()?;
         let mut queues = Vec::new();
         let mut epochs = Vec::new();
         for d in &shared.spec.devices {
@@ -483,7 +483,9 @@ impl DeviceQueue for MirrorQueue {
                     }
                     if slot != FLUSH_SLOT {
                         op.failed |= stale(slot);
-                        if crate::ErrorClass::of_errno(errno) == crate::ErrorClass::Media {
+                        if spool_devices::ErrorClass::of_errno(errno)
+                            == spool_devices::ErrorClass::Media
+                        {
                             op.media |= stale(slot);
                         }
                     } else {
@@ -514,7 +516,7 @@ impl DeviceQueue for MirrorQueue {
             finished.clear();
         }
         self.finished = finished;
-        crate::queue::drain_done(&mut self.done, done)
+        spool_devices::drain_done(&mut self.done, done)
     }
 
     fn completion_fd(&self) -> RawFd {

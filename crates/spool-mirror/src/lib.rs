@@ -1,8 +1,10 @@
-//! Mirrored storage (RAID-1) as one more stacked backend: a [`MirrorBackend`] is a
-//! [`PoolDevice`] whose address space is a volume's, kept as 2–3 copies (legs), each leg a
-//! linear map onto pieces of other [`Device`]s (each with its own health). The data path sees
-//! one device; the mirror's queue ([`MirrorQueue`]) writes every usable leg and completes when
-//! they have, balances reads over the legs that hold current data and retries a failed read
+//! Mirrored storage (RAID-1) as one more stacked backend, composed of spool-devices'
+//! [`Device`]s: a [`Mirror`] is opened from a [`MirrorSpec`] and hands the data path one
+//! [`Device`] (its backend a [`PoolDevice`] whose address space is a volume's, kept as 2–3
+//! copies (legs), each leg a linear map onto pieces of other [`Device`]s, each with its own
+//! health) and the control plane a typed handle (progress, verify, accept), so nothing
+//! downcasts to find it. The data path sees one device; the mirror's queue ([`MirrorQueue`])
+//! writes every usable leg and completes when they have, balances reads over the legs that hold current data and retries a failed read
 //! on another leg; a leg that fails a write or whose device is not healthy drops out without
 //! failing the guest, and the regions it missed are recorded.
 //!
@@ -20,6 +22,7 @@ pub mod bitmap;
 mod gone;
 mod legio;
 mod op;
+mod prepare;
 mod queue;
 mod regions;
 mod resync;
@@ -40,9 +43,10 @@ pub use resync::{LegProgress, Progress};
 pub use verify::Verify;
 use writes::WriteCounts;
 
-use crate::backend::{BackendInfo, PoolDevice, Probe};
-use crate::{Device, DeviceHealth, DeviceQueue, Error, HealthState, Result};
-use bitmap::{Bitmap, Found, INTENT, SYNC_SOURCE};
+use bitmap::{Bitmap, Found, INTENT};
+use prepare::{prepare_intents, prepare_legs};
+use spool_devices::{BackendInfo, PoolDevice, Probe};
+use spool_devices::{Device, DeviceHealth, DeviceQueue, Error, HealthState, Result};
 
 /// Most legs a mirror has (slots 0..3).
 pub const MAX_LEGS: usize = 3;
@@ -245,8 +249,9 @@ impl Shared {
     }
 }
 
-/// A mirror of legs on other devices, as a pool device.
-pub struct MirrorBackend {
+/// A mirror of legs on other devices, as a pool device (inside the [`Device`] a [`Mirror`]
+/// hands the data path).
+struct MirrorBackend {
     shared: Arc<Shared>,
     path: PathBuf,
 }
@@ -257,19 +262,34 @@ impl std::fmt::Debug for MirrorBackend {
     }
 }
 
-impl MirrorBackend {
+/// A mirror, open: the [`Device`] the data path opens queues on, and the control plane's
+/// handle on the same mirror (progress, verify, an operator's accept, leg states). Cheap to
+/// clone; the mirror's background thread ends when the device is dropped.
+#[derive(Clone)]
+pub struct Mirror {
+    device: Arc<Device>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Mirror {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Mirror({})", self.device.path().display())
+    }
+}
+
+impl Mirror {
     /// Builds a mirror, opens (or creates) its bitmap, marks what needs copying (intent
     /// regions left by a crash, legs not yet synced or placed anew) and starts the background
-    /// thread. Returns the mirror as a [`Device`] (the data path's handle).
-    pub fn open(spec: MirrorSpec) -> Result<Arc<Device>> {
+    /// thread.
+    pub fn open(spec: MirrorSpec) -> Result<Mirror> {
         Self::open_after(spec, None)
     }
 
-    /// As [`MirrorBackend::open`], for a mirror whose legs changed (a leg added, replaced
-    /// or gone) while `previous` serves it: the region state (bitmap, writes in flight) is
-    /// shared with `previous` when the size is unchanged, so queues of both agree while
-    /// workers move over.
-    pub fn open_after(spec: MirrorSpec, previous: Option<&Device>) -> Result<Arc<Device>> {
+    /// As [`Mirror::open`], for a mirror whose legs changed (a leg added, replaced or gone)
+    /// while `previous` serves it: the region state (bitmap, writes in flight) is shared with
+    /// `previous` when the size is unchanged, so queues of both agree while workers move
+    /// over.
+    pub fn open_after(spec: MirrorSpec, previous: Option<&Mirror>) -> Result<Mirror> {
         let path = PathBuf::from(format!("mirror:{}", spec.name));
         if spec.legs.is_empty()
             || spec.legs.len() > MAX_LEGS
@@ -291,15 +311,12 @@ impl MirrorBackend {
         let shift = region_shift(spec.size);
         let n = spec.size.div_ceil(1 << shift).max(1) as usize;
         let reuse = previous
-            .and_then(MirrorBackend::of)
             .filter(|m| m.shared.regions.shift == shift && m.shared.regions.writes.len() == n);
         // Other regions over the same bitmap file (a resize): the previous mirror's thread
         // would copy and clear by its own counts behind the new one's back, and the bitmap
         // may be rewritten under it. It ends first; if this open fails, it runs again.
         let replaced = match reuse {
-            None => previous
-                .and_then(MirrorBackend::of)
-                .filter(|m| m.stop_resync()),
+            None => previous.filter(|m| m.stop_resync()),
             Some(_) => None,
         };
         let opened = Self::open_regions(spec, &path, reuse);
@@ -311,11 +328,7 @@ impl MirrorBackend {
         opened
     }
 
-    fn open_regions(
-        spec: MirrorSpec,
-        path: &Path,
-        reuse: Option<&MirrorBackend>,
-    ) -> Result<Arc<Device>> {
+    fn open_regions(spec: MirrorSpec, path: &Path, reuse: Option<&Mirror>) -> Result<Mirror> {
         let shift = region_shift(spec.size);
         let n = spec.size.div_ceil(1 << shift).max(1) as usize;
         let (regions, progress, resync_at_open) = match reuse {
@@ -368,15 +381,15 @@ impl MirrorBackend {
             shared: shared.clone(),
             path: path.to_path_buf(),
         };
-        let dev = Arc::new(Device::new(backend, &[]));
-        let _ = shared.health.set(dev.health().clone());
-        resync::start(&shared).map_err(|e| Error::io(dev.path(), "start resync thread", e))?;
-        Ok(dev)
+        let device = Arc::new(Device::new(backend, &[]));
+        let _ = shared.health.set(device.health().clone());
+        resync::start(&shared).map_err(|e| Error::io(device.path(), "start resync thread", e))?;
+        Ok(Mirror { device, shared })
     }
 
-    /// The mirror under a [`Device`] made by [`MirrorBackend::open`], if it is one.
-    pub fn of(dev: &Device) -> Option<&MirrorBackend> {
-        dev.backend().as_mirror()
+    /// The mirror as the data path sees it: one device of the volume's size.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
     }
 
     /// Copying progress and leg states.
@@ -419,7 +432,7 @@ impl MirrorBackend {
         let t0 = std::time::Instant::now();
         while !self.shared.stopped.load(Ordering::Acquire) {
             if t0.elapsed() > std::time::Duration::from_secs(5) {
-                tracing::error!(mirror = %self.path.display(), "the previous mirror's resync thread did not stop");
+                tracing::error!(mirror = %self.device.path().display(), "the previous mirror's resync thread did not stop");
                 return false;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -436,7 +449,7 @@ impl MirrorBackend {
         let all = self.shared.all_slots();
         if all & bitmap::stale(slot) == 0 || self.shared.writable() & bitmap::stale(slot) == 0 {
             return Err(Error::io(
-                &self.path,
+                self.device.path(),
                 "accept leg",
                 std::io::Error::other(format!(
                     "leg {slot} is not a usable leg of this mirror (see `volume show`)"
@@ -451,7 +464,7 @@ impl MirrorBackend {
         }
         if changed > 0 {
             r.bitmap.sync(0, r.bitmap.regions() - 1);
-            tracing::warn!(mirror = %self.path.display(), slot, regions = changed, "an operator accepted a leg as current where no leg was: acknowledged writes it missed there are lost");
+            tracing::warn!(mirror = %self.device.path().display(), slot, regions = changed, "an operator accepted a leg as current where no leg was: acknowledged writes it missed there are lost");
         }
         Ok(changed)
     }
@@ -460,93 +473,6 @@ impl MirrorBackend {
     pub fn resync_at_open(&self) -> u64 {
         self.shared.resync_at_open
     }
-}
-
-/// Marks what the legs need copied: legs not synced whose slot's bits belong to another
-/// placement (or to no bitmap) become stale everywhere; a synced leg whose slot held another
-/// placement's bits has them dropped.
-fn prepare_legs(spec: &MirrorSpec, regions: &Regions, found: Found) {
-    let n = regions.bitmap.regions();
-    let mut cleanup = !spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot)) & 0b111;
-    let mut fill = 0u8;
-    for l in &spec.legs {
-        let id = regions.bitmap.slot_id(l.slot);
-        if id.load(Ordering::Acquire) != l.id || found == Found::Fresh {
-            match l.synced {
-                false => fill |= bitmap::stale(l.slot),
-                true if found == Found::Kept => cleanup |= bitmap::stale(l.slot),
-                true => {}
-            }
-        }
-        id.store(l.id, Ordering::Release);
-    }
-    if cleanup | fill != 0 {
-        for r in 0..n {
-            regions.unmark(r, cleanup);
-            regions.mark(r, fill);
-        }
-        regions.bitmap.sync(0, n - 1);
-    }
-    regions.bitmap.sync_header();
-}
-
-/// Marks at a fresh open what a crash left in doubt; returns how many regions had intent.
-///
-/// With the bitmap kept, a region with intent is *out of sync*, not stale: a write is
-/// acknowledged only once every usable leg took it (and a leg that missed one is marked stale
-/// first), so every leg not stale there holds every acknowledged write, and the legs differ
-/// at most in writes no one saw complete. The region's reads go to one such leg (a synced
-/// one, present if any, lowest slot) until the resync copies it to the others. With the
-/// bitmap lost nothing is known of what a leg missed: every leg but that one is stale.
-///
-/// `left` (from [`WriteCounts::left_behind`]: the predecessor was a process of this boot)
-/// says exactly which regions had writes in flight: only those intent regions are in doubt.
-fn prepare_intents(
-    spec: &MirrorSpec,
-    regions: &Regions,
-    found: Found,
-    left: Option<&[bool]>,
-) -> u64 {
-    let n = regions.bitmap.regions();
-    let all: u8 = spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot));
-    let mut intents = 0;
-    for r in 0..n {
-        let b = regions.bitmap.byte(r);
-        if found == Found::Fresh {
-            b.fetch_or(INTENT, Ordering::AcqRel);
-        }
-        let v = b.load(Ordering::Acquire);
-        if v & INTENT == 0 || left.is_some_and(|l| !l[r]) {
-            continue;
-        }
-        intents += 1;
-        // A missing leg's region stays in doubt until it is back.
-        let src = spec
-            .legs
-            .iter()
-            .filter(|l| l.synced && v & bitmap::stale(l.slot) == 0)
-            .min_by_key(|l| {
-                (
-                    l.pieces.iter().any(|p| p.device == MISSING),
-                    Some(l.slot) != bitmap::sync_source(v),
-                    l.slot,
-                )
-            });
-        let Some(s) = src else { continue };
-        let to = match found {
-            Found::Fresh => v | (all & !bitmap::stale(s.slot)),
-            Found::Kept => match bitmap::sync_source(v) {
-                Some(old) if old == s.slot => v,
-                // The recorded source cannot serve: it is copied to like any other.
-                Some(old) => (v & !SYNC_SOURCE) | bitmap::out_of_sync(s.slot) | bitmap::stale(old),
-                None => v | bitmap::out_of_sync(s.slot),
-            },
-        };
-        b.store(to, Ordering::Release);
-    }
-    regions.recount();
-    regions.bitmap.sync(0, n - 1);
-    intents
 }
 
 impl Drop for MirrorBackend {
@@ -593,9 +519,5 @@ impl PoolDevice for MirrorBackend {
             0 => Probe::Gone("no leg of the mirror is usable".into()),
             _ => Probe::Ok,
         }
-    }
-
-    fn as_mirror(&self) -> Option<&MirrorBackend> {
-        Some(self)
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! Owns: [`Op`], [`piece_io`]. Must not know: the legs, the regions, the devices' queues.
 
-use crate::iov::split_iov;
-use crate::{DeviceIo, IoVec};
+use spool_devices::iov::split_iov;
+use spool_devices::{DeviceIo, IoVec};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {

@@ -10,7 +10,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 
-use crate::{DeviceIo, DeviceQueue};
+use spool_devices::{DeviceIo, DeviceQueue};
 
 pub(crate) struct GoneQueue {
     done: VecDeque<(u64, i32)>,
@@ -21,7 +21,7 @@ impl GoneQueue {
     pub(crate) fn new() -> std::io::Result<GoneQueue> {
         Ok(GoneQueue {
             done: VecDeque::new(),
-            event: crate::queue::completion_eventfd()?,
+            event: spool_devices::completion_eventfd()?,
         })
     }
 }
@@ -37,7 +37,7 @@ impl DeviceQueue for GoneQueue {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
-        crate::queue::drain_done(&mut self.done, done)
+        spool_devices::drain_done(&mut self.done, done)
     }
 
     fn completion_fd(&self) -> RawFd {
