@@ -81,6 +81,13 @@ impl LegIo {
     /// isolated, or the copy would retry it for ever while another leg could serve).
     fn run(&mut self, shared: &Shared, d: usize, io: DeviceIo) -> Result<()> {
         let write = !matches!(io, DeviceIo::Read { .. });
+        let (offset, len) = match io {
+            DeviceIo::Read { offset, len, .. }
+            | DeviceIo::Write { offset, len, .. }
+            | DeviceIo::Discard { offset, len }
+            | DeviceIo::WriteZeroes { offset, len } => (offset, len),
+            DeviceIo::Flush => (0, 0),
+        };
         let path = shared
             .spec
             .devices
@@ -101,8 +108,8 @@ impl LegIo {
                     if let Some(dev) = shared.spec.devices.get(d) {
                         dev.health().report(ErrorReport {
                             signal: Signal::Errno(-r),
-                            offset: 0,
-                            len: 0,
+                            offset,
+                            len,
                             write,
                         });
                     }

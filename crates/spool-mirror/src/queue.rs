@@ -463,7 +463,7 @@ impl DeviceQueue for MirrorQueue {
         }
         let mut finished = std::mem::take(&mut self.finished);
         for d in 0..self.queues.len() {
-            let (ops, devices) = (&mut self.ops, &self.shared.spec.devices);
+            let (ops, shared) = (&mut self.ops, &self.shared);
             let mut reaped = 0;
             self.queues[d].reap(&mut |sub, res| {
                 reaped += 1;
@@ -474,10 +474,16 @@ impl DeviceQueue for MirrorQueue {
                 if res < 0 {
                     let errno = -res;
                     if errno != libc::ECANCELED {
-                        devices[d].health().report(ErrorReport {
+                        // Where on the device, as the worker reports a plain volume's pieces
+                        // (a flush has no range).
+                        let (offset, len) = match slot {
+                            FLUSH_SLOT => (0, 0),
+                            _ => device_range(shared, slot, d, op.offset, op.len),
+                        };
+                        shared.spec.devices[d].health().report(ErrorReport {
                             signal: Signal::Errno(errno),
-                            offset: 0,
-                            len: 0,
+                            offset,
+                            len,
                             write: op.kind != Kind::Read,
                         });
                     }
@@ -572,4 +578,21 @@ impl DeviceQueue for MirrorQueue {
         }
         n
     }
+}
+
+/// The first range of device `d` that leg `slot` maps volume bytes `[offset, offset + len)`
+/// onto, as (device offset, length); `(0, 0)` when none does.
+fn device_range(shared: &Shared, slot: u8, d: usize, offset: u64, len: u64) -> (u64, u64) {
+    let end = offset + len;
+    let pieces = shared.leg(slot).map(|l| l.pieces.as_slice()).unwrap_or(&[]);
+    pieces
+        .iter()
+        .filter(|p| p.device == d && p.logical < end && offset < p.logical + p.len)
+        .map(|p| {
+            let from = offset.max(p.logical);
+            let to = end.min(p.logical + p.len);
+            (p.offset + (from - p.logical), to - from)
+        })
+        .next()
+        .unwrap_or((0, 0))
 }

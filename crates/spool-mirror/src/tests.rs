@@ -171,6 +171,25 @@ fn writes_reach_every_leg_including_across_a_piece_boundary() {
     assert_eq!((v.regions_differing, v.regions_skipped), (0, 0), "{v:?}");
 }
 
+/// A leg's failed piece is reported to its device's health with the device range it
+/// covered, as a plain volume's pieces are (it was reported at offset 0, length 0).
+#[test]
+fn a_legs_failed_piece_is_reported_with_its_device_range() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, m) = setup(d.path());
+    let mut q = m.device().open_queue(64).unwrap();
+    devs[1]
+        .faults()
+        .add(errno_rule(FaultOps::Write, libc::EIO, None));
+    let _ = devs[1].health().take_reports();
+    let mut data = vec![0x5a_u8; 64 * 1024];
+    assert_eq!(run(&mut *q, true, 6 * MIB, &mut data), 0);
+    let (reports, _) = devs[1].health().take_reports();
+    // Volume byte 6 MiB is 2 MiB into leg 1's second piece, at 9 MiB of device 1.
+    let r = reports.first().expect("the failed piece was reported");
+    assert_eq!((r.offset, r.len, r.write), (11 * MIB, 64 * 1024, true));
+}
+
 #[test]
 fn a_failing_leg_costs_no_request_and_is_caught_up_when_healthy_again() {
     let d = tempfile::tempdir().unwrap();
