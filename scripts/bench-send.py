@@ -111,21 +111,30 @@ def main():
             sock = os.path.join(wb, "in.sock")
             to = ["--to", f"nbd+unix:///v?socket={sock}"]
             ctl(rpc_b, "volume", "receive", "v", "--nbd", f"unix:{sock}")
+        def again():
+            """Cancels the send, and has B expect the volume again."""
+            ctl(rpc_a, "volume", "send", "v", "--cancel")
+            if enc:
+                # A token opens one transfer: B expects the volume (which it has) again.
+                ctl(rpc_b, "volume", "receive", "v", "--stop")
+                ctl(rpc_b, "volume", "receive", "v", "--token", token)
+
+        # The volume as created, never written: all zeroes, which cross as write-zeroes.
+        copies = []
+        ctl(rpc_a, "volume", "send", "v", *to)
+        copies.append({"copy": "idle, a fresh volume (zeroes)", "s": wait_current(rpc_a),
+                       "zeroed": ctl(rpc_a, "volume", "show", "v")["mirror"].get("zeroed_bytes", 0)})
+        again()
         rows = []
         for qd in (1, 32):
             rows.append(writes(sa["v"], qd, secs, "encrypted, not sent" if enc else "plain volume"))
-        copies = []
         ctl(rpc_a, "volume", "send", "v", *to)
-        copies.append({"copy": "idle", "s": wait_current(rpc_a)})
+        copies.append({"copy": "idle, after the writes", "s": wait_current(rpc_a)})
         for qd in (1, 32):
             label = "encrypted, sending, copy current" if enc else "sending, copy current"
             rows.append(writes(sa["v"], qd, secs, label))
         # The copy again, under a QD8 write load for its whole length.
-        ctl(rpc_a, "volume", "send", "v", "--cancel")
-        if enc:
-            # A token opens one transfer: B expects the volume (which it has) again.
-            ctl(rpc_b, "volume", "receive", "v", "--stop")
-            ctl(rpc_b, "volume", "receive", "v", "--token", token)
+        again()
         ctl(rpc_a, "volume", "send", "v", *to)
         load = spool_bench_background(sa["v"])
         copies.append({"copy": "under 4K QD8 random writes", "s": wait_current(rpc_a)})
@@ -193,9 +202,13 @@ def md(r):
         "The copy is the mirror's rebuild, region by region (1 MiB, in pieces of 256 KiB that",
         "writes to the region wait for, writes first), each piece read from A's device and",
         "written to B through one NBD connection, where B makes it durable before the reply.",
-        "The first copy also allocates the blocks of B's device files (sparse until written);",
-        "the second rewrites them. A write while the copy is current goes to both legs, A's",
-        "device and B's export, and completes when both have it.",
+        "A piece that reads as zeroes goes to B as write-zeroes, not data: a fresh volume",
+        "(the first row) crosses with no data at all"
+        + (f" ({r['copies'][0]['zeroed'] >> 20} MiB zeroed)" if "zeroed" in r["copies"][0]
+           else "") + ". The copies after the writes",
+        "move data: 5 s of 4K random writes at QD1 and QD32 leave few pieces of zeroes.",
+        "A write while the copy is current goes to both legs, A's device and B's export, and",
+        "completes when both have it.",
         "",
         "What limits the writes while sending: B makes each write durable (`fdatasync`) before",
         "its reply, and serves each connection's requests four at a time (before stop 45 one",

@@ -50,6 +50,12 @@ pub struct MirrorStatus {
     pub resync_at_open: u64,
     pub regions_copied: u64,
     pub region_size: u64,
+    /// Bytes the copy wrote to the other copies as write-zeroes (pieces that read as zeroes:
+    /// no data sent) since the volume was opened; a piece written to two copies, or copied
+    /// again, counts again. Where a device cannot do write-zeroes, zeroes go as data and are
+    /// not counted.
+    #[serde(default)]
+    pub zeroed_bytes: u64,
     /// Bytes out of sync after an unclean stop (every current leg holds every acknowledged
     /// write there; one serves reads until the resync makes them agree).
     #[serde(default)]

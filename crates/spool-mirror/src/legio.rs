@@ -35,6 +35,14 @@ impl AlignedBuf {
 #[derive(Default)]
 pub(crate) struct LegIo {
     queues: Vec<Option<Box<dyn DeviceQueue>>>,
+    /// Devices found not to take write-zeroes (zeroes are written to them as data).
+    no_zeroes: Vec<usize>,
+}
+
+/// Whether a write-zeroes failed because the device does not do it (an NVMe controller
+/// without the command, a file system without fallocate), not because the device failed.
+fn unsupported(errno: i32) -> bool {
+    errno == libc::EOPNOTSUPP || errno == libc::EINVAL
 }
 
 impl LegIo {
@@ -69,6 +77,29 @@ impl LegIo {
         self.run(shared, d, io)
     }
 
+    /// Zeroes `len` bytes at `offset` of device `d` with write-zeroes through its queue;
+    /// `Ok(false)` when the device does not do write-zeroes (the caller writes zeroes as
+    /// data; not a device error, so not reported to its health).
+    pub(crate) fn zeroes(
+        &mut self,
+        shared: &Shared,
+        d: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<bool> {
+        if self.no_zeroes.contains(&d) {
+            return Ok(false);
+        }
+        match self.run(shared, d, DeviceIo::WriteZeroes { offset, len }) {
+            Ok(()) => Ok(true),
+            Err(Error::Io { source, .. }) if source.raw_os_error().is_some_and(unsupported) => {
+                self.no_zeroes.push(d);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Makes the writes done on device `d` durable.
     pub(crate) fn flush(&mut self, shared: &Shared, d: usize) -> Result<()> {
         self.run(shared, d, DeviceIo::Flush)
@@ -81,6 +112,7 @@ impl LegIo {
     /// isolated, or the copy would retry it for ever while another leg could serve).
     fn run(&mut self, shared: &Shared, d: usize, io: DeviceIo) -> Result<()> {
         let write = !matches!(io, DeviceIo::Read { .. });
+        let zeroes = matches!(io, DeviceIo::WriteZeroes { .. });
         let (offset, len) = match io {
             DeviceIo::Read { offset, len, .. }
             | DeviceIo::Write { offset, len, .. }
@@ -104,7 +136,7 @@ impl LegIo {
             let _ = q.kick();
             q.reap(&mut |_, r| res = Some(r));
             if let Some(r) = res {
-                if r < 0 && r != -libc::ECANCELED {
+                if r < 0 && r != -libc::ECANCELED && !(zeroes && unsupported(-r)) {
                     if let Some(dev) = shared.spec.devices.get(d) {
                         dev.health().report(ErrorReport {
                             signal: Signal::Errno(-r),
@@ -218,4 +250,35 @@ pub(super) fn leg_write(
             None => shared.spec.devices[d].zero_range(o, n),
         }
     })
+}
+
+/// Zeroes `len` bytes of leg `slot` at volume offset `off` through the leg devices' queues
+/// (write-zeroes; on a device that does not do it, `zero` is written as data: `len` bytes
+/// of zeroes), adding the devices written to `written` (the caller flushes them). Returns
+/// whether every piece went as write-zeroes.
+pub(super) fn leg_zeroes(
+    shared: &Shared,
+    io: &mut LegIo,
+    (slot, off, len): (u8, u64, u64),
+    zero: &mut [u8],
+    written: &mut Vec<usize>,
+) -> Result<bool> {
+    let mut all = true;
+    leg_pieces(shared, slot, off, len, |d, o, n, at| {
+        if !written.contains(&d) {
+            written.push(d);
+        }
+        if !io.zeroes(shared, d, o, n)? {
+            all = false;
+            io.rw(
+                shared,
+                d,
+                true,
+                o,
+                &mut zero[at as usize..(at + n) as usize],
+            )?;
+        }
+        Ok(())
+    })?;
+    Ok(all)
 }

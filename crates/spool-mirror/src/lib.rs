@@ -30,6 +30,8 @@ mod resync;
 mod tests;
 #[cfg(test)]
 mod tests_sync;
+#[cfg(test)]
+mod tests_zeroes;
 mod verify;
 mod writes;
 
