@@ -51,12 +51,12 @@ impl QueueWorker {
     #[inline]
     fn reap_devices(&mut self, finished: &mut SmallVec<[u16; 32]>) -> bool {
         let mut any = false;
-        for d in 0..self.devices.len() {
+        for d in 0..self.dev.queues.len() {
             let (slots, bufs) = self.inflight.records();
             let volume = &self.volume;
             let io_err_log = &mut self.tel.io_err_log;
-            let health = self.layout.devices[d].health();
-            let n = self.devices[d].reap(&mut |tag, res| {
+            let health = self.dev.layout.devices[d].health();
+            let n = self.dev.queues[d].reap(&mut |tag, res| {
                 let Some(Some(inf)) = slots.get_mut(tag as usize) else {
                     tracing::error!(tag, "completion for a request that is not in flight");
                     return;
@@ -105,30 +105,35 @@ impl QueueWorker {
         self.refresh_host(mem);
         if let Some(log) = mem.dirty_log() {
             for &(head, _) in done {
-                self.vq.log_chain(&self.guest.host, head, log);
+                self.ring.vq.log_chain(&self.guest.host, head, log);
             }
         }
         #[cfg(feature = "test-hooks")]
         if let Some(w) = crate::test_witness::witness() {
             for &(head, _) in done {
                 let host = &self.guest.host;
-                self.vq
+                self.ring
+                    .vq
                     .written_by_device(host, head, |gpa, len| w.record(host, gpa, len));
             }
         }
-        if let Err(e) = self.vq.complete_batch(&self.guest.host, done, &mut |_| {}) {
+        if let Err(e) = self
+            .ring
+            .vq
+            .complete_batch(&self.guest.host, done, &mut |_| {})
+        {
             self.fail_queue(&e.to_string());
         }
         if let Some(log) = mem.dirty_log() {
-            let (used, len) = self.vq.used_ring_range();
+            let (used, len) = self.ring.vq.used_ring_range();
             log.mark(used, len);
         }
         #[cfg(feature = "test-hooks")]
         if let Some(w) = crate::test_witness::witness() {
-            let (used, len) = self.vq.used_ring_range();
+            let (used, len) = self.ring.vq.used_ring_range();
             w.record(&self.guest.host, used, len);
         }
-        self.need_notify = true;
+        self.ring.need_notify = true;
         if !self.tel.served_one {
             self.tel.served_one = true;
             self.tel.clock.note_first_completion();

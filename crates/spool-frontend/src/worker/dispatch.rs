@@ -89,8 +89,9 @@ impl QueueWorker {
         if !matches!(req.op, Op::Read | Op::Write) || self.inflight.busy(req.head) {
             return None;
         }
-        let (d, offset) = self.layout.map_one(req.sector * SECTOR, req.len)?;
-        (d < self.devices.len() && self.layout.devices[d].health().state() == HealthState::Healthy)
+        let (d, offset) = self.dev.layout.map_one(req.sector * SECTOR, req.len)?;
+        (d < self.dev.queues.len()
+            && self.dev.layout.devices[d].health().state() == HealthState::Healthy)
             .then_some((d, offset))
     }
 
@@ -101,7 +102,7 @@ impl QueueWorker {
         let head = req.head;
         let write = req.op == Op::Write;
         let len = req.len;
-        let mut inf = Inflight::new(req.status_host, used_len(write, len), 1, self.sweep);
+        let mut inf = Inflight::new(req.status_host, used_len(write, len), 1, self.sweep.count);
         inf.kind = if write { OpKind::Write } else { OpKind::Read };
         inf.bytes = len as u32;
         inf.taken = self.round_now();
@@ -115,7 +116,7 @@ impl QueueWorker {
         // SAFETY: as in `submit`: the array lives in this slot's buffers, refilled only for
         // a free head (`one_piece` and `head_busy`), untouched until reaped; each iovec lies
         // in one region of `host_of` (`host_iovecs`), mapped until completion.
-        unsafe { self.devices[d].submit(io, head as u64) };
+        unsafe { self.dev.queues[d].submit(io, head as u64) };
     }
 
     /// Any request [`Self::submit_one`] does not take: split into device pieces, through the
@@ -154,7 +155,7 @@ impl QueueWorker {
                 used
             }
             Op::Flush => {
-                for d in 0..self.layout.devices.len() {
+                for d in 0..self.dev.layout.devices.len() {
                     ios.push((d, DeviceIo::Flush));
                 }
                 1
@@ -164,7 +165,7 @@ impl QueueWorker {
                 let zeroes = matches!(req.op, Op::WriteZeroes { .. });
                 for r in ranges {
                     let (offset, len) = (r.sector * SECTOR, r.sectors as u64 * SECTOR);
-                    self.layout.map(offset, len, |d, offset, len, _| {
+                    self.dev.layout.map(offset, len, |d, offset, len, _| {
                         ios.push((
                             d,
                             if zeroes {
@@ -193,9 +194,11 @@ impl QueueWorker {
     ) {
         let parts = &mut self.inflight.bufs_mut(head).parts;
         let mut pieces: SmallVec<[(usize, u64, u64, u64); 4]> = SmallVec::new();
-        self.layout.map(sector * SECTOR, len, |d, off, len, at| {
-            pieces.push((d, off, len, at))
-        });
+        self.dev
+            .layout
+            .map(sector * SECTOR, len, |d, off, len, at| {
+                pieces.push((d, off, len, at))
+            });
         if pieces.len() == 1 {
             parts.push(iov);
         } else {
@@ -241,7 +244,7 @@ impl QueueWorker {
     ) -> bool {
         let mut hold = false;
         for (d, _) in ios {
-            match self.layout.devices[*d].health().state() {
+            match self.dev.layout.devices[*d].health().state() {
                 HealthState::Healthy => {}
                 HealthState::Resetting => hold = true,
                 HealthState::Failed | HealthState::Removed => {
@@ -254,7 +257,7 @@ impl QueueWorker {
             self.inflight.hold(head);
             return false;
         }
-        if inf.pending != 0 && ios.iter().any(|(d, _)| *d >= self.devices.len()) {
+        if inf.pending != 0 && ios.iter().any(|(d, _)| *d >= self.dev.queues.len()) {
             // A device queue that could not be reopened (after a reset or a replacement):
             // try again; if it still cannot be had, this request fails cleanly.
             if let Err(e) = self.open_device_queues() {
@@ -288,7 +291,7 @@ impl QueueWorker {
                 .pieces
                 .push((*d as u16, offset, len, write));
         }
-        inf.sweep = self.sweep;
+        inf.sweep = self.sweep.count;
         self.inflight.submit(head, inf);
         let parts = &self.inflight.bufs(head).parts;
         for (d, mut io) in ios {
@@ -303,7 +306,7 @@ impl QueueWorker {
             // for a head `dispatch` found free (`head_busy`: none of its pieces is in a
             // device); each iovec lies in one region of `host_of` (`host_iovecs`; `slice_iov`
             // stays inside), which stays mapped until completion (`retired_maps`).
-            unsafe { self.devices[d].submit(io, head as u64) };
+            unsafe { self.dev.queues[d].submit(io, head as u64) };
         }
     }
 }

@@ -29,6 +29,7 @@
 //! **Must not know:** the vhost-user protocol, the keeper, how devices do their I/O.
 
 mod complete;
+mod devices;
 mod dispatch;
 mod group;
 mod guest;
@@ -36,13 +37,14 @@ mod inflight;
 mod pacing;
 mod recovery;
 mod replay;
+mod ring;
 mod run;
+mod sweep;
 mod telemetry;
 #[cfg(test)]
 mod tests;
 
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
@@ -51,7 +53,6 @@ use std::time::{Duration, Instant};
 
 use arc_swap::Cache;
 use arc_swap::{ArcSwap, ArcSwapOption};
-use spool_crypt::{CryptQueue, TweakMap};
 use spool_devices::DeviceQueue;
 use spool_journal::{Journal, ReplayRecord};
 use spool_pool::VolumeLayout;
@@ -61,16 +62,18 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::hostmem::HostMap;
 use crate::qos::{is_limited, VolumeQos};
-use crate::ratelimit;
 use crate::request::{GuestMemory, Limits, ID_LEN, SECTOR};
 use crate::share::{ShareGroup, VolumeShare};
-use crate::stats::{Tally, VolumeStats};
+use crate::stats::VolumeStats;
 use crate::vring::JournaledQueue;
+use devices::WorkerDevices;
 pub use group::PollGroup;
 use guest::GuestMaps;
 use inflight::InflightTable;
 use pacing::Pacing;
 use replay::ReplayGuard;
+use ring::Ring;
+use sweep::TimeoutSweep;
 use telemetry::Telemetry;
 
 /// What a worker needs to start.
@@ -240,24 +243,21 @@ const TIMEOUT_SWEEPS: u32 = 4;
 /// Opens a device queue for device index `d` in tests (a scripted queue instead of the
 /// layout device's own).
 #[cfg(test)]
-type QueueFactory = Box<dyn FnMut(usize) -> std::io::Result<Box<dyn DeviceQueue>> + Send>;
+pub(super) type QueueFactory =
+    Box<dyn FnMut(usize) -> std::io::Result<Box<dyn DeviceQueue>> + Send>;
 
 /// The per-queue state: the virtqueue, its in-flight table, and its device queues.
 pub struct QueueWorker {
     index: u16,
     volume: String,
-    vq: JournaledQueue,
+    /// The virtqueue and its eventfds (see [`Ring`]).
+    ring: Ring,
     /// The guest's memory as this worker maps it.
     guest: GuestMaps,
     resubmit: Vec<u16>,
     reset: Arc<AtomicBool>,
-    kick: File,
-    call: Arc<ArcSwapOption<File>>,
-    layout_src: Arc<ArcSwap<VolumeLayout>>,
-    /// `layout_src` as checked every round (one atomic load).
-    layout_now: Cache<Arc<ArcSwap<VolumeLayout>>, Arc<VolumeLayout>>,
-    layout: Arc<VolumeLayout>,
-    devices: Vec<Box<dyn DeviceQueue>>,
+    /// The volume's layout and a queue per device (see [`WorkerDevices`]).
+    dev: WorkerDevices,
     /// Every request taken and not completed, with its state (see [`InflightTable`]).
     inflight: InflightTable,
     limits: Limits,
@@ -268,15 +268,10 @@ pub struct QueueWorker {
     handoff: Arc<AtomicBool>,
     wake: EventFd,
     epoll: Epoll,
-    need_notify: bool,
     broken: bool,
-    /// The health epoch of each device this worker last acted on.
-    seen_epochs: Vec<u64>,
     request_retries: u32,
-    io_timeout: Duration,
-    /// Timeout sweeps: a request in flight across `TIMEOUT_SWEEPS` of them has timed out.
-    sweep: u32,
-    last_sweep: Instant,
+    /// When requests in flight are checked for timeouts (see [`TimeoutSweep`]).
+    sweep: TimeoutSweep,
     rounds: u32,
     /// `spool_sigbus::faults()` when last checked, and where to report a fault of ours.
     seen_faults: u64,
@@ -293,10 +288,6 @@ pub struct QueueWorker {
     /// The drain window this queue's thread shares between its queues (see
     /// `recovery::quiesce`).
     drain_window: Arc<std::sync::Mutex<Option<Instant>>>,
-    /// Whether every device of the volume does its I/O inline.
-    inline_devices: bool,
-    #[cfg(test)]
-    queue_factory: Option<QueueFactory>,
 }
 
 impl QueueWorker {
@@ -335,15 +326,15 @@ impl QueueWorker {
         Ok(QueueWorker {
             index: spec.index,
             volume: spec.volume,
-            vq: JournaledQueue::new(spec.queue, spec.journal),
+            ring: Ring {
+                vq: JournaledQueue::new(spec.queue, spec.journal),
+                kick: spec.kick,
+                call: spec.call,
+                need_notify: false,
+            },
             resubmit: spec.resubmit,
             reset,
-            kick: spec.kick,
-            call: spec.call,
-            layout_now: Cache::new(spec.layout.clone()),
-            layout_src: spec.layout,
-            layout,
-            devices: Vec::new(),
+            dev: WorkerDevices::new(spec.layout, layout),
             inflight: InflightTable::new(size),
             limits: spec.limits,
             serial: spec.serial,
@@ -352,20 +343,15 @@ impl QueueWorker {
             handoff: Arc::default(),
             wake,
             epoll,
-            need_notify: false,
             broken: false,
-            seen_epochs: Vec::new(),
             request_retries: spec.request_retries,
-            io_timeout: spec.io_timeout.max(Duration::from_millis(4)),
-            sweep: 0,
-            last_sweep: Instant::now(),
+            sweep: TimeoutSweep::new(spec.io_timeout.max(Duration::from_millis(4))),
             rounds: 0,
             seen_faults: spool_sigbus::faults(),
             fault: spec.fault,
             abandoned: spec.abandoned,
             replay: spec.replay.map(ReplayGuard::new),
             poison: spec.poison,
-            inline_devices: false,
             drain_window: Arc::default(),
             guest: GuestMaps {
                 host: HostMap::default(),
@@ -373,16 +359,7 @@ impl QueueWorker {
                 retired_maps: Vec::new(),
                 mem: Cache::new(spec.mem),
             },
-            tel: Telemetry {
-                stats: spec.stats,
-                tally: Tally::default(),
-                now_ticks: 0,
-                served_one: false,
-                clock: spec.clock,
-                dup_log: ratelimit::guest_warning(),
-                rejected_log: ratelimit::guest_warning(),
-                io_err_log: ratelimit::guest_warning(),
-            },
+            tel: Telemetry::new(spec.stats, spec.clock),
             pace: Pacing {
                 qos_shared: spec.qos,
                 qos,
@@ -398,8 +375,6 @@ impl QueueWorker {
                 share_busy: false,
                 share_deep: false,
             },
-            #[cfg(test)]
-            queue_factory: None,
         })
     }
 
@@ -408,22 +383,23 @@ impl QueueWorker {
     fn open_device_queues(&mut self) -> std::io::Result<()> {
         // From the layout, whether or not every queue below opens.
         let inline = |d: &Arc<spool_devices::Device>| d.inline_io();
-        self.inline_devices =
-            !self.layout.devices.is_empty() && self.layout.devices.iter().all(inline);
+        self.dev.inline =
+            !self.dev.layout.devices.is_empty() && self.dev.layout.devices.iter().all(inline);
         self.set_contended(self.pace.contended);
         let depth = (self.inflight.len() as u32 * 2).max(64);
-        while self.devices.len() < self.layout.devices.len() {
-            let d = self.devices.len();
-            let mut q = self.open_queue(d, depth)?;
+        while self.dev.queues.len() < self.dev.layout.devices.len() {
+            let d = self.dev.queues.len();
+            let mut q = self.dev.open_queue(d, depth)?;
             self.epoll.ctl(
                 ControlOperation::Add,
                 q.completion_fd(),
                 EpollEvent::new(EventSet::IN, TOKEN_DEVICE + d as u64),
             )?;
             q.set_completion_events(false);
-            self.devices.push(q);
-            self.seen_epochs
-                .push(self.layout.devices[d].health().load().1);
+            self.dev.queues.push(q);
+            self.dev
+                .seen_epochs
+                .push(self.dev.layout.devices[d].health().load().1);
         }
         Ok(())
     }
@@ -432,46 +408,19 @@ impl QueueWorker {
     /// inline devices (see [`INLINE_TAKE_BUDGET`]).
     pub(super) fn set_contended(&mut self, contended: bool) {
         self.pace.contended = contended;
-        self.pace.take_budget = if self.inline_devices && !contended {
+        self.pace.take_budget = if self.dev.inline && !contended {
             INLINE_TAKE_BUDGET
         } else {
             u64::MAX
         };
     }
 
-    /// Device `d`'s queue; an encrypted volume's is wrapped in a [`CryptQueue`] whose tweaks
-    /// are the volume offsets of the layout's segments on that device.
-    fn open_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
-        let q = self.open_device_queue(d, depth)?;
-        Ok(match &self.layout.cipher {
-            None => q,
-            Some(c) => {
-                let pieces = self.layout.segments.iter().filter(|s| s.device == d);
-                let map = TweakMap::new(pieces.map(|s| (s.offset, s.len, s.logical)).collect());
-                Box::new(CryptQueue::new(q, c.clone(), map))
-            }
-        })
-    }
-
-    #[cfg(not(test))]
-    fn open_device_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
-        self.layout.devices[d].open_queue(depth)
-    }
-
-    #[cfg(test)]
-    fn open_device_queue(&mut self, d: usize, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
-        match &mut self.queue_factory {
-            Some(open) => open(d),
-            None => self.layout.devices[d].open_queue(depth),
-        }
-    }
-
     /// Follows the volume's layout: a grown volume's new devices get queues; a device
     /// replaced under an existing index resets every queue. One atomic load when unchanged.
     #[inline]
     fn refresh_layout(&mut self) {
-        let cur = self.layout_now.load();
-        if Arc::ptr_eq(cur, &self.layout) {
+        let cur = self.dev.now.load();
+        if Arc::ptr_eq(cur, &self.dev.layout) {
             return;
         }
         let cur = cur.clone();
@@ -480,19 +429,20 @@ impl QueueWorker {
         // must an encrypted volume's when its segments moved (a grown volume): each queue's
         // tweaks come from them.
         let replaced = self
+            .dev
             .layout
             .devices
             .iter()
             .zip(cur.devices.iter())
             .any(|(a, b)| !Arc::ptr_eq(a, b))
-            || (cur.cipher.is_some() && cur.segments != self.layout.segments);
+            || (cur.cipher.is_some() && cur.segments != self.dev.layout.segments);
         if replaced {
             drop(cur);
             self.reset_devices();
             return;
         }
         self.limits.capacity_sectors = cur.size / SECTOR;
-        self.layout = cur;
+        self.dev.layout = cur;
         self.follow_qos();
         if let Err(e) = self.open_device_queues() {
             tracing::error!(volume = %self.volume, queue = self.index, error = %e, "cannot open device queue for grown volume");
@@ -503,10 +453,10 @@ impl QueueWorker {
     /// (idempotent: every queue of the volume may do it; `update_layout` already has) and
     /// turns the take loop's checks on or off.
     fn follow_qos(&mut self) {
-        if self.pace.qos_seen == self.layout.qos {
+        if self.pace.qos_seen == self.dev.layout.qos {
             return;
         }
-        self.pace.qos_seen = self.layout.qos;
+        self.pace.qos_seen = self.dev.layout.qos;
         let limits = self.pace.qos_seen.as_ref();
         self.pace
             .qos_shared
@@ -519,7 +469,7 @@ impl QueueWorker {
 
     /// Puts this worker thread in its volume's scheduling class when it changed.
     pub(super) fn follow_priority(&mut self) {
-        let p = self.layout.qos.map(|q| q.priority).unwrap_or_default();
+        let p = self.dev.layout.qos.map(|q| q.priority).unwrap_or_default();
         if p != self.pace.priority {
             self.pace.priority = p;
             set_thread_priority(p, &self.volume);
@@ -530,14 +480,6 @@ impl QueueWorker {
     #[inline]
     pub(super) fn current_memory(&mut self) -> Arc<GuestMemory> {
         self.guest.mem.load().clone()
-    }
-
-    /// Tells the guest to look at the used ring (one interrupt on its call eventfd).
-    #[inline]
-    fn signal_guest(&self) {
-        if let Some(call) = self.call.load().as_ref() {
-            let _ = (&**call).write(&1u64.to_ne_bytes());
-        }
     }
 }
 

@@ -111,17 +111,17 @@ impl QueueWorker {
     #[inline]
     pub(super) fn check_health(&mut self, mem: &Arc<GuestMemory>) {
         let mut changed = false;
-        for d in 0..self.devices.len() {
-            let (state, epoch) = self.layout.devices[d].health().load();
-            if epoch != self.seen_epochs[d] {
-                self.seen_epochs[d] = epoch;
+        for d in 0..self.dev.queues.len() {
+            let (state, epoch) = self.dev.layout.devices[d].health().load();
+            if epoch != self.dev.seen_epochs[d] {
+                self.dev.seen_epochs[d] = epoch;
                 tracing::debug!(volume = %self.volume, queue = self.index, device = d, state = state.name(), "device health changed");
                 if state == HealthState::Failed {
                     // Isolated: what it still holds will never be served; give it up (a
                     // network device's operations included) so the requests fail cleanly.
-                    self.devices[d].abandon();
+                    self.dev.queues[d].abandon();
                 } else {
-                    self.devices[d].abort();
+                    self.dev.queues[d].abort();
                 }
                 changed = true;
             }
@@ -145,23 +145,16 @@ impl QueueWorker {
 
     /// Whether every device is resetting (then nothing held can make progress).
     fn held_all_resetting(&self) -> bool {
-        (0..self.devices.len())
-            .all(|d| self.layout.devices[d].health().state() == HealthState::Resetting)
+        (0..self.dev.queues.len())
+            .all(|d| self.dev.layout.devices[d].health().state() == HealthState::Resetting)
     }
 
     /// Reports requests in flight for longer than the I/O timeout (once each).
     pub(super) fn sweep_timeouts(&mut self) {
-        if self.inflight.submitted() == 0 {
-            self.last_sweep = Instant::now();
+        let Some(sweep) = self.sweep.due(self.inflight.submitted() > 0) else {
             return;
-        }
-        let now = Instant::now();
-        if now.duration_since(self.last_sweep) < self.io_timeout / TIMEOUT_SWEEPS {
-            return;
-        }
-        self.last_sweep = now;
-        self.sweep = self.sweep.wrapping_add(1);
-        let (sweep, layout, devices) = (self.sweep, &self.layout, &self.devices);
+        };
+        let (layout, devices) = (&self.dev.layout, &self.dev.queues);
         let (volume, index) = (&self.volume, self.index);
         self.inflight.each_submitted(|inf, bufs| {
             if inf.timed_out || sweep.wrapping_sub(inf.sweep) <= TIMEOUT_SWEEPS {
@@ -187,7 +180,7 @@ impl QueueWorker {
     /// Re-parses a journaled request from its descriptor chain and submits it again.
     pub(super) fn resubmit_head(&mut self, head: u16, mem: &Arc<GuestMemory>) {
         self.refresh_host(mem);
-        let walker = self.vq.chain(&self.guest.host, head);
+        let walker = self.ring.vq.chain(&self.guest.host, head);
         let parsed = request::parse(head, walker, &self.guest.host, &self.limits);
         self.dispatch(parsed, mem);
     }
@@ -199,7 +192,7 @@ impl QueueWorker {
         self.injected_reset_fault();
         let mut waiting = self.inflight.take_held();
         waiting.append(&mut self.inflight.take_cancelled());
-        let journaled = self.vq.journaled_inflight();
+        let journaled = self.ring.vq.journaled_inflight();
         self.quiesce(Quiesce::Discard);
         let submitted = self.inflight.take_submitted();
         let heads: Vec<u16> = match journaled {
@@ -218,7 +211,7 @@ impl QueueWorker {
     /// `reset-panic` and `reset-wedge`): this queue thread panics here with its requests in
     /// flight, or stops here for good, as a bug on this path would.
     fn injected_reset_fault(&self) {
-        for d in &self.layout.devices {
+        for d in &self.dev.layout.devices {
             match d.faults().check_reset() {
                 Some(FaultEffect::PanicOnReset) => {
                     panic!("fault injection: reset-panic on {}", d.path().display())
@@ -237,17 +230,17 @@ impl QueueWorker {
     /// Closes every device queue and opens new ones on the current layout (which may have
     /// changed underneath: a replaced device).
     fn reopen_device_queues(&mut self) {
-        for q in self.devices.drain(..) {
+        for q in self.dev.queues.drain(..) {
             let _ = self.epoll.ctl(
                 ControlOperation::Delete,
                 q.completion_fd(),
                 EpollEvent::default(),
             );
         }
-        self.seen_epochs.clear();
-        let cur = self.layout_src.load_full();
+        self.dev.seen_epochs.clear();
+        let cur = self.dev.src.load_full();
         self.limits.capacity_sectors = cur.size / SECTOR;
-        self.layout = cur;
+        self.dev.layout = cur;
         self.follow_qos();
         if let Err(e) = self.open_device_queues() {
             tracing::error!(volume = %self.volume, error = %e, "cannot reopen device queues after reset");
@@ -259,7 +252,7 @@ impl QueueWorker {
     /// handoff to the next worker (a journaled queue) completes what the devices finish in
     /// the window and leaves the rest INFLIGHT in the journal, which that worker resubmits.
     pub(super) fn drain(&mut self, kind: StopKind) {
-        if kind == StopKind::Handoff && self.vq.journaled_inflight().is_some() {
+        if kind == StopKind::Handoff && self.ring.vq.journaled_inflight().is_some() {
             self.quiesce(Quiesce::Complete);
         } else {
             self.settle_all();
@@ -289,8 +282,8 @@ impl QueueWorker {
             }
             let mem = self.guest.mem.load().clone();
             self.check_health(&mem);
-            for d in 0..self.devices.len() {
-                let _ = self.devices[d].kick();
+            for d in 0..self.dev.queues.len() {
+                let _ = self.dev.queues[d].kick();
             }
             let mut progress = self.reap(&mem);
             if self.inflight.any_cancelled() {
@@ -339,7 +332,7 @@ impl QueueWorker {
         let mut taken = self.inflight.take_held();
         taken.append(&mut self.inflight.take_cancelled());
         for head in taken {
-            let walker = self.vq.chain(&self.guest.host, head);
+            let walker = self.ring.vq.chain(&self.guest.host, head);
             match request::parse(head, walker, &self.guest.host, &self.limits) {
                 Ok(req) => write_status(req.status_host, ioerr),
                 Err(rej) => {
@@ -366,12 +359,12 @@ impl QueueWorker {
 
     /// [`Self::quiesce`] with its deadline given.
     fn quiesce_until(&mut self, mode: Quiesce, deadline: Instant) {
-        for d in &mut self.devices {
+        for d in &mut self.dev.queues {
             d.abort();
         }
         while self.quiesce_waiting(mode) && Instant::now() < deadline {
-            for d in 0..self.devices.len() {
-                let _ = self.devices[d].kick();
+            for d in 0..self.dev.queues.len() {
+                let _ = self.dev.queues[d].kick();
             }
             let progress = match mode {
                 Quiesce::Complete => {
@@ -382,7 +375,7 @@ impl QueueWorker {
                 }
                 Quiesce::Discard => {
                     let mut n = 0;
-                    for d in &mut self.devices {
+                    for d in &mut self.dev.queues {
                         n += d.reap(&mut |_, _| {});
                     }
                     n > 0
@@ -416,7 +409,7 @@ impl QueueWorker {
     #[cold]
     fn abandon_outstanding(&mut self, mode: Quiesce) {
         let mut given_up = 0;
-        for d in &mut self.devices {
+        for d in &mut self.dev.queues {
             if d.in_flight() > 0 {
                 given_up += d.abandon();
             }
@@ -431,7 +424,7 @@ impl QueueWorker {
                 self.reap(&mem);
             }
             Quiesce::Discard => {
-                for d in &mut self.devices {
+                for d in &mut self.dev.queues {
                     d.reap(&mut |_, _| {});
                 }
             }
@@ -457,7 +450,7 @@ impl QueueWorker {
     fn quiesce_waiting(&self, mode: Quiesce) -> bool {
         match mode {
             Quiesce::Complete => self.inflight.submitted() > 0,
-            Quiesce::Discard => self.devices.iter().any(|d| d.in_flight() > 0),
+            Quiesce::Discard => self.dev.queues.iter().any(|d| d.in_flight() > 0),
         }
     }
 
@@ -469,14 +462,14 @@ impl QueueWorker {
     pub(super) fn quarantine_stuck(&mut self) {
         let mut stuck = 0;
         let mut d = 0;
-        while d < self.devices.len() {
-            let n = self.devices[d].in_flight();
+        while d < self.dev.queues.len() {
+            let n = self.dev.queues[d].in_flight();
             if n == 0 {
                 d += 1;
                 continue;
             }
             stuck += n;
-            let q = self.devices.remove(d);
+            let q = self.dev.queues.remove(d);
             let _ = self.epoll.ctl(
                 ControlOperation::Delete,
                 q.completion_fd(),

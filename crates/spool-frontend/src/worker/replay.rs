@@ -90,7 +90,7 @@ impl QueueWorker {
     fn fail_poisoned(&mut self, head: u16, mem: &Arc<GuestMemory>) {
         tracing::error!(volume = %self.volume, queue = self.index, head, "request crashed the previous worker while it was replayed; failing it (IOERR) instead of replaying it again");
         self.refresh_host(mem);
-        let chain = self.vq.chain(&self.guest.host, head);
+        let chain = self.ring.vq.chain(&self.guest.host, head);
         match request::parse(head, chain, &self.guest.host, &self.limits) {
             Ok(req) => write_status(req.status_host, VIRTIO_BLK_S_IOERR as u8),
             Err(rej) => {

@@ -14,10 +14,7 @@ use virtio_queue::Queue;
 use vmm_sys_util::epoll::EpollEvent;
 
 use super::recovery::StopKind;
-use super::{
-    QueueWorker, MAX_RETIRED_MAPS, TIMEOUT_SWEEPS, TOKEN_DEVICE, TOKEN_GROUP, TOKEN_KICK,
-    TOKEN_WAKE,
-};
+use super::{QueueWorker, MAX_RETIRED_MAPS, TOKEN_DEVICE, TOKEN_GROUP, TOKEN_KICK, TOKEN_WAKE};
 use crate::hostmem::HostMap;
 use crate::qos::{Cost, VolumeQos};
 use crate::request::{self, GuestMemory, Op};
@@ -79,9 +76,12 @@ impl QueueWorker {
             .stats
             .queue(self.index)
             .set_state(QueueState::Running);
-        self.tel.stats.queue(self.index).set_size(self.vq.size());
+        self.tel
+            .stats
+            .queue(self.index)
+            .set_size(self.ring.vq.size());
         self.follow_priority();
-        self.signal_guest();
+        self.ring.signal_guest();
         self.replay_journal();
     }
 
@@ -105,8 +105,8 @@ impl QueueWorker {
         self.drain(kind);
         self.publish_stats();
         self.set_share_idle(false);
-        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.vq.next_avail(), "worker stopped");
-        self.vq.into_queue()
+        tracing::debug!(volume = %self.volume, queue = self.index, next_avail = self.ring.vq.next_avail(), "worker stopped");
+        self.ring.vq.into_queue()
     }
 
     /// Whether the worker must keep polling although idle: a polled device (userspace NVMe:
@@ -114,12 +114,15 @@ impl QueueWorker {
     /// completions.
     #[inline]
     pub(super) fn must_poll(&self) -> bool {
-        self.devices.iter().any(|d| d.polled() && d.in_flight() > 0)
+        self.dev
+            .queues
+            .iter()
+            .any(|d| d.polled() && d.in_flight() > 0)
     }
 
     /// Idle for `poll_idle`: the volume no longer holds the others to its share.
     pub(super) fn note_idle(&mut self) {
-        if self.inflight.submitted() == 0 && !self.vq.has_avail(&self.guest.host) {
+        if self.inflight.submitted() == 0 && !self.ring.vq.has_avail(&self.guest.host) {
             self.set_share_idle(true);
         }
     }
@@ -136,7 +139,7 @@ impl QueueWorker {
     /// calls [`Self::after_sleep`] without sleeping).
     pub(super) fn prepare_sleep(&mut self, mem: &Arc<GuestMemory>) -> bool {
         if !self.sleeps_throttled() {
-            match self.vq.enable_notification(mem) {
+            match self.ring.vq.enable_notification(mem) {
                 Ok(true) => return false,
                 Ok(false) => {}
                 Err(e) => self.fail_queue(&e.to_string()),
@@ -186,7 +189,7 @@ impl QueueWorker {
             .queue(self.index)
             .set_state(QueueState::Running);
         if !self.broken && !self.sleeps_throttled() {
-            let _ = self.vq.disable_notification(mem);
+            let _ = self.ring.vq.disable_notification(mem);
         }
         self.set_device_events(false);
     }
@@ -245,8 +248,8 @@ impl QueueWorker {
     #[inline]
     pub(super) fn poll_round(&mut self, mem: &Arc<GuestMemory>) -> bool {
         let mut work = self.poll_avail(mem);
-        for d in 0..self.devices.len() {
-            if let Err(e) = self.devices[d].kick() {
+        for d in 0..self.dev.queues.len() {
+            if let Err(e) = self.dev.queues[d].kick() {
                 tracing::error!(volume = %self.volume, error = %e, "device submit failed");
             }
         }
@@ -267,7 +270,7 @@ impl QueueWorker {
     /// requests are in flight, 5 ms while requests are held, else a second.
     fn sleep_ms(&self) -> i32 {
         if self.inflight.submitted() > 0 {
-            (self.io_timeout.as_millis() as u32 / TIMEOUT_SWEEPS).clamp(1, 1000) as i32
+            self.sweep.interval_ms()
         } else if self.inflight.any_held() {
             5
         } else {
@@ -281,7 +284,7 @@ impl QueueWorker {
         for ev in events {
             match ev.data() {
                 TOKEN_KICK => {
-                    let _ = (&self.kick).read(&mut buf);
+                    let _ = (&self.ring.kick).read(&mut buf);
                 }
                 TOKEN_WAKE => {
                     let _ = self.wake.read();
@@ -290,7 +293,7 @@ impl QueueWorker {
                 TOKEN_GROUP => {}
                 t => {
                     let d = (t - TOKEN_DEVICE) as usize;
-                    if let Some(q) = self.devices.get(d) {
+                    if let Some(q) = self.dev.queues.get(d) {
                         q.ack_completion_event();
                     }
                 }
@@ -299,7 +302,7 @@ impl QueueWorker {
     }
 
     fn set_device_events(&mut self, enabled: bool) {
-        for d in &mut self.devices {
+        for d in &mut self.dev.queues {
             d.set_completion_events(enabled);
         }
     }
@@ -337,7 +340,7 @@ impl QueueWorker {
         }
         let any = self.take_and_submit(mem);
         // Algorithm 1 step 7, once for the round's batch of takes.
-        self.vq.finish_takes(&mut |_| {});
+        self.ring.vq.finish_takes(&mut |_| {});
         any
     }
 
@@ -352,12 +355,12 @@ impl QueueWorker {
         // volume's clock (cache lines their threads write) for nothing.
         if self.pace.fair_share
             && self.pace.priority != spool_pool::Priority::Latency
-            && self.vq.has_avail(&self.guest.host)
+            && self.ring.vq.has_avail(&self.guest.host)
             && !self.pace.share_group.may_take(&self.pace.share)
         {
             return self.yield_share();
         }
-        self.vq.prefetch(&self.guest.host);
+        self.ring.vq.prefetch(&self.guest.host);
         let taken = match &self.pace.qos {
             Some(q) => self.take_limited(mem, q.clone()),
             None => {
@@ -392,7 +395,7 @@ impl QueueWorker {
     #[cold]
     #[inline(never)]
     fn yield_share(&mut self) -> bool {
-        if self.vq.has_avail(&self.guest.host) {
+        if self.ring.vq.has_avail(&self.guest.host) {
             self.set_share_busy();
             // The thread goes off the core for a moment after this round (`SHARE_PAUSE`, once
             // for all its queues; not a yield, which on a busy core hands it straight back and
@@ -440,8 +443,8 @@ impl QueueWorker {
     /// before we look at it); None when the ring is empty (or broken: the queue fails).
     #[inline(always)]
     fn pop_head(&mut self) -> Option<u16> {
-        self.vq.prefetch_ahead(&self.guest.host);
-        match self.vq.pop(&self.guest.host, &mut |_| {}) {
+        self.ring.vq.prefetch_ahead(&self.guest.host);
+        match self.ring.vq.pop(&self.guest.host, &mut |_| {}) {
             Ok(h) => h,
             Err(e) => {
                 self.fail_queue(&e.to_string());
@@ -493,7 +496,7 @@ impl QueueWorker {
         Result<request::Request, request::Rejected>,
         Option<Arc<GuestMemory>>,
     ) {
-        let chain = self.vq.chain(&self.guest.host, head);
+        let chain = self.ring.vq.chain(&self.guest.host, head);
         let parsed = request::parse(head, chain, &self.guest.host, &self.limits);
         if !matches!(&parsed, Err(r) if r.failure == request::Failure::OutsideMemory) {
             return (parsed, None);
@@ -503,7 +506,7 @@ impl QueueWorker {
             return (parsed, None);
         }
         self.refresh_host(&newest);
-        let chain = self.vq.chain(&self.guest.host, head);
+        let chain = self.ring.vq.chain(&self.guest.host, head);
         (
             request::parse(head, chain, &self.guest.host, &self.limits),
             Some(newest),
@@ -538,13 +541,13 @@ impl QueueWorker {
     /// Tells the guest about completions when it wants to know (once per round at most).
     #[inline]
     pub(super) fn notify(&mut self, mem: &Arc<GuestMemory>) {
-        if !self.need_notify {
+        if !self.ring.need_notify {
             return;
         }
-        self.need_notify = false;
+        self.ring.need_notify = false;
         self.refresh_host(mem);
-        if self.vq.needs_notification(&self.guest.host) {
-            self.signal_guest();
+        if self.ring.vq.needs_notification(&self.guest.host) {
+            self.ring.signal_guest();
         }
     }
 }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::ratelimit::LogLimit;
+use crate::ratelimit::{self, LogLimit};
 use crate::stats::{Tally, VolumeStats};
 
 /// One queue's telemetry.
@@ -26,4 +26,20 @@ pub(super) struct Telemetry {
     pub(super) now_ticks: u64,
     /// Counts not yet published to `stats`.
     pub(super) tally: Tally,
+}
+
+impl Telemetry {
+    /// Counting into `stats`, the restart report's first I/O read from `clock`.
+    pub(super) fn new(stats: Arc<VolumeStats>, clock: Arc<crate::StartClock>) -> Self {
+        Telemetry {
+            stats,
+            tally: Tally::default(),
+            now_ticks: 0,
+            served_one: false,
+            clock,
+            dup_log: ratelimit::guest_warning(),
+            rejected_log: ratelimit::guest_warning(),
+            io_err_log: ratelimit::guest_warning(),
+        }
+    }
 }

@@ -78,8 +78,8 @@ fn queues_of_one_group_are_served_by_its_thread() {
     let mut b = Harness::new(0);
     // The device completes when the test says, which on a loaded host can be long after
     // the harness's 4 ms timeout: the thread's own sweep would abort the command first.
-    a.w.io_timeout = Duration::from_secs(600);
-    b.w.io_timeout = Duration::from_secs(600);
+    a.w.sweep.io_timeout = Duration::from_secs(600);
+    b.w.sweep.io_timeout = Duration::from_secs(600);
     let (ha, hb) = (a.post_read(0), b.post_read(1));
     let (ja, a) = join(&group, &mut Some(a));
     let (jb, b) = join(&group, &mut Some(b));
@@ -174,13 +174,13 @@ impl DeviceQueue for Panicking {
 fn after_its_thread_panicked_a_group_serves_the_next_queue_on_a_new_one() {
     let group = PollGroup::new("t", Arc::default()).unwrap();
     let mut a = Harness::new(0);
-    a.w.devices[0] = Box::new(Panicking);
+    a.w.dev.queues[0] = Box::new(Panicking);
     a.post_read(0);
     let (ja, _a) = join(&group, &mut Some(a));
     // The queue went down with the thread: its way back is closed.
     assert!(ja.back.recv_timeout(Duration::from_secs(5)).is_err());
     let mut b = Harness::new(0);
-    b.w.io_timeout = Duration::from_secs(600);
+    b.w.sweep.io_timeout = Duration::from_secs(600);
     let hb = b.post_read(1);
     let (jb, b) = join(&group, &mut Some(b));
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -238,7 +238,7 @@ impl Harness {
         let s = script.clone();
         let waits = Arc::new(LockWaits::default());
         let r = waits.clone();
-        w.queue_factory = Some(Box::new(move |_d| {
+        w.dev.factory = Some(Box::new(move |_d| {
             lock(&s).opened += 1;
             Ok(Box::new(ScriptedQueue {
                 script: s.clone(),
@@ -319,7 +319,7 @@ impl Harness {
 
     /// The heads the journal records INFLIGHT.
     pub(super) fn journaled(&self) -> Vec<u16> {
-        self.w.vq.journaled_inflight().unwrap()
+        self.w.ring.vq.journaled_inflight().unwrap()
     }
 
     pub(super) fn submitted(&self) -> Vec<u64> {

@@ -347,7 +347,7 @@ fn a_reset_quarantines_a_command_that_never_completes_and_resubmits_its_request(
     assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
     assert_eq!(lock(&h.script).opened, 2);
     assert_eq!(h.submitted(), vec![a as u64, a as u64]);
-    assert_eq!(h.w.devices.len(), 1);
+    assert_eq!(h.w.dev.queues.len(), 1);
     assert_eq!(h.status(a), UNWRITTEN);
     h.device_completes(a, LEN as i32);
     h.round();
@@ -412,7 +412,7 @@ fn a_handoff_quarantines_a_command_that_never_completes_and_keeps_it_in_the_jour
     h.round();
     h.w.drain(StopKind::Handoff);
     assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
-    assert!(h.w.devices.is_empty());
+    assert!(h.w.dev.queues.is_empty());
     assert_eq!(h.status(a), UNWRITTEN);
     assert!(h.used().is_empty());
     assert_eq!(h.journaled(), vec![a]);
@@ -426,7 +426,7 @@ fn a_frontend_stop_quarantines_a_command_that_never_completes_and_fails_its_requ
     h.round();
     h.w.drain(StopKind::Frontend);
     assert_eq!(h.w.abandoned.load(Ordering::Acquire), 1);
-    assert!(h.w.devices.is_empty());
+    assert!(h.w.dev.queues.is_empty());
     assert_eq!(h.status(a), VIRTIO_BLK_S_IOERR as u8);
     assert_eq!(h.used(), vec![(a, 1)]);
     assert!(h.journaled().is_empty());
@@ -441,12 +441,12 @@ fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
     qos.set_manual_now(1);
     // 1 IOPS with a 1 s burst: the bucket holds one op; the worker takes while it is not
     // in debt, so two requests go at once and the third waits a second.
-    let mut l = (*h.w.layout).clone();
+    let mut l = (*h.w.dev.layout).clone();
     l.qos = Some(QosLimits {
         iops: 1,
         ..Default::default()
     });
-    h.w.layout_src.store(Arc::new(l));
+    h.w.dev.src.store(Arc::new(l));
     let heads: Vec<u16> = (0..3).map(|k| h.post_read(k)).collect();
     h.round();
     assert_eq!(h.submitted(), vec![heads[0] as u64, heads[1] as u64]);
@@ -467,9 +467,9 @@ fn a_throttled_worker_leaves_requests_in_the_avail_ring_until_time_passes() {
     h.round();
     assert_eq!(h.submitted().last(), Some(&(heads[2] as u64)));
     // Lifting the limits takes effect on the next round: nothing is checked any more.
-    let mut l = (*h.w.layout).clone();
+    let mut l = (*h.w.dev.layout).clone();
     l.qos = None;
-    h.w.layout_src.store(Arc::new(l));
+    h.w.dev.src.store(Arc::new(l));
     h.post_read(3);
     h.post_read(4);
     h.round();
@@ -488,12 +488,12 @@ fn a_volume_held_by_its_limits_does_not_hold_the_others_to_its_pace() {
     h.w.pace.share_group.queue_busy(&other);
     h.w.pace.share.set_contended(true);
     other.set_contended(true);
-    let mut l = (*h.w.layout).clone();
+    let mut l = (*h.w.dev.layout).clone();
     l.qos = Some(QosLimits {
         iops: 1,
         ..Default::default()
     });
-    h.w.layout_src.store(Arc::new(l));
+    h.w.dev.src.store(Arc::new(l));
     for k in 0..3 {
         h.post_read(k);
     }
