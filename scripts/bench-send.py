@@ -207,6 +207,10 @@ def md(r):
         + (f" ({r['copies'][0]['zeroed'] >> 20} MiB zeroed)" if "zeroed" in r["copies"][0]
            else "") + ". The copies after the writes",
         "move data: 5 s of 4K random writes at QD1 and QD32 leave few pieces of zeroes.",
+        "B's device files stay sparse where the first copy wrote zeroes (as a new volume's",
+        "extents are), so B allocates file blocks for the writes and copies that land there",
+        "later, which the rows after the first pay; before zero pieces went as write-zeroes,",
+        "the first copy allocated all of them.",
         "A write while the copy is current goes to both legs, A's device and B's export, and",
         "completes when both have it.",
         "",
