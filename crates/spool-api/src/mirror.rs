@@ -53,7 +53,8 @@ pub struct MirrorStatus {
     /// Bytes the copy wrote to the other copies as write-zeroes (pieces that read as zeroes:
     /// no data sent) since the volume was opened; a piece written to two copies, or copied
     /// again, counts again. Where a device cannot do write-zeroes, zeroes go as data and are
-    /// not counted.
+    /// not counted (but an NBD server without write-zeroes gets them as data from the NBD
+    /// client, and those are counted).
     #[serde(default)]
     pub zeroed_bytes: u64,
     /// Bytes out of sync after an unclean stop (every current leg holds every acknowledged

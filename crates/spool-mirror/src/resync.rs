@@ -71,7 +71,8 @@ pub struct Progress {
     pub regions_copied: u64,
     /// Bytes the copy wrote to target legs as write-zeroes (pieces that read as zeroes)
     /// since the mirror was opened: per target leg, and again for a piece copied again.
-    /// Zeroes written as data to a device without write-zeroes are not counted.
+    /// Zeroes written as data to a device without write-zeroes are not counted (an NBD
+    /// server without it gets them as data from the NBD client: counted all the same).
     pub zeroed_bytes: u64,
     /// Bytes in regions out of sync (after an unclean stop): every current leg holds every
     /// acknowledged write there, one serves the reads until the resync makes them agree.
