@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::tests::{file_device, legs_of, spec, wait_until, MIB};
 use super::*;
-use spool_devices::{DeviceIo, OpenOptions};
+use spool_devices::DeviceIo;
 
 /// A device whose queues refuse write-zeroes with `EOPNOTSUPP`, as an NVMe controller
 /// without the command does; everything else goes to the device under it.
@@ -77,23 +77,27 @@ impl DeviceQueue for NoZeroesQueue {
     }
 }
 
-#[test]
-fn a_leg_device_without_write_zeroes_gets_the_zeroes_as_data() {
-    let d = tempfile::tempdir().unwrap();
-    let plain = file_device(d.path(), "b");
-    // Junk where the copy must write zeroes.
-    plain
-        .write_at_durable(&vec![0xee; 12 * MIB as usize], MIB)
+/// Rebuilds leg 1 on `b` (junk first, where the copy must write zeroes) from leg 0, which
+/// holds 4 KiB of data in a fresh volume; returns the mirror once the legs agree.
+fn rebuild_onto(dir: &Path, b: Arc<Device>) -> Mirror {
+    b.write_at_durable(&vec![0xee; 12 * MIB as usize], MIB)
         .unwrap();
-    let b = Arc::new(Device::new(NoZeroes(plain), &[]));
-    let devs = vec![file_device(d.path(), "a"), b.clone()];
+    let devs = vec![file_device(dir, "a"), b];
     devs[0]
         .write_at_durable(&[7u8; 4096], MIB + 2 * MIB)
         .unwrap();
-    let m = Mirror::open(spec(d.path(), devs.clone(), false)).unwrap();
+    let m = Mirror::open(spec(dir, devs.clone(), false)).unwrap();
     wait_until("leg 1 rebuilt", || m.leg_current(1));
     let (a, b_bytes) = legs_of(&devs);
     assert!(a == b_bytes, "legs differ");
+    m
+}
+
+#[test]
+fn a_leg_device_without_write_zeroes_gets_the_zeroes_as_data() {
+    let d = tempfile::tempdir().unwrap();
+    let b = Arc::new(Device::new(NoZeroes(file_device(d.path(), "b")), &[]));
+    let m = rebuild_onto(d.path(), b.clone());
     assert_eq!(m.progress().zeroed_bytes, 0, "nothing went as write-zeroes");
     let (reports, _) = b.health().take_reports();
     assert!(
@@ -106,22 +110,7 @@ fn a_leg_device_without_write_zeroes_gets_the_zeroes_as_data() {
 #[test]
 fn a_leg_device_with_write_zeroes_gets_the_zeroes_that_way() {
     let d = tempfile::tempdir().unwrap();
-    let opts = OpenOptions {
-        create_size: Some(16 * MIB),
-        no_direct: true,
-        ..Default::default()
-    };
-    let b = Arc::new(Device::open(&d.path().join("b"), &opts).unwrap());
-    b.write_at_durable(&vec![0xee; 12 * MIB as usize], MIB)
-        .unwrap();
-    let devs = vec![file_device(d.path(), "a"), b];
-    devs[0]
-        .write_at_durable(&[7u8; 4096], MIB + 2 * MIB)
-        .unwrap();
-    let m = Mirror::open(spec(d.path(), devs.clone(), false)).unwrap();
-    wait_until("leg 1 rebuilt", || m.leg_current(1));
-    let (a, b_bytes) = legs_of(&devs);
-    assert!(a == b_bytes, "legs differ");
+    let m = rebuild_onto(d.path(), file_device(d.path(), "b"));
     // Every 256 KiB piece but the one with data.
     assert_eq!(m.progress().zeroed_bytes, 8 * MIB - (256 << 10));
 }

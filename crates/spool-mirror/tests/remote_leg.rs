@@ -47,30 +47,58 @@ fn leg(slot: u8, synced: bool, device: usize, offset: u64, len: u64) -> LegSpec 
     }
 }
 
-#[test]
-#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
-fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
-    let d = tempfile::tempdir().unwrap();
-    let size = 8 * MIB;
+/// A file device of 16 MiB, the local leg's.
+fn local_device(dir: &std::path::Path) -> Arc<Device> {
     let opts = OpenOptions {
         create_size: Some(16 * MIB),
         no_direct: true,
         ..Default::default()
     };
-    let local = Arc::new(Device::open(&d.path().join("local.img"), &opts).unwrap());
+    Arc::new(Device::open(&dir.join("local.img"), &opts).unwrap())
+}
+
+/// A new mirror of `size` bytes: leg 0 synced on `local` at 1 MiB, leg 1 on `remote` (to
+/// be rebuilt), its bitmap in `dir`.
+fn local_and_remote(
+    dir: &std::path::Path,
+    local: Arc<Device>,
+    remote: Arc<Device>,
+    size: u64,
+) -> Mirror {
+    create_clean_bitmap(&dir.join("bitmap"), size).unwrap();
+    Mirror::open(MirrorSpec {
+        name: "moving".into(),
+        size,
+        devices: vec![local, remote],
+        legs: vec![leg(0, true, 0, MIB, size), leg(1, false, 1, 0, size)],
+        bitmap: Some(dir.join("bitmap")),
+        resync_rate: 0,
+    })
+    .unwrap()
+}
+
+/// Waits (up to 30 s) until the remote leg holds a complete copy.
+fn wait_current(mirror: &Mirror) {
+    let t0 = Instant::now();
+    while !mirror.leg_current(1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the remote leg never caught up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+#[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
+fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
+    let d = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    let local = local_device(d.path());
     let data = pattern(size, 6);
     local.write_at_durable(&data, MIB).unwrap();
     let srv = QemuNbd::start(d.path(), size);
-    create_clean_bitmap(&d.path().join("bitmap"), size).unwrap();
-    let mirror = Mirror::open(MirrorSpec {
-        name: "moving".into(),
-        size,
-        devices: vec![local.clone(), srv.device()],
-        legs: vec![leg(0, true, 0, MIB, size), leg(1, false, 1, 0, size)],
-        bitmap: Some(d.path().join("bitmap")),
-        resync_rate: 0,
-    })
-    .unwrap();
+    let mirror = local_and_remote(d.path(), local, srv.device(), size);
     // Written while the remote copy is made (or just after): both copies get it.
     let mut q = mirror.device().open_queue(64).unwrap();
     let mut w = pattern(64 << 10, 7);
@@ -84,14 +112,7 @@ fn a_mirror_leg_on_a_remote_export_is_rebuilt_and_written() {
             DeviceIo::data(true, 3 * MIB, 64 << 10, v.as_ptr(), 1)
         ) >= 0
     );
-    let t0 = Instant::now();
-    while !mirror.leg_current(1) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the remote leg never caught up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_current(&mirror);
     let mut want = data.clone();
     want[(3 * MIB) as usize..(3 * MIB + (64 << 10)) as usize].copy_from_slice(&w);
     assert!(srv.contents(0, size) == want, "the remote copy differs");
@@ -147,12 +168,7 @@ impl spool_nbd::Export for Counting {
 fn a_rebuild_sends_pieces_of_zeroes_as_write_zeroes() {
     let d = tempfile::tempdir().unwrap();
     let size = 8 * MIB;
-    let opts = OpenOptions {
-        create_size: Some(16 * MIB),
-        no_direct: true,
-        ..Default::default()
-    };
-    let local = Arc::new(Device::open(&d.path().join("local.img"), &opts).unwrap());
+    let local = local_device(d.path());
     let data = pattern(MIB, 9);
     local.write_at_durable(&data, MIB + 3 * MIB).unwrap();
     // The remote copy starts as junk: the zeroes must really be written there.
@@ -165,24 +181,8 @@ fn a_rebuild_sends_pieces_of_zeroes_as_write_zeroes() {
     let uri = format!("nbd://{}/m", srv.listen);
     let remote =
         Arc::new(Device::open(std::path::Path::new(&uri), &OpenOptions::default()).unwrap());
-    create_clean_bitmap(&d.path().join("bitmap"), size).unwrap();
-    let mirror = Mirror::open(MirrorSpec {
-        name: "sparse".into(),
-        size,
-        devices: vec![local, remote],
-        legs: vec![leg(0, true, 0, MIB, size), leg(1, false, 1, 0, size)],
-        bitmap: Some(d.path().join("bitmap")),
-        resync_rate: 0,
-    })
-    .unwrap();
-    let t0 = Instant::now();
-    while !mirror.leg_current(1) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the remote leg never caught up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mirror = local_and_remote(d.path(), local, remote, size);
+    wait_current(&mirror);
     let mut want = vec![0u8; size as usize];
     want[(3 * MIB) as usize..(4 * MIB) as usize].copy_from_slice(&data);
     assert!(
