@@ -266,10 +266,11 @@ pub enum FaultKind {
     Smart,
     ResetPanic,
     ResetWedge,
+    Crash,
 }
 
 impl FaultKind {
-    pub const ALL: [(FaultKind, &'static str); 10] = [
+    pub const ALL: [(FaultKind, &'static str); 11] = [
         (FaultKind::Media, "media"),
         (FaultKind::Transient, "transient"),
         (FaultKind::LinkDown, "link-down"),
@@ -280,6 +281,7 @@ impl FaultKind {
         (FaultKind::Smart, "smart"),
         (FaultKind::ResetPanic, "reset-panic"),
         (FaultKind::ResetWedge, "reset-wedge"),
+        (FaultKind::Crash, "crash"),
     ];
 
     /// The kind named `s` (as on the wire).

@@ -9,6 +9,7 @@ use crate::qos::{QosError, RateValue};
 
 mod ceph;
 mod encryption;
+mod faults;
 mod health;
 mod io;
 mod transfer;
@@ -199,6 +200,16 @@ struct RawConfig {
     encryption: encryption::RawEncryption,
     #[serde(default)]
     transfer: transfer::RawTransfer,
+    #[serde(default)]
+    faults: Vec<faults::RawFault>,
+    #[serde(default)]
+    debug: RawDebug,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDebug {
+    write_witness: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -287,6 +298,12 @@ pub struct Config {
     pub encryption: Option<KeySource>,
     /// `[transfer]`: where other spoolds send volumes here (off when unset).
     pub transfer: Option<TransferConfig>,
+    /// `[[faults]]`: fault rules armed on every device from its first open, in every worker
+    /// (docs/failures.md).
+    pub faults: Vec<spool_devices::FaultRule>,
+    /// `[debug] write_witness`: the file every guest page the workers write is recorded in
+    /// (docs/upgrade.md, "Checking a migration page by page").
+    pub write_witness: Option<PathBuf>,
 }
 
 /// Default journal directory (tmpfs: the journal must survive the process, not the host).
@@ -463,6 +480,26 @@ fn qos_limits(q: &RawQos) -> Result<spool_pool::QosLimits, QosError> {
     })
 }
 
+/// Volume kinds the config may not ask for yet.
+fn refuse_unbuilt(volumes: &[VolumeConfig]) -> Result<(), ConfigError> {
+    if let Some(v) = volumes
+        .iter()
+        .find(|v| v.thin && (v.rbd.is_some() || v.copies > 1))
+    {
+        return Err(ConfigError::Invalid(format!(
+            "volume {}: a thin volume cannot be mirrored or on RBD yet (RBD images are thin already)",
+            v.name
+        )));
+    }
+    if let Some(v) = volumes.iter().find(|v| v.encrypt && v.rbd.is_some()) {
+        return Err(ConfigError::Encryption(format!(
+            "volume {}: RBD volumes cannot be encrypted by spoold yet (use Ceph's own encryption)",
+            v.name
+        )));
+    }
+    Ok(())
+}
+
 impl Config {
     /// Parses and validates a TOML config. Relative paths are taken relative to `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Config, ConfigError> {
@@ -483,23 +520,11 @@ impl Config {
             Some(KeySource::File(p)) => Some(KeySource::File(base.abs(&p))),
             other => other,
         };
-        if let Some(v) = volumes
-            .iter()
-            .find(|v| v.thin && (v.rbd.is_some() || v.copies > 1))
-        {
-            return Err(ConfigError::Invalid(format!(
-                "volume {}: a thin volume cannot be mirrored or on RBD yet (RBD images are thin already)",
-                v.name
-            )));
-        }
-        if let Some(v) = volumes.iter().find(|v| v.encrypt && v.rbd.is_some()) {
-            return Err(ConfigError::Encryption(format!(
-                "volume {}: RBD volumes cannot be encrypted by spoold yet (use Ceph's own encryption)",
-                v.name
-            )));
-        }
+        refuse_unbuilt(&volumes)?;
         Ok(Config {
             transfer: transfer::transfer(&raw.transfer)?,
+            faults: faults::faults(&raw.faults)?,
+            write_witness: raw.debug.write_witness.as_deref().map(|p| base.abs(p)),
             encryption,
             health,
             metrics_listen: metrics_listen.transpose()?,

@@ -22,7 +22,6 @@ use crate::config::Config;
 mod devices;
 mod exports;
 mod failures;
-mod inject;
 mod keeper;
 mod methods;
 mod mirrors;
@@ -70,6 +69,15 @@ pub struct Daemon {
     started: std::time::Instant,
 }
 
+/// What start-up made before the daemon: the health monitor, what the previous worker kept,
+/// how long opening the devices took, and the write witness.
+type StartParts = (
+    Arc<spool_health::Monitor>,
+    Option<Keeping>,
+    Phase,
+    Option<Arc<spool_frontend::witness::WriteWitness>>,
+);
+
 /// Why a volume could not be served.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -92,6 +100,7 @@ impl Daemon {
         keeping: Option<Keeping>,
     ) -> Result<Arc<Daemon>, StartError> {
         startup::prepare(&cfg)?;
+        let write_witness = startup::write_witness(&cfg)?;
         let t_open = std::time::Instant::now();
         let pool = startup::open_pool(&cfg, force, keeping.as_ref())?;
         let open_devices = Phase::new("open devices", t_open.elapsed());
@@ -99,7 +108,8 @@ impl Daemon {
         if let Some(k) = &keeping {
             startup::carry_isolation_over(k, &monitor);
         }
-        let d = Arc::new(Daemon::new(cfg, pool, monitor, keeping, open_devices));
+        let parts = (monitor, keeping, open_devices, write_witness);
+        let d = Arc::new(Daemon::new(cfg, pool, parts));
         d.keep_state_format();
         d.ensure_volumes()?;
         d.apply_configured_qos()?;
@@ -111,13 +121,8 @@ impl Daemon {
         Ok(d)
     }
 
-    fn new(
-        cfg: Config,
-        pool: Pool,
-        monitor: Arc<spool_health::Monitor>,
-        keeping: Option<Keeping>,
-        open_devices: Phase,
-    ) -> Daemon {
+    fn new(cfg: Config, pool: Pool, parts: StartParts) -> Daemon {
+        let (monitor, keeping, open_devices, write_witness) = parts;
         let store = keeping
             .as_ref()
             .map(|k| Arc::new(keeper::KeeperStore(k.link.clone())) as Arc<dyn StateStore>);
@@ -135,6 +140,7 @@ impl Daemon {
                 // One spoold, the same across its restarts and upgrades: its pool.
                 owner: format!("pool {}", pool.info().uuid),
                 claim_wait: Duration::from_millis(cfg.ceph_claim_wait_ms),
+                write_witness,
             },
             monitor,
             spares_used: Mutex::new(Vec::new()),

@@ -14,6 +14,7 @@ pub use spool_api as api;
 pub use spool_api::size;
 pub mod config;
 pub mod daemon;
+pub mod faults;
 pub mod kept;
 pub mod metrics;
 pub mod qos;

@@ -14,7 +14,7 @@
 //! /dev/shm, the destination starts paused (`-S`), and when the migration completes the test
 //! compares the two RAM files before the destination runs: a differing page is a write the
 //! migration did not carry. Each spoold records every guest page it writes, with a CRC32C of
-//! the page as it left it (the `SPOOL_TEST_WRITE_MAP` witness), so the test tells a page that
+//! the page as it left it (the `[debug] write_witness` file), so the test tells a page that
 //! still holds what spoold wrote (its write was not carried, its dirty log missed it: the test
 //! fails at once) from one holding a write of the guest's own (QEMU's TCG dirty tracking lost
 //! it: the migration is rolled back, the destination quit unrun and the source continued, and
@@ -139,7 +139,7 @@ fn ram_file(tag: &str) -> PathBuf {
     ))
 }
 
-/// The file a spoold marks every guest page it writes in (`SPOOL_TEST_WRITE_MAP`), zeroed;
+/// The file a spoold marks every guest page it writes in (`[debug] write_witness`), zeroed;
 /// removed when dropped.
 struct WriteMap(PathBuf);
 
@@ -156,6 +156,14 @@ impl Drop for WriteMap {
     }
 }
 
+/// A spoold on config `cfg` (ending in a newline) that records the pages it writes in `map`.
+fn witnessed(cfg: &str, map: &WriteMap) -> Spoold {
+    Spoold::start(&format!(
+        "{cfg}[debug]\nwrite_witness = \"{}\"\n",
+        map.display()
+    ))
+}
+
 fn write_map(name: &str) -> WriteMap {
     let p = PathBuf::from(format!(
         "/dev/shm/spool-migration-{}-{name}.map",
@@ -165,7 +173,7 @@ fn write_map(name: &str) -> WriteMap {
     WriteMap(p)
 }
 
-/// Bytes of a write map (spool_frontend::test_witness::SIZE: a u64 per page of 4 GiB).
+/// Bytes of a write map (spool_frontend::witness::SIZE: a u64 per page of 4 GiB).
 const WRITE_MAP_SIZE: usize = 8 << 20;
 
 /// Clears a write map in place (spoold has it mapped: the file must keep its size).
@@ -184,6 +192,8 @@ struct PageCheck {
     differing: Vec<(u64, usize)>,
     spoold_wrote: Vec<u64>,
     rewritten: Vec<u64>,
+    /// Pages the witness recorded at all (0 without one).
+    witnessed: usize,
 }
 
 /// Compares two RAM files page by page (the memdev holds guest-physical 0..512M: with
@@ -208,6 +218,10 @@ fn page_check(src: &Path, dst: &Path, map: Option<&Path>) -> PageCheck {
         differing: Vec::new(),
         spoold_wrote: Vec::new(),
         rewritten: Vec::new(),
+        witnessed: written
+            .chunks(8)
+            .filter(|c| c.iter().any(|&b| b != 0))
+            .count(),
     };
     let mut at = 0usize;
     loop {
@@ -268,7 +282,7 @@ fn wait_incoming(dst: &mut Vm, tag: &str) {
 /// What the test knows of the migration's source spoold, and does to it.
 #[derive(Clone, Copy, Default)]
 struct Source<'a> {
-    /// Its write map (`SPOOL_TEST_WRITE_MAP`): the pages it wrote during the migration.
+    /// Its write map (`[debug] write_witness`): the pages it wrote during the migration.
     map: Option<&'a Path>,
     /// Done to it once while the migration copies RAM (the dirty log on, the rings running):
     /// a worker kill or an upgrade.
@@ -401,10 +415,17 @@ fn migrate_once(
     wait_incoming(&mut dst, tag);
     let check = page_check(&src.ram, &dst.ram, src_map);
     eprintln!(
-        "{tag}: page check: {} page(s) differ; {} hold what the source's spoold wrote, {} spoold wrote and the guest since",
+        "{tag}: page check: {} page(s) differ; {} hold what the source's spoold wrote, {} spoold wrote and the guest since; the witness recorded {} page(s) spoold wrote",
         check.differing.len(),
         check.spoold_wrote.len(),
-        check.rewritten.len()
+        check.rewritten.len(),
+        check.witnessed
+    );
+    // The guest's fio runs through every migration: a witness that recorded nothing could not
+    // tell spoold's lost writes from QEMU's.
+    assert!(
+        src_map.is_none() || check.witnessed > 0,
+        "{tag}: the source's write witness recorded no page"
     );
     if !check.differing.is_empty() {
         let report = page_report(&src.ram, &dst.ram, &check);
@@ -739,15 +760,15 @@ fn a_vm_on_rbd_survives_kills_upgrades_an_osd_restart_and_live_migrations() {
         cluster.conf.display()
     );
     let (map_a, map_b) = (write_map("A"), write_map("B"));
-    let a = Spoold::start_env(
+    let a = witnessed(
         &format!(
             "{base}[[volumes]]\nname = \"vm\"\nsize = \"96M\"\nnum_queues = 2\nrbd = \"rbd\"\n"
         ),
-        &[("SPOOL_TEST_WRITE_MAP", map_a.to_str().unwrap())],
+        &map_a,
     );
-    let b = Spoold::start_env(
+    let b = witnessed(
         &format!("{base}[[volumes]]\nname = \"vm\"\nnum_queues = 2\nrbd = \"rbd/vm\"\n"),
-        &[("SPOOL_TEST_WRITE_MAP", map_b.to_str().unwrap())],
+        &map_b,
     );
     let (ua, ub) = (pool_uuid(&a), pool_uuid(&b));
     let dir = a.dir.path().to_path_buf();
@@ -968,14 +989,8 @@ fn migration_soak() {
         (base.clone(), base.clone())
     };
     let (map_a, map_b) = (write_map("A"), write_map("B"));
-    let a = Spoold::start_env(
-        &vols.0,
-        &[("SPOOL_TEST_WRITE_MAP", map_a.to_str().unwrap())],
-    );
-    let b = Spoold::start_env(
-        &vols.1,
-        &[("SPOOL_TEST_WRITE_MAP", map_b.to_str().unwrap())],
-    );
+    let a = witnessed(&vols.0, &map_a);
+    let b = witnessed(&vols.1, &map_b);
     if let Some(f) = &file {
         std::fs::File::create(f).unwrap().set_len(96 << 20).unwrap();
     }
@@ -1031,10 +1046,7 @@ fn a_vm_moves_with_its_local_volume_to_another_spoold() {
     };
     let map_a = write_map("local-A");
     // The copy at 16 MiB/s: 6 s for the 96 MiB, long enough for both kills to land in it.
-    let a = Spoold::start_env(
-        &config("16M"),
-        &[("SPOOL_TEST_WRITE_MAP", map_a.to_str().unwrap())],
-    );
+    let a = witnessed(&config("16M"), &map_a);
     let b = Spoold::start(&config("64M"));
     // B receives on TCP; A reaches it through a link the test can cut.
     let receive = b

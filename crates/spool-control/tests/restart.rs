@@ -118,12 +118,12 @@ fn upgrades_under_load_keep_the_connection_and_report_phases() {
     );
 }
 
-fn wrapper(d: &Spoold, name: &str, env: &str) -> PathBuf {
+fn wrapper(d: &Spoold, name: &str, flag: &str) -> PathBuf {
     let p = d.dir.path().join(name);
     std::fs::write(
         &p,
         format!(
-            "#!/bin/sh\n{env} exec {} \"$@\"\n",
+            "#!/bin/sh\nexec {} \"$@\" {flag}\n",
             env!("CARGO_BIN_EXE_spoold")
         ),
     )
@@ -145,7 +145,7 @@ fn incompatible_or_failing_new_binaries_leave_service_running() {
     let old = d.worker_pid();
 
     // A binary that cannot read the state format refuses before the old worker stops.
-    let older = wrapper(&d, "older-spoold", "SPOOL_TEST_MAX_STATE_FORMAT=0");
+    let older = wrapper(&d, "older-spoold", "--test-max-state-format 0");
     let e = d.upgrade(Some(&older)).unwrap_err();
     assert!(
         e.message.contains("refused the state") && e.message.contains("format"),
@@ -164,7 +164,7 @@ fn incompatible_or_failing_new_binaries_leave_service_running() {
     assert_eq!(c.read_sync(0, 0, 4096), (0, data.clone()));
 
     // A binary that fails after the old worker stopped: the keeper rolls back.
-    let failing = wrapper(&d, "failing-spoold", "SPOOL_TEST_FAIL_RESTORE=1");
+    let failing = wrapper(&d, "failing-spoold", "--test-fail-restore");
     let e = d.upgrade(Some(&failing)).unwrap_err();
     assert!(e.message.contains("rolled back"), "{e:?}");
     let now = d.worker_pid();
@@ -259,6 +259,35 @@ fn a_panicking_queue_thread_restarts_the_worker_invisibly() {
     eprintln!(
         "worker {before} panicked in a queue thread, {after} took over; {rounds} rounds verified"
     );
+}
+
+/// A crash injected at run time (`device inject DEV crash`) ends the worker the write
+/// reaches. The keeper's next worker has no such rule (run-time rules live in the worker;
+/// only the config's `[[faults]]` arm every worker), resubmits the write from the journal and
+/// completes it: the client sees a pause, no error.
+#[test]
+fn a_crash_injected_at_run_time_ends_one_worker() {
+    let d = Spoold::start(ONE_VOLUME);
+    let mut c = connect(&d.socket("a"), 2, false).unwrap();
+    let before = d.worker_pid();
+    let dev = device_of(&d, "a");
+    let r = d
+        .rpc(
+            "device_inject",
+            json!({"id": dev, "kind": "crash", "op": "write"}),
+        )
+        .unwrap();
+    assert_eq!(r["rule"]["effect"], json!("crash"), "{r}");
+    let data = pattern(3, 8192, 4096);
+    assert_eq!(c.write_sync(0, 8192, &data), 0);
+    assert_ne!(
+        d.worker_pid(),
+        before,
+        "the write must have crashed the worker"
+    );
+    assert_eq!(c.read_sync(1, 8192, 4096), (0, data));
+    let log = d.log();
+    assert_eq!(log.matches("injected crash on a write").count(), 1, "{log}");
 }
 
 /// A queue thread that stops turning (forced by an injected `reset-wedge` fault: it stops

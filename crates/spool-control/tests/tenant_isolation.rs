@@ -542,17 +542,17 @@ fn a_frontend_that_stalls_mid_message_cannot_block_the_daemon() {
     drop(fe);
 }
 
-/// A request that crashes the worker (simulated: a fault rule armed from the environment in
+/// A request that crashes the worker (simulated: a crash fault rule armed from the config in
 /// every worker aborts the process when the write reaches the device) was replayed by every
 /// restarted worker, which crashed again, until the keeper gave up and every volume went
 /// down. The worker that finds the previous one died of a fault replaying exactly these
 /// requests fails them with IOERR instead; other volumes keep serving throughout.
 #[test]
 fn a_request_that_crashes_the_worker_is_failed_not_replayed_forever() {
-    let mut d = Spoold::start_env(
-        CFG,
-        &[(spool_devices::CRASH_ON_WRITE_ENV, "any")], // every write crashes the worker
-    );
+    // Every write crashes the worker.
+    let mut d = Spoold::start(&format!(
+        "{CFG}[[faults]]\nkind = \"crash\"\nop = \"write\"\n"
+    ));
     let mut victim = connect(&d.socket("victim"), 1, false).unwrap();
     let (r, _) = victim.read_sync(0, 0, 4096);
     assert_eq!(r, 0);

@@ -102,8 +102,8 @@ pub struct OpenOptions {
     /// NVMe: never describe scatter lists by SGLs (config `[io] nvme_sgl = false`); lists
     /// PRPs cannot describe then go through bounce buffers.
     pub no_nvme_sgl: bool,
-    /// Fault rules armed from the moment the device opens (crash tests arm theirs here, see
-    /// [`FaultRule::crash_on_write_from_env`]).
+    /// Fault rules armed from the moment the device opens (the config's `[[faults]]`: a
+    /// crash rule must be armed before the first request a restarted worker replays).
     pub faults: Vec<FaultRule>,
     /// The Ceph cluster `rbd:POOL/IMAGE` devices are on (config `[ceph]`).
     pub ceph: crate::CephOptions,

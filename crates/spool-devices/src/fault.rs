@@ -38,9 +38,9 @@ pub enum FaultEffect {
     /// fence). Simulated: the command is held and never reaches the device.
     Stuck,
     /// Aborts the whole process when submitted: a request that crashes the worker (a bug
-    /// some request triggers). Armed from the environment at start (see
-    /// [`FaultRule::crash_on_write_from_env`]), so every restarted worker crashes on it
-    /// again: what a poison request does.
+    /// some request triggers). Armed from the config at start (`[[faults]]`, through
+    /// [`crate::OpenOptions::faults`]), every restarted worker crashes on it again: what a
+    /// poison request does.
     Crash,
     /// Not an I/O effect: the worker's queue thread that resets this device panics there,
     /// with requests in flight (a bug on the reset path). The keeper restarts the worker.
@@ -57,13 +57,8 @@ impl FaultEffect {
     }
 }
 
-/// Environment variable that arms a [`FaultEffect::Crash`] rule for writes covering this
-/// byte offset (or, with "any", for every write) of every device, in every worker process
-/// (tests of poison requests). Read only by [`FaultRule::crash_on_write_from_env`].
-pub const CRASH_ON_WRITE_ENV: &str = "SPOOL_TEST_CRASH_ON_WRITE_AT";
-
 /// One injection rule.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FaultRule {
     pub effect: FaultEffect,
     pub ops: FaultOps,
@@ -76,34 +71,6 @@ pub struct FaultRule {
     pub duration: Option<Duration>,
     /// Also fails the health monitor's probe (the link is down, not just some commands).
     pub fails_probe: bool,
-}
-
-impl FaultRule {
-    /// The fault-injection entry for crash tests: the [`FaultEffect::Crash`] rule
-    /// [`CRASH_ON_WRITE_ENV`] asks for (writes covering a byte offset, or "any" write), if
-    /// it is set. The daemon reads it once at start and arms it on every device it opens
-    /// ([`crate::OpenOptions::faults`]), so every restarted worker crashes on it again.
-    pub fn crash_on_write_from_env() -> Option<FaultRule> {
-        Self::crash_on_write(&std::env::var(CRASH_ON_WRITE_ENV).ok()?)
-    }
-
-    /// The crash rule for a value of [`CRASH_ON_WRITE_ENV`]: a byte offset, or "any" (every
-    /// write); `None` for anything else.
-    fn crash_on_write(value: &str) -> Option<FaultRule> {
-        let (offset, len) = match value {
-            "any" => (0, 0),
-            v => (v.parse::<u64>().ok()?, 1),
-        };
-        Some(FaultRule {
-            effect: FaultEffect::Crash,
-            ops: FaultOps::Write,
-            offset,
-            len,
-            count: None,
-            duration: None,
-            fails_probe: false,
-        })
-    }
 }
 
 #[derive(Debug)]
@@ -322,7 +289,7 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
             Some(FaultEffect::Hang) => self.hung.push(tag),
             Some(FaultEffect::Stuck) => self.stuck.push(tag),
             Some(FaultEffect::Crash) => {
-                eprintln!("spoold: injected crash on a write at {offset} ({CRASH_ON_WRITE_ENV})");
+                eprintln!("spoold: injected crash on a write at {offset} (a crash fault rule)");
                 std::process::abort();
             }
         }
@@ -433,18 +400,6 @@ mod tests {
         std::thread::sleep(Duration::from_millis(40));
         assert_eq!(f.probe_fault(), None);
         assert_eq!(f.check(true, 0, 512), None);
-    }
-
-    #[test]
-    fn crash_rules_come_from_an_offset_or_any() {
-        let at = FaultRule::crash_on_write("8192").unwrap();
-        assert_eq!(
-            (at.effect, at.ops, at.offset, at.len),
-            (FaultEffect::Crash, FaultOps::Write, 8192, 1)
-        );
-        let any = FaultRule::crash_on_write("any").unwrap();
-        assert_eq!((any.offset, any.len), (0, 0));
-        assert!(FaultRule::crash_on_write("soon").is_none());
     }
 
     #[test]

@@ -32,9 +32,7 @@ pub use backend::{
     BackendInfo, ControllerStatus, ErrorLogRecord, OpenOptions, PoolDevice, Probe, SmartHealth,
 };
 pub use device::Device;
-pub use fault::{
-    FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue, CRASH_ON_WRITE_ENV,
-};
+pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue};
 pub use file::FileBackend;
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;

@@ -21,9 +21,8 @@ mod server;
 mod session;
 pub mod share;
 pub mod stats;
-#[cfg(feature = "test-hooks")]
-pub mod test_witness;
 pub mod vring;
+pub mod witness;
 pub mod worker;
 
 use std::path::PathBuf;
@@ -111,6 +110,9 @@ pub struct FrontendSettings {
     /// How long a queue start waits for another host to give a claimed device back (a
     /// migration's source draining) before the frontend is refused.
     pub claim_wait: Duration,
+    /// Where workers record every guest page they write (`[debug] write_witness`), if
+    /// anywhere.
+    pub write_witness: Option<Arc<witness::WriteWitness>>,
 }
 
 impl Default for FrontendSettings {
@@ -127,6 +129,7 @@ impl Default for FrontendSettings {
             volume_threads: 0,
             owner: String::new(),
             claim_wait: Duration::from_secs(10),
+            write_witness: None,
         }
     }
 }

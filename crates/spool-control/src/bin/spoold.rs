@@ -60,6 +60,23 @@ struct Args {
     /// The pool device --export-key reads (default: the config's first device).
     #[arg(long, value_name = "PATH")]
     device: Option<PathBuf>,
+    /// Upgrade tests only (docs/upgrade.md, "Playing a bad new binary"): as an upgrade
+    /// candidate, read session state formats only up to N, as an older binary would.
+    #[arg(long, value_name = "N", hide = true)]
+    test_max_state_format: Option<u32>,
+    /// Upgrade tests only: fail right after taking over the kept state, as a broken binary
+    /// would (the keeper then rolls back).
+    #[arg(long, hide = true)]
+    test_fail_restore: bool,
+}
+
+/// How this binary plays an older or a broken one (the upgrade tests' hidden flags).
+#[derive(Clone, Copy)]
+struct Playing {
+    /// The newest session state format read.
+    max_state_format: u32,
+    /// Fail right after taking the kept state.
+    fail_restore: bool,
 }
 
 fn main() -> ExitCode {
@@ -104,7 +121,13 @@ fn main() -> ExitCode {
     if link.is_none() && !args.no_keeper {
         return keeper(!args.no_standby, cfg.health.worker_watchdog_ms);
     }
-    worker(cfg, &load, args.force, link)
+    let playing = Playing {
+        max_state_format: args
+            .test_max_state_format
+            .unwrap_or(spool_frontend::SESSION_STATE_FORMAT),
+        fail_restore: args.test_fail_restore,
+    };
+    worker(cfg, &load, args.force, link, playing)
 }
 
 /// `--export-key`: the data key to a new private file, and how to open the volume with it.
@@ -214,8 +237,7 @@ enum PreviewError {
 }
 
 /// Checks, as an upgrade candidate, that this binary reads every state the old worker kept.
-fn validate_preview(entries: &[(String, String)]) -> Result<(), PreviewError> {
-    let max = test_hooks::max_state_format().unwrap_or(spool_frontend::SESSION_STATE_FORMAT);
+fn validate_preview(entries: &[(String, String)], max: u32) -> Result<(), PreviewError> {
     for (k, v) in entries {
         if k == kept::FORMAT_KEY {
             let f: kept::StateFormat =
@@ -245,38 +267,6 @@ fn validate_preview(entries: &[(String, String)]) -> Result<(), PreviewError> {
         }
     }
     Ok(())
-}
-
-/// Hooks the integration tests use to play an older or a broken binary (docs/upgrade.md);
-/// compiled in only with the `test-hooks` feature, which spool-control's own tests enable.
-#[cfg(feature = "test-hooks")]
-mod test_hooks {
-    /// `SPOOL_TEST_MAX_STATE_FORMAT=N`: read only state formats up to N.
-    pub fn max_state_format() -> Option<u32> {
-        std::env::var("SPOOL_TEST_MAX_STATE_FORMAT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    }
-
-    /// `SPOOL_TEST_FAIL_RESTORE`: fail right after taking the store (exercises rollback);
-    /// true when it did (and told the keeper).
-    pub fn fail_restore(l: &spool_keeper::KeeperLink) -> bool {
-        let set = std::env::var_os("SPOOL_TEST_FAIL_RESTORE").is_some();
-        if set {
-            let _ = l.failed("SPOOL_TEST_FAIL_RESTORE is set");
-        }
-        set
-    }
-}
-
-#[cfg(not(feature = "test-hooks"))]
-mod test_hooks {
-    pub fn max_state_format() -> Option<u32> {
-        None
-    }
-    pub fn fail_restore(_: &spool_keeper::KeeperLink) -> bool {
-        false
-    }
 }
 
 /// Why the worker stops before serving.
@@ -330,11 +320,17 @@ enum Event {
 /// Reads the config (again: a standby worker read it when it started, long before it serves).
 type LoadConfig<'a> = &'a dyn Fn() -> Result<Config, config::ConfigError>;
 
-fn worker(cfg: Config, load: LoadConfig, force: bool, link: Option<Arc<KeeperLink>>) -> ExitCode {
+fn worker(
+    cfg: Config,
+    load: LoadConfig,
+    force: bool,
+    link: Option<Arc<KeeperLink>>,
+    playing: Playing,
+) -> ExitCode {
     if link.is_some() {
         end_worker_on_panic();
     }
-    let code = match serve(cfg, load, force, link.as_ref()) {
+    let code = match serve(cfg, load, force, link.as_ref(), playing) {
         Ok(()) => 0,
         Err(WorkerError::Reported) => 1,
         Err(e) => {
@@ -380,8 +376,9 @@ fn leave_ceph(code: u8) {
 }
 
 /// Takes over what the previous worker kept (after checking it, as an upgrade candidate).
-fn take_over(l: &Arc<KeeperLink>) -> Result<Keeping, WorkerError> {
-    if l.is_candidate() && !l.preview(|e| validate_preview(e).map_err(|e| e.to_string()))? {
+fn take_over(l: &Arc<KeeperLink>, playing: Playing) -> Result<Keeping, WorkerError> {
+    let max = playing.max_state_format;
+    if l.is_candidate() && !l.preview(|e| validate_preview(e, max).map_err(|e| e.to_string()))? {
         return Err(WorkerError::Reported);
     }
     let restored = l.receive_store()?;
@@ -389,7 +386,8 @@ fn take_over(l: &Arc<KeeperLink>) -> Result<Keeping, WorkerError> {
     if restored.info.reason != "first-start" {
         tracing::info!(reason = %restored.info.reason, generation = restored.info.generation, kept = restored.keys().len(), "taking over from the previous worker");
     }
-    if test_hooks::fail_restore(l) {
+    if playing.fail_restore {
+        let _ = l.failed("--test-fail-restore is set");
         return Err(WorkerError::Reported);
     }
     Ok(Keeping {
@@ -404,6 +402,7 @@ fn serve(
     load: LoadConfig,
     force: bool,
     link: Option<&Arc<KeeperLink>>,
+    playing: Playing,
 ) -> Result<(), WorkerError> {
     if cfg.ceph_configured {
         // Connected while a standby waits (or while an upgrade candidate is previewed), not
@@ -422,7 +421,7 @@ fn serve(
             }
         });
     }
-    let keeping = link.map(take_over).transpose()?;
+    let keeping = link.map(|l| take_over(l, playing)).transpose()?;
     // From here on this worker serves: a standby may have waited long for the store, and
     // the config may have changed meanwhile.
     let t_start = std::time::Instant::now();

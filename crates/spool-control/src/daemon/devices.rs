@@ -9,7 +9,6 @@ use spool_devices::{Device, HealthState};
 use spool_pool::DeviceSpec;
 use uuid::Uuid;
 
-use super::inject;
 use super::volumes::opt_size;
 use super::Daemon;
 use crate::api::{self, IdParams, NoParams};
@@ -137,7 +136,7 @@ impl Daemon {
         let uuid = self.pool().device_uuid(&p.id)?;
         let dev = self.device_handle(uuid)?;
         if api::FaultKind::parse(&p.kind) == Some(api::FaultKind::Smart) {
-            let bits = p.bits.ok_or_else(inject::smart_needs_bits)?;
+            let bits = p.bits.ok_or_else(crate::faults::smart_needs_bits)?;
             dev.faults().set_smart_warning(bits);
             return Ok(api::InjectResult {
                 device: uuid,
@@ -145,7 +144,7 @@ impl Daemon {
                 smart_critical_warning: Some(bits),
             });
         }
-        let rule = inject::rule_of(&p, dev.size())?;
+        let rule = crate::faults::rule_of(&p, dev.size())?;
         let id = dev.faults().add(rule.clone());
         tracing::warn!(device = %uuid, kind = %p.kind, id, "fault injected");
         Ok(api::InjectResult {

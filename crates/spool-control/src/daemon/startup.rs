@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use spool_frontend::witness::WriteWitness;
 use spool_keeper::Phase;
 use spool_pool::{DeviceSpec, Pool, PoolOptions};
 
@@ -37,6 +38,24 @@ pub enum StartError {
         name: String,
         source: spool_pool::Error,
     },
+    #[error("debug.write_witness {}: {source}", .path.display())]
+    Witness {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The write witness `[debug] write_witness` names, mapped (docs/upgrade.md).
+pub(super) fn write_witness(cfg: &Config) -> Result<Option<Arc<WriteWitness>>, StartError> {
+    let Some(path) = &cfg.write_witness else {
+        return Ok(None);
+    };
+    let w = WriteWitness::open(path).map_err(|source| StartError::Witness {
+        path: path.clone(),
+        source,
+    })?;
+    tracing::warn!(path = %path.display(), "recording every guest page written in a write witness (a debugging aid)");
+    Ok(Some(Arc::new(w)))
 }
 
 /// Whether `p` is on tmpfs (where a journal belongs: shared memory without writeback).
@@ -120,7 +139,7 @@ pub(super) fn open_pool(
         force,
         no_direct: cfg.no_direct,
         nvme_sgl: cfg.nvme_sgl,
-        startup_faults: startup_faults(),
+        startup_faults: cfg.faults.clone(),
         mirror_dir: Some(cfg.state_dir.join("mirror")),
         resync_rate: cfg.resync_rate,
         ceph: cfg.ceph.clone(),
@@ -366,21 +385,5 @@ impl Daemon {
                 tracing::error!(key = %key, "keeper: {e}");
             }
         }
-    }
-}
-
-/// Fault rules armed on every device from its first open: the crash-test hook
-/// (`FaultRule::crash_on_write_from_env`), read once here and compiled only with the
-/// `test-hooks` feature (spool-control's own tests); a production build arms nothing.
-fn startup_faults() -> Vec<spool_devices::FaultRule> {
-    #[cfg(feature = "test-hooks")]
-    {
-        spool_devices::FaultRule::crash_on_write_from_env()
-            .into_iter()
-            .collect()
-    }
-    #[cfg(not(feature = "test-hooks"))]
-    {
-        Vec::new()
     }
 }

@@ -124,6 +124,7 @@ pub fn start_queue(
         share: ctx.share().clone(),
         share_group: ctx.settings().share_group.clone(),
         fair_share: ctx.settings().fair_share,
+        witness: ctx.settings().write_witness.clone(),
     };
     let worker_error = |source| StartError::Worker { index, source };
     let w = match ctx.poll_group(index).map_err(worker_error)? {

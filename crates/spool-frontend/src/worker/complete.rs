@@ -108,8 +108,7 @@ impl QueueWorker {
                 self.ring.vq.log_chain(&self.guest.host, head, log);
             }
         }
-        #[cfg(feature = "test-hooks")]
-        if let Some(w) = crate::test_witness::witness() {
+        if let Some(w) = &self.tel.witness {
             for &(head, _) in done {
                 let host = &self.guest.host;
                 self.ring
@@ -128,8 +127,7 @@ impl QueueWorker {
             let (used, len) = self.ring.vq.used_ring_range();
             log.mark(used, len);
         }
-        #[cfg(feature = "test-hooks")]
-        if let Some(w) = crate::test_witness::witness() {
+        if let Some(w) = &self.tel.witness {
             let (used, len) = self.ring.vq.used_ring_range();
             w.record(&self.guest.host, used, len);
         }

@@ -114,6 +114,8 @@ pub struct WorkerSpec {
     pub share_group: Arc<ShareGroup>,
     /// Hold the volume to its share (`[io] fair_share`).
     pub fair_share: bool,
+    /// Where every guest page the worker writes is recorded (`[debug] write_witness`).
+    pub witness: Option<Arc<crate::witness::WriteWitness>>,
 }
 
 /// Handle to a running worker (a queue served by a [`PollGroup`]'s thread).
@@ -359,7 +361,7 @@ impl QueueWorker {
                 retired_maps: Vec::new(),
                 mem: Cache::new(spec.mem),
             },
-            tel: Telemetry::new(spec.stats, spec.clock),
+            tel: Telemetry::new(spec.stats, spec.clock, spec.witness),
             pace: Pacing {
                 qos_shared: spec.qos,
                 qos,

@@ -26,12 +26,20 @@ pub(super) struct Telemetry {
     pub(super) now_ticks: u64,
     /// Counts not yet published to `stats`.
     pub(super) tally: Tally,
+    /// Where every guest page the worker writes is recorded, if anywhere.
+    pub(super) witness: Option<Arc<crate::witness::WriteWitness>>,
 }
 
 impl Telemetry {
-    /// Counting into `stats`, the restart report's first I/O read from `clock`.
-    pub(super) fn new(stats: Arc<VolumeStats>, clock: Arc<crate::StartClock>) -> Self {
+    /// Counting into `stats`, the restart report's first I/O read from `clock`, the pages
+    /// written recorded in `witness`.
+    pub(super) fn new(
+        stats: Arc<VolumeStats>,
+        clock: Arc<crate::StartClock>,
+        witness: Option<Arc<crate::witness::WriteWitness>>,
+    ) -> Self {
         Telemetry {
+            witness,
             stats,
             tally: Tally::default(),
             now_ticks: 0,

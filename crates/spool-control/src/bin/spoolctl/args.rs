@@ -126,7 +126,8 @@ pub enum DeviceCmd {
     /// or --duration-ms), timeout (commands hang until the reset aborts them, once),
     /// removed (ENODEV), errno (--errno), smart (--bits: SMART critical-warning byte),
     /// reset-panic / reset-wedge (the worker's queue thread that resets the device panics
-    /// there, or stops there for good: the keeper's restart and the worker watchdog).
+    /// there, or stops there for good: the keeper's restart and the worker watchdog), crash
+    /// (the worker aborts when a matching command reaches the device).
     Inject(InjectArgs),
     /// Armed fault-injection rules of a device.
     Faults { id: String },

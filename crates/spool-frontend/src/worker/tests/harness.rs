@@ -219,6 +219,7 @@ impl Harness {
             share: crate::share::ShareGroup::default().join(0),
             share_group: Arc::default(),
             fair_share: true,
+            witness: None,
         };
         let script = Arc::new(Mutex::new(Script {
             submitted: vec![],

@@ -1,13 +1,21 @@
-//! Turning `device_inject` params into a fault rule: the kinds, their effects and defaults,
-//! errnos by number or name, and the checks on op and range.
+//! Turning fault-injection params (a `device_inject` call, or a `[[faults]]` entry of the
+//! config) into a fault rule: the kinds, their effects and defaults, errnos by number or
+//! name, and the checks on op and range.
+//!
+//! Must not know: the daemon or the config (both call it).
 
 use std::time::Duration;
 
 use spool_devices::{FaultEffect, FaultOps, FaultRule};
 
-use super::volumes::size_arg;
-use crate::api::{ErrnoArg, FaultKind, InjectParams};
+use crate::api::{ErrnoArg, FaultKind, InjectParams, SizeValue};
 use crate::rpc::RpcError;
+
+/// A size param in bytes; the error names it.
+fn size_arg(s: &SizeValue, what: &str) -> Result<u64, RpcError> {
+    s.bytes()
+        .map_err(|e| RpcError::InvalidParams(format!("{what}: {e}")))
+}
 
 /// Errnos that may be given by name.
 const NAMED_ERRNOS: [(&str, i32); 10] = [
@@ -24,7 +32,7 @@ const NAMED_ERRNOS: [(&str, i32); 10] = [
 ];
 
 /// The errno `v` stands for.
-pub(super) fn errno_of(v: &ErrnoArg) -> Result<i32, RpcError> {
+pub fn errno_of(v: &ErrnoArg) -> Result<i32, RpcError> {
     let found = match v {
         ErrnoArg::Number(n) if (1..4096).contains(n) => Some(*n as i32),
         ErrnoArg::Name(s) => NAMED_ERRNOS
@@ -46,14 +54,14 @@ pub(super) fn errno_of(v: &ErrnoArg) -> Result<i32, RpcError> {
 }
 
 /// Kind smart without its byte.
-pub(super) fn smart_needs_bits() -> RpcError {
+pub fn smart_needs_bits() -> RpcError {
     RpcError::InvalidParams(
         "kind smart needs bits (the critical-warning byte, e.g. 4 = reliability degraded)".into(),
     )
 }
 
 /// The kind named in the params.
-pub(super) fn kind_of(p: &InjectParams) -> Result<FaultKind, RpcError> {
+pub fn kind_of(p: &InjectParams) -> Result<FaultKind, RpcError> {
     FaultKind::parse(&p.kind).ok_or_else(|| {
         RpcError::InvalidParams(format!(
             "kind '{}' must be one of {}",
@@ -64,7 +72,7 @@ pub(super) fn kind_of(p: &InjectParams) -> Result<FaultKind, RpcError> {
 }
 
 /// The rule `p` asks for on a device of `size` bytes (any kind but smart).
-pub(super) fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError> {
+pub fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError> {
     let ops = match p.op.as_deref().unwrap_or("any") {
         "read" => FaultOps::Read,
         "write" => FaultOps::Write,
@@ -85,6 +93,9 @@ pub(super) fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError
         FaultKind::Removed => (FaultEffect::Errno(libc::ENODEV), 0, true),
         FaultKind::ResetPanic => (FaultEffect::PanicOnReset, 1, false),
         FaultKind::ResetWedge => (FaultEffect::WedgeOnReset, 1, false),
+        // Until cleared: a request that crashes the worker does so in every worker that
+        // takes it again (armed from the config, every restarted worker has it too).
+        FaultKind::Crash => (FaultEffect::Crash, 0, false),
         FaultKind::Smart => return Err(smart_needs_bits()),
         FaultKind::Errno => {
             let e = p.errno.as_ref().ok_or_else(|| {
