@@ -94,15 +94,18 @@ pub enum ServeError {
 
 impl Daemon {
     /// Assembles the pool, creates the volumes the config asks for, and serves every volume.
+    /// RBD devices connect to their cluster through `ceph` (the caller closes it before the
+    /// process exits).
     pub fn start(
         cfg: Config,
         force: bool,
         keeping: Option<Keeping>,
+        ceph: Arc<spool_devices::CephClusters>,
     ) -> Result<Arc<Daemon>, StartError> {
         startup::prepare(&cfg)?;
         let write_witness = startup::write_witness(&cfg)?;
         let t_open = std::time::Instant::now();
-        let pool = startup::open_pool(&cfg, force, keeping.as_ref())?;
+        let pool = startup::open_pool(&cfg, force, keeping.as_ref(), ceph)?;
         let open_devices = Phase::new("open devices", t_open.elapsed());
         let monitor = startup::start_monitor(&cfg.health, &pool);
         if let Some(k) = &keeping {

@@ -105,8 +105,9 @@ pub struct OpenOptions {
     /// Fault rules armed from the moment the device opens (the config's `[[faults]]`: a
     /// crash rule must be armed before the first request a restarted worker replays).
     pub faults: Vec<FaultRule>,
-    /// The Ceph cluster `rbd:POOL/IMAGE` devices are on (config `[ceph]`).
-    pub ceph: crate::CephOptions,
+    /// The Ceph cluster `rbd:POOL/IMAGE` devices are on (config `[ceph]`), and the daemon's
+    /// connections to it.
+    pub ceph: crate::Ceph,
     /// How long a file device's lock may stay taken before the open fails with `Busy`: a
     /// worker taking over from a killed one waits out the kernel's teardown of the dead
     /// process's descriptors (io_uring requests still in flight keep its file, and with it

@@ -40,8 +40,7 @@ pub use nbd::{NbdBackend, NbdQueue};
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
 pub use rbd::{
-    close_connections as close_ceph_connections, warm_up as warm_up_ceph, CephConnections,
-    CephOptions, RbdBackend, RbdQueue, RbdSnapshot,
+    Ceph, CephClusters, CephConnections, CephOptions, RbdBackend, RbdQueue, RbdSnapshot,
 };
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a

@@ -8,20 +8,34 @@
 #[path = "../../spool-control/tests/common/ceph.rs"]
 mod ceph;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use spool_devices::{CephOptions, Device, DeviceIo, DeviceQueue, OpenOptions, Probe, RbdBackend};
+use spool_devices::{
+    Ceph, CephClusters, CephConnections, CephOptions, Device, DeviceIo, DeviceQueue, OpenOptions,
+    Probe, RbdBackend,
+};
 
-fn open(cluster: &ceph::CephCluster, name: &str, create: Option<u64>) -> Result<Device, String> {
+/// Opens `name` through the connections of `clusters`.
+fn open_through(
+    cluster: &ceph::CephCluster,
+    clusters: &Arc<CephClusters>,
+    name: &str,
+    create: Option<u64>,
+) -> Result<Device, String> {
     let opts = OpenOptions {
         create_size: create,
-        ceph: CephOptions {
-            conf: cluster.conf.clone(),
-            id: "admin".into(),
-        },
+        ceph: Ceph::new(options(cluster), clusters.clone()),
         ..Default::default()
     };
     Device::open(std::path::Path::new(name), &opts).map_err(|e| e.to_string())
+}
+
+fn options(cluster: &ceph::CephCluster) -> CephOptions {
+    CephOptions {
+        conf: cluster.conf.clone(),
+        id: "admin".into(),
+    }
 }
 
 /// Submits `io` and waits for its completion (polling the queue), at most `limit`.
@@ -53,17 +67,16 @@ fn iov(buf: &mut [u8]) -> libc::iovec {
 #[ignore = "needs Ceph: scripts/test.sh runs it (cargo test -- --include-ignored)"]
 fn rbd_images_serve_io_and_hold_it_while_the_osd_is_down() {
     let cluster = ceph::CephCluster::start("devices");
+    let clusters = Arc::new(CephClusters::default());
+    let open = |name: &str, create| open_through(&cluster, &clusters, name, create);
     let t = Instant::now();
-    let dev = open(&cluster, "rbd:rbd/dev0", Some(64 << 20)).unwrap();
+    let dev = open("rbd:rbd/dev0", Some(64 << 20)).unwrap();
     eprintln!("connect + create + open: {:?}", t.elapsed());
     assert_eq!(dev.size(), 64 << 20);
     assert_eq!(dev.backend().info().backend, "rbd");
     assert!(cluster.rbd(&["ls", "rbd"]).unwrap().contains("dev0"));
     // Opening again (another handle on the same connection) finds the same image.
-    assert_eq!(
-        open(&cluster, "rbd:rbd/dev0", None).unwrap().size(),
-        64 << 20
-    );
+    assert_eq!(open("rbd:rbd/dev0", None).unwrap().size(), 64 << 20);
 
     // Metadata I/O.
     let meta: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
@@ -167,10 +180,7 @@ fn rbd_images_serve_io_and_hold_it_while_the_osd_is_down() {
     drop(q);
 
     // Grow, never shrink; exists; remove.
-    let ceph = CephOptions {
-        conf: cluster.conf.clone(),
-        id: "admin".into(),
-    };
+    let ceph = Ceph::new(options(&cluster), clusters.clone());
     let rbd = RbdBackend::of(&dev).expect("an RBD backend");
     rbd.resize(128 << 20).unwrap();
     assert_eq!(dev.size(), 128 << 20);
@@ -194,19 +204,33 @@ fn rbd_images_serve_io_and_hold_it_while_the_osd_is_down() {
     assert!(err.contains("remove the RBD image"), "{err}");
 
     // Clear errors.
-    let err = open(&cluster, "rbd:nopool", None).unwrap_err();
+    let err = open("rbd:nopool", None).unwrap_err();
     assert!(err.contains("named POOL/IMAGE"), "{err}");
-    let err = open(&cluster, "rbd:nosuchpool/x", Some(1 << 20)).unwrap_err();
+    let err = open("rbd:nosuchpool/x", Some(1 << 20)).unwrap_err();
     assert!(err.contains("pool nosuchpool"), "{err}");
-    let err = open(&cluster, "rbd:rbd/missing", None).unwrap_err();
+    let err = open("rbd:rbd/missing", None).unwrap_err();
     assert!(err.contains("open RBD image"), "{err}");
     let opts = OpenOptions {
-        ceph: CephOptions {
-            conf: "/nonexistent/ceph.conf".into(),
-            id: "admin".into(),
-        },
+        ceph: Ceph::new(
+            CephOptions {
+                conf: "/nonexistent/ceph.conf".into(),
+                id: "admin".into(),
+            },
+            Default::default(),
+        ),
         ..Default::default()
     };
     let err = Device::open(std::path::Path::new("rbd:rbd/x"), &opts).unwrap_err();
     assert!(err.to_string().contains("cannot read ceph config"), "{err}");
+
+    // A daemon's connections: still in use while one of its images is open, and closed for
+    // good (the process is exiting) whatever the answer; another registry is not.
+    let dev = open("rbd:rbd/dev1", Some(1 << 20)).unwrap();
+    assert_eq!(clusters.close(), CephConnections::InUse);
+    drop(dev);
+    assert_eq!(clusters.close(), CephConnections::Closed { any: true });
+    let err = open("rbd:rbd/dev1", None).unwrap_err();
+    assert!(err.contains("its ceph connections are closed"), "{err}");
+    let other = Arc::new(CephClusters::default());
+    open_through(&cluster, &other, "rbd:rbd/dev1", None).unwrap();
 }

@@ -118,8 +118,9 @@ pub struct PoolOptions {
     pub mirror_dir: Option<std::path::PathBuf>,
     /// Bytes per second a mirror's resync or rebuild may copy (0: unlimited).
     pub resync_rate: u64,
-    /// The Ceph cluster of `rbd:POOL/IMAGE` devices (config `[ceph]`).
-    pub ceph: spool_devices::CephOptions,
+    /// The Ceph cluster of `rbd:POOL/IMAGE` devices (config `[ceph]`), and the daemon's
+    /// connections to it.
+    pub ceph: spool_devices::Ceph,
     /// How long a device's lock may stay taken before it counts as in use (a worker taking
     /// over from a killed one: the dead process's descriptors close asynchronously).
     pub lock_wait: std::time::Duration,

@@ -330,7 +330,10 @@ fn worker(
     if link.is_some() {
         end_worker_on_panic();
     }
-    let code = match serve(cfg, load, force, link.as_ref(), playing) {
+    // This worker's cluster connections: the pool's RBD devices open through them, and they
+    // are closed before the process exits.
+    let ceph = Arc::new(spool_devices::CephClusters::default());
+    let code = match serve(cfg, load, force, link.as_ref(), playing, &ceph) {
         Ok(()) => 0,
         Err(WorkerError::Reported) => 1,
         Err(e) => {
@@ -341,7 +344,7 @@ fn worker(
             1
         }
     };
-    leave_ceph(code);
+    leave_ceph(&ceph, code);
     if code == 0 {
         tracing::info!("stopped");
     }
@@ -355,9 +358,9 @@ fn worker(
 /// closed, so their watches leave the cluster now, not 30 s later); if one is still in use (a
 /// handoff leaves its images to the exit, a connection is still being made) the process leaves
 /// here with `_exit(2)`, without exit handlers, as Ceph's own tools do.
-fn leave_ceph(code: u8) {
+fn leave_ceph(ceph: &spool_devices::CephClusters, code: u8) {
     let t = std::time::Instant::now();
-    match spool_devices::close_ceph_connections() {
+    match ceph.close() {
         spool_devices::CephConnections::Closed { any: false } => {}
         spool_devices::CephConnections::Closed { any: true } => tracing::info!(
             ms = t.elapsed().as_secs_f64() * 1e3,
@@ -403,14 +406,15 @@ fn serve(
     force: bool,
     link: Option<&Arc<KeeperLink>>,
     playing: Playing,
+    clusters: &Arc<spool_devices::CephClusters>,
 ) -> Result<(), WorkerError> {
     if cfg.ceph_configured {
         // Connected while a standby waits (or while an upgrade candidate is previewed), not
         // in the restart's stall; the pool's devices find the connection made.
-        let ceph = cfg.ceph.clone();
+        let ceph = spool_devices::Ceph::new(cfg.ceph.clone(), clusters.clone());
         std::thread::spawn(move || {
             let t = std::time::Instant::now();
-            match spool_devices::warm_up_ceph(&ceph) {
+            match ceph.warm_up() {
                 Ok(()) => tracing::debug!(
                     ms = t.elapsed().as_secs_f64() * 1e3,
                     "connected to the ceph cluster ahead of need"
@@ -432,7 +436,7 @@ fn serve(
             .map(|r| r.info.reason != "first-start")
             .unwrap_or(false)
     });
-    let daemon = Daemon::start(cfg, force, keeping)?;
+    let daemon = Daemon::start(cfg, force, keeping, clusters.clone())?;
     let rpc_path = daemon.config().rpc_socket.clone();
     if let Err(source) = daemon.serve_rpc() {
         daemon.shutdown();
@@ -465,7 +469,7 @@ fn serve(
         let _ = l.ready(phases);
         daemon.start_progress_reports();
     }
-    stop_when_told(&daemon, link, events.recv().ok());
+    stop_when_told(&daemon, link, events.recv().ok(), clusters);
     let _ = std::fs::remove_file(&rpc_path);
     Ok(())
 }
@@ -497,7 +501,12 @@ fn listen(link: Option<&Arc<KeeperLink>>) -> Result<mpsc::Receiver<Event>, Worke
 }
 
 /// Hands over to the next worker (quiesce: never returns) or drains and stops.
-fn stop_when_told(daemon: &Daemon, link: Option<&Arc<KeeperLink>>, event: Option<Event>) {
+fn stop_when_told(
+    daemon: &Daemon,
+    link: Option<&Arc<KeeperLink>>,
+    event: Option<Event>,
+    ceph: &spool_devices::CephClusters,
+) {
     match event {
         Some(Event::Keeper(Command::Quiesce)) => {
             let t = std::time::Instant::now();
@@ -508,7 +517,7 @@ fn stop_when_told(daemon: &Daemon, link: Option<&Arc<KeeperLink>>, event: Option
             }
             // Devices and journals are released when this process exits; the keeper hands
             // over once it has.
-            leave_ceph(0);
+            leave_ceph(ceph, 0);
             std::process::exit(0);
         }
         Some(Event::Keeper(_)) => {

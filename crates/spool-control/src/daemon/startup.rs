@@ -112,6 +112,7 @@ pub(super) fn open_pool(
     cfg: &Config,
     force: bool,
     keeping: Option<&Keeping>,
+    ceph: Arc<spool_devices::CephClusters>,
 ) -> Result<Pool, StartError> {
     let specs: Vec<DeviceSpec> = cfg
         .devices
@@ -142,7 +143,7 @@ pub(super) fn open_pool(
         startup_faults: cfg.faults.clone(),
         mirror_dir: Some(cfg.state_dir.join("mirror")),
         resync_rate: cfg.resync_rate,
-        ceph: cfg.ceph.clone(),
+        ceph: spool_devices::Ceph::new(cfg.ceph.clone(), ceph),
         // Taking over from a killed or stopped worker: its descriptors, and with them the
         // devices' locks, may outlive it for a moment (io_uring teardown is asynchronous).
         lock_wait: match keeping {

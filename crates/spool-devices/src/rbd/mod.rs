@@ -2,15 +2,18 @@
 //! asynchronous C API (issue 20; docs/ceph.md). Ceph is the distributed engine: replication,
 //! placement and recovery are the cluster's; this backend only moves requests.
 //!
-//! The process keeps one cluster connection per (ceph.conf, client id), shared by every image
-//! it opens ([`Cluster`]); connecting is the slow part (a monitor round trip and
-//! authentication), so it is done once per process. Before the process exits it closes its
-//! connections ([`close_connections`]): librados' threads must not outlive `exit(3)`. Images
+//! A daemon keeps one cluster connection per (ceph.conf, client id) in its [`CephClusters`],
+//! shared by every image it opens through a [`Ceph`] ([`Cluster`]); connecting is the slow
+//! part (a monitor round trip and authentication), so it is done once per process. Before the
+//! process exits it closes them ([`CephClusters::close`]): librados' threads must not outlive
+//! `exit(3)`. (The registry is the daemon's, passed down through the pool's and the devices'
+//! open options; only the loaded librados/librbd symbols, `ffi`, are per process, as the
+//! library itself is.) Images
 //! spoold creates have the layering feature only: without exclusive-lock, a worker restarted
 //! after a crash does not wait for the dead process's lock to time out. librbd's cache is off: a write is complete when the
 //! OSDs have it, not when this process's memory does (a killed worker loses nothing).
 //!
-//! Owns: the connection registry (and its closing), opening (and creating) images, synchronous
+//! Owns: the connection registry type (and its closing), opening (and creating) images, synchronous
 //! metadata I/O, the probe. The data path is [`queue::RbdQueue`].
 //! Must not know: health cells and fault injection (the [`crate::Device`] wrapper), pools.
 
@@ -48,6 +51,20 @@ impl Default for CephOptions {
             conf: PathBuf::from("/etc/ceph/ceph.conf"),
             id: "admin".into(),
         }
+    }
+}
+
+/// The cluster `rbd:` devices are on, and the daemon's connections to reach it through.
+#[derive(Debug, Clone, Default)]
+pub struct Ceph {
+    pub options: CephOptions,
+    pub clusters: Arc<CephClusters>,
+}
+
+impl Ceph {
+    /// The cluster `options` names, reached through `clusters`.
+    pub fn new(options: CephOptions, clusters: Arc<CephClusters>) -> Ceph {
+        Ceph { options, clusters }
     }
 }
 
@@ -93,10 +110,10 @@ fn rc(path: &Path, what: &'static str, r: i64) -> Result<i64> {
     }
 }
 
-impl Cluster {
-    /// The process's connection for `opts`, made on first use.
-    fn get(opts: &CephOptions, path: &Path) -> Result<Arc<Cluster>> {
-        let mut reg = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
+impl CephClusters {
+    /// The connection for `opts`, made on first use.
+    fn get(&self, opts: &CephOptions, path: &Path) -> Result<Arc<Cluster>> {
+        let mut reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         if reg.closed {
             return Err(Error::Invalid {
                 path: path.display().to_string(),
@@ -107,11 +124,13 @@ impl Cluster {
         if let Some(c) = all.get(opts).and_then(Weak::upgrade) {
             return Ok(c);
         }
-        let c = Arc::new(Self::connect(opts, path)?);
+        let c = Arc::new(Cluster::connect(opts, path)?);
         all.insert(opts.clone(), Arc::downgrade(&c));
         Ok(c)
     }
+}
 
+impl Cluster {
     fn connect(opts: &CephOptions, path: &Path) -> Result<Cluster> {
         ffi::api().map_err(|msg| Error::Invalid {
             path: path.display().to_string(),
@@ -165,28 +184,42 @@ impl Cluster {
     }
 }
 
-/// The process's cluster connections (one per [`CephOptions`]), and whether it has closed them
-/// for good ([`close_connections`]).
+/// A daemon's cluster connections (one per [`CephOptions`]), and whether it has closed them
+/// for good ([`CephClusters::close`]).
+#[derive(Debug, Default)]
 struct Registry {
     clusters: Option<HashMap<CephOptions, Weak<Cluster>>>,
     closed: bool,
 }
 
-static CLUSTERS: Mutex<Registry> = Mutex::new(Registry {
-    clusters: None,
-    closed: false,
-});
+/// A daemon's cluster connections: made on first use, shared by every image opened through
+/// the same registry, shut down when the last image of one closes, and all closed for good
+/// before the process exits ([`CephClusters::close`]).
+#[derive(Debug, Default)]
+pub struct CephClusters {
+    registry: Mutex<Registry>,
+    /// Connections [`Ceph::warm_up`] made, kept until [`CephClusters::close`].
+    warm: Mutex<Vec<Arc<Cluster>>>,
+}
 
-/// Connections [`warm_up`] made, kept until [`close_connections`].
-static WARM: Mutex<Vec<Arc<Cluster>>> = Mutex::new(Vec::new());
+impl Ceph {
+    /// Connects to the cluster ahead of need and keeps the connection until the registry is
+    /// closed, so that the first image opened later does not wait for it (a standby worker
+    /// does this while it waits to take over).
+    pub fn warm_up(&self) -> Result<()> {
+        let c = self.clusters.get(&self.options, Path::new("rbd:"))?;
+        self.clusters
+            .warm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(c);
+        Ok(())
+    }
 
-/// Connects to the cluster `ceph` names ahead of need and keeps the connection until the
-/// process closes its connections, so that the first image opened later does not wait for it
-/// (a standby worker does this while it waits to take over).
-pub fn warm_up(ceph: &CephOptions) -> Result<()> {
-    let c = Cluster::get(ceph, Path::new("rbd:"))?;
-    WARM.lock().unwrap_or_else(|e| e.into_inner()).push(c);
-    Ok(())
+    /// The connection images are opened through.
+    fn cluster(&self, path: &Path) -> Result<Arc<Cluster>> {
+        self.clusters.get(&self.options, path)
+    }
 }
 
 /// How [`close_connections`] left this process's cluster connections.
@@ -201,26 +234,29 @@ pub enum CephConnections {
     InUse,
 }
 
-/// Shuts down every cluster connection of this process that no image uses any more, and makes
-/// any later connection attempt fail (the process is exiting). Call it once nothing is served.
-pub fn close_connections() -> CephConnections {
-    let mut reg = match CLUSTERS.try_lock() {
-        Ok(r) => r,
-        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-        // A connection is being made (`rados_connect`, up to `client_mount_timeout`): it
-        // cannot be shut down until it returns, and it must not be waited for.
-        Err(std::sync::TryLockError::WouldBlock) => return CephConnections::InUse,
-    };
-    reg.closed = true;
-    // The last handle of a connection shuts it down (`Cluster`'s Drop).
-    drop(std::mem::take(
-        &mut *WARM.lock().unwrap_or_else(|e| e.into_inner()),
-    ));
-    match &reg.clusters {
-        Some(all) if all.values().any(|c| c.strong_count() > 0) => CephConnections::InUse,
-        all => CephConnections::Closed {
-            any: all.as_ref().is_some_and(|a| !a.is_empty()),
-        },
+impl CephClusters {
+    /// Shuts down every connection of the registry that no image uses any more, and makes any
+    /// later connection attempt through it fail (the process is exiting). Call it once nothing
+    /// is served.
+    pub fn close(&self) -> CephConnections {
+        let mut reg = match self.registry.try_lock() {
+            Ok(r) => r,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            // A connection is being made (`rados_connect`, up to `client_mount_timeout`): it
+            // cannot be shut down until it returns, and it must not be waited for.
+            Err(std::sync::TryLockError::WouldBlock) => return CephConnections::InUse,
+        };
+        reg.closed = true;
+        // The last handle of a connection shuts it down (`Cluster`'s Drop).
+        drop(std::mem::take(
+            &mut *self.warm.lock().unwrap_or_else(|e| e.into_inner()),
+        ));
+        match &reg.clusters {
+            Some(all) if all.values().any(|c| c.strong_count() > 0) => CephConnections::InUse,
+            all => CephConnections::Closed {
+                any: all.as_ref().is_some_and(|a| !a.is_empty()),
+            },
+        }
     }
 }
 
@@ -264,9 +300,9 @@ pub struct RbdBackend {
 impl RbdBackend {
     /// Opens `POOL/IMAGE` on the cluster `ceph` names; with `create_size`, creates the image
     /// first when it does not exist.
-    pub fn open(spec: &str, ceph: &CephOptions, create_size: Option<u64>) -> Result<Self> {
+    pub fn open(spec: &str, ceph: &Ceph, create_size: Option<u64>) -> Result<Self> {
         let (path, pool, name) = parse(spec)?;
-        let cluster = Cluster::get(ceph, &path)?;
+        let cluster = ceph.cluster(&path)?;
         let ioctx = pool_context(&cluster, &path, pool)?;
         let cname = cstring(&path, "image name", name)?;
         let handle = match open_image(ioctx, &cname) {
@@ -396,7 +432,7 @@ impl RbdBackend {
     }
 
     /// Whether image `POOL/IMAGE` exists (an error: the cluster or pool cannot be reached).
-    pub fn exists(spec: &str, ceph: &CephOptions) -> Result<bool> {
+    pub fn exists(spec: &str, ceph: &Ceph) -> Result<bool> {
         match Self::open(spec, ceph, None) {
             Ok(_) => Ok(true),
             Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
@@ -408,9 +444,9 @@ impl RbdBackend {
 
     /// Removes image `POOL/IMAGE` and its data (no handle of this process may be open on it;
     /// a client elsewhere that still has it open makes this fail with EBUSY).
-    pub fn remove(spec: &str, ceph: &CephOptions) -> Result<()> {
+    pub fn remove(spec: &str, ceph: &Ceph) -> Result<()> {
         let (path, pool, name) = parse(spec)?;
-        let cluster = Cluster::get(ceph, &path)?;
+        let cluster = ceph.cluster(&path)?;
         let ioctx = pool_context(&cluster, &path, pool)?;
         let cname = cstring(&path, "image name", name)?;
         // SAFETY: a valid I/O context and a NUL-terminated name.
