@@ -8,7 +8,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 cache=${SPOOL_CACHE:-$repo/.cache}/guest
-stamp="$cache/.stamp-$(sha256sum "$here/build-guest.sh" "$here/guest/init" | sha256sum | cut -c1-16)"
+# The stamp names what the image is built from (the contents, not where the checkout is).
+stamp="$cache/.stamp-$(cat "$here/build-guest.sh" "$here/guest/init" | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && -f "$cache/vmlinuz" && -f "$cache/initramfs.cpio.gz" ]]; then
     echo "guest image cached in $cache"
     exit 0
@@ -61,9 +62,13 @@ for m in $mods; do
 done
 cp "$here/guest/init" "$root/init"
 chmod +x "$root/init"
+# Built beside the cache and renamed into it, the stamp last: a build killed half-way
+# leaves the previous image whole, or no stamp, never a truncated image that looks cached.
 mkdir -p "$cache"
-cp "$work"/k/boot/vmlinuz-* "$cache/vmlinuz"
-(cd "$root" && find . | busybox cpio -o -H newc 2>/dev/null | gzip -1) > "$cache/initramfs.cpio.gz"
 rm -f "$cache"/.stamp-*
+cp "$work"/k/boot/vmlinuz-* "$cache/.vmlinuz.new"
+(cd "$root" && find . | busybox cpio -o -H newc 2>/dev/null | gzip -1) > "$cache/.initramfs.cpio.gz.new"
+mv -f "$cache/.vmlinuz.new" "$cache/vmlinuz"
+mv -f "$cache/.initramfs.cpio.gz.new" "$cache/initramfs.cpio.gz"
 touch "$stamp"
 echo "guest image built in $cache (kernel $kver)"
