@@ -108,6 +108,9 @@ pub struct OpenOptions {
     /// The Ceph cluster `rbd:POOL/IMAGE` devices are on (config `[ceph]`), and the daemon's
     /// connections to it.
     pub ceph: crate::Ceph,
+    /// Where backends keep what the next worker takes over (NVMe controllers, null devices'
+    /// metadata), and what the previous one left: the daemon's. The default keeps nothing.
+    pub handoff: std::sync::Arc<crate::handoff::Handoff>,
     /// How long a file device's lock may stay taken before the open fails with `Busy`: a
     /// worker taking over from a killed one waits out the kernel's teardown of the dead
     /// process's descriptors (io_uring requests still in flight keep its file, and with it

@@ -57,7 +57,7 @@ impl Device {
     pub fn open(path: &Path, opts: &OpenOptions) -> Result<Device> {
         let name = path.to_str().unwrap_or_default();
         let backend: Box<dyn PoolDevice> = if let Some(bdf) = name.strip_prefix("nvme:") {
-            Box::new(NvmeBackend::open(bdf, !opts.no_nvme_sgl)?)
+            Box::new(NvmeBackend::open(bdf, !opts.no_nvme_sgl, &opts.handoff)?)
         } else if name.starts_with("nbd://") || name.starts_with("nbd+unix://") {
             Box::new(crate::NbdBackend::open(name)?)
         } else if let Some(image) = name.strip_prefix("rbd:") {
@@ -81,7 +81,7 @@ impl Device {
         opts: &OpenOptions,
     ) -> Result<Device> {
         Ok(Self::new(
-            NullBackend::open(name, size, reads)?,
+            NullBackend::open(name, size, reads, &opts.handoff)?,
             &opts.faults,
         ))
     }

@@ -45,10 +45,11 @@ pub use rbd::{
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
 /// reset; the null devices' metadata, so a benchmark pool keeps its volumes). The daemon
-/// supplies a [`handoff::Keeper`] and offers back what the previous worker left under
-/// [`handoff::PREFIXES`].
+/// makes a [`handoff::Handoff`], supplies its [`handoff::Keeper`], offers back what the
+/// previous worker left under [`handoff::PREFIXES`], and opens devices with it
+/// ([`OpenOptions::handoff`]).
 pub mod handoff {
-    pub use spool_nvme::handoff::{offer, set_keeper, Keeper, PREFIX, PREFIXES};
+    pub use spool_nvme::handoff::{Handoff, Keeper, PREFIX, PREFIXES};
 }
 
 /// Makes `[addr, addr+len)` of this process reachable by DMA from every NVMe controller, so

@@ -16,6 +16,8 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use spool_nvme::handoff::Handoff;
+
 use crate::backend::{check_range, check_size, BackendInfo, PoolDevice, Probe};
 use crate::queue::{DeviceIo, DeviceQueue};
 use crate::{Error, Result};
@@ -100,12 +102,14 @@ pub struct NullBackend {
 }
 
 impl NullBackend {
-    /// A null device of `size` bytes named `name` (path `null:NAME`).
-    pub fn open(name: &str, size: u64, reads: NullReads) -> Result<Self> {
+    /// A null device of `size` bytes named `name` (path `null:NAME`); its metadata is kept
+    /// for the next worker through `handoff`.
+    pub fn open(name: &str, size: u64, reads: NullReads, handoff: &Handoff) -> Result<Self> {
         let path = PathBuf::from(format!("null:{name}"));
         check_size(&path, size)?;
         let key = format!("{}{name}", spool_nvme::handoff::NULL_PREFIX);
-        let kept = spool_nvme::handoff::take(&key)
+        let kept = handoff
+            .take(&key)
             .and_then(|(_, files)| files.into_iter().next())
             .filter(|f| f.metadata().is_ok_and(|m| m.len() == size));
         let metadata = match kept {
@@ -117,7 +121,7 @@ impl NullBackend {
                 f
             }
         };
-        spool_nvme::handoff::keep(&key, String::new(), &[metadata.as_raw_fd()]);
+        handoff.keep(&key, String::new(), &[metadata.as_raw_fd()]);
         Ok(NullBackend {
             path,
             size,

@@ -22,6 +22,7 @@ use sync_io::SyncIo;
 use takeover::Prepared;
 
 use crate::arena::Arena;
+use crate::handoff::Handoff;
 use crate::spec::{self, admin, Cap, Sqe};
 use crate::vfio::{Bar, Container, Device};
 use crate::{DmaBuf, Error, QueuePair, Result, PAGE};
@@ -69,6 +70,8 @@ unsafe impl Send for Admin {}
 /// An enabled controller.
 pub struct Controller {
     bdf: String,
+    /// The daemon's handoff: whether a keeper keeps the running controller at drop.
+    handoff: Arc<Handoff>,
     // Field order is drop order: queues before the BAR they ring and the arena they live in,
     // the BAR before the device.
     admin: Mutex<Admin>,
@@ -139,10 +142,11 @@ impl Controller {
     /// Opens the controller at PCI address `bdf` (bound to vfio-pci) and identifies
     /// namespace 1. A controller the previous worker left running (kept by the keeper) is
     /// taken over without a reset; any other is reset and enabled.
-    pub fn open(bdf: &str) -> Result<Arc<Controller>> {
-        takeover::take_over_once();
+    /// What is kept for the next worker goes through `handoff` (the daemon's).
+    pub fn open(bdf: &str, handoff: &Arc<Handoff>) -> Result<Arc<Controller>> {
+        takeover::take_over_once(handoff);
         let bdf = crate::vfio::parse_bdf(bdf)?;
-        let (dev, bar, arena, admin, attached) = Self::take_device(&bdf)?;
+        let (dev, bar, arena, admin, attached) = Self::take_device(&bdf, handoff)?;
         dev.enable_bus_master()?;
         let (cap, vs) = Self::check_registers(&bdf, &bar)?;
         let admin = Admin {
@@ -156,12 +160,13 @@ impl Controller {
             ((bar.len - spec::REG_DOORBELLS) / (2 * cap.doorbell_stride)).min(1024) as u16 - 1;
         let removal = dev.request_eventfd();
         let bar_slot = crate::sigbus::watch(bar.ptr as usize, bar.len);
-        crate::handoff::keep(
+        handoff.keep(
             &crate::handoff::ctrl_key(&bdf),
             format!("{{\"arena_iova\":{}}}", arena.iova),
             &[dev.raw_fd(), arena.raw_fd()],
         );
         let mut c = Controller {
+            handoff: handoff.clone(),
             bdf: bdf.clone(),
             admin: Mutex::new(admin),
             sync: Mutex::new(None),
@@ -192,7 +197,10 @@ impl Controller {
     /// The device, its BAR, its arena and (when taken over live) its running admin queue:
     /// what the previous worker left of `bdf` if anything, else the device opened afresh.
     /// The last element is true for a live takeover (no reset).
-    fn take_device(bdf: &str) -> Result<(Device, Bar, Arena, Option<QueuePair>, bool)> {
+    fn take_device(
+        bdf: &str,
+        handoff: &Arc<Handoff>,
+    ) -> Result<(Device, Bar, Arena, Option<QueuePair>, bool)> {
         Ok(match takeover::take_prepared(bdf) {
             Some(Prepared::Attached {
                 dev,
@@ -205,14 +213,14 @@ impl Controller {
                 let bar = dev.map_bar(0)?;
                 let arena = match arena {
                     Some(a) => a,
-                    None => Arena::create(&*Container::get()?)?,
+                    None => Arena::create(&*Container::get(handoff)?)?,
                 };
                 (dev, bar, arena, None, false)
             }
             None => {
-                let dev = Device::open(bdf, None, crate::dma::map_all)?;
+                let dev = Device::open(bdf, None, crate::dma::map_all, handoff)?;
                 let bar = dev.map_bar(0)?;
-                let arena = Arena::create(&*Container::get()?)?;
+                let arena = Arena::create(&*Container::get(handoff)?)?;
                 (dev, bar, arena, None, false)
             }
         })
@@ -505,7 +513,7 @@ impl Controller {
         }
         drop(dev.take());
         // The keeper's copy of the descriptor must go too, or the removal keeps waiting.
-        crate::handoff::withdraw(&crate::handoff::ctrl_key(&self.bdf));
+        self.handoff.withdraw(&crate::handoff::ctrl_key(&self.bdf));
         tracing::warn!(controller = %self.bdf, why, "controller released");
     }
 }
@@ -534,7 +542,7 @@ impl Drop for Controller {
         if let Some(slot) = self.bar_slot {
             crate::sigbus::unwatch(slot);
         }
-        if self.is_gone() || crate::handoff::has_keeper() {
+        if self.is_gone() || self.handoff.has_keeper() {
             // Kept by the keeper: the next worker takes the running controller over.
             return;
         }

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use vfio_bindings::bindings::vfio as b;
 
+use crate::handoff::{self, Handoff};
 use crate::{Error, Result};
 
 const VFIO_TYPE: u64 = b';' as u64;
@@ -45,6 +46,9 @@ pub struct Container {
     groups: Mutex<Vec<(u32, Arc<File>)>>,
     /// Taken over from the previous worker (IOMMU type set, old mappings still in place).
     pub restored: bool,
+    /// Where the container and its groups are deposited: the handoff of the daemon that
+    /// opened it (one per process, as the container is).
+    handoff: Arc<Handoff>,
 }
 
 static CURRENT: Mutex<Option<Arc<Container>>> = Mutex::new(None);
@@ -70,19 +74,25 @@ impl Container {
         CURRENT.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// The container, opened on first use.
-    pub(crate) fn get() -> Result<Arc<Container>> {
+    /// The container, opened on first use (or taken from what `handoff` was offered).
+    pub(crate) fn get(handoff: &Arc<Handoff>) -> Result<Arc<Container>> {
         let _g = mapping_lock();
         let mut cur = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = cur.as_ref() {
+            if !Arc::ptr_eq(&c.handoff, handoff) {
+                // One daemon per process opens controllers, all with its one handoff; a
+                // second one would find the container kept only through the first.
+                tracing::warn!("a VFIO device is opened with another handoff than the container's: what it keeps goes through the container's");
+            }
             return Ok(c.clone());
         }
-        if let Some((_, mut files)) = crate::handoff::take(crate::handoff::CONTAINER_KEY) {
+        if let Some((_, mut files)) = handoff.take(handoff::CONTAINER_KEY) {
             if let Some(file) = files.pop() {
                 let c = Arc::new(Container {
                     file,
                     groups: Mutex::new(Vec::new()),
                     restored: true,
+                    handoff: handoff.clone(),
                 });
                 *cur = Some(c.clone());
                 return Ok(c);
@@ -117,15 +127,12 @@ impl Container {
                     .into(),
             ));
         }
-        crate::handoff::keep(
-            crate::handoff::CONTAINER_KEY,
-            "{}".into(),
-            &[file.as_raw_fd()],
-        );
+        handoff.keep(handoff::CONTAINER_KEY, "{}".into(), &[file.as_raw_fd()]);
         let c = Arc::new(Container {
             file,
             groups: Mutex::new(Vec::new()),
             restored: false,
+            handoff: handoff.clone(),
         });
         *cur = Some(c.clone());
         Ok(c)
@@ -183,7 +190,7 @@ impl Container {
         if let Some((_, f)) = groups.iter().find(|(g, _)| *g == n) {
             return Ok(f.clone());
         }
-        if let Some((_, mut files)) = crate::handoff::take(&crate::handoff::group_key(n)) {
+        if let Some((_, mut files)) = self.handoff.take(&handoff::group_key(n)) {
             if let Some(f) = files.pop() {
                 // Already attached to the (kept) container by the previous worker.
                 let f = Arc::new(f);
@@ -218,7 +225,8 @@ impl Container {
         if unsafe { libc::ioctl(f.as_raw_fd(), GROUP_SET_CONTAINER as _, &cfd) } != 0 {
             return Err(Error::os(format!("VFIO_GROUP_SET_CONTAINER {path}")));
         }
-        crate::handoff::keep(&crate::handoff::group_key(n), "{}".into(), &[f.as_raw_fd()]);
+        self.handoff
+            .keep(&handoff::group_key(n), "{}".into(), &[f.as_raw_fd()]);
         if groups.is_empty() && !self.restored {
             // SAFETY: VFIO_SET_IOMMU takes an integer argument.
             if unsafe { libc::ioctl(cfd, SET_IOMMU as _, b::VFIO_TYPE1v2_IOMMU) } != 0 {
@@ -293,8 +301,14 @@ pub fn parse_bdf(s: &str) -> Result<String> {
 impl Device {
     /// Opens the device at PCI address `bdf`, which must be bound to vfio-pci; `kept` is its
     /// descriptor when a previous worker left it open (no new open, so no function reset);
-    /// `map_pending` maps registered memory if this is the container's first group.
-    pub fn open(bdf: &str, kept: Option<File>, map_pending: MapPending) -> Result<Device> {
+    /// `map_pending` maps registered memory if this is the container's first group; the
+    /// container is opened through `handoff` if no device opened it yet.
+    pub fn open(
+        bdf: &str,
+        kept: Option<File>,
+        map_pending: MapPending,
+        handoff: &Arc<Handoff>,
+    ) -> Result<Device> {
         let bdf = parse_bdf(bdf)?;
         let sys = Path::new("/sys/bus/pci/devices").join(&bdf);
         if !sys.exists() {
@@ -318,7 +332,7 @@ impl Device {
                     "PCI device {bdf} has no IOMMU group (boot with intel_iommu=on)"
                 ))
             })?;
-        let container = Container::get()?;
+        let container = Container::get(handoff)?;
         let gfile = container.attach_group(group, map_pending)?;
         let file = match kept {
             Some(f) => f,

@@ -121,6 +121,9 @@ pub struct PoolOptions {
     /// The Ceph cluster of `rbd:POOL/IMAGE` devices (config `[ceph]`), and the daemon's
     /// connections to it.
     pub ceph: spool_devices::Ceph,
+    /// Where devices keep what the next worker takes over, and what the previous one left
+    /// (the daemon's; the default keeps nothing).
+    pub handoff: std::sync::Arc<spool_devices::handoff::Handoff>,
     /// How long a device's lock may stay taken before it counts as in use (a worker taking
     /// over from a killed one: the dead process's descriptors close asynchronously).
     pub lock_wait: std::time::Duration,
@@ -144,6 +147,7 @@ impl Default for PoolOptions {
             mirror_dir: None,
             resync_rate: DEFAULT_RESYNC_RATE,
             ceph: Default::default(),
+            handoff: Default::default(),
             lock_wait: std::time::Duration::ZERO,
             kek: None,
             thin_full_wait: thin::DEFAULT_FULL_WAIT,

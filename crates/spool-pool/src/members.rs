@@ -32,6 +32,7 @@ pub(crate) fn open_spec(s: &DeviceSpec, opts: &PoolOptions) -> Result<Device> {
         no_nvme_sgl: !opts.nvme_sgl,
         faults: opts.startup_faults.clone(),
         ceph: opts.ceph.clone(),
+        handoff: opts.handoff.clone(),
         lock_wait: opts.lock_wait,
     };
     Ok(match s.null {

@@ -123,13 +123,13 @@ pub(super) fn open_pool(
             null: d.null,
         })
         .collect();
+    let handoff = Arc::new(spool_devices::handoff::Handoff::default());
     if let Some(k) = keeping {
-        use spool_devices::handoff as h;
-        h::set_keeper(Arc::new(DeviceKeeper(k.link.clone())));
-        for prefix in h::PREFIXES {
+        handoff.set_keeper(Arc::new(DeviceKeeper(k.link.clone())));
+        for prefix in spool_devices::handoff::PREFIXES {
             for key in k.keys(prefix) {
                 if let Some((value, files)) = k.take(&key) {
-                    h::offer(key, value, files);
+                    handoff.offer(key, value, files);
                 }
             }
         }
@@ -144,6 +144,7 @@ pub(super) fn open_pool(
         mirror_dir: Some(cfg.state_dir.join("mirror")),
         resync_rate: cfg.resync_rate,
         ceph: spool_devices::Ceph::new(cfg.ceph.clone(), ceph),
+        handoff,
         // Taking over from a killed or stopped worker: its descriptors, and with them the
         // devices' locks, may outlive it for a moment (io_uring teardown is asynchronous).
         lock_wait: match keeping {

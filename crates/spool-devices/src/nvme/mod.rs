@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use spool_nvme::handoff::Handoff;
 use spool_nvme::Controller;
 
 use crate::backend::{
@@ -43,10 +44,11 @@ pub struct NvmeBackend {
 impl NvmeBackend {
     /// Opens the NVMe controller at PCI address `bdf` (bound to vfio-pci) and uses its
     /// namespace 1. VFIO gives one process the device at a time, which is the lock. `sgl`
-    /// lets its queues use SGLs where the controller has them.
-    pub fn open(bdf: &str, sgl: bool) -> Result<Self> {
+    /// lets its queues use SGLs where the controller has them. What is kept for the next
+    /// worker goes through `handoff`.
+    pub fn open(bdf: &str, sgl: bool, handoff: &Arc<Handoff>) -> Result<Self> {
         let path = PathBuf::from(format!("nvme:{bdf}"));
-        let ctrl = Controller::open(bdf).map_err(|e| Error::Invalid {
+        let ctrl = Controller::open(bdf, handoff).map_err(|e| Error::Invalid {
             path: path.display().to_string(),
             msg: e.to_string(),
         })?;

@@ -5,26 +5,27 @@
 //! Owns: the set of controllers prepared from what the keeper handed over, built once per
 //! process before the first controller is opened and drained by [`Controller::open`].
 //!
-//! Must not know: the keeper (descriptors come from [`crate::handoff`]), the data path.
+//! Must not know: the keeper (descriptors come from the daemon's [`Handoff`]), the data path.
 //!
 //! Why a process-wide registry and not a handle: what is taken over is process-wide by nature.
 //! The handoff gives this process one VFIO container (the IOMMU domain every controller and
 //! the DMA registry share) and the previous worker's controllers all at once; every kept
 //! controller must be re-attached, and its old I/O queues deleted, *before* the container's
 //! old mappings are cleared and registered memory is mapped again, which must happen before
-//! any controller of this process issues a command. `Controller::open(bdf)` is called one
-//! device at a time from `spool-devices`, which does not know that a takeover exists; a
-//! handle passed down would have to be created before the first open and threaded through
-//! every pool-device open for the process's life, i.e. it would be a process global by
-//! another name. So the prepared set lives in one lazily built static, filled on the first
-//! open and emptied as each controller is opened.
+//! any controller of this process issues a command. The descriptors come from the daemon's
+//! [`Handoff`], which every open is given; what was made of them, the prepared set, belongs
+//! to the process's one container as the container does. So it lives in one static, built
+//! from the first open's handoff and emptied as each controller is opened. (A process has one
+//! daemon, which opens every device with its one handoff: a first open with another handoff,
+//! one with nothing offered, would skip the takeover for good.)
 
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use super::{admin_qp, Controller, RESUME_TIMEOUT};
 use crate::arena::Arena;
+use crate::handoff::Handoff;
 use crate::spec::{self, admin, Cap, Sqe};
 use crate::vfio::{Bar, Container, Device};
 use crate::{Error, QueuePair};
@@ -48,17 +49,18 @@ pub(super) enum Prepared {
 
 /// The controllers taken over from the previous worker, by address; built by the first
 /// [`Controller::open`] of the process (see the module doc).
-static PREPARED: LazyLock<Mutex<HashMap<String, Prepared>>> =
-    LazyLock::new(|| Mutex::new(take_over_all()));
+static PREPARED: OnceLock<Mutex<HashMap<String, Prepared>>> = OnceLock::new();
 
-/// Runs the takeover if this is the process's first open (before anything else of it).
-pub(super) fn take_over_once() {
-    LazyLock::force(&PREPARED);
+/// Runs the takeover of what `handoff` was offered if this is the process's first open
+/// (before anything else of it).
+pub(super) fn take_over_once(handoff: &Arc<Handoff>) {
+    PREPARED.get_or_init(|| Mutex::new(take_over_all(handoff)));
 }
 
 /// What the previous worker left of the controller at `bdf`, if anything (once: taken out).
 pub(super) fn take_prepared(bdf: &str) -> Option<Prepared> {
     PREPARED
+        .get()?
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .remove(bdf)
@@ -68,13 +70,13 @@ pub(super) fn take_prepared(bdf: &str) -> Option<Prepared> {
 /// queue, deletes the previous worker's I/O queues (the controller aborts what they held),
 /// then clears the previous worker's DMA mappings of guest and bounce memory. Runs once
 /// (building [`PREPARED`]), before any controller is opened.
-fn take_over_all() -> HashMap<String, Prepared> {
+fn take_over_all(handoff: &Arc<Handoff>) -> HashMap<String, Prepared> {
     let mut out = HashMap::new();
-    let bdfs = crate::handoff::offered_controllers();
+    let bdfs = handoff.offered_controllers();
     if bdfs.is_empty() {
         return out;
     }
-    let container = match Container::get() {
+    let container = match Container::get(handoff) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot take the kept VFIO container over; controllers will be reopened and reset");
@@ -82,7 +84,7 @@ fn take_over_all() -> HashMap<String, Prepared> {
         }
     };
     for bdf in bdfs {
-        let Some((value, mut files)) = crate::handoff::take(&crate::handoff::ctrl_key(&bdf)) else {
+        let Some((value, mut files)) = handoff.take(&crate::handoff::ctrl_key(&bdf)) else {
             continue;
         };
         let t = Instant::now();
@@ -91,7 +93,7 @@ fn take_over_all() -> HashMap<String, Prepared> {
         let Some(dev_file) = files.pop() else {
             continue;
         };
-        let dev = match Device::open(&bdf, Some(dev_file), crate::dma::map_all) {
+        let dev = match Device::open(&bdf, Some(dev_file), crate::dma::map_all, handoff) {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!(controller = %bdf, error = %e, "cannot reuse the kept device descriptor");
