@@ -116,6 +116,12 @@ pub fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError> {
             "range {offset}+{len} is beyond the device's {size} bytes"
         )));
     }
+    if offset > 0 && len == 0 {
+        // len 0 is the whole device: an offset alone would hit every command.
+        return Err(RpcError::InvalidParams(format!(
+            "offset {offset} needs len (the bytes from it the rule hits; without both, the whole device)"
+        )));
+    }
     Ok(FaultRule {
         effect,
         ops,

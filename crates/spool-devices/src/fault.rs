@@ -289,7 +289,8 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
             Some(FaultEffect::Hang) => self.hung.push(tag),
             Some(FaultEffect::Stuck) => self.stuck.push(tag),
             Some(FaultEffect::Crash) => {
-                eprintln!("spoold: injected crash on a write at {offset} (a crash fault rule)");
+                let what = if write { "write" } else { "read" };
+                eprintln!("spoold: injected crash on a {what} at {offset} (a crash fault rule)");
                 std::process::abort();
             }
         }

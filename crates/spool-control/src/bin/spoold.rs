@@ -64,8 +64,8 @@ struct Args {
     /// candidate, read session state formats only up to N, as an older binary would.
     #[arg(long, value_name = "N", hide = true)]
     test_max_state_format: Option<u32>,
-    /// Upgrade tests only: fail right after taking over the kept state, as a broken binary
-    /// would (the keeper then rolls back).
+    /// Upgrade tests only: as an upgrade candidate, fail right after taking over the kept
+    /// state, as a broken binary would (the keeper then rolls back).
     #[arg(long, hide = true)]
     test_fail_restore: bool,
 }
@@ -389,7 +389,10 @@ fn take_over(l: &Arc<KeeperLink>, playing: Playing) -> Result<Keeping, WorkerErr
     if restored.info.reason != "first-start" {
         tracing::info!(reason = %restored.info.reason, generation = restored.info.generation, kept = restored.keys().len(), "taking over from the previous worker");
     }
-    if playing.fail_restore {
+    // Only as an upgrade candidate: the keeper's own workers (a first start, a crash restart,
+    // the standby, a rollback) are started with the keeper's arguments, never the flag a
+    // wrapper adds, but a stray flag on the keeper must not fail every one of them.
+    if playing.fail_restore && l.is_candidate() {
         let _ = l.failed("--test-fail-restore is set");
         return Err(WorkerError::Reported);
     }

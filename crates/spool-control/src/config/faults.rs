@@ -111,6 +111,10 @@ mod tests {
                 "faults[0]: kind smart is a device's state",
             ),
             ("kind = \"crash\"\noffset = \"1Q\"", "faults[0]: offset:"),
+            (
+                "kind = \"crash\"\noffset = 8192",
+                "faults[0]: offset 8192 needs len",
+            ),
             ("kind = \"crash\"\nwhen = 1", "when"),
         ] {
             let e = parse(&format!("[[faults]]\n{text}\n")).unwrap_err();

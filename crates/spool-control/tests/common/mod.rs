@@ -45,17 +45,6 @@ impl Spoold {
         Self::start_full(extra, true, args)
     }
 
-    /// With extra environment variables for spoold (and its workers).
-    pub fn start_env(extra: &str, envs: &[(&str, &str)]) -> Spoold {
-        let mut s = Self::prepare(extra, true, &[]);
-        s.envs = envs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        s.spawn();
-        s
-    }
-
     fn start_full(extra: &str, journal: bool, args: &[&str]) -> Spoold {
         let mut s = Self::prepare(extra, journal, args);
         s.spawn();

@@ -222,7 +222,7 @@ impl Ceph {
     }
 }
 
-/// How [`close_connections`] left this process's cluster connections.
+/// How [`CephClusters::close`] left a daemon's cluster connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CephConnections {
     /// Every one is shut down (`rados_shutdown`), `any` if there were some: the process may
