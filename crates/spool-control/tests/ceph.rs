@@ -127,19 +127,6 @@ fn an_rbd_pool_survives_worker_kills_upgrades_and_an_osd_restart_under_load() {
     );
 }
 
-/// Waits until spoold has seen the client of `volume` go.
-fn wait_disconnected(d: &Spoold, volume: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let v = d.rpc("volume_show", json!({ "id": volume })).unwrap();
-        if v["connected"] == json!(false) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{v}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Volumes whose data is an RBD image: created on spoold A (image POOL/NAME), attached by
 /// spoold B (another host's stand-in, its own state directory and pool) which reads what A
 /// wrote, resized and served through a worker kill on B, kept on the cluster when B deletes
@@ -265,7 +252,7 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     assert_eq!(held.read_sync(0, 1 << 20, 4096).0, 0);
     refused("A's worker killed, its client still connected");
     drop(held);
-    wait_disconnected(&a, "v1");
+    a.wait_disconnected("v1");
     let locks = cluster.rbd(&["lock", "ls", "rbd/v1"]).unwrap();
     assert!(
         !locks.contains(&ua),
@@ -282,7 +269,7 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     assert_eq!(c.read_sync(0, 40 << 20, data.len()), (0, data.clone()));
     drop(c);
     // B's attachment goes; the image stays.
-    wait_disconnected(&b, "w1");
+    b.wait_disconnected("w1");
     ctl(&b, &["volume", "delete", "w1"]);
     assert!(cluster.rbd(&["ls", "rbd"]).unwrap().contains("v1"));
 
@@ -292,7 +279,7 @@ fn rbd_volumes_are_images_that_any_spoold_on_the_cluster_can_serve() {
     let mut c = connect(&a.socket("v1"), 1, false).unwrap();
     assert_eq!(c.read_sync(0, 1 << 20, data.len()), (0, data.clone()));
     drop(c);
-    wait_disconnected(&a, "v1");
+    a.wait_disconnected("v1");
     // A deletes the volume it created: the image goes with it. B's killed worker still had
     // the image open, and the cluster keeps a dead client's watch for up to 30 s: until then
     // the delete is refused, saying so, and the volume is kept.
@@ -397,7 +384,7 @@ fn a_stopped_spoold_closes_its_images_and_its_cluster_connection() {
             assert_eq!(c.write_sync(0, 4096, &data), 0);
             assert_eq!(c.read_sync(0, 4096, data.len()), (0, data));
             drop(c);
-            wait_disconnected(&d, v);
+            d.wait_disconnected(v);
         }
         assert_eq!(watchers("rbd/member"), 1, "round {round}: the pool device");
         assert_eq!(watchers("rbd/img"), 1, "round {round}: the volume's image");

@@ -10,6 +10,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use common::{connect, ctl, ctl_err, pattern, Spoold};
+use serde_json::json;
 
 /// Each spoold's config: the same volume on both hosts (the destination's is created by
 /// hand, as docs/transfer.md says).
@@ -186,6 +187,7 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     // there) and reads what A's client wrote; then A's copy goes.
     drop(c);
     reads_back(&b, &model);
+    a.wait_disconnected("v");
     let out = ctl(&a, &["volume", "send", "v", "--finish"]);
     assert!(out.contains("finished"), "{out}");
     assert!(ctl_err(&a, &["volume", "show", "v"]).contains("v"));
@@ -409,5 +411,46 @@ fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
     );
     drop(c);
     reads_back(&b, &data);
+    a.wait_disconnected("v");
     ctl(&a, &["volume", "send", "v", "--finish"]);
+}
+
+/// A thin volume sent through the transfer listener: its holes cross without being
+/// allocated here, B reads back what A's client wrote; `--finish` is refused while it has
+/// snapshots (the copy there has none), then deletes it here once they are gone. (A revert
+/// refused while it is sent: the pool's `a_thin_volume_is_sent_with_its_holes_as_write_zeroes`.)
+#[test]
+fn a_thin_volume_is_sent_through_the_transfer_listener() {
+    let a = Spoold::start(&CONFIG.replace("num_queues = 1", "num_queues = 1\nthin = true"));
+    let b = Spoold::start(LISTENING);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+    let token = "thin-token-0123456789";
+    let mut want = vec![0u8; 16 * MIB];
+    want[4 * MIB..6 * MIB].copy_from_slice(&pattern(5, 4 * MIB as u64, 2 * MIB));
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    for (i, m) in want.chunks(MIB).enumerate().skip(4).take(2) {
+        assert_eq!(c.write_sync(0, (i * MIB) as u64, m), 0);
+    }
+    ctl(&a, &["volume", "snapshot", "v", "s"]);
+    let mapped =
+        |d: &Spoold| d.rpc("volume_show", json!({"id": "v"})).unwrap()["thin"]["mapped"].clone();
+    let before = mapped(&a);
+    assert_eq!(before, json!(2 * MIB));
+    ctl(&b, &["volume", "receive", "v", "--token", token]);
+    ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    wait_current(&a, &b);
+    assert_eq!(
+        mapped(&a),
+        before,
+        "the copy allocated the volume's holes here"
+    );
+    drop(c);
+    reads_back(&b, &want);
+    a.wait_disconnected("v");
+    let e = ctl_err(&a, &["volume", "send", "v", "--finish"]);
+    assert!(e.contains("1 snapshot(s) here"), "{e}");
+    ctl(&a, &["snapshot", "delete", "v@s"]);
+    let out = ctl(&a, &["volume", "send", "v", "--finish"]);
+    assert!(out.contains("finished"), "{out}");
+    assert!(ctl_err(&a, &["volume", "show", "v"]).contains("no volume"));
 }

@@ -172,13 +172,14 @@ impl Pool {
             let dev = self.rbd_device(v, r)?;
             return Ok(one_segment(v, dev.size(), dev, cipher));
         }
-        if v.thin.is_some() {
-            let dev = self.thin_device(v)?;
-            return Ok(one_segment(v, v.size, dev, cipher));
-        }
+        // Before thin: a thin volume being sent is a mirror whose local leg is its thin device.
         if v.is_mirrored() {
             let dev = self.open_mirror(v)?.device().clone();
             return Ok(one_segment(v, self.mirror_size(v), dev, cipher));
+        }
+        if v.thin.is_some() {
+            let dev = self.thin_device(v)?;
+            return Ok(one_segment(v, v.size, dev, cipher));
         }
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let mut dev_index: Vec<Uuid> = Vec::new();
@@ -237,8 +238,12 @@ impl Pool {
             .map(|d| d.join(format!("{uuid}.bitmap")))
     }
 
-    /// The bytes each copy of mirrored `v` holds (a local leg's extents).
-    fn mirror_size(&self, v: &VolumeEntry) -> u64 {
+    /// The bytes each copy of mirrored `v` holds (a local leg's extents; a thin volume being
+    /// sent: its thin device's, the volume's size).
+    pub(crate) fn mirror_size(&self, v: &VolumeEntry) -> u64 {
+        if v.thin.is_some() {
+            return v.size;
+        }
         v.copies_extents()
             .first()
             .map(|x| x.iter().map(|e| self.table.min_extent << e.order).sum())
@@ -247,8 +252,15 @@ impl Pool {
 
     /// What the mirror is told of leg `l` (a copy of `size` bytes), its devices added to
     /// `devices`. A remote leg is one piece over the whole volume, missing while its link
-    /// is down (the leg then misses writes, and the bitmap says which).
-    fn leg_spec(&self, l: &LegEntry, size: u64, devices: &mut Vec<Arc<Device>>) -> LegSpec {
+    /// is down (the leg then misses writes, and the bitmap says which); so is the local leg
+    /// of a thin volume being sent (`thin`: its thin device, which holds its data).
+    fn leg_spec(
+        &self,
+        l: &LegEntry,
+        size: u64,
+        thin: Option<&Arc<Device>>,
+        devices: &mut Vec<Arc<Device>>,
+    ) -> LegSpec {
         let mut index = |dev: Arc<Device>| match devices.iter().position(|d| Arc::ptr_eq(d, &dev)) {
             Some(d) => d,
             None => {
@@ -256,13 +268,17 @@ impl Pool {
                 devices.len() - 1
             }
         };
-        if let Some(r) = &l.remote {
-            let device = self.remote_device(r).map_or(MISSING, &mut index);
+        let whole = match (&l.remote, thin) {
+            (Some(r), _) => Some((self.remote_device(r).map_or(MISSING, &mut index), true)),
+            (None, Some(t)) => Some((index(t.clone()), false)),
+            (None, None) => None,
+        };
+        if let Some((device, far)) = whole {
             return LegSpec {
                 slot: l.slot,
                 id: table_leg_id(l),
                 synced: l.synced,
-                far: true,
+                far,
                 pieces: vec![LegPiece {
                     logical: 0,
                     len: size,
@@ -301,10 +317,11 @@ impl Pool {
     pub(crate) fn open_mirror(&self, v: &VolumeEntry) -> Result<Mirror> {
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let size = self.mirror_size(v);
+        let thin = v.thin.is_some().then(|| self.thin_device(v)).transpose()?;
         let legs = v
             .legs
             .iter()
-            .map(|l| self.leg_spec(l, size, &mut devices))
+            .map(|l| self.leg_spec(l, size, thin.as_ref(), &mut devices))
             .collect();
         let present = |u: Uuid| self.members.iter().any(|m| m.uuid == u);
         if !crate::mirror::covered(v, self.table.min_extent, present) {

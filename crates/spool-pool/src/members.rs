@@ -357,6 +357,15 @@ impl Pool {
                     v.name
                 )));
             }
+            if v.remote_leg().is_some() && self.thin_uses(v, old) {
+                // Its chunks there would become holes behind the mirror: the copy there
+                // would keep data the copy here lost, and nothing would say so.
+                self.refresh_space();
+                return Err(Error::InvalidArgument(format!(
+                    "thin volume '{}' is being sent and has chunks on device {old}: finish or cancel the send first",
+                    v.name
+                )));
+            }
         }
         if let Some(m) = self.members.iter().find(|m| m.uuid == old) {
             if !m.isolated() && !force {

@@ -13,8 +13,12 @@ use crate::{Error, Pool, Result};
 
 pub use crate::metadata::MAX_COPIES;
 
-/// Whether every logical byte of mirrored `v` has a synced leg on a device `ok` accepts.
+/// Whether every logical byte of mirrored `v` has a synced leg on a device `ok` accepts. A
+/// thin volume being sent keeps its data in its map, which its synced local leg stands for.
 pub(crate) fn covered(v: &VolumeEntry, min: u64, ok: impl Fn(Uuid) -> bool) -> bool {
+    if v.thin.is_some() {
+        return v.legs.iter().any(|l| l.synced && l.remote.is_none());
+    }
     let legs: Vec<_> = v
         .legs
         .iter()

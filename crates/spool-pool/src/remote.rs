@@ -110,7 +110,7 @@ impl Pool {
                     v.name, r.uri, v.name
                 )));
             }
-            let dev = open_remote(&v.name, uri, self.round_up(v.size)?)?;
+            let dev = open_remote(&v.name, uri, self.copy_bytes(&v)?)?;
             self.remote_cache().insert(r.id, Remote::Open(dev));
             tracing::info!(volume = %v.name, to = %uri, "volume send resumed");
             return Ok(self.volume_info(&v));
@@ -126,7 +126,7 @@ impl Pool {
                 v.name
             )));
         }
-        let dev = open_remote(&v.name, uri, self.round_up(v.size)?)?;
+        let dev = open_remote(&v.name, uri, self.copy_bytes(&v)?)?;
         let slot = (0..MAX_COPIES)
             .find(|s| !v.legs.iter().any(|l| l.slot == *s))
             .expect("fewer legs than slots");
@@ -143,7 +143,7 @@ impl Pool {
         v.copies = v.copies.max(v.legs.len() as u8);
         if plain {
             if let Some(path) = self.bitmap_path(v.uuid) {
-                let bytes = self.round_up(v.size)?;
+                let bytes = self.copy_bytes(&v)?;
                 spool_mirror::create_clean_bitmap(&path, bytes).map_err(|e| {
                     Error::InvalidArgument(format!(
                         "cannot create the write-intent bitmap {}: {e}",
@@ -173,6 +173,24 @@ impl Pool {
             )));
         };
         let (slot, leg_id) = (l.slot, l.remote.as_ref().expect("a remote leg").id);
+        let (name, uri) = (v.name.clone(), l.remote.as_ref().map(|r| r.uri.clone()));
+        // A write that failed here and completed there (a thin volume's pool ran full) is
+        // held only by the other host until the copy here is rebuilt from it.
+        if let Ok(m) = self.open_mirror(&self.table.volumes[self.find(id)?]) {
+            let p = m.progress();
+            let missed: u64 = p
+                .legs
+                .iter()
+                .filter(|l| l.slot != slot)
+                .map(|l| l.stale_bytes)
+                .sum();
+            if missed > 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "volume '{name}' here misses {missed} bytes that only its copy on {} holds (writes that failed here): cancelling now would lose them; wait until the copy here is rebuilt from it, or finish the send",
+                    uri.unwrap_or_default()
+                )));
+            }
+        }
         let info = self.remove_leg(id, Some(slot))?;
         self.remote_cache().remove(&leg_id);
         tracing::info!(volume = %id, "volume send ended: the remote leg is removed");
@@ -301,12 +319,19 @@ impl Pool {
         Ok(())
     }
 
+    /// The bytes of `v`'s copy on the other host (its size rounded up to the pool's extent;
+    /// a thin volume's: its size).
+    fn copy_bytes(&self, v: &VolumeEntry) -> Result<u64> {
+        match v.thin.is_some() {
+            true => Ok(v.size),
+            false => self.round_up(v.size),
+        }
+    }
+
     /// What a send cannot carry, refused with the reason.
     fn refuse_send(&self, v: &VolumeEntry, key_there: bool) -> Result<()> {
         let why = if v.rbd.is_some() {
             Some("it is an RBD image: every host of the cluster reaches it already")
-        } else if v.thin.is_some() {
-            Some("thin volumes cannot be sent yet")
         } else if v.encryption.is_some() && !key_there && v.remote_leg().is_none() {
             Some("it is encrypted, and an export given by hand has no data key for its ciphertext: send it through the destination's transfer listener (--to HOST:PORT --token T), which creates it there under the same data key")
         } else {

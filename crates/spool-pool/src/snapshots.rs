@@ -250,6 +250,13 @@ impl Pool {
             return self.rbd_revert(&v, &dev, snap);
         }
         let (_, v, dev) = self.thin_volume(id)?;
+        if let Some(r) = v.remote_leg().and_then(|l| l.remote.as_ref()) {
+            // The revert would change the copy here behind the mirror's back.
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is being sent to {}: a revert here would not reach the copy there; finish or cancel the send first",
+                v.name, r.uri
+            )));
+        }
         let t = v.thin.as_ref().expect("thin_volume checked");
         let s = &t.snapshots[no_such_snapshot(&v, t, snap)?];
         let backend = thin_backend(&v, &dev)?;

@@ -90,6 +90,59 @@ fn tables_that_misdescribe_a_thin_volume_are_refused() {
     assert!(bad.validate().is_err());
 }
 
+/// While it is sent a thin volume has two legs without extents: a synced local one standing
+/// for its map, and the remote one (format version 9); no other legs, copies or extents.
+#[test]
+fn a_thin_volume_being_sent_has_exactly_its_maps_leg_and_the_remote_one() {
+    let d = tempfile::tempdir().unwrap();
+    let mut p = Pool::open(&[spec(d.path(), "a", 9)], opts()).unwrap();
+    p.create_thin_volume("t", 64 << 20, false, 1, false)
+        .unwrap();
+    let mut sent = p.table.clone();
+    let v = &mut sent.volumes[0];
+    v.make_mirrored();
+    v.legs.push(metadata::LegEntry {
+        slot: 1,
+        synced: false,
+        extents: Vec::new(),
+        remote: Some(metadata::RemoteLeg {
+            uri: "nbd://host:10809/t".into(),
+            id: uuid::Uuid::new_v4(),
+        }),
+    });
+    v.copies = 2;
+    assert_eq!(sent.validate(), Ok(()));
+    assert_eq!(sent.format_version(), 9);
+    let map = sent.volumes[0].thin.as_ref().unwrap().map.clone();
+    type Break = Box<dyn Fn(&mut metadata::VolumeEntry)>;
+    let cases: Vec<(Break, &str)> = vec![
+        (Box::new(|v| v.copies = 3), "legs only while it is sent"),
+        (
+            Box::new(|v| v.legs[1].remote = None),
+            "legs only while it is sent",
+        ),
+        (
+            Box::new(|v| v.legs.truncate(1)),
+            "legs only while it is sent",
+        ),
+        (
+            Box::new(move |v| v.legs[0].extents = map.clone()),
+            "legs only while it is sent",
+        ),
+        (
+            Box::new(|v| v.legs[0].synced = false),
+            "no synced leg on this pool",
+        ),
+        (Box::new(|v| v.legs[1].slot = 0), "repeated"),
+    ];
+    for (i, (f, needle)) in cases.iter().enumerate() {
+        let mut bad = sent.clone();
+        f(&mut bad.volumes[0]);
+        let e = bad.validate().unwrap_err();
+        assert!(e.contains(needle), "case {i}: {e}");
+    }
+}
+
 #[test]
 fn a_refused_map_keeps_the_chunks_it_still_names() {
     let d = tempfile::tempdir().unwrap();

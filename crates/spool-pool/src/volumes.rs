@@ -360,11 +360,12 @@ impl Pool {
         } else {
             self.commit(table)?;
         }
+        // A thin volume being sent: its mirror (whose copy reads the thin device) ends first.
+        self.drop_mirror(v.uuid);
         // A thin volume's allocator stops before its map's extents are free.
         self.release_thin(v.uuid);
         let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
         self.release(&all);
-        self.drop_mirror(v.uuid);
         tracing::info!(volume = %v.name, uuid = %v.uuid, "volume deleted");
         Ok(info)
     }

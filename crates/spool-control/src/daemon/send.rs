@@ -74,6 +74,15 @@ impl Daemon {
     /// (the VM has moved).
     fn finish_send(&self, id: &str) -> Result<SendInfo, RpcError> {
         let info = self.send_info(id, None)?;
+        // A thin volume's snapshots stay here (the copy there has none): finishing would
+        // delete them with the volume.
+        let snapshots = self.pool().snapshots(id).map_or(0, |s| s.len());
+        if snapshots > 0 {
+            return Err(RpcError::InvalidParams(format!(
+                "volume '{}' has {snapshots} snapshot(s) here, which its copy on {} does not have: finishing would delete them with the volume; delete them first (volume snapshot delete), or cancel the send",
+                info.volume, info.to
+            )));
+        }
         if !self.pool().send_complete(id)? {
             return Err(RpcError::InvalidParams(format!(
                 "the copy of volume '{}' on {} is not complete yet ({} bytes left): finishing now would lose data; wait, or cancel the send",

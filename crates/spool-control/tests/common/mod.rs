@@ -192,6 +192,22 @@ impl Spoold {
         }
     }
 
+    /// Waits (up to 10 s) until spoold has seen the client of `volume` go (a client's
+    /// disconnection reaches it asynchronously).
+    pub fn wait_disconnected(&self, volume: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self
+                .rpc("volume_show", serde_json::json!({ "id": volume }))
+                .unwrap();
+            if v["connected"] == serde_json::json!(false) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{v}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The serving worker's pid.
     pub fn worker_pid(&self) -> u32 {
         self.status()["pid"].as_u64().unwrap() as u32

@@ -20,10 +20,11 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// a higher version. A table is written as version 1 unless it uses something version 1
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
 /// images: version 4; encrypted volumes: version 5; thin volumes: version 6; snapshots and
-/// clones: version 7; a copy being sent to another host: version 8), so an older spoold
+/// clones: version 7; a copy being sent to another host: version 8; a thin volume being sent:
+/// version 9), so an older spoold
 /// refuses a table it would otherwise rewrite without them, and still reads every table that
 /// needs nothing new.
-pub const FORMAT_VERSION: u32 = 8;
+pub const FORMAT_VERSION: u32 = 9;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -304,11 +305,10 @@ impl PoolTable {
     /// The oldest record format that can hold this table (see [`FORMAT_VERSION`]).
     pub fn format_version(&self) -> u32 {
         let shares = |t: &ThinMap| !t.snapshots.is_empty() || t.origin.is_some();
-        if self
-            .volumes
-            .iter()
-            .any(|v| v.legs.iter().any(|l| l.remote.is_some()))
-        {
+        let sent = |v: &VolumeEntry| v.legs.iter().any(|l| l.remote.is_some());
+        if self.volumes.iter().any(|v| v.thin.is_some() && sent(v)) {
+            9
+        } else if self.volumes.iter().any(sent) {
             8
         } else if self
             .volumes

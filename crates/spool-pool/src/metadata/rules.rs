@@ -158,8 +158,9 @@ impl PoolTable {
 }
 
 impl PoolTable {
-    /// A thin volume: no extents or copies of its own, chunks of the pool's minimum extent,
-    /// a map holding an entry for every chunk.
+    /// A thin volume: no extents or copies of its own (but while it is sent: a local leg
+    /// without extents, standing for its map, and the remote leg), chunks of the pool's
+    /// minimum extent, a map holding an entry for every chunk.
     fn validate_thin(
         &self,
         v: &VolumeEntry,
@@ -168,11 +169,7 @@ impl PoolTable {
         mut extent: impl FnMut(Uuid, u64, u64),
     ) -> Result<(), String> {
         let what = format!("volume '{}'", v.name);
-        if !v.extents.is_empty() || !v.legs.is_empty() || v.copies != 0 || v.rbd.is_some() {
-            return Err(format!(
-                "{what}: a thin volume has extents, copies or an RBD image of its own"
-            ));
-        }
+        thin_shape(v).map_err(|why| format!("{what}: {why}"))?;
         if t.chunk != self.min_extent {
             return Err(format!(
                 "{what}: thin chunk size {} is not the pool's min_extent {}",
@@ -233,6 +230,23 @@ impl PoolTable {
             }
         }
         Ok(())
+    }
+}
+
+/// A thin volume's own fields: no extents, copies or RBD image; legs only while it is sent
+/// (a synced local one without extents, standing for its map, and the remote one).
+fn thin_shape(v: &VolumeEntry) -> Result<(), String> {
+    let sent = v.copies == 2
+        && v.legs.len() == 2
+        && v.remote_leg().is_some()
+        && v.legs.iter().all(|l| l.extents.is_empty());
+    let own = !sent && (!v.legs.is_empty() || v.copies != 0);
+    if !v.extents.is_empty() || own || v.rbd.is_some() {
+        return Err("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one)".into());
+    }
+    match sent {
+        true => validate_legs(v),
+        false => Ok(()),
     }
 }
 
