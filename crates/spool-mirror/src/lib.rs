@@ -427,6 +427,13 @@ impl Mirror {
         }
     }
 
+    /// Stops the background thread (its copying and health keeping) for good and waits, at
+    /// most 5 s, until it has: after a `true`, nothing it does reaches a leg any more (a
+    /// volume being deleted, whose space is about to be given back).
+    pub fn stop_copying(&self) -> bool {
+        self.stop_resync()
+    }
+
     /// Ends the background thread and waits for it (bounded: a copy in progress finishes
     /// first); false, logged, when it did not end in time.
     fn stop_resync(&self) -> bool {

@@ -205,12 +205,18 @@ impl Pool {
             .legs
             .iter()
             .map(|l| {
-                let mut devices: Vec<Uuid> = Vec::new();
+                let mut leg_devices: Vec<Uuid> = Vec::new();
                 for e in &l.extents {
-                    if !devices.contains(&e.device) {
-                        devices.push(e.device);
+                    if !leg_devices.contains(&e.device) {
+                        leg_devices.push(e.device);
                     }
                 }
+                // A thin volume's leg here is its map (its devices are the volume's): the
+                // mirror's events name them.
+                if v.thin.is_some() && l.remote.is_none() {
+                    leg_devices = devices.clone();
+                }
+                let devices = leg_devices;
                 let trouble = l.remote.as_ref().and_then(|r| self.remote_trouble(r));
                 LegInfo {
                     slot: l.slot,
@@ -245,7 +251,8 @@ impl Pool {
             read_only: v.read_only,
             num_queues: v.num_queues,
             extents: v.all_extents().count(),
-            online: match v.is_mirrored() {
+            // A thin volume being sent is online as a thin volume is (its map's devices).
+            online: match v.is_mirrored() && v.thin.is_none() {
                 true => crate::mirror::covered(v, self.table.min_extent, usable),
                 false => devices
                     .iter()

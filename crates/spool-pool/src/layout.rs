@@ -395,12 +395,17 @@ impl Pool {
         }
     }
 
-    /// Forgets a deleted volume's mirror and bitmap.
+    /// Forgets a deleted volume's mirror (its copy stopped: a copy in flight must not land in
+    /// space given back next) and bitmap.
     pub(crate) fn drop_mirror(&self, uuid: Uuid) {
-        self.mirrors
+        let gone = self
+            .mirrors
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&uuid);
+        if let Some((_, m)) = gone {
+            m.stop_copying();
+        }
         if let Some(p) = self.bitmap_path(uuid) {
             let _ = std::fs::remove_file(p);
         }

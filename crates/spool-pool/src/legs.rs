@@ -79,6 +79,7 @@ impl Pool {
                 .position(|l| !l.synced)
                 .unwrap_or(v.legs.len() - 1),
         };
+        self.check_remote_leg_removable(&v, v.legs[at].slot)?;
         let leg = v.legs.remove(at);
         if !v.legs.iter().any(|l| l.synced && l.remote.is_none()) {
             return Err(Error::InvalidArgument(format!(

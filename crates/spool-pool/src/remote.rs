@@ -173,24 +173,6 @@ impl Pool {
             )));
         };
         let (slot, leg_id) = (l.slot, l.remote.as_ref().expect("a remote leg").id);
-        let (name, uri) = (v.name.clone(), l.remote.as_ref().map(|r| r.uri.clone()));
-        // A write that failed here and completed there (a thin volume's pool ran full) is
-        // held only by the other host until the copy here is rebuilt from it.
-        if let Ok(m) = self.open_mirror(&self.table.volumes[self.find(id)?]) {
-            let p = m.progress();
-            let missed: u64 = p
-                .legs
-                .iter()
-                .filter(|l| l.slot != slot)
-                .map(|l| l.stale_bytes)
-                .sum();
-            if missed > 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "volume '{name}' here misses {missed} bytes that only its copy on {} holds (writes that failed here): cancelling now would lose them; wait until the copy here is rebuilt from it, or finish the send",
-                    uri.unwrap_or_default()
-                )));
-            }
-        }
         let info = self.remove_leg(id, Some(slot))?;
         self.remote_cache().remove(&leg_id);
         tracing::info!(volume = %id, "volume send ended: the remote leg is removed");
@@ -263,7 +245,7 @@ impl Pool {
                 None => (FIRST_BACKOFF, None),
             };
             cache.insert(leg.id, Remote::Connecting(was));
-            let Ok(need) = self.round_up(v.size) else {
+            let Ok(need) = self.copy_bytes(v) else {
                 continue;
             };
             due.push(RemoteDue {
@@ -302,7 +284,7 @@ impl Pool {
     }
 
     /// Whether volume `id` may be sent (before anything is asked of a destination): not on
-    /// RBD or thin, encrypted only when the destination has its data key (`key_there`: a
+    /// RBD, encrypted only when the destination has its data key (`key_there`: a
     /// transfer listener took it in the hello), and with room for one more copy unless it
     /// is sent already.
     pub fn check_sendable(&self, id: &str, key_there: bool) -> Result<()> {
@@ -317,6 +299,61 @@ impl Pool {
             )));
         }
         Ok(())
+    }
+
+    /// Refuses to drop remote leg `slot` of `v` while no local leg is current (holds every
+    /// write, on a usable device; a write that failed here, such as a thin volume's that found
+    /// the pool full, completed on the other host alone).
+    pub(crate) fn check_remote_leg_removable(&self, v: &VolumeEntry, slot: u8) -> Result<()> {
+        let Some(uri) = v
+            .legs
+            .iter()
+            .find(|l| l.slot == slot)
+            .and_then(|l| l.remote.as_ref())
+        else {
+            return Ok(());
+        };
+        self.check_copy_here_complete(v, &format!("dropping its copy on {}", uri.uri))
+    }
+
+    /// Refuses `what` on volume `v`, which has a copy on another host, while no leg here is
+    /// current: the other host may then hold the only copy of some writes. A thin volume
+    /// whose mirror cannot be opened is refused too (what it misses is not known).
+    pub(crate) fn check_copy_here_complete(&self, v: &VolumeEntry, what: &str) -> Result<()> {
+        let progress = match self.open_mirror(v) {
+            Ok(m) => m.progress(),
+            Err(e) if v.thin.is_some() => {
+                return Err(Error::InvalidArgument(format!(
+                    "volume '{}': {what} is refused, since what its copy here misses cannot be told ({e}); bring the volume back first",
+                    v.name
+                )))
+            }
+            Err(_) => return Ok(()),
+        };
+        let here = |l: &&spool_mirror::LegProgress| {
+            v.legs
+                .iter()
+                .any(|e| e.slot == l.slot && e.remote.is_none())
+        };
+        if progress
+            .legs
+            .iter()
+            .filter(here)
+            .any(|l| l.state == "current")
+        {
+            return Ok(());
+        }
+        let missed = progress
+            .legs
+            .iter()
+            .filter(here)
+            .map(|l| l.stale_bytes)
+            .min();
+        Err(Error::InvalidArgument(format!(
+            "volume '{}' here misses {} bytes that only its copy on another host holds (writes that failed here): {what} now would lose them; wait until the copy here is rebuilt from there",
+            v.name,
+            missed.unwrap_or(0)
+        )))
     }
 
     /// The bytes of `v`'s copy on the other host (its size rounded up to the pool's extent;

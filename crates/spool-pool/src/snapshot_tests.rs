@@ -319,7 +319,7 @@ fn a_snapshot_of_an_encrypted_volume_reads_decrypted() {
 
 /// Devices a, b and c of 17 MiB, and thin volume t of `mib` MiB whose first 12 chunks
 /// hold 1, 2, ... 12.
-fn thin_pool_of_three(dir: &std::path::Path, mib: u64) -> Pool {
+pub(crate) fn thin_pool_of_three(dir: &std::path::Path, mib: u64) -> Pool {
     let specs: Vec<DeviceSpec> = ["a", "b", "c"].map(|n| spec(dir, n, 17)).to_vec();
     let mut p = Pool::open(&specs, opts()).unwrap();
     p.create_thin_volume("t", mib << 20, false, 1, false)

@@ -87,6 +87,11 @@ impl Pool {
         }
         let (i, v, dev) = self.thin_volume(id)?;
         check_volume_name(name).map_err(Error::InvalidArgument)?;
+        if v.remote_leg().is_some() {
+            // A snapshot of a copy missing writes only the other host holds would not hold
+            // every write completed before it.
+            self.check_copy_here_complete(&v, "a snapshot")?;
+        }
         let t = v.thin.as_ref().expect("thin_volume checked");
         if t.snapshots.iter().any(|s| s.name == name) {
             return Err(Error::InvalidArgument(format!(
