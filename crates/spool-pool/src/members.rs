@@ -290,7 +290,7 @@ impl Pool {
         // Thin volumes' chunks on it are lost, as thick extents are: their entries become
         // holes now, durably, after every other step that can fail and before the table
         // forgets the device.
-        volumes.extend(self.evict_thin(old, &mut table)?);
+        volumes.extend(self.evict_thin(old)?);
         for v in maps_moved {
             if !volumes.contains(&v) {
                 volumes.push(v);
@@ -319,11 +319,8 @@ impl Pool {
     }
 
     /// Makes every thin volume's entries naming a chunk on `old` holes (see
-    /// `ThinBackend::evict`); returns the names of the volumes that had some. Such a volume
-    /// being sent lost those chunks here as a plain one does: in `table`, its copy there gets
-    /// a new identity and is made again whole from what is left here, as a thick volume's is
-    /// when every copy here was lost, so both hosts hold the same bytes.
-    fn evict_thin(&self, old: Uuid, table: &mut PoolTable) -> Result<Vec<String>> {
+    /// `ThinBackend::evict`); returns the names of the volumes that had some.
+    fn evict_thin(&self, old: Uuid) -> Result<Vec<String>> {
         let mut touched = Vec::new();
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
             if !self.thin_uses(v, old) {
@@ -337,18 +334,6 @@ impl Pool {
             })?;
             if n > 0 {
                 touched.push(v.name.clone());
-            }
-        }
-        for v in table
-            .volumes
-            .iter_mut()
-            .filter(|v| touched.contains(&v.name))
-        {
-            for l in v.legs.iter_mut() {
-                if let Some(r) = &mut l.remote {
-                    r.id = Uuid::new_v4();
-                    l.synced = false;
-                }
             }
         }
         Ok(touched)
@@ -370,6 +355,15 @@ impl Pool {
                 return Err(Error::InvalidArgument(format!(
                     "thin volume '{}' is not served ({e}): which of its chunks lie on device {old} is unknown, so they cannot be forgotten; delete it first",
                     v.name
+                )));
+            }
+            if v.remote_leg().is_some() && self.thin_chunks_on(v, old) {
+                // Its chunks there would become holes here while the copy there still holds
+                // them (and may hold writes that failed here): finishing the send keeps them.
+                self.refresh_space();
+                return Err(Error::InvalidArgument(format!(
+                    "thin volume '{}' is being sent and has chunks on device {old}, which the copy there holds: finish the send (volume send {} --finish) once it is current, or cancel it, then replace the device",
+                    v.name, v.name
                 )));
             }
         }

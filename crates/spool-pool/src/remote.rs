@@ -317,42 +317,45 @@ impl Pool {
     }
 
     /// Refuses `what` on volume `v`, which has a copy on another host, while no leg here is
-    /// current: the other host may then hold the only copy of some writes. A thin volume
-    /// whose mirror cannot be opened is refused too (what it misses is not known).
+    /// current: the other host may then hold the only copy of some writes. A volume whose
+    /// mirror cannot be opened is refused too (what it misses is not known), and so is a thin
+    /// volume with chunks on an isolated device (its thin device still reads as current).
     pub(crate) fn check_copy_here_complete(&self, v: &VolumeEntry, what: &str) -> Result<()> {
         let progress = match self.open_mirror(v) {
             Ok(m) => m.progress(),
-            Err(e) if v.thin.is_some() => {
+            Err(e) => {
                 return Err(Error::InvalidArgument(format!(
                     "volume '{}': {what} is refused, since what its copy here misses cannot be told ({e}); bring the volume back first",
                     v.name
                 )))
             }
-            Err(_) => return Ok(()),
         };
         let here = |l: &&spool_mirror::LegProgress| {
             v.legs
                 .iter()
                 .any(|e| e.slot == l.slot && e.remote.is_none())
         };
-        if progress
-            .legs
-            .iter()
-            .filter(here)
-            .any(|l| l.state == "current")
+        let lost = v.thin.is_some()
+            && (self.members.iter()).any(|m| m.isolated() && self.thin_chunks_on(v, m.uuid));
+        if !lost
+            && progress
+                .legs
+                .iter()
+                .filter(here)
+                .any(|l| l.state == "current")
         {
             return Ok(());
         }
-        let missed = progress
+        let legs: Vec<String> = progress
             .legs
             .iter()
             .filter(here)
-            .map(|l| l.stale_bytes)
-            .min();
+            .map(|l| format!("leg {} {}, {} bytes stale", l.slot, l.state, l.stale_bytes))
+            .collect();
         Err(Error::InvalidArgument(format!(
-            "volume '{}' here misses {} bytes that only its copy on another host holds (writes that failed here): {what} now would lose them; wait until the copy here is rebuilt from there",
+            "volume '{}' has no current copy here ({}): its copy on another host may hold the only copy of some writes, and {what} now would lose them; wait until the copy here is current again (rebuilt from there), or finish the send",
             v.name,
-            missed.unwrap_or(0)
+            legs.join("; ")
         )))
     }
 

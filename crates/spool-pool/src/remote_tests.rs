@@ -323,11 +323,7 @@ fn a_write_only_the_other_host_holds_keeps_its_copy_until_it_is_back_here() {
         p.remove_leg("t", Some(1)).unwrap_err(),
         p.snapshot_volume("t", "s").unwrap_err(),
     ] {
-        assert!(
-            e.to_string()
-                .contains("only its copy on another host holds"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("no current copy here"), "{e}");
     }
     for m in &p.members {
         m.dev.faults().clear();
@@ -342,25 +338,18 @@ fn a_write_only_the_other_host_holds_keeps_its_copy_until_it_is_back_here() {
     assert!(back == data, "the write is not here");
 }
 
-/// A device replaced under a thin volume being sent: its chunks there are lost here, as a
-/// plain thin volume's are, and the copy there is made again whole from what is left here (a
-/// new identity for the remote leg), so both hosts hold the same bytes again.
+/// A device holding chunks of a thin volume being sent is not replaced while the send runs
+/// (its chunks would become holes here while the copy there holds them): the refusal says
+/// to finish or cancel; once the send is cancelled, the device is replaced.
 #[test]
 #[ignore = "needs qemu-nbd (run by scripts/test.sh)"]
-fn a_device_replaced_under_a_thin_volume_being_sent_sends_it_again() {
+fn a_device_under_a_thin_volume_being_sent_is_replaced_once_the_send_ends() {
     let d = tempfile::tempdir().unwrap();
     let mut p = crate::snapshot_tests::thin_pool_of_three(d.path(), 12);
     let far = Remote::start_as(d.path(), "far", 12 << 20);
     p.send_volume("t", &far.uri, false).unwrap();
     p.layout("t").unwrap();
     wait_current(&mut p, "t");
-    let remote_id = |p: &Pool| {
-        let v = &p.table.volumes[p.find("t").unwrap()];
-        let l = v.remote_leg().unwrap();
-        (l.remote.as_ref().unwrap().id, l.synced)
-    };
-    let (before, synced) = remote_id(&p);
-    assert!(synced);
     let v = p.table.volumes[p.find("t").unwrap()].clone();
     let dev = p.thin_device(&v).unwrap();
     let live = spool_thin::ThinBackend::of(&dev).unwrap().live_entries();
@@ -368,25 +357,14 @@ fn a_device_replaced_under_a_thin_volume_being_sent_sends_it_again() {
     let victim = (p.members.iter().map(|m| m.uuid))
         .find(|u| !with_map.contains(u) && live.iter().any(|e| e.1.device == *u))
         .expect("a device with chunks and no map");
-    p.replace_device(&victim.to_string(), &spec(d.path(), "n", 17), true)
+    let e = p
+        .replace_device(&victim.to_string(), &spec(d.path(), "n", 17), true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("finish the send"), "{e}");
+    p.cancel_send("t").unwrap();
+    let r = p
+        .replace_device(&victim.to_string(), &spec(d.path(), "n", 17), true)
         .unwrap();
-    let (after, synced) = remote_id(&p);
-    assert!(
-        after != before && !synced,
-        "the copy there is not sent again"
-    );
-    // The daemon's settler connects the leg under its new identity.
-    assert!(p.remotes_due().into_iter().all(|r| r.connect()));
-    p.layout("t").unwrap();
-    wait_current(&mut p, "t");
-    let mut here = vec![0u8; 12 << 20];
-    thin_io(&p, "t", false, 0, &mut here);
-    assert!(
-        here.chunks(1 << 20).any(|c| c.iter().all(|&b| b == 0)),
-        "nothing lost here"
-    );
-    assert!(
-        std::fs::read(&far.file).unwrap() == here,
-        "the hosts differ"
-    );
+    assert_eq!(r.volumes, vec!["t".to_string()]);
 }

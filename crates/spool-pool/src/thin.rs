@@ -444,6 +444,16 @@ impl Pool {
             .is_some_and(|t| t.placements().iter().any(|p| p.device == uuid))
     }
 
+    /// Whether thin volume `v` keeps any chunk (data, not its map) on device `uuid`.
+    pub(crate) fn thin_chunks_on(&self, v: &VolumeEntry, uuid: Uuid) -> bool {
+        let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .get(&v.uuid)
+            .and_then(|d| d.as_ref().ok())
+            .and_then(|d| ThinBackend::of(d))
+            .is_some_and(|t| t.placements().iter().any(|p| p.device == uuid))
+    }
+
     /// Thin volume `uuid` now, as `volume show` tells it.
     pub(crate) fn thin_state(&self, uuid: Uuid) -> ThinState {
         let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
