@@ -433,15 +433,8 @@ impl Pool {
 
     /// Whether thin volume `v` keeps its map or any chunk on device `uuid`.
     pub(crate) fn thin_uses(&self, v: &VolumeEntry, uuid: Uuid) -> bool {
-        if v.thin.is_some() && v.all_extents().any(|e| e.device == uuid) {
-            return true;
-        }
-        let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
-        cache
-            .get(&v.uuid)
-            .and_then(|d| d.as_ref().ok())
-            .and_then(|d| ThinBackend::of(d))
-            .is_some_and(|t| t.placements().iter().any(|p| p.device == uuid))
+        (v.thin.is_some() && v.all_extents().any(|e| e.device == uuid))
+            || self.thin_chunks_on(v, uuid)
     }
 
     /// Whether thin volume `v` keeps any chunk (data, not its map) on device `uuid`.
