@@ -29,6 +29,8 @@ mod resync;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_stop;
+#[cfg(test)]
 mod tests_sync;
 #[cfg(test)]
 mod tests_zeroes;
@@ -429,7 +431,9 @@ impl Mirror {
 
     /// Stops the background thread (its copying and health keeping) for good and waits, at
     /// most 5 s, until it has: after a `true`, nothing it does reaches a leg any more (a
-    /// volume being deleted, whose space is about to be given back).
+    /// volume being deleted, whose space is about to be given back). After a `false` (a
+    /// piece's read still waiting, on a hung link), the thread writes nothing more once that
+    /// read completes; only a write already submitted to a hung leg device can still land.
     pub fn stop_copying(&self) -> bool {
         self.stop_resync()
     }
