@@ -159,3 +159,24 @@ fn volume_qos_params_and_limits_on_the_wire() {
     };
     assert_eq!(wire(&clear), r#"{"clear":true,"id":"v"}"#);
 }
+
+/// A thick volume's hello is what a spoold from before the `thin` field reads (it refuses
+/// unknown fields); a thin one's says so, and reads back.
+#[test]
+fn a_transfer_hello_names_thin_only_for_thin_volumes() {
+    let mut hello = TransferHello {
+        version: TRANSFER_VERSION,
+        token: "t".repeat(16),
+        volume: "v".into(),
+        size: 1 << 20,
+        num_queues: 1,
+        copies: 1,
+        qos: None,
+        key: None,
+        thin: false,
+    };
+    assert!(!wire(&hello).contains("thin"), "{}", wire(&hello));
+    hello.thin = true;
+    let back: TransferHello = serde_json::from_str(&wire(&hello)).unwrap();
+    assert_eq!(back, hello);
+}

@@ -108,6 +108,11 @@ pub struct TransferHello {
     /// sent is its ciphertext.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<TransferKey>,
+    /// The volume is thin here: the destination creates it thin too, so that only what the
+    /// copy writes takes space there (its holes cross as write-zeroes and stay holes).
+    /// Left out when false, so a thick volume's hello reads as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub thin: bool,
 }
 
 /// An encrypted volume's data key as the sender's pool table holds it: wrapped (AES key

@@ -416,7 +416,7 @@ fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
 }
 
 /// A thin volume sent through the transfer listener: its holes cross without being
-/// allocated here, B reads back what A's client wrote; `--finish` is refused while it has
+/// allocated here or there (B creates it thin), B reads back what A's client wrote; `--finish` is refused while it has
 /// snapshots (the copy there has none), then deletes it here once they are gone. (A revert
 /// refused while it is sent: the pool's `a_thin_volume_is_sent_with_its_holes_as_write_zeroes`.)
 #[test]
@@ -443,6 +443,11 @@ fn a_thin_volume_is_sent_through_the_transfer_listener() {
         mapped(&a),
         before,
         "the copy allocated the volume's holes here"
+    );
+    assert_eq!(
+        mapped(&b),
+        before,
+        "B's copy is thin, its holes not allocated there"
     );
     drop(c);
     reads_back(&b, &want);

@@ -25,6 +25,7 @@ mod null;
 mod nvme;
 mod queue;
 mod rbd;
+mod sync_queue;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
@@ -67,6 +68,7 @@ pub use queue::{
     completion_eventfd, drain_done, epoll_new, epoll_watch, DeviceIo, DeviceQueue, IoVec,
     UringQueue,
 };
+pub use sync_queue::{run_one, AlignedBuf};
 
 /// Errors of the devices layer.
 #[derive(Debug, thiserror::Error)]

@@ -10,26 +10,8 @@
 use std::time::Duration;
 
 use super::Shared;
+pub(crate) use spool_devices::AlignedBuf;
 use spool_devices::{DeviceIo, DeviceQueue, Error, ErrorReport, IoVec, Result, Signal};
-
-/// A byte buffer whose usable part is page aligned (what O_DIRECT and DMA want).
-#[derive(Default)]
-pub(crate) struct AlignedBuf {
-    v: Vec<u8>,
-}
-
-impl AlignedBuf {
-    const ALIGN: usize = 4096;
-
-    /// `len` bytes, page aligned (contents unspecified).
-    pub(crate) fn get(&mut self, len: usize) -> &mut [u8] {
-        if self.v.len() < len + Self::ALIGN {
-            self.v = vec![0; len + Self::ALIGN];
-        }
-        let at = self.v.as_ptr().align_offset(Self::ALIGN);
-        &mut self.v[at..at + len]
-    }
-}
 
 /// Queues on the legs' devices, one per device, for synchronous use by one thread.
 #[derive(Default)]
@@ -126,40 +108,26 @@ impl LegIo {
             .get(d)
             .map(|dev| dev.path().to_path_buf());
         let q = self.queue(shared, d)?;
-        // SAFETY: the iovec and buffer `io` points at outlive this call, and this call
-        // returns only once the completion for the command has been reaped.
-        unsafe { q.submit(io, 1) };
-        let mut res = None;
-        let mut waited = Duration::ZERO;
-        let tick = Duration::from_micros(50);
-        loop {
-            let _ = q.kick();
-            q.reap(&mut |_, r| res = Some(r));
-            if let Some(r) = res {
-                if r < 0 && r != -libc::ECANCELED && !(zeroes && unsupported(-r)) {
-                    if let Some(dev) = shared.spec.devices.get(d) {
-                        dev.health().report(ErrorReport {
-                            signal: Signal::Errno(-r),
-                            offset,
-                            len,
-                            write,
-                        });
-                    }
-                }
-                return match r {
-                    r if r >= 0 => Ok(()),
-                    r => Err(Error::io(
-                        path.as_deref().unwrap_or(std::path::Path::new("?")),
-                        "resync I/O",
-                        std::io::Error::from_raw_os_error(-r),
-                    )),
-                };
+        // SAFETY: the iovec and buffer `io` points at outlive this call, which returns only
+        // once the command's completion is reaped; the queue has nothing else in flight.
+        let r = unsafe { spool_devices::run_one(&mut **q, io, Duration::from_secs(10)) };
+        if r < 0 && r != -libc::ECANCELED && !(zeroes && unsupported(-r)) {
+            if let Some(dev) = shared.spec.devices.get(d) {
+                dev.health().report(ErrorReport {
+                    signal: Signal::Errno(-r),
+                    offset,
+                    len,
+                    write,
+                });
             }
-            std::thread::sleep(tick);
-            waited += tick;
-            if waited == Duration::from_secs(10) {
-                q.abort();
-            }
+        }
+        match r {
+            r if r >= 0 => Ok(()),
+            r => Err(Error::io(
+                path.as_deref().unwrap_or(std::path::Path::new("?")),
+                "resync I/O",
+                std::io::Error::from_raw_os_error(-r),
+            )),
         }
     }
 }

@@ -365,9 +365,7 @@ fn copy_region(
             let buf = buf.get(n as usize);
             leg_read(shared, io, source, off + at, buf)?;
             if shared.stop.load(Ordering::Acquire) {
-                // The mirror was dropped while the read waited (a hung link): its space
-                // may be given back already, so the piece must not land.
-                return Ok(false);
+                return Ok(false); // dropped while the read waited: its space may be freed
             }
             // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
             // (a fresh volume sent to another host is mostly zeroes).

@@ -20,6 +20,7 @@ use spool_thin::{
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
+use crate::encryption::NewKey;
 use crate::metadata::{ExtentEntry, ThinMap, VolumeEntry};
 use crate::{Error, Pool, Result, VolumeInfo};
 
@@ -347,15 +348,46 @@ impl Pool {
         num_queues: u16,
         encrypt: bool,
     ) -> Result<VolumeInfo> {
+        let key = match encrypt {
+            true => NewKey::Fresh,
+            false => NewKey::Plain,
+        };
+        self.create_thin_with(name, size, read_only, num_queues, key)
+    }
+
+    /// Creates thin volume `name` for a transfer from another host (docs/transfer.md): as
+    /// the sender has it, under the sender's data key if it is encrypted.
+    pub fn create_received_thin_volume(
+        &mut self,
+        name: &str,
+        size: u64,
+        num_queues: u16,
+        key: Option<crate::metadata::VolumeKey>,
+    ) -> Result<VolumeInfo> {
+        let key = key.map_or(NewKey::Plain, NewKey::Given);
+        self.create_thin_with(name, size, false, num_queues, key)
+    }
+
+    fn create_thin_with(
+        &mut self,
+        name: &str,
+        size: u64,
+        read_only: bool,
+        num_queues: u16,
+        key: NewKey,
+    ) -> Result<VolumeInfo> {
         self.check_new_volume(name, size, num_queues)?;
         let chunk = self.table.min_extent;
         let map_bytes = spool_thin::map::map_bytes(size.div_ceil(chunk));
         let bytes = self.round_up(map_bytes)?;
         self.check_space(bytes)?;
         let mut v = VolumeEntry::new(name, size, read_only, num_queues);
-        if encrypt {
-            v.encryption = Some(self.new_volume_key(&v)?);
-        }
+        v.encryption = match key {
+            NewKey::Plain => None,
+            NewKey::Fresh => Some(self.new_volume_key(&v)?),
+            NewKey::Given(k) => Some(self.check_received_key(&v, k)?),
+        };
+        let encrypt = v.encryption.is_some();
         let map = self.allocate(bytes)?;
         if let Err(e) = self.scrub(&map) {
             self.release(&map);

@@ -61,17 +61,17 @@ impl VolumeLayout {
 
 impl Pool {
     /// Whether volume `id`'s data may be written outside the data path (through its
-    /// layout: [`VolumeLayout::write_at`]): thick volumes, mirrored or not. A volume on RBD
-    /// (shared, and claimed by whoever serves it), a thin volume (whose chunks are allocated
-    /// by its queues), an encrypted one (whose data would cross the wire in the clear)
+    /// layout: [`VolumeLayout::write_at`]): thick volumes, mirrored or not, and thin ones
+    /// (through a queue of the thin device, which allocates chunks as a guest's writes do,
+    /// and leaves holes where zeroes are written whole chunks at a time). A volume on RBD
+    /// (shared, and claimed by whoever serves it), an encrypted one (whose data would cross
+    /// the wire in the clear)
     /// unless the writer sends its `ciphertext` (another spoold sending it under the same
     /// data key: what is written is what the devices hold), and a read-only one are refused.
     pub fn check_writable_outside(&self, id: &str, ciphertext: bool) -> Result<VolumeInfo> {
         let v = self.volume(id)?;
         let why = if v.rbd.is_some() {
             "is on RBD (its image is shared by the cluster's hosts: it needs no transfer, and one would write it without its claim)"
-        } else if v.thin.is_some() {
-            "is thin (its chunks are allocated by its queues)"
         } else if v.encrypted && !ciphertext {
             "is encrypted (its data would cross the wire in the clear; only another spoold sends it, as ciphertext, through the transfer listener)"
         } else if v.read_only {

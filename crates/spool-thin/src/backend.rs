@@ -29,6 +29,8 @@ pub type LoadedMap = Vec<(u64, Placement)>;
 pub struct ThinBackend {
     pub(crate) shared: Arc<Shared>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The queue of synchronous calls (`read_at`, `write_at_durable`, `zero_range`).
+    pub(crate) sync_io: crate::sync_io::SyncIo,
 }
 
 impl ThinBackend {
@@ -122,6 +124,7 @@ impl ThinBackend {
             ThinBackend {
                 shared: shared.clone(),
                 thread: Mutex::new(Some(thread)),
+                sync_io: Default::default(),
             },
             &[],
         ));
@@ -412,6 +415,7 @@ impl ThinBackend {
     /// Stops the allocator thread and waits for it: afterwards the map changes no more,
     /// and writes to holes fail.
     pub fn shut_down(&self) {
+        self.sync_io.close();
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake.notify_all();
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -531,16 +535,16 @@ impl PoolDevice for ThinBackend {
         }
     }
 
-    fn read_at(&self, _buf: &mut [u8], _offset: u64) -> spool_devices::Result<()> {
-        Err(self.no_sync_io())
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> spool_devices::Result<()> {
+        crate::sync_io::SyncCalls(&self.shared, &self.sync_io).read(buf, offset)
     }
 
-    fn write_at_durable(&self, _buf: &[u8], _offset: u64) -> spool_devices::Result<()> {
-        Err(self.no_sync_io())
+    fn write_at_durable(&self, buf: &[u8], offset: u64) -> spool_devices::Result<()> {
+        crate::sync_io::SyncCalls(&self.shared, &self.sync_io).write(buf, offset)
     }
 
-    fn zero_range(&self, _offset: u64, _len: u64) -> spool_devices::Result<()> {
-        Err(self.no_sync_io())
+    fn zero_range(&self, offset: u64, len: u64) -> spool_devices::Result<()> {
+        crate::sync_io::SyncCalls(&self.shared, &self.sync_io).zero(offset, len)
     }
 
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
@@ -553,14 +557,5 @@ impl PoolDevice for ThinBackend {
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
-    }
-}
-
-impl ThinBackend {
-    fn no_sync_io(&self) -> spool_devices::Error {
-        spool_devices::Error::Invalid {
-            path: self.shared.spec.path.display().to_string(),
-            msg: "a thin volume has no synchronous I/O (its chunks are on the pool devices)".into(),
-        }
     }
 }

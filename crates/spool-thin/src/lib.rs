@@ -24,6 +24,7 @@ mod relocate;
 mod share;
 mod shared;
 mod snapshot;
+mod sync_io;
 
 use std::sync::Arc;
 

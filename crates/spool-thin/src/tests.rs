@@ -14,6 +14,7 @@ use crate::{ChunkSource, SharedChunks, ThinBackend, ThinSpec};
 
 mod relocate;
 mod snapshots;
+mod sync_io;
 
 const CHUNK: u64 = 64 << 10;
 /// Device layout: the map at 0..64K, chunks from 64K on.

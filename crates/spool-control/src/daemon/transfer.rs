@@ -269,13 +269,24 @@ impl Daemon {
                 if let Some(q) = &qos {
                     q.validate().map_err(RpcError::InvalidParams)?;
                 }
-                let created = self.pool().create_received_volume(
-                    &h.volume,
-                    h.size,
-                    h.num_queues,
-                    h.copies,
-                    key,
-                );
+                let created = if h.thin {
+                    if h.copies > 1 {
+                        return Err(RpcError::InvalidParams(format!(
+                            "volume '{}' is thin with {} copies on the sender: a thin volume here keeps one copy",
+                            h.volume, h.copies
+                        )));
+                    }
+                    let pool = &mut self.pool();
+                    pool.create_received_thin_volume(&h.volume, h.size, h.num_queues, key)
+                } else {
+                    self.pool().create_received_volume(
+                        &h.volume,
+                        h.size,
+                        h.num_queues,
+                        h.copies,
+                        key,
+                    )
+                };
                 if let Err(e) = self.serve(&created?) {
                     return Err(RpcError::NotServed(e.to_string()));
                 }
@@ -290,7 +301,7 @@ impl Daemon {
                         self.publish_layout(&v, l);
                     }
                 }
-                tracing::info!(volume = %h.volume, size = h.size, queues = h.num_queues, copies = h.copies, "volume created for a transfer");
+                tracing::info!(volume = %h.volume, size = h.size, queues = h.num_queues, copies = h.copies, thin = h.thin, "volume created for a transfer");
                 self.pool()
                     .check_writable_outside(&h.volume, true)
                     .map_err(Into::into)
@@ -332,6 +343,7 @@ impl Daemon {
                 wrapped: k.wrapped,
                 tag: String::new(),
             }),
+            thin: v.thin.is_some(),
         };
         if hello.key.is_some() {
             let tag = self.pool().transfer_tag(&untagged(&hello))?;
