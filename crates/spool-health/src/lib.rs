@@ -152,12 +152,17 @@ struct Inner {
 
 type Listener = Box<dyn Fn(&Event) + Send + Sync>;
 
+/// What keeps an isolation across a worker restart: called with the device, its new state
+/// (failed or removed) and why, before the state is set (see [`Monitor::record_isolations`]).
+pub(crate) type Recorder = Box<dyn Fn(Uuid, HealthState, &str) + Send + Sync>;
+
 /// The health monitor: one thread for every device of a pool.
 pub struct Monitor {
     policy: Policy,
     inner: Mutex<Inner>,
     stop: AtomicBool,
     listeners: Mutex<Vec<Listener>>,
+    recorder: std::sync::OnceLock<Recorder>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -190,6 +195,7 @@ impl Monitor {
             }),
             stop: AtomicBool::new(false),
             listeners: Mutex::new(Vec::new()),
+            recorder: std::sync::OnceLock::new(),
             thread: Mutex::new(None),
         });
         let weak = Arc::downgrade(&m);
@@ -224,6 +230,15 @@ impl Monitor {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Calls `f(device, state, why)` before each device is isolated (failed or removed),
+    /// from the monitor thread under its lock, before any worker or caller can see the new
+    /// state: what `f` records (the kept state a restarted worker restores) is then never
+    /// behind what was seen, even if the process dies right after. It must not call the
+    /// monitor. Set once; later calls are ignored.
+    pub fn record_isolations(&self, f: impl Fn(Uuid, HealthState, &str) + Send + Sync + 'static) {
+        let _ = self.recorder.set(Box::new(f));
     }
 
     /// Calls `f` for every event from now on (from the monitor thread; keep it short).

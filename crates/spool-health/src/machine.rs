@@ -27,7 +27,10 @@ pub(crate) struct Emitted {
 }
 
 /// Moves `health` to `to` and, if that changed the state, records why and emits the event.
+/// An isolation (failed, removed) is handed to the monitor's recorder first, so it is kept
+/// before anyone (a worker, an RPC) sees the state.
 fn go(
+    recorder: Option<&crate::Recorder>,
     w: &mut Watched,
     health: &DeviceHealth,
     now: Instant,
@@ -35,6 +38,11 @@ fn go(
     why: String,
     emit: &mut dyn FnMut(Emitted),
 ) {
+    if to.isolated() && health.state() != to {
+        if let Some(record) = recorder {
+            record(w.uuid, to, &why);
+        }
+    }
     let from = health.set(to);
     if from != to {
         w.changed = now;
@@ -107,6 +115,7 @@ impl Monitor {
                 if w.counters.media_errors >= self.policy.media_errors_to_fail as u64 =>
             {
                 go(
+                    self.recorder.get(),
                     w,
                     health,
                     now,
@@ -116,6 +125,7 @@ impl Monitor {
                 );
             }
             ErrorClass::Gone => go(
+                self.recorder.get(),
                 w,
                 health,
                 now,
@@ -153,6 +163,7 @@ impl Monitor {
                 w.counters.resets += 1;
                 w.reset_started = None;
                 go(
+                    self.recorder.get(),
                     w,
                     health,
                     now,
@@ -167,6 +178,7 @@ impl Monitor {
             Probe::Gone(why) => {
                 w.reset_started = None;
                 go(
+                    self.recorder.get(),
                     w,
                     health,
                     now,
@@ -180,6 +192,7 @@ impl Monitor {
                 if now.duration_since(started) >= self.policy.reset_timeout {
                     w.reset_started = None;
                     go(
+                        self.recorder.get(),
                         w,
                         health,
                         now,
@@ -214,6 +227,7 @@ impl Monitor {
             w.smart_seen = smart;
             if smart & SMART_FATAL != 0 {
                 go(
+                    self.recorder.get(),
                     w,
                     health,
                     now,
@@ -249,6 +263,7 @@ impl Monitor {
             w.last_poll = now;
             if let Probe::Gone(why) = w.dev.presence() {
                 go(
+                    self.recorder.get(),
                     w,
                     health,
                     now,

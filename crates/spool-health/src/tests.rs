@@ -236,3 +236,32 @@ fn events_are_numbered_and_the_hook_runs() {
     assert_eq!(m.reports().len(), 1);
     assert_eq!(m.reports()[0].device, new_uuid);
 }
+
+/// An isolation is handed to the recorder before the state is set: whoever sees the device
+/// failed (a worker, `device_health`) can count on it being kept, even if the process dies
+/// at once (the isolation used to be kept by an event listener after the state was
+/// visible, and a worker killed in between came back with the device healthy).
+#[test]
+fn an_isolation_is_recorded_before_anyone_sees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Monitor::start(policy());
+    let dev = device(&dir, "d");
+    let uuid = Uuid::new_v4();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (d, s) = (dev.clone(), seen.clone());
+    m.record_isolations(move |u, state, why| {
+        s.lock()
+            .unwrap()
+            .push((u, state, d.health().state(), why.to_string()));
+    });
+    m.watch(uuid, dev.clone());
+    dev.health().report(errno(libc::ENODATA, false));
+    wait_state(&m, uuid, "failed");
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let (u, state, before, why) = &seen[0];
+    assert_eq!((*u, *state), (uuid, HealthState::Failed));
+    assert_eq!(*before, HealthState::Healthy, "recorded after it was set");
+    assert!(why.contains("media error"), "{why}");
+    m.stop();
+}

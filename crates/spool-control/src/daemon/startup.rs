@@ -214,21 +214,27 @@ pub(super) fn carry_isolation_over(k: &Keeping, monitor: &spool_health::Monitor)
             }
         }
     }
+    // An isolation is kept before the state is set: a worker that dies right after a
+    // device failed (a kill, a crash on the failure's path) leaves it failed.
+    let link = k.link.clone();
+    monitor.record_isolations(move |device, state, reason| {
+        let key = kept::health_key(device);
+        let Some(state) = kept::IsolatedState::from_name(state.name()) else {
+            return;
+        };
+        let reason = reason.to_string();
+        if let Err(e) = link.put(&key, KeptHealth { reason, state }.to_value(), &[]) {
+            tracing::error!(key, "cannot keep the device state with the keeper: {e}");
+        }
+    });
     let link = k.link.clone();
     monitor.subscribe(move |ev| {
         let key = kept::health_key(ev.device);
-        let isolated = ev.to.and_then(kept::IsolatedState::from_name);
-        match (HealthEventKind::parse(&ev.kind), isolated) {
-            (Some(HealthEventKind::State), Some(state)) => {
-                let reason = ev.reason.clone();
-                if let Err(e) = link.put(&key, KeptHealth { reason, state }.to_value(), &[]) {
-                    tracing::error!(key, "cannot keep the device state with the keeper: {e}");
-                }
-            }
-            (Some(HealthEventKind::State), None) if ev.to == Some("healthy") => {
+        match HealthEventKind::parse(&ev.kind) {
+            Some(HealthEventKind::State) if ev.to == Some("healthy") => {
                 let _ = link.remove(&key);
             }
-            (Some(HealthEventKind::Replaced), _) => {
+            Some(HealthEventKind::Replaced) => {
                 let _ = link.remove(&key);
             }
             _ => {}
