@@ -57,6 +57,9 @@ pub struct Daemon {
     /// extents stay allocated for the life of this process, so a late write cannot land in
     /// another volume's data.
     quarantined: Mutex<BTreeMap<Uuid, u64>>,
+    /// Removed mirror legs' extents the pool holds back, with the layout that last named
+    /// them: given back once no queue holds that layout (`mirrors.rs`).
+    retiring: Mutex<Vec<mirrors::Retiring>>,
     /// Snapshots served over NBD (`volume export`).
     exports: Mutex<Vec<exports::Exported>>,
     /// Volumes being received over NBD (`volume receive`).
@@ -148,6 +151,7 @@ impl Daemon {
             monitor,
             spares_used: Mutex::new(Vec::new()),
             quarantined: Mutex::new(BTreeMap::new()),
+            retiring: Mutex::new(Vec::new()),
             exports: Mutex::default(),
             receiving: Mutex::default(),
             expected: Mutex::default(),

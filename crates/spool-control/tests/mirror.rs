@@ -253,6 +253,12 @@ fn copies_are_added_and_removed_under_load() {
     let s = start(true);
     let (l, t) = Load::start(s.socket("plain"), 8 << 20);
     l.wait_progress(200);
+    let free = || {
+        s.rpc("pool_show", json!({})).unwrap()["free"]
+            .as_u64()
+            .unwrap()
+    };
+    let free_before = free();
     // The plain volume becomes a mirror: its new copy is rebuilt while the load runs.
     let (ok, out, err) = spoolctl(&s, &["volume", "mirror", "add", "plain"]);
     assert!(ok, "{err}");
@@ -277,6 +283,19 @@ fn copies_are_added_and_removed_under_load() {
     assert!(mirror_of(&s, "plain").is_null(), "still mirrored");
     let (ok, _, err) = spoolctl(&s, &["volume", "mirror", "remove", "plain"]);
     assert!(!ok && err.contains("not mirrored"), "{err}");
+    // The removed copy's space comes back once no queue writes it any more (until then
+    // it is held, not leaked); the volume grew by 8M.
+    assert_pool_checks_clean(&s);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while free() != free_before - (8 << 20) {
+        assert!(
+            Instant::now() < deadline,
+            "the removed copy's space never came back: {} free, {free_before} before",
+            free()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_pool_checks_clean(&s);
     l.wait_progress(200);
     stop(&l, t);
 }

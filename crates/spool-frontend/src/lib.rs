@@ -272,9 +272,16 @@ impl VolumeContext {
     /// workers pick it up on their next poll round. New limits apply to the volume's
     /// buckets at once, keeping what they hold.
     pub fn update_layout(&self, layout: VolumeLayout) {
+        self.replace_layout(layout);
+    }
+
+    /// [`Self::update_layout`], returning the layout it replaced: once no one holds that
+    /// any more, no queue of the volume can reach what it named (each queue drops its
+    /// layout only after its requests on that layout's devices are done).
+    pub fn replace_layout(&self, layout: VolumeLayout) -> Arc<VolumeLayout> {
         self.qos.configure(layout.qos.as_ref(), self.qos.now());
         self.share.set_weight(layout.qos.map_or(0, |q| q.weight));
-        self.layout.store(Arc::new(layout));
+        self.layout.swap(Arc::new(layout))
     }
 
     /// The thread that serves queue `index`: None when each queue has a thread of its own

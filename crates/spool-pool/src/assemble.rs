@@ -65,6 +65,7 @@ impl Pool {
             ciphers: Default::default(),
             space: Default::default(),
             thins: Default::default(),
+            retired: Default::default(),
         };
         // Thin volumes' chunks are named by their maps, not the table: taken now, before
         // anything can allocate.

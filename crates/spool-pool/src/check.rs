@@ -217,6 +217,7 @@ impl Pool {
         for v in &self.table.volumes {
             pass.extents(v);
         }
+        pass.retired();
         let named = pass.maps();
         pass.allocators(&named);
         pass.out
@@ -249,6 +250,21 @@ impl Pass<'_> {
         for (what, e) in labelled {
             let len = self.min.checked_shl(e.order).unwrap_or(0);
             self.out.report.extent_bytes = self.out.report.extent_bytes.saturating_add(len);
+            self.owners.push(what.clone());
+            let id = self.owners.len() as u32;
+            self.mark(e.device, e.offset, len, id, &what);
+        }
+    }
+
+    /// Marks the extents of removed mirror legs that the queues may still write (held until
+    /// the daemon gives them back: not leaked).
+    fn retired(&mut self) {
+        let retired: Vec<(Uuid, ExtentEntry)> =
+            self.pool.retired_extents().map(|(v, e)| (v, *e)).collect();
+        for (v, e) in retired {
+            let what =
+                format!("a removed copy of volume {v} (given back once its queues moved off it)");
+            let len = self.min.checked_shl(e.order).unwrap_or(0);
             self.owners.push(what.clone());
             let id = self.owners.len() as u32;
             self.mark(e.device, e.offset, len, id, &what);

@@ -94,7 +94,11 @@ impl Pool {
         } else {
             v.copies = v.copies.saturating_sub(1).max(v.legs.len() as u8).max(2);
         }
-        self.replace_volume(i, v, &[], &leg.extents)
+        let uuid = v.uuid;
+        let info = self.replace_volume(i, v, &[], &[])?;
+        // Free once no queue writes the removed leg (the daemon says when).
+        self.retire(uuid, leg.extents);
+        Ok(info)
     }
 
     /// Commits `v` as volume `i`: on failure frees `allocated`; on success frees `freed`.

@@ -22,6 +22,7 @@ pub mod qos;
 mod rbd;
 mod rbd_snapshots;
 mod remote;
+mod retired;
 mod snapshots;
 mod thin;
 mod thin_move;
@@ -176,6 +177,8 @@ pub struct Pool {
     space: std::sync::Arc<PoolSpace>,
     /// The device of each thin volume (one per process: one allocator per map).
     thins: std::sync::Mutex<thin::ThinCache>,
+    /// Extents of removed mirror legs the running queues may still write (`retired.rs`).
+    retired: retired::Retired,
 }
 
 impl Pool {

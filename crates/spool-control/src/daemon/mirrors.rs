@@ -1,7 +1,8 @@
 //! Mirrored volumes in the daemon: `volume_verify`, `volume_mirror` (add or remove a copy
 //! online), and the mirror settler: every half second it records legs a rebuild made current
 //! as synced in the pool table and, unless `[pool] auto_rebuild = false`, moves legs off
-//! failed devices onto free space of other devices (the moved legs rebuild online).
+//! failed devices onto free space of other devices (the moved legs rebuild online); and
+//! gives a removed leg's extents back to the pool once no queue holds a layout naming them.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -13,6 +14,17 @@ use spool_pool::VolumeInfo;
 use uuid::Uuid;
 
 use super::Daemon;
+
+/// A removed leg's extents the pool holds back (up to `ticket`), and the layout that named
+/// them last: once no one holds it, no queue of the volume writes there.
+pub(super) struct Retiring {
+    volume: Uuid,
+    ticket: u64,
+    layout: Weak<spool_pool::VolumeLayout>,
+    /// The volume's commands abandoned (never completed) when the leg was removed: one
+    /// abandoned since may still land on the leg, which then stays taken until a restart.
+    abandoned: (Weak<spool_frontend::VolumeContext>, u64),
+}
 use crate::api::{self, IdParams, Volume};
 use crate::rpc::{MethodTable, RpcError};
 
@@ -108,14 +120,74 @@ impl Daemon {
         Ok(self.volume_view(v))
     }
 
-    /// Publishes volume `v`'s current layout to its running queues.
+    /// Publishes volume `v`'s current layout to its running queues. The extents of a leg
+    /// just removed go back to the pool once no queue holds the layout this one replaced
+    /// (at once when the volume is not served).
     pub(super) fn republish(&self, v: &VolumeInfo) {
-        // Not in the match: its guard would hold the pool's lock while publishing takes the
-        // servers' (the other order is taken elsewhere).
-        let layout = self.pool().layout(&v.uuid.to_string());
-        match layout {
-            Ok(l) => self.publish_layout(v, l),
-            Err(e) => tracing::error!(volume = %v.name, "no layout after a change of copies: {e}"),
+        // Not in a match: its guard would hold the pool's lock while publishing takes the
+        // servers' (the other order is taken elsewhere). The ticket is read with the
+        // layout: the extents retired up to it are the ones this layout no longer names.
+        let (layout, ticket) = {
+            let pool = self.pool();
+            (
+                pool.layout(&v.uuid.to_string()),
+                pool.retired_ticket(v.uuid),
+            )
+        };
+        let replaced = match layout {
+            Ok(l) => {
+                let ctx = self.servers().get(&v.uuid).map(|s| s.context().clone());
+                ctx.map(|c| {
+                    let old = Arc::downgrade(&c.replace_layout(l));
+                    (old, (Arc::downgrade(&c), c.abandoned_io()))
+                })
+            }
+            Err(e) => {
+                tracing::error!(volume = %v.name, "no layout after a change of copies: {e}");
+                if self.servers().contains_key(&v.uuid) {
+                    // The queues keep the layout naming the removed leg: its extents stay
+                    // taken until spoold restarts.
+                    return;
+                }
+                None
+            }
+        };
+        let Some(ticket) = ticket else { return };
+        match replaced {
+            Some((layout, abandoned)) => self
+                .retiring
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Retiring {
+                    volume: v.uuid,
+                    ticket,
+                    layout,
+                    abandoned,
+                }),
+            None => {
+                self.pool().release_retired(v.uuid, ticket);
+            }
+        }
+    }
+
+    /// Gives back the removed legs' extents whose last layout no queue holds any more
+    /// (unless a command of the volume was abandoned since: those stay taken).
+    fn release_retired(&self) {
+        let done: Vec<Retiring> = {
+            let mut all = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
+            let (done, keep) = std::mem::take(&mut *all)
+                .into_iter()
+                .partition(|r| r.layout.strong_count() == 0);
+            *all = keep;
+            done
+        };
+        for r in done {
+            let (ctx, before) = &r.abandoned;
+            if ctx.upgrade().is_some_and(|c| c.abandoned_io() > *before) {
+                tracing::error!(volume = %r.volume, "device commands were abandoned while a removed copy was still in use: its extents stay taken until spoold restarts");
+                continue;
+            }
+            self.pool().release_retired(r.volume, r.ticket);
         }
     }
 
@@ -135,6 +207,7 @@ impl Daemon {
                         return;
                     }
                     d.settle_mirrors();
+                    d.release_retired();
                     d.reconnect_remotes();
                     d.report_mirrors(&mut seen);
                     d.report_sends(&mut sends);

@@ -1,0 +1,75 @@
+//! Extents a committed table no longer names but the running queues may still write: the
+//! extents of a mirror leg just removed, which the workers' layout (and the mirror device in
+//! it) keeps writing until every queue of the volume has moved to the new layout. Freed at
+//! once, they could go to a new volume or a thin volume's next chunk while an old write was
+//! still on its way there. They go back to the allocators only when the caller says the old
+//! layout is out of use (the daemon, once no queue holds it), or at the next start, whose
+//! allocators are built from the table alone.
+//!
+//! Owns: the retired extents and their tickets. Must not know: layouts, workers, virtio.
+
+use uuid::Uuid;
+
+use crate::metadata::ExtentEntry;
+use crate::Pool;
+
+/// The retired extents, each batch under a ticket (ascending).
+#[derive(Debug, Default)]
+pub(crate) struct Retired {
+    last: u64,
+    held: Vec<(Uuid, u64, Vec<ExtentEntry>)>,
+}
+
+impl Pool {
+    /// Keeps `extents`, which volume `volume`'s committed table entry no longer names, out
+    /// of the allocators until [`Pool::release_retired`].
+    pub(crate) fn retire(&mut self, volume: Uuid, extents: Vec<ExtentEntry>) {
+        if extents.is_empty() {
+            return;
+        }
+        self.retired.last += 1;
+        let ticket = self.retired.last;
+        self.retired.held.push((volume, ticket, extents));
+    }
+
+    /// The newest ticket of volume `volume`'s retired extents (None: it has none). Read it
+    /// together with the layout to publish (under the same lock): the extents up to it are
+    /// those that layout no longer names.
+    pub fn retired_ticket(&self, volume: Uuid) -> Option<u64> {
+        self.retired
+            .held
+            .iter()
+            .filter(|(v, _, _)| *v == volume)
+            .map(|&(_, t, _)| t)
+            .max()
+    }
+
+    /// Gives volume `volume`'s retired extents up to ticket `upto` back to the allocators:
+    /// no queue uses a layout that names them any more. Returns the bytes given back.
+    pub fn release_retired(&mut self, volume: Uuid, upto: u64) -> u64 {
+        let (now, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired.held)
+            .into_iter()
+            .partition(|(v, t, _)| *v == volume && *t <= upto);
+        self.retired.held = keep;
+        let mut bytes = 0;
+        for (_, _, extents) in now {
+            bytes += extents
+                .iter()
+                .map(|e| self.table.min_extent << e.order)
+                .sum::<u64>();
+            self.release(&extents);
+        }
+        if bytes > 0 {
+            tracing::info!(%volume, bytes, "a removed copy's extents given back: no queue writes them any more");
+        }
+        bytes
+    }
+
+    /// Every retired extent, with the volume it was retired from.
+    pub(crate) fn retired_extents(&self) -> impl Iterator<Item = (Uuid, &ExtentEntry)> {
+        self.retired
+            .held
+            .iter()
+            .flat_map(|(v, _, x)| x.iter().map(move |e| (*v, e)))
+    }
+}
