@@ -186,6 +186,16 @@ pub(super) fn leg_read(
     off: u64,
     buf: &mut [u8],
 ) -> Result<()> {
+    // Past the leg's last piece (a remote leg ends at the volume's size, the legs here at
+    // their last extent's end): not the volume's bytes; read as zeroes.
+    let end = shared
+        .leg(slot)
+        .and_then(|l| l.pieces.last())
+        .map_or(0, |p| p.logical + p.len);
+    if off + buf.len() as u64 > end {
+        let from = end.saturating_sub(off).min(buf.len() as u64) as usize;
+        buf[from..].fill(0);
+    }
     leg_pieces(shared, slot, off, buf.len() as u64, |d, o, n, at| {
         io.rw(
             shared,

@@ -250,14 +250,16 @@ impl Pool {
             .unwrap_or(0)
     }
 
-    /// What the mirror is told of leg `l` (a copy of `size` bytes), its devices added to
-    /// `devices`. A remote leg is one piece over the whole volume, missing while its link
-    /// is down (the leg then misses writes, and the bitmap says which); so is the local leg
-    /// of a thin volume being sent (`thin`: its thin device, which holds its data).
+    /// What the mirror is told of leg `l` (a copy of `size` bytes, of a volume of
+    /// `volume_size`), its devices added to `devices`. A remote leg is one piece over the
+    /// volume's size (a thick volume's legs here go on to the end of its last extent, which
+    /// is not the volume's: the other host's copy has no such tail), missing while its link
+    /// is down (the leg then misses writes, and the bitmap says which); the local leg of a
+    /// thin volume being sent is one piece over its thin device, which holds its data.
     fn leg_spec(
         &self,
         l: &LegEntry,
-        size: u64,
+        (size, volume_size): (u64, u64),
         thin: Option<&Arc<Device>>,
         devices: &mut Vec<Arc<Device>>,
     ) -> LegSpec {
@@ -274,6 +276,7 @@ impl Pool {
             (None, None) => None,
         };
         if let Some((device, far)) = whole {
+            let len = if far { size.min(volume_size) } else { size };
             return LegSpec {
                 slot: l.slot,
                 id: table_leg_id(l),
@@ -281,7 +284,7 @@ impl Pool {
                 far,
                 pieces: vec![LegPiece {
                     logical: 0,
-                    len: size,
+                    len,
                     device,
                     offset: 0,
                 }],
@@ -321,7 +324,7 @@ impl Pool {
         let legs = v
             .legs
             .iter()
-            .map(|l| self.leg_spec(l, size, thin.as_ref(), &mut devices))
+            .map(|l| self.leg_spec(l, (size, v.size), thin.as_ref(), &mut devices))
             .collect();
         let present = |u: Uuid| self.members.iter().any(|m| m.uuid == u);
         if !crate::mirror::covered(v, self.table.min_extent, present) {

@@ -110,7 +110,7 @@ impl Pool {
                     v.name, r.uri, v.name
                 )));
             }
-            let dev = open_remote(&v.name, uri, self.copy_bytes(&v)?)?;
+            let dev = open_remote(&v.name, uri, v.size)?;
             self.remote_cache().insert(r.id, Remote::Open(dev));
             tracing::info!(volume = %v.name, to = %uri, "volume send resumed");
             return Ok(self.volume_info(&v));
@@ -126,7 +126,7 @@ impl Pool {
                 v.name
             )));
         }
-        let dev = open_remote(&v.name, uri, self.copy_bytes(&v)?)?;
+        let dev = open_remote(&v.name, uri, v.size)?;
         let slot = (0..MAX_COPIES)
             .find(|s| !v.legs.iter().any(|l| l.slot == *s))
             .expect("fewer legs than slots");
@@ -143,7 +143,7 @@ impl Pool {
         v.copies = v.copies.max(v.legs.len() as u8);
         if plain {
             if let Some(path) = self.bitmap_path(v.uuid) {
-                let bytes = self.copy_bytes(&v)?;
+                let bytes = self.mirror_size(&v);
                 spool_mirror::create_clean_bitmap(&path, bytes).map_err(|e| {
                     Error::InvalidArgument(format!(
                         "cannot create the write-intent bitmap {}: {e}",
@@ -245,13 +245,10 @@ impl Pool {
                 None => (FIRST_BACKOFF, None),
             };
             cache.insert(leg.id, Remote::Connecting(was));
-            let Ok(need) = self.copy_bytes(v) else {
-                continue;
-            };
             due.push(RemoteDue {
                 volume: v.name.clone(),
                 leg,
-                need,
+                need: v.size,
                 backoff,
                 cap,
                 links: self.remotes.clone(),
@@ -359,15 +356,6 @@ impl Pool {
         )))
     }
 
-    /// The bytes of `v`'s copy on the other host (its size rounded up to the pool's extent;
-    /// a thin volume's: its size).
-    fn copy_bytes(&self, v: &VolumeEntry) -> Result<u64> {
-        match v.thin.is_some() {
-            true => Ok(v.size),
-            false => self.round_up(v.size),
-        }
-    }
-
     /// What a send cannot carry, refused with the reason.
     fn refuse_send(&self, v: &VolumeEntry, key_there: bool) -> Result<()> {
         let why = if v.rbd.is_some() {
@@ -388,13 +376,13 @@ impl Pool {
 }
 
 /// Connects to `uri` as the remote leg of volume `name`: it must take writes and hold all
-/// of the volume's copy (`need` bytes: its size rounded up to the pool's extent).
+/// of the volume (`need` bytes: its size).
 fn open_remote(name: &str, uri: &str, need: u64) -> Result<Arc<Device>> {
     let dev = Device::open(std::path::Path::new(uri), &Default::default())
         .map_err(|e| Error::InvalidArgument(format!("cannot reach the destination {uri}: {e}")))?;
     if dev.size() < need {
         return Err(Error::InvalidArgument(format!(
-            "the destination {uri} holds {} bytes; volume '{name}' needs {need} (its size rounded up to the pool's extent): create the volume there with at least that size",
+            "the destination {uri} holds {} bytes; volume '{name}' needs {need} (its size): create the volume there with at least that size",
             dev.size()
         )));
     }
