@@ -256,14 +256,14 @@ impl Pass<'_> {
         }
     }
 
-    /// Marks the extents of removed mirror legs that the queues may still write (held until
-    /// the daemon gives them back: not leaked).
+    /// Marks the extents the pool holds back (a removed mirror leg the queues may still
+    /// write, a thin map move's new extents: `retired.rs`): held, not leaked.
     fn retired(&mut self) {
-        let retired: Vec<(Uuid, ExtentEntry)> =
-            self.pool.retired_extents().map(|(v, e)| (v, *e)).collect();
-        for (v, e) in retired {
-            let what =
-                format!("a removed copy of volume {v} (given back once its queues moved off it)");
+        let retired: Vec<(Uuid, ExtentEntry, &str)> = (self.pool.retired_extents())
+            .map(|(v, e, why)| (v, *e, why))
+            .collect();
+        for (v, e, why) in retired {
+            let what = format!("volume {v}: {why}");
             let len = self.min.checked_shl(e.order).unwrap_or(0);
             self.owners.push(what.clone());
             let id = self.owners.len() as u32;

@@ -1,24 +1,33 @@
-//! Extents a committed table no longer names but the running queues may still write: the
-//! extents of a mirror leg just removed, which the workers' layout (and the mirror device in
-//! it) keeps writing until every queue of the volume has moved to the new layout. Freed at
-//! once, they could go to a new volume or a thin volume's next chunk while an old write was
-//! still on its way there. They go back to the allocators only when the caller says the old
-//! layout is out of use (the daemon, once no queue holds it), or at the next start, whose
-//! allocators are built from the table alone.
+//! Extents the table does not name but that must not be handed out:
+//! - the extents of a mirror leg just removed, which the workers' layout (and the mirror
+//!   device in it) keeps writing until every queue of the volume has moved to the new
+//!   layout. Freed at once, they could go to a new volume or a thin volume's next chunk
+//!   while an old write was still on its way there. They go back to the allocators when the
+//!   caller says the old layout is out of use (the daemon, once no queue holds it);
+//! - the new extents of a thin map move whose commit failed part way or whose copy timed
+//!   out (`thin_move.rs`): the allocator may write there, and the next start may read a
+//!   table naming them. They are held until that start.
 //!
-//! Owns: the retired extents and their tickets. Must not know: layouts, workers, virtio.
+//! A start's allocators are built from the table alone, so neither kind outlives the
+//! process. `pool check` names both as held, not leaked.
+//!
+//! Owns: the held extents, their tickets and why each is held. Must not know: layouts,
+//! workers, virtio.
 
 use uuid::Uuid;
 
 use crate::metadata::ExtentEntry;
 use crate::Pool;
 
-/// The retired extents, each batch under a ticket (ascending).
+/// The held extents, each batch under a ticket (ascending; 0: held until the next start).
 #[derive(Debug, Default)]
 pub(crate) struct Retired {
     last: u64,
     held: Vec<(Uuid, u64, Vec<ExtentEntry>)>,
 }
+
+/// The ticket of extents held until the next start.
+const UNTIL_RESTART: u64 = 0;
 
 impl Pool {
     /// Keeps `extents`, which volume `volume`'s committed table entry no longer names, out
@@ -32,6 +41,14 @@ impl Pool {
         self.retired.held.push((volume, ticket, extents));
     }
 
+    /// Keeps `extents` (volume `volume`'s new thin map extents, which the allocator may
+    /// write and the next start's table may name) out of the allocators until that start.
+    pub(crate) fn hold_until_restart(&mut self, volume: Uuid, extents: Vec<ExtentEntry>) {
+        if !extents.is_empty() {
+            self.retired.held.push((volume, UNTIL_RESTART, extents));
+        }
+    }
+
     /// The newest ticket of volume `volume`'s retired extents (None: it has none). Read it
     /// together with the layout to publish (under the same lock): the extents up to it are
     /// those that layout no longer names.
@@ -39,7 +56,7 @@ impl Pool {
         self.retired
             .held
             .iter()
-            .filter(|(v, _, _)| *v == volume)
+            .filter(|&&(v, t, _)| v == volume && t != UNTIL_RESTART)
             .map(|&(_, t, _)| t)
             .max()
     }
@@ -49,7 +66,7 @@ impl Pool {
     pub fn release_retired(&mut self, volume: Uuid, upto: u64) -> u64 {
         let (now, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired.held)
             .into_iter()
-            .partition(|(v, t, _)| *v == volume && *t <= upto);
+            .partition(|&(v, t, _)| v == volume && t != UNTIL_RESTART && t <= upto);
         self.retired.held = keep;
         let mut bytes = 0;
         for (_, _, extents) in now {
@@ -65,11 +82,16 @@ impl Pool {
         bytes
     }
 
-    /// Every retired extent, with the volume it was retired from.
-    pub(crate) fn retired_extents(&self) -> impl Iterator<Item = (Uuid, &ExtentEntry)> {
-        self.retired
-            .held
-            .iter()
-            .flat_map(|(v, _, x)| x.iter().map(move |e| (*v, e)))
+    /// Every held extent, with the volume it was held for and why.
+    pub(crate) fn retired_extents(
+        &self,
+    ) -> impl Iterator<Item = (Uuid, &ExtentEntry, &'static str)> {
+        self.retired.held.iter().flat_map(|(v, t, x)| {
+            let why = match *t {
+                UNTIL_RESTART => "a thin map move's new extents, held until spoold restarts",
+                _ => "a removed copy, given back once its queues moved off it",
+            };
+            x.iter().map(move |e| (*v, e, why))
+        })
     }
 }

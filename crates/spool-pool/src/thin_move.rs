@@ -69,6 +69,7 @@ impl Pool {
                 // The allocator may still write there: the extents stay taken until a
                 // restart.
                 tracing::error!(map = %what, "moving a thin map timed out while it was being copied; its new extents stay taken until spoold restarts");
+                self.hold_until_restart(v.uuid, new);
                 return Err(thin_err(e));
             }
             Ok(Err(e)) => {
@@ -83,8 +84,8 @@ impl Pool {
         let mut table = self.table.clone();
         if let Some(t) = table.volumes[i].thin.as_mut() {
             match which {
-                None => t.map = new,
-                Some(k) => t.snapshots[k].map = new,
+                None => t.map = new.clone(),
+                Some(k) => t.snapshots[k].map = new.clone(),
             }
         }
         match self.commit(table) {
@@ -99,6 +100,7 @@ impl Pool {
                 // and the new extents stay taken until then.
                 moving.unsure();
                 tracing::error!(map = %what, error = %e, "moving a thin map: the table's commit failed; both copies are kept until spoold restarts");
+                self.hold_until_restart(v.uuid, new);
                 Err(e)
             }
         }
