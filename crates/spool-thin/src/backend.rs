@@ -415,13 +415,15 @@ impl ThinBackend {
     /// Stops the allocator thread and waits for it: afterwards the map changes no more,
     /// and writes to holes fail.
     pub fn shut_down(&self) {
-        self.sync_io.close();
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake.notify_all();
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(t) = thread {
             let _ = t.join();
         }
+        // After the stop: a synchronous write waiting for space fails at once then, and
+        // lets go of the calls' queue.
+        self.sync_io.close();
     }
 }
 
