@@ -139,6 +139,8 @@ impl Default for FrontendSettings {
 pub struct VolumeContext {
     name: String,
     layout: Arc<ArcSwap<VolumeLayout>>,
+    /// The layouts replaced, while someone (a queue) may still hold them.
+    replaced: std::sync::Mutex<Vec<std::sync::Weak<VolumeLayout>>>,
     qos: Arc<qos::VolumeQos>,
     settings: FrontendSettings,
     fault: Arc<SessionFault>,
@@ -209,6 +211,7 @@ impl VolumeContext {
             name: layout.name.clone(),
             qos: Arc::new(qos::VolumeQos::new(layout.qos.as_ref())),
             layout: Arc::new(ArcSwap::from_pointee(layout)),
+            replaced: Default::default(),
             settings,
             fault: Arc::new(SessionFault::new()),
             abandoned: Arc::default(),
@@ -271,17 +274,41 @@ impl VolumeContext {
     /// Publishes a new layout (after a resize, a replaced device, new I/O limits); running
     /// workers pick it up on their next poll round. New limits apply to the volume's
     /// buckets at once, keeping what they hold.
+    /// A layout older (by its pool generation) than the one the queues have is dropped: it
+    /// was made before a change and published after it.
     pub fn update_layout(&self, layout: VolumeLayout) {
-        self.replace_layout(layout);
+        let new = Arc::new(layout);
+        let before = self
+            .layout
+            .rcu(|cur| match new.generation >= cur.generation {
+                true => new.clone(),
+                false => cur.clone(),
+            });
+        if before.generation > new.generation {
+            tracing::info!(volume = %self.name, generation = new.generation, newer = before.generation, "a layout made before the one in use was published late; dropped");
+            return;
+        }
+        self.qos.configure(new.qos.as_ref(), self.qos.now());
+        self.share.set_weight(new.qos.map_or(0, |q| q.weight));
+        let mut replaced = self.replaced.lock().unwrap_or_else(|p| p.into_inner());
+        replaced.retain(|w| w.strong_count() > 0);
+        replaced.push(Arc::downgrade(&before));
     }
 
-    /// [`Self::update_layout`], returning the layout it replaced: once no one holds that
-    /// any more, no queue of the volume can reach what it named (each queue drops its
-    /// layout only after its requests on that layout's devices are done).
-    pub fn replace_layout(&self, layout: VolumeLayout) -> Arc<VolumeLayout> {
-        self.qos.configure(layout.qos.as_ref(), self.qos.now());
-        self.share.set_weight(layout.qos.map_or(0, |q| q.weight));
-        self.layout.swap(Arc::new(layout))
+    /// Whether a layout made before pool generation `generation` may still be in use here:
+    /// the one the queues are given, or one replaced that someone holds (each queue drops
+    /// its layout only after its requests on that layout's devices are done). Once not,
+    /// no queue of the volume can reach what a commit of that generation took out.
+    pub fn holds_layout_older_than(&self, generation: u64) -> bool {
+        if self.layout.load().generation < generation {
+            return true;
+        }
+        let mut replaced = self.replaced.lock().unwrap_or_else(|p| p.into_inner());
+        replaced.retain(|w| w.strong_count() > 0);
+        replaced
+            .iter()
+            .filter_map(|w| w.upgrade())
+            .any(|l| l.generation < generation)
     }
 
     /// The thread that serves queue `index`: None when each queue has a thread of its own
@@ -362,3 +389,6 @@ impl VolumeContext {
         &self.fault
     }
 }
+
+#[cfg(test)]
+mod context_tests;

@@ -95,6 +95,11 @@ pub struct VolumeLayout {
     /// The unit in which discards give space back, advertised to the guest as the discard
     /// alignment: a thin volume's chunk (docs/thin.md), else 4 KiB.
     pub discard_alignment: u64,
+    /// The pool table's generation it was made from: a volume's running queues keep the
+    /// newest they were given (one made earlier and published late is dropped), and what
+    /// a commit took out of the table is out of their reach once none holds a layout older
+    /// than that commit.
+    pub generation: u64,
 }
 
 impl VolumeLayout {
@@ -159,6 +164,7 @@ fn one_segment(
             .thin
             .as_ref()
             .map_or(DEFAULT_DISCARD_ALIGNMENT, |t| t.chunk),
+        generation: 0,
     }
 }
 
@@ -166,6 +172,12 @@ impl Pool {
     /// The data-path view of a volume. Fails when one of its devices is missing (for a
     /// mirrored volume: when no synced leg is present).
     pub fn layout(&self, id: &str) -> Result<VolumeLayout> {
+        let mut l = self.layout_now(id)?;
+        l.generation = self.generation;
+        Ok(l)
+    }
+
+    fn layout_now(&self, id: &str) -> Result<VolumeLayout> {
         let v = &self.table.volumes[self.find(id)?];
         let cipher = self.volume_cipher(v)?;
         if let Some(r) = &v.rbd {
@@ -225,6 +237,7 @@ impl Pool {
             qos: v.qos,
             cipher,
             discard_alignment: DEFAULT_DISCARD_ALIGNMENT,
+            generation: 0,
         })
     }
 }

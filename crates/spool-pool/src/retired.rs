@@ -19,10 +19,10 @@ use uuid::Uuid;
 use crate::metadata::ExtentEntry;
 use crate::Pool;
 
-/// The held extents, each batch under a ticket (ascending; 0: held until the next start).
+/// The held extents, each batch under a ticket: the generation of the table that no longer
+/// names them (0: held until the next start).
 #[derive(Debug, Default)]
 pub(crate) struct Retired {
-    last: u64,
     held: Vec<(Uuid, u64, Vec<ExtentEntry>)>,
 }
 
@@ -31,13 +31,14 @@ const UNTIL_RESTART: u64 = 0;
 
 impl Pool {
     /// Keeps `extents`, which volume `volume`'s committed table entry no longer names, out
-    /// of the allocators until [`Pool::release_retired`].
+    /// of the allocators until [`Pool::release_retired`], under the committed table's
+    /// generation: they are out of the queues' reach once none holds a layout older than
+    /// that (`VolumeLayout::generation`).
     pub(crate) fn retire(&mut self, volume: Uuid, extents: Vec<ExtentEntry>) {
         if extents.is_empty() {
             return;
         }
-        self.retired.last += 1;
-        let ticket = self.retired.last;
+        let ticket = self.generation;
         self.retired.held.push((volume, ticket, extents));
     }
 
@@ -49,9 +50,8 @@ impl Pool {
         }
     }
 
-    /// The newest ticket of volume `volume`'s retired extents (None: it has none). Read it
-    /// together with the layout to publish (under the same lock): the extents up to it are
-    /// those that layout no longer names.
+    /// The newest ticket of volume `volume`'s retired extents (None: it has none): the
+    /// generation from which on no layout names them.
     pub fn retired_ticket(&self, volume: Uuid) -> Option<u64> {
         self.retired
             .held

@@ -15,15 +15,16 @@ use uuid::Uuid;
 
 use super::Daemon;
 
-/// A removed leg's extents the pool holds back (up to `ticket`), and the layout that named
-/// them last: once no one holds it, no queue of the volume writes there.
+/// A removed leg's extents the pool holds back (up to `ticket`, the generation of the
+/// table without them), and the volume's context: once it holds no layout older than the
+/// ticket, no queue of the volume writes there.
 pub(super) struct Retiring {
     volume: Uuid,
     ticket: u64,
-    layout: Weak<spool_pool::VolumeLayout>,
+    ctx: Weak<spool_frontend::VolumeContext>,
     /// The volume's commands abandoned (never completed) when the leg was removed: one
     /// abandoned since may still land on the leg, which then stays taken until a restart.
-    abandoned: (Weak<spool_frontend::VolumeContext>, u64),
+    abandoned: u64,
 }
 use crate::api::{self, IdParams, Volume};
 use crate::rpc::{MethodTable, RpcError};
@@ -121,12 +122,11 @@ impl Daemon {
     }
 
     /// Publishes volume `v`'s current layout to its running queues. The extents of a leg
-    /// just removed go back to the pool once no queue holds the layout this one replaced
-    /// (at once when the volume is not served).
+    /// just removed go back to the pool once no queue holds a layout that names them (at
+    /// once when the volume is not served).
     pub(super) fn republish(&self, v: &VolumeInfo) {
         // Not in a match: its guard would hold the pool's lock while publishing takes the
-        // servers' (the other order is taken elsewhere). The ticket is read with the
-        // layout: the extents retired up to it are the ones this layout no longer names.
+        // servers' (the other order is taken elsewhere).
         let (layout, ticket) = {
             let pool = self.pool();
             (
@@ -134,35 +134,27 @@ impl Daemon {
                 pool.retired_ticket(v.uuid),
             )
         };
-        let replaced = match layout {
-            Ok(l) => {
-                let ctx = self.servers().get(&v.uuid).map(|s| s.context().clone());
-                ctx.map(|c| {
-                    let old = Arc::downgrade(&c.replace_layout(l));
-                    (old, (Arc::downgrade(&c), c.abandoned_io()))
-                })
+        let ctx = self.servers().get(&v.uuid).map(|s| s.context().clone());
+        match (layout, &ctx) {
+            (Ok(l), Some(c)) => c.update_layout(l),
+            (Ok(_), None) => {}
+            (Err(e), _) => {
+                tracing::error!(volume = %v.name, "no layout after a change of copies: {e}")
             }
-            Err(e) => {
-                tracing::error!(volume = %v.name, "no layout after a change of copies: {e}");
-                if self.servers().contains_key(&v.uuid) {
-                    // The queues keep the layout naming the removed leg: its extents stay
-                    // taken until spoold restarts.
-                    return;
-                }
-                None
-            }
-        };
+        }
         let Some(ticket) = ticket else { return };
-        match replaced {
-            Some((layout, abandoned)) => self
+        match ctx {
+            // The queues keep what they have until a newer layout comes: the extents stay
+            // taken until then (or a restart).
+            Some(c) => self
                 .retiring
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(Retiring {
                     volume: v.uuid,
                     ticket,
-                    layout,
-                    abandoned,
+                    abandoned: c.abandoned_io(),
+                    ctx: Arc::downgrade(&c),
                 }),
             None => {
                 self.pool().release_retired(v.uuid, ticket);
@@ -170,20 +162,22 @@ impl Daemon {
         }
     }
 
-    /// Gives back the removed legs' extents whose last layout no queue holds any more
-    /// (unless a command of the volume was abandoned since: those stay taken).
+    /// Gives back the removed legs' extents no queue can reach any more (unless a command
+    /// of the volume was abandoned since: those stay taken).
     fn release_retired(&self) {
         let done: Vec<Retiring> = {
             let mut all = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
-            let (done, keep) = std::mem::take(&mut *all)
-                .into_iter()
-                .partition(|r| r.layout.strong_count() == 0);
+            let (done, keep) = std::mem::take(&mut *all).into_iter().partition(|r| {
+                (r.ctx.upgrade()).is_none_or(|c| !c.holds_layout_older_than(r.ticket))
+            });
             *all = keep;
             done
         };
         for r in done {
-            let (ctx, before) = &r.abandoned;
-            if ctx.upgrade().is_some_and(|c| c.abandoned_io() > *before) {
+            if r.ctx
+                .upgrade()
+                .is_some_and(|c| c.abandoned_io() > r.abandoned)
+            {
                 tracing::error!(volume = %r.volume, "device commands were abandoned while a removed copy was still in use: its extents stay taken until spoold restarts");
                 continue;
             }

@@ -186,6 +186,7 @@ impl Harness {
             qos: None,
             cipher: None,
             discard_alignment: 4096,
+            generation: 0,
         };
         let mem_src = Arc::new(ArcSwap::from(mem.clone()));
         let spec = WorkerSpec {
