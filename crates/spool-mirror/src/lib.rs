@@ -319,9 +319,19 @@ impl Mirror {
         // Other regions over the same bitmap file (a resize): the previous mirror's thread
         // would copy and clear by its own counts behind the new one's back, and the bitmap
         // may be rewritten under it. It ends first; if this open fails, it runs again.
+        // A leg gone (a copy removed): the previous thread would go on copying to and from
+        // it, and its space is about to be given back. It ends too.
+        let leg_gone = |m: &&Mirror| {
+            (m.shared.spec.legs.iter()).any(|old| {
+                !spec
+                    .legs
+                    .iter()
+                    .any(|l| l.slot == old.slot && l.id == old.id)
+            })
+        };
         let replaced = match reuse {
             None => previous.filter(|m| m.stop_resync()),
-            Some(_) => None,
+            Some(_) => previous.filter(leg_gone).filter(|m| m.stop_resync()),
         };
         let opened = Self::open_regions(spec, &path, reuse);
         if let (Err(_), Some(m)) = (&opened, replaced) {
@@ -432,8 +442,8 @@ impl Mirror {
     /// Stops the background thread (its copying and health keeping) for good and waits, at
     /// most 5 s, until it has: after a `true`, nothing it does reaches a leg any more (a
     /// volume being deleted, whose space is about to be given back). After a `false` (a
-    /// piece's read still waiting, on a hung link), the thread writes nothing more once that
-    /// read completes; only a write already submitted to a hung leg device can still land.
+    /// piece's read or write still waiting, on a hung link), the thread starts no write
+    /// after the stop; only a write already submitted to a hung leg device can still land.
     pub fn stop_copying(&self) -> bool {
         self.stop_resync()
     }

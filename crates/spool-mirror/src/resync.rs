@@ -272,8 +272,7 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
 }
 
 fn note_copied(shared: &Shared, r: usize) {
-    let (off, len) = region_range(shared, r);
-    let _ = off;
+    let (_, len) = region_range(shared, r);
     shared.progress.copied.fetch_add(len, Ordering::Relaxed);
     shared.progress.resynced.fetch_add(1, Ordering::Relaxed);
     let mut s = shared
@@ -364,13 +363,14 @@ fn copy_region(
             };
             let buf = buf.get(n as usize);
             leg_read(shared, io, source, off + at, buf)?;
-            if shared.stop.load(Ordering::Acquire) {
-                return Ok(false); // dropped while the read waited: its space may be freed
-            }
+
             // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
             // (a fresh volume sent to another host is mostly zeroes).
             let zeroes = all_zero(buf);
             for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
+                if shared.stop.load(Ordering::Acquire) {
+                    return Ok(false); // dropped meanwhile: its space may be given back
+                }
                 let piece = (t, off + at, n);
                 if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
                     shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);

@@ -140,3 +140,32 @@ fn a_piece_read_before_the_mirror_stopped_is_not_written_after() {
         "a piece of the copy landed after the mirror stopped"
     );
 }
+
+/// A copy removed while the size stays (3 copies to 2): the new mirror shares the regions,
+/// and the previous one's thread, which still knows the removed leg, ends: it would go on
+/// copying to and from that leg after its space is given back. A change that keeps every
+/// leg leaves it running.
+#[test]
+fn a_mirror_reopened_without_a_leg_ends_the_previous_ones_thread() {
+    let d = tempfile::tempdir().unwrap();
+    let devs = vec![
+        file_device(d.path(), "a"),
+        file_device(d.path(), "b"),
+        file_device(d.path(), "c"),
+    ];
+    let two = spec(d.path(), devs.clone(), true);
+    let mut three = spec(d.path(), devs.clone(), true);
+    let mut leg = three.legs[0].clone();
+    (leg.slot, leg.id, leg.pieces[0].device) = (2, 12, 2);
+    three.legs.push(leg);
+    let m3 = Mirror::open(three.clone()).unwrap();
+    let same = Mirror::open_after(three, Some(&m3)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!m3.shared.stopped.load(Ordering::Acquire), "every leg kept");
+    let m2 = Mirror::open_after(two, Some(&same)).unwrap();
+    wait_until("the previous mirror's thread to end", || {
+        same.shared.stopped.load(Ordering::Acquire)
+    });
+    assert!(Arc::ptr_eq(&same.shared.regions, &m2.shared.regions));
+    assert!(!m2.shared.stopped.load(Ordering::Acquire));
+}

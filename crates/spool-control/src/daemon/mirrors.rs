@@ -174,9 +174,17 @@ impl Daemon {
             done
         };
         for r in done {
-            if r.ctx
-                .upgrade()
-                .is_some_and(|c| c.abandoned_io() > r.abandoned)
+            // A volume stopped with commands that never completed (quarantined): its
+            // context is gone, and those commands may still land on the removed leg.
+            let stuck = self
+                .quarantined
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&r.volume);
+            if stuck
+                || r.ctx
+                    .upgrade()
+                    .is_some_and(|c| c.abandoned_io() > r.abandoned)
             {
                 tracing::error!(volume = %r.volume, "device commands were abandoned while a removed copy was still in use: its extents stay taken until spoold restarts");
                 continue;
