@@ -153,6 +153,7 @@ fn layout(read_only: bool, encrypted: bool, segs: u64) -> VolumeLayout {
         // An encrypted volume's requests go through spool-crypt's CryptQueue.
         cipher: encrypted.then(cipher),
         discard_alignment: 4096,
+        generation: 0,
     }
 }
 
