@@ -14,6 +14,7 @@
 mod backend;
 mod completions;
 mod device;
+pub mod fanout;
 mod fault;
 mod file;
 mod file_map;

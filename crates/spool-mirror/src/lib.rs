@@ -71,14 +71,9 @@ pub const MISSING: usize = usize::MAX;
 pub const MAX_DEVICES: usize = 64;
 
 /// One piece of a leg: volume bytes `[logical, logical + len)` at `offset` of
-/// `devices[device]` ([`MISSING`]: the device is gone).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LegPiece {
-    pub logical: u64,
-    pub len: u64,
-    pub device: usize,
-    pub offset: u64,
-}
+/// `devices[device]` ([`MISSING`]: the device is gone); the fan-out engine's span, as a
+/// plain volume's segments are.
+pub type LegPiece = spool_devices::fanout::Span;
 
 /// One leg as the pool describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,6 +3,7 @@
 //!
 //! Owns: [`Op`], [`piece_io`]. Must not know: the legs, the regions, the devices' queues.
 
+use spool_devices::fanout::Fanout;
 use spool_devices::iov::split_iov;
 use spool_devices::{DeviceIo, IoVec};
 
@@ -23,17 +24,12 @@ pub(super) struct Op {
     pub(super) iov: *const IoVec,
     pub(super) iovcnt: u32,
     pub(super) regions: (usize, usize),
-    pub(super) pending: u32,
+    /// Its pieces on the legs' devices (targets: leg slots; a flush's are `FLUSH_SLOT`).
+    pub(super) pieces: Fanout,
     /// Slots the request went to (reads: the legs tried so far).
     pub(super) issued: u8,
-    pub(super) failed: u8,
-    pub(super) media: u8,
-    pub(super) err: i32,
     /// Writes: the legs current in every region of the write when it was submitted.
     pub(super) current: u8,
-    /// Flushes: devices asked, and devices that failed.
-    pub(super) pending_devices: u32,
-    pub(super) failed_devices: u32,
     /// Iovec arrays of pieces that split the request's own (kept until completion).
     pub(super) split: Vec<Box<[IoVec]>>,
 }

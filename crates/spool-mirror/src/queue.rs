@@ -27,6 +27,7 @@ use super::bitmap::{stale, INTENT};
 use super::op::{piece_io, Kind, Op};
 use super::Shared;
 use spool_devices::epoll_watch as watch;
+use spool_devices::fanout::{split, Fanout, PieceAt};
 use spool_devices::{DeviceIo, DeviceQueue, ErrorReport, Signal};
 
 /// A leg device with commands outstanding and no completion this long is hung (on `abort`).
@@ -186,24 +187,15 @@ impl MirrorQueue {
             return;
         };
         let op = ops[i].as_mut().expect("live op");
-        let (offset, len) = (op.offset, op.len);
-        let start = pieces.partition_point(|p| p.logical + p.len <= offset);
-        let mut done = 0;
-        for p in &pieces[start..] {
-            if done >= len {
-                break;
-            }
-            let within = offset + done - p.logical;
-            let n = (p.len - within).min(len - done);
-            let tag = ((i as u64) << SLOT_BITS) | slot as u64;
-            let io = piece_io(op, p.offset + within, n, done);
+        let tag = ((i as u64) << SLOT_BITS) | slot as u64;
+        split(pieces, op.offset, op.len, |device, dev_off, n, at| {
+            let io = piece_io(op, dev_off, n, at);
             // SAFETY: buffers and iovec arrays stay valid until this piece is reaped: the
             // caller's by the submit contract, split arrays because `op` keeps them.
-            unsafe { queues[p.device].submit(io, tag) };
-            op.pending += 1;
-            busy(outstanding, progress, p.device);
-            done += n;
-        }
+            unsafe { queues[device].submit(io, tag) };
+            op.pieces.issue();
+            busy(outstanding, progress, device);
+        });
     }
 
     fn submit_read(&mut self, i: usize) -> bool {
@@ -283,9 +275,8 @@ impl MirrorQueue {
         let Some(op) = self.ops[i].as_mut() else {
             return false;
         };
-        op.pending_devices = devices.len() as u32;
         for &d in &devices {
-            op.pending += 1;
+            op.pieces.issue();
             let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
             // SAFETY: a flush carries no buffers.
             unsafe { self.queues[d].submit(DeviceIo::Flush, tag) };
@@ -318,45 +309,45 @@ impl MirrorQueue {
     fn settle(&mut self, i: usize) {
         let op = self.ops[i].as_mut().expect("live op");
         op.split.clear();
-        if op.kind == Kind::Read && op.failed != 0 {
+        let mut read_err = 0;
+        if op.kind == Kind::Read && op.pieces.failed_targets() != 0 {
             let (first, last) = op.regions;
             // Repair: the leg's range is rewritten from a good copy by the resync thread;
             // only when another leg holds every acknowledged write there (marking the only
             // copy stale would leave nothing to read: the read fails as on a plain device).
             let holders = self.shared.current(!0, op.offset, op.len, (first, last));
-            if op.media != 0 && holders & !op.media != 0 {
+            let media = op.pieces.media_targets() as u8;
+            if media != 0 && holders & !media != 0 {
                 for r in first..=last {
-                    self.shared.regions.mark(r, op.media);
+                    self.shared.regions.mark(r, media);
                 }
                 self.shared.regions.bitmap.sync(first, last);
             }
-            let err = std::mem::replace(&mut op.err, 0);
-            op.failed = 0;
-            op.media = 0;
+            read_err = op.pieces.retry();
             if self.submit_read(i) {
                 return;
             }
-            self.ops[i].as_mut().expect("live op").err = err;
         }
         let op = self.ops[i].take().expect("live op");
         self.free.push(i);
+        let failed = op.pieces.failed_targets() as u8;
         let res = match op.kind {
-            Kind::Read if op.pending == 0 && op.err == 0 => 0,
-            Kind::Read => op.err,
+            Kind::Read if read_err != 0 => read_err,
+            Kind::Read => op.pieces.first_error(),
             // Durable on one leg is durable: the failed devices were reported (their
             // monitor resets or isolates them).
-            Kind::Flush if op.failed == 0 || op.pending_devices > op.failed_devices => 0,
-            Kind::Flush => op.err,
+            Kind::Flush if failed == 0 || op.pieces.any_succeeded() => 0,
+            Kind::Flush => op.pieces.first_error(),
             // Done when a leg current at submit took it all; the legs that failed then missed
             // it (marked stale before the completion). When every current leg failed, the
             // write failed as a whole (its blocks are indeterminate on every leg, as for any
             // failed write) and nothing is marked: the current legs stay the copy source.
             Kind::Write | Kind::Zeroes => {
                 let (first, last) = op.regions;
-                let res = if op.current & !op.failed != 0 {
-                    if op.failed != 0 {
+                let res = if op.current & !failed != 0 {
+                    if failed != 0 {
                         for r in first..=last {
-                            self.shared.regions.mark(r, op.failed);
+                            self.shared.regions.mark(r, failed);
                         }
                         self.shared.regions.bitmap.sync(first, last);
                     }
@@ -365,12 +356,12 @@ impl MirrorQueue {
                         .shared
                         .required
                         .load(std::sync::atomic::Ordering::Acquire);
-                    match op.failed & required {
+                    match failed & required {
                         0 => 0,
                         _ => -libc::ENOLINK,
                     }
                 } else {
-                    op.err
+                    op.pieces.first_error()
                 };
                 self.shared.regions.leave(first, last);
                 res
@@ -429,14 +420,9 @@ impl DeviceQueue for MirrorQueue {
             iov,
             iovcnt,
             regions,
-            pending: 0,
+            pieces: Fanout::default(),
             issued: 0,
-            failed: 0,
-            media: 0,
-            err: 0,
             current: 0,
-            pending_devices: 0,
-            failed_devices: 0,
             split: Vec::new(),
         });
         let started = match kind {
@@ -472,38 +458,22 @@ impl DeviceQueue for MirrorQueue {
                     return;
                 };
                 if res < 0 {
-                    let errno = -res;
-                    if errno != libc::ECANCELED {
-                        // Where on the device, as the worker reports a plain volume's pieces
-                        // (a flush has no range).
-                        let (offset, len) = match slot {
-                            FLUSH_SLOT => (0, 0),
-                            _ => device_range(shared, slot, d, op.offset, op.len),
-                        };
-                        shared.spec.devices[d].health().report(ErrorReport {
-                            signal: Signal::Errno(errno),
-                            offset,
-                            len,
-                            write: op.kind != Kind::Read,
-                        });
-                    }
-                    if slot != FLUSH_SLOT {
-                        op.failed |= stale(slot);
-                        if spool_devices::ErrorClass::of_errno(errno)
-                            == spool_devices::ErrorClass::Media
-                        {
-                            op.media |= stale(slot);
-                        }
-                    } else {
-                        op.failed |= 1 << FLUSH_SLOT;
-                        op.failed_devices += 1;
-                    }
-                    if op.err == 0 {
-                        op.err = res;
-                    }
+                    // Where on the device, as the worker reports a plain volume's pieces (a
+                    // flush has no range).
+                    let (offset, len) = match slot {
+                        FLUSH_SLOT => (0, 0),
+                        _ => device_range(shared, slot, d, op.offset, op.len),
+                    };
+                    let at = PieceAt {
+                        target: slot,
+                        offset,
+                        len,
+                        write: op.kind != Kind::Read,
+                    };
+                    op.pieces
+                        .piece_failed(-res, at, shared.spec.devices[d].health());
                 }
-                op.pending -= 1;
-                if op.pending == 0 {
+                if op.pieces.piece_back() {
                     finished.push(i);
                 }
             });

@@ -63,17 +63,9 @@ fn table_leg_id(l: &LegEntry) -> u64 {
 /// The discard alignment of a volume that is not thin.
 pub const DEFAULT_DISCARD_ALIGNMENT: u64 = 4096;
 
-/// One piece of a volume's address space mapped onto a device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Segment {
-    /// Volume byte offset where the segment starts.
-    pub logical: u64,
-    pub len: u64,
-    /// Index into [`VolumeLayout::devices`].
-    pub device: usize,
-    /// Device byte offset.
-    pub offset: u64,
-}
+/// One piece of a volume's address space mapped onto a device (its `device` indexes
+/// [`VolumeLayout::devices`]): the fan-out engine's span, as a mirror's leg pieces are.
+pub type Segment = spool_devices::fanout::Span;
 
 /// Everything the data path needs to serve one volume.
 #[derive(Debug, Clone)]
@@ -103,37 +95,19 @@ pub struct VolumeLayout {
 }
 
 impl VolumeLayout {
-    /// Index of the segment holding volume byte `offset` (`segments.len()` past the end).
-    #[inline]
-    fn segment_at(&self, offset: u64) -> usize {
-        self.segments
-            .partition_point(|s| s.logical + s.len <= offset)
-    }
-
     /// The device and device offset of `[offset, offset + len)` when it lies within one
     /// segment (the common case); `None` when it spans segments or lies outside them.
     #[inline]
     pub fn map_one(&self, offset: u64, len: u64) -> Option<(usize, u64)> {
-        let s = self.segments.get(self.segment_at(offset))?;
-        let within = offset.checked_sub(s.logical)?;
-        (s.len - within >= len).then_some((s.device, s.offset + within))
+        spool_devices::fanout::within_one(&self.segments, offset, len)
     }
 
     /// Splits the volume range `[offset, offset + len)` into device pieces:
     /// `f(device index, device offset, piece length, offset within the range)`.
     /// The caller has checked the range against `size`.
-    pub fn map(&self, offset: u64, len: u64, mut f: impl FnMut(usize, u64, u64, u64)) {
-        let mut i = self.segment_at(offset);
-        let mut done = 0;
-        while done < len && i < self.segments.len() {
-            let s = &self.segments[i];
-            let pos = offset + done;
-            let within = pos - s.logical;
-            let n = (s.len - within).min(len - done);
-            f(s.device, s.offset + within, n, done);
-            done += n;
-            i += 1;
-        }
+    #[inline]
+    pub fn map(&self, offset: u64, len: u64, f: impl FnMut(usize, u64, u64, u64)) {
+        spool_devices::fanout::split(&self.segments, offset, len, f)
     }
 }
 

@@ -522,3 +522,28 @@ fn a_chunk_being_allocated_is_known_as_in_hand() {
     assert_eq!(held.len(), 1);
     assert!(!t.placements().contains(&held[0]), "not named anywhere yet");
 }
+
+#[test]
+fn a_failed_piece_is_reported_to_its_device_with_where_it_failed() {
+    let f = fixture(4);
+    let (thin, _) = f.open(4 * CHUNK);
+    let mut q = thin.open_queue(8).unwrap();
+    let mut data = vec![5u8; 4096];
+    // The volume's second chunk takes the first free one, at CHUNKS_AT.
+    assert_eq!(rw(&mut *q, true, CHUNK + 8192, &mut data), 0);
+    let _ = f.dev.health().take_reports();
+    f.dev.faults().add(spool_devices::FaultRule {
+        effect: spool_devices::FaultEffect::Errno(libc::ENODATA),
+        ops: spool_devices::FaultOps::Read,
+        offset: 0,
+        len: 0,
+        count: Some(1),
+        duration: None,
+        fails_probe: false,
+    });
+    assert_eq!(rw(&mut *q, false, CHUNK + 8192, &mut data), -libc::ENODATA);
+    let (reports, _) = f.dev.health().take_reports();
+    assert_eq!(reports.len(), 1);
+    let r = &reports[0];
+    assert_eq!((r.offset, r.len, r.write), (CHUNKS_AT + 8192, 4096, false));
+}

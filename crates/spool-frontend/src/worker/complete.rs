@@ -67,8 +67,7 @@ impl QueueWorker {
                         inf, -res, piece, health, io_err_log, volume, tag,
                     );
                 }
-                inf.pending -= 1;
-                if inf.pending == 0 {
+                if inf.pieces.piece_back() {
                     finished.push(tag as u16);
                 }
             });

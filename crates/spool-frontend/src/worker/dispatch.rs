@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 use spool_devices::{DeviceIo, HealthState, IoVec};
-use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 
 use super::inflight::{used_len, write_status, Inflight};
 use super::QueueWorker;
@@ -248,27 +247,25 @@ impl QueueWorker {
                 HealthState::Healthy => {}
                 HealthState::Resetting => hold = true,
                 HealthState::Failed | HealthState::Removed => {
-                    inf.status_code = VIRTIO_BLK_S_IOERR as u8;
-                    inf.pending = 0;
+                    inf.pieces.fail_unsent();
                 }
             }
         }
-        if hold && inf.pending != 0 {
+        if hold && inf.pieces.pending() != 0 {
             self.inflight.hold(head);
             return false;
         }
-        if inf.pending != 0 && ios.iter().any(|(d, _)| *d >= self.dev.queues.len()) {
+        if inf.pieces.pending() != 0 && ios.iter().any(|(d, _)| *d >= self.dev.queues.len()) {
             // A device queue that could not be reopened (after a reset or a replacement):
             // try again; if it still cannot be had, this request fails cleanly.
             if let Err(e) = self.open_device_queues() {
                 tracing::error!(volume = %self.volume, error = %e, "no device queue; failing the request");
-                inf.status_code = VIRTIO_BLK_S_IOERR as u8;
-                inf.pending = 0;
+                inf.pieces.fail_unsent();
             }
         }
-        if inf.pending == 0 {
+        if inf.pieces.pending() == 0 {
             self.refresh_host(mem);
-            write_status(inf.status, inf.status_code);
+            write_status(inf.status, inf.status_code());
             self.complete_used(mem, head, inf.used_len);
             return false;
         }

@@ -13,7 +13,8 @@
 //! Knows nothing of devices' health, the ring or the journal.
 
 use smallvec::SmallVec;
-use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
+use spool_devices::fanout::Fanout;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 
 use crate::request::IoVecs;
 use crate::stats::OpKind;
@@ -24,13 +25,10 @@ pub(super) struct Inflight {
     /// worker keeps alive until the request completes).
     pub(super) status: usize,
     pub(super) used_len: u32,
-    pub(super) pending: u32,
-    pub(super) status_code: u8,
-    /// A piece failed with a path error: hold the request for resubmission, do not complete it.
-    pub(super) held: bool,
-    /// A piece was cancelled by us (a queue pair aborted or lost to a controller reset):
-    /// submit the request again at once, nothing is wrong with it or the device.
-    pub(super) cancelled: bool,
+    /// Its pieces on the layout's devices (targets: device indices). A path error holds the
+    /// request for resubmission; a piece we cancelled (a queue pair aborted or lost to a
+    /// controller reset) submits it again at once; a media or request error fails it.
+    pub(super) pieces: Fanout,
     /// Already reported as timed out.
     pub(super) timed_out: bool,
     /// The timeout sweep during which it was submitted.
@@ -50,10 +48,7 @@ impl Inflight {
         Inflight {
             status,
             used_len,
-            pending,
-            status_code: VIRTIO_BLK_S_OK as u8,
-            held: false,
-            cancelled: false,
+            pieces: Fanout::new(pending),
             timed_out: false,
             sweep,
             kind: OpKind::Other,
@@ -65,7 +60,17 @@ impl Inflight {
     /// Whether no piece failed in a way that decides the request's status.
     #[inline]
     pub(super) fn ok(&self) -> bool {
-        self.status_code == VIRTIO_BLK_S_OK as u8
+        self.pieces.ok()
+    }
+
+    /// The status byte the request completes with.
+    #[inline]
+    pub(super) fn status_code(&self) -> u8 {
+        if self.pieces.ok() {
+            VIRTIO_BLK_S_OK as u8
+        } else {
+            VIRTIO_BLK_S_IOERR as u8
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use spool_devices::fanout::PieceAt;
 use spool_devices::{DeviceHealth, ErrorClass, ErrorReport, FaultEffect, HealthState, Signal};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR;
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent};
@@ -43,8 +44,8 @@ enum Quiesce {
 }
 
 /// Marks `inf` for a piece that failed with `errno` (positive), and reports the failure to
-/// the device's health cell unless we cancelled the piece ourselves. `piece` is the failed
-/// piece (device, offset, length, write) when known.
+/// the device's health cell unless we cancelled the piece ourselves (the fan-out engine's
+/// merge). `piece` is the failed piece (device, offset, length, write) when known.
 #[cold]
 pub(super) fn note_piece_error(
     inf: &mut Inflight,
@@ -59,20 +60,14 @@ pub(super) fn note_piece_error(
     if let Verdict::Log { suppressed } = log.check() {
         tracing::warn!(volume = %volume, head = tag, errno, class = class.name(), suppressed, "device I/O failed");
     }
-    if errno != libc::ECANCELED {
-        let &(_, offset, len, write) = piece.unwrap_or(&(0, 0, 0, false));
-        health.report(ErrorReport {
-            signal: Signal::Errno(errno),
-            offset,
-            len,
-            write,
-        });
-    }
-    match class {
-        _ if errno == libc::ECANCELED => inf.cancelled = true,
-        ErrorClass::Path | ErrorClass::Gone => inf.held = true,
-        ErrorClass::Media | ErrorClass::Request => inf.status_code = VIRTIO_BLK_S_IOERR as u8,
-    }
+    let &(d, offset, len, write) = piece.unwrap_or(&(0, 0, 0, false));
+    let at = PieceAt {
+        target: (d & 63) as u8,
+        offset,
+        len,
+        write,
+    };
+    inf.pieces.piece_failed(errno, at, health);
 }
 
 impl QueueWorker {
@@ -82,7 +77,7 @@ impl QueueWorker {
     /// be submitted again at once (cancelled by us).
     #[inline]
     pub(super) fn settle(&mut self, head: u16, inf: Inflight) -> Option<u32> {
-        if inf.held && inf.ok() {
+        if inf.pieces.path_failed() && inf.ok() {
             let (again, retries) = self.inflight.retry(head, self.request_retries);
             if again {
                 self.inflight.hold(head);
@@ -90,7 +85,7 @@ impl QueueWorker {
             }
             tracing::error!(volume = %self.volume, head, retries, "request keeps failing after device resets; failing it");
             write_status(inf.status, VIRTIO_BLK_S_IOERR as u8);
-        } else if inf.cancelled && inf.ok() {
+        } else if inf.pieces.cancelled() && inf.ok() {
             // Our own cancellation is no failure of the request: no retry counted. Held
             // requests wait for a health change; these would wait forever if the change they
             // follow has already been seen (a queue pair replaced after a controller reset
@@ -98,7 +93,7 @@ impl QueueWorker {
             self.inflight.cancel(head);
             return None;
         } else {
-            write_status(inf.status, inf.status_code);
+            write_status(inf.status, inf.status_code());
         }
         self.inflight.clear_retries(head);
         Some(inf.used_len)

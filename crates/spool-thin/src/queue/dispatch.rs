@@ -110,9 +110,9 @@ impl ThinQueue {
                             idx as u64,
                         )
                     };
-                    self.op(idx).pending += 1;
+                    self.op(idx).pieces.issue();
                 }
-                Err(e) => self.op(idx).err = e,
+                Err(e) => self.op(idx).pieces.note_failure(e),
             }
         }
         self.maybe_finish(idx);
@@ -161,9 +161,9 @@ impl ThinQueue {
                         unsafe {
                             q.submit(DeviceIo::data(write, at, len, iov, iovcnt), idx as u64)
                         };
-                        self.op(idx).pending = 1;
+                        self.op(idx).pieces.issue();
                     }
-                    Err(e) => self.op(idx).err = e,
+                    Err(e) => self.op(idx).pieces.note_failure(e),
                 }
                 self.maybe_finish(idx);
             }
@@ -180,19 +180,17 @@ impl ThinQueue {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .len();
-        let mut n = 0;
         for d in 0..devices {
             match self.queue(d) {
                 Ok(q) => {
                     // SAFETY: a flush carries no buffers.
                     unsafe { q.submit(DeviceIo::Flush, idx as u64) };
-                    n += 1;
+                    self.op(idx).pieces.issue();
                 }
                 Err(e) if e == -libc::ENOMEDIUM => {}
-                Err(e) => self.op(idx).err = e,
+                Err(e) => self.op(idx).pieces.note_failure(e),
             }
         }
-        self.op(idx).pending = n;
         self.maybe_finish(idx);
     }
 
@@ -254,9 +252,9 @@ impl ThinQueue {
                 Ok(q) => {
                     // SAFETY: no buffers.
                     unsafe { q.submit(io, idx as u64) };
-                    self.op(idx).pending += 1;
+                    self.op(idx).pieces.issue();
                 }
-                Err(e) => self.op(idx).err = e,
+                Err(e) => self.op(idx).pieces.note_failure(e),
             }
         }
         if first < end {

@@ -18,7 +18,8 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
-use spool_devices::{DeviceIo, DeviceQueue, ErrorReport, IoVec, Signal};
+use spool_devices::fanout::{Fanout, PieceAt};
+use spool_devices::{DeviceIo, DeviceQueue, IoVec};
 
 use crate::grace::Readers;
 
@@ -29,15 +30,15 @@ use crate::shared::{Mailbox, Note, Shared};
 struct Op {
     tag: u64,
     io: DeviceIo,
-    /// Device pieces outstanding.
-    pending: u32,
+    /// Its pieces on the pool devices (the fan-out engine's count; targets: device
+    /// indices), and its first failure, a piece's or not (no queue, no chunk).
+    pieces: Fanout,
     /// An unmap asked of the allocator and not answered yet.
     unmapping: bool,
     /// Waiting for chunks to be allocated.
     parked: bool,
     /// Which unmap answer is this request's (slots are reused).
     seq: u32,
-    err: i32,
     /// The grace phase while pieces are on devices.
     phase: Option<u64>,
     /// Iovec arrays of pieces that split the request's own (kept until completion).
@@ -147,7 +148,7 @@ impl ThinQueue {
     /// once nothing of it is outstanding.
     fn maybe_finish(&mut self, idx: usize) {
         let op = self.ops[idx].as_mut().expect("live op");
-        if op.pending > 0 {
+        if op.pieces.pending() > 0 {
             return;
         }
         if let Some(p) = op.phase.take() {
@@ -159,7 +160,7 @@ impl ThinQueue {
         let op = self.ops[idx].take().expect("live op");
         self.free.push(idx);
         self.in_flight -= 1;
-        self.done.push_back((op.tag, op.err));
+        self.done.push_back((op.tag, op.pieces.first_error()));
     }
 
     /// Acts on the allocator's notes: failed chunks fail the parked writes that need them,
@@ -179,7 +180,7 @@ impl ThinQueue {
                     for &idx in &self.parked {
                         let op = self.ops[idx].as_mut().expect("parked op");
                         if op_chunks(&op.io, self.shared.spec.chunk).contains(&chunk) {
-                            op.err = errno;
+                            op.pieces.note_failure(errno);
                         }
                     }
                 }
@@ -194,9 +195,7 @@ impl ThinQueue {
                         continue;
                     }
                     op.unmapping = false;
-                    if errno != 0 && op.err == 0 {
-                        op.err = errno;
-                    }
+                    op.pieces.note_failure(errno);
                     self.maybe_finish(idx);
                 }
             }
@@ -208,7 +207,7 @@ impl ThinQueue {
         for idx in std::mem::take(&mut self.parked) {
             let op = self.ops[idx].as_ref().expect("parked op");
             let holes = self.blocked(&op.io);
-            if op.err == 0 && !holes.is_empty() {
+            if op.pieces.first_error() == 0 && !holes.is_empty() {
                 for c in holes {
                     self.ask(c);
                 }
@@ -217,7 +216,7 @@ impl ThinQueue {
             }
             let op = self.op(idx);
             op.parked = false;
-            if op.err != 0 {
+            if op.pieces.first_error() != 0 {
                 self.maybe_finish(idx);
             } else {
                 again = true;
@@ -247,7 +246,7 @@ impl ThinQueue {
         for idx in parked {
             let op = self.op(idx);
             op.parked = false;
-            op.err = -libc::ECANCELED;
+            op.pieces.note_failure(-libc::ECANCELED);
             self.maybe_finish(idx);
         }
         if n > 0 && self.completion_events {
@@ -280,6 +279,40 @@ impl ThinQueue {
 }
 
 /// The chunks a write or write-zeroes touches (none for other requests).
+/// Where request `io`'s piece on pool device `d` went (the first, when several did), as
+/// the map names its chunks now: what a failed piece's health report says (0, 0 for a
+/// flush, or a chunk the map no longer names).
+#[cold]
+fn piece_at(shared: &Shared, io: &DeviceIo, d: usize) -> PieceAt {
+    let (offset, len, write) = match *io {
+        DeviceIo::Read { offset, len, .. } => (offset, len, false),
+        DeviceIo::Write { offset, len, .. } => (offset, len, true),
+        DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
+            (offset, len, true)
+        }
+        DeviceIo::Flush => (0, 0, true),
+    };
+    let chunk = shared.spec.chunk;
+    let mut at = PieceAt {
+        target: (d & 63) as u8,
+        offset: 0,
+        len: 0,
+        write,
+    };
+    let mut pos = offset;
+    while pos < offset + len {
+        let n = (chunk - pos % chunk).min(offset + len - pos);
+        if let Some((dev, off)) = shared.map.get(pos / chunk) {
+            if dev == d {
+                (at.offset, at.len) = (off + pos % chunk, n);
+                break;
+            }
+        }
+        pos += n;
+    }
+    at
+}
+
 fn op_chunks(io: &DeviceIo, chunk: u64) -> std::ops::Range<u64> {
     match *io {
         DeviceIo::Write { offset, len, .. } | DeviceIo::WriteZeroes { offset, len } => {
@@ -318,11 +351,10 @@ impl DeviceQueue for ThinQueue {
         self.ops[idx] = Some(Op {
             tag,
             io,
-            pending: 0,
+            pieces: Fanout::default(),
             unmapping: false,
             parked: false,
             seq: 0,
-            err: 0,
             phase: None,
             split: Vec::new(),
         });
@@ -348,27 +380,20 @@ impl DeviceQueue for ThinQueue {
             let Some(q) = self.queues[d].as_mut() else {
                 continue;
             };
-            let ops = &mut self.ops;
+            let (ops, shared) = (&mut self.ops, &self.shared);
             let dev = &self.devs[d];
             q.reap(&mut |sub, res| {
                 let op = ops[sub as usize].as_mut().expect("piece of a live op");
                 if res < 0 {
-                    if res != -libc::ECANCELED {
-                        if let Some(dev) = dev {
-                            dev.health().report(ErrorReport {
-                                signal: Signal::Errno(-res),
-                                offset: 0,
-                                len: 0,
-                                write: matches!(op.io, DeviceIo::Write { .. }),
-                            });
+                    match dev {
+                        Some(dev) => {
+                            let at = piece_at(shared, &op.io, d);
+                            op.pieces.piece_failed(-res, at, dev.health());
                         }
-                    }
-                    if op.err == 0 {
-                        op.err = res;
+                        None => op.pieces.note_failure(res),
                     }
                 }
-                op.pending -= 1;
-                if op.pending == 0 {
+                if op.pieces.piece_back() {
                     finished.push(sub as usize);
                 }
             });
