@@ -45,3 +45,25 @@ fn synchronous_calls_allocate_write_exactly_and_zero_into_holes() {
     assert!(thin.zero_range(4 * CHUNK, 1).is_err());
     assert_eq!(t.allocated(), CHUNK);
 }
+
+#[test]
+fn zeroes_of_a_few_bytes_take_no_chunk_in_a_hole_and_zero_exactly_elsewhere() {
+    let f = fixture(8);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    // Unaligned edges in holes (one range within a page, one across a chunk boundary with
+    // whole pages inside): nothing to write, nothing taken.
+    thin.zero_range(100, 1000).unwrap();
+    thin.zero_range(2 * CHUNK - 5000, 10_000).unwrap();
+    assert_eq!((t.allocated(), f.free()), (0, 8));
+    // In a mapped chunk the same edges are zeroed, and only they.
+    thin.write_at_durable(&vec![7u8; 8192], 0).unwrap();
+    assert_eq!(t.allocated(), CHUNK);
+    thin.zero_range(100, 1000).unwrap();
+    let mut back = vec![0u8; 8192];
+    thin.read_at(&mut back, 0).unwrap();
+    assert!(back[..100].iter().all(|&b| b == 7));
+    assert!(back[100..1100].iter().all(|&b| b == 0));
+    assert!(back[1100..].iter().all(|&b| b == 7));
+    assert_eq!(t.allocated(), CHUNK);
+}
