@@ -24,9 +24,18 @@ const PAGE: u64 = 4096;
 /// space past the full-pool bound, or on a hung device).
 const ABORT_AFTER: Duration = Duration::from_secs(60);
 
-/// The queue of the calls, and their buffer.
+/// The queue of the calls and their buffer, once opened; closed for good when the device
+/// shuts down (a call after that fails rather than open a queue on a stopped device).
 #[derive(Default)]
-pub(crate) struct SyncIo(Mutex<Option<(ThinQueue, AlignedBuf)>>);
+pub(crate) struct SyncIo(Mutex<SyncState>);
+
+#[derive(Default)]
+enum SyncState {
+    #[default]
+    NotOpen,
+    Open(Box<(ThinQueue, AlignedBuf)>),
+    Closed,
+}
 
 impl std::fmt::Debug for SyncIo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -37,7 +46,7 @@ impl std::fmt::Debug for SyncIo {
 impl SyncIo {
     /// Drops the queue (the device is shutting down).
     pub(crate) fn close(&self) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = SyncState::Closed;
     }
 }
 
@@ -59,13 +68,15 @@ impl SyncCalls<'_> {
         f: impl FnOnce(&mut ThinQueue, &mut AlignedBuf) -> spool_devices::Result<R>,
     ) -> spool_devices::Result<R> {
         let mut g = self.1 .0.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_none() {
+        if let SyncState::NotOpen = *g {
             let q = ThinQueue::new(self.0.clone(), 4)
                 .map_err(|e| spool_devices::Error::io(&self.0.spec.path, "open a queue", e))?;
-            *g = Some((q, AlignedBuf::default()));
+            *g = SyncState::Open(Box::new((q, AlignedBuf::default())));
         }
-        let (q, buf) = g.as_mut().expect("opened above");
-        f(q, buf)
+        match &mut *g {
+            SyncState::Open(open) => f(&mut open.0, &mut open.1),
+            _ => Err(failed(self.0, "open a queue", libc::ESHUTDOWN)),
+        }
     }
 
     /// Reads or writes `buf` (page-aligned, whole pages) at page-aligned `offset`.

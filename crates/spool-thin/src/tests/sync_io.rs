@@ -66,4 +66,8 @@ fn zeroes_of_a_few_bytes_take_no_chunk_in_a_hole_and_zero_exactly_elsewhere() {
     assert!(back[100..1100].iter().all(|&b| b == 0));
     assert!(back[1100..].iter().all(|&b| b == 7));
     assert_eq!(t.allocated(), CHUNK);
+    // Once the device shut down, a call fails: it opens no queue on a stopped device.
+    t.shut_down();
+    let e = thin.read_at(&mut back, 0).unwrap_err();
+    assert!(e.to_string().contains("open a queue"), "{e}");
 }
