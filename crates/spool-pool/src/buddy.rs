@@ -7,6 +7,23 @@
 
 use std::collections::BTreeSet;
 
+/// Why an allocator cannot manage an area, or a block cannot be marked allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    #[error("minimum extent {0} is not a power of two")]
+    MinExtent(u64),
+    #[error("area of {len} bytes at {base} ends beyond 2^64 bytes")]
+    AreaOverflow { base: u64, len: u64 },
+    #[error("extent at {offset} (order {order}) is larger than any block of the device")]
+    TooLarge { offset: u64, order: u32 },
+    #[error("extent at {offset} (order {order}) is misaligned or before the data area")]
+    Misaligned { offset: u64, order: u32 },
+    #[error(
+        "extent at {offset} (order {order}) overlaps another extent or lies outside the device"
+    )]
+    Taken { offset: u64, order: u32 },
+}
+
 /// Free-list buddy allocator.
 #[derive(Debug, Clone)]
 pub struct Buddy {
@@ -21,14 +38,12 @@ pub struct Buddy {
 impl Buddy {
     /// Manages `[base, base + len)` in blocks of at least `min` bytes (a power of two).
     /// Fails when `min` is not a power of two or the area does not fit in 64 bits.
-    pub fn new(base: u64, len: u64, min: u64) -> Result<Self, String> {
+    pub fn new(base: u64, len: u64, min: u64) -> Result<Self, AllocError> {
         if !min.is_power_of_two() {
-            return Err(format!("minimum extent {min} is not a power of two"));
+            return Err(AllocError::MinExtent(min));
         }
         if base.checked_add(len).is_none() {
-            return Err(format!(
-                "area of {len} bytes at {base} ends beyond 2^64 bytes"
-            ));
+            return Err(AllocError::AreaOverflow { base, len });
         }
         let mut top = Vec::new();
         let mut off = 0u64;
@@ -108,21 +123,17 @@ impl Buddy {
 
     /// Marks the block at absolute `offset` of `order` allocated (rebuilding from metadata).
     /// Fails if any part of it is not free (overlapping or out-of-range metadata).
-    pub fn alloc_at(&mut self, offset: u64, order: u32) -> Result<(), String> {
+    pub fn alloc_at(&mut self, offset: u64, order: u32) -> Result<(), AllocError> {
         // Orders above the largest top block cannot fit; this also keeps `min << order`
         // from shifting bits out (to zero, for a division below).
         if order > self.max_order() {
-            return Err(format!(
-                "extent at {offset} (order {order}) is larger than any block of the device"
-            ));
+            return Err(AllocError::TooLarge { offset, order });
         }
         let size = self.min << order;
         let rel = offset
             .checked_sub(self.base)
             .filter(|r| r % size == 0)
-            .ok_or_else(|| {
-                format!("extent at {offset} (order {order}) is misaligned or before the data area")
-            })?;
+            .ok_or(AllocError::Misaligned { offset, order })?;
         for o in order as usize..self.free.len() {
             let cand = rel & !((self.min << o) - 1);
             if self.free[o].remove(&cand) {
@@ -141,9 +152,7 @@ impl Buddy {
                 return Ok(());
             }
         }
-        Err(format!(
-            "extent at {offset} (order {order}) overlaps another extent or lies outside the device"
-        ))
+        Err(AllocError::Taken { offset, order })
     }
 
     /// Frees the block at absolute `offset` of `order`, merging with free buddies.

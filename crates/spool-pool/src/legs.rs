@@ -113,7 +113,7 @@ impl Pool {
         table.volumes[i] = v.clone();
         if let Err(e) = table
             .validate()
-            .map_err(Error::InvalidArgument)
+            .map_err(Error::invalid)
             .and_then(|_| self.commit(table))
         {
             self.release(allocated);

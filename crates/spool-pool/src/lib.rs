@@ -93,6 +93,13 @@ pub enum Error {
     Thin { volume: String, why: String },
 }
 
+impl Error {
+    /// An invalid argument, as `why` says it.
+    pub(crate) fn invalid(why: impl std::fmt::Display) -> Error {
+        Error::InvalidArgument(why.to_string())
+    }
+}
+
 /// Result type of the pool layer.
 pub type Result<T> = std::result::Result<T, Error>;
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use uuid::Uuid;
 
-use crate::buddy::Buddy;
+use crate::buddy::{AllocError, Buddy};
 use crate::metadata::{self, DeviceEntry, DeviceState, ExtentEntry, PoolTable, METADATA_AREA};
 use crate::{DeviceInfo, Error, Pool, PoolOptions, Replacement, Result};
 use spool_devices::{Device, OpenOptions};
@@ -64,7 +64,10 @@ pub(crate) fn new_buddy(dev: &Device, min_extent: u64) -> Result<Buddy> {
             size: dev.size(),
             need,
         })?;
-    Buddy::new(METADATA_AREA, len, min_extent).map_err(|why| Error::Corrupt { path, why })
+    Buddy::new(METADATA_AREA, len, min_extent).map_err(|why| Error::Corrupt {
+        path,
+        why: why.to_string(),
+    })
 }
 
 pub(crate) struct Member {
@@ -102,7 +105,7 @@ impl Member {
         self.buddy().alloc(order)
     }
 
-    pub(crate) fn alloc_at(&self, offset: u64, order: u32) -> std::result::Result<(), String> {
+    pub(crate) fn alloc_at(&self, offset: u64, order: u32) -> std::result::Result<(), AllocError> {
         self.buddy().alloc_at(offset, order)
     }
 
@@ -133,7 +136,7 @@ impl Pool {
             });
         }
         if force {
-            metadata::wipe(dev).map_err(Error::Metadata)?;
+            metadata::wipe(dev).map_err(|e| Error::Metadata(e.to_string()))?;
             tracing::warn!(path = %dev.path().display(), "reformatting device (--force)");
         }
         let uuid = Uuid::new_v4();

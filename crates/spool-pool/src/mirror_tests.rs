@@ -170,7 +170,7 @@ fn hostile_leg_tables_are_refused() {
     for (break_it, want) in cases {
         let mut t = good.clone();
         break_it(&mut t);
-        let e = t.validate().unwrap_err();
+        let e = t.validate().unwrap_err().to_string();
         assert!(e.contains(want), "wanted '{want}' in: {e}");
     }
 }

@@ -134,26 +134,29 @@ impl QosLimits {
     }
 
     /// Checks every rate and the burst allowance; says which one is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidLimit> {
         for (name, rate) in self.rates() {
             if rate > MAX_RATE {
-                return Err(format!(
-                    "{name} {rate} is above the largest limit {MAX_RATE}"
-                ));
+                return Err(InvalidLimit::Rate { name, rate });
             }
         }
         if self.weight > MAX_WEIGHT {
-            return Err(format!(
-                "weight {} must be between 1 and {MAX_WEIGHT}",
-                self.weight
-            ));
+            return Err(InvalidLimit::Weight(self.weight));
         }
         if !(1..=MAX_BURST_MS).contains(&self.burst_ms) {
-            return Err(format!(
-                "burst_ms {} must be between 1 and {MAX_BURST_MS}",
-                self.burst_ms
-            ));
+            return Err(InvalidLimit::BurstMs(self.burst_ms));
         }
         Ok(())
     }
+}
+
+/// Which limit is out of range, and its value (the text is what users see).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidLimit {
+    #[error("{name} {rate} is above the largest limit {MAX_RATE}")]
+    Rate { name: &'static str, rate: u64 },
+    #[error("weight {0} must be between 1 and {MAX_WEIGHT}")]
+    Weight(u32),
+    #[error("burst_ms {0} must be between 1 and {MAX_BURST_MS}")]
+    BurstMs(u32),
 }

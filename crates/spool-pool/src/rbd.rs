@@ -84,7 +84,7 @@ impl Pool {
         num_queues: u16,
         target: &RbdTarget,
     ) -> Result<VolumeInfo> {
-        crate::metadata::check_volume_name(name).map_err(Error::InvalidArgument)?;
+        crate::metadata::check_volume_name(name).map_err(Error::invalid)?;
         if !(1..=MAX_QUEUES).contains(&num_queues) {
             return Err(Error::InvalidArgument(format!(
                 "num_queues {num_queues} must be between 1 and {MAX_QUEUES}"

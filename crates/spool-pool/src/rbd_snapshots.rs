@@ -81,7 +81,7 @@ impl Pool {
         dev: &Arc<Device>,
         name: &str,
     ) -> Result<SnapshotInfo> {
-        check_volume_name(name).map_err(Error::InvalidArgument)?;
+        check_volume_name(name).map_err(Error::invalid)?;
         let b = backend(v, dev)?;
         let started = std::time::Instant::now();
         b.snapshot_create(name).map_err(|e| rbd_err(v, e))?;

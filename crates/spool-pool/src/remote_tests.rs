@@ -228,7 +228,7 @@ fn hostile_remote_legs_are_refused() {
     for (break_it, want) in cases {
         let mut t = ok.clone();
         break_it(&mut t);
-        let e = t.validate().unwrap_err();
+        let e = t.validate().unwrap_err().to_string();
         assert!(e.contains(want), "wanted '{want}' in: {e}");
     }
 }

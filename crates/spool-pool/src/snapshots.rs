@@ -86,7 +86,7 @@ impl Pool {
             return self.rbd_snapshot(&v, &dev, name);
         }
         let (i, v, dev) = self.thin_volume(id)?;
-        check_volume_name(name).map_err(Error::InvalidArgument)?;
+        check_volume_name(name).map_err(Error::invalid)?;
         if v.remote_leg().is_some() {
             // A snapshot of a copy missing writes only the other host holds would not hold
             // every write completed before it.
@@ -237,7 +237,7 @@ impl Pool {
             return Err(e);
         }
         let tm = c.thin.as_ref().expect("set above");
-        let opened = self.open_thin(&c, tm).map_err(|e| e.to_string());
+        let opened = self.open_thin(&c, tm).map_err(Arc::new);
         self.thins
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -29,7 +29,7 @@ pub const DEFAULT_FULL_WAIT: Duration = Duration::from_secs(20);
 
 /// Thin volumes' devices by volume: opened once per process (one allocator per map), or why
 /// the volume cannot be served.
-pub(crate) type ThinCache = HashMap<Uuid, std::result::Result<Arc<Device>, String>>;
+pub(crate) type ThinCache = HashMap<Uuid, std::result::Result<Arc<Device>, Arc<Error>>>;
 
 /// One member as thin allocators see it.
 #[derive(Debug)]
@@ -286,7 +286,7 @@ impl Pool {
                 .and_then(|(spec, scan)| self.start_scanned(&v, spec, scan))
                 .map_err(|e| {
                     tracing::error!(volume = %v.name, error = %e, "thin volume not served");
-                    e.to_string()
+                    Arc::new(e)
                 });
             cache.insert(v.uuid, opened);
         }
@@ -330,7 +330,7 @@ impl Pool {
             Some(Ok(d)) => Ok(d.clone()),
             Some(Err(why)) => Err(Error::Thin {
                 volume: v.name.clone(),
-                why: why.clone(),
+                why: why.to_string(),
             }),
             None => Err(Error::Thin {
                 volume: v.name.clone(),
@@ -406,7 +406,7 @@ impl Pool {
             return Err(e);
         }
         let t = v.thin.as_ref().expect("set above");
-        let opened = self.open_thin(&v, t).map_err(|e| e.to_string());
+        let opened = self.open_thin(&v, t).map_err(Arc::new);
         self.thins
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -490,7 +490,7 @@ impl Pool {
                 error: None,
             }),
             Some(Err(why)) => ThinState {
-                error: Some(why.clone()),
+                error: Some(why.to_string()),
                 ..Default::default()
             },
             None => ThinState::default(),

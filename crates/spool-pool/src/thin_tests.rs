@@ -74,17 +74,29 @@ fn tables_that_misdescribe_a_thin_volume_are_refused() {
     assert_eq!(good.validate(), Ok(()));
     let mut bad = good.clone();
     bad.volumes[0].thin.as_mut().unwrap().chunk = 4096;
-    assert!(bad.validate().unwrap_err().contains("chunk size"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("chunk size"));
     let mut bad = good.clone();
     bad.volumes[0].size = 1 << 50;
-    assert!(bad.validate().unwrap_err().contains("map holds"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("map holds"));
     let mut bad = good.clone();
     bad.volumes[0].rbd = Some(metadata::RbdImage {
         pool: "rbd".into(),
         image: "i".into(),
         created: true,
     });
-    assert!(bad.validate().unwrap_err().contains("RBD image"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("RBD image"));
     let mut bad = good.clone();
     bad.volumes[0].extents = bad.volumes[0].thin.as_ref().unwrap().map.clone();
     assert!(bad.validate().is_err());
@@ -138,7 +150,7 @@ fn a_thin_volume_being_sent_has_exactly_its_maps_leg_and_the_remote_one() {
     for (i, (f, needle)) in cases.iter().enumerate() {
         let mut bad = sent.clone();
         f(&mut bad.volumes[0]);
-        let e = bad.validate().unwrap_err();
+        let e = bad.validate().unwrap_err().to_string();
         assert!(e.contains(needle), "case {i}: {e}");
     }
 }

@@ -10,7 +10,7 @@ use crate::{Error, Pool, QosLimits, Result, VolumeInfo};
 use uuid::Uuid;
 
 pub(crate) fn valid_name(name: &str) -> Result<()> {
-    metadata::check_volume_name(name).map_err(Error::InvalidArgument)
+    metadata::check_volume_name(name).map_err(Error::invalid)
 }
 
 /// Extents `grown` has that `old` had not (a grown volume's new extents, on every leg).
@@ -423,7 +423,7 @@ impl Pool {
         let i = self.find(id)?;
         let qos = qos.filter(|q| !q.is_default());
         if let Some(q) = &qos {
-            q.validate().map_err(Error::InvalidArgument)?;
+            q.validate().map_err(Error::invalid)?;
         }
         if self.table.volumes[i].qos == qos {
             return Ok(self.volume_info(&self.table.volumes[i]));

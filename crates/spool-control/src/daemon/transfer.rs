@@ -267,7 +267,8 @@ impl Daemon {
             Err(_) => {
                 let qos = h.qos.map(crate::wire::qos_from_wire);
                 if let Some(q) = &qos {
-                    q.validate().map_err(RpcError::InvalidParams)?;
+                    q.validate()
+                        .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
                 }
                 let created = if h.thin {
                     if h.copies > 1 {

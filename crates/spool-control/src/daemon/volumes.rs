@@ -148,7 +148,9 @@ impl Daemon {
         let (v, layout) = {
             let mut pool = self.pool();
             let limits = crate::qos::apply(&change, pool.volume(&p.id)?.qos);
-            limits.validate().map_err(RpcError::InvalidParams)?;
+            limits
+                .validate()
+                .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
             let v = pool.set_qos(&p.id, Some(limits))?;
             let l = pool.layout(&v.uuid.to_string());
             (v, l)

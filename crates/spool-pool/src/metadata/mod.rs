@@ -46,7 +46,7 @@ pub const MAX_NAME_LEN: usize = 64;
 /// Checks a volume name: 1-64 characters of `A-Z a-z 0-9 . _ -`, not starting with `.`, not
 /// parsing as a UUID (volumes are looked up by name or UUID). Names end up in socket paths,
 /// so this is also what keeps a damaged table from naming a path outside the state directory.
-pub fn check_volume_name(name: &str) -> Result<(), String> {
+pub fn check_volume_name(name: &str) -> Result<(), Invalid> {
     if name.is_empty()
         || name.len() > MAX_NAME_LEN
         || !name
@@ -55,12 +55,33 @@ pub fn check_volume_name(name: &str) -> Result<(), String> {
         || name.starts_with('.')
         || Uuid::parse_str(name).is_ok()
     {
-        return Err(format!(
+        return Err(Invalid(format!(
             "volume name '{}' must be 1-{MAX_NAME_LEN} characters of A-Z a-z 0-9 . _ -, not start with '.', and not look like a UUID",
             printable(name)
-        ));
+        )));
     }
     Ok(())
+}
+
+/// Why a pool table, a volume name or one of its fields is refused: the text names the
+/// device, volume and field, and says why (users and tests match on it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(String);
+
+/// Why a metadata record is not encoded or written.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("refusing to write an invalid pool table: {0}")]
+    Invalid(Invalid),
+    #[error("generation {0} is out of range")]
+    Generation(u64),
+    #[error("{0}")]
+    Encode(serde_json::Error),
+    #[error("pool table is {len} bytes, more than a metadata slot holds ({max}); delete volumes or raise the minimum extent size")]
+    TooLarge { len: usize, max: usize },
+    #[error(transparent)]
+    Device(#[from] spool_devices::Error),
 }
 
 /// `name` shortened and escaped for an error message.
@@ -376,14 +397,13 @@ pub enum DeviceState {
 }
 
 /// Encodes a record into a slot image.
-pub fn encode(rec: &Record) -> Result<Vec<u8>, String> {
-    let payload = serde_json::to_vec(&rec.table).map_err(|e| e.to_string())?;
+pub fn encode(rec: &Record) -> Result<Vec<u8>, WriteError> {
+    let payload = serde_json::to_vec(&rec.table).map_err(WriteError::Encode)?;
     if payload.len() > SLOT_SIZE as usize - HEADER_SIZE {
-        return Err(format!(
-            "pool table is {} bytes, more than a metadata slot holds ({}); delete volumes or raise the minimum extent size",
-            payload.len(),
-            SLOT_SIZE as usize - HEADER_SIZE
-        ));
+        return Err(WriteError::TooLarge {
+            len: payload.len(),
+            max: SLOT_SIZE as usize - HEADER_SIZE,
+        });
     }
     let mut buf = vec![0u8; HEADER_SIZE + payload.len()];
     buf[0..8].copy_from_slice(&MAGIC);
@@ -519,27 +539,23 @@ pub fn read_device(dev: &Device) -> DeviceState {
 /// Writes `rec` durably into slot `rec.generation % 2`. Refuses a table that [`decode`] would
 /// refuse (a bug must not write a pool that no longer opens). With `erase`, the rest of the
 /// slot is written with zeroes too, so nothing of an older, longer record survives in it.
-pub fn write_record(dev: &Device, rec: &Record, erase: bool) -> Result<(), String> {
-    rec.table
-        .validate()
-        .map_err(|e| format!("refusing to write an invalid pool table: {e}"))?;
+pub fn write_record(dev: &Device, rec: &Record, erase: bool) -> Result<(), WriteError> {
+    rec.table.validate().map_err(WriteError::Invalid)?;
     if rec.generation == 0 || rec.generation == u64::MAX {
-        return Err(format!("generation {} is out of range", rec.generation));
+        return Err(WriteError::Generation(rec.generation));
     }
     let mut img = encode(rec)?;
     if erase {
         img.resize(SLOT_SIZE as usize, 0);
     }
-    dev.write_at_durable(&img, (rec.generation % 2) * SLOT_SIZE)
-        .map_err(|e| e.to_string())
+    Ok(dev.write_at_durable(&img, (rec.generation % 2) * SLOT_SIZE)?)
 }
 
 /// Erases both slots (used by `--force` before reformatting a device).
-pub fn wipe(dev: &Device) -> Result<(), String> {
+pub fn wipe(dev: &Device) -> Result<(), WriteError> {
     let zero = vec![0u8; HEADER_SIZE];
     for slot in 0..2 {
-        dev.write_at_durable(&zero, slot * SLOT_SIZE)
-            .map_err(|e| e.to_string())?;
+        dev.write_at_durable(&zero, slot * SLOT_SIZE)?;
     }
     Ok(())
 }
@@ -573,12 +589,16 @@ mod tests {
                 image: image.into(),
                 created: false,
             });
-            let e = bad.validate().unwrap_err();
+            let e = bad.validate().unwrap_err().to_string();
             assert!(e.contains("volume 'r': rbd"), "{e}");
         }
         let mut bad = t.clone();
         bad.volumes[1].extents = t.volumes[0].extents.clone();
-        assert!(bad.validate().unwrap_err().contains("has extents"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("has extents"));
     }
 
     fn table() -> PoolTable {
@@ -827,7 +847,7 @@ mod tests {
         for (mutate, expect) in cases {
             let mut t = two_device_table();
             mutate(&mut t);
-            let why = t.validate().expect_err(expect);
+            let why = t.validate().expect_err(expect).to_string();
             assert!(why.contains(expect), "{why} (expected '{expect}')");
         }
     }
@@ -842,7 +862,7 @@ mod tests {
             device_uuid: Uuid::new_v4(),
             table: t,
         };
-        let e = write_record(&dev, &rec, false).unwrap_err();
+        let e = write_record(&dev, &rec, false).unwrap_err().to_string();
         assert!(e.contains("does not match its extents"), "{e}");
         assert_eq!(read_device(&dev), DeviceState::Blank, "nothing was written");
         // Written anyway (valid checksums): read as corrupt, saying why.

@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use uuid::Uuid;
 
 use super::{
-    block_size, check_volume_name, printable, ExtentEntry, PoolTable, RbdImage, ThinMap,
+    block_size, check_volume_name, printable, ExtentEntry, Invalid, PoolTable, RbdImage, ThinMap,
     VolumeEntry, VolumeKey, MAX_COPIES, MAX_QUEUES, METADATA_AREA, MIN_EXTENT_MAX, MIN_EXTENT_MIN,
 };
 
@@ -28,12 +28,12 @@ impl PoolTable {
     /// fits in 64 bits, it lies in the data area, aligned to its block size relative to the
     /// data area, within the device's recorded size, and overlaps no other extent; and the
     /// extents of each volume add up to exactly its size rounded up to `min_extent`.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Invalid> {
         let min = self.min_extent;
         if !min.is_power_of_two() || !(MIN_EXTENT_MIN..=MIN_EXTENT_MAX).contains(&min) {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "min_extent {min} is not a power of two between {MIN_EXTENT_MIN} and {MIN_EXTENT_MAX}"
-            ));
+            )));
         }
         let devices = self.device_sizes()?;
         let mut names = HashSet::with_capacity(self.volumes.len());
@@ -41,23 +41,23 @@ impl PoolTable {
         // (device, start, end, volume index) of every extent, for the overlap check.
         let mut used: Vec<(Uuid, u64, u64, usize)> = Vec::new();
         for (vi, v) in self.volumes.iter().enumerate() {
-            check_volume_name(&v.name).map_err(|e| format!("volume {}: {e}", v.uuid))?;
+            check_volume_name(&v.name).map_err(|e| Invalid(format!("volume {}: {e}", v.uuid)))?;
             if !names.insert(v.name.as_str()) {
-                return Err(format!("duplicate volume name '{}'", v.name));
+                return Err(Invalid(format!("duplicate volume name '{}'", v.name)));
             }
             if !uuids.insert(v.uuid) {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "volume '{}': duplicate volume UUID {}",
                     v.name, v.uuid
-                ));
+                )));
             }
             // A remote leg's id names its connection: two volumes must never share one.
             if let Some(r) = v.remote_leg().and_then(|l| l.remote.as_ref()) {
                 if !uuids.insert(r.id) {
-                    return Err(format!(
+                    return Err(Invalid(format!(
                         "volume '{}': remote leg id {} is used twice in the table",
                         v.name, r.id
-                    ));
+                    )));
                 }
             }
             self.validate_volume(v, &devices, |dev, start, end| {
@@ -68,10 +68,10 @@ impl PoolTable {
         for w in used.windows(2) {
             let (a, b) = (w[0], w[1]);
             if a.0 == b.0 && b.1 < a.2 {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "extents of volume '{}' and volume '{}' overlap on device {} at {}",
                     self.volumes[a.3].name, self.volumes[b.3].name, a.0, b.1
-                ));
+                )));
             }
         }
         Ok(())
@@ -79,19 +79,22 @@ impl PoolTable {
 
     /// The device table as UUID → size, each device big enough for the metadata area plus
     /// one extent and listed once.
-    fn device_sizes(&self) -> Result<HashMap<Uuid, u64>, String> {
+    fn device_sizes(&self) -> Result<HashMap<Uuid, u64>, Invalid> {
         // Cannot overflow: the caller checked min_extent <= MIN_EXTENT_MAX.
         let need = METADATA_AREA + self.min_extent;
         let mut devices: HashMap<Uuid, u64> = HashMap::with_capacity(self.devices.len());
         for d in &self.devices {
             if d.size < need {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "device {}: size {} is smaller than the metadata area plus one extent ({need})",
                     d.uuid, d.size
-                ));
+                )));
             }
             if devices.insert(d.uuid, d.size).is_some() {
-                return Err(format!("duplicate device {} in the device table", d.uuid));
+                return Err(Invalid(format!(
+                    "duplicate device {} in the device table",
+                    d.uuid
+                )));
             }
         }
         Ok(devices)
@@ -104,34 +107,36 @@ impl PoolTable {
         v: &VolumeEntry,
         devices: &HashMap<Uuid, u64>,
         mut extent: impl FnMut(Uuid, u64, u64),
-    ) -> Result<(), String> {
+    ) -> Result<(), Invalid> {
         let min = self.min_extent;
         let what = format!("volume '{}'", v.name);
         if v.size == 0 || !v.size.is_multiple_of(512) {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "{what}: size {} is not a positive multiple of 512",
                 v.size
-            ));
+            )));
         }
         if !(1..=MAX_QUEUES).contains(&v.num_queues) {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "{what}: num_queues {} is not between 1 and {MAX_QUEUES}",
                 v.num_queues
-            ));
+            )));
         }
         if let Some(q) = &v.qos {
-            q.validate().map_err(|why| format!("{what}: qos: {why}"))?;
+            q.validate()
+                .map_err(|why| Invalid(format!("{what}: qos: {why}")))?;
         }
         if let Some(k) = &v.encryption {
-            k.validate().map_err(|why| format!("{what}: {why}"))?;
+            k.validate()
+                .map_err(|why| Invalid(format!("{what}: {why}")))?;
         }
         if let Some(t) = &v.thin {
             return self.validate_thin(v, t, devices, extent);
         }
         if let Some(r) = &v.rbd {
-            return validate_rbd(v, r).map_err(|why| format!("{what}: {why}"));
+            return validate_rbd(v, r).map_err(|why| Invalid(format!("{what}: {why}")));
         }
-        validate_legs(v).map_err(|why| format!("{what}: {why}"))?;
+        validate_legs(v).map_err(|why| Invalid(format!("{what}: {why}")))?;
         for (leg, extents) in v.copies_extents().into_iter().enumerate() {
             let what = match v.is_mirrored() {
                 true => format!("{what} leg {leg}"),
@@ -140,20 +145,20 @@ impl PoolTable {
             let mut allocated = 0u64;
             for (i, e) in extents.iter().enumerate() {
                 let (block, end) = validate_extent(min, e, devices)
-                    .map_err(|why| format!("{what}: extent {i} {why}"))?;
-                allocated = allocated
-                    .checked_add(block)
-                    .ok_or_else(|| format!("{what}: extents add up to more than 2^64 bytes"))?;
+                    .map_err(|why| Invalid(format!("{what}: extent {i} {why}")))?;
+                allocated = allocated.checked_add(block).ok_or_else(|| {
+                    Invalid(format!("{what}: extents add up to more than 2^64 bytes"))
+                })?;
                 extent(e.device, e.offset, end);
             }
             if v.size.checked_next_multiple_of(min) != Some(allocated) {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "{what}: size {} does not match its extents ({allocated} bytes; they must hold exactly the size rounded up to min_extent {min})",
                     v.size
-                ));
+                )));
             }
         }
-        validate_distinct(v, min).map_err(|why| format!("{what}: {why}"))
+        validate_distinct(v, min).map_err(|why| Invalid(format!("{what}: {why}")))
     }
 }
 
@@ -167,66 +172,71 @@ impl PoolTable {
         t: &ThinMap,
         devices: &HashMap<Uuid, u64>,
         mut extent: impl FnMut(Uuid, u64, u64),
-    ) -> Result<(), String> {
+    ) -> Result<(), Invalid> {
         let what = format!("volume '{}'", v.name);
-        thin_shape(v).map_err(|why| format!("{what}: {why}"))?;
+        thin_shape(v).map_err(|why| Invalid(format!("{what}: {why}")))?;
         if t.chunk != self.min_extent {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "{what}: thin chunk size {} is not the pool's min_extent {}",
                 t.chunk, self.min_extent
-            ));
+            )));
         }
         let mut bytes = 0u64;
         for (i, e) in t.map.iter().enumerate() {
             let (block, end) = validate_extent(self.min_extent, e, devices)
-                .map_err(|why| format!("{what}: map extent {i} {why}"))?;
-            bytes = bytes
-                .checked_add(block)
-                .ok_or_else(|| format!("{what}: map extents add up to more than 2^64 bytes"))?;
+                .map_err(|why| Invalid(format!("{what}: map extent {i} {why}")))?;
+            bytes = bytes.checked_add(block).ok_or_else(|| {
+                Invalid(format!(
+                    "{what}: map extents add up to more than 2^64 bytes"
+                ))
+            })?;
             extent(e.device, e.offset, end);
         }
         let need = spool_thin::map::map_bytes(v.size.div_ceil(t.chunk));
         if bytes < need {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "{what}: its map holds {bytes} bytes; {need} are needed for its chunks"
-            ));
+            )));
         }
         if let Some(o) = &t.origin {
             if o.len() > 2 * super::MAX_NAME_LEN + 1 || o.chars().any(|c| c.is_control()) {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "{what}: origin '{}' is not a snapshot's name",
                     printable(o)
-                ));
+                )));
             }
         }
         let mut names = std::collections::HashSet::new();
         for s in &t.snapshots {
             let what = format!("{what} snapshot '{}'", printable(&s.name));
-            check_volume_name(&s.name).map_err(|why| format!("{what}: {why}"))?;
+            check_volume_name(&s.name).map_err(|why| Invalid(format!("{what}: {why}")))?;
             if !names.insert(&s.name) {
-                return Err(format!("{what}: two snapshots have this name"));
+                return Err(Invalid(format!("{what}: two snapshots have this name")));
             }
             if s.uuid == v.uuid || t.snapshots.iter().filter(|o| o.uuid == s.uuid).count() > 1 {
-                return Err(format!("{what}: its UUID {} is not its own", s.uuid));
+                return Err(Invalid(format!(
+                    "{what}: its UUID {} is not its own",
+                    s.uuid
+                )));
             }
             if s.size == 0 || !s.size.is_multiple_of(512) || s.size > v.size {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "{what}: size {} is not a positive multiple of 512 up to the volume's",
                     s.size
-                ));
+                )));
             }
             let mut bytes = 0u64;
             for (i, e) in s.map.iter().enumerate() {
                 let (block, end) = validate_extent(self.min_extent, e, devices)
-                    .map_err(|why| format!("{what}: map extent {i} {why}"))?;
+                    .map_err(|why| Invalid(format!("{what}: map extent {i} {why}")))?;
                 bytes = bytes.saturating_add(block);
                 extent(e.device, e.offset, end);
             }
             let need = spool_thin::map::map_bytes(s.size.div_ceil(t.chunk));
             if bytes < need {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "{what}: its map holds {bytes} bytes; {need} are needed for its chunks"
-                ));
+                )));
             }
         }
         Ok(())
@@ -235,14 +245,14 @@ impl PoolTable {
 
 /// A thin volume's own fields: no extents, copies or RBD image; legs only while it is sent
 /// (a synced local one without extents, standing for its map, and the remote one).
-fn thin_shape(v: &VolumeEntry) -> Result<(), String> {
+fn thin_shape(v: &VolumeEntry) -> Result<(), Invalid> {
     let sent = v.copies == 2
         && v.legs.len() == 2
         && v.remote_leg().is_some()
         && v.legs.iter().all(|l| l.extents.is_empty());
     let own = !sent && (!v.legs.is_empty() || v.copies != 0);
     if !v.extents.is_empty() || own || v.rbd.is_some() {
-        return Err("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one)".into());
+        return Err(Invalid("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one)".into()));
     }
     match sent {
         true => validate_legs(v),
@@ -255,96 +265,107 @@ fn validate_extent(
     min: u64,
     e: &ExtentEntry,
     devices: &HashMap<Uuid, u64>,
-) -> Result<(u64, u64), String> {
+) -> Result<(u64, u64), Invalid> {
     let dev_size = *devices
         .get(&e.device)
-        .ok_or_else(|| format!("is on unknown device {}", e.device))?;
+        .ok_or_else(|| Invalid(format!("is on unknown device {}", e.device)))?;
     let block = block_size(min, e.order).ok_or_else(|| {
-        format!(
+        Invalid(format!(
             "has order {}: a block of {min} << {} bytes does not fit in 64 bits",
             e.order, e.order
-        )
+        ))
     })?;
     let rel = e.offset.checked_sub(METADATA_AREA).ok_or_else(|| {
-        format!(
+        Invalid(format!(
             "at {} lies in the metadata area (data starts at {METADATA_AREA})",
             e.offset
-        )
+        ))
     })?;
     if !rel.is_multiple_of(block) {
-        return Err(format!(
+        return Err(Invalid(format!(
             "at {} is not aligned to its block size {block}",
             e.offset
-        ));
+        )));
     }
     let end = e
         .offset
         .checked_add(block)
         .filter(|&end| end <= dev_size)
         .ok_or_else(|| {
-            format!(
+            Invalid(format!(
                 "at {} ({block} bytes) reaches beyond the end of device {} ({dev_size} bytes)",
                 e.offset, e.device
-            )
+            ))
         })?;
     Ok((block, end))
 }
 
 impl VolumeKey {
     /// Checks the fields' shapes (not whether any key unwraps it).
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> Result<(), Invalid> {
         if self.cipher != spool_crypt::CIPHER {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "encryption: unknown cipher '{}' (only {} exists)",
                 printable(&self.cipher),
                 spool_crypt::CIPHER
-            ));
+            )));
         }
         if self.kek_id.len() != 16 || spool_crypt::from_hex(&self.kek_id).is_none() {
-            return Err("encryption: kek_id is not 16 hexadecimal digits".into());
+            return Err(Invalid(
+                "encryption: kek_id is not 16 hexadecimal digits".into(),
+            ));
         }
         match spool_crypt::from_hex(&self.wrapped) {
             Some(w) if w.len() == spool_crypt::WRAPPED_LEN => Ok(()),
-            _ => Err(format!(
+            _ => Err(Invalid(format!(
                 "encryption: the wrapped key is not {} bytes of hex",
                 spool_crypt::WRAPPED_LEN
-            )),
+            ))),
         }
     }
 }
 
 /// The leg fields of a volume: a plain volume has none; a mirrored one wants 2 or 3 copies,
 /// keeps its extents in 1 to 3 legs with distinct slots, and at least one leg is synced.
-fn validate_legs(v: &VolumeEntry) -> std::result::Result<(), String> {
+fn validate_legs(v: &VolumeEntry) -> Result<(), Invalid> {
     if !v.is_mirrored() {
         return match v.legs.is_empty() {
             true => Ok(()),
-            false => Err("has mirror legs but is not mirrored (copies 0)".into()),
+            false => Err(Invalid(
+                "has mirror legs but is not mirrored (copies 0)".into(),
+            )),
         };
     }
     if !(2..=MAX_COPIES).contains(&v.copies) {
-        return Err(format!(
+        return Err(Invalid(format!(
             "copies {} is not between 2 and {MAX_COPIES}",
             v.copies
-        ));
+        )));
     }
     if !v.extents.is_empty() {
-        return Err("is mirrored but has extents outside its legs".into());
+        return Err(Invalid(
+            "is mirrored but has extents outside its legs".into(),
+        ));
     }
     if v.legs.is_empty() || v.legs.len() > MAX_COPIES as usize {
-        return Err(format!(
+        return Err(Invalid(format!(
             "has {} legs (a mirrored volume has 1 to {MAX_COPIES})",
             v.legs.len()
-        ));
+        )));
     }
     let mut slots = HashSet::new();
     for l in &v.legs {
         if l.slot >= MAX_COPIES || !slots.insert(l.slot) {
-            return Err(format!("leg slot {} is out of range or repeated", l.slot));
+            return Err(Invalid(format!(
+                "leg slot {} is out of range or repeated",
+                l.slot
+            )));
         }
     }
     if !v.legs.iter().any(|l| l.synced && l.remote.is_none()) {
-        return Err("has no synced leg on this pool (no complete copy of its data here)".into());
+        return Err(Invalid(
+            "has no synced leg on this pool (no complete copy of its data here)".into(),
+        ));
     }
     validate_remote(v)
 }
@@ -354,43 +375,49 @@ const MAX_URI: usize = 1024;
 
 /// A remote leg (a copy being sent to another host): at most one, no extents here, and an
 /// NBD URI of printable ASCII.
-fn validate_remote(v: &VolumeEntry) -> std::result::Result<(), String> {
+fn validate_remote(v: &VolumeEntry) -> Result<(), Invalid> {
     let remote: Vec<_> = v
         .legs
         .iter()
         .filter_map(|l| Some((l, l.remote.as_ref()?)))
         .collect();
     if remote.len() > 1 {
-        return Err(format!("has {} remote legs (at most one)", remote.len()));
+        return Err(Invalid(format!(
+            "has {} remote legs (at most one)",
+            remote.len()
+        )));
     }
     for (l, r) in remote {
         if !l.extents.is_empty() {
-            return Err(format!("remote leg {} has extents on this pool", l.slot));
+            return Err(Invalid(format!(
+                "remote leg {} has extents on this pool",
+                l.slot
+            )));
         }
         let printable = r.uri.bytes().all(|b| b.is_ascii_graphic());
         let scheme = r.uri.starts_with("nbd://") || r.uri.starts_with("nbd+unix://");
         if r.uri.len() > MAX_URI || !printable || !scheme {
-            return Err(format!(
+            return Err(Invalid(format!(
                 "remote leg {}: its address is not an nbd:// or nbd+unix:// URI of at most {MAX_URI} printable characters",
                 l.slot
-            ));
+            )));
         }
         if r.id.is_nil() {
-            return Err(format!("remote leg {} has a nil id", l.slot));
+            return Err(Invalid(format!("remote leg {} has a nil id", l.slot)));
         }
     }
     Ok(())
 }
 
 /// No two legs of a mirrored volume use the same device at the same logical range.
-fn validate_distinct(v: &VolumeEntry, min: u64) -> std::result::Result<(), String> {
+fn validate_distinct(v: &VolumeEntry, min: u64) -> Result<(), Invalid> {
     let legs: Vec<_> = v.legs.iter().map(|l| spans(&l.extents, min)).collect();
     for (i, a) in legs.iter().enumerate() {
         for b in &legs[i + 1..] {
             if let Some((start, dev)) = shared_device(a, b) {
-                return Err(format!(
+                return Err(Invalid(format!(
                     "two legs use device {dev} at volume offset {start} (copies must be on distinct devices)"
-                ));
+                )));
             }
         }
     }
@@ -415,30 +442,33 @@ fn shared_device(a: &[(u64, u64, Uuid)], b: &[(u64, u64, Uuid)]) -> Option<(u64,
 }
 
 /// A volume on an RBD image: names Ceph accepts, nothing of a local volume.
-fn validate_rbd(v: &VolumeEntry, r: &RbdImage) -> std::result::Result<(), String> {
+fn validate_rbd(v: &VolumeEntry, r: &RbdImage) -> Result<(), Invalid> {
     if !v.extents.is_empty() || !v.legs.is_empty() || v.copies != 0 {
-        return Err("an RBD volume has extents or copies".into());
+        return Err(Invalid("an RBD volume has extents or copies".into()));
     }
     for (what, name) in [("pool", &r.pool), ("image", &r.image)] {
-        rbd_name(name).map_err(|why| format!("rbd {what}: {why}"))?;
+        rbd_name(name).map_err(|why| Invalid(format!("rbd {what}: {why}")))?;
     }
     Ok(())
 }
 
 /// A Ceph pool or image name as spoold accepts it: 1..=128 bytes, no '/', '@', NUL or
 /// whitespace.
-pub fn rbd_name(name: &str) -> std::result::Result<(), String> {
+pub fn rbd_name(name: &str) -> Result<(), Invalid> {
     if name.is_empty() || name.len() > 128 {
-        return Err(format!("{:?} must be 1 to 128 bytes", printable(name)));
+        return Err(Invalid(format!(
+            "{:?} must be 1 to 128 bytes",
+            printable(name)
+        )));
     }
     if name
         .chars()
         .any(|c| c == '/' || c == '@' || c == '\0' || c.is_whitespace() || c.is_control())
     {
-        return Err(format!(
+        return Err(Invalid(format!(
             "{:?} contains '/', '@', whitespace or a control character",
             printable(name)
-        ));
+        )));
     }
     Ok(())
 }
