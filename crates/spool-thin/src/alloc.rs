@@ -31,6 +31,7 @@ use spool_devices::{Device, ErrorReport, Signal};
 
 use crate::map::{self, Placement, BLOCK_BYTES, ENTRY_BYTES};
 use crate::shared::{CrashPoint, Mailbox, Note, Shared, Unmap};
+use crate::Error;
 
 /// Dies here when a test armed this point (nothing in other builds).
 #[inline]
@@ -366,14 +367,15 @@ fn fail_all(work: crate::shared::Work) {
     for (chunk, m, _) in work.allocs {
         post_failed(&[m], chunk, -libc::ENOMEDIUM);
     }
+    let down = || "the volume is shutting down".to_string();
     for reply in work.snapshots {
-        let _ = reply.send(Err("the volume is shutting down".into()));
+        let _ = reply.send(Err(Error::Snapshot(down())));
     }
     for (_, reply) in work.reverts {
-        let _ = reply.send(Err("the volume is shutting down".into()));
+        let _ = reply.send(Err(Error::Snapshot(down())));
     }
     for (_, reply) in work.evictions {
-        let _ = reply.send(Err("the volume is shutting down".into()));
+        let _ = reply.send(Err(Error::Evict(down())));
     }
     for u in work.unmaps {
         u.mailbox.post(Some(Note::Unmapped {

@@ -226,8 +226,7 @@ impl ThinBackend {
         let wait = crate::snapshot::DRAIN_WAIT + std::time::Duration::from_secs(60);
         let entries = rx
             .recv_timeout(wait)
-            .map_err(|_| Error::Snapshot("the volume's allocator did not answer".into()))?
-            .map_err(Error::Snapshot)?;
+            .map_err(|_| Error::Snapshot("the volume's allocator did not answer".into()))??;
         if let Err(e) = map::write_image(&snap.store, snap.uuid, &entries) {
             self.release(entries.iter().map(|e| e.1));
             return Err(e);
@@ -311,7 +310,6 @@ impl ThinBackend {
         self.shared.wake.notify_one();
         rx.recv()
             .map_err(|_| Error::Snapshot("the volume's allocator stopped".into()))?
-            .map_err(Error::Snapshot)
     }
 
     /// Device `device` leaves the pool (replaced): every entry of the volume's and its
@@ -325,7 +323,6 @@ impl ThinBackend {
         self.shared.wake.notify_one();
         rx.recv_timeout(std::time::Duration::from_secs(60))
             .map_err(|_| Error::Evict("the volume's allocator did not answer within 60 s".into()))?
-            .map_err(Error::Evict)
     }
 
     /// Copies every chunk the volume shares with another map (a clone stops depending on
@@ -512,7 +509,7 @@ fn scan_map(
                     problem.get_or_insert(ScanProblem::Corrupt(why));
                 }
                 Err(why) => {
-                    problem.get_or_insert(ScanProblem::Corrupt(why));
+                    problem.get_or_insert(ScanProblem::Corrupt(why.to_string()));
                 }
             }
         }

@@ -15,12 +15,13 @@ use uuid::Uuid;
 
 use crate::alloc::Allocator;
 use crate::map::{self, Placement};
+use crate::Error;
 
 impl Allocator<'_> {
     /// Makes every entry naming a chunk on `device` a hole, durably; returns how many
     /// entries (over the volume's and its snapshots' maps) were cleared, or what could not
     /// be written (what was written stays done).
-    pub(crate) fn evict(&mut self, device: Uuid) -> Result<u64, String> {
+    pub(crate) fn evict(&mut self, device: Uuid) -> Result<u64, Error> {
         let s = self.s;
         let refs = s.source.shared_chunks();
         let mut lost: Vec<Placement> = Vec::new();
@@ -95,7 +96,7 @@ impl Allocator<'_> {
                 }
                 Ok(lost.len() as u64)
             }
-            false => Err(errors.join("; ")),
+            false => Err(Error::Evict(errors.join("; "))),
         }
     }
 }

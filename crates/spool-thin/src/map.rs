@@ -53,26 +53,37 @@ pub fn encode(volume: Uuid, index: u64, p: Option<Placement>) -> [u8; ENTRY_BYTE
 }
 
 /// Entry `index` of `volume`'s map from its bytes: `None` for a hole.
-pub fn decode(volume: Uuid, index: u64, b: &[u8]) -> Result<Option<Placement>, String> {
+pub fn decode(volume: Uuid, index: u64, b: &[u8]) -> Result<Option<Placement>, DecodeError> {
     if b.len() != ENTRY_BYTES as usize {
-        return Err(format!(
-            "entry {index}: {} bytes, not {ENTRY_BYTES}",
-            b.len()
-        ));
+        return Err(DecodeError::Length {
+            index,
+            len: b.len(),
+        });
     }
     if b.iter().all(|&x| x == 0) {
         return Ok(None);
     }
     if &b[0..4] != MAGIC {
-        return Err(format!("entry {index}: bad magic"));
+        return Err(DecodeError::Magic(index));
     }
     let crc = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
     if crc != entry_crc(volume, index, &b[8..32]) {
-        return Err(format!("entry {index}: checksum mismatch"));
+        return Err(DecodeError::Checksum(index));
     }
-    let device = Uuid::from_slice(&b[8..24]).map_err(|e| format!("entry {index}: {e}"))?;
+    let device = Uuid::from_bytes(b[8..24].try_into().expect("16 bytes"));
     let offset = u64::from_le_bytes(b[24..32].try_into().expect("8 bytes"));
     Ok(Some(Placement { device, offset }))
+}
+
+/// Why a map entry does not decode, and which entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("entry {index}: {len} bytes, not {ENTRY_BYTES}")]
+    Length { index: u64, len: usize },
+    #[error("entry {0}: bad magic")]
+    Magic(u64),
+    #[error("entry {0}: checksum mismatch")]
+    Checksum(u64),
 }
 
 /// One piece of the map's storage: `len` bytes at `offset` on `device`.
@@ -348,15 +359,16 @@ mod tests {
         let b = encode(vol, 7, Some(p));
         assert_eq!(decode(vol, 7, &b).unwrap(), Some(p));
         assert_eq!(decode(vol, 7, &[0; 32]).unwrap(), None);
-        assert!(decode(vol, 8, &b).unwrap_err().contains("checksum"));
+        assert_eq!(decode(vol, 8, &b), Err(DecodeError::Checksum(8)));
         assert!(decode(Uuid::new_v4(), 7, &b).is_err());
         let mut bad = b;
         bad[30] ^= 1;
         assert!(decode(vol, 7, &bad).is_err());
         bad = b;
         bad[0] = b'X';
-        assert!(decode(vol, 7, &bad).unwrap_err().contains("magic"));
-        assert!(decode(vol, 7, &b[..31]).is_err());
+        assert_eq!(decode(vol, 7, &bad), Err(DecodeError::Magic(7)));
+        let short = decode(vol, 7, &b[..31]).unwrap_err();
+        assert_eq!(short.to_string(), "entry 7: 31 bytes, not 32");
     }
 
     #[test]

@@ -74,7 +74,7 @@ impl ThinBackend {
         self.shared.wake.notify_one();
         match done.recv_timeout(MAP_COPY_WAIT) {
             Ok(Ok(())) => Ok(crate::MapMove { decision }),
-            Ok(Err(why)) => Err(Error::Relocate(why)),
+            Ok(Err(e)) => Err(e),
             Err(e) => {
                 use crate::shared::{MOVE_CANCELLED, MOVE_QUEUED};
                 let why = match e {
@@ -152,40 +152,40 @@ impl Allocator<'_> {
     }
 
     /// The volume's map, from memory, to `store`.
-    fn copy_map(&self, store: &MapStore) -> Result<(), String> {
+    fn copy_map(&self, store: &MapStore) -> Result<(), Error> {
         let s = self.s;
         let places = s.map_places.lock().unwrap_or_else(|p| p.into_inner());
         if places.len() > 1 {
-            return Err("an earlier move of the map was not recorded for sure; restart spoold before moving it again".into());
+            return Err(Error::Relocate("an earlier move of the map was not recorded for sure; restart spoold before moving it again".into()));
         }
         if store.capacity() < s.map.capacity() {
-            return Err(format!(
+            return Err(Error::Relocate(format!(
                 "the new place holds {} entries, the map {}",
                 store.capacity(),
                 s.map.capacity()
-            ));
+            )));
         }
         let live: Vec<(u64, Placement)> = (s.map.entries())
             .filter_map(|(c, d, off)| s.placement(d, off).map(|p| (c, p)))
             .collect();
-        map::write_image(store, s.spec.volume, &live).map_err(|e| e.to_string())
+        map::write_image(store, s.spec.volume, &live).map_err(|e| Error::Relocate(e.to_string()))
     }
 
     /// Snapshot `uuid`'s map, from memory (what it named at open, less what evictions
     /// cleared since), to `store`. A damaged map is not moved: what did not decode would
     /// be lost, and the snapshot would then read as whole.
-    fn copy_snapshot_map(&self, uuid: uuid::Uuid, store: &MapStore) -> Result<(), String> {
+    fn copy_snapshot_map(&self, uuid: uuid::Uuid, store: &MapStore) -> Result<(), Error> {
         let snaps = self.s.snapshots.lock().unwrap_or_else(|p| p.into_inner());
-        let img =
-            (snaps.iter().find(|i| i.uuid == uuid)).ok_or_else(|| format!("no snapshot {uuid}"))?;
+        let img = (snaps.iter().find(|i| i.uuid == uuid))
+            .ok_or_else(|| Error::Relocate(format!("no snapshot {uuid}")))?;
         if let Some(why) = &img.damage {
-            return Err(format!(
+            return Err(Error::Relocate(format!(
                 "the snapshot's map is damaged ({why}): delete the snapshot"
-            ));
+            )));
         }
         if img.store.is_none() {
-            return Err("an earlier move of the snapshot's map was not recorded for sure; restart spoold before moving it again".into());
+            return Err(Error::Relocate("an earlier move of the snapshot's map was not recorded for sure; restart spoold before moving it again".into()));
         }
-        map::write_image(store, uuid, &img.entries).map_err(|e| e.to_string())
+        map::write_image(store, uuid, &img.entries).map_err(|e| Error::Relocate(e.to_string()))
     }
 }

@@ -305,7 +305,7 @@ pub(crate) struct Work {
     /// Reverts to a snapshot's chunks: each answered with how many entries changed.
     pub(crate) reverts: Vec<Revert>,
     /// Devices leaving the pool: each answered with how many entries became holes.
-    pub(crate) evictions: Vec<(Uuid, std::sync::mpsc::Sender<Result<u64, String>>)>,
+    pub(crate) evictions: Vec<(Uuid, std::sync::mpsc::Sender<Result<u64, crate::Error>>)>,
     /// Moves of the map to another place (`relocate.rs`).
     pub(crate) relocations: Vec<Relocation>,
 }
@@ -335,7 +335,7 @@ pub(crate) struct Relocation {
     /// [`MOVE_QUEUED`], then [`MOVE_COPYING`] (the allocator's) or [`MOVE_CANCELLED`] (a
     /// caller that gave up waiting: its extents may go back then, and only then).
     pub(crate) state: Arc<std::sync::atomic::AtomicU8>,
-    pub(crate) copied: std::sync::mpsc::Sender<Result<(), String>>,
+    pub(crate) copied: std::sync::mpsc::Sender<Result<(), crate::Error>>,
     pub(crate) decision: std::sync::mpsc::Receiver<Decision>,
 }
 
@@ -343,11 +343,12 @@ pub(crate) struct Relocation {
 /// changed (or why it failed) is sent.
 pub(crate) type Revert = (
     Vec<(u64, Placement)>,
-    std::sync::mpsc::Sender<Result<u64, String>>,
+    std::sync::mpsc::Sender<Result<u64, crate::Error>>,
 );
 
 /// Where a snapshot's chunks (chunk index, where), or why it failed, are sent.
-pub(crate) type SnapshotReply = std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, String>>;
+pub(crate) type SnapshotReply =
+    std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, crate::Error>>;
 
 impl Work {
     pub(crate) fn is_empty(&self) -> bool {

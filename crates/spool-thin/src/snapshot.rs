@@ -25,6 +25,7 @@ use spool_devices::Device;
 use crate::alloc::Allocator;
 use crate::map::Placement;
 use crate::shared::CrashPoint;
+use crate::Error;
 
 /// How long a snapshot waits for the requests in flight before it (a device holding its
 /// requests through a reset): past it the snapshot fails and nothing is recorded.
@@ -33,14 +34,14 @@ pub(crate) const DRAIN_WAIT: Duration = Duration::from_secs(5);
 impl Allocator<'_> {
     /// Marks every mapped chunk shared and waits until no request that could write to it
     /// without a copy is left; returns the chunks the snapshot names.
-    pub(crate) fn take_snapshot(&mut self) -> Result<Vec<(u64, Placement)>, String> {
+    pub(crate) fn take_snapshot(&mut self) -> Result<Vec<(u64, Placement)>, Error> {
         let s = self.s;
         let deadline = Instant::now() + DRAIN_WAIT;
         let late = || {
-            format!(
+            Error::Snapshot(format!(
                 "requests on the volume did not complete within {} s (is a device resetting?)",
                 DRAIN_WAIT.as_secs()
-            )
+            ))
         };
         // One grace period at a time: the one of chunks let go before ends first.
         while s.retiring() {
@@ -82,7 +83,7 @@ impl Allocator<'_> {
     /// each marked shared; the chunks it named before are let go after the grace period.
     /// Written durably block by block: a crash in between leaves the volume partly reverted
     /// (the operator runs it again). Returns how many entries changed.
-    pub(crate) fn revert(&mut self, entries: &[(u64, Placement)]) -> Result<u64, String> {
+    pub(crate) fn revert(&mut self, entries: &[(u64, Placement)]) -> Result<u64, Error> {
         let s = self.s;
         let want: std::collections::HashMap<u64, Placement> = entries.iter().copied().collect();
         let refs = s.source.shared_chunks();
@@ -96,10 +97,10 @@ impl Allocator<'_> {
             let to = match to {
                 Some(p) => {
                     let d = s.device_of(p.device).ok_or_else(|| {
-                        format!(
+                        Error::Snapshot(format!(
                             "the snapshot's chunk {c} is on device {}, not in the pool",
                             p.device
-                        )
+                        ))
                     })?;
                     Some((d, p.offset))
                 }
@@ -127,10 +128,10 @@ impl Allocator<'_> {
         }
         match failed.is_empty() {
             true => Ok(done),
-            false => Err(format!(
+            false => Err(Error::Snapshot(format!(
                 "{} map blocks could not be written; run it again",
                 failed.len()
-            )),
+            ))),
         }
     }
 
