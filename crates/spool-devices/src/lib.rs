@@ -57,8 +57,8 @@ pub mod handoff {
 /// Makes `[addr, addr+len)` of this process reachable by DMA from every NVMe controller, so
 /// requests into it are zero copy (called for guest memory when a vhost-user frontend maps
 /// it). Harmless, and cheap, when no NVMe device is in use.
-pub fn register_dma_memory(addr: u64, len: u64) -> std::result::Result<(), String> {
-    spool_nvme::register_memory(addr, len).map_err(|e| e.to_string())
+pub fn register_dma_memory(addr: u64, len: u64) -> std::result::Result<(), spool_nvme::Error> {
+    spool_nvme::register_memory(addr, len)
 }
 
 /// Undoes [`register_dma_memory`]; no request may still point into the range.

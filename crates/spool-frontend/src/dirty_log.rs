@@ -19,6 +19,19 @@ pub const LOG_PAGE: u64 = 4096;
 /// The largest log accepted: one bit per page of a 32 TiB guest.
 pub const MAX_LOG_SIZE: u64 = 1 << 30;
 
+/// Why a frontend's dirty log cannot be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("log size {0:#x} must be between 1 byte and {MAX_LOG_SIZE:#x}")]
+    Size(u64),
+    #[error(transparent)]
+    Backing(#[from] crate::backing::BackingError),
+    #[error("cannot map the log: {0}")]
+    Map(std::io::Error),
+    #[error("no SIGBUS watch slot is left in this process")]
+    NoWatch,
+}
+
 /// A frontend's dirty log, mapped.
 #[derive(Debug)]
 pub struct DirtyLog {
@@ -40,11 +53,9 @@ unsafe impl Sync for DirtyLog {}
 
 impl DirtyLog {
     /// Maps `size` bytes of `file` from `offset` (SET_LOG_BASE's `mmap_size`, `mmap_offset`).
-    pub fn map(file: File, size: u64, offset: u64) -> Result<DirtyLog, String> {
+    pub fn map(file: File, size: u64, offset: u64) -> Result<DirtyLog, LogError> {
         if size == 0 || size > MAX_LOG_SIZE {
-            return Err(format!(
-                "log size {size:#x} must be between 1 byte and {MAX_LOG_SIZE:#x}"
-            ));
+            return Err(LogError::Size(size));
         }
         let page = crate::backing::page_size();
         let map_offset = offset - offset % page;
@@ -65,17 +76,14 @@ impl DirtyLog {
             )
         };
         if addr == libc::MAP_FAILED {
-            return Err(format!(
-                "cannot map the log: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(LogError::Map(std::io::Error::last_os_error()));
         }
         let watch = Watch::new(addr as usize, len, 0);
         if !watch.is_watched() {
             drop(watch);
             // SAFETY: the mapping made just above, which nothing else refers to.
             unsafe { libc::munmap(addr, len) };
-            return Err("no SIGBUS watch slot is left in this process".into());
+            return Err(LogError::NoWatch);
         }
         Ok(DirtyLog {
             addr: addr as usize,

@@ -33,7 +33,9 @@ use arc_swap::ArcSwap;
 use spool_pool::VolumeLayout;
 
 pub use server::{listen_key, session_key, Restore, VolumeServer};
-pub use session::{RestoreClock, Session, SessionState, MAX_QUEUE_SIZE, SESSION_STATE_FORMAT};
+pub use session::{
+    RestoreClock, RestoreError, Session, SessionState, MAX_QUEUE_SIZE, SESSION_STATE_FORMAT,
+};
 
 /// Where a server deposits what must outlive this process (the keeper, in spoold): named
 /// values with descriptors. The store gets its own copies of the descriptors.

@@ -192,7 +192,8 @@ fn map(r: &VhostUserMemoryRegion, file: File) -> Result<Mapping, MemoryError> {
     if size == 0 || r.guest_phys_addr.checked_add(r.memory_size).is_none() {
         return Err(err("empty or wrapping region".into()));
     }
-    crate::backing::check_backing(&file, r.mmap_offset, r.memory_size).map_err(err)?;
+    crate::backing::check_backing(&file, r.mmap_offset, r.memory_size)
+        .map_err(|e| err(e.to_string()))?;
     let offset =
         libc::off_t::try_from(r.mmap_offset).map_err(|_| err("offset too large".into()))?;
     let prot = libc::PROT_READ | libc::PROT_WRITE;

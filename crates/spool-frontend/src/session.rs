@@ -29,7 +29,7 @@ use crate::worker::WorkerHandle;
 use crate::VolumeContext;
 
 mod kept;
-pub use kept::{RestoreClock, SessionState, SESSION_STATE_FORMAT};
+pub use kept::{RestoreClock, RestoreError, SessionState, SESSION_STATE_FORMAT};
 
 pub use crate::queue_start::MAX_QUEUE_SIZE;
 
@@ -183,7 +183,7 @@ impl Session {
 
     /// Claims the volume's devices for this host before its first queue starts (trusted
     /// when continuing a session an earlier process of this spoold had claimed them for).
-    fn claim(&mut self, trusted: bool) -> Result<(), String> {
+    fn claim(&mut self, trusted: bool) -> Result<(), spool_devices::Error> {
         let owner = &self.ctx.settings().owner;
         if !self.claimed.is_empty() || owner.is_empty() {
             return Ok(());
@@ -193,7 +193,7 @@ impl Session {
         for d in &layout.devices {
             if let Err(e) = d.claim(owner, trusted, wait) {
                 self.release_claims();
-                return Err(e.to_string());
+                return Err(e);
             }
             self.claimed.push(d.clone());
         }

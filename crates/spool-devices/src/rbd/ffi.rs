@@ -40,14 +40,13 @@ macro_rules! api {
             _libs: Vec<libloading::Library>,
         }
 
-        fn load() -> Result<Api, String> {
+        fn load() -> Result<Api, LoadError> {
             let mut libs = Vec::new();
             $(
                 // SAFETY: loading a system library runs its initializers; librados and
                 // librbd are the distribution's, made to be loaded by any process.
-                let lib = unsafe { libloading::Library::new($lib) }.map_err(|e| {
-                    format!("cannot load {} (install Debian's librbd1): {e}", $lib)
-                })?;
+                let lib = unsafe { libloading::Library::new($lib) }
+                    .map_err(|why| LoadError::Library { lib: $lib, why })?;
                 $(
                     // SAFETY: the symbol has the C signature declared here (the library's
                     // header); the pointer stays valid while `lib` is loaded, which is as
@@ -57,7 +56,7 @@ macro_rules! api {
                             concat!(stringify!($name), "\0").as_bytes(),
                         )
                     }
-                    .map_err(|e| format!("{}: {e}", $lib))?;
+                    .map_err(|why| LoadError::Symbol { lib: $lib, why })?;
                 )*
                 libs.push(lib);
             )*
@@ -126,10 +125,26 @@ api! {
     }
 }
 
+/// Why librados or librbd cannot be used: the library, or the function of it, that is
+/// missing.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot load {lib} (install Debian's librbd1): {why}")]
+    Library {
+        lib: &'static str,
+        why: libloading::Error,
+    },
+    #[error("{lib}: {why}")]
+    Symbol {
+        lib: &'static str,
+        why: libloading::Error,
+    },
+}
+
 /// The libraries, loaded on first use (an error names what is missing).
-pub fn api() -> Result<&'static Api, String> {
-    static API: OnceLock<Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load).as_ref().map_err(Clone::clone)
+pub fn api() -> Result<&'static Api, &'static LoadError> {
+    static API: OnceLock<Result<Api, LoadError>> = OnceLock::new();
+    API.get_or_init(load).as_ref()
 }
 
 /// The libraries of an image that exists (so they were loaded).

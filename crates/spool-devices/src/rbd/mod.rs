@@ -132,9 +132,9 @@ impl CephClusters {
 
 impl Cluster {
     fn connect(opts: &CephOptions, path: &Path) -> Result<Cluster> {
-        ffi::api().map_err(|msg| Error::Invalid {
+        ffi::api().map_err(|e| Error::Invalid {
             path: path.display().to_string(),
-            msg,
+            msg: e.to_string(),
         })?;
         let name = cstring(path, "ceph client id", &format!("client.{}", opts.id))?;
         let conf = cstring(path, "ceph.conf path", &opts.conf.display().to_string())?;

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use vhost::vhost_user::{BackendReqHandler, VhostUserVirtioFeatures};
 
 use super::socket::limit_message_time;
-use crate::session::{RestoreClock, Session, SessionState};
+use crate::session::{RestoreClock, RestoreError, Session, SessionState};
 use crate::VolumeContext;
 
 /// Sends the raw vhost-user messages that bring a fresh request handler to the feature state
@@ -23,8 +23,8 @@ fn prime(
     to_handler: &mut UnixStream,
     acked: u64,
     acked_protocol: u64,
-) -> Result<(), String> {
-    let mut send = |code: u32, body: Option<u64>| -> Result<(), String> {
+) -> Result<(), RestoreError> {
+    let mut send = |code: u32, body: Option<u64>| -> Result<(), RestoreError> {
         let mut m = Vec::with_capacity(20);
         m.extend_from_slice(&code.to_le_bytes());
         m.extend_from_slice(&1u32.to_le_bytes()); // version 1, no flags
@@ -32,10 +32,10 @@ fn prime(
         if let Some(b) = body {
             m.extend_from_slice(&b.to_le_bytes());
         }
-        to_handler.write_all(&m).map_err(|e| e.to_string())?;
+        to_handler.write_all(&m).map_err(RestoreError::Priming)?;
         handler
             .handle_request()
-            .map_err(|e| format!("priming message {code}: {e}"))
+            .map_err(|why| RestoreError::Prime { code, why })
     };
     const GET_FEATURES: u32 = 1;
     const SET_FEATURES: u32 = 2;
@@ -54,9 +54,9 @@ fn prime(
 fn continue_connection(
     session: Arc<Mutex<Session>>,
     conn: &UnixStream,
-) -> Result<BackendReqHandler<Mutex<Session>>, String> {
-    let (acked, acked_protocol) = session.lock().map_err(|_| "session poisoned")?.acked();
-    let (a, mut b) = UnixStream::pair().map_err(|e| e.to_string())?;
+) -> Result<BackendReqHandler<Mutex<Session>>, RestoreError> {
+    let (acked, acked_protocol) = session.lock().map_err(|_| RestoreError::Poisoned)?.acked();
+    let (a, mut b) = UnixStream::pair().map_err(RestoreError::Priming)?;
     let handler_fd: RawFd = a.as_raw_fd();
     let mut handler = BackendReqHandler::from_stream(a, session);
     prime(&mut handler, &mut b, acked, acked_protocol)?;
@@ -64,10 +64,7 @@ fn continue_connection(
     // (moved into `handler`, alive here): the number stays owned and later closed by it, now
     // naming the kept connection; `conn` keeps its own. The priming end is closed by dup2.
     if unsafe { libc::dup2(conn.as_raw_fd(), handler_fd) } < 0 {
-        return Err(format!(
-            "cannot adopt the kept connection: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(RestoreError::Adopt(std::io::Error::last_os_error()));
     }
     Ok(handler)
 }
@@ -84,20 +81,19 @@ pub(super) fn restore_connection(
     ctx: &Arc<VolumeContext>,
     json: &str,
     files: Vec<File>,
-) -> Result<Kept, String> {
+) -> Result<Kept, RestoreError> {
     {
-        let st: SessionState =
-            serde_json::from_str(json).map_err(|e| format!("kept session state: {e}"))?;
+        let st: SessionState = serde_json::from_str(json).map_err(RestoreError::Parse)?;
         let mut files: Vec<Option<File>> = files.into_iter().map(Some).collect();
         let conn_file = files
             .get_mut(st.conn)
             .and_then(Option::take)
-            .ok_or("kept connection descriptor missing")?;
+            .ok_or(RestoreError::NoConnection)?;
         // SAFETY: `into_raw_fd` consumes the keeper-supplied `File`, so the descriptor keeps
         // exactly one owner; one that is not a socket only makes the socket calls fail.
         let conn =
             unsafe { UnixStream::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(conn_file)) };
-        limit_message_time(&conn).map_err(|e| format!("kept connection: {e}"))?;
+        limit_message_time(&conn).map_err(RestoreError::Connection)?;
         let mut clock = RestoreClock::default();
         let session = Session::restore(ctx.clone(), &st, &mut files, &mut clock)?;
         ctx.settings().clock.add_restore(clock);

@@ -12,7 +12,8 @@ use vhost::vhost_user::message::VhostUserMemoryRegion;
 
 use super::{Session, MAX_QUEUE_SIZE};
 use crate::blk_config::VHOST_F_LOG_ALL;
-use crate::dirty_log::DirtyLog;
+use crate::dirty_log::{DirtyLog, LogError};
+use crate::memory::MemoryError;
 use crate::VolumeContext;
 
 /// Version of [`SessionState`]; a worker refuses state of a newer format (the upgrade is then
@@ -143,32 +144,27 @@ impl Session {
         st: &SessionState,
         files: &mut [Option<File>],
         clock: &mut RestoreClock,
-    ) -> Result<Session, String> {
+    ) -> Result<Session, RestoreError> {
         if st.format > SESSION_STATE_FORMAT {
-            return Err(format!(
-                "session state format {} is newer than this binary reads ({SESSION_STATE_FORMAT})",
-                st.format
-            ));
+            return Err(RestoreError::Format(st.format));
         }
         if st.volume != ctx.uuid() {
-            return Err(format!(
-                "session state belongs to volume {}, not {}",
-                st.volume,
-                ctx.uuid()
-            ));
+            return Err(RestoreError::Volume {
+                kept: st.volume,
+                here: ctx.uuid(),
+            });
         }
         if st.vrings.len() != ctx.num_queues() as usize {
-            return Err(format!(
-                "session state has {} queues, the volume {}",
-                st.vrings.len(),
-                ctx.num_queues()
-            ));
+            return Err(RestoreError::Queues {
+                kept: st.vrings.len(),
+                here: ctx.num_queues(),
+            });
         }
-        let mut take = |i: usize, what: &str| {
+        let mut take = |index: usize, what: &'static str| {
             files
-                .get_mut(i)
+                .get_mut(index)
                 .and_then(Option::take)
-                .ok_or_else(|| format!("descriptor {i} ({what}) missing from the kept state"))
+                .ok_or(RestoreError::Missing { index, what })
         };
         let t = std::time::Instant::now();
         let mut s = Session::new(ctx);
@@ -185,17 +181,16 @@ impl Session {
             ));
             rfiles.push(take(r.fd, "memory region")?);
         }
-        s.mem.set(&regions, rfiles).map_err(|e| e.to_string())?;
+        s.mem.set(&regions, rfiles)?;
         if let Some(l) = &st.log {
             let log = DirtyLog::map(take(l.fd, "dirty log")?, l.size, l.offset)?;
-            s.mem.set_log(log).map_err(|e| e.to_string())?;
+            s.mem.set_log(log)?;
         }
         s.mem
-            .set_logging(st.acked_features & VHOST_F_LOG_ALL != 0)
-            .map_err(|e| e.to_string())?;
+            .set_logging(st.acked_features & VHOST_F_LOG_ALL != 0)?;
         for (v, vs) in s.vrings.iter_mut().zip(&st.vrings) {
             if vs.size > MAX_QUEUE_SIZE || (vs.size != 0 && !vs.size.is_power_of_two()) {
-                return Err(format!("kept queue size {} is invalid", vs.size));
+                return Err(RestoreError::QueueSize(vs.size));
             }
             v.size = vs.size;
             v.desc = vs.desc;
@@ -213,11 +208,54 @@ impl Session {
         let t = std::time::Instant::now();
         for i in 0..s.vrings.len() {
             s.maybe_start(i, true)
-                .map_err(|e| format!("queue {i} cannot be restarted: {e}"))?;
+                .map_err(|why| RestoreError::Queue { index: i, why })?;
         }
         clock.recover_queues += t.elapsed();
         Ok(s)
     }
+}
+
+/// Why a kept connection cannot be continued: its state, a descriptor of it, the memory or
+/// queues it names, or the connection itself.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("kept session state: {0}")]
+    Parse(serde_json::Error),
+    #[error("session state format {0} is newer than this binary reads ({SESSION_STATE_FORMAT})")]
+    Format(u32),
+    #[error("session state belongs to volume {kept}, not {here}")]
+    Volume { kept: uuid::Uuid, here: uuid::Uuid },
+    #[error("session state has {kept} queues, the volume {here}")]
+    Queues { kept: usize, here: u16 },
+    #[error("descriptor {index} ({what}) missing from the kept state")]
+    Missing { index: usize, what: &'static str },
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("kept queue size {0} is invalid")]
+    QueueSize(u16),
+    #[error("queue {index} cannot be restarted: {why}")]
+    Queue {
+        index: usize,
+        why: vhost::vhost_user::Error,
+    },
+    #[error("kept connection descriptor missing")]
+    NoConnection,
+    #[error("kept connection: {0}")]
+    Connection(std::io::Error),
+    #[error("session poisoned")]
+    Poisoned,
+    /// The socket pair that primes the request handler.
+    #[error("{0}")]
+    Priming(std::io::Error),
+    #[error("priming message {code}: {why}")]
+    Prime {
+        code: u32,
+        why: vhost::vhost_user::Error,
+    },
+    #[error("cannot adopt the kept connection: {0}")]
+    Adopt(std::io::Error),
 }
 
 /// Where a restore spends its time (for the restart-phase report).

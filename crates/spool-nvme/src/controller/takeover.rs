@@ -130,7 +130,7 @@ fn take_over_all(handoff: &Arc<Handoff>) -> HashMap<String, Prepared> {
                 Err(why) => Prepared::Reset {
                     dev,
                     arena: Some(arena),
-                    why,
+                    why: why.to_string(),
                 },
             },
         };
@@ -151,21 +151,21 @@ fn serde_iova(value: &str) -> Option<u64> {
 }
 
 /// Re-attaches to a live controller's admin queue and deletes its I/O queues.
-fn attach(bdf: &str, dev: &Device, arena: &Arena) -> std::result::Result<(Bar, QueuePair), String> {
-    let bar = dev.map_bar(0).map_err(|e| e.to_string())?;
+fn attach(bdf: &str, dev: &Device, arena: &Arena) -> crate::Result<(Bar, QueuePair)> {
+    let bar = dev.map_bar(0)?;
     // SAFETY: register offsets inside the BAR (NVMe BAR0 is at least 8 KiB; checked below).
     let rd32 = |at: usize| unsafe { bar.ptr.add(at).cast::<u32>().read_volatile() };
     if bar.len < 0x2000 {
-        return Err("BAR0 too small".into());
+        return Err(Error::Invalid("BAR0 too small".into()));
     }
     let (cc, csts) = (rd32(spec::REG_CC), rd32(spec::REG_CSTS));
     if csts == u32::MAX {
-        return Err("registers read all ones".into());
+        return Err(Error::Invalid("registers read all ones".into()));
     }
     if cc & spec::CC_EN == 0 || csts & spec::CSTS_RDY == 0 || csts & spec::CSTS_CFS != 0 {
-        return Err(format!(
+        return Err(Error::Invalid(format!(
             "controller not running (CC {cc:#x}, CSTS {csts:#x})"
-        ));
+        )));
     }
     let cap = Cap::decode(rd32(spec::REG_CAP) as u64 | (rd32(spec::REG_CAP + 4) as u64) << 32);
     let mut admin = admin_qp(arena, true, bar.ptr, cap.doorbell_stride);
@@ -175,9 +175,9 @@ fn attach(bdf: &str, dev: &Device, arena: &Arena) -> std::result::Result<(Bar, Q
         .outstanding
         .load(std::sync::atomic::Ordering::Acquire);
     if admin.resume(RESUME_TIMEOUT).is_none() {
-        return Err(format!(
+        return Err(Error::Invalid(format!(
             "{left} admin commands of the previous worker did not complete"
-        ));
+        )));
     }
     let csts_fn = || rd32(spec::REG_CSTS);
     for qid in arena.header().live_qids() {
@@ -196,7 +196,7 @@ fn attach(bdf: &str, dev: &Device, arena: &Arena) -> std::result::Result<(Bar, Q
                 &csts_fn,
             ) {
                 Ok(_) | Err(Error::Command { .. }) => {}
-                Err(e) => return Err(format!("{what} {qid}: {e}")),
+                Err(e) => return Err(Error::Invalid(format!("{what} {qid}: {e}"))),
             }
         }
         arena.header().set_qid(qid, false);
