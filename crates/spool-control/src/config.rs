@@ -14,7 +14,7 @@ mod health;
 mod io;
 mod transfer;
 
-pub use encryption::{read_private, KeySource};
+pub use encryption::{read_private, KekError, KeySource};
 pub use health::HealthConfig;
 use health::{health, RawHealth};
 pub use transfer::TransferConfig;

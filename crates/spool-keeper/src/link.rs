@@ -100,16 +100,19 @@ impl KeeperLink {
             .ok_or_else(|| io_err("keeper closed the channel".into()))
     }
 
-    /// Candidate: reads the preview of the state and answers whether `validate` accepts it.
-    /// Returns whether it was accepted.
+    /// Candidate: reads the preview of the state and answers whether `validate` accepts it
+    /// (its error, as text, is the reason the keeper is told). Returns whether it was accepted.
     pub fn preview(
         &self,
-        validate: impl FnOnce(&[(String, String)]) -> Result<(), String>,
+        validate: impl FnOnce(&[(String, String)]) -> Result<(), Box<dyn std::error::Error>>,
     ) -> std::io::Result<bool> {
         match self.recv()? {
             (Msg::Preview { entries }, _) => match validate(&entries) {
                 Ok(()) => self.send(&Msg::Accept, &[]).map(|_| true),
-                Err(reason) => self.send(&Msg::Reject { reason }, &[]).map(|_| false),
+                Err(e) => {
+                    let reason = e.to_string();
+                    self.send(&Msg::Reject { reason }, &[]).map(|_| false)
+                }
             },
             (m, _) => Err(io_err(format!("expected a state preview, got {m:?}"))),
         }

@@ -123,11 +123,38 @@ fn status_text(s: &std::process::ExitStatus) -> String {
     }
 }
 
-fn reply(r: Option<(File, Value)>, result: Result<Value, String>) {
+/// Why an upgrade or restart a client asked for did not happen (its text is the JSON-RPC
+/// error message the client gets).
+#[derive(Debug)]
+enum Refused {
+    Upgrading,
+    NotServing,
+    ShuttingDown,
+    /// Failed or rolled back: the outcome the restart report keeps.
+    Failed(String),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Upgrading => f.write_str("an upgrade is already in progress"),
+            Refused::NotServing => {
+                f.write_str("the worker is not serving yet; try again in a moment")
+            }
+            Refused::ShuttingDown => f.write_str("spoold is shutting down"),
+            Refused::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+fn reply(r: Option<(File, Value)>, result: Result<Value, Refused>) {
     let Some((mut f, id)) = r else { return };
     let resp = match result {
         Ok(v) => json!({"jsonrpc": "2.0", "id": id, "result": v}),
-        Err(m) => json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32000, "message": m}}),
+        Err(m) => {
+            let m = m.to_string();
+            json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32000, "message": m}})
+        }
     };
     let _ = writeln!(f, "{resp}");
 }

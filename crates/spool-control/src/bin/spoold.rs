@@ -132,26 +132,27 @@ fn main() -> ExitCode {
 
 /// `--export-key`: the data key to a new private file, and how to open the volume with it.
 fn export_key(cfg: &Config, volume: &str, out: &Path, device: Option<&Path>) -> ExitCode {
-    let run = || -> Result<(), String> {
-        let source = cfg
-            .encryption
-            .as_ref()
-            .ok_or("the config has no [encryption] section")?;
+    let run = || -> Result<(), ExportError> {
+        let source = cfg.encryption.as_ref().ok_or(ExportError::NoEncryption)?;
         let kek = source.load()?;
         let dev = device
             .map(Path::to_path_buf)
             .or_else(|| cfg.devices.first().map(|d| d.path.clone()))
-            .ok_or("the config names no device: pass --device")?;
-        let k = spool_pool::export_key_offline(&dev, volume, &kek).map_err(|e| e.to_string())?;
+            .ok_or(ExportError::NoDevice)?;
+        let k = spool_pool::export_key_offline(&dev, volume, &kek)?;
+        let write = |why| ExportError::Write {
+            path: out.to_path_buf(),
+            why,
+        };
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .open(out)
-            .map_err(|e| format!("{}: {e}", out.display()))?;
+            .map_err(write)?;
         f.write_all(k.key.bytes())
             .and_then(|_| f.sync_all())
-            .map_err(|e| format!("{}: {e}", out.display()))?;
+            .map_err(write)?;
         println!(
             "wrote the data key of volume {} to {}",
             k.volume,
@@ -181,6 +182,21 @@ fn export_key(cfg: &Config, volume: &str, out: &Path, device: Option<&Path>) -> 
             ExitCode::FAILURE
         }
     }
+}
+
+/// Why `--export-key` wrote no key.
+#[derive(Debug, thiserror::Error)]
+enum ExportError {
+    #[error("the config has no [encryption] section")]
+    NoEncryption,
+    #[error(transparent)]
+    Kek(#[from] config::KekError),
+    #[error("the config names no device: pass --device")]
+    NoDevice,
+    #[error(transparent)]
+    Pool(#[from] spool_pool::Error),
+    #[error("{}: {why}", .path.display())]
+    Write { path: PathBuf, why: std::io::Error },
 }
 
 /// Keeper mode: hold descriptors, run the worker (this same binary) and restart it.
@@ -381,7 +397,7 @@ fn leave_ceph(ceph: &spool_devices::CephClusters, code: u8) {
 /// Takes over what the previous worker kept (after checking it, as an upgrade candidate).
 fn take_over(l: &Arc<KeeperLink>, playing: Playing) -> Result<Keeping, WorkerError> {
     let max = playing.max_state_format;
-    if l.is_candidate() && !l.preview(|e| validate_preview(e, max).map_err(|e| e.to_string()))? {
+    if l.is_candidate() && !l.preview(|e| Ok(validate_preview(e, max)?))? {
         return Err(WorkerError::Reported);
     }
     let restored = l.receive_store()?;

@@ -69,56 +69,93 @@ impl std::fmt::Display for KeySource {
 
 impl KeySource {
     /// Reads the key. Errors say what to fix; none contains key material.
-    pub fn load(&self) -> Result<Kek, String> {
+    pub fn load(&self) -> Result<Kek, KekError> {
         let material = match self {
             KeySource::File(p) => read_private(p)?,
             KeySource::Credential(name) => {
-                let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| {
-                    format!("credential {name}: $CREDENTIALS_DIRECTORY is not set (start spoold from a systemd unit with LoadCredential= or LoadCredentialEncrypted=)")
-                })?;
+                let dir = std::env::var_os("CREDENTIALS_DIRECTORY")
+                    .ok_or_else(|| KekError::NoCredentials(name.clone()))?;
                 read_private(&PathBuf::from(dir).join(name))?
             }
             KeySource::Command(cmd) => run(cmd)?,
         };
-        Kek::from_material(&material).map_err(|e| format!("{self}: {e}"))
+        Kek::from_material(&material).map_err(|why| KekError::Material {
+            from: self.clone(),
+            why,
+        })
     }
+}
+
+/// Why the key-encryption key cannot be read: the text says what to fix and holds no key
+/// material.
+#[derive(Debug, thiserror::Error)]
+pub enum KekError {
+    #[error("key file {}: {why}", .path.display())]
+    File { path: PathBuf, why: std::io::Error },
+    #[error("key file {}: must be a regular file owned by uid {me} that only it can read (mode {mode:o}, owner {uid}): chmod 600 it", .path.display())]
+    NotPrivate {
+        path: PathBuf,
+        me: u32,
+        mode: u32,
+        uid: u32,
+    },
+    #[error("credential {0}: $CREDENTIALS_DIRECTORY is not set (start spoold from a systemd unit with LoadCredential= or LoadCredentialEncrypted=)")]
+    NoCredentials(String),
+    #[error("key command `{cmd}`: {why}")]
+    Spawn { cmd: String, why: std::io::Error },
+    #[error("key command `{cmd}` failed: {status}")]
+    Failed {
+        cmd: String,
+        status: std::process::ExitStatus,
+    },
+    #[error("{from}: {why}")]
+    Material {
+        from: KeySource,
+        why: spool_crypt::KeyError,
+    },
 }
 
 /// A key file's bytes, refused unless it is a regular file owned by us that no one else can
 /// read or write.
-pub fn read_private(p: &std::path::Path) -> Result<Zeroizing<Vec<u8>>, String> {
-    let f = std::fs::File::open(p).map_err(|e| format!("key file {}: {e}", p.display()))?;
-    let m = f
-        .metadata()
-        .map_err(|e| format!("key file {}: {e}", p.display()))?;
+pub fn read_private(p: &std::path::Path) -> Result<Zeroizing<Vec<u8>>, KekError> {
+    let io = |why| KekError::File {
+        path: p.to_path_buf(),
+        why,
+    };
+    let f = std::fs::File::open(p).map_err(io)?;
+    let m = f.metadata().map_err(io)?;
     // SAFETY: geteuid has no arguments and cannot fail.
     let me = unsafe { libc::geteuid() };
     if !m.is_file() || m.uid() != me || m.mode() & 0o077 != 0 {
-        return Err(format!(
-            "key file {}: must be a regular file owned by uid {me} that only it can read (mode {:o}, owner {}): chmod 600 it",
-            p.display(),
-            m.mode() & 0o7777,
-            m.uid()
-        ));
+        return Err(KekError::NotPrivate {
+            path: p.to_path_buf(),
+            me,
+            mode: m.mode() & 0o7777,
+            uid: m.uid(),
+        });
     }
     let mut buf = Zeroizing::new(Vec::with_capacity(128));
-    f.take(4096)
-        .read_to_end(&mut buf)
-        .map_err(|e| format!("key file {}: {e}", p.display()))?;
+    f.take(4096).read_to_end(&mut buf).map_err(io)?;
     Ok(buf)
 }
 
-fn run(cmd: &str) -> Result<Zeroizing<Vec<u8>>, String> {
+fn run(cmd: &str) -> Result<Zeroizing<Vec<u8>>, KekError> {
     let out = std::process::Command::new("sh")
         .arg("-c")
         .arg(cmd)
         .stdin(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit())
         .output()
-        .map_err(|e| format!("key command `{cmd}`: {e}"))?;
+        .map_err(|why| KekError::Spawn {
+            cmd: cmd.into(),
+            why,
+        })?;
     let stdout = Zeroizing::new(out.stdout);
     if !out.status.success() {
-        return Err(format!("key command `{cmd}` failed: {}", out.status));
+        return Err(KekError::Failed {
+            cmd: cmd.into(),
+            status: out.status,
+        });
     }
     Ok(stdout)
 }
@@ -134,7 +171,7 @@ mod tests {
         let p = d.path().join("kek");
         std::fs::write(&p, "ab".repeat(32)).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = KeySource::File(p.clone()).load().unwrap_err();
+        let e = KeySource::File(p.clone()).load().unwrap_err().to_string();
         assert!(e.contains("chmod 600"), "{e}");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         let k = KeySource::File(p.clone()).load().unwrap();
@@ -142,11 +179,11 @@ mod tests {
             .load()
             .unwrap();
         assert_eq!(k.id(), c.id());
-        let e = KeySource::Command("exit 3".into()).load().unwrap_err();
+        let e = (KeySource::Command("exit 3".into()).load().unwrap_err()).to_string();
         assert!(e.contains("failed"), "{e}");
-        let e = KeySource::Command("echo short".into()).load().unwrap_err();
+        let e = (KeySource::Command("echo short".into()).load().unwrap_err()).to_string();
         assert!(e.contains("32 bytes"), "{e}");
-        let e = KeySource::File(d.path().join("none")).load().unwrap_err();
+        let e = (KeySource::File(d.path().join("none")).load().unwrap_err()).to_string();
         assert!(e.contains("No such file"), "{e}");
     }
 

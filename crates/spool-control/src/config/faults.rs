@@ -61,9 +61,8 @@ mod tests {
     use spool_devices::{FaultEffect, FaultOps};
     use std::path::Path;
 
-    fn parse(extra: &str) -> Result<Config, String> {
+    fn parse(extra: &str) -> Result<Config, crate::config::ConfigError> {
         Config::parse(&format!("state_dir = \"/s\"\n{extra}"), Path::new("/c"))
-            .map_err(|e| e.to_string())
     }
 
     #[test]
@@ -117,12 +116,15 @@ mod tests {
             ),
             ("kind = \"crash\"\nwhen = 1", "when"),
         ] {
-            let e = parse(&format!("[[faults]]\n{text}\n")).unwrap_err();
+            let e = parse(&format!("[[faults]]\n{text}\n"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(needle), "{text}: {e}");
         }
-        let e = parse("[[faults]]\nkind = \"crash\"\n[[faults]]\nkind = \"x\"\n").unwrap_err();
+        let e = (parse("[[faults]]\nkind = \"crash\"\n[[faults]]\nkind = \"x\"\n").unwrap_err())
+            .to_string();
         assert!(e.contains("faults[1]: kind 'x'"), "{e}");
-        let e = parse("[debug]\nwitness = \"x\"\n").unwrap_err();
+        let e = parse("[debug]\nwitness = \"x\"\n").unwrap_err().to_string();
         assert!(e.contains("witness"), "{e}");
     }
 }

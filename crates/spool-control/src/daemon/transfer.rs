@@ -188,15 +188,12 @@ impl Daemon {
 
     /// Answers one hello from `peer` that reached this host at `here`: the NBD URI of the
     /// volume's receive export (bound to that address, for that peer only), or why not.
-    fn answer(&self, h: &TransferHello, here: IpAddr, peer: IpAddr) -> Result<String, String> {
+    fn answer(&self, h: &TransferHello, here: IpAddr, peer: IpAddr) -> Result<String, Refused> {
         if self.cfg.transfer.is_none() {
-            return Err("no transfer listener".into());
+            return Err(Refused::NoListener);
         }
         if h.version != TRANSFER_VERSION {
-            return Err(format!(
-                "transfer version {} is not spoken here (this spoold speaks {TRANSFER_VERSION})",
-                h.version
-            ));
+            return Err(Refused::Version(h.version));
         }
         let answered = {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
@@ -205,31 +202,22 @@ impl Daemon {
                 .find(|e| e.volume == h.volume && same_token(&e.token, &h.token));
             // The same answer for an unknown volume and a wrong token: no oracle.
             let Some(e) = e else {
-                return Err(format!(
-                    "no transfer of volume '{}' with that token is expected here (`spoolctl volume receive {} --token TOKEN` on this host first)",
-                    h.volume, h.volume
-                ));
+                return Err(Refused::NotExpected(h.volume.clone()));
             };
             e.answered
         };
         if let Some(uuid) = answered {
             // Said hello again (a send resumed): the same export while it runs.
             let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-            return super::receive::uri_of(&receiving, uuid).ok_or_else(|| {
-                format!(
-                    "the transfer of volume '{}' here has ended; `spoolctl volume receive {} --token TOKEN` on this host allows another",
-                    h.volume, h.volume
-                )
-            });
+            return super::receive::uri_of(&receiving, uuid)
+                .ok_or_else(|| Refused::Ended(h.volume.clone()));
         }
         // Before the transfers' lock: creating the volume shows it, which looks at them.
-        let v = self.volume_as_sent(h).map_err(|e| e.to_string())?;
+        let v = self.volume_as_sent(h)?;
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         let at = Listen::Tcp(SocketAddr::new(here, 0).to_string());
         let only = Arc::from([peer]);
-        let info = self
-            .start_receiving(&mut receiving, &v, at, None, Some(only))
-            .map_err(|e| e.to_string())?;
+        let info = self.start_receiving(&mut receiving, &v, at, None, Some(only))?;
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = expected.iter_mut().find(|e| e.volume == h.volume) {
             e.answered = Some(v.uuid);
@@ -417,6 +405,24 @@ fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
     }
 }
 
+/// Why a sender's hello is refused (the text is sent back to it).
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("no transfer listener")]
+    NoListener,
+    #[error("transfer version {0} is not spoken here (this spoold speaks {TRANSFER_VERSION})")]
+    Version(u32),
+    #[error("no transfer of volume '{0}' with that token is expected here (`spoolctl volume receive {0} --token TOKEN` on this host first)")]
+    NotExpected(String),
+    #[error("the transfer of volume '{0}' here has ended; `spoolctl volume receive {0} --token TOKEN` on this host allows another")]
+    Ended(String),
+    /// Creating, checking or exporting the volume failed.
+    #[error(transparent)]
+    Volume(#[from] RpcError),
+    #[error("no local address ({0})")]
+    NoLocalAddress(std::io::Error),
+}
+
 /// One sender's hello and its answer.
 fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
     let _ = s.set_nonblocking(false);
@@ -435,7 +441,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
             let Some(d) = weak.upgrade() else { return };
             let answer = match here {
                 Ok(here) => d.answer(&h, here, peer),
-                Err(e) => Err(format!("no local address ({e})")),
+                Err(e) => Err(Refused::NoLocalAddress(e)),
             };
             match &answer {
                 Ok(uri) => {
@@ -447,7 +453,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
             }
             let (nbd, error) = match answer {
                 Ok(u) => (Some(u), None),
-                Err(e) => (None, Some(e)),
+                Err(e) => (None, Some(e.to_string())),
             };
             TransferReply { nbd, error }
         }

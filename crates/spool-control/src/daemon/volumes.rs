@@ -44,9 +44,13 @@ impl Daemon {
         let new = match (&p.key_file, &self.cfg.encryption) {
             (Some(f), _) => crate::config::KeySource::File(f.into()).load(),
             (None, Some(source)) => source.load(),
-            (None, None) => Err("spoold has no [encryption] key source; pass key_file".into()),
+            (None, None) => {
+                return Err(RpcError::InvalidParams(
+                    "spoold has no [encryption] key source; pass key_file".into(),
+                ))
+            }
         }
-        .map_err(RpcError::InvalidParams)?;
+        .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
         let mut pool = self.pool();
         let old = pool.kek_id().ok_or_else(|| {
             RpcError::InvalidParams("spoold has no key-encryption key to rekey from".into())

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::child::Start;
 use super::upgrade::Stage;
-use super::{phase_text, reply, status_text, Keeper};
+use super::{phase_text, reply, status_text, Keeper, Refused};
 use crate::now_us;
 use crate::proto::{Phase, RestartReport, StartInfo};
 
@@ -96,7 +96,7 @@ impl Keeper {
             };
             tracing::info!(kind = %report.kind, new_pid = pid, stall_ms = format!("{:.2}", report.stall_ms), phases = %phase_text(&report.phases), "keeper: worker restarted");
             let r = if start.reason == "rollback" {
-                Err(report.outcome.clone())
+                Err(Refused::Failed(report.outcome.clone()))
             } else {
                 Ok(serde_json::to_value(&report).unwrap_or(Value::Null))
             };

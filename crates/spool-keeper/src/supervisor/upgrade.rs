@@ -15,7 +15,7 @@ use std::time::Instant;
 use serde_json::Value;
 
 use super::child::{kill, Start};
-use super::{reply, status_text, Keeper};
+use super::{reply, status_text, Keeper, Refused};
 use crate::now_us;
 use crate::proto::{Msg, Phase, RestartReport, StartInfo};
 
@@ -62,18 +62,15 @@ impl Keeper {
 
     pub(super) fn begin_upgrade(&mut self, binary: PathBuf, reply_to: Option<(File, Value)>) {
         if self.up.is_some() {
-            reply(reply_to, Err("an upgrade is already in progress".into()));
+            reply(reply_to, Err(Refused::Upgrading));
             return;
         }
         if self.worker.as_ref().is_none_or(|w| !w.ready) {
-            reply(
-                reply_to,
-                Err("the worker is not serving yet; try again in a moment".into()),
-            );
+            reply(reply_to, Err(Refused::NotServing));
             return;
         }
         if self.shutting_down.is_some() {
-            reply(reply_to, Err("spoold is shutting down".into()));
+            reply(reply_to, Err(Refused::ShuttingDown));
             return;
         }
         self.drop_standby();
@@ -104,7 +101,7 @@ impl Keeper {
                     binary.display()
                 );
                 tracing::error!("keeper: upgrade aborted: {why}");
-                reply(reply_to, Err(why));
+                reply(reply_to, Err(Refused::Failed(why)));
             }
         }
     }
@@ -192,7 +189,7 @@ impl Keeper {
                 stall_ms: 0.0,
                 outcome: why.clone(),
             });
-            reply(u.reply, Err(why));
+            reply(u.reply, Err(Refused::Failed(why)));
         }
     }
 
