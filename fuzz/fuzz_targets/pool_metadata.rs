@@ -240,7 +240,7 @@ fuzz_target!(|data: &[u8]| {
     let st = decode(&img[..img.len().min(HEADER_SIZE)], |len| {
         img.get(HEADER_SIZE..HEADER_SIZE + len)
             .map(<[u8]>::to_vec)
-            .ok_or_else(|| "short payload".to_string())
+            .ok_or_else(|| std::io::Error::other("short payload"))
     });
     let SlotState::Valid(r) = st else {
         return;

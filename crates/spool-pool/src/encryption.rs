@@ -309,7 +309,6 @@ pub fn export_key_offline(device: &std::path::Path, id: &str, kek: &Kek) -> Resu
             let mut p = vec![0u8; len];
             f.read_exact_at(&mut p, slot * SLOT_SIZE + HEADER_SIZE as u64)
                 .map(|_| p)
-                .map_err(|e| e.to_string())
         });
         if let SlotState::Valid(r) = state {
             if best.as_ref().is_none_or(|b| b.generation < r.generation) {

@@ -420,10 +420,11 @@ pub fn encode(rec: &Record) -> Result<Vec<u8>, WriteError> {
     Ok(buf)
 }
 
-/// Decodes a slot image (at least the header; the payload is read through `payload`).
+/// Decodes a slot image (at least the header; the payload's `len` bytes are read through
+/// `read_payload`, whose error becomes the slot's corruption).
 pub fn decode(
     header: &[u8],
-    read_payload: impl FnOnce(usize) -> Result<Vec<u8>, String>,
+    read_payload: impl FnOnce(usize) -> std::io::Result<Vec<u8>>,
 ) -> SlotState {
     if header.len() < HEADER_SIZE {
         return SlotState::Corrupt("short header".into());
@@ -463,7 +464,7 @@ pub fn decode(
     }
     let payload = match read_payload(len) {
         Ok(p) => p,
-        Err(e) => return SlotState::Corrupt(e),
+        Err(e) => return SlotState::Corrupt(e.to_string()),
     };
     if crc32c::crc32c(&payload) != u32_at(28) {
         return SlotState::Corrupt("payload checksum mismatch".into());
@@ -497,7 +498,7 @@ pub fn read_slot(dev: &Device, slot: u64) -> SlotState {
         let mut p = vec![0u8; len];
         dev.read_at(&mut p, base + HEADER_SIZE as u64)
             .map(|_| p)
-            .map_err(|e| format!("cannot read payload: {e}"))
+            .map_err(|e| std::io::Error::other(format!("cannot read payload: {e}")))
     })
 }
 
