@@ -6,7 +6,8 @@ Each file is a module; a file depends on another when it names it through a path
 `*_tests.rs`, and anything after `#[cfg(test)]`) are left out: they may look at anything.
 Cycles already known are listed in KNOWN with the reason they stay; a new one fails.
 
-It also keeps spoolctl on the wire: the files of `src/bin/spoolctl/` may name no crate of
+It also fails on a `Result<_, String>` outside tests: errors are typed (thiserror), so a
+caller can tell by its type what failed. And it keeps spoolctl on the wire: the files of `src/bin/spoolctl/` may name no crate of
 the workspace but `spool_api` (the wire types), so the CLI renders only what the daemon
 sends and nothing of the storage stack leaks into what it shows.
 
@@ -138,6 +139,17 @@ def foreign_crates(root, allowed):
     return sorted(found - allowed)
 
 
+def untyped_errors(src):
+    """`Result<_, String>` in the non-test files under a crate's src/ (and its binaries):
+    errors are typed, so a caller can tell by its type what failed (issue 37)."""
+    found = []
+    for root, is_lib in roots(src):
+        for path in modules(root, skip_bin=is_lib).values():
+            for m in re.finditer(r"Result<[^;{]*?,\s*String\s*>", body(path)):
+                found.append(f"{os.path.relpath(path, ROOT)}: {m.group(0)}")
+    return found
+
+
 def main():
     bad = 0
     for (crate, binary), allowed in WIRE_ONLY.items():
@@ -148,6 +160,9 @@ def main():
         src = os.path.join(ROOT, crate, "src")
         if not os.path.isdir(src):
             continue
+        for e in untyped_errors(src):
+            print(f"an untyped error in {e}: give it an error type")
+            bad += 1
         for root, is_lib in roots(src):
             name = crate if is_lib else f"{crate} bin {os.path.basename(root)}"
             for c in cycles(edges(modules(root, skip_bin=is_lib))):
@@ -157,9 +172,9 @@ def main():
                 print(f"cycle between files of {name}: {', '.join(c)}")
                 bad += 1
     if bad:
-        print(f"{bad} dependency cycles or layering breaks (scripts/check-cycles.py)")
+        print(f"{bad} dependency cycles, layering breaks or untyped errors (scripts/check-cycles.py)")
         sys.exit(1)
-    print("file dependencies: no cycles (beyond the ones listed with a reason); spoolctl uses only the wire types")
+    print("file dependencies: no cycles (beyond the ones listed with a reason); spoolctl uses only the wire types; errors are typed")
 
 
 if __name__ == "__main__":
