@@ -124,12 +124,18 @@ def upgrade(d, n, rng):
     out = []
     for i in range(n):
         def kill_during():
-            pid = daemon_status(d.ctl)["pid"]
-            done = {}
-            t = threading.Thread(target=lambda: done.update(r=_try(lambda: ctl(d.ctl, "upgrade"))))
-            t.start()
-            time.sleep(rng.uniform(0.0, 0.004))
-            os.kill(pid, signal.SIGKILL)
+            while True:
+                pid = daemon_status(d.ctl)["pid"]
+                done = {}
+                t = threading.Thread(target=lambda: done.update(r=_try(lambda: ctl(d.ctl, "upgrade"))))
+                t.start()
+                time.sleep(rng.uniform(0.0, 0.004))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    break
+                except ProcessLookupError:
+                    # The upgrade was over before the kill: no kill during it; again.
+                    t.join(timeout=60)
             t.join(timeout=60)
             while True:
                 s = daemon_status(d.ctl)
