@@ -55,8 +55,9 @@ pub fn within_one(spans: &[Span], offset: u64, len: u64) -> Option<(usize, u64)>
     (s.len - within >= len).then_some((s.device, s.offset + within))
 }
 
-/// Where a failed piece went: its target (the owner's index, below 64), and the device
-/// range and direction the health report names (0, 0 when it has none, as a flush).
+/// Where a failed piece went: its target (the owner's index; targets below 8 are told
+/// apart in [`Fanout::failed_targets`], as a mirror's legs are), and the device range and
+/// direction the health report names (0, 0 when it has none, as a flush).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PieceAt {
     pub target: u8,
@@ -65,27 +66,29 @@ pub struct PieceAt {
     pub write: bool,
 }
 
+/// A piece failed with a path error, or its device is gone: the request may succeed after
+/// a health change.
+const PATH: u8 = 1;
+/// A piece was cancelled by us (an abort, a queue lost to a reset).
+const CANCELLED: u8 = 2;
+/// A piece failed with a media or request error: the request failed.
+const FATAL: u8 = 4;
+/// A piece succeeded.
+const SUCCEEDED: u8 = 8;
+
 /// One request's pieces on their devices: how many are still out, and what their failures
-/// add up to.
+/// add up to. Twelve bytes: it lives in every request's record on the hot path.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Fanout {
     pending: u32,
-    /// Pieces sent since the request started (or since [`Fanout::retry`]).
-    issued: u32,
-    /// Pieces that failed, and the targets they went to (a bit per target).
-    failures: u32,
-    failed: u64,
-    /// Targets whose piece failed with a media error.
-    media: u64,
     /// The first failure's negated errno (0: none).
     err: i32,
-    /// A piece failed with a path error, or its device is gone: the request may succeed
-    /// after a health change.
-    path: bool,
-    /// A piece was cancelled by us (an abort, a queue lost to a reset).
-    cancelled: bool,
-    /// A piece failed with a media or request error: the request failed.
-    fatal: bool,
+    /// Targets (below 8) with a failed piece, and those whose piece failed with a media
+    /// error.
+    failed: u8,
+    media: u8,
+    /// `PATH`, `CANCELLED`, `FATAL`, `SUCCEEDED`.
+    flags: u8,
 }
 
 impl Fanout {
@@ -94,7 +97,6 @@ impl Fanout {
     pub fn new(pieces: u32) -> Fanout {
         Fanout {
             pending: pieces,
-            issued: pieces,
             ..Fanout::default()
         }
     }
@@ -103,24 +105,24 @@ impl Fanout {
     #[inline]
     pub fn issue(&mut self) {
         self.pending += 1;
-        self.issued += 1;
     }
 
-    /// A piece came back; returns whether it was the last one out.
+    /// A piece came back, `ok` or not (a failed one goes through [`Fanout::piece_failed`]
+    /// first); returns whether it was the last one out.
     #[inline]
-    pub fn piece_back(&mut self) -> bool {
+    pub fn piece_back(&mut self, ok: bool) -> bool {
+        self.flags |= (ok as u8) * SUCCEEDED;
         self.pending -= 1;
         self.pending == 0
     }
 
     /// A piece failed with `errno` (positive): reported to `health` with where it went,
     /// unless we cancelled it ourselves, and merged into the outcome. Returns its class.
-    /// (Call [`Fanout::piece_back`] for it as for any piece.)
     #[cold]
     pub fn piece_failed(&mut self, errno: i32, at: PieceAt, health: &DeviceHealth) -> ErrorClass {
         let class = ErrorClass::of_errno(errno);
         if errno == libc::ECANCELED {
-            self.cancelled = true;
+            self.flags |= CANCELLED;
         } else {
             health.report(ErrorReport {
                 signal: Signal::Errno(errno),
@@ -128,17 +130,16 @@ impl Fanout {
                 len: at.len,
                 write: at.write,
             });
-            match class {
-                ErrorClass::Path | ErrorClass::Gone => self.path = true,
-                ErrorClass::Media | ErrorClass::Request => self.fatal = true,
-            }
+            self.flags |= match class {
+                ErrorClass::Path | ErrorClass::Gone => PATH,
+                ErrorClass::Media | ErrorClass::Request => FATAL,
+            };
         }
-        let bit = 1u64 << (at.target & 63);
+        let bit = 1u8.checked_shl(at.target as u32).unwrap_or(0);
         self.failed |= bit;
         if class == ErrorClass::Media {
             self.media |= bit;
         }
-        self.failures += 1;
         if self.err == 0 {
             self.err = -errno;
         }
@@ -159,7 +160,7 @@ impl Fanout {
     #[inline]
     pub fn fail_unsent(&mut self) {
         self.pending = 0;
-        self.fatal = true;
+        self.flags |= FATAL;
     }
 
     /// Starts over for pieces sent again elsewhere (a read on another leg): the failures
@@ -179,37 +180,37 @@ impl Fanout {
     /// Whether no piece failed in a way that decides the request (media, request error).
     #[inline]
     pub fn ok(&self) -> bool {
-        !self.fatal
+        self.flags & FATAL == 0
     }
 
     /// Whether a piece failed with a path error or on a device that is gone.
     #[inline]
     pub fn path_failed(&self) -> bool {
-        self.path
+        self.flags & PATH != 0
     }
 
     /// Whether a piece was cancelled by us.
     #[inline]
     pub fn cancelled(&self) -> bool {
-        self.cancelled
+        self.flags & CANCELLED != 0
     }
 
-    /// The targets whose piece failed (a bit per target).
+    /// The targets (below 8) whose piece failed, a bit per target.
     #[inline]
-    pub fn failed_targets(&self) -> u64 {
+    pub fn failed_targets(&self) -> u8 {
         self.failed
     }
 
-    /// The targets whose piece failed with a media error.
+    /// The targets (below 8) whose piece failed with a media error.
     #[inline]
-    pub fn media_targets(&self) -> u64 {
+    pub fn media_targets(&self) -> u8 {
         self.media
     }
 
-    /// Whether some piece sent succeeded (more were sent than failed).
+    /// Whether some piece succeeded.
     #[inline]
     pub fn any_succeeded(&self) -> bool {
-        self.issued > self.failures
+        self.flags & SUCCEEDED != 0
     }
 
     /// The first failure's negated errno, 0 when none failed.
@@ -272,16 +273,18 @@ mod tests {
             f.piece_failed(libc::ECANCELED, at(0), &health),
             ErrorClass::Path
         );
-        assert!(!f.piece_back());
+        assert!(!f.piece_back(false));
         assert!(f.cancelled() && !f.path_failed() && f.ok());
         assert!(
             health.take_reports().0.is_empty(),
             "our own cancel is not reported"
         );
         f.piece_failed(libc::ENODATA, at(2), &health);
-        assert!(!f.piece_back());
-        assert!(f.piece_back());
+        assert!(!f.piece_back(false));
+        assert!(!f.any_succeeded());
+        assert!(f.piece_back(true));
         assert!(!f.ok() && f.any_succeeded());
+        assert_eq!(std::mem::size_of::<Fanout>(), 12);
         assert_eq!((f.failed_targets(), f.media_targets()), (0b101, 0b100));
         assert_eq!(f.first_error(), -libc::ECANCELED);
         let (reports, _) = health.take_reports();

@@ -316,7 +316,7 @@ impl MirrorQueue {
             // only when another leg holds every acknowledged write there (marking the only
             // copy stale would leave nothing to read: the read fails as on a plain device).
             let holders = self.shared.current(!0, op.offset, op.len, (first, last));
-            let media = op.pieces.media_targets() as u8;
+            let media = op.pieces.media_targets();
             if media != 0 && holders & !media != 0 {
                 for r in first..=last {
                     self.shared.regions.mark(r, media);
@@ -330,7 +330,7 @@ impl MirrorQueue {
         }
         let op = self.ops[i].take().expect("live op");
         self.free.push(i);
-        let failed = op.pieces.failed_targets() as u8;
+        let failed = op.pieces.failed_targets();
         let res = match op.kind {
             Kind::Read if read_err != 0 => read_err,
             Kind::Read => op.pieces.first_error(),
@@ -473,7 +473,7 @@ impl DeviceQueue for MirrorQueue {
                     op.pieces
                         .piece_failed(-res, at, shared.spec.devices[d].health());
                 }
-                if op.pieces.piece_back() {
+                if op.pieces.piece_back(res >= 0) {
                     finished.push(i);
                 }
             });

@@ -67,7 +67,7 @@ impl QueueWorker {
                         inf, -res, piece, health, io_err_log, volume, tag,
                     );
                 }
-                if inf.pieces.piece_back() {
+                if inf.pieces.piece_back(res >= 0) {
                     finished.push(tag as u16);
                 }
             });

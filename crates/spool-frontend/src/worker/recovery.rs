@@ -62,7 +62,7 @@ pub(super) fn note_piece_error(
     }
     let &(d, offset, len, write) = piece.unwrap_or(&(0, 0, 0, false));
     let at = PieceAt {
-        target: (d & 63) as u8,
+        target: u8::try_from(d).unwrap_or(u8::MAX),
         offset,
         len,
         write,

@@ -294,7 +294,7 @@ fn piece_at(shared: &Shared, io: &DeviceIo, d: usize) -> PieceAt {
     };
     let chunk = shared.spec.chunk;
     let mut at = PieceAt {
-        target: (d & 63) as u8,
+        target: u8::try_from(d).unwrap_or(u8::MAX),
         offset: 0,
         len: 0,
         write,
@@ -393,7 +393,7 @@ impl DeviceQueue for ThinQueue {
                         None => op.pieces.note_failure(res),
                     }
                 }
-                if op.pieces.piece_back() {
+                if op.pieces.piece_back(res >= 0) {
                     finished.push(sub as usize);
                 }
             });
