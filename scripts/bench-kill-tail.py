@@ -124,7 +124,9 @@ def upgrade(d, n, rng):
     out = []
     for i in range(n):
         def kill_during():
-            while True:
+            for attempt in range(11):
+                if attempt == 10:
+                    raise RuntimeError("10 upgrades in a row ended before their kill")
                 pid = daemon_status(d.ctl)["pid"]
                 done = {}
                 t = threading.Thread(target=lambda: done.update(r=_try(lambda: ctl(d.ctl, "upgrade"))))

@@ -139,14 +139,42 @@ def foreign_crates(root, allowed):
     return sorted(found - allowed)
 
 
+def string_errors(text):
+    """Each `Result<T, String>` in `text`: the generics read with their nesting, so that
+    `Result<HashMap<String, String>, E>` is not one."""
+    found = []
+    for m in re.finditer(r"\bResult<", text):
+        depth, args, start = 1, [], m.end()
+        for i in range(m.end(), len(text)):
+            c = text[i]
+            if c in "<([":
+                depth += 1
+            elif c in ">)]" and not (c == ">" and text[i - 1] == "-"):
+                depth -= 1
+                if depth == 0:
+                    args.append(text[start:i])
+                    break
+            elif c == "," and depth == 1:
+                args.append(text[start:i])
+                start = i + 1
+            elif c in ";{":
+                break
+        if len(args) == 2 and args[1].strip() == "String":
+            found.append(text[m.start():i + 1])
+    return found
+
+
 def untyped_errors(src):
-    """`Result<_, String>` in the non-test files under a crate's src/ (and its binaries):
+    """`Result<_, String>` in the non-test files under a crate's src/ (binaries included):
     errors are typed, so a caller can tell by its type what failed (issue 37)."""
     found = []
-    for root, is_lib in roots(src):
-        for path in modules(root, skip_bin=is_lib).values():
-            for m in re.finditer(r"Result<[^;{]*?,\s*String\s*>", body(path)):
-                found.append(f"{os.path.relpath(path, ROOT)}: {m.group(0)}")
+    for d, _, files in os.walk(src):
+        for f in sorted(files):
+            path = os.path.join(d, f)
+            parts = os.path.relpath(path, src)[:-3].split(os.sep)
+            if not f.endswith(".rs") or any(p == "tests" or p.endswith("_tests") for p in parts):
+                continue
+            found += [f"{os.path.relpath(path, ROOT)}: {e}" for e in string_errors(body(path))]
     return found
 
 

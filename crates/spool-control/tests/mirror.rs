@@ -39,9 +39,11 @@ mirror = 2
 [health]
 poll_interval_ms = 50
 "#;
-// No short `io_timeout_ms` here: nothing these tests do hangs a device, and on a loaded
-// machine a request starved of a core for 300 ms was timed out, both legs' devices reset
-// and, if it went on, the guest's request failed: a test that could fail by chance.
+// No short `io_timeout_ms` and `reset_timeout_ms` here (the defaults, 30 s and 10 s):
+// nothing these tests do hangs a device or waits for a reset, and on a loaded machine a
+// request starved of a core for 300 ms was timed out, both legs' devices reset and, if it
+// went on (1.5 s), failed, and the guest's request with them: a test that could fail by
+// chance. (The 3-way and link-down tests below keep theirs: they need a reset.)
 
 /// The workload covers the first 16 MiB of the 48 MiB mirrored volume: 16 of its 48
 /// regions at most can have writes in flight.

@@ -77,8 +77,9 @@ const FATAL: u8 = 4;
 const SUCCEEDED: u8 = 8;
 
 /// One request's pieces on their devices: how many are still out, and what their failures
-/// add up to. Twelve bytes: it lives in every request's record on the hot path.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// add up to. Twelve bytes: it lives in every request's record on the hot path. Not `Copy`:
+/// a count worked on in a copy would be lost, and its request never finish.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Fanout {
     pending: u32,
     /// The first failure's negated errno (0: none).
@@ -153,6 +154,14 @@ impl Fanout {
         if self.err == 0 {
             self.err = err;
         }
+    }
+
+    /// A failure outside any piece that decides the request's error from now on, whatever
+    /// came before (a thin volume's queue that cannot be had, a chunk that could not be
+    /// allocated), as a negated errno.
+    #[inline]
+    pub fn set_failure(&mut self, err: i32) {
+        self.err = err;
     }
 
     /// The request failed before any piece went out (an isolated device, no queue):

@@ -112,7 +112,7 @@ impl ThinQueue {
                     };
                     self.op(idx).pieces.issue();
                 }
-                Err(e) => self.op(idx).pieces.note_failure(e),
+                Err(e) => self.op(idx).pieces.set_failure(e),
             }
         }
         self.maybe_finish(idx);
@@ -163,7 +163,7 @@ impl ThinQueue {
                         };
                         self.op(idx).pieces.issue();
                     }
-                    Err(e) => self.op(idx).pieces.note_failure(e),
+                    Err(e) => self.op(idx).pieces.set_failure(e),
                 }
                 self.maybe_finish(idx);
             }
@@ -188,7 +188,7 @@ impl ThinQueue {
                     self.op(idx).pieces.issue();
                 }
                 Err(e) if e == -libc::ENOMEDIUM => {}
-                Err(e) => self.op(idx).pieces.note_failure(e),
+                Err(e) => self.op(idx).pieces.set_failure(e),
             }
         }
         self.maybe_finish(idx);
@@ -254,7 +254,7 @@ impl ThinQueue {
                     unsafe { q.submit(io, idx as u64) };
                     self.op(idx).pieces.issue();
                 }
-                Err(e) => self.op(idx).pieces.note_failure(e),
+                Err(e) => self.op(idx).pieces.set_failure(e),
             }
         }
         if first < end {

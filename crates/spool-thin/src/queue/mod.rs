@@ -180,7 +180,7 @@ impl ThinQueue {
                     for &idx in &self.parked {
                         let op = self.ops[idx].as_mut().expect("parked op");
                         if op_chunks(&op.io, self.shared.spec.chunk).contains(&chunk) {
-                            op.pieces.note_failure(errno);
+                            op.pieces.set_failure(errno);
                         }
                     }
                 }
@@ -246,7 +246,7 @@ impl ThinQueue {
         for idx in parked {
             let op = self.op(idx);
             op.parked = false;
-            op.pieces.note_failure(-libc::ECANCELED);
+            op.pieces.set_failure(-libc::ECANCELED);
             self.maybe_finish(idx);
         }
         if n > 0 && self.completion_events {
@@ -278,19 +278,16 @@ impl ThinQueue {
     }
 }
 
-/// The chunks a write or write-zeroes touches (none for other requests).
-/// Where request `io`'s piece on pool device `d` went (the first, when several did), as
-/// the map names its chunks now: what a failed piece's health report says (0, 0 for a
-/// flush, or a chunk the map no longer names).
+/// Where read or write `io`'s piece on pool device `d` went (the first, when several did),
+/// as the map names its chunks now: what a failed piece's health report says. (0, 0) for
+/// the rest, as for a plain volume's (a trim's whole chunks go to the allocator, not to a
+/// device), and for a chunk the map no longer names.
 #[cold]
 fn piece_at(shared: &Shared, io: &DeviceIo, d: usize) -> PieceAt {
     let (offset, len, write) = match *io {
         DeviceIo::Read { offset, len, .. } => (offset, len, false),
         DeviceIo::Write { offset, len, .. } => (offset, len, true),
-        DeviceIo::Discard { offset, len } | DeviceIo::WriteZeroes { offset, len } => {
-            (offset, len, true)
-        }
-        DeviceIo::Flush => (0, 0, true),
+        _ => (0, 0, false),
     };
     let chunk = shared.spec.chunk;
     let mut at = PieceAt {
@@ -313,6 +310,7 @@ fn piece_at(shared: &Shared, io: &DeviceIo, d: usize) -> PieceAt {
     at
 }
 
+/// The chunks a write or write-zeroes touches (none for other requests).
 fn op_chunks(io: &DeviceIo, chunk: u64) -> std::ops::Range<u64> {
     match *io {
         DeviceIo::Write { offset, len, .. } | DeviceIo::WriteZeroes { offset, len } => {
