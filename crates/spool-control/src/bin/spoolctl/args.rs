@@ -110,7 +110,8 @@ pub enum DeviceCmd {
     /// Controller reset: hold the device's I/O, check it answers, resubmit what was in flight.
     Reset { id: String },
     /// Replace a failed or removed device with a blank one; volumes on the old device come
-    /// back online (their data that was on it is lost: there is no mirror yet).
+    /// back online: a mirrored volume's copy there is rebuilt from another, a thin volume
+    /// loses only the chunks it had there, a plain volume the data it had there.
     Replace {
         old: String,
         new: PathBuf,
@@ -245,9 +246,9 @@ pub enum VolumeCmd {
         /// VOLUME@SNAPSHOT.
         snapshot: String,
     },
-    /// Receive a volume's data from elsewhere: serve the volume (thick, on the pool's own
-    /// devices, not encrypted, no VM running it) as a writable NBD export, for another host,
-    /// `qemu-img convert -n` or `nbdcopy` to write into. It ends when a VM starts the
+    /// Receive a volume's data from elsewhere: serve the volume (thick or thin, on the pool's
+    /// own devices, not encrypted when written by hand, no VM running it) as a writable NBD
+    /// export, for another host, `qemu-img convert -n` or `nbdcopy` to write into. It ends when a VM starts the
     /// volume, with --stop, or when the volume is deleted; worker restarts keep it. With
     /// --token instead of --nbd: expect another spoold sending the volume (created here as
     /// the sender has it if missing) on the `[transfer] listen` socket (docs/transfer.md).
