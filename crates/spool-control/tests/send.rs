@@ -311,6 +311,22 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
     );
     ctl(&b, &["volume", "receive", "v", "--stop"]);
     assert!(hello(&again).contains("no transfer of volume 'v'"));
+
+    // A volume received by hand is not exported a second time for a hello: the second
+    // export would write on after `--stop` (or a delete) ended the first.
+    ctl(&b, &["volume", "create", "w", "4M", "--queues", "1"]);
+    let by_hand = format!("unix:{}", b.dir.path().join("w.nbd").display());
+    ctl(&b, &["volume", "receive", "w", "--nbd", &by_hand]);
+    ctl(&b, &["volume", "receive", "w", "--token", token]);
+    let w = again
+        .replace("\"volume\":\"v\"", "\"volume\":\"w\"")
+        .replace("16777216", "4194304");
+    let answer = hello(&w);
+    assert!(answer.contains("being received already"), "{answer}");
+    let show = ctl(&b, &["volume", "show", "w"]);
+    assert_eq!(show.matches("receiving over NBD").count(), 1, "{show}");
+    ctl(&b, &["volume", "receive", "w", "--stop"]);
+    assert!(!ctl(&b, &["volume", "show", "w"]).contains("receiving over NBD"));
 }
 
 /// A key file of `byte` repeated, in hex, mode 0600.

@@ -290,7 +290,8 @@ fn block_status(w: &mut impl Write, e: &dyn Export, sess: &Session, q: &Request)
         let mut at = q.offset;
         while at < end {
             let i = at / e.extent();
-            let next = ((i + 1) * e.extent()).min(end);
+            // Saturating: an export within one extent of 2^64 bytes must not overflow.
+            let next = (i + 1).saturating_mul(e.extent()).min(end);
             let state = match id {
                 DIRTY_ID => STATE_DIRTY * e.changed(i) as u32,
                 _ if e.allocated(i) => 0,

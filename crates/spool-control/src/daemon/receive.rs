@@ -62,7 +62,15 @@ struct ReceiveExport {
     /// request in progress finishes first.
     ended: RwLock<Option<String>>,
     written: AtomicU64,
+    /// Held shared by writes of whole [`PAGE`]s and alone by a write (or zeroes) that
+    /// covers one in part: a device may read such a page, change it and write it back (an
+    /// NVMe namespace's blocks, a mirror's legs), which would undo a write to another part
+    /// of it from another connection made meanwhile.
+    partial: RwLock<()>,
 }
+
+/// The unit a device writes whole (every block size spoold serves divides it).
+const PAGE: u64 = 4096;
 
 impl ReceiveExport {
     /// Runs `f` on the volume's current layout unless the transfer ended.
@@ -78,6 +86,25 @@ impl ReceiveExport {
             return Err(std::io::Error::other("the transfer is ending"));
         }
         f(&self.ctx.layout().load())
+    }
+
+    /// Runs `f` on the current layout for bytes `[offset, offset + len)`: beside other
+    /// whole-page writes, or alone when it covers a page in part.
+    fn write_with_layout(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&spool_pool::VolumeLayout) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        if offset.is_multiple_of(PAGE) && len.is_multiple_of(PAGE) {
+            let _shared = self.partial.read().unwrap_or_else(|p| p.into_inner());
+            self.with_layout(f)
+        } else {
+            let _alone = self.partial.write().unwrap_or_else(|p| p.into_inner());
+            self.with_layout(f)
+        }?;
+        self.written.fetch_add(len, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Ends the transfer (the first reason stays), once the request in progress, if any,
@@ -119,18 +146,28 @@ impl spool_nbd::Export for ReceiveExport {
         true
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.with_layout(|l| l.write_at(buf, offset))?;
-        self.written.fetch_add(buf.len() as u64, Ordering::Relaxed);
-        Ok(())
+        self.write_with_layout(offset, buf.len() as u64, |l| l.write_at(buf, offset))
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        // In pieces, each under the transfer's lock: an end waits for one piece at most.
-        let mut at = 0;
-        while at < len {
-            let n = (len - at).min(ZERO_PIECE);
-            self.with_layout(|l| l.zero(offset + at, n))?;
-            self.written.fetch_add(n, Ordering::Relaxed);
+        // The pages covered in part alone (a few bytes each: a device that writes them as
+        // data needs no more memory than that), the whole pages between in pieces, each
+        // under the transfer's lock: an end waits for one piece at most.
+        let end = offset.saturating_add(len);
+        let (first, last) = (offset.div_ceil(PAGE) * PAGE, end / PAGE * PAGE);
+        if first >= last {
+            return self.write_with_layout(offset, len, |l| l.zero(offset, len));
+        }
+        if offset < first {
+            self.write_with_layout(offset, first - offset, |l| l.zero(offset, first - offset))?;
+        }
+        let mut at = first;
+        while at < last {
+            let n = (last - at).min(ZERO_PIECE);
+            self.write_with_layout(at, n, |l| l.zero(at, n))?;
             at += n;
+        }
+        if last < end {
+            self.write_with_layout(last, end - last, |l| l.zero(last, end - last))?;
         }
         Ok(())
     }
@@ -189,12 +226,7 @@ impl Daemon {
         let exported = self.export_listens(&listen.to_string());
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         let v = self.pool().check_writable_outside(&p.id, false)?;
-        if receiving.iter().any(|r| r.volume == v.uuid) {
-            return Err(RpcError::InvalidParams(format!(
-                "volume '{}' is being received already; `spoolctl volume receive {} --stop` ends that first",
-                v.name, v.name
-            )));
-        }
+        refuse_twice(&receiving, &v)?;
         if exported || receiving.iter().any(|r| r.nbd == listen.to_string()) {
             return Err(RpcError::InvalidParams(format!(
                 "{listen} serves another export already"
@@ -214,6 +246,7 @@ impl Daemon {
         kept: Option<std::os::fd::OwnedFd>,
         peers: Option<Arc<[std::net::IpAddr]>>,
     ) -> Result<ReceiveInfo, RpcError> {
+        refuse_twice(receiving, v)?;
         let ctx = self
             .servers()
             .get(&v.uuid)
@@ -228,6 +261,7 @@ impl Daemon {
             ending: AtomicBool::new(false),
             ended: RwLock::new(None),
             written: AtomicU64::new(0),
+            partial: RwLock::new(()),
         });
         // Registered only while no frontend's queue runs (the context decides that under the
         // lock its queue starts take): a queue that starts later ends the transfer first.
@@ -390,6 +424,18 @@ impl Daemon {
         let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         receiving.iter().any(|r| r.nbd == nbd)
     }
+}
+
+/// Refuses a second export of volume `v`: it would write on after the first is stopped (a
+/// delete stops one), into space given back.
+fn refuse_twice(receiving: &[Receiving], v: &spool_pool::VolumeInfo) -> Result<(), RpcError> {
+    if receiving.iter().any(|r| r.volume == v.uuid) {
+        return Err(RpcError::InvalidParams(format!(
+            "volume '{}' is being received already; `spoolctl volume receive {} --stop` ends that first",
+            v.name, v.name
+        )));
+    }
+    Ok(())
 }
 
 /// The URI the transfer into `volume` is served at, if it is received and has not ended.

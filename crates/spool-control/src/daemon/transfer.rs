@@ -215,6 +215,23 @@ impl Daemon {
         // Before the transfers' lock: creating the volume shows it, which looks at them.
         let v = self.volume_as_sent(h)?;
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
+        // Again under the transfers' lock: while the volume was made, a `--stop` may have
+        // ended the expectation, or a second hello of the same send (the sender tries
+        // again after its wait) may have been answered: one export per volume, never two.
+        {
+            let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+            let e = expected
+                .iter()
+                .find(|e| e.volume == h.volume && same_token(&e.token, &h.token));
+            match e.map(|e| e.answered) {
+                None => return Err(Refused::Ended(h.volume.clone())),
+                Some(Some(uuid)) => {
+                    return super::receive::uri_of(&receiving, uuid)
+                        .ok_or_else(|| Refused::Ended(h.volume.clone()))
+                }
+                Some(None) => {}
+            }
+        }
         let at = Listen::Tcp(SocketAddr::new(here, 0).to_string());
         let only = Arc::from([peer]);
         let info = self.start_receiving(&mut receiving, &v, at, None, Some(only))?;
