@@ -12,112 +12,49 @@ it). Then each volume alone with the server's CPU time per I/O, from which the c
 per core of spoold follows.
 
     scripts/bench-crypt.py             # 10 s per case
-    scripts/bench-crypt.py --quick     # 1 s per case (checks it works)
+    scripts/bench-crypt.py --quick     # 1 s per case (checks it works; encryption-quick.json)
 Results: docs/benchmarks/encryption.json (docs/benchmarks/encryption.md discusses them).
 """
 
-import argparse
-import datetime
-import json
 import os
-import subprocess
-import sys
-import tempfile
+import shutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import OUT, bin_dir, cpu_model, log, run_spoold  # noqa: E402
-from benchlib import spool_bench as bench  # noqa: E402
+import benchlib as b
+from benchlib import Spoold, dev, log, vol
 
-DEVICES = {
-    "null": '[[devices]]\npath = "null0"\nnull = "untouched"\ncreate_size = "4G"',
-    "tmpfs": '[[devices]]\npath = "{shm}/d0.img"\ncreate_size = "2200M"',
+DEVICES = [  # the device of each spoold ({disk}: a directory on this machine's disk)
+    dict(name="null", device=dev("null0", "4G", null="untouched")),
+    dict(name="tmpfs", device=dev("{shm}/d0.img", "2200M")),
     # A file on this machine's virtio disk, O_DIRECT through io_uring: a real device, whose
     # time per request dwarfs spoold's (the volumes are written whole first: reads of holes
     # would not reach it).
-    "disk": '[[devices]]\npath = "{disk}/d0.img"\ncreate_size = "2200M"',
-}
-CASES = [("randread", 4096, 32), ("randwrite", 4096, 32), ("read", 131072, 8), ("write", 131072, 8)]
+    dict(name="disk", device=dev("{disk}/d0.img", "2200M"), quick=False),
+]
 
 
-def start_spoold(work, shm, device):
-    with open(os.path.join(work, "kek"), "w") as f:
-        f.write(os.urandom(32).hex())
-    os.chmod(os.path.join(work, "kek"), 0o600)
-    return run_spoold(work, f"""state_dir = "{work}/state"
-[journal]
-dir = "{shm}/journal"
-[encryption]
-key_file = "{work}/kek"
-{device}
-[[volumes]]
-name = "plain"
-size = "1G"
-num_queues = 1
-[[volumes]]
-name = "enc"
-size = "1G"
-num_queues = 1
-encrypt = true
-""", ("plain", "enc"))
-
-
-def worker_pid(ctl_sock):
-    out = subprocess.run([os.path.join(bin_dir(), "spoolctl"), "--socket", ctl_sock, "--json",
-                          "status"], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)["pid"]
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args()
-    secs = 1 if a.quick else 10
-    work = tempfile.mkdtemp(prefix="spool-crypt-")
-    shm = tempfile.mkdtemp(prefix="spool-crypt-", dir="/dev/shm")
-    disk = tempfile.mkdtemp(prefix="spool-crypt-", dir="/var/tmp")
+def run_device(c, secs):
+    shm, disk = b.workdir("spool-crypt-"), b.workdir("spool-crypt-", "/var/tmp")
     rows = []
-    for kind, device in DEVICES.items():
-        if a.quick and kind == "disk":
-            continue
-        rows += run_device(work, shm, kind, device.format(shm=shm, disk=disk), secs)
-        subprocess.run(["rm", "-rf", disk + "/d0.img"])
-        subprocess.run(["rm", "-rf", os.path.join(work, "state"), os.path.join(shm, "journal")])
-    subprocess.run(["rm", "-rf", work, shm, disk])
-    finish(a, rows, secs)
-
-
-def run_device(work, shm, kind, device, secs):
-    p, socks = start_spoold(work, shm, device)
-    rows = []
-    try:
-        pid = worker_pid(os.path.join(work, "state", "spoold.sock"))
-        if kind == "disk":
-            for sock in socks.values():
-                bench(["--socket", sock, "--rw", "write", "--bs", "1048576", "--iodepth", "4",
-                       "--fill"])
-        for rw, bs, qd in CASES:
-            common = ["--rw", rw, "--bs", str(bs), "--iodepth", str(qd), "--queues", "1",
-                      "--warmup", "0" if secs == 1 else "1", "--runtime", str(secs)]
-            ab = bench(["--socket", socks["plain"], "--compare", socks["enc"], *common])
-            alone = {v: bench(["--socket", socks[v], "--server-pid", str(pid), *common])
-                     for v in ("plain", "enc")}
-            row = {"device": kind, "rw": rw, "bs": bs, "iodepth": qd, "ab": ab, "alone": alone}
-            rows.append(row)
-            log(f"{rw} {bs}: A/B {json.dumps(ab)[:300]}")
-            log(f"  alone {json.dumps(alone)[:400]}")
-    finally:
-        p.terminate()
-        p.wait(timeout=30)
+    with Spoold(shm, [dict(c["device"], path=c["device"]["path"].format(shm=shm, disk=disk))],
+                [vol("plain", "1G"), vol("enc", "1G", encrypt=True)], key=os.urandom(32).hex()) as d:
+        pid = d.status()["pid"]
+        for sock in d.sockets if c["name"] == "disk" else []:
+            b.fill(sock)
+        for x in b.AB_CASES:
+            ab = b.spool_bench(d.socks["plain"], compare=d.socks["enc"], **b.ab_opts(x, secs))
+            alone = {v: b.spool_bench(d.socks[v], server_pid=pid, **b.ab_opts(x, secs)) for v in ("plain", "enc")}
+            rows.append(dict(device=c["name"], rw=x["rw"], bs=x["bs"], iodepth=x["qd"], ab=ab, alone=alone))
+            log(f"{x['rw']} {x['bs']}: A/B {str(ab)[:300]}\n  alone {str(alone)[:400]}")
+    shutil.rmtree(shm)
+    shutil.rmtree(disk)
     return rows
 
 
-def finish(a, rows, secs):
-    res = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(),
-           "cores": os.cpu_count(), "runtime_s": secs, "cases": rows}
-    print(json.dumps(res) if a.quick else "")
-    if not a.quick:
-        with open(os.path.join(OUT, "encryption.json"), "w") as f:
-            json.dump(res, f, indent=1)
+def main():
+    a = b.args(__doc__)
+    secs = 1 if a.quick else 10
+    rows = b.run_cases(DEVICES, lambda c: run_device(c, secs), a.quick)
+    b.save("encryption", {"runtime_s": secs, "cases": [r for rs in rows for r in rs]}, quick=a.quick)
 
 
 if __name__ == "__main__":
