@@ -24,40 +24,24 @@ the SIGKILL to the new worker answering `daemon_status` over a socket held open 
 script's own JSON-RPC client (no process started per poll).
 """
 
-import argparse
-import datetime
 import json
 import os
 import random
 import signal
-import statistics
 import subprocess
-import tempfile
 import time
 
-import sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, OUT, REPO, ctl, daemon_status, kill_worker, log  # noqa: E402
+import benchlib as b
+from benchlib import REPO, Spoold, dev, log, median, pct, vol
 
 CACHE = os.environ.get("SPOOL_CACHE", os.path.join(REPO, ".cache"))
-CONFIG = """state_dir = "{d}/state"
-[journal]
-dir = "/dev/shm/spool-tail-{mode}"
-[io]
-poll_idle_us = 20
-[[devices]]
-path = "{d}/d0.img"
-create_size = "128M"
-[[volumes]]
-name = "vm"
-size = "96M"
-num_queues = 2
-"""
+GUEST = "PASS, 0 fio errors, no reconnect"
 
 
-def pct(v, p):
-    v = sorted(v)
-    return v[min(len(v) - 1, round((len(v) - 1) * p))]
+def config(d):
+    """spoold's configuration (as keyword arguments of Spoold) for one run in D."""
+    return dict(devices=[dev(f"{d}/d0.img", "128M")], volumes=[vol("vm", "96M", 2)],
+                sections={"io": {"poll_idle_us": 20}})
 
 
 def rpc_status(path):
@@ -92,6 +76,7 @@ def start_guest(d, runtime):
          "-chardev", f"socket,id=c0,path={d}/state/vhost/vm.sock,reconnect=1",
          "-device", "vhost-user-blk-pci,chardev=c0,num-queues=2"],
         stdout=console, stderr=subprocess.DEVNULL)
+    b.on_exit(lambda: vm.poll() is None and vm.kill())
     con = os.path.join(d, "console")
     deadline = time.time() + 240
     while "SPOOL-E2E: disk" not in open(con).read():
@@ -101,183 +86,118 @@ def start_guest(d, runtime):
     return vm, con
 
 
+def under_guest(d, what, kills, seed, spacing, kill, log_path):
+    """The guest's verifying job while `kill()` runs `kills` times at random moments `spacing` to
+    `spacing` + 0.5 s apart; the guest must pass and QEMU never reconnect. Returns what kill() did."""
+    vm, con = start_guest(d, 30 + kills * round(spacing + 0.5))  # 30 s more than the kills can take
+    rng = random.Random(seed)
+    out = []
+    for k in range(kills):
+        time.sleep(spacing + rng.random() * 0.5)
+        out.append(kill())
+        if vm.poll() is not None:
+            raise RuntimeError(f"{what}: guest exited early after {k} kills")
+    vm.wait()
+    with open(con) as f, open(log_path) as g:
+        text, slog = f.read(), g.read()
+    if "SPOOL-E2E: PASS" not in text:
+        raise RuntimeError(f"{what}: the guest's fio failed:\n{text[-3000:]}")
+    if slog.count("frontend connected") != 1:
+        raise RuntimeError(f"{what}: QEMU reconnected")
+    return out
+
+
 def run_systemd(kills, seed):
-    d = tempfile.mkdtemp(prefix="spool-tail-systemd-")
-    cfg = os.path.join(d, "spoold.toml")
-    with open(cfg, "w") as f:
-        f.write(CONFIG.format(d=d, mode="systemd"))
+    d = b.workdir("spool-tail-systemd-", "/tmp")
+    cfg = b.spoold_config(d, **config(d))
     for sub in ("run/system", "xdg", "config/systemd/user"):
         os.makedirs(os.path.join(d, sub), exist_ok=True)
     os.chmod(os.path.join(d, "xdg"), 0o700)
     unit = []
     for line in open(os.path.join(REPO, "contrib", "spoold.service")):
         if line.startswith("ExecStart="):
-            line = f"ExecStart={BIN}/spoold --config {cfg}\n"
+            line = f"ExecStart={b.binary('spoold')} --config {cfg}\n"
         elif line.startswith("StartLimitBurst="):
             line = "StartLimitBurst=1000\n"
         unit.append(line)
         if line.strip() == "[Service]":
             unit.append(f"StandardError=append:{d}/spoold.log\n")
-    open(os.path.join(d, "config/systemd/user/spoold-bench.service"), "w").write("".join(unit))
+    with open(os.path.join(d, "config/systemd/user/spoold-bench.service"), "w") as f:
+        f.write("".join(unit))
     env = dict(os.environ, XDG_RUNTIME_DIR=f"{d}/xdg", XDG_CONFIG_HOME=f"{d}/config")
     os.makedirs("/run/systemd", exist_ok=True)
     mgr = subprocess.Popen(["unshare", "-m", "sh", "-c",
                             f"mount --bind {d}/run /run/systemd && exec /lib/systemd/systemd --user"],
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sc = lambda *a: subprocess.run(["systemctl", "--user", *a], env=env, capture_output=True,
+    sc = lambda *a: subprocess.run(["systemctl", "--user", *a], env=env, capture_output=True,  # noqa: E731
                                    text=True)
-    try:
-        for _ in range(300):
-            if sc("show-environment").returncode == 0:
-                break
-            time.sleep(0.05)
-        r = sc("start", "spoold-bench.service")
-        if r.returncode != 0:
-            raise RuntimeError(f"systemctl start: {r.stderr}")
-        rpc = f"{d}/state/spoold.sock"
-        vm, con = start_guest(d, 30 + kills * 2)
-        rng = random.Random(seed)
-        walls, reported = [], []
-        for k in range(kills):
-            time.sleep(1.5 + rng.random() * 0.5)
-            keeper = rpc_status(rpc)["keeper"]["pid"]
-            t0 = time.monotonic()
-            os.kill(keeper, signal.SIGKILL)
-            while True:
-                s = rpc_status(rpc)
-                if s and s["keeper"]["pid"] != keeper and (s.get("last_restart") or {}).get("kind") == "keeper-restart":
-                    break
-                time.sleep(0.001)
-            walls.append((time.monotonic() - t0) * 1e3)
-            reported.append(s["last_restart"]["stall_ms"])
-            if vm.poll() is not None:
-                raise RuntimeError(f"guest exited early after {k} kills")
-        vm.wait()
-        text = open(con).read()
-        slog = open(f"{d}/spoold.log").read()
-        if "SPOOL-E2E: PASS" not in text:
-            raise RuntimeError(f"the guest's fio failed:\n{text[-3000:]}")
-        if slog.count("frontend connected") != 1:
-            raise RuntimeError("QEMU reconnected")
-        return {"kills": kills, "guest": "PASS, 0 fio errors, no reconnect",
-                "wall_median_ms": statistics.median(walls), "wall_p90_ms": pct(walls, 0.9),
-                "wall_p99_ms": pct(walls, 0.99), "wall_max_ms": max(walls),
-                "spoold_median_ms": statistics.median(reported),
-                "spoold_max_ms": max(reported), "walls_ms": walls}
-    finally:
-        sc("stop", "spoold-bench.service")
-        mgr.kill()
-        mgr.wait()
+    b.on_exit(lambda: (sc("stop", "spoold-bench.service"), mgr.kill(), mgr.wait()))
+    for _ in range(300):
+        if sc("show-environment").returncode == 0:
+            break
+        time.sleep(0.05)
+    r = sc("start", "spoold-bench.service")
+    if r.returncode != 0:
+        raise RuntimeError(f"systemctl start: {r.stderr}")
+    rpc = f"{d}/state/spoold.sock"
+
+    def kill():
+        keeper = rpc_status(rpc)["keeper"]["pid"]
+        t0 = time.monotonic()
+        os.kill(keeper, signal.SIGKILL)
+        while True:
+            s = rpc_status(rpc)
+            if s and s["keeper"]["pid"] != keeper and (s.get("last_restart") or {}).get("kind") == "keeper-restart":
+                return (time.monotonic() - t0) * 1e3, s["last_restart"]["stall_ms"]
+            time.sleep(0.001)
+    walls, reported = zip(*under_guest(d, "systemd", kills, seed, 1.5, kill, f"{d}/spoold.log"))
+    return {"kills": kills, "seed": seed, "guest": GUEST, "wall": b.dist(walls), "spoold": b.dist(reported),
+            "walls_ms": walls}
 
 
-def write_systemd(r, seed):
-    with open(os.path.join(OUT, "restart-systemd.json"), "w") as f:
-        json.dump({"date": datetime.date.today().isoformat(), "seed": seed, **r}, f, indent=1)
-    with open(os.path.join(OUT, "restart-systemd.md"), "w") as f:
-        f.write("# The keeper SIGKILLed under systemd\n\n")
-        f.write(f"`scripts/bench-crash-tail.py --systemd --kills {r['kills']}` "
-                f"({datetime.date.today()}, seed {seed}), 2-core host, release build, "
-                "contrib/spoold.service under systemd 252 (`systemd --user`). A QEMU guest "
-                "(TCG) runs the verifying `killtest` fio job; the keeper is SIGKILLed 1.5-2 s "
-                "apart and systemd restarts the service with its descriptor store. Wall: from "
-                "the SIGKILL to the new worker answering `daemon_status` (systemd noticing "
-                "the death, starting spoold, spoold serving). spoold: its own report, from "
-                "the new keeper's start to serving.\n\n")
-        f.write("| kills | wall median | p90 | p99 | max | spoold median | spoold max | guest |\n")
-        f.write("|---|---|---|---|---|---|---|---|\n")
-        f.write(f"| {r['kills']} | {r['wall_median_ms']:.1f} ms | {r['wall_p90_ms']:.1f} ms | "
-                f"{r['wall_p99_ms']:.1f} ms | {r['wall_max_ms']:.1f} ms | "
-                f"{r['spoold_median_ms']:.1f} ms | {r['spoold_max_ms']:.1f} ms | {r['guest']} |\n")
+def md_systemd(r):
+    w, s = r["wall"], r["spoold"]
+    return b.notes("restart-systemd", seed=r["seed"], table=b.md_table(
+        ["kills", "wall median", "p90", "p99", "max", "spoold median", "spoold max", "guest"],
+        [[r["kills"]] + [f"{w[k]:.1f} ms" for k in ("median_ms", "p90_ms", "p99_ms", "max_ms")]
+         + [f"{s['median_ms']:.1f} ms", f"{s['max_ms']:.1f} ms", r["guest"]]]))
 
 
 def run(mode, kills, seed):
-    d = tempfile.mkdtemp(prefix=f"spool-tail-{mode}-")
-    cfg = os.path.join(d, "spoold.toml")
-    with open(cfg, "w") as f:
-        f.write(CONFIG.format(d=d, mode=mode))
-    args = [os.path.join(BIN, "spoold"), "--config", cfg]
-    if mode == "spawn":
-        args.append("--no-standby")
-    spoold_log = open(os.path.join(d, "spoold.log"), "w")
-    sp = subprocess.Popen(args, stderr=spoold_log, stdout=subprocess.DEVNULL)
-    sock = os.path.join(d, "state", "spoold.sock")
-    daemon_status(sock)
-    vm, con = start_guest(d, 30 + kills)
-    rng = random.Random(seed)
-    reports = []
-    for k in range(kills):
-        time.sleep(0.3 + rng.random() * 0.5)
-        r = kill_worker(sock)
-        reports.append({"stall_ms": r["stall_ms"],
-                        "phases": {p["name"]: p["ms"] for p in r["phases"]}})
-        if vm.poll() is not None:
-            raise RuntimeError(f"{mode}: guest exited early after {k} kills")
-    vm.wait()
-    text = open(con).read()
-    spoold_log.flush()
-    slog = open(os.path.join(d, "spoold.log")).read()
-    sp.send_signal(signal.SIGTERM)
-    sp.wait(timeout=60)
-    if "SPOOL-E2E: PASS" not in text:
-        raise RuntimeError(f"{mode}: the guest's fio failed:\n{text[-3000:]}")
-    if slog.count("frontend connected") != 1:
-        raise RuntimeError(f"{mode}: QEMU reconnected")
+    d = b.workdir(f"spool-tail-{mode}-", "/tmp")
+    sp = Spoold(d, **config(d), args=["--no-standby"] if mode == "spawn" else [])
+    sp.status()
+    reports = [{"stall_ms": r["stall_ms"], "phases": {p["name"]: p["ms"] for p in r["phases"]}}
+               for r in under_guest(d, mode, kills, seed, 0.3, sp.kill_worker, sp.log)]
+    sp.stop()
     stalls = [r["stall_ms"] for r in reports]
     first = "wake standby" if mode == "standby" else "spawn worker"
     firsts = [r["phases"].get(first, r["phases"].get("spawn worker", 0.0)) for r in reports]
-    res = {"mode": mode, "kills": kills, "guest": "PASS, 0 fio errors, no reconnect",
-           "median_ms": statistics.median(stalls), "p90_ms": pct(stalls, 0.9),
-           "p99_ms": pct(stalls, 0.99), "max_ms": max(stalls),
-           "first_phase": first, "first_phase_median_ms": statistics.median(firsts),
-           "first_phase_p99_ms": pct(firsts, 0.99),
-           "standby_used": sum(1 for r in reports if "wake standby" in r["phases"]),
-           "stalls_ms": stalls}
-    log(f"{mode}: {kills} kills: median {res['median_ms']:.1f} ms, p90 {res['p90_ms']:.1f}, "
-        f"p99 {res['p99_ms']:.1f}, max {res['max_ms']:.1f}; {first} median "
-        f"{res['first_phase_median_ms']:.2f} ms, p99 {res['first_phase_p99_ms']:.2f}")
+    res = dict(mode=mode, kills=kills, guest=GUEST, **{k: v for k, v in b.dist(stalls).items() if k != "n"},
+               first_phase=first, first_phase_median_ms=median(firsts), first_phase_p99_ms=pct(firsts, 0.99),
+               standby_used=sum(1 for r in reports if "wake standby" in r["phases"]), stalls_ms=stalls)
+    log(f"{mode}: {kills} kills: median {res['median_ms']:.1f} ms, p99 {res['p99_ms']:.1f}, max {res['max_ms']:.1f}")
     return res
 
 
+def md(r):
+    names = {"spawn": "spawn a worker at the death (`--no-standby`, before)",
+             "standby": "standby worker handed the store (default, after)"}
+    return b.notes("restart-tail", seed=r["seed"], standby_used=r["modes"][1]["standby_used"],
+                   kills=r["modes"][1]["kills"], table=b.md_table(
+        ["mode", "kills", "median", "p90", "p99", "max", "process start phase (median / p99)", "guest"], [
+        [names[x["mode"]], x["kills"]] + [f"{x[k]:.1f} ms" for k in ("median_ms", "p90_ms", "p99_ms", "max_ms")]
+        + [f"{x['first_phase']}: {x['first_phase_median_ms']:.2f} / {x['first_phase_p99_ms']:.2f} ms", x["guest"]]
+        for x in r["modes"]]))
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kills", type=int, default=110)
-    ap.add_argument("--seed", type=int, default=int(time.time()))
-    ap.add_argument("--systemd", action="store_true", help="kill the keeper under systemd")
-    a = ap.parse_args()
-    subprocess.run(["cargo", "build", "--release", "-q", "--bin", "spoold", "--bin", "spoolctl"],
-                   cwd=REPO, check=True)
+    a = b.args(__doc__, {"--kills": dict(type=int, default=110), "--seed": dict(type=int, default=int(time.time())),
+                         "--systemd": dict(action="store_true", help="kill the keeper under systemd")}, quick=False)
     if a.systemd:
-        r = run_systemd(a.kills, a.seed)
-        log(f"systemd: {a.kills} keeper kills: wall median {r['wall_median_ms']:.1f} ms, p90 "
-            f"{r['wall_p90_ms']:.1f}, p99 {r['wall_p99_ms']:.1f}, max {r['wall_max_ms']:.1f}; "
-            f"spoold median {r['spoold_median_ms']:.1f}")
-        write_systemd(r, a.seed)
-        return
-    res = [run(m, a.kills, a.seed) for m in ("spawn", "standby")]
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "restart-tail.json"), "w") as f:
-        json.dump({"date": datetime.date.today().isoformat(), "seed": a.seed, "results": res},
-                  f, indent=1)
-    with open(os.path.join(OUT, "restart-tail.md"), "w") as f:
-        f.write("# Crash-restart tail under a guest's load\n\n")
-        f.write(f"`scripts/bench-crash-tail.py --kills {a.kills}` ({datetime.date.today()}, "
-                f"seed {a.seed}), 2-core host, release build. A QEMU guest (TCG) runs the "
-                "verifying `killtest` fio job on a 2-queue volume while the worker is "
-                "SIGKILLed at random moments 300-800 ms apart. Stall: the keeper's restart "
-                "report, from the worker's death to the new worker serving. Both modes ran "
-                "in this one invocation, one after the other.\n\n")
-        f.write("| mode | kills | median | p90 | p99 | max | process start phase (median / p99) | guest |\n")
-        f.write("|---|---|---|---|---|---|---|---|\n")
-        for r in res:
-            name = ("spawn a worker at the death (`--no-standby`, before)" if r["mode"] == "spawn"
-                    else "standby worker handed the store (default, after)")
-            f.write(f"| {name} | {r['kills']} | {r['median_ms']:.1f} ms | {r['p90_ms']:.1f} ms | "
-                    f"{r['p99_ms']:.1f} ms | {r['max_ms']:.1f} ms | {r['first_phase']}: "
-                    f"{r['first_phase_median_ms']:.2f} / {r['first_phase_p99_ms']:.2f} ms | "
-                    f"{r['guest']} |\n")
-        f.write("\nThe standby was ready at every kill it was used for "
-                f"({res[1]['standby_used']} of {res[1]['kills']}); a kill that comes before "
-                "the next standby has started falls back to spawning.\n")
+        return b.save("restart-systemd", run_systemd(a.kills, a.seed), md_systemd)
+    modes = b.run_cases(b.table(("name",), [("spawn",), ("standby",)]), lambda c: run(c["name"], a.kills, a.seed))
+    b.save("restart-tail", {"seed": a.seed, "modes": modes}, md)
 
 
 if __name__ == "__main__":

@@ -269,22 +269,6 @@ def stop(proc, timeout=20):
             proc.wait()
 
 
-# For the scripts not on the harness yet (issue 37 moves them in steps): their old names.
-BIN = os.path.join(REPO, "target", "release")
-
-
-def wait_socket(path, proc, what, timeout=20, settle=0.1):
-    """Waits until `proc` (`what` in errors) has made the socket `path`, and `settle` s for it to listen."""
-    t = time.time()
-    while not os.path.exists(path):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.returncode}")
-        if time.time() - t > timeout:
-            raise RuntimeError(f"{what} did not create {path}")
-        time.sleep(0.01)
-    time.sleep(settle)
-
-
 def ctl(sock, *args):
     """Runs `spoolctl --socket SOCK --json ARGS` and returns its JSON answer."""
     return json.loads(run([binary("spoolctl"), "--socket", sock, "--json", *args], 120)[0])
