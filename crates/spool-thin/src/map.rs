@@ -100,6 +100,26 @@ pub struct MapStore {
     pub(crate) extents: Vec<MapExtent>,
 }
 
+/// The chunk pieces of `[offset, offset + len)` with chunks of `chunk` bytes, in order:
+/// (chunk index, offset within it, length, offset within the range).
+pub(crate) fn chunk_pieces(
+    chunk: u64,
+    offset: u64,
+    len: u64,
+) -> impl Iterator<Item = (u64, u64, u64, u64)> {
+    let mut done = 0;
+    std::iter::from_fn(move || {
+        (done < len).then(|| {
+            let pos = offset + done;
+            let within = pos % chunk;
+            let n = (chunk - within).min(len - done);
+            let piece = (pos / chunk, within, n, done);
+            done += n;
+            piece
+        })
+    })
+}
+
 /// Map bytes needed for `chunks` entries (whole blocks).
 pub fn map_bytes(chunks: u64) -> u64 {
     chunks.div_ceil(PER_BLOCK) * BLOCK_BYTES

@@ -183,14 +183,10 @@ impl SyncCalls<'_> {
     /// chunks mapped now, since a hole reads zeroes already and writing there would
     /// allocate a chunk for nothing.
     fn zero_bytes(&self, offset: u64, len: u64) -> spool_devices::Result<()> {
-        let chunk = self.0.spec.chunk;
-        let mut pos = offset;
-        while pos < offset + len {
-            let n = (chunk - pos % chunk).min(offset + len - pos);
-            if self.0.map.get(pos / chunk).is_some() {
-                self.write(&vec![0; n as usize], pos)?;
+        for (c, _, n, at) in crate::map::chunk_pieces(self.0.spec.chunk, offset, len) {
+            if self.0.map.get(c).is_some() {
+                self.write(&vec![0; n as usize], offset + at)?;
             }
-            pos += n;
         }
         Ok(())
     }

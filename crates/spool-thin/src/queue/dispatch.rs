@@ -37,17 +37,7 @@ impl ThinQueue {
     /// The chunk pieces of `[offset, offset + len)`: (chunk, offset within it, length,
     /// offset within the request).
     fn pieces(&self, offset: u64, len: u64) -> Vec<(u64, u64, u64, u64)> {
-        let chunk = self.shared.spec.chunk;
-        let mut out = Vec::with_capacity(1);
-        let mut done = 0;
-        while done < len {
-            let pos = offset + done;
-            let within = pos % chunk;
-            let n = (chunk - within).min(len - done);
-            out.push((pos / chunk, within, n, done));
-            done += n;
-        }
-        out
+        crate::map::chunk_pieces(self.shared.spec.chunk, offset, len).collect()
     }
 
     fn dispatch_data(

@@ -296,16 +296,12 @@ fn piece_at(shared: &Shared, io: &DeviceIo, d: usize) -> PieceAt {
         len: 0,
         write,
     };
-    let mut pos = offset;
-    while pos < offset + len {
-        let n = (chunk - pos % chunk).min(offset + len - pos);
-        if let Some((dev, off)) = shared.map.get(pos / chunk) {
-            if dev == d {
-                (at.offset, at.len) = (off + pos % chunk, n);
-                break;
-            }
-        }
-        pos += n;
+    let on_d = crate::map::chunk_pieces(chunk, offset, len).find_map(|(c, within, n, _)| {
+        let (dev, off) = shared.map.get(c)?;
+        (dev == d).then_some((off + within, n))
+    });
+    if let Some((offset, len)) = on_d {
+        (at.offset, at.len) = (offset, len);
     }
     at
 }
