@@ -80,6 +80,16 @@ impl Bytes<'_> {
             _ => METADATA_AREA + ((self.u8() as u64) << 19),
         }
     }
+    /// Fewer than `n` extents on devices 1 to 5, of orders 0 to 4.
+    fn extents(&mut self, n: u8) -> Vec<ExtentEntry> {
+        (0..self.u8() % n)
+            .map(|_| ExtentEntry {
+                device: Uuid::from_u128(1 + (self.u8() % 5) as u128),
+                offset: self.offset(),
+                order: (self.u8() % 5) as u32,
+            })
+            .collect()
+    }
 }
 
 fn generated(b: &mut Bytes) -> PoolTable {
@@ -133,20 +143,31 @@ fn generated(b: &mut Bytes) -> PoolTable {
                 .map(|_| LegEntry {
                     slot: b.u8() % 4,
                     synced: b.u8() % 2 == 0,
-                    extents: (0..b.u8() % 3)
-                        .map(|_| ExtentEntry {
-                            device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
-                            offset: b.offset(),
-                            order: (b.u8() % 5) as u32,
-                        })
-                        .collect(),
+                    extents: b.extents(3),
                     // A remote leg (format version 8) now and then, well formed or not.
                     remote: match b.u8() % 4 {
                         0 => Some(spool_pool::metadata::RemoteLeg {
-                            uri: ["nbd://h:10809/v", "nbd+unix:///v?socket=/s", "file:///x", "nbd://h/\n", ""]
-                                [(b.u8() % 5) as usize]
+                            uri: [
+                                "nbd://h:10809/v",
+                                "nbd+unix:///v?socket=/s",
+                                "file:///x",
+                                "nbd://h/\n",
+                                "",
+                            ][(b.u8() % 5) as usize]
                                 .into(),
                             id: Uuid::from_u128(b.u8() as u128),
+                        }),
+                        _ => None,
+                    },
+                    // A mirrored thin volume's map of its own (format version 10), on
+                    // devices of its own or not.
+                    thin: match b.u8() % 4 {
+                        0 => Some(spool_pool::metadata::LegMap {
+                            uuid: Uuid::from_u128(200 + (b.u8() % 3) as u128),
+                            map: b.extents(3),
+                            devices: (0..b.u8() % 3)
+                                .map(|_| Uuid::from_u128(1 + (b.u8() % 5) as u128))
+                                .collect(),
                         }),
                         _ => None,
                     },
@@ -174,13 +195,7 @@ fn generated(b: &mut Bytes) -> PoolTable {
             thin: match b.u8() % 4 {
                 0 => Some(spool_pool::metadata::ThinMap {
                     chunk: [min_extent, 4096, 0][(b.u8() % 3) as usize],
-                    map: (0..b.u8() % 3)
-                        .map(|_| ExtentEntry {
-                            device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
-                            offset: b.offset(),
-                            order: (b.u8() % 5) as u32,
-                        })
-                        .collect(),
+                    map: b.extents(3),
                     // Snapshots and a clone's origin (format version 7), named and sized
                     // right or not.
                     snapshots: (0..b.u8() % 3)
@@ -189,13 +204,7 @@ fn generated(b: &mut Bytes) -> PoolTable {
                             uuid: Uuid::from_u128(100 + (b.u8() % 3) as u128 + i as u128),
                             size: [min_extent, 0, 511, u64::MAX][(b.u8() % 4) as usize],
                             created: 0,
-                            map: (0..b.u8() % 2)
-                                .map(|_| ExtentEntry {
-                                    device: Uuid::from_u128(1 + (b.u8() % 5) as u128),
-                                    offset: b.offset(),
-                                    order: (b.u8() % 5) as u32,
-                                })
-                                .collect(),
+                            map: b.extents(2),
                         })
                         .collect(),
                     origin: (b.u8() % 4 == 0).then(|| "v@s".into()),

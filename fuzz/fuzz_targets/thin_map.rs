@@ -141,6 +141,7 @@ fuzz_target!(|data: &[u8]| {
             size,
             store: store(MAP),
         }],
+        copy_devices: Vec::new(),
     };
     // Only the first two devices are in the pool: the third's chunks fail I/O when served.
     let resolve = |u: Uuid| (u != devices[2]).then(|| f.dev.clone());

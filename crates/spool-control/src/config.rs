@@ -482,12 +482,9 @@ fn qos_limits(q: &RawQos) -> Result<spool_pool::QosLimits, QosError> {
 
 /// Volume kinds the config may not ask for yet.
 fn refuse_unbuilt(volumes: &[VolumeConfig]) -> Result<(), ConfigError> {
-    if let Some(v) = volumes
-        .iter()
-        .find(|v| v.thin && (v.rbd.is_some() || v.copies > 1))
-    {
+    if let Some(v) = volumes.iter().find(|v| v.thin && v.rbd.is_some()) {
         return Err(ConfigError::Invalid(format!(
-            "volume {}: a thin volume cannot be mirrored or on RBD yet (RBD images are thin already)",
+            "volume {}: a volume on RBD cannot be thin (RBD images are thin already)",
             v.name
         )));
     }

@@ -130,6 +130,22 @@ fn stop(l: &Load, t: std::thread::JoinHandle<()>) {
     );
 }
 
+/// Replaces device `old` with a new 96 MiB file, `new.img`: "m" is among the volumes
+/// brought back.
+fn replace_onto_new(s: &Spoold, old: &str) {
+    let new = s.dir.path().join("new.img");
+    let r = s
+        .rpc(
+            "device_replace",
+            json!({"old": old, "new": new, "create_size": 96 << 20}),
+        )
+        .unwrap();
+    assert!(
+        r["volumes"].as_array().unwrap().contains(&json!("m")),
+        "{r}"
+    );
+}
+
 /// `volume_verify` compared every region and found the copies identical.
 fn assert_identical(s: &Spoold) -> Value {
     let v = verify(s);
@@ -158,17 +174,7 @@ fn a_failed_leg_costs_no_io_and_the_volume_rebuilds_online() {
     assert_eq!(l.errors(), 0, "the guest saw errors when a leg failed");
 
     // Replaced: the new leg is rebuilt under load, rate-limited, with progress shown.
-    let new = s.dir.path().join("new.img");
-    let r = s
-        .rpc(
-            "device_replace",
-            json!({"old": failed, "new": new, "create_size": 96 << 20}),
-        )
-        .unwrap();
-    assert!(
-        r["volumes"].as_array().unwrap().contains(&json!("m")),
-        "{r}"
-    );
+    replace_onto_new(&s, &failed);
     let during = wait_mirror(&s, "rebuilding", |m| m["state"] == json!("rebuilding"));
     assert!(during["remaining_bytes"].as_u64().unwrap() > 0, "{during}");
     let (ok, out, err) = spoolctl(&s, &["volume", "show", "m"]);
@@ -584,4 +590,81 @@ fn regions_with_no_current_copy_wait_for_an_operator_to_accept_a_leg() {
     let (l, t) = Load::start(s.socket("m"), LOADED);
     l.wait_progress(200);
     stop(&l, t);
+}
+
+/// A mirrored thin volume (docs/thin.md, "Mirrored thin volumes"), from the config: each
+/// copy's chunks on a device of its own, a worker kill under load, a media error on one
+/// copy's device (the guest sees nothing), and a replace that makes that copy anew and
+/// rebuilds it online, holes kept as holes.
+#[test]
+fn a_mirrored_thin_volume_survives_a_device_failure_and_rebuilds_thin() {
+    let s = Spoold::start(
+        r#"
+resync_rate = "64M"
+thin_full_wait_ms = 2000
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "96M"
+[[devices]]
+path = "@DIR@/d1.img"
+create_size = "96M"
+[[volumes]]
+name = "m"
+size = "256M"
+num_queues = 1
+thin = true
+mirror = 2
+[health]
+poll_interval_ms = 50
+"#,
+    );
+    let m = mirror(&s);
+    assert_eq!(
+        (m["copies"].clone(), m["state"].clone()),
+        (json!(2), json!("healthy")),
+        "{m}"
+    );
+    let (d0, d1) = (leg_device(&m, 0), leg_device(&m, 1));
+    assert_ne!(d0, d1, "{m}");
+    // 256 MiB on two 96 MiB devices: only what is written takes space, in each copy.
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(300);
+    let pid = s.kill_worker();
+    wait_gone(pid);
+    l.wait_progress(300);
+    s.rpc(
+        "device_inject",
+        json!({"id": d1, "kind": "media", "op": "write"}),
+    )
+    .unwrap();
+    wait_mirror(&s, "degraded", |m| m["state"] == json!("degraded"));
+    l.wait_progress(300);
+    assert_eq!(l.errors(), 0, "the guest saw errors when a copy failed");
+    replace_onto_new(&s, &d1);
+    l.wait_progress(300);
+    let done = wait_mirror(&s, "rebuilt", |m| {
+        m["state"] == json!("healthy") && m["legs"][1]["synced"] == json!(true)
+    });
+    assert_eq!(legs_current(&done), 2, "{done}");
+    assert_ne!(leg_device(&done, 1), d1, "{done}");
+    l.wait_progress(300);
+    stop(&l, t);
+    let v = assert_identical(&s);
+    assert_eq!(v["bytes_compared"], json!(2 * (256u64 << 20)), "{v}");
+    // Both copies hold the written range only (the rebuild wrote holes as holes): 16 MiB of
+    // chunks each, and a 1 MiB map each.
+    let show = s.rpc("volume_show", json!({"id": "m"})).unwrap();
+    let allocated = show["allocated"].as_u64().unwrap();
+    assert!(allocated <= 2 * (LOADED + (1 << 20)), "{show}");
+    assert!(allocated >= 2 * LOADED, "{show}");
+    // The old copy's map and chunks go back once the queues are off it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !s.log().contains("old map given up") {
+        assert!(
+            Instant::now() < deadline,
+            "the old copy's map is still held"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_pool_checks_clean(&s);
 }

@@ -247,6 +247,10 @@ impl Pass<'_> {
                 labelled.extend(s.map.iter().map(|e| (what.clone(), e)));
             }
         }
+        for (l, m) in v.leg_maps() {
+            let what = format!("{vol} copy {}'s map", l.slot);
+            labelled.extend(m.map.iter().map(|e| (what.clone(), e)));
+        }
         for (what, e) in labelled {
             let len = self.min.checked_shl(e.order).unwrap_or(0);
             self.out.report.extent_bytes = self.out.report.extent_bytes.saturating_add(len);
@@ -326,44 +330,59 @@ impl Pass<'_> {
         let pool = self.pool;
         for v in &pool.table.volumes {
             let Some(t) = &v.thin else { continue };
-            self.out.report.maps += 1 + t.snapshots.len();
-            let spec = match pool.thin_spec(v, t) {
-                Ok(s) => s,
-                Err(e) => {
-                    self.problem(
-                        format!("map:{}", v.uuid),
-                        format!("volume '{}': its maps cannot be read: {e}", v.name),
-                    );
-                    continue;
-                }
-            };
-            let members: Vec<_> = pool
-                .members
-                .iter()
-                .map(|m| (m.uuid, m.dev.clone()))
-                .collect();
-            let resolve = |u: Uuid| members.iter().find(|m| m.0 == u).map(|m| m.1.clone());
-            let scan = ThinBackend::scan(&spec, &resolve);
-            self.scan_problems(v, t, &scan);
-            for &(i, p) in &scan.placements {
-                let what = format!("volume '{}': chunk {i}", v.name);
-                match named.get_mut(&p) {
-                    Some((at, n)) => {
-                        *n += 1;
-                        if *at != i {
-                            let at = *at;
-                            self.problem(
-                                format!("{}:{}", p.device, p.offset),
-                                format!(
-                                    "{what} at {} on device {} is also named at entry {at}: two places of the volumes would share their data",
-                                    p.offset, p.device
-                                ),
-                            );
-                        }
+            for m in crate::thin::map_refs(v) {
+                self.out.report.maps += 1 + m.snapshots.len();
+                let spec = match pool.thin_spec(v, &m) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.problem(
+                            format!("map:{}", m.key),
+                            format!(
+                                "volume '{}'{}: its maps cannot be read: {e}",
+                                v.name,
+                                m.of()
+                            ),
+                        );
+                        continue;
                     }
-                    None => {
-                        named.insert(p, (i, 1));
-                        self.mark(p.device, p.offset, t.chunk, chunk_id, &what);
+                };
+                let members: Vec<_> = pool
+                    .members
+                    .iter()
+                    .map(|m| (m.uuid, m.dev.clone()))
+                    .collect();
+                let resolve = |u: Uuid| members.iter().find(|m| m.0 == u).map(|m| m.1.clone());
+                let scan = ThinBackend::scan(&spec, &resolve);
+                self.scan_problems(v, &m, t, &scan);
+                for &(i, p) in &scan.placements {
+                    let what = format!("volume '{}'{}: chunk {i}", v.name, m.of());
+                    if !m.devices.is_empty() && !m.devices.contains(&p.device) {
+                        self.problem(
+                            format!("{}:{}", p.device, p.offset),
+                            format!(
+                                "{what} is on device {}, which is not one of this copy's: a device's loss could cost two copies",
+                                p.device
+                            ),
+                        );
+                    }
+                    match named.get_mut(&p) {
+                        Some((at, n)) => {
+                            *n += 1;
+                            if *at != i {
+                                let at = *at;
+                                self.problem(
+                                    format!("{}:{}", p.device, p.offset),
+                                    format!(
+                                        "{what} at {} on device {} is also named at entry {at}: two places of the volumes would share their data",
+                                        p.offset, p.device
+                                    ),
+                                );
+                            }
+                        }
+                        None => {
+                            named.insert(p, (i, 1));
+                            self.mark(p.device, p.offset, t.chunk, chunk_id, &what);
+                        }
                     }
                 }
             }
@@ -375,7 +394,13 @@ impl Pass<'_> {
 
     /// What a scan of thin volume `v`'s maps found wrong: its own map (the volume is not
     /// served), and snapshots' maps found corrupt (they can only be deleted).
-    fn scan_problems(&mut self, v: &VolumeEntry, t: &crate::metadata::ThinMap, scan: &MapScan) {
+    fn scan_problems(
+        &mut self,
+        v: &VolumeEntry,
+        m: &crate::thin::MapRef,
+        t: &crate::metadata::ThinMap,
+        scan: &MapScan,
+    ) {
         let named_snapshots = |mut why: String| {
             for s in &t.snapshots {
                 let name = format!("snapshot '{}@{}'", v.name, s.name);
@@ -388,12 +413,12 @@ impl Pass<'_> {
             ScanProblem::Unreadable(w) => ScanProblem::Unreadable(named_snapshots(w)),
         }) {
             Some(ScanProblem::Corrupt(why)) => self.problem(
-                format!("map:{}", v.uuid),
-                format!("volume '{}': a map is corrupt: {why}", v.name),
+                format!("map:{}", m.key),
+                format!("volume '{}'{}: a map is corrupt: {why}", v.name, m.of()),
             ),
             Some(ScanProblem::Unreadable(why)) => self.problem(
-                format!("map:{}", v.uuid),
-                format!("volume '{}': a map cannot be read: {why}", v.name),
+                format!("map:{}", m.key),
+                format!("volume '{}'{}: a map cannot be read: {why}", v.name, m.of()),
             ),
             None => {}
         }

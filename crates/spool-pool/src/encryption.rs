@@ -58,7 +58,26 @@ pub(crate) enum NewKey {
     Given(VolumeKey),
 }
 
+impl NewKey {
+    /// A fresh key when `encrypt`, else none.
+    pub(crate) fn of(encrypt: bool) -> NewKey {
+        match encrypt {
+            true => NewKey::Fresh,
+            false => NewKey::Plain,
+        }
+    }
+}
+
 impl Pool {
+    /// The wrapped data key new volume `v` gets for `key` (None: not encrypted).
+    pub(crate) fn key_for(&self, v: &VolumeEntry, key: NewKey) -> Result<Option<VolumeKey>> {
+        Ok(match key {
+            NewKey::Plain => None,
+            NewKey::Fresh => Some(self.new_volume_key(v)?),
+            NewKey::Given(k) => Some(self.check_received_key(v, k)?),
+        })
+    }
+
     /// The pool's key-encryption key, or an error saying how to give spoold one.
     fn kek(&self, v: &VolumeEntry) -> Result<&Arc<Kek>> {
         self.opts.kek.as_ref().ok_or_else(|| {

@@ -180,8 +180,16 @@ impl Pool {
             devices,
             volumes: self.table.volumes.len(),
             left_out: self.left_out.clone(),
-            thin_provisioned: thin.iter().map(|v| v.size).sum(),
-            thin_mapped: thin.iter().map(|v| self.thin_state(v.uuid).mapped).sum(),
+            // A mirrored thin volume provisions and maps its size once per copy.
+            thin_provisioned: thin
+                .iter()
+                .map(|v| v.size.saturating_mul(crate::thin::map_refs(v).len() as u64))
+                .sum(),
+            thin_mapped: thin
+                .iter()
+                .flat_map(|v| crate::thin::map_refs(v))
+                .map(|m| self.thin_state(m.key).mapped)
+                .sum(),
             thin_shared: self.space.refs.shared_chunks() * self.table.min_extent,
         }
     }
@@ -193,52 +201,23 @@ impl Pool {
 
     pub(crate) fn volume_info(&self, v: &VolumeEntry) -> VolumeInfo {
         let mut devices: Vec<Uuid> = Vec::new();
-        for e in v.all_extents() {
-            if !devices.contains(&e.device) {
-                devices.push(e.device);
+        // A mirrored thin volume's copies name the devices their chunks may lie on.
+        let copy_devices = v.leg_maps().flat_map(|(_, m)| &m.devices);
+        for d in v.all_extents().map(|e| &e.device).chain(copy_devices) {
+            if !devices.contains(d) {
+                devices.push(*d);
             }
         }
         let usable = |u: Uuid| self.members.iter().any(|m| m.uuid == u && !m.isolated());
-        let present =
-            |extents: &[crate::metadata::ExtentEntry]| extents.iter().all(|e| usable(e.device));
-        let legs: Vec<LegInfo> = v
-            .legs
-            .iter()
-            .map(|l| {
-                let mut leg_devices: Vec<Uuid> = Vec::new();
-                for e in &l.extents {
-                    if !leg_devices.contains(&e.device) {
-                        leg_devices.push(e.device);
-                    }
-                }
-                // A thin volume's leg here is its map (its devices are the volume's): the
-                // mirror's events name them.
-                if v.thin.is_some() && l.remote.is_none() {
-                    leg_devices = devices.clone();
-                }
-                let devices = leg_devices;
-                let trouble = l.remote.as_ref().and_then(|r| self.remote_trouble(r));
-                LegInfo {
-                    slot: l.slot,
-                    synced: l.synced,
-                    present: present(&l.extents) && trouble.is_none(),
-                    devices,
-                    remote: l.remote.as_ref().map(|r| r.uri.clone()),
-                    remote_trouble: trouble,
-                }
-            })
+        let legs = self.leg_infos(v, &devices);
+        // A thin volume's maps: its own, or each copy's of a mirrored one (whose writes wait
+        // for space, or whose maps fail, each on its own).
+        let states: Vec<crate::thin::ThinState> = (crate::thin::map_refs(v).iter())
+            .map(|m| self.thin_state(m.key))
             .collect();
-        let thin = v.thin.as_ref().map(|t| {
-            let s = self.thin_state(v.uuid);
-            ThinInfo {
-                chunk: t.chunk,
-                mapped: s.mapped,
-                map_bytes: t.map.iter().map(|e| self.table.min_extent << e.order).sum(),
-                waiting_for_space: s.waiting_for_space,
-                max_size: s.max_size,
-                error: s.error,
-            }
-        });
+        let thin = self.thin_info(v, &states);
+        // Chunks of every copy after the first (whose are the volume's `mapped`).
+        let copies_mapped: u64 = states.iter().skip(1).map(|s| s.mapped).sum();
         VolumeInfo {
             uuid: v.uuid,
             name: v.name.clone(),
@@ -247,14 +226,17 @@ impl Pool {
                 .all_extents()
                 .map(|e| self.table.min_extent << e.order)
                 .sum::<u64>()
-                + thin.as_ref().map_or(0, |t| t.mapped),
+                + thin.as_ref().map_or(0, |t| t.mapped)
+                + copies_mapped,
             read_only: v.read_only,
             num_queues: v.num_queues,
             extents: v.all_extents().count(),
             // A thin volume being sent is online as a thin volume is (its map's devices).
-            online: match v.is_mirrored() && v.thin.is_none() {
-                true => crate::mirror::covered(v, self.table.min_extent, usable),
-                false => devices
+            online: match (v.is_mirrored(), v.thin.is_some()) {
+                (true, false) => crate::mirror::covered(v, self.table.min_extent, usable),
+                // A mirrored thin volume: while one synced copy has all its devices.
+                (true, true) if v.is_mirrored_thin() => legs.iter().any(|l| l.synced && l.present),
+                _ => devices
                     .iter()
                     .all(|d| self.members.iter().any(|m| m.uuid == *d)),
             },
@@ -268,6 +250,66 @@ impl Pool {
             kek_id: v.encryption.as_ref().map(|k| k.kek_id.clone()),
             thin,
         }
+    }
+
+    /// What `volume show` says of each of `v`'s legs (`devices`: the volume's).
+    fn leg_infos(&self, v: &VolumeEntry, devices: &[Uuid]) -> Vec<LegInfo> {
+        let usable = |u: Uuid| self.members.iter().any(|m| m.uuid == u && !m.isolated());
+        let present =
+            |extents: &[crate::metadata::ExtentEntry]| extents.iter().all(|e| usable(e.device));
+        v.legs
+            .iter()
+            .map(|l| {
+                let mut leg_devices: Vec<Uuid> = Vec::new();
+                for e in &l.extents {
+                    if !leg_devices.contains(&e.device) {
+                        leg_devices.push(e.device);
+                    }
+                }
+                // A thin volume's leg here is its map (its devices are the volume's, or a
+                // mirrored thin volume's copy's own): the mirror's events name them.
+                let mut present = present(&l.extents);
+                if let (Some(_), None) = (&v.thin, &l.remote) {
+                    leg_devices = match &l.thin {
+                        Some(m) => m.devices.clone(),
+                        None => devices.to_vec(),
+                    };
+                    present = leg_devices.iter().all(|&d| usable(d));
+                }
+                let devices = leg_devices;
+                let trouble = l.remote.as_ref().and_then(|r| self.remote_trouble(r));
+                LegInfo {
+                    slot: l.slot,
+                    synced: l.synced,
+                    present: present && trouble.is_none(),
+                    devices,
+                    remote: l.remote.as_ref().map(|r| r.uri.clone()),
+                    remote_trouble: trouble,
+                }
+            })
+            .collect()
+    }
+
+    /// What `volume show` says of thin volume `v`'s maps (`states`: each map's, its own or
+    /// each copy's).
+    fn thin_info(&self, v: &VolumeEntry, states: &[crate::thin::ThinState]) -> Option<ThinInfo> {
+        v.thin.as_ref().map(|t| {
+            let mut copies = states.iter();
+            let s = copies.next().cloned().unwrap_or_default();
+            let map_bytes = |m: &[crate::metadata::ExtentEntry]| -> u64 {
+                m.iter().map(|e| self.table.min_extent << e.order).sum()
+            };
+            let copy_maps = v.leg_maps().map(|(_, m)| map_bytes(&m.map));
+            ThinInfo {
+                chunk: t.chunk,
+                mapped: s.mapped,
+                map_bytes: map_bytes(&t.map) + copy_maps.sum::<u64>(),
+                waiting_for_space: s.waiting_for_space
+                    + copies.clone().map(|c| c.waiting_for_space).sum::<u64>(),
+                max_size: s.max_size,
+                error: s.error.or_else(|| copies.find_map(|c| c.error.clone())),
+            }
+        })
     }
 
     fn extent_map(&self, v: &VolumeEntry) -> Vec<ExtentInfo> {

@@ -22,7 +22,8 @@ pub(crate) type MirrorCache = std::collections::HashMap<Uuid, (MirrorKey, Mirror
 #[derive(PartialEq, Eq)]
 pub(crate) struct MirrorKey {
     size: u64,
-    /// Slot and placement of each leg (not its synced flag: marking a rebuilt leg synced
+    /// Slot and placement of each leg (its extents, and a remote leg's id or a thin copy's
+    /// map UUID; not its synced flag: marking a rebuilt leg synced
     /// changes nothing on the data path).
     legs: Vec<(u8, Vec<ExtentEntry>, Option<Uuid>)>,
     handles: Vec<usize>,
@@ -46,17 +47,21 @@ pub(crate) fn leg_id(extents: &[ExtentEntry]) -> u64 {
     h.max(1)
 }
 
-/// Identity of a remote leg's placement (from the id the send gave it), never 0.
-fn remote_leg_id(id: Uuid) -> u64 {
+/// Identity of a remote leg's placement (from the id the send gave it), or of a mirrored
+/// thin volume's copy (from its map's UUID), never 0.
+fn uuid_leg_id(id: Uuid) -> u64 {
     let (hi, lo) = id.as_u64_pair();
     (hi ^ lo).max(1)
 }
 
 /// The identity the mirror knows leg `l` by (its bits in the write-intent bitmap).
 fn table_leg_id(l: &LegEntry) -> u64 {
-    match &l.remote {
-        Some(r) => remote_leg_id(r.id),
-        None => leg_id(&l.extents),
+    match (&l.remote, &l.thin) {
+        (Some(r), _) => uuid_leg_id(r.id),
+        // A copy made anew (a device replaced under it) has a new map, so a new identity:
+        // the mirror rebuilds it whole.
+        (None, Some(m)) => uuid_leg_id(m.uuid),
+        (None, None) => leg_id(&l.extents),
     }
 }
 
@@ -241,13 +246,14 @@ impl Pool {
     /// `volume_size`), its devices added to `devices`. A remote leg is one piece over the
     /// volume's size (a thick volume's legs here go on to the end of its last extent, which
     /// is not the volume's: the other host's copy has no such tail), missing while its link
-    /// is down (the leg then misses writes, and the bitmap says which); the local leg of a
-    /// thin volume being sent is one piece over its thin device, which holds its data.
+    /// is down (the leg then misses writes, and the bitmap says which); a local leg of a
+    /// thin volume (being sent, or mirrored) is one piece over its map's thin device, which
+    /// holds its data (`thin`: `Some(None)` when that map is not served: the leg is missing).
     fn leg_spec(
         &self,
         l: &LegEntry,
         (size, volume_size): (u64, u64),
-        thin: Option<&Arc<Device>>,
+        thin: Option<Option<&Arc<Device>>>,
         devices: &mut Vec<Arc<Device>>,
     ) -> LegSpec {
         let mut index = |dev: Arc<Device>| match devices.iter().position(|d| Arc::ptr_eq(d, &dev)) {
@@ -259,7 +265,7 @@ impl Pool {
         };
         let whole = match (&l.remote, thin) {
             (Some(r), _) => Some((self.remote_device(r).map_or(MISSING, &mut index), true)),
-            (None, Some(t)) => Some((index(t.clone()), false)),
+            (None, Some(t)) => Some((t.map_or(MISSING, |t| index(t.clone())), false)),
             (None, None) => None,
         };
         if let Some((device, far)) = whole {
@@ -307,11 +313,31 @@ impl Pool {
     pub(crate) fn open_mirror(&self, v: &VolumeEntry) -> Result<Mirror> {
         let mut devices: Vec<Arc<Device>> = Vec::new();
         let size = self.mirror_size(v);
-        let thin = v.thin.is_some().then(|| self.thin_device(v)).transpose()?;
-        let legs = v
-            .legs
-            .iter()
-            .map(|l| self.leg_spec(l, (size, v.size), thin.as_ref(), &mut devices))
+        // Each local leg of a thin volume is one of its maps: the volume's own, or a mirrored
+        // copy's. A map that is not served leaves its leg missing; the volume is served while
+        // a synced leg's is.
+        let mut maps: Vec<Option<Result<Arc<Device>>>> = (v.legs.iter())
+            .map(|l| match (&v.thin, &l.remote, &l.thin) {
+                (None, _, _) | (_, Some(_), _) => None,
+                (Some(_), None, Some(m)) => Some(self.map_device(v, m.uuid)),
+                (Some(_), None, None) => Some(self.thin_device(v)),
+            })
+            .collect();
+        let served = |(l, m): (&LegEntry, &Option<Result<Arc<Device>>>)| {
+            l.synced && matches!(m, Some(Ok(_)))
+        };
+        if v.thin.is_some() && !v.legs.iter().zip(&maps).any(served) {
+            // No synced leg's map is served: the first one's error says why.
+            let failed = (v.legs.iter().zip(&maps)).position(|(l, m)| l.synced && m.is_some());
+            if let Some(Some(Err(e))) = failed.map(|i| maps.swap_remove(i)) {
+                return Err(e);
+            }
+        }
+        let legs = (v.legs.iter().zip(&maps))
+            .map(|(l, m)| {
+                let thin = m.as_ref().map(|m| m.as_ref().ok());
+                self.leg_spec(l, (size, v.size), thin, &mut devices)
+            })
             .collect();
         let present = |u: Uuid| self.members.iter().any(|m| m.uuid == u);
         if !crate::mirror::covered(v, self.table.min_extent, present) {
@@ -325,7 +351,10 @@ impl Pool {
             legs: v
                 .legs
                 .iter()
-                .map(|l| (l.slot, l.extents.clone(), l.remote.as_ref().map(|r| r.id)))
+                .map(|l| {
+                    let id = (l.remote.as_ref().map(|r| r.id)).or(l.thin.as_ref().map(|m| m.uuid));
+                    (l.slot, l.extents.clone(), id)
+                })
                 .collect(),
             handles: devices.iter().map(|d| Arc::as_ptr(d) as usize).collect(),
         };

@@ -23,7 +23,12 @@ impl Pool {
     pub fn add_leg(&mut self, id: &str) -> Result<VolumeInfo> {
         let i = self.find(id)?;
         let mut v = self.table.volumes[i].clone();
-        Self::refuse_thin(&v, "mirroring")?;
+        if v.thin.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "volume '{}' is thin: adding a copy to a thin volume is not supported yet; a thin volume is mirrored when it is created (volume create NAME SIZE --thin --mirror 2)",
+                v.name
+            )));
+        }
         v.make_mirrored();
         if v.legs.len() >= MAX_COPIES as usize {
             return Err(Error::InvalidArgument(format!(
@@ -63,6 +68,7 @@ impl Pool {
         self.settle_mirrors()?;
         let i = self.find(id)?;
         let mut v = self.table.volumes[i].clone();
+        Self::refuse_mirrored_thin(&v, "removing a copy")?;
         if !v.is_mirrored() {
             return Err(Error::InvalidArgument(format!(
                 "volume '{}' is not mirrored: it has one copy",

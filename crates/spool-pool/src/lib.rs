@@ -25,6 +25,8 @@ mod remote;
 mod retired;
 mod snapshots;
 mod thin;
+mod thin_create;
+mod thin_mirror;
 mod thin_move;
 mod volume_image;
 mod volumes;
@@ -260,5 +262,7 @@ mod remote_tests;
 mod snapshot_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod thin_mirror_tests;
 #[cfg(test)]
 mod thin_tests;

@@ -257,39 +257,11 @@ impl Pool {
         let new = Self::join(&mut table, &dev, force)?;
         let mut buddy = new_buddy(&dev, table.min_extent)?;
         let (mut volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
+        // A mirrored thin volume's copy on it is made anew there (and rebuilt).
+        let renewed = self.renew_copies(&mut table, (old, new), &mut buddy, &dev)?;
+        volumes.extend(renewed.iter().map(|r| r.name.clone()));
         table.devices.retain(|d| d.uuid != old);
-        for v in table
-            .volumes
-            .iter_mut()
-            .filter(|v| volumes.contains(&v.name))
-        {
-            let local = |l: &crate::metadata::LegEntry| l.remote.is_none();
-            if v.is_mirrored() && !v.legs.iter().any(|l| l.synced && local(l)) {
-                // Every complete copy here was on the old device: the data is gone, as on a
-                // plain volume; the first local leg is zeroed and the others rebuilt from it.
-                tracing::error!(volume = %v.name, "every synced copy was on the replaced device; the volume's data is lost");
-                let first = v.legs.iter().position(local).unwrap_or(0);
-                for l in &mut v.legs {
-                    l.synced = false;
-                    // A copy on another host gets a new identity: every region of it is
-                    // copied again from the zeroed leg, so both hosts hold the same bytes.
-                    if let Some(r) = &mut l.remote {
-                        r.id = Uuid::new_v4();
-                    }
-                }
-                v.legs[first].synced = true;
-                for e in &v.legs[first].extents {
-                    if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
-                        m.dev.zero_range(e.offset, table.min_extent << e.order)?;
-                    } else if e.device == new {
-                        dev.zero_range(e.offset, table.min_extent << e.order)?;
-                    }
-                }
-            }
-            for e in v.extents.iter().filter(|e| e.device == new) {
-                dev.zero_range(e.offset, table.min_extent << e.order)?;
-            }
-        }
+        self.zero_lost_copies(&mut table, &volumes, (new, &dev))?;
         // Thin volumes' chunks on it are lost, as thick extents are: their entries become
         // holes now, durably, after every other step that can fail and before the table
         // forgets the device.
@@ -312,6 +284,7 @@ impl Pool {
             }
             return Err(e);
         }
+        self.copies_renewed(renewed);
         tracing::warn!(old = %old, new = %new, %path, extents = moved, volumes = ?volumes, "device replaced; the volumes' data on the old device is lost");
         Ok(Replacement {
             old,
@@ -321,11 +294,58 @@ impl Pool {
         })
     }
 
+    /// In `table` (a replace's, the new device `new` opened as `dev`): the new extents of
+    /// `volumes` are zeroed; a mirrored volume whose every synced copy was on the replaced
+    /// device has its first local leg zeroed and made the synced one.
+    fn zero_lost_copies(
+        &self,
+        table: &mut PoolTable,
+        volumes: &[String],
+        (new, dev): (Uuid, &Device),
+    ) -> Result<()> {
+        let min = table.min_extent;
+        for v in table
+            .volumes
+            .iter_mut()
+            .filter(|v| volumes.contains(&v.name))
+        {
+            let local = |l: &crate::metadata::LegEntry| l.remote.is_none();
+            if v.is_mirrored() && !v.legs.iter().any(|l| l.synced && local(l)) {
+                // Every complete copy here was on the old device: the data is gone, as on a
+                // plain volume; the first local leg is zeroed and the others rebuilt from it.
+                tracing::error!(volume = %v.name, "every synced copy was on the replaced device; the volume's data is lost");
+                let first = v.legs.iter().position(local).unwrap_or(0);
+                for l in &mut v.legs {
+                    l.synced = false;
+                    // A copy on another host gets a new identity: every region of it is
+                    // copied again from the zeroed leg, so both hosts hold the same bytes.
+                    if let Some(r) = &mut l.remote {
+                        r.id = Uuid::new_v4();
+                    }
+                }
+                v.legs[first].synced = true;
+                for e in &v.legs[first].extents {
+                    if let Some(m) = self.members.iter().find(|m| m.uuid == e.device) {
+                        m.dev.zero_range(e.offset, min << e.order)?;
+                    } else if e.device == new {
+                        dev.zero_range(e.offset, min << e.order)?;
+                    }
+                }
+            }
+            for e in v.extents.iter().filter(|e| e.device == new) {
+                dev.zero_range(e.offset, min << e.order)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Makes every thin volume's entries naming a chunk on `old` holes (see
-    /// `ThinBackend::evict`); returns the names of the volumes that had some.
+    /// `ThinBackend::evict`); returns the names of the volumes that had some. A mirrored
+    /// thin volume's copy on it is made anew instead (`thin_mirror.rs`).
     fn evict_thin(&self, old: Uuid) -> Result<Vec<String>> {
         let mut touched = Vec::new();
-        for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
+        let evicted = |v: &&metadata::VolumeEntry| v.thin.is_some() && !v.is_mirrored_thin();
+        for v in self.table.volumes.iter().filter(evicted) {
             if !self.thin_uses(v, old) {
                 continue;
             }
@@ -353,7 +373,11 @@ impl Pool {
             ));
         }
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
-            if let Err(e) = self.thin_device(v) {
+            // A mirrored thin volume's copy on `old` is made anew: only the others' maps
+            // must be served.
+            let kept = crate::thin::map_refs(v).into_iter();
+            let mut kept = kept.filter(|m| !m.devices.contains(&old));
+            if let Some(e) = kept.find_map(|m| self.map_device(v, m.key).err()) {
                 self.refresh_space();
                 return Err(Error::InvalidArgument(format!(
                     "thin volume '{}' is not served ({e}): which of its chunks lie on device {old} is unknown, so they cannot be forgotten; delete it first",

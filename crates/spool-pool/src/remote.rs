@@ -139,6 +139,7 @@ impl Pool {
                 uri: uri.into(),
                 id: leg_id,
             }),
+            thin: None,
         });
         v.copies = v.copies.max(v.legs.len() as u8);
         if plain {
@@ -360,6 +361,8 @@ impl Pool {
     fn refuse_send(&self, v: &VolumeEntry, key_there: bool) -> Result<()> {
         let why = if v.rbd.is_some() {
             Some("it is an RBD image: every host of the cluster reaches it already")
+        } else if v.is_mirrored_thin() {
+            Some("it is a mirrored thin volume, which cannot be sent yet")
         } else if v.encryption.is_some() && !key_there && v.remote_leg().is_none() {
             Some("it is encrypted, and an export given by hand has no data key for its ciphertext: send it through the destination's transfer listener (--to HOST:PORT --token T), which creates it there under the same data key")
         } else {

@@ -168,6 +168,7 @@ fn hostile_remote_legs_are_refused() {
             uri: uri.into(),
             id: uuid::Uuid::new_v4(),
         }),
+        thin: None,
     };
     let mut ok = good.clone();
     ok.volumes[0].legs.push(remote("nbd://host:10809/m"));

@@ -6,7 +6,10 @@
 //!   caller says the old layout is out of use (the daemon, once no queue holds it);
 //! - the new extents of a thin map move whose commit failed part way or whose copy timed
 //!   out (`thin_move.rs`): the allocator may write there, and the next start may read a
-//!   table naming them. They are held until that start.
+//!   table naming them. They are held until that start;
+//! - the map of a mirrored thin volume's copy made anew on a replacing device
+//!   (`thin_mirror.rs`): the old map's allocator keeps running, and its chunks taken, until
+//!   no queue holds a layout that names it, as a removed leg's extents.
 //!
 //! A start's allocators are built from the table alone, so neither kind outlives the
 //! process. `pool check` names both as held, not leaked.
@@ -24,6 +27,8 @@ use crate::Pool;
 #[derive(Debug, Default)]
 pub(crate) struct Retired {
     held: Vec<(Uuid, u64, Vec<ExtentEntry>)>,
+    /// Thin maps (by key) held the same way: (volume, ticket, map key).
+    maps: Vec<(Uuid, u64, Uuid)>,
 }
 
 /// The ticket of extents held until the next start.
@@ -42,6 +47,14 @@ impl Pool {
         self.retired.held.push((volume, ticket, extents));
     }
 
+    /// Keeps thin map `key` of volume `volume` (a mirrored copy's old map) served, and its
+    /// `extents` taken, until [`Pool::release_retired`], as [`Pool::retire`] does.
+    pub(crate) fn retire_map(&mut self, volume: Uuid, key: Uuid, extents: Vec<ExtentEntry>) {
+        let ticket = self.generation;
+        self.retired.maps.push((volume, ticket, key));
+        self.retired.held.push((volume, ticket, extents));
+    }
+
     /// Keeps `extents` (volume `volume`'s new thin map extents, which the allocator may
     /// write and the next start's table may name) out of the allocators until that start.
     pub(crate) fn hold_until_restart(&mut self, volume: Uuid, extents: Vec<ExtentEntry>) {
@@ -53,17 +66,26 @@ impl Pool {
     /// The newest ticket of volume `volume`'s retired extents (None: it has none): the
     /// generation from which on no layout names them.
     pub fn retired_ticket(&self, volume: Uuid) -> Option<u64> {
-        self.retired
-            .held
-            .iter()
-            .filter(|&&(v, t, _)| v == volume && t != UNTIL_RESTART)
-            .map(|&(_, t, _)| t)
+        let maps = self.retired.maps.iter().map(|&(v, t, _)| (v, t));
+        (self.retired.held.iter().map(|&(v, t, _)| (v, t)))
+            .chain(maps)
+            .filter(|&(v, t)| v == volume && t != UNTIL_RESTART)
+            .map(|(_, t)| t)
             .max()
     }
 
     /// Gives volume `volume`'s retired extents up to ticket `upto` back to the allocators:
     /// no queue uses a layout that names them any more. Returns the bytes given back.
     pub fn release_retired(&mut self, volume: Uuid, upto: u64) -> u64 {
+        // A map's allocator stops, and its chunks go back, before its extents do.
+        let (maps, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired.maps)
+            .into_iter()
+            .partition(|&(v, t, _)| v == volume && t <= upto);
+        self.retired.maps = keep;
+        for (_, _, key) in maps {
+            self.release_thin(key);
+            tracing::info!(%volume, map = %key, "a mirrored thin copy's old map given up: no queue uses it any more");
+        }
         let (now, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired.held)
             .into_iter()
             .partition(|&(v, t, _)| v == volume && t != UNTIL_RESTART && t <= upto);
@@ -89,7 +111,7 @@ impl Pool {
         self.retired.held.iter().flat_map(|(v, t, x)| {
             let why = match *t {
                 UNTIL_RESTART => "a thin map move's new extents, held until spoold restarts",
-                _ => "a removed copy, given back once its queues moved off it",
+                _ => "a removed copy (or a renewed copy's old map), given back once its queues moved off it",
             };
             x.iter().map(move |e| (*v, e, why))
         })

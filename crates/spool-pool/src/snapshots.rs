@@ -86,6 +86,7 @@ impl Pool {
             return self.rbd_snapshot(&v, &dev, name);
         }
         let (i, v, dev) = self.thin_volume(id)?;
+        Self::refuse_mirrored_thin(&v, "a snapshot")?;
         check_volume_name(name).map_err(Error::invalid)?;
         if v.remote_leg().is_some() {
             // A snapshot of a copy missing writes only the other host holds would not hold
@@ -236,12 +237,7 @@ impl Pool {
             self.release(&map);
             return Err(e);
         }
-        let tm = c.thin.as_ref().expect("set above");
-        let opened = self.open_thin(&c, tm).map_err(Arc::new);
-        self.thins
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(c.uuid, opened);
+        self.open_thin(&c);
         tracing::info!(volume = %c.name, origin = %format!("{}@{}", v.name, s.name), chunks = entries.len(), "clone created");
         Ok(self.volume_info(&c))
     }

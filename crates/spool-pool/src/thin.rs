@@ -2,8 +2,10 @@
 //! from and given back to the members' buddy allocators, their devices.
 //!
 //! Owns: [`PoolSpace`] (the pool's free space as a `spool_thin::ChunkSource`, shared with
-//! every thin volume's allocator thread), opening each thin volume once per process and
-//! marking its chunks taken, creating and deleting thin volumes. Must not know: the data
+//! every thin volume's allocator thread) and `CopySpace` (the same, restricted to a mirrored
+//! thin volume's copy's own devices), opening each thin map once per process (a volume's
+//! own, or each copy's of a mirrored one) and marking its chunks taken, deleting thin
+//! volumes (`thin_create.rs` creates them). Must not know: the data
 //! path (spool-thin's queues), virtio.
 
 use std::collections::HashMap;
@@ -20,8 +22,7 @@ use spool_thin::{
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
-use crate::encryption::NewKey;
-use crate::metadata::{ExtentEntry, ThinMap, VolumeEntry};
+use crate::metadata::{ExtentEntry, VolumeEntry};
 use crate::{Error, Pool, Result, VolumeInfo};
 
 /// How long a write needing a chunk waits for free space on a full pool by default.
@@ -55,6 +56,41 @@ pub struct PoolSpace {
     /// Chunks named by more than one map (snapshots, clones), rebuilt from every map at
     /// open.
     pub(crate) refs: SharedChunks,
+}
+
+/// The pool's free space as one copy of a mirrored thin volume sees it: its own devices
+/// only.
+#[derive(Debug)]
+pub(crate) struct CopySpace {
+    space: Arc<PoolSpace>,
+    devices: Vec<Uuid>,
+}
+
+impl CopySpace {
+    pub(crate) fn new(space: &Arc<PoolSpace>, devices: &[Uuid]) -> Arc<CopySpace> {
+        Arc::new(CopySpace {
+            space: space.clone(),
+            devices: devices.to_vec(),
+        })
+    }
+}
+
+impl ChunkSource for CopySpace {
+    fn take(&self) -> Option<(Uuid, Arc<Device>, u64)> {
+        self.space.take_on(&|u| self.devices.contains(&u))
+    }
+
+    fn give_back(&self, device: Uuid, offset: u64) {
+        self.space.give_back(device, offset)
+    }
+
+    fn shared_chunks(&self) -> &SharedChunks {
+        self.space.shared_chunks()
+    }
+
+    fn settled(&self, n: usize) {
+        self.space.settled(n)
+    }
 }
 
 impl PoolSpace {
@@ -94,10 +130,9 @@ impl PoolSpace {
     pub(crate) fn end_exclusion(&self) {
         *self.excluded.write().unwrap_or_else(|p| p.into_inner()) = None;
     }
-}
 
-impl ChunkSource for PoolSpace {
-    fn take(&self) -> Option<(Uuid, Arc<Device>, u64)> {
+    /// Takes a free chunk from the member with the most free space among those `ok` accepts.
+    pub(crate) fn take_on(&self, ok: &dyn Fn(Uuid) -> bool) -> Option<(Uuid, Arc<Device>, u64)> {
         if self
             .frozen
             .read()
@@ -109,7 +144,7 @@ impl ChunkSource for PoolSpace {
         let members = self.members.read().unwrap_or_else(|p| p.into_inner());
         let mut by_free: Vec<&SpaceMember> = members
             .iter()
-            .filter(|m| !m.dev.health().state().isolated())
+            .filter(|m| ok(m.uuid) && !m.dev.health().state().isolated())
             .collect();
         by_free.sort_by_key(|m| {
             std::cmp::Reverse(
@@ -128,6 +163,12 @@ impl ChunkSource for PoolSpace {
             self.in_flight.fetch_add(1, Ordering::AcqRel);
         }
         got
+    }
+}
+
+impl ChunkSource for PoolSpace {
+    fn take(&self) -> Option<(Uuid, Arc<Device>, u64)> {
+        self.take_on(&|_| true)
     }
 
     fn settled(&self, n: usize) {
@@ -194,35 +235,46 @@ impl Pool {
         MapStore::new(out).map_err(|e| thin_err(e.to_string()))
     }
 
-    pub(crate) fn thin_spec(&self, v: &VolumeEntry, t: &ThinMap) -> Result<ThinSpec> {
+    /// The spec of one of thin volume `v`'s maps.
+    pub(crate) fn thin_spec(&self, v: &VolumeEntry, m: &MapRef) -> Result<ThinSpec> {
         let mut snapshots = Vec::new();
-        for s in &t.snapshots {
+        for s in m.snapshots {
             snapshots.push(SnapshotSpec {
                 uuid: s.uuid,
                 size: s.size,
                 store: self.map_store(v, &s.map)?,
             });
         }
+        let path = match m.slot {
+            None => format!("thin:{}", v.name),
+            Some(slot) => format!("thin:{}/leg{slot}", v.name),
+        };
         Ok(ThinSpec {
-            volume: v.uuid,
-            path: format!("thin:{}", v.name).into(),
+            volume: m.key,
+            path: path.into(),
             size: v.size,
-            chunk: t.chunk,
+            chunk: m.chunk,
             chunk_base: crate::metadata::METADATA_AREA,
-            store: self.map_store(v, &t.map)?,
+            store: self.map_store(v, m.map)?,
             full_wait: self.opts.thin_full_wait,
             inline_io: !self.members.is_empty() && self.members.iter().all(|m| m.dev.inline_io()),
             snapshots,
+            // A copy's devices not in the pool now: it is failed already when opened.
+            copy_devices: (m.devices.iter())
+                .filter_map(|u| self.members.iter().find(|x| x.uuid == *u))
+                .map(|x| x.dev.clone())
+                .collect(),
         })
     }
 
-    /// Reads thin volume `v`'s maps (its own and its snapshots'); `None` when they cannot
+    /// Reads one of thin volume `v`'s maps (with its snapshots'); an error when they cannot
     /// be read at all (which chunks they name is unknown: allocation stops).
-    fn scan_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<(ThinSpec, MapScan)> {
-        let spec = match self.thin_spec(v, t) {
+    fn scan_thin(&self, v: &VolumeEntry, m: &MapRef) -> Result<(ThinSpec, MapScan)> {
+        let spec = match self.thin_spec(v, m) {
             Ok(spec) => spec,
             Err(e) => {
-                self.space.freeze(format!("thin volume '{}': {e}", v.name));
+                self.space
+                    .freeze(format!("thin volume '{}'{}: {e}", v.name, m.of()));
                 return Err(e);
             }
         };
@@ -236,44 +288,71 @@ impl Pool {
         Ok((spec, scan))
     }
 
-    /// Serves a scanned thin volume (refused when its scan found a problem).
-    fn start_scanned(&self, v: &VolumeEntry, spec: ThinSpec, scan: MapScan) -> Result<Arc<Device>> {
+    /// Serves a scanned map of thin volume `v` (refused when its scan found a problem): its
+    /// chunks come from the whole pool, or a mirrored copy's from its own devices only.
+    fn start_scanned(
+        &self,
+        v: &VolumeEntry,
+        m: &MapRef,
+        spec: ThinSpec,
+        scan: MapScan,
+    ) -> Result<Arc<Device>> {
         if let Some(ScanProblem::Unreadable(why)) = &scan.problem {
             self.space
-                .freeze(format!("thin volume '{}': its map {why}", v.name));
+                .freeze(format!("thin volume '{}'{}: its map {why}", v.name, m.of()));
         }
-        ThinBackend::start(spec, self.space.clone(), scan).map_err(|e| Error::Thin {
+        let source: Arc<dyn ChunkSource> = match m.devices.is_empty() {
+            true => self.space.clone(),
+            false => CopySpace::new(&self.space, m.devices),
+        };
+        ThinBackend::start(spec, source, scan).map_err(|e| Error::Thin {
             volume: v.name.clone(),
-            why: e.to_string(),
+            why: format!("{}{e}", m.prefix()),
         })
     }
 
-    /// Opens a thin volume whose chunks are accounted for already (a new one, a clone).
-    pub(crate) fn open_thin(&self, v: &VolumeEntry, t: &ThinMap) -> Result<Arc<Device>> {
-        let (spec, scan) = self.scan_thin(v, t)?;
-        self.start_scanned(v, spec, scan)
+    /// Opens thin volume `v`'s maps whose chunks are accounted for already (a new volume, a
+    /// clone), each into the cache.
+    pub(crate) fn open_thin(&self, v: &VolumeEntry) {
+        self.open_maps(v, |_| true)
+    }
+
+    /// [`Self::open_thin`] for the maps whose key `which` accepts only.
+    pub(crate) fn open_maps(&self, v: &VolumeEntry, which: impl Fn(Uuid) -> bool) {
+        for m in map_refs(v).into_iter().filter(|m| which(m.key)) {
+            let opened = self
+                .scan_thin(v, &m)
+                .and_then(|(spec, scan)| self.start_scanned(v, &m, spec, scan))
+                .map_err(Arc::new);
+            self.thins
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(m.key, opened);
+        }
     }
 
     /// At start, after the allocators are rebuilt from the table: every thin volume's maps
     /// are read, the chunks they name marked taken (each once, however many maps name it)
-    /// and counted ([`SharedChunks`]). A volume whose map is unreadable or corrupt is not
-    /// served (and says why); the others are.
+    /// and counted ([`SharedChunks`]). A map that is unreadable or corrupt is not served (and
+    /// says why); the others are.
     pub(crate) fn open_thins(&mut self) {
         self.refresh_space();
         let mut scans = Vec::new();
         for v in &self.table.volumes {
-            let Some(t) = &v.thin else { continue };
-            scans.push((v.clone(), self.scan_thin(v, t)));
+            for m in map_refs(v) {
+                let scan = self.scan_thin(v, &m);
+                scans.push((v, m, scan));
+            }
         }
         let mut named: HashMap<Placement, (u64, u32)> = HashMap::new();
-        for (v, scan) in &mut scans {
+        for (v, m, scan) in &mut scans {
             let Ok((_, scan)) = scan else { continue };
             for (uuid, why) in &scan.damaged {
                 tracing::error!(volume = %v.name, snapshot = %uuid, why = %why, "a snapshot's map is corrupt: the volume is served, the snapshot can only be deleted");
             }
             for &(i, p) in &scan.placements {
                 if let Some(why) = self.mark_named(&mut named, i, p) {
-                    let why = format!("volume '{}': {why}", v.name);
+                    let why = format!("volume '{}'{}: {why}", v.name, m.of());
                     scan.problem.get_or_insert(ScanProblem::Corrupt(why));
                 }
             }
@@ -281,14 +360,14 @@ impl Pool {
         let counts = named.iter().map(|(&p, &(_, n))| (p, n)).collect();
         self.space.refs.rebuild(&counts);
         let mut cache = ThinCache::new();
-        for (v, scan) in scans {
+        for (v, m, scan) in scans {
             let opened = scan
-                .and_then(|(spec, scan)| self.start_scanned(&v, spec, scan))
+                .and_then(|(spec, scan)| self.start_scanned(v, &m, spec, scan))
                 .map_err(|e| {
-                    tracing::error!(volume = %v.name, error = %e, "thin volume not served");
+                    tracing::error!(volume = %v.name, copy = ?m.slot, error = %e, "thin volume not served");
                     Arc::new(e)
                 });
-            cache.insert(v.uuid, opened);
+            cache.insert(m.key, opened);
         }
         *self.thins.lock().unwrap_or_else(|p| p.into_inner()) = cache;
     }
@@ -323,10 +402,19 @@ impl Pool {
         })
     }
 
-    /// The device of thin volume `v`.
+    /// The device of thin volume `v` (its own map's; a mirrored thin volume's first copy's).
     pub(crate) fn thin_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
+        match v.leg_maps().next() {
+            Some((_, m)) if v.is_mirrored_thin() => self.map_device(v, m.uuid),
+            _ => self.map_device(v, v.uuid),
+        }
+    }
+
+    /// The device of thin volume `v`'s map `key` (the volume's UUID: its own map's; a
+    /// mirrored copy's map UUID: that copy's).
+    pub(crate) fn map_device(&self, v: &VolumeEntry, key: Uuid) -> Result<Arc<Device>> {
         let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
-        match cache.get(&v.uuid) {
+        match cache.get(&key) {
             Some(Ok(d)) => Ok(d.clone()),
             Some(Err(why)) => Err(Error::Thin {
                 volume: v.name.clone(),
@@ -339,87 +427,12 @@ impl Pool {
         }
     }
 
-    /// Creates a thin volume: only its map is allocated (zeroed: every chunk a hole).
-    pub fn create_thin_volume(
-        &mut self,
-        name: &str,
-        size: u64,
-        read_only: bool,
-        num_queues: u16,
-        encrypt: bool,
-    ) -> Result<VolumeInfo> {
-        let key = match encrypt {
-            true => NewKey::Fresh,
-            false => NewKey::Plain,
-        };
-        self.create_thin_with(name, size, read_only, num_queues, key)
-    }
-
-    /// Creates thin volume `name` for a transfer from another host (docs/transfer.md): as
-    /// the sender has it, under the sender's data key if it is encrypted.
-    pub fn create_received_thin_volume(
-        &mut self,
-        name: &str,
-        size: u64,
-        num_queues: u16,
-        key: Option<crate::metadata::VolumeKey>,
-    ) -> Result<VolumeInfo> {
-        let key = key.map_or(NewKey::Plain, NewKey::Given);
-        self.create_thin_with(name, size, false, num_queues, key)
-    }
-
-    fn create_thin_with(
-        &mut self,
-        name: &str,
-        size: u64,
-        read_only: bool,
-        num_queues: u16,
-        key: NewKey,
-    ) -> Result<VolumeInfo> {
-        self.check_new_volume(name, size, num_queues)?;
-        let chunk = self.table.min_extent;
-        let map_bytes = spool_thin::map::map_bytes(size.div_ceil(chunk));
-        let bytes = self.round_up(map_bytes)?;
-        self.check_space(bytes)?;
-        let mut v = VolumeEntry::new(name, size, read_only, num_queues);
-        v.encryption = match key {
-            NewKey::Plain => None,
-            NewKey::Fresh => Some(self.new_volume_key(&v)?),
-            NewKey::Given(k) => Some(self.check_received_key(&v, k)?),
-        };
-        let encrypt = v.encryption.is_some();
-        let map = self.allocate(bytes)?;
-        if let Err(e) = self.scrub(&map) {
-            self.release(&map);
-            return Err(e);
-        }
-        v.thin = Some(ThinMap {
-            chunk,
-            map: map.clone(),
-            snapshots: Vec::new(),
-            origin: None,
-        });
-        let mut table = self.table.clone();
-        table.volumes.push(v.clone());
-        if let Err(e) = self.commit(table) {
-            self.release(&map);
-            return Err(e);
-        }
-        let t = v.thin.as_ref().expect("set above");
-        let opened = self.open_thin(&v, t).map_err(Arc::new);
-        self.thins
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(v.uuid, opened);
-        tracing::info!(volume = %v.name, uuid = %v.uuid, size, chunk, map_bytes = bytes, encrypted = encrypt, "thin volume created");
-        Ok(self.volume_info(&v))
-    }
-
     /// Grows thin volume `i` to `new_size` bytes: recorded in the table, then the thin
     /// device serves it (its new chunks are holes; no space is taken). Up to what its map's
     /// extents hold.
     pub(crate) fn resize_thin_volume(&mut self, i: usize, new_size: u64) -> Result<VolumeInfo> {
         let v = self.table.volumes[i].clone();
+        Self::refuse_mirrored_thin(&v, "growing")?;
         let dev = self.thin_device(&v)?;
         let t = crate::snapshots::thin_backend(&v, &dev)?;
         if new_size > t.max_size() {
@@ -440,8 +453,8 @@ impl Pool {
         Ok(self.volume_info(&self.table.volumes[i]))
     }
 
-    /// Stops thin volume `uuid`'s allocator and gives back every chunk its map names (after
-    /// the table without it is committed).
+    /// Stops the allocator of thin map `uuid` (a volume's own, or a mirrored copy's) and
+    /// gives back every chunk the map names (after the table without it is committed).
     pub(crate) fn release_thin(&self, uuid: Uuid) {
         let dev = self
             .thins
@@ -469,11 +482,17 @@ impl Pool {
             || self.thin_chunks_on(v, uuid)
     }
 
-    /// Whether thin volume `v` keeps any chunk (data, not its map) on device `uuid`.
+    /// Whether thin volume `v` keeps any chunk (data, not its map) on device `uuid`, in any
+    /// of its copies.
     pub(crate) fn thin_chunks_on(&self, v: &VolumeEntry, uuid: Uuid) -> bool {
+        map_refs(v).iter().any(|m| self.map_chunks_on(m.key, uuid))
+    }
+
+    /// Whether thin map `key` names any chunk on device `uuid`.
+    pub(crate) fn map_chunks_on(&self, key: Uuid, uuid: Uuid) -> bool {
         let cache = self.thins.lock().unwrap_or_else(|p| p.into_inner());
         cache
-            .get(&v.uuid)
+            .get(&key)
             .and_then(|d| d.as_ref().ok())
             .and_then(|d| ThinBackend::of(d))
             .is_some_and(|t| t.placements().iter().any(|p| p.device == uuid))
@@ -499,10 +518,62 @@ impl Pool {
 }
 
 /// A thin volume now (see [`Pool::thin_state`]).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct ThinState {
     pub(crate) mapped: u64,
     pub(crate) waiting_for_space: u64,
     pub(crate) max_size: u64,
     pub(crate) error: Option<String>,
+}
+
+/// One chunk map of a thin volume (see [`map_refs`]).
+#[derive(Debug)]
+pub(crate) struct MapRef<'a> {
+    /// What the pool opens it under: the volume's UUID for its own map, the map's for a
+    /// mirrored copy's.
+    pub(crate) key: Uuid,
+    /// The copy's leg slot (a mirrored copy's map); `None`: the volume's own map.
+    pub(crate) slot: Option<u8>,
+    pub(crate) chunk: u64,
+    pub(crate) map: &'a [ExtentEntry],
+    pub(crate) snapshots: &'a [crate::metadata::ThinSnapshot],
+    /// The devices its chunks may lie on (empty: any).
+    pub(crate) devices: &'a [Uuid],
+}
+
+impl MapRef<'_> {
+    /// " leg N" for a copy's map, nothing for the volume's own (after a volume's name).
+    pub(crate) fn of(&self) -> String {
+        self.slot.map_or(String::new(), |s| format!(" leg {s}"))
+    }
+
+    /// "leg N: " for a copy's map, nothing for the volume's own (before an error).
+    fn prefix(&self) -> String {
+        self.slot.map_or(String::new(), |s| format!("leg {s}: "))
+    }
+}
+
+/// Every chunk map of volume `v`: none for a thick volume; a thin volume's own, or each
+/// copy's of a mirrored thin volume.
+pub(crate) fn map_refs(v: &VolumeEntry) -> Vec<MapRef<'_>> {
+    let Some(t) = &v.thin else {
+        return Vec::new();
+    };
+    let own = (!v.is_mirrored_thin()).then_some(MapRef {
+        key: v.uuid,
+        slot: None,
+        chunk: t.chunk,
+        map: &t.map,
+        snapshots: &t.snapshots,
+        devices: &[],
+    });
+    let copies = v.leg_maps().map(|(l, m)| MapRef {
+        key: m.uuid,
+        slot: Some(l.slot),
+        chunk: t.chunk,
+        map: &m.map,
+        snapshots: &[],
+        devices: &m.devices,
+    });
+    own.into_iter().chain(copies).collect()
 }

@@ -121,6 +121,7 @@ fn a_thin_volume_being_sent_has_exactly_its_maps_leg_and_the_remote_one() {
             uri: "nbd://host:10809/t".into(),
             id: uuid::Uuid::new_v4(),
         }),
+        thin: None,
     });
     v.copies = 2;
     assert_eq!(sent.validate(), Ok(()));

@@ -60,7 +60,7 @@ impl Pool {
     /// Allocates extents covering `bytes` (a multiple of the minimum extent), largest blocks
     /// first, each on the device with the most free space that has a block of that order.
     pub(crate) fn allocate(&mut self, bytes: u64) -> Result<Vec<ExtentEntry>> {
-        self.allocate_off(bytes, None)
+        self.allocate_on(bytes, |_| true)
     }
 
     /// [`Self::allocate`] on devices other than `avoid`.
@@ -68,6 +68,15 @@ impl Pool {
         &mut self,
         bytes: u64,
         avoid: Option<Uuid>,
+    ) -> Result<Vec<ExtentEntry>> {
+        self.allocate_on(bytes, |u| Some(u) != avoid)
+    }
+
+    /// [`Self::allocate`] on the devices `ok` accepts.
+    pub(crate) fn allocate_on(
+        &mut self,
+        bytes: u64,
+        ok: impl Fn(Uuid) -> bool,
     ) -> Result<Vec<ExtentEntry>> {
         self.check_not_frozen()?;
         let min = self.table.min_extent;
@@ -84,7 +93,7 @@ impl Pool {
             let best = self
                 .members
                 .iter_mut()
-                .filter(|m| !m.isolated() && Some(m.uuid) != avoid && m.has_order(order))
+                .filter(|m| !m.isolated() && ok(m.uuid) && m.has_order(order))
                 .max_by_key(|m| m.free_bytes());
             match best.map(|m| (m.uuid, m.alloc(order))) {
                 // A thin volume's allocator took the block since the check: look again.
@@ -202,11 +211,12 @@ impl Pool {
         }
     }
 
-    /// Refuses what thin volumes do not do yet (docs/thin.md), naming `what`.
-    pub(crate) fn refuse_thin(v: &VolumeEntry, what: &str) -> Result<()> {
-        match v.thin.is_some() {
+    /// Refuses what mirrored thin volumes do not do yet (docs/thin.md, "Mirrored thin
+    /// volumes"), naming `what`.
+    pub(crate) fn refuse_mirrored_thin(v: &VolumeEntry, what: &str) -> Result<()> {
+        match v.is_mirrored_thin() {
             true => Err(Error::InvalidArgument(format!(
-                "volume '{}' is thin; {what} is not supported for thin volumes yet",
+                "volume '{}' is a mirrored thin volume; {what} is not supported for mirrored thin volumes yet",
                 v.name
             ))),
             false => Ok(()),
@@ -248,11 +258,14 @@ impl Pool {
         copies: u8,
         encrypt: bool,
     ) -> Result<VolumeInfo> {
-        let key = match encrypt {
-            true => NewKey::Fresh,
-            false => NewKey::Plain,
-        };
-        self.create_volume_with(name, size, read_only, num_queues, copies, key)
+        self.create_volume_with(
+            name,
+            size,
+            read_only,
+            num_queues,
+            copies,
+            NewKey::of(encrypt),
+        )
     }
 
     /// A writable volume of `copies` copies received from another host (docs/transfer.md):
@@ -293,11 +306,7 @@ impl Pool {
         self.check_space(bytes.saturating_mul(copies as u64))
             .map_err(|e| mirror_room(self, e))?;
         let mut v = VolumeEntry::new(name, size, read_only, num_queues);
-        v.encryption = match key {
-            NewKey::Plain => None,
-            NewKey::Fresh => Some(self.new_volume_key(&v)?),
-            NewKey::Given(k) => Some(self.check_received_key(&v, k)?),
-        };
+        v.encryption = self.key_for(&v, key)?;
         let encrypt = v.encryption.is_some();
         if copies > 1 {
             v.copies = copies;
@@ -362,8 +371,10 @@ impl Pool {
         }
         // A thin volume being sent: its mirror (whose copy reads the thin device) ends first.
         self.drop_mirror(v.uuid);
-        // A thin volume's allocator stops before its map's extents are free.
-        self.release_thin(v.uuid);
+        // A thin volume's allocators (one per copy) stop before its maps' extents are free.
+        for m in crate::thin::map_refs(&v) {
+            self.release_thin(m.key);
+        }
         let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
         self.release(&all);
         tracing::info!(volume = %v.name, uuid = %v.uuid, "volume deleted");

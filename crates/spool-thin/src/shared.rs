@@ -41,6 +41,12 @@ pub struct ThinSpec {
     pub inline_io: bool,
     /// The volume's snapshots, oldest first (their maps are read at open).
     pub snapshots: Vec<SnapshotSpec>,
+    /// A mirrored thin volume's copy: the pool devices it may use. When one of them is
+    /// isolated the thin device fails as a whole (the copy is incomplete: the mirror reads
+    /// the other copies, and the copy is made anew when the device is replaced). Empty: the
+    /// thin device follows only the devices its map names, and stays healthy when one of
+    /// them fails (its chunks there fail their I/O).
+    pub copy_devices: Vec<Arc<Device>>,
 }
 
 /// A snapshot of a thin volume: its own map, written once when it was taken.
@@ -170,8 +176,14 @@ impl Shared {
         })
     }
 
-    /// The thin cell follows the pool devices it uses: resetting while one of them is,
-    /// healthy otherwise, with a new epoch whenever one of theirs moved (so the worker
+    /// Whether this is a mirrored copy one of whose devices is isolated.
+    pub(crate) fn copy_lost(&self) -> bool {
+        (self.spec.copy_devices.iter()).any(|d| d.health().state().isolated())
+    }
+
+    /// The thin cell follows the pool devices it uses: failed when it is a mirrored copy
+    /// and one of its devices is isolated, resetting while one of them is, healthy
+    /// otherwise, with a new epoch whenever one of theirs moved (so the worker
     /// dispatches what it holds again). Also ends a reset the worker started on the thin
     /// cell itself (a timeout) once no pool device is resetting.
     pub(crate) fn follow_health(&self) {
@@ -186,7 +198,10 @@ impl Shared {
         let states: Vec<(HealthState, u64)> = devices.iter().map(|d| d.health().load()).collect();
         let epochs: Vec<u64> = states.iter().map(|s| s.1).collect();
         let resetting = states.iter().any(|s| s.0 == HealthState::Resetting);
-        let want = if resetting {
+        let copy_lost = self.copy_lost();
+        let want = if copy_lost {
+            HealthState::Failed
+        } else if resetting {
             HealthState::Resetting
         } else {
             HealthState::Healthy

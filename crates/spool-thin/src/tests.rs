@@ -70,6 +70,7 @@ fn spec(volume: Uuid, dev: &Arc<Device>, size: u64) -> ThinSpec {
         full_wait: Duration::from_millis(200),
         inline_io: false,
         snapshots: Vec::new(),
+        copy_devices: Vec::new(),
     }
 }
 

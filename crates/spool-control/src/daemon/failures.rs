@@ -89,7 +89,10 @@ impl Daemon {
                 .filter(|v| rep.volumes.contains(&v.name))
                 .map(|v| {
                     let l = pool.layout(&v.uuid.to_string());
-                    (v, l)
+                    // A mirrored thin copy made anew: its old map is held until the
+                    // queues are off it.
+                    let ticket = pool.retired_ticket(v.uuid);
+                    (v, l, ticket)
                 })
                 .collect();
             let handle = pool
@@ -102,7 +105,7 @@ impl Daemon {
         if let Some(h) = handle {
             self.monitor.replace(rep.old, rep.new.uuid, h);
         }
-        for (v, layout) in layouts {
+        for (v, layout, ticket) in layouts {
             let layout = match layout {
                 Ok(l) => l,
                 Err(e) => {
@@ -117,9 +120,14 @@ impl Daemon {
                     // Reopens the device queues on the new layout and resubmits what the
                     // journal says is in flight.
                     s.device_reset();
+                    let ctx = s.context().clone();
+                    drop(servers);
+                    self.hold_retired(v.uuid, ticket, Some(ctx));
                 }
                 None => {
                     drop(servers);
+                    // Nothing served it: no queue holds an older layout.
+                    self.hold_retired(v.uuid, ticket, None);
                     if let Err(e) = self.serve(&v) {
                         tracing::error!(volume = %v.name, "not served after replacement: {e}");
                     }

@@ -142,6 +142,18 @@ impl Daemon {
                 tracing::error!(volume = %v.name, "no layout after a change of copies: {e}")
             }
         }
+        self.hold_retired(v.uuid, ticket, ctx);
+    }
+
+    /// Holds volume `volume`'s retired extents and maps (up to `ticket`: none when `None`)
+    /// until no queue of `ctx` holds a layout older than the ticket; gives them back at once
+    /// when the volume is not served.
+    pub(super) fn hold_retired(
+        &self,
+        volume: Uuid,
+        ticket: Option<u64>,
+        ctx: Option<Arc<spool_frontend::VolumeContext>>,
+    ) {
         let Some(ticket) = ticket else { return };
         match ctx {
             // The queues keep what they have until a newer layout comes: the extents stay
@@ -151,13 +163,13 @@ impl Daemon {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(Retiring {
-                    volume: v.uuid,
+                    volume,
                     ticket,
                     abandoned: c.abandoned_io(),
                     ctx: Arc::downgrade(&c),
                 }),
             None => {
-                self.pool().release_retired(v.uuid, ticket);
+                self.pool().release_retired(volume, ticket);
             }
         }
     }

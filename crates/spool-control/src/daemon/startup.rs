@@ -281,11 +281,12 @@ impl Daemon {
                             let size = (v.size > 0).then_some(v.size);
                             pool.create_rbd_volume(&v.name, size, v.read_only, v.num_queues, &t)
                         }),
-                        None if v.thin => pool.create_thin_volume(
+                        None if v.thin => pool.create_thin_copies(
                             &v.name,
                             v.size,
                             v.read_only,
                             v.num_queues,
+                            v.copies,
                             v.encrypt,
                         ),
                         None => pool.create_volume_opts(

@@ -88,16 +88,12 @@ impl Daemon {
                     "an RBD image is thin already: thin does not apply".into(),
                 ))
             }
-            None if p.thin && p.mirror.is_some_and(|m| m > 1) => {
-                return Err(RpcError::InvalidParams(
-                    "a thin volume cannot be mirrored yet".into(),
-                ))
-            }
-            None if p.thin => self.pool().create_thin_volume(
+            None if p.thin => self.pool().create_thin_copies(
                 &p.name,
                 size.ok_or_else(|| RpcError::InvalidParams("size is required".into()))?,
                 p.read_only,
                 queues,
+                p.mirror.unwrap_or(1),
                 p.encrypt,
             )?,
             Some(_) if p.encrypt => {

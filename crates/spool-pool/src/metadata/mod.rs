@@ -21,10 +21,10 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
 /// images: version 4; encrypted volumes: version 5; thin volumes: version 6; snapshots and
 /// clones: version 7; a copy being sent to another host: version 8; a thin volume being sent:
-/// version 9), so an older spoold
+/// version 9; a mirrored thin volume: version 10), so an older spoold
 /// refuses a table it would otherwise rewrite without them, and still reads every table that
 /// needs nothing new.
-pub const FORMAT_VERSION: u32 = 9;
+pub const FORMAT_VERSION: u32 = 10;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -167,6 +167,19 @@ pub struct ThinMap {
     pub origin: Option<String>,
 }
 
+/// One copy of a mirrored thin volume (format version 10; docs/thin.md): a chunk map of its
+/// own, whose chunks and map lie only on its own devices, which no other copy of the volume
+/// uses (so one device's loss costs at most one copy).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LegMap {
+    /// The map's own UUID (each entry's checksum covers it), unique in the table.
+    pub uuid: Uuid,
+    /// The map's extents in order (32 bytes per chunk, docs/thin.md).
+    pub map: Vec<ExtentEntry>,
+    /// The devices its chunks and map may lie on.
+    pub devices: Vec<Uuid>,
+}
+
 /// A snapshot of a thin volume: a map of its own, written once, naming chunks the volume's
 /// map (or a clone's) may name too.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -231,6 +244,10 @@ pub struct LegEntry {
     /// leg has no extents here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemoteLeg>,
+    /// A mirrored thin volume's copy: its chunk map (format version 10). No extents then;
+    /// the volume's own map (`ThinMap::map`) is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thin: Option<LegMap>,
 }
 
 /// Where a remote leg lives: an NBD export (normally another spoold's `volume receive`).
@@ -251,6 +268,7 @@ impl LegEntry {
             synced,
             extents,
             remote: None,
+            thin: None,
         }
     }
 }
@@ -263,6 +281,17 @@ impl VolumeEntry {
             self.copies = 1;
             self.legs = vec![LegEntry::local(0, true, std::mem::take(&mut self.extents))];
         }
+    }
+
+    /// A mirrored thin volume's copies, each with its own map.
+    pub fn leg_maps(&self) -> impl Iterator<Item = (&LegEntry, &LegMap)> {
+        self.legs.iter().filter_map(|l| Some((l, l.thin.as_ref()?)))
+    }
+
+    /// Whether this is a thin volume with copies on this pool, each with its own map (not a
+    /// thin volume being sent, whose local leg stands for the volume's own map).
+    pub fn is_mirrored_thin(&self) -> bool {
+        self.thin.is_some() && self.legs.iter().any(|l| l.thin.is_some())
     }
 
     /// The leg on another host this volume is being sent to, if any.
@@ -305,6 +334,7 @@ impl VolumeEntry {
                     .flat_map(|t| &t.snapshots)
                     .flat_map(|s| s.map.iter()),
             )
+            .chain(self.leg_maps().flat_map(|(_, m)| m.map.iter()))
     }
 
     /// Each local copy's extents in logical order (a plain volume has one; a remote leg has
@@ -327,7 +357,13 @@ impl PoolTable {
     pub fn format_version(&self) -> u32 {
         let shares = |t: &ThinMap| !t.snapshots.is_empty() || t.origin.is_some();
         let sent = |v: &VolumeEntry| v.legs.iter().any(|l| l.remote.is_some());
-        if self.volumes.iter().any(|v| v.thin.is_some() && sent(v)) {
+        if self
+            .volumes
+            .iter()
+            .any(|v| v.legs.iter().any(|l| l.thin.is_some()))
+        {
+            10
+        } else if self.volumes.iter().any(|v| v.thin.is_some() && sent(v)) {
             9
         } else if self.volumes.iter().any(sent) {
             8

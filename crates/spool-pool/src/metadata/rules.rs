@@ -51,6 +51,15 @@ impl PoolTable {
                     v.name, v.uuid
                 )));
             }
+            // A copy's map is opened under its UUID, as a volume's is.
+            for (l, m) in v.leg_maps() {
+                if !uuids.insert(m.uuid) {
+                    return Err(Invalid(format!(
+                        "volume '{}': leg {} map UUID {} is used twice in the table",
+                        v.name, l.slot, m.uuid
+                    )));
+                }
+            }
             // A remote leg's id names its connection: two volumes must never share one.
             if let Some(r) = v.remote_leg().and_then(|l| l.remote.as_ref()) {
                 if !uuids.insert(r.id) {
@@ -136,6 +145,12 @@ impl PoolTable {
         if let Some(r) = &v.rbd {
             return validate_rbd(v, r).map_err(|why| Invalid(format!("{what}: {why}")));
         }
+        if let Some(l) = v.legs.iter().find(|l| l.thin.is_some()) {
+            return Err(Invalid(format!(
+                "{what}: leg {} has a chunk map but the volume is not thin",
+                l.slot
+            )));
+        }
         validate_legs(v).map_err(|why| Invalid(format!("{what}: {why}")))?;
         for (leg, extents) in v.copies_extents().into_iter().enumerate() {
             let what = match v.is_mirrored() {
@@ -180,6 +195,9 @@ impl PoolTable {
                 "{what}: thin chunk size {} is not the pool's min_extent {}",
                 t.chunk, self.min_extent
             )));
+        }
+        if v.is_mirrored_thin() {
+            return self.validate_thin_copies(v, t, devices, &mut extent);
         }
         let mut bytes = 0u64;
         for (i, e) in t.map.iter().enumerate() {
@@ -243,20 +261,98 @@ impl PoolTable {
     }
 }
 
-/// A thin volume's own fields: no extents, copies or RBD image; legs only while it is sent
-/// (a synced local one without extents, standing for its map, and the remote one).
+/// A thin volume's own fields: no extents or RBD image; legs only while it is sent (a synced
+/// local one without extents, standing for its map, and the remote one) or while it is
+/// mirrored (each leg with a map of its own).
 fn thin_shape(v: &VolumeEntry) -> Result<(), Invalid> {
+    let no_extents = v.legs.iter().all(|l| l.extents.is_empty());
+    let own_maps = v.legs.iter().filter(|l| l.thin.is_some()).count();
     let sent = v.copies == 2
         && v.legs.len() == 2
         && v.remote_leg().is_some()
-        && v.legs.iter().all(|l| l.extents.is_empty());
-    let own = !sent && (!v.legs.is_empty() || v.copies != 0);
+        && no_extents
+        && own_maps == 0;
+    let mirrored = v.is_mirrored()
+        && v.legs.len() >= 2
+        && v.remote_leg().is_none()
+        && no_extents
+        && own_maps == v.legs.len();
+    let own = !sent && !mirrored && (!v.legs.is_empty() || v.copies != 0);
     if !v.extents.is_empty() || own || v.rbd.is_some() {
-        return Err(Invalid("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one)".into()));
+        return Err(Invalid("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one; or while it is mirrored: each with a map of its own)".into()));
     }
-    match sent {
+    match sent || mirrored {
         true => validate_legs(v),
         false => Ok(()),
+    }
+}
+
+impl PoolTable {
+    /// A mirrored thin volume's copies: each has devices of its own, no device is any two
+    /// copies', each copy's map lies on its own devices and holds an entry for every chunk.
+    /// The volume's own map is empty, and it has no snapshots or origin (not supported on a
+    /// mirrored thin volume yet).
+    fn validate_thin_copies(
+        &self,
+        v: &VolumeEntry,
+        t: &ThinMap,
+        devices: &HashMap<Uuid, u64>,
+        extent: &mut impl FnMut(Uuid, u64, u64),
+    ) -> Result<(), Invalid> {
+        let what = format!("volume '{}'", v.name);
+        if !t.map.is_empty() || !t.snapshots.is_empty() || t.origin.is_some() {
+            return Err(Invalid(format!(
+                "{what}: a mirrored thin volume has no map of its own (each copy has one), no snapshots and no origin"
+            )));
+        }
+        let need = spool_thin::map::map_bytes(v.size.div_ceil(t.chunk));
+        let mut seen = HashSet::new();
+        for (l, m) in v.leg_maps() {
+            let (copy, own) = (format!("leg {}", l.slot), &m.devices);
+            let what = format!("{what} {copy}");
+            if own.is_empty() || own.len() > devices.len() {
+                return Err(Invalid(format!(
+                    "{what}: names {} devices (1 to the pool's {})",
+                    own.len(),
+                    devices.len()
+                )));
+            }
+            for d in own {
+                if !devices.contains_key(d) {
+                    return Err(Invalid(format!("{what}: names unknown device {d}")));
+                }
+                if !seen.insert(*d) {
+                    return Err(Invalid(format!(
+                        "{what}: device {d} is named twice (copies must be on distinct devices)"
+                    )));
+                }
+            }
+            if m.uuid.is_nil() || m.uuid == v.uuid {
+                return Err(Invalid(format!(
+                    "{what}: its map's UUID {} is not its own",
+                    m.uuid
+                )));
+            }
+            let mut bytes = 0u64;
+            for (i, e) in m.map.iter().enumerate() {
+                let (block, end) = validate_extent(self.min_extent, e, devices)
+                    .map_err(|why| Invalid(format!("{what}: map extent {i} {why}")))?;
+                if !own.contains(&e.device) {
+                    return Err(Invalid(format!(
+                        "{what}: map extent {i} is on device {}, not one of its own",
+                        e.device
+                    )));
+                }
+                bytes = bytes.saturating_add(block);
+                extent(e.device, e.offset, end);
+            }
+            if bytes < need {
+                return Err(Invalid(format!(
+                    "{what}: its map holds {bytes} bytes; {need} are needed for its chunks"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 

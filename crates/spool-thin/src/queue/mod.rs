@@ -272,7 +272,7 @@ impl ThinQueue {
             .health
             .get()
             .is_some_and(|c| c.state() != spool_devices::HealthState::Healthy);
-        if moved || thin_reset {
+        if moved || thin_reset || self.shared.copy_lost() {
             self.shared.follow_health();
         }
     }

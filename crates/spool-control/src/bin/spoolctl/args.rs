@@ -110,8 +110,9 @@ pub enum DeviceCmd {
     /// Controller reset: hold the device's I/O, check it answers, resubmit what was in flight.
     Reset { id: String },
     /// Replace a failed or removed device with a blank one; volumes on the old device come
-    /// back online: a mirrored volume's copy there is rebuilt from another, a thin volume
-    /// loses only the chunks it had there, a plain volume the data it had there.
+    /// back online: a mirrored volume's copy there is rebuilt from another (a mirrored thin
+    /// volume's copy is made anew there, holes kept), a thin volume loses only the chunks
+    /// it had there, a plain volume the data it had there.
     Replace {
         old: String,
         new: PathBuf,
@@ -166,7 +167,8 @@ pub enum VolumeCmd {
         #[arg(long)]
         encrypt: bool,
         /// Take the volume's space from the pool on first write, one chunk (the pool's
-        /// min_extent) at a time; discards give whole chunks back (docs/thin.md).
+        /// min_extent) at a time; discards give whole chunks back (docs/thin.md). With
+        /// --mirror, each copy takes its chunks from devices of its own.
         #[arg(long)]
         thin: bool,
     },
