@@ -180,9 +180,11 @@ pub(crate) struct Shared {
     pub(crate) health: OnceLock<Arc<DeviceHealth>>,
     pub(crate) progress: Arc<resync::ProgressCell>,
     /// Set when the backend is dropped (or replaced by one with other regions): the
-    /// background thread ends, and sets `stopped` when it has (`resync::start`).
+    /// background thread ends, and sets `stopped` when it has let go of everything it held
+    /// (its leg queues and its hold on this state, and so on the leg devices:
+    /// `resync::start`).
     pub(crate) stop: AtomicBool,
-    pub(crate) stopped: AtomicBool,
+    pub(crate) stopped: Arc<AtomicBool>,
     /// Regions found needing a resync when the mirror was opened (after a crash).
     pub(crate) resync_at_open: u64,
 }
@@ -380,7 +382,7 @@ impl Mirror {
             health: OnceLock::new(),
             progress,
             stop: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
+            stopped: Arc::new(AtomicBool::new(false)),
             resync_at_open,
         });
         if resync_at_open > 0 && reuse.is_none() {

@@ -87,13 +87,13 @@ pub struct Progress {
     pub bitmap_sync_us: f64,
 }
 
+/// Starts the background thread; `stopped` once it let go of its leg queues and the state.
 pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
-    let weak = Arc::downgrade(shared);
+    let (weak, stopped) = (Arc::downgrade(shared), shared.stopped.clone());
     let name = format!("mirror-{}", shared.spec.name);
-    std::thread::Builder::new()
-        .name(name.chars().take(15).collect())
-        .spawn(move || run(weak))
-        .map(|_| ())
+    let body = move || (run(weak), stopped.store(true, Ordering::Release));
+    let thread = std::thread::Builder::new().name(name.chars().take(15).collect());
+    thread.spawn(body).map(|_| ())
 }
 
 fn run(weak: Weak<Shared>) {
@@ -102,7 +102,6 @@ fn run(weak: Weak<Shared>) {
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
-            shared.stopped.store(true, Ordering::Release);
             return;
         }
         keep_health(&shared);
