@@ -659,7 +659,7 @@ poll_interval_ms = 50
     assert!(allocated >= 2 * LOADED, "{show}");
     // The old copy's map and chunks go back once the queues are off it.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !s.log().contains("old map given up") {
+    while !s.log().contains("thin map given up") {
         assert!(
             Instant::now() < deadline,
             "the old copy's map is still held"
@@ -667,4 +667,70 @@ poll_interval_ms = 50
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_pool_checks_clean(&s);
+}
+
+/// A clone of a thin volume's snapshot gets two copies online (`volume mirror add`): they are
+/// rebuilt from the clone's own map under load, then the own map (and what it shared with
+/// the snapshot) is given up, and the snapshot still reads what it held.
+#[test]
+fn copies_added_to_a_thin_clone_take_over_from_its_map_under_load() {
+    let s = Spoold::start(
+        r#"
+resync_rate = "64M"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "96M"
+[[devices]]
+path = "@DIR@/d1.img"
+create_size = "96M"
+[[devices]]
+path = "@DIR@/d2.img"
+create_size = "96M"
+[[volumes]]
+name = "src"
+size = "128M"
+num_queues = 1
+thin = true
+[health]
+poll_interval_ms = 50
+"#,
+    );
+    let mut c = connect(&s.socket("src"), 1, false).unwrap();
+    let old = pattern(7, 0, 65536);
+    assert_eq!(c.write_sync(0, 100 << 20, &old), 0);
+    drop(c);
+    ctl(&s, &["volume", "snapshot", "src", "s"]);
+    ctl(&s, &["volume", "clone", "src@s", "m"]);
+    let e = ctl_err(&s, &["volume", "mirror", "add", "src"]);
+    assert!(e.contains("snapshots"), "{e}");
+    let (l, t) = Load::start(s.socket("m"), LOADED);
+    l.wait_progress(300);
+    let out = ctl(&s, &["volume", "mirror", "add", "m"]);
+    assert!(out.contains("m"), "{out}");
+    let m = mirror(&s);
+    assert_eq!(m["legs"].as_array().unwrap().len(), 3, "{m}");
+    l.wait_progress(300);
+    let done = wait_mirror(&s, "made of its two copies", |m| {
+        m["legs"].as_array().unwrap().len() == 2 && m["state"] == json!("healthy")
+    });
+    assert_ne!(leg_device(&done, 0), leg_device(&done, 1), "{done}");
+    l.wait_progress(300);
+    stop(&l, t);
+    assert_identical(&s);
+    let v = s.rpc("volume_show", json!({"id": "m"})).unwrap();
+    let mut c = connect(&s.socket("m"), 1, false).unwrap();
+    assert_eq!(c.read_sync(0, 100 << 20, 65536), (0, old.clone()), "{v}");
+    drop(c);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !s.log().contains("thin map given up") {
+        assert!(
+            Instant::now() < deadline,
+            "the clone's own map is still held"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_pool_checks_clean(&s);
+    // The source still reads the chunk it shares with the snapshot (and the clone shared).
+    let mut c = connect(&s.socket("src"), 1, false).unwrap();
+    assert_eq!(c.read_sync(0, 100 << 20, 65536), (0, old), "{v}");
 }

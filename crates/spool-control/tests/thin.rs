@@ -250,10 +250,6 @@ create_size = "32M"
         .rpc("volume_resize", json!({"id": "t", "size": "40G"}))
         .unwrap_err();
     assert!(e.message.contains("can grow up to"), "{e:?}");
-    let e = d
-        .rpc("volume_mirror", json!({"id": "t", "action": "add"}))
-        .unwrap_err();
-    assert!(e.message.contains("thin"), "{e:?}");
     let mut c = connect(&d.socket("t"), 1, false).unwrap();
     assert_eq!(c.capacity, 20 << 30);
     assert_eq!(c.write_sync(0, (20 << 30) - 8192, &pattern(4, 0, 8192)), 0);

@@ -330,7 +330,7 @@ impl Pass<'_> {
         let pool = self.pool;
         for v in &pool.table.volumes {
             let Some(t) = &v.thin else { continue };
-            for m in crate::thin::map_refs(v) {
+            for m in crate::thin_maps::map_refs(v) {
                 self.out.report.maps += 1 + m.snapshots.len();
                 let spec = match pool.thin_spec(v, &m) {
                     Ok(s) => s,
@@ -397,7 +397,7 @@ impl Pass<'_> {
     fn scan_problems(
         &mut self,
         v: &VolumeEntry,
-        m: &crate::thin::MapRef,
+        m: &crate::thin_maps::MapRef,
         t: &crate::metadata::ThinMap,
         scan: &MapScan,
     ) {

@@ -183,11 +183,14 @@ impl Pool {
             // A mirrored thin volume provisions and maps its size once per copy.
             thin_provisioned: thin
                 .iter()
-                .map(|v| v.size.saturating_mul(crate::thin::map_refs(v).len() as u64))
+                .map(|v| {
+                    v.size
+                        .saturating_mul(crate::thin_maps::map_refs(v).len() as u64)
+                })
                 .sum(),
             thin_mapped: thin
                 .iter()
-                .flat_map(|v| crate::thin::map_refs(v))
+                .flat_map(|v| crate::thin_maps::map_refs(v))
                 .map(|m| self.thin_state(m.key).mapped)
                 .sum(),
             thin_shared: self.space.refs.shared_chunks() * self.table.min_extent,
@@ -212,7 +215,7 @@ impl Pool {
         let legs = self.leg_infos(v, &devices);
         // A thin volume's maps: its own, or each copy's of a mirrored one (whose writes wait
         // for space, or whose maps fail, each on its own).
-        let states: Vec<crate::thin::ThinState> = (crate::thin::map_refs(v).iter())
+        let states: Vec<crate::thin::ThinState> = (crate::thin_maps::map_refs(v).iter())
             .map(|m| self.thin_state(m.key))
             .collect();
         let thin = self.thin_info(v, &states);

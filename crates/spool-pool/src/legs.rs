@@ -24,10 +24,7 @@ impl Pool {
         let i = self.find(id)?;
         let mut v = self.table.volumes[i].clone();
         if v.thin.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "volume '{}' is thin: adding a copy to a thin volume is not supported yet; a thin volume is mirrored when it is created (volume create NAME SIZE --thin --mirror 2)",
-                v.name
-            )));
+            return self.add_thin_copies(i);
         }
         v.make_mirrored();
         if v.legs.len() >= MAX_COPIES as usize {

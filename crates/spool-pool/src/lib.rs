@@ -26,6 +26,7 @@ mod retired;
 mod snapshots;
 mod thin;
 mod thin_create;
+mod thin_maps;
 mod thin_mirror;
 mod thin_move;
 mod volume_image;

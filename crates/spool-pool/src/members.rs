@@ -344,7 +344,9 @@ impl Pool {
     /// thin volume's copy on it is made anew instead (`thin_mirror.rs`).
     fn evict_thin(&self, old: Uuid) -> Result<Vec<String>> {
         let mut touched = Vec::new();
-        let evicted = |v: &&metadata::VolumeEntry| v.thin.is_some() && !v.is_mirrored_thin();
+        // Its own map: a thin volume's, or a mirrored one's while copies are added to it.
+        let evicted =
+            |v: &&metadata::VolumeEntry| v.thin.as_ref().is_some_and(|t| !t.map.is_empty());
         for v in self.table.volumes.iter().filter(evicted) {
             if !self.thin_uses(v, old) {
                 continue;
@@ -375,7 +377,7 @@ impl Pool {
         for v in self.table.volumes.iter().filter(|v| v.thin.is_some()) {
             // A mirrored thin volume's copy on `old` is made anew: only the others' maps
             // must be served.
-            let kept = crate::thin::map_refs(v).into_iter();
+            let kept = crate::thin_maps::map_refs(v).into_iter();
             let mut kept = kept.filter(|m| !m.devices.contains(&old));
             if let Some(e) = kept.find_map(|m| self.map_device(v, m.key).err()) {
                 self.refresh_space();

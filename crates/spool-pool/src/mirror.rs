@@ -181,6 +181,7 @@ impl Pool {
             .members
             .iter_mut()
             .filter(|m| !m.isolated() && !taken.contains(&m.uuid) && m.has_order(order))
+            .filter(|m| !self.space.blocked(m.uuid))
             .max_by_key(|m| (mine.contains(&m.uuid), m.free_bytes()))?;
         // A thin volume's allocator may have taken the block since the check: no extent
         // then, as when none was free.

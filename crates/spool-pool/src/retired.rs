@@ -84,7 +84,7 @@ impl Pool {
         self.retired.maps = keep;
         for (_, _, key) in maps {
             self.release_thin(key);
-            tracing::info!(%volume, map = %key, "a mirrored thin copy's old map given up: no queue uses it any more");
+            tracing::info!(%volume, map = %key, "a thin map given up (a replaced copy's, or the own map of a volume its copies took over from): no queue uses it any more");
         }
         let (now, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired.held)
             .into_iter()

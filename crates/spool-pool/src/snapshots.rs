@@ -274,6 +274,7 @@ impl Pool {
             return Ok(dev);
         }
         let (_, v, dev) = self.thin_volume(id)?;
+        Self::refuse_mirrored_thin(&v, "inflating (its copies share nothing)")?;
         let need = thin_backend(&v, &dev)?.shared_chunks() * self.table.min_extent;
         let free: u64 = self.members.iter().map(|m| m.free_bytes()).sum();
         if need > free {

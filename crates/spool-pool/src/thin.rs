@@ -23,6 +23,7 @@ use uuid::Uuid;
 
 use crate::buddy::Buddy;
 use crate::metadata::{ExtentEntry, VolumeEntry};
+use crate::thin_maps::{map_refs, MapRef};
 use crate::{Error, Pool, Result, VolumeInfo};
 
 /// How long a write needing a chunk waits for free space on a full pool by default.
@@ -56,6 +57,10 @@ pub struct PoolSpace {
     /// Chunks named by more than one map (snapshots, clones), rebuilt from every map at
     /// open.
     pub(crate) refs: SharedChunks,
+    /// Devices nothing is allocated on, by the map that keeps them so: a mirrored thin
+    /// volume's copy whose map could not be read (which of their blocks it names is unknown)
+    /// until the copy is made anew. The rest of the pool allocates as before.
+    blocked: RwLock<Vec<(Uuid, Vec<Uuid>)>>,
 }
 
 /// The pool's free space as one copy of a mirrored thin volume sees it: its own devices
@@ -107,6 +112,27 @@ impl PoolSpace {
             .clone()
     }
 
+    /// Keeps `devices` (a mirrored thin volume's copy's, whose map `key` cannot be read) out
+    /// of every allocation until [`PoolSpace::unblock`].
+    fn block(&self, key: Uuid, devices: &[Uuid], why: &str) {
+        tracing::error!(map = %key, ?devices, why = %why, "a mirrored thin volume's copy is not served: nothing is allocated on its devices until it is made anew (device replace)");
+        let mut blocked = self.blocked.write().unwrap_or_else(|p| p.into_inner());
+        blocked.retain(|b| b.0 != key);
+        blocked.push((key, devices.to_vec()));
+    }
+
+    /// The copy whose map was `key` was made anew: its devices take allocations again.
+    pub(crate) fn unblock(&self, key: Uuid) {
+        let mut blocked = self.blocked.write().unwrap_or_else(|p| p.into_inner());
+        blocked.retain(|b| b.0 != key);
+    }
+
+    /// Whether nothing may be allocated on device `uuid` (see [`PoolSpace::block`]).
+    pub(crate) fn blocked(&self, uuid: Uuid) -> bool {
+        let blocked = self.blocked.read().unwrap_or_else(|p| p.into_inner());
+        blocked.iter().any(|b| b.1.contains(&uuid))
+    }
+
     /// Takes `uuid` out of what thin allocators may use (a device being replaced), and waits
     /// (up to 5 s) until no chunk taken before is still being allocated, so that the maps
     /// name every chunk on it. False when allocations did not settle in time.
@@ -144,7 +170,7 @@ impl PoolSpace {
         let members = self.members.read().unwrap_or_else(|p| p.into_inner());
         let mut by_free: Vec<&SpaceMember> = members
             .iter()
-            .filter(|m| ok(m.uuid) && !m.dev.health().state().isolated())
+            .filter(|m| ok(m.uuid) && !m.dev.health().state().isolated() && !self.blocked(m.uuid))
             .collect();
         by_free.sort_by_key(|m| {
             std::cmp::Reverse(
@@ -259,7 +285,7 @@ impl Pool {
             full_wait: self.opts.thin_full_wait,
             inline_io: !self.members.is_empty() && self.members.iter().all(|m| m.dev.inline_io()),
             snapshots,
-            // A copy's devices not in the pool now: it is failed already when opened.
+            // (A copy with a device not in the pool now is not served: `start_scanned`.)
             copy_devices: (m.devices.iter())
                 .filter_map(|u| self.members.iter().find(|x| x.uuid == *u))
                 .map(|x| x.dev.clone())
@@ -272,6 +298,11 @@ impl Pool {
     fn scan_thin(&self, v: &VolumeEntry, m: &MapRef) -> Result<(ThinSpec, MapScan)> {
         let spec = match self.thin_spec(v, m) {
             Ok(spec) => spec,
+            // A copy's chunks lie on its own devices only: they alone are kept out.
+            Err(e) if !m.devices.is_empty() => {
+                self.space.block(m.key, m.devices, &e.to_string());
+                return Err(e);
+            }
             Err(e) => {
                 self.space
                     .freeze(format!("thin volume '{}'{}: {e}", v.name, m.of()));
@@ -297,18 +328,32 @@ impl Pool {
         spec: ThinSpec,
         scan: MapScan,
     ) -> Result<Arc<Device>> {
-        if let Some(ScanProblem::Unreadable(why)) = &scan.problem {
-            self.space
-                .freeze(format!("thin volume '{}'{}: its map {why}", v.name, m.of()));
+        let thin_err = |why: String| Error::Thin {
+            volume: v.name.clone(),
+            why: format!("{}{why}", m.prefix()),
+        };
+        match &scan.problem {
+            Some(ScanProblem::Unreadable(why)) if !m.devices.is_empty() => {
+                self.space.block(m.key, m.devices, why)
+            }
+            Some(ScanProblem::Unreadable(why)) => {
+                self.space
+                    .freeze(format!("thin volume '{}'{}: its map {why}", v.name, m.of()))
+            }
+            _ => {}
+        }
+        // A copy that lost a device has lost chunks: it fails whole, until made anew.
+        let member = |u: &Uuid| self.members.iter().any(|x| x.uuid == *u);
+        if let Some(gone) = m.devices.iter().find(|u| !member(u)) {
+            let why = format!("its device {gone} is missing: the copy is failed until it is made anew (device replace)");
+            self.space.block(m.key, m.devices, &why);
+            return Err(thin_err(why));
         }
         let source: Arc<dyn ChunkSource> = match m.devices.is_empty() {
             true => self.space.clone(),
             false => CopySpace::new(&self.space, m.devices),
         };
-        ThinBackend::start(spec, source, scan).map_err(|e| Error::Thin {
-            volume: v.name.clone(),
-            why: format!("{}{e}", m.prefix()),
-        })
+        ThinBackend::start(spec, source, scan).map_err(|e| thin_err(e.to_string()))
     }
 
     /// Opens thin volume `v`'s maps whose chunks are accounted for already (a new volume, a
@@ -351,7 +396,15 @@ impl Pool {
                 tracing::error!(volume = %v.name, snapshot = %uuid, why = %why, "a snapshot's map is corrupt: the volume is served, the snapshot can only be deleted");
             }
             for &(i, p) in &scan.placements {
-                if let Some(why) = self.mark_named(&mut named, i, p) {
+                let outside = !m.devices.is_empty() && !m.devices.contains(&p.device);
+                let why = match outside {
+                    true => Some(format!(
+                        "chunk {i} is on device {}, not one of this copy's",
+                        p.device
+                    )),
+                    false => self.mark_named(&mut named, i, p),
+                };
+                if let Some(why) = why {
                     let why = format!("volume '{}'{}: {why}", v.name, m.of());
                     scan.problem.get_or_insert(ScanProblem::Corrupt(why));
                 }
@@ -402,10 +455,12 @@ impl Pool {
         })
     }
 
-    /// The device of thin volume `v` (its own map's; a mirrored thin volume's first copy's).
+    /// The device of thin volume `v`: its own map's, or a mirrored thin volume's first
+    /// copy's once it has no map of its own.
     pub(crate) fn thin_device(&self, v: &VolumeEntry) -> Result<Arc<Device>> {
+        let own = v.thin.as_ref().is_some_and(|t| !t.map.is_empty());
         match v.leg_maps().next() {
-            Some((_, m)) if v.is_mirrored_thin() => self.map_device(v, m.uuid),
+            Some((_, m)) if !own => self.map_device(v, m.uuid),
             _ => self.map_device(v, v.uuid),
         }
     }
@@ -524,56 +579,4 @@ pub(crate) struct ThinState {
     pub(crate) waiting_for_space: u64,
     pub(crate) max_size: u64,
     pub(crate) error: Option<String>,
-}
-
-/// One chunk map of a thin volume (see [`map_refs`]).
-#[derive(Debug)]
-pub(crate) struct MapRef<'a> {
-    /// What the pool opens it under: the volume's UUID for its own map, the map's for a
-    /// mirrored copy's.
-    pub(crate) key: Uuid,
-    /// The copy's leg slot (a mirrored copy's map); `None`: the volume's own map.
-    pub(crate) slot: Option<u8>,
-    pub(crate) chunk: u64,
-    pub(crate) map: &'a [ExtentEntry],
-    pub(crate) snapshots: &'a [crate::metadata::ThinSnapshot],
-    /// The devices its chunks may lie on (empty: any).
-    pub(crate) devices: &'a [Uuid],
-}
-
-impl MapRef<'_> {
-    /// " leg N" for a copy's map, nothing for the volume's own (after a volume's name).
-    pub(crate) fn of(&self) -> String {
-        self.slot.map_or(String::new(), |s| format!(" leg {s}"))
-    }
-
-    /// "leg N: " for a copy's map, nothing for the volume's own (before an error).
-    fn prefix(&self) -> String {
-        self.slot.map_or(String::new(), |s| format!("leg {s}: "))
-    }
-}
-
-/// Every chunk map of volume `v`: none for a thick volume; a thin volume's own, or each
-/// copy's of a mirrored thin volume.
-pub(crate) fn map_refs(v: &VolumeEntry) -> Vec<MapRef<'_>> {
-    let Some(t) = &v.thin else {
-        return Vec::new();
-    };
-    let own = (!v.is_mirrored_thin()).then_some(MapRef {
-        key: v.uuid,
-        slot: None,
-        chunk: t.chunk,
-        map: &t.map,
-        snapshots: &t.snapshots,
-        devices: &[],
-    });
-    let copies = v.leg_maps().map(|(l, m)| MapRef {
-        key: m.uuid,
-        slot: Some(l.slot),
-        chunk: t.chunk,
-        map: &m.map,
-        snapshots: &[],
-        devices: &m.devices,
-    });
-    own.into_iter().chain(copies).collect()
 }

@@ -8,7 +8,7 @@
 use uuid::Uuid;
 
 use crate::encryption::NewKey;
-use crate::metadata::{ExtentEntry, LegEntry, LegMap, ThinMap, VolumeEntry};
+use crate::metadata::{ExtentEntry, LegEntry, ThinMap, VolumeEntry};
 use crate::{Error, Pool, Result, VolumeInfo};
 
 impl Pool {
@@ -98,13 +98,7 @@ impl Pool {
             // Every map zeroed: the copies start identical (all holes).
             v.copies = copies;
             for (slot, (map, devices)) in (0..).zip(maps.into_iter().zip(groups)) {
-                let mut leg = LegEntry::local(slot, true, Vec::new());
-                leg.thin = Some(LegMap {
-                    uuid: Uuid::new_v4(),
-                    map,
-                    devices,
-                });
-                v.legs.push(leg);
+                v.legs.push(LegEntry::thin_copy(slot, true, map, devices));
             }
             if let Err(e) = self.new_clean_bitmap(&v) {
                 self.release(&all);
@@ -128,7 +122,11 @@ impl Pool {
 
     /// A zeroed map of `bytes` for each group of devices (an empty group: any device);
     /// nothing stays allocated on failure.
-    fn zeroed_maps(&mut self, groups: &[Vec<Uuid>], bytes: u64) -> Result<Vec<Vec<ExtentEntry>>> {
+    pub(crate) fn zeroed_maps(
+        &mut self,
+        groups: &[Vec<Uuid>],
+        bytes: u64,
+    ) -> Result<Vec<Vec<ExtentEntry>>> {
         let mut maps: Vec<Vec<ExtentEntry>> = Vec::new();
         for g in groups {
             let map = self
@@ -152,7 +150,7 @@ impl Pool {
     }
 
     /// A write-intent bitmap that says new mirrored volume `v`'s copies are identical.
-    fn new_clean_bitmap(&self, v: &VolumeEntry) -> Result<()> {
+    pub(crate) fn new_clean_bitmap(&self, v: &VolumeEntry) -> Result<()> {
         let Some(path) = self.bitmap_path(v.uuid) else {
             return Ok(());
         };

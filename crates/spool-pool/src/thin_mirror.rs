@@ -3,16 +3,24 @@
 //! device's loss costs at most one copy. The mirror composes the copies' thin devices as its
 //! legs, as it composes a thin volume being sent.
 //!
-//! Owns: splitting the devices among the copies, making a copy anew on the device that
-//! replaces one of its own (a copy's chunk source, `CopySpace`, is `thin.rs`'s). Must not know: the data path, how a copy is
-//! rebuilt (the mirror does it: a copy made anew has a new identity).
+//! A thin volume made without copies gets two (`volume mirror NAME add`): two new, empty
+//! copies on devices of their own are added as legs beside one standing for the volume's own
+//! map, and the mirror rebuilds them from it, online; once both are current, the own map
+//! (with what it shared with a clone's origin) is given up and the volume is a mirrored thin
+//! volume like one made so. Each step is one commit of a valid table, so a crash between two
+//! finds either.
+//!
+//! Owns: splitting the devices among the copies, adding copies to a thin volume, making a
+//! copy anew on the device that replaces one of its own (a copy's chunk source,
+//! `CopySpace`, is `thin.rs`'s). Must not know: the data path, how a copy is rebuilt (the
+//! mirror does it: a copy made anew has a new identity).
 
 use spool_devices::Device;
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
-use crate::metadata::{ExtentEntry, LegMap, PoolTable};
-use crate::{Error, Pool, Result};
+use crate::metadata::{ExtentEntry, LegEntry, LegMap, PoolTable};
+use crate::{Error, Pool, Result, VolumeInfo};
 
 /// A copy made anew by a device replace: its old map is given up once no queue uses it.
 #[derive(Debug)]
@@ -130,7 +138,83 @@ impl Pool {
                 self.open_maps(&v, |k| k == r.new_map);
             }
             tracing::warn!(volume = %r.name, leg = r.slot, "mirrored thin copy made anew on the replacing device; rebuilding it online");
+            self.space.unblock(r.old_map);
             self.retire_map(r.volume, r.old_map, r.old_extents);
         }
+    }
+
+    /// Adds two copies to thin volume `i` (see the module doc): refused for a volume with
+    /// copies already, snapshots, a send in progress, or a map that is not served.
+    pub(crate) fn add_thin_copies(&mut self, i: usize) -> Result<VolumeInfo> {
+        let mut v = self.table.volumes[i].clone();
+        let t = v.thin.clone().expect("a thin volume");
+        let refuse = |why: &str| {
+            Err(Error::InvalidArgument(format!(
+                "volume '{}': {why}",
+                v.name
+            )))
+        };
+        if v.is_mirrored_thin() {
+            return refuse("it has its copies already; a third copy of a mirrored thin volume is not supported yet");
+        }
+        if v.remote_leg().is_some() {
+            return refuse("it is being sent to another host; finish or cancel the send first");
+        }
+        if !t.snapshots.is_empty() {
+            return refuse(
+                "it has snapshots, which a mirrored thin volume cannot keep yet; delete them first",
+            );
+        }
+        self.thin_device(&v)?;
+        self.check_not_frozen()?;
+        let groups = self.copy_groups(2)?;
+        let bytes = (t.map.iter())
+            .map(|e| self.table.min_extent << e.order)
+            .sum();
+        let maps = self.zeroed_maps(&groups, bytes)?;
+        let all: Vec<ExtentEntry> = maps.iter().flatten().copied().collect();
+        v.copies = 2;
+        v.legs.push(LegEntry::local(0, true, Vec::new()));
+        for (slot, (map, devices)) in (1..).zip(maps.into_iter().zip(groups)) {
+            v.legs.push(LegEntry::thin_copy(slot, false, map, devices));
+        }
+        if let Err(e) = self.new_clean_bitmap(&v) {
+            self.release(&all);
+            return Err(e);
+        }
+        let info = self.replace_volume(i, v.clone(), &all, &[])?;
+        self.open_maps(&v, |k| k != v.uuid);
+        tracing::info!(volume = %v.name, "copies added to a thin volume; rebuilding them from its map");
+        Ok(info)
+    }
+
+    /// Every thin volume whose added copies are all current is made a mirrored thin volume
+    /// like one made so: the leg standing for its own map goes, and the own map (with its
+    /// origin) is held until no queue uses it ([`Pool::release_retired`]). Returns the
+    /// volumes changed (their layout must be published again).
+    pub fn finish_thin_copies(&mut self) -> Result<Vec<String>> {
+        let done: Vec<usize> = (self.table.volumes.iter().enumerate())
+            .filter(|(_, v)| {
+                v.thin.as_ref().is_some_and(|t| !t.map.is_empty())
+                    && v.is_mirrored_thin()
+                    && v.leg_maps().all(|(l, _)| l.synced)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let mut changed = Vec::new();
+        for i in done {
+            let mut table = self.table.clone();
+            let v = &mut table.volumes[i];
+            v.legs.retain(|l| l.thin.is_some());
+            let t = v.thin.as_mut().expect("a thin volume");
+            let own = std::mem::take(&mut t.map);
+            t.origin = None;
+            let (uuid, name) = (v.uuid, v.name.clone());
+            self.commit(table)?;
+            tracing::info!(volume = %name, "copies of the thin volume current: its own map is given up");
+            self.retire_map(uuid, uuid, own);
+            changed.push(name);
+        }
+        Ok(changed)
     }
 }

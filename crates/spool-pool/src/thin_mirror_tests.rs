@@ -239,7 +239,34 @@ fn tables_that_misdescribe_the_copies_are_refused() {
             let e = copy(t, 0).map.clone();
             t.volumes[0].thin.as_mut().unwrap().map = e;
         },
-        "no map of its own",
+        "one standing for its own map while they are added",
+    );
+    // Copies being added: a leg standing for the own map, and no snapshots.
+    refused(
+        &|t| {
+            let e = copy(t, 0).map.clone();
+            t.volumes[0].thin.as_mut().unwrap().map = e;
+            t.volumes[0]
+                .legs
+                .push(metadata::LegEntry::local(2, true, Vec::new()));
+            t.volumes[0]
+                .thin
+                .as_mut()
+                .unwrap()
+                .snapshots
+                .push(metadata::ThinSnapshot {
+                    name: "s".into(),
+                    uuid: Uuid::new_v4(),
+                    size: 1 << 20,
+                    created: 0,
+                    map: Vec::new(),
+                });
+        },
+        "no snapshots",
+    );
+    refused(
+        &|t| t.volumes[0].thin.as_mut().unwrap().origin = Some("a@b".into()),
+        "no origin once its copies are added",
     );
     refused(
         &|t| t.volumes[0].legs[1].thin = None,
@@ -257,4 +284,183 @@ fn tables_that_misdescribe_the_copies_are_refused() {
         },
         "not thin",
     );
+}
+
+/// Waits until every copy of "m" is synced in the table, and the copies added to it are
+/// finished (its own map given up).
+fn rebuilt_and_finished(p: &mut Pool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        p.settle_mirrors().unwrap();
+        if !p.finish_thin_copies().unwrap().is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the copies were not rebuilt");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn copies_added_to_a_thin_volume_and_to_a_clone_take_over_from_its_own_map() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [
+        spec(d.path(), "a", 40),
+        spec(d.path(), "b", 40),
+        spec(d.path(), "c", 40),
+    ];
+    let o = PoolOptions {
+        mirror_dir: Some(d.path().to_path_buf()),
+        ..opts()
+    };
+    let mut p = Pool::open(&specs, o.clone()).unwrap();
+    let free0 = p.info().free;
+    // A clone of a snapshot, written since: its chunks are partly the snapshot's.
+    p.create_thin_volume("src", 64 << 20, false, 1, false)
+        .unwrap();
+    let l = p.layout("src").unwrap();
+    let mut old = vec![9u8; 8192];
+    assert_eq!(io(&l.devices[0], true, 30 << 20, &mut old), 0);
+    drop(l);
+    p.snapshot_volume("src", "s").unwrap();
+    p.clone_snapshot("src", "s", "m").unwrap();
+    write_pattern(&p);
+    let e = p.add_leg("src").unwrap_err().to_string();
+    assert!(e.contains("snapshots"), "{e}");
+    let v = p.add_leg("m").unwrap();
+    assert_eq!((v.copies, v.legs.len()), (2, 3), "{:?}", v.legs);
+    assert!(v.legs[0].synced && !v.legs[1].synced && !v.legs[2].synced);
+    let e = p.add_leg("m").unwrap_err().to_string();
+    assert!(e.contains("copies already"), "{e}");
+    // Served meanwhile from the clone's own map.
+    let l = p.layout("m").unwrap();
+    let mut buf = vec![0u8; 8192];
+    assert_eq!(io(&l.devices[0], false, 30 << 20, &mut buf), 0);
+    assert_eq!(buf, old, "the origin's data, through the clone");
+    rebuilt_and_finished(&mut p);
+    let v = p.volume("m").unwrap();
+    assert_eq!(v.legs.len(), 2, "{:?}", v.legs);
+    assert!(v.legs.iter().all(|l| l.synced));
+    let m = &p.table.volumes[p.find("m").unwrap()];
+    let t = m.thin.as_ref().unwrap();
+    assert!(t.map.is_empty() && t.origin.is_none(), "{t:?}");
+    assert_eq!(p.table.format_version(), 10);
+    let c = copies(&p, "m");
+    assert!(c[0].1.iter().all(|d| !c[1].1.contains(d)), "{c:?}");
+    for (key, own) in &c {
+        assert_pattern(&p, *key);
+        assert_eq!(read_copy(&p, "m", *key, 30 << 20, 8192), old);
+        let chunks = placements(&p, "m", *key);
+        assert!(
+            chunks.iter().all(|ch| own.contains(&ch.device)),
+            "{chunks:?}"
+        );
+        assert_eq!(
+            chunks.len(),
+            4,
+            "the written chunks and the origin's, each once"
+        );
+    }
+    // The clone's own map goes once no queue uses it; the snapshot keeps what it shares.
+    let ticket = p.retired_ticket(m.uuid).expect("the own map is held");
+    drop(l);
+    let uuid = m.uuid;
+    assert!(p.mirror("m").unwrap().unwrap().stop_copying());
+    p.release_retired(uuid, ticket);
+    let r = p.check();
+    assert!(r.problems.is_empty() && r.leaked_bytes == 0, "{r:?}");
+    let snap = p.snapshot_image("src", "s", None).unwrap();
+    drop(snap);
+    drop(p);
+    let mut p = Pool::open(&specs, o).unwrap();
+    for (key, _) in copies(&p, "m") {
+        assert_pattern(&p, key);
+    }
+    let r = p.check();
+    assert!(r.problems.is_empty() && r.leaked_bytes == 0, "{r:?}");
+    p.delete_volume("m").unwrap();
+    p.delete_volume("src").unwrap();
+    assert_eq!(p.info().free, free0);
+}
+
+/// A copy's device pulled while spoold was down: the pool opens, the volume is served from
+/// the other copy, the rest of the pool allocates as before (only that copy's devices are
+/// kept out), and a replace makes the copy anew.
+#[test]
+fn a_copy_whose_device_is_gone_at_open_costs_only_that_copy() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 40), spec(d.path(), "b", 40)];
+    let o = PoolOptions {
+        mirror_dir: Some(d.path().to_path_buf()),
+        ..opts()
+    };
+    let gone = {
+        let mut p = Pool::open(&specs, o.clone()).unwrap();
+        p.create_thin_copies("m", 64 << 20, false, 1, 2, false)
+            .unwrap();
+        write_pattern(&p);
+        assert!(p.mirror("m").unwrap().unwrap().stop_copying());
+        copies(&p, "m")[1].1[0]
+    };
+    let gone_path = (d.path().join("a"), d.path().join("b"));
+    let p = Pool::open(&specs, o.clone()).unwrap();
+    let name = |u: Uuid| {
+        let e = p.table.devices.iter().find(|x| x.uuid == u).unwrap();
+        std::path::PathBuf::from(&e.last_path)
+    };
+    let (pulled, kept) = match name(gone) == gone_path.0 {
+        true => (gone_path.0, gone_path.1),
+        false => (gone_path.1, gone_path.0),
+    };
+    drop(p);
+    std::fs::remove_file(&pulled).unwrap();
+    let specs = [
+        DeviceSpec {
+            path: kept.clone(),
+            create_size: None,
+            null: None,
+        },
+        DeviceSpec {
+            path: pulled,
+            create_size: None,
+            null: None,
+        },
+    ];
+    let mut p = Pool::open(&specs, o).unwrap();
+    let v = p.volume("m").unwrap();
+    assert!(v.online, "{v:?}");
+    assert!(v.thin.unwrap().error.unwrap().contains("missing"));
+    let l = p.layout("m").unwrap();
+    for (i, at) in AT.into_iter().enumerate() {
+        let mut buf = vec![0u8; 8192];
+        assert_eq!(io(&l.devices[0], false, at, &mut buf), 0);
+        assert_eq!(buf, vec![i as u8 + 1; 8192]);
+    }
+    // Not frozen: a thin volume takes chunks, a thick one extents, on the kept device.
+    p.create_thin_volume("t", 8 << 20, false, 1, false).unwrap();
+    p.create_volume("v", 4 << 20, false, 1).unwrap();
+    let lt = p.layout("t").unwrap();
+    let mut data = vec![5u8; 4096];
+    assert_eq!(io(&lt.devices[0], true, 0, &mut data), 0);
+    drop((l, lt));
+    let rep = p
+        .replace_device(&gone.to_string(), &spec(d.path(), "c", 40), true)
+        .unwrap();
+    assert!(rep.volumes.contains(&"m".to_string()), "{rep:?}");
+    // The new layout (the daemon publishes it) opens the mirror that rebuilds the copy.
+    drop(p.layout("m").unwrap());
+    rebuilt(&mut p);
+    for (key, _) in copies(&p, "m") {
+        assert_pattern(&p, key);
+    }
+    assert!(p.mirror("m").unwrap().unwrap().stop_copying());
+}
+
+/// Waits until every copy of "m" is synced in the table.
+fn rebuilt(p: &mut Pool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !p.volume("m").unwrap().legs.iter().all(|l| l.synced) {
+        assert!(Instant::now() < deadline, "the copy was not rebuilt");
+        std::thread::sleep(Duration::from_millis(50));
+        p.settle_mirrors().unwrap();
+    }
 }

@@ -94,6 +94,7 @@ impl Pool {
                 .members
                 .iter_mut()
                 .filter(|m| !m.isolated() && ok(m.uuid) && m.has_order(order))
+                .filter(|m| !self.space.blocked(m.uuid))
                 .max_by_key(|m| m.free_bytes());
             match best.map(|m| (m.uuid, m.alloc(order))) {
                 // A thin volume's allocator took the block since the check: look again.
@@ -372,7 +373,7 @@ impl Pool {
         // A thin volume being sent: its mirror (whose copy reads the thin device) ends first.
         self.drop_mirror(v.uuid);
         // A thin volume's allocators (one per copy) stop before its maps' extents are free.
-        for m in crate::thin::map_refs(&v) {
+        for m in crate::thin_maps::map_refs(&v) {
             self.release_thin(m.key);
         }
         let all: Vec<ExtentEntry> = v.all_extents().copied().collect();

@@ -110,6 +110,9 @@ impl Daemon {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::error!(volume = %v.name, "no layout after replacement: {e}");
+                    // What the queues hold goes once they are off it (or at once).
+                    let ctx = self.servers().get(&v.uuid).map(|s| s.context().clone());
+                    self.hold_retired(v.uuid, ticket, ctx);
                     continue;
                 }
             };

@@ -235,6 +235,19 @@ impl Daemon {
         if let Err(e) = settled {
             tracing::warn!("cannot record rebuilt mirror legs: {e}");
         }
+        // Thin volumes whose added copies are current give up their own map.
+        let finished = self.pool().finish_thin_copies();
+        match finished {
+            Ok(done) => {
+                for name in done {
+                    let v = self.pool().volume(&name);
+                    if let Ok(v) = v {
+                        self.republish(&v);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!("cannot finish adding copies to a thin volume: {e}"),
+        }
         if !self.cfg.auto_rebuild {
             return;
         }

@@ -11,6 +11,7 @@ use uuid::Uuid;
 use crate::qos::QosLimits;
 
 mod rules;
+mod volume;
 pub(crate) use rules::{rbd_name, spans};
 use spool_devices::Device;
 
@@ -258,98 +259,6 @@ pub struct RemoteLeg {
     /// The leg's identity: fixed when the send starts, so the write-intent bitmap's record
     /// of what the leg missed outlives reconnections and restarts.
     pub id: Uuid,
-}
-
-impl LegEntry {
-    /// A leg on this pool's devices.
-    pub fn local(slot: u8, synced: bool, extents: Vec<ExtentEntry>) -> LegEntry {
-        LegEntry {
-            slot,
-            synced,
-            extents,
-            remote: None,
-            thin: None,
-        }
-    }
-}
-
-impl VolumeEntry {
-    /// A plain volume becomes a mirror of one copy, its extents that copy's (a leg is then
-    /// added); a mirrored one stays as it is.
-    pub(crate) fn make_mirrored(&mut self) {
-        if !self.is_mirrored() {
-            self.copies = 1;
-            self.legs = vec![LegEntry::local(0, true, std::mem::take(&mut self.extents))];
-        }
-    }
-
-    /// A mirrored thin volume's copies, each with its own map.
-    pub fn leg_maps(&self) -> impl Iterator<Item = (&LegEntry, &LegMap)> {
-        self.legs.iter().filter_map(|l| Some((l, l.thin.as_ref()?)))
-    }
-
-    /// Whether this is a thin volume with copies on this pool, each with its own map (not a
-    /// thin volume being sent, whose local leg stands for the volume's own map).
-    pub fn is_mirrored_thin(&self) -> bool {
-        self.thin.is_some() && self.legs.iter().any(|l| l.thin.is_some())
-    }
-
-    /// The leg on another host this volume is being sent to, if any.
-    pub fn remote_leg(&self) -> Option<&LegEntry> {
-        self.legs.iter().find(|l| l.remote.is_some())
-    }
-
-    /// A new volume (fresh UUID) with no data placed yet: no extents, legs or image.
-    pub fn new(name: &str, size: u64, read_only: bool, num_queues: u16) -> VolumeEntry {
-        VolumeEntry {
-            uuid: Uuid::new_v4(),
-            name: name.into(),
-            size,
-            read_only,
-            num_queues,
-            extents: Vec::new(),
-            qos: None,
-            copies: 0,
-            legs: Vec::new(),
-            rbd: None,
-            encryption: None,
-            thin: None,
-        }
-    }
-
-    /// Whether the volume keeps mirrored copies.
-    pub fn is_mirrored(&self) -> bool {
-        self.copies > 0
-    }
-
-    /// Every extent the volume owns, on every leg (a thin volume: its map's; its chunks are
-    /// named by the map).
-    pub fn all_extents(&self) -> impl Iterator<Item = &ExtentEntry> {
-        self.extents
-            .iter()
-            .chain(self.legs.iter().flat_map(|l| l.extents.iter()))
-            .chain(self.thin.iter().flat_map(|t| t.map.iter()))
-            .chain(
-                (self.thin.iter())
-                    .flat_map(|t| &t.snapshots)
-                    .flat_map(|s| s.map.iter()),
-            )
-            .chain(self.leg_maps().flat_map(|(_, m)| m.map.iter()))
-    }
-
-    /// Each local copy's extents in logical order (a plain volume has one; a remote leg has
-    /// none here and is left out).
-    pub fn copies_extents(&self) -> Vec<&[ExtentEntry]> {
-        if self.is_mirrored() {
-            self.legs
-                .iter()
-                .filter(|l| l.remote.is_none())
-                .map(|l| l.extents.as_slice())
-                .collect()
-        } else {
-            vec![self.extents.as_slice()]
-        }
-    }
 }
 
 impl PoolTable {

@@ -189,7 +189,7 @@ impl PoolTable {
         mut extent: impl FnMut(Uuid, u64, u64),
     ) -> Result<(), Invalid> {
         let what = format!("volume '{}'", v.name);
-        thin_shape(v).map_err(|why| Invalid(format!("{what}: {why}")))?;
+        thin_shape(v, t).map_err(|why| Invalid(format!("{what}: {why}")))?;
         if t.chunk != self.min_extent {
             return Err(Invalid(format!(
                 "{what}: thin chunk size {} is not the pool's min_extent {}",
@@ -197,17 +197,17 @@ impl PoolTable {
             )));
         }
         if v.is_mirrored_thin() {
-            return self.validate_thin_copies(v, t, devices, &mut extent);
+            self.validate_thin_copies(v, t, devices, &mut extent)?;
+            if t.map.is_empty() {
+                return Ok(());
+            }
         }
         let mut bytes = 0u64;
         for (i, e) in t.map.iter().enumerate() {
             let (block, end) = validate_extent(self.min_extent, e, devices)
                 .map_err(|why| Invalid(format!("{what}: map extent {i} {why}")))?;
-            bytes = bytes.checked_add(block).ok_or_else(|| {
-                Invalid(format!(
-                    "{what}: map extents add up to more than 2^64 bytes"
-                ))
-            })?;
+            let sum = bytes.checked_add(block);
+            bytes = sum.ok_or_else(|| Invalid(format!("{what}: map extents overflow 64 bits")))?;
             extent(e.device, e.offset, end);
         }
         let need = spool_thin::map::map_bytes(v.size.div_ceil(t.chunk));
@@ -263,8 +263,9 @@ impl PoolTable {
 
 /// A thin volume's own fields: no extents or RBD image; legs only while it is sent (a synced
 /// local one without extents, standing for its map, and the remote one) or while it is
-/// mirrored (each leg with a map of its own).
-fn thin_shape(v: &VolumeEntry) -> Result<(), Invalid> {
+/// mirrored (each leg with a map of its own; while copies are being added to it, one more
+/// leg standing for its own map, which they are rebuilt from).
+fn thin_shape(v: &VolumeEntry, t: &ThinMap) -> Result<(), Invalid> {
     let no_extents = v.legs.iter().all(|l| l.extents.is_empty());
     let own_maps = v.legs.iter().filter(|l| l.thin.is_some()).count();
     let sent = v.copies == 2
@@ -272,14 +273,19 @@ fn thin_shape(v: &VolumeEntry) -> Result<(), Invalid> {
         && v.remote_leg().is_some()
         && no_extents
         && own_maps == 0;
+    let standing = match t.map.is_empty() {
+        true => 0,
+        false => 1,
+    };
     let mirrored = v.is_mirrored()
         && v.legs.len() >= 2
         && v.remote_leg().is_none()
         && no_extents
-        && own_maps == v.legs.len();
+        && own_maps >= 2
+        && own_maps + standing == v.legs.len();
     let own = !sent && !mirrored && (!v.legs.is_empty() || v.copies != 0);
     if !v.extents.is_empty() || own || v.rbd.is_some() {
-        return Err(Invalid("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one; or while it is mirrored: each with a map of its own)".into()));
+        return Err(Invalid("a thin volume has extents, copies or an RBD image of its own (legs only while it is sent: one standing for its map, and the remote one; or while it is mirrored: two or more each with a map of its own, and one standing for its own map while they are added)".into()));
     }
     match sent || mirrored {
         true => validate_legs(v),
@@ -290,8 +296,8 @@ fn thin_shape(v: &VolumeEntry) -> Result<(), Invalid> {
 impl PoolTable {
     /// A mirrored thin volume's copies: each has devices of its own, no device is any two
     /// copies', each copy's map lies on its own devices and holds an entry for every chunk.
-    /// The volume's own map is empty, and it has no snapshots or origin (not supported on a
-    /// mirrored thin volume yet).
+    /// No snapshots (not supported on a mirrored thin volume yet); an own map (and an origin,
+    /// a clone's) only while the copies are being added, rebuilt from it.
     fn validate_thin_copies(
         &self,
         v: &VolumeEntry,
@@ -300,9 +306,9 @@ impl PoolTable {
         extent: &mut impl FnMut(Uuid, u64, u64),
     ) -> Result<(), Invalid> {
         let what = format!("volume '{}'", v.name);
-        if !t.map.is_empty() || !t.snapshots.is_empty() || t.origin.is_some() {
+        if !t.snapshots.is_empty() || (t.map.is_empty() && t.origin.is_some()) {
             return Err(Invalid(format!(
-                "{what}: a mirrored thin volume has no map of its own (each copy has one), no snapshots and no origin"
+                "{what}: a mirrored thin volume has no snapshots, and no origin once its copies are added"
             )));
         }
         let need = spool_thin::map::map_bytes(v.size.div_ceil(t.chunk));

@@ -286,9 +286,10 @@ pub enum VolumeCmd {
     /// Compare a mirrored volume's copies region by region (a scrub) and report
     /// differences.
     Verify { id: String },
-    /// Add a copy to a volume (a plain volume becomes a mirror; the copy is rebuilt online),
-    /// remove one (the last complete copy is never removed), or accept a leg as current
-    /// where no usable copy is (state no-current-copy).
+    /// Add a copy to a volume (a plain volume becomes a mirror; the copy is rebuilt online;
+    /// a thin volume gets two copies on devices of their own, which then take over from its
+    /// map), remove one (the last complete copy is never removed), or accept a leg as
+    /// current where no usable copy is (state no-current-copy).
     ///
     /// accept --leg N makes leg N's bytes the volume's content in every region that has no
     /// usable current copy, and copies them to the other legs. Acknowledged writes that leg
