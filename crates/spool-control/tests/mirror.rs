@@ -667,6 +667,22 @@ poll_interval_ms = 50
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_pool_checks_clean(&s);
+    // It grows (every copy's map holds 32 GiB of chunks) while served: the new range is
+    // holes in both copies, identical.
+    let v = s
+        .rpc("volume_resize", json!({"id": "m", "size": "512M"}))
+        .unwrap();
+    assert_eq!(v["size"], 512u64 << 20, "{v}");
+    let mut c = connect(&s.socket("m"), 1, false).unwrap();
+    let tail = pattern(9, 0, 8192);
+    assert_eq!(c.write_sync(0, (512 << 20) - 8192, &tail), 0);
+    assert_eq!(c.read_sync(0, (512 << 20) - 8192, 8192), (0, tail));
+    drop(c);
+    wait_mirror(&s, "healthy at the new size", |m| {
+        m["state"] == json!("healthy")
+    });
+    let v = assert_identical(&s);
+    assert_eq!(v["bytes_compared"], json!(2 * (512u64 << 20)), "{v}");
 }
 
 /// A clone of a thin volume's snapshot gets two copies online (`volume mirror add`): they are

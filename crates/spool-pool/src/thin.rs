@@ -485,25 +485,36 @@ impl Pool {
     /// Grows thin volume `i` to `new_size` bytes: recorded in the table, then the thin
     /// device serves it (its new chunks are holes; no space is taken). Up to what its map's
     /// extents hold.
+    /// A mirrored thin volume grows every copy (each its own map), served or not: a copy
+    /// that is not served is made anew at the new size by the replace that brings it back.
     pub(crate) fn resize_thin_volume(&mut self, i: usize, new_size: u64) -> Result<VolumeInfo> {
         let v = self.table.volumes[i].clone();
-        Self::refuse_mirrored_thin(&v, "growing")?;
-        let dev = self.thin_device(&v)?;
-        let t = crate::snapshots::thin_backend(&v, &dev)?;
-        if new_size > t.max_size() {
+        let devs: Vec<Arc<Device>> = (map_refs(&v).iter())
+            .filter_map(|m| self.map_device(&v, m.key).ok())
+            .collect();
+        if devs.is_empty() {
+            self.thin_device(&v)?;
+        }
+        let mut backends = Vec::new();
+        for dev in &devs {
+            backends.push(crate::snapshots::thin_backend(&v, dev)?);
+        }
+        let max = backends.iter().map(|t| t.max_size()).min().unwrap_or(0);
+        if new_size > max {
             return Err(Error::InvalidArgument(format!(
-                "thin volume '{}' can grow up to {} bytes (what its map holds); growing it further is not supported yet",
-                v.name,
-                t.max_size()
+                "thin volume '{}' can grow up to {max} bytes (what its map holds); growing it further is not supported yet",
+                v.name
             )));
         }
         let mut table = self.table.clone();
         table.volumes[i].size = new_size;
         self.commit(table)?;
-        t.grow(new_size).map_err(|e| Error::Thin {
-            volume: v.name.clone(),
-            why: e.to_string(),
-        })?;
+        for t in backends {
+            t.grow(new_size).map_err(|e| Error::Thin {
+                volume: v.name.clone(),
+                why: e.to_string(),
+            })?;
+        }
         tracing::info!(volume = %v.name, from = v.size, to = new_size, "thin volume grown");
         Ok(self.volume_info(&self.table.volumes[i]))
     }

@@ -90,6 +90,7 @@ fn each_copy_keeps_its_chunks_on_its_own_devices_across_a_reopen() {
     }
     let mut p = Pool::open(&specs, opts()).unwrap();
     assert_eq!(p.info().free, free0 - (8 << 20));
+    assert_eq!(p.volume("m").unwrap().size, 64 << 20);
     for (key, _) in copies(&p, "m") {
         assert_eq!(placements(&p, "m", key).len(), 3);
         assert_pattern(&p, key);
@@ -99,12 +100,32 @@ fn each_copy_keeps_its_chunks_on_its_own_devices_across_a_reopen() {
     // Not built for mirrored thin volumes yet: refused, saying so.
     for e in [
         p.snapshot_volume("m", "s").unwrap_err(),
-        p.resize_volume("m", 128 << 20).unwrap_err(),
         p.remove_leg("m", None).unwrap_err(),
         p.add_leg("m").unwrap_err(),
+        p.inflate_volume("m").unwrap_err(),
     ] {
-        assert!(e.to_string().contains("thin"), "{e}");
+        assert!(
+            e.to_string().contains("thin") || e.to_string().contains("copies"),
+            "{e}"
+        );
     }
+    // Growing grows every copy; what is written past the old end is in each.
+    let e = p.resize_volume("m", 64 << 30).unwrap_err().to_string();
+    assert!(e.contains("can grow up to"), "{e}");
+    p.resize_volume("m", 128 << 20).unwrap();
+    let l = p.layout("m").unwrap();
+    assert_eq!(l.size, 128 << 20);
+    let mut data = vec![0x5au8; 8192];
+    assert_eq!(io(&l.devices[0], true, (128 << 20) - 8192, &mut data), 0);
+    drop(l);
+    for (key, _) in copies(&p, "m") {
+        assert_eq!(read_copy(&p, "m", key, (128 << 20) - 8192, 8192), data);
+    }
+    let m = p.mirror("m").unwrap().unwrap();
+    let v = m.verify().unwrap();
+    assert_eq!((v.regions, v.regions_differing), (128, 0), "{v:?}");
+    assert!(m.stop_copying());
+    drop(m);
     p.delete_volume("m").unwrap();
     assert_eq!(p.info().free, free0);
     drop(p);

@@ -267,12 +267,6 @@ impl Daemon {
                         "volume is smaller than the config says, but it is being sent to another host: not grown until the send ends"
                     )
                 }
-                Ok(have) if have.size < v.size && have.thin.is_some() && have.copies > 1 => {
-                    tracing::warn!(
-                        volume = %v.name, have = have.size, config = v.size,
-                        "volume is smaller than the config says, but growing a mirrored thin volume is not supported yet: left as it is"
-                    )
-                }
                 Ok(have) if have.size < v.size => {
                     pool.resize_volume(&v.name, v.size)?;
                 }
