@@ -24,7 +24,7 @@ mod proto;
 mod server;
 mod transmit;
 
-pub use server::{serve_io, Listen, Server};
+pub use server::{serve_io, Listen, Server, HANDSHAKE_LIMIT, MAX_CONNECTIONS};
 
 /// What an export serves, in extents of one fixed size.
 pub trait Export: Send + Sync + 'static {

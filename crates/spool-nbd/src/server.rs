@@ -51,6 +51,11 @@ impl std::fmt::Display for Listen {
 /// hold up to `transmit::IN_FLIGHT_BYTES` of data).
 pub const MAX_CONNECTIONS: usize = 16;
 
+/// How long a client may take over the greeting and the option phase (qemu-nbd's
+/// `--handshake-limit` default): one that connects and then says nothing, or haggles on,
+/// would otherwise hold one of the [`MAX_CONNECTIONS`] places for as long as it likes.
+pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
 /// The connections open now, by number (shut down when the server stops).
 type Conns = Arc<std::sync::Mutex<Vec<(u64, Box<dyn Stream>)>>>;
 
@@ -77,11 +82,16 @@ trait Stream: Read + Write + Send {
     fn try_clone_box(&self) -> io::Result<Box<dyn Stream>>;
     /// Ends the connection both ways (a thread blocked reading it returns).
     fn shut(&self);
+    /// How long a read may wait (`None`: for ever); the socket's, so every handle of it.
+    fn read_limit(&self, t: Option<Duration>) -> io::Result<()>;
 }
 
 impl Stream for std::os::unix::net::UnixStream {
     fn try_clone_box(&self) -> io::Result<Box<dyn Stream>> {
         Ok(Box::new(self.try_clone()?))
+    }
+    fn read_limit(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)
     }
     fn shut(&self) {
         let _ = self.shutdown(std::net::Shutdown::Both);
@@ -91,6 +101,9 @@ impl Stream for std::os::unix::net::UnixStream {
 impl Stream for std::net::TcpStream {
     fn try_clone_box(&self) -> io::Result<Box<dyn Stream>> {
         Ok(Box::new(self.try_clone()?))
+    }
+    fn read_limit(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)
     }
     fn shut(&self) {
         let _ = self.shutdown(std::net::Shutdown::Both);
@@ -313,9 +326,27 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conn
 }
 
 fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()> {
+    s.read_limit(Some(HANDSHAKE_LIMIT))?;
     let mut r = BufReader::new(s.try_clone_box()?);
+    let limit = s.try_clone_box()?;
     let mut w = BufWriter::new(s);
-    serve_threads(&mut r, &mut w, e, stop, crate::transmit::IN_FLIGHT)
+    let sess = match handshake(&mut r, &mut w, e) {
+        Ok(Some(sess)) => sess,
+        Ok(None) => return Ok(()),
+        Err(err)
+            if matches!(
+                err.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            tracing::warn!(export = e.name(), "an NBD client did not finish its handshake within {HANDSHAKE_LIMIT:?}: disconnected");
+            return Err(err);
+        }
+        Err(err) => return Err(err),
+    };
+    // Requests may be far apart (a mirror's writes): no limit from here on.
+    limit.read_limit(None)?;
+    crate::transmit::run(&mut r, &mut w, e, &sess, stop, crate::transmit::IN_FLIGHT)
 }
 
 /// Serves one client on any byte stream: the greeting, the option phase, then requests
@@ -338,6 +369,19 @@ fn serve_threads(
     stop: &AtomicBool,
     threads: usize,
 ) -> io::Result<()> {
+    let Some(sess) = handshake(r, w, e)? else {
+        return Ok(());
+    };
+    crate::transmit::run(r, w, e, &sess, stop, threads)
+}
+
+/// The greeting and the option phase: the session to serve, or `None` when the client
+/// left during it.
+fn handshake(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    e: &dyn Export,
+) -> io::Result<Option<crate::handshake::Session>> {
     w.write_all(&NBDMAGIC.to_be_bytes())?;
     w.write_all(&IHAVEOPT.to_be_bytes())?;
     w.write_all(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes())?;
@@ -345,8 +389,5 @@ fn serve_threads(
     let mut flags = [0u8; 4];
     r.read_exact(&mut flags)?;
     let no_zeroes = u32::from_be_bytes(flags) & CLIENT_NO_ZEROES != 0;
-    let Some(sess) = crate::handshake::run(r, w, e, no_zeroes)? else {
-        return Ok(());
-    };
-    crate::transmit::run(r, w, e, &sess, stop, threads)
+    crate::handshake::run(r, w, e, no_zeroes)
 }

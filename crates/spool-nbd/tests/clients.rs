@@ -398,3 +398,43 @@ fn a_connections_requests_are_served_together() {
         "the writes were served one at a time"
     );
 }
+
+/// Clients that connect and say nothing take every place for the handshake's limit at most:
+/// then they are disconnected, and a client that speaks gets its greeting again.
+#[test]
+fn silent_clients_lose_their_place_after_the_handshake_limit() {
+    use std::os::unix::net::UnixStream;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let _s = Server::start(Listen::Unix(sock.clone()), Arc::new(Mem::new())).unwrap();
+    let greeting = |c: &mut UnixStream| -> usize {
+        c.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+            .unwrap();
+        let mut g = [0u8; 18];
+        let mut got = 0;
+        while got < g.len() {
+            match c.read(&mut g[got..]).unwrap() {
+                0 => break,
+                n => got += n,
+            }
+        }
+        got
+    };
+    let mut silent: Vec<UnixStream> = (0..spool_nbd::MAX_CONNECTIONS)
+        .map(|_| {
+            let mut c = UnixStream::connect(&sock).unwrap();
+            assert_eq!(greeting(&mut c), 18, "greeted");
+            c
+        })
+        .collect();
+    // Every place is taken: one more is turned away (closed before any greeting).
+    let mut away = UnixStream::connect(&sock).unwrap();
+    assert_eq!(greeting(&mut away), 0, "turned away");
+    // Each is disconnected (a read waits 60 s at most: without the limit it fails).
+    for c in &mut silent {
+        let mut b = [0u8; 1];
+        assert_eq!(c.read(&mut b).unwrap(), 0, "disconnected");
+    }
+    let mut c = UnixStream::connect(&sock).unwrap();
+    assert_eq!(greeting(&mut c), 18, "a place again");
+}
