@@ -13,7 +13,10 @@ ratio) and a file on the machine's disk through O_DIRECT (--quick skips it).
 
     scripts/bench-thin.py             # 10 s per case
     scripts/bench-thin.py --quick     # 1 s per case, tmpfs only (checks it works; thin-quick.json)
-Results: docs/benchmarks/thin.json (docs/benchmarks/thin.md discusses them).
+    scripts/bench-thin.py --mirror    # both volumes 2-way mirrors on two devices (thin-mirror.json)
+Results: docs/benchmarks/thin.json (docs/benchmarks/thin.md discusses them); with --mirror,
+docs/benchmarks/thin-mirror.json: a mirrored thin volume (a map per copy) against a mirrored
+thick one.
 """
 
 import shutil
@@ -22,9 +25,11 @@ import benchlib as b
 from benchlib import Spoold, dev, log, vol
 
 
-def run_device(c, secs):
+def run_device(c, secs, mirror):
     shm, data = b.workdir("spool-thin-"), b.workdir("spool-thin-", c["dir"])
-    with Spoold(shm, [dev(f"{data}/d0.img", "2200M")], [vol("thick", "1G"), vol("thin", "1G", thin=True)],
+    copies = dict(mirror=2) if mirror else {}
+    devices = [dev(f"{data}/d{i}.img", "2200M") for i in range(2 if mirror else 1)]
+    with Spoold(shm, devices, [vol("thick", "1G", **copies), vol("thin", "1G", thin=True, **copies)],
                 sections={"pool": {"min_extent": "4M"}}) as d:
         # Every write of the thin volume's fill is the first write of its chunk.
         first = {"device": c["name"], "fill": {v: b.fill(d.socks[v], bs=4 << 20, qd=1) for v in d.socks}}
@@ -38,12 +43,13 @@ def run_device(c, secs):
 
 
 def main():
-    a = b.args(__doc__)
+    a = b.args(__doc__, {"--mirror": dict(action="store_true", help="both volumes 2-way mirrors")})
     secs = 1 if a.quick else 10
     runs = b.run_cases([dict(name="tmpfs", dir="/dev/shm"), dict(name="disk", dir="/var/tmp", quick=False)],
-                       lambda c: run_device(c, secs), a.quick)
-    b.save("thin", {"runtime_s": secs, "first_writes": [f for f, _ in runs],
-                    "cases": [r for _, rs in runs for r in rs]}, quick=a.quick)
+                       lambda c: run_device(c, secs, a.mirror), a.quick)
+    b.save("thin-mirror" if a.mirror else "thin", {"runtime_s": secs, "mirror": 2 if a.mirror else 1,
+                                                    "first_writes": [f for f, _ in runs],
+                                                    "cases": [r for _, rs in runs for r in rs]}, quick=a.quick)
 
 
 if __name__ == "__main__":
