@@ -299,6 +299,11 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
     let answer = hello(&again);
     assert!(answer.contains("has ended"), "{answer}");
     assert!(hello("not json\n").contains("a bad hello"));
+    // A name with a line break cannot forge a line of B's log.
+    let forged = again.replace("\"volume\":\"v\"", "\"volume\":\"v\\nERROR forged line\"");
+    assert!(!hello(&forged).is_empty());
+    assert!(!b.log().contains("\nERROR forged line"), "{}", b.log());
+    assert!(b.log().contains("v\\nERROR forged line"), "{}", b.log());
     assert!(hello(&again.replace("\"version\":1", "\"version\":9")).contains("version 9"));
     // An existing volume may be expected too; --stop forgets it.
     let out = ctl(

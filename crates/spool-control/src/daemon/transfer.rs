@@ -307,7 +307,7 @@ impl Daemon {
                         self.publish_layout(&v, l);
                     }
                 }
-                tracing::info!(volume = %h.volume, size = h.size, queues = h.num_queues, copies = h.copies, thin = h.thin, "volume created for a transfer");
+                tracing::info!(volume = ?h.volume, size = h.size, queues = h.num_queues, copies = h.copies, thin = h.thin, "volume created for a transfer");
                 self.pool()
                     .check_writable_outside(&h.volume, true)
                     .map_err(Into::into)
@@ -462,10 +462,12 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
             };
             match &answer {
                 Ok(uri) => {
-                    tracing::info!(volume = %h.volume, %peer, %uri, "a sender said hello: receiving the volume")
+                    tracing::info!(volume = ?h.volume, %peer, %uri, "a sender said hello: receiving the volume")
                 }
                 Err(e) => {
-                    tracing::warn!(volume = %h.volume, %peer, "a transfer hello was refused: {e}")
+                    // The reason may quote the peer's words: escaped, as the name is.
+                    let why = e.to_string();
+                    tracing::warn!(volume = ?h.volume, %peer, why = ?why, "a transfer hello was refused")
                 }
             }
             let (nbd, error) = match answer {
