@@ -55,7 +55,7 @@ fn uuid_leg_id(id: Uuid) -> u64 {
 }
 
 /// The identity the mirror knows leg `l` by (its bits in the write-intent bitmap).
-fn table_leg_id(l: &LegEntry) -> u64 {
+pub(crate) fn table_leg_id(l: &LegEntry) -> u64 {
     match (&l.remote, &l.thin) {
         (Some(r), _) => uuid_leg_id(r.id),
         // A copy made anew (a device replaced under it) has a new map, so a new identity:

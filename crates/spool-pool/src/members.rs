@@ -257,16 +257,21 @@ impl Pool {
         let new = Self::join(&mut table, &dev, force)?;
         let mut buddy = new_buddy(&dev, table.min_extent)?;
         let (mut volumes, moved) = move_extents(&mut table, old, new, &mut buddy)?;
-        // A mirrored thin volume's copy on it is made anew there (and rebuilt).
-        let renewed = self.renew_copies(&mut table, (old, new), &mut buddy, &dev)?;
-        volumes.extend(renewed.iter().map(|r| r.name.clone()));
+        // A mirrored thin volume's copy on it is made anew there (and rebuilt); copies being
+        // added are given up.
+        let mut renewed = self.give_up_adding(&mut table, old);
+        renewed.extend(self.renew_copies(&mut table, (old, new), &mut buddy, &dev)?);
+        for r in &renewed {
+            if !volumes.contains(&r.name) {
+                volumes.push(r.name.clone());
+            }
+        }
         table.devices.retain(|d| d.uuid != old);
         self.zero_lost_copies(&mut table, &volumes, (new, &dev))?;
         // Thin volumes' chunks on it are lost, as thick extents are: their entries become
         // holes now, durably, after every other step that can fail and before the table
         // forgets the device.
-        volumes.extend(self.evict_thin(old)?);
-        for v in maps_moved {
+        for v in self.evict_thin(old)?.into_iter().chain(maps_moved) {
             if !volumes.contains(&v) {
                 volumes.push(v);
             }

@@ -506,15 +506,18 @@ impl Pool {
                 v.name
             )));
         }
-        let mut table = self.table.clone();
-        table.volumes[i].size = new_size;
-        self.commit(table)?;
+        // Every copy first (it only changes the size they serve): the table then never says
+        // more than one of them holds. A failed commit leaves them larger than the volume,
+        // which the layout (the table's size) never reads past.
         for t in backends {
             t.grow(new_size).map_err(|e| Error::Thin {
                 volume: v.name.clone(),
                 why: e.to_string(),
             })?;
         }
+        let mut table = self.table.clone();
+        table.volumes[i].size = new_size;
+        self.commit(table)?;
         tracing::info!(volume = %v.name, from = v.size, to = new_size, "thin volume grown");
         Ok(self.volume_info(&self.table.volumes[i]))
     }

@@ -19,10 +19,11 @@ use spool_devices::Device;
 use uuid::Uuid;
 
 use crate::buddy::Buddy;
-use crate::metadata::{ExtentEntry, LegEntry, LegMap, PoolTable};
+use crate::metadata::{ExtentEntry, LegEntry, LegMap, PoolTable, VolumeEntry};
 use crate::{Error, Pool, Result, VolumeInfo};
 
-/// A copy made anew by a device replace: its old map is given up once no queue uses it.
+/// A copy made anew by a device replace (or given up: a nil `new_map`): its old map is
+/// given up once no queue uses it.
 #[derive(Debug)]
 pub(crate) struct Renewed {
     pub(crate) volume: Uuid,
@@ -38,7 +39,7 @@ impl Pool {
     /// equal free space (each device joins the group with the least so far, largest first).
     pub(crate) fn copy_groups(&self, copies: u8) -> Result<Vec<Vec<Uuid>>> {
         let mut usable: Vec<(Uuid, u64)> = (self.members.iter())
-            .filter(|m| !m.isolated())
+            .filter(|m| !m.isolated() && !self.space.blocked(m.uuid))
             .map(|m| (m.uuid, m.free_bytes()))
             .collect();
         if usable.len() < copies as usize {
@@ -128,11 +129,51 @@ impl Pool {
         Ok(renewed)
     }
 
+    /// In `table`, the one a replace of `old` commits: copies being added to a thin volume
+    /// that may use `old` are given up, and the volume is a thin volume without copies
+    /// again, which loses only its chunks on `old` (its own map, which they were being
+    /// rebuilt from, is evicted as any thin volume's is). Rebuilding a copy from a source
+    /// that has just lost chunks would spread the holes, while the other copy may hold the
+    /// data: giving both up is the one outcome that mixes nothing. The copies' maps, to
+    /// retire after the commit, are returned.
+    pub(crate) fn give_up_adding(&self, table: &mut PoolTable, old: Uuid) -> Vec<Renewed> {
+        let mut given_up = Vec::new();
+        for v in table.volumes.iter_mut().filter(|v| adding_copies(v)) {
+            let on_old = v.leg_maps().any(|(_, m)| m.devices.contains(&old));
+            if !on_old && !self.thin_uses(v, old) {
+                continue;
+            }
+            tracing::error!(volume = %v.name, "a device under a thin volume's copies being added was replaced: the copies are given up; add them again");
+            for l in std::mem::take(&mut v.legs) {
+                if let Some(m) = l.thin {
+                    given_up.push(Renewed {
+                        volume: v.uuid,
+                        name: v.name.clone(),
+                        slot: l.slot,
+                        old_map: m.uuid,
+                        old_extents: m.map,
+                        new_map: Uuid::nil(),
+                    });
+                }
+            }
+            v.copies = 0;
+        }
+        given_up
+    }
+
     /// After the replace's commit: each renewed copy's new map is served, and its old one
     /// is held (its allocator running, its chunks and extents taken) until no queue holds a
     /// layout that names it ([`Pool::release_retired`]).
     pub(crate) fn copies_renewed(&mut self, renewed: Vec<Renewed>) {
+        for r in renewed.iter().filter(|r| r.new_map.is_nil()) {
+            self.drop_mirror(r.volume);
+        }
         for r in renewed {
+            if r.new_map.is_nil() {
+                // Given up (`give_up_adding`): nothing new to serve.
+                self.retire_map(r.volume, r.old_map, r.old_extents);
+                continue;
+            }
             if let Some(v) = self.table.volumes.iter().find(|v| v.uuid == r.volume) {
                 let v = v.clone();
                 self.open_maps(&v, |k| k == r.new_map);
@@ -141,6 +182,21 @@ impl Pool {
             self.space.unblock(r.old_map);
             self.retire_map(r.volume, r.old_map, r.old_extents);
         }
+    }
+
+    /// Whether every copy added to `v` is synced in the table and current in its mirror now
+    /// (the table's flag is never taken back: a copy that missed a write since, on a full
+    /// device, is stale in the mirror only).
+    fn copies_current(&self, v: &VolumeEntry) -> bool {
+        let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((_, m)) = cache.get(&v.uuid) else {
+            return false;
+        };
+        v.leg_maps().all(|(l, _)| {
+            l.synced
+                && m.leg_id(l.slot) == Some(crate::layout::table_leg_id(l))
+                && m.leg_current(l.slot)
+        })
     }
 
     /// Adds two copies to thin volume `i` (see the module doc): refused for a volume with
@@ -194,11 +250,7 @@ impl Pool {
     /// volumes changed (their layout must be published again).
     pub fn finish_thin_copies(&mut self) -> Result<Vec<String>> {
         let done: Vec<usize> = (self.table.volumes.iter().enumerate())
-            .filter(|(_, v)| {
-                v.thin.as_ref().is_some_and(|t| !t.map.is_empty())
-                    && v.is_mirrored_thin()
-                    && v.leg_maps().all(|(l, _)| l.synced)
-            })
+            .filter(|(_, v)| adding_copies(v) && self.copies_current(v))
             .map(|(i, _)| i)
             .collect();
         let mut changed = Vec::new();
@@ -210,11 +262,20 @@ impl Pool {
             let own = std::mem::take(&mut t.map);
             t.origin = None;
             let (uuid, name) = (v.uuid, v.name.clone());
-            self.commit(table)?;
+            if let Err(e) = self.commit(table) {
+                // The volumes finished so far are returned, to be published.
+                tracing::error!(volume = %name, error = %e, "cannot record that the thin volume's copies took over; trying again later");
+                break;
+            }
             tracing::info!(volume = %name, "copies of the thin volume current: its own map is given up");
             self.retire_map(uuid, uuid, own);
             changed.push(name);
         }
         Ok(changed)
     }
+}
+
+/// Whether copies are being added to thin volume `v`: it has copies and still its own map.
+pub(crate) fn adding_copies(v: &VolumeEntry) -> bool {
+    v.thin.as_ref().is_some_and(|t| !t.map.is_empty()) && v.is_mirrored_thin()
 }

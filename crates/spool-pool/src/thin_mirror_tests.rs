@@ -485,3 +485,61 @@ fn rebuilt(p: &mut Pool) {
         p.settle_mirrors().unwrap();
     }
 }
+
+/// A device replaced while copies are being added to a thin volume: the copies are given up
+/// (their maps retired), and the volume is a thin volume without copies again that lost
+/// only its chunks on the replaced device; it can be given copies again.
+#[test]
+fn a_replace_while_copies_are_added_gives_them_up() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 40), spec(d.path(), "b", 40)];
+    let o = PoolOptions {
+        mirror_dir: Some(d.path().to_path_buf()),
+        ..opts()
+    };
+    let mut p = Pool::open(&specs, o).unwrap();
+    p.create_thin_volume("m", 64 << 20, false, 1, false)
+        .unwrap();
+    write_pattern(&p);
+    let v = p.add_leg("m").unwrap();
+    assert_eq!(v.legs.len(), 3);
+    let added: Vec<Uuid> = copies(&p, "m").iter().map(|c| c.0).collect();
+    let m = &p.table.volumes[p.find("m").unwrap()];
+    let uuid = m.uuid;
+    let on = |dev: Uuid| {
+        placements(&p, "m", uuid)
+            .iter()
+            .filter(|c| c.device == dev)
+            .count()
+    };
+    let old = copies(&p, "m")[1].1[0];
+    let (lost, kept) = (on(old), placements(&p, "m", uuid).len() - on(old));
+    let rep = p
+        .replace_device(&old.to_string(), &spec(d.path(), "c", 40), true)
+        .unwrap();
+    assert_eq!(rep.volumes, vec!["m".to_string()]);
+    let v = p.volume("m").unwrap();
+    assert!(v.legs.is_empty() && v.copies == 1, "{v:?}");
+    assert_eq!(
+        placements(&p, "m", uuid).len(),
+        kept,
+        "only the chunks on it are lost"
+    );
+    assert!(lost + kept == 3);
+    // The copies' maps are held until no queue uses them, then given back.
+    let ticket = p.retired_ticket(uuid).expect("the copies are held");
+    if let Some(m) = p.mirror("m").ok().flatten() {
+        assert!(m.stop_copying());
+    }
+    p.release_retired(uuid, ticket);
+    for key in added {
+        assert!(p.map_device(&p.table.volumes[0].clone(), key).is_err());
+    }
+    let r = p.check();
+    assert!(r.problems.is_empty() && r.leaked_bytes == 0, "{r:?}");
+    // And copies can be added again.
+    assert_eq!(p.add_leg("m").unwrap().legs.len(), 3);
+    drop(p.layout("m").unwrap());
+    rebuilt_and_finished(&mut p);
+    assert!(p.mirror("m").unwrap().unwrap().stop_copying());
+}

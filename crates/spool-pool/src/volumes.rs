@@ -375,6 +375,8 @@ impl Pool {
         // A thin volume's allocators (one per copy) stop before its maps' extents are free.
         for m in crate::thin_maps::map_refs(&v) {
             self.release_thin(m.key);
+            // A copy not served kept its devices out of allocations: nothing names them now.
+            self.space.unblock(m.key);
         }
         let all: Vec<ExtentEntry> = v.all_extents().copied().collect();
         self.release(&all);
