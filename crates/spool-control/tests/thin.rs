@@ -224,7 +224,7 @@ create_size = "32M"
     let (_, out, _) = spoolctl(&d, &["volume", "show", "t"]);
     assert!(out.contains("thin: 0"), "{out}");
     // A mirrored thin volume: a map per copy, each on a device of its own (tests/mirror.rs
-    // has it lose one); growing it is not built yet.
+    // has it lose one and grow).
     let (ok, out, err) = spoolctl(
         &d,
         &["volume", "create", "m", "1G", "--thin", "--mirror", "2"],
@@ -236,7 +236,7 @@ create_size = "32M"
     assert_ne!(legs[0]["devices"], legs[1]["devices"], "{v}");
     assert_eq!(v["thin"]["map_bytes"], 2 << 20, "{v}");
     let e = d
-        .rpc("volume_resize", json!({"id": "m", "size": "2G"}))
+        .rpc("volume_snapshot", json!({"id": "m", "snapshot": "s"}))
         .unwrap_err();
     assert!(e.message.contains("mirrored thin"), "{e:?}");
     d.rpc("volume_delete", json!({"id": "m"})).unwrap();
