@@ -593,9 +593,9 @@ fn regions_with_no_current_copy_wait_for_an_operator_to_accept_a_leg() {
 }
 
 /// A mirrored thin volume (docs/thin.md, "Mirrored thin volumes"), from the config: each
-/// copy's chunks on a device of its own, a worker kill under load, a media error on one
-/// copy's device (the guest sees nothing), and a replace that makes that copy anew and
-/// rebuilds it online, holes kept as holes.
+/// copy's chunks on a device of its own, a worker kill and an upgrade under load, a media
+/// error on one copy's device (the guest sees nothing), a replace that makes that copy anew
+/// and rebuilds it online, holes kept as holes, and a grow.
 #[test]
 fn a_mirrored_thin_volume_survives_a_device_failure_and_rebuilds_thin() {
     let s = Spoold::start(
@@ -631,6 +631,9 @@ poll_interval_ms = 50
     l.wait_progress(300);
     let pid = s.kill_worker();
     wait_gone(pid);
+    l.wait_progress(300);
+    // An upgrade hands the copies' maps to the next worker as a kill's restart does.
+    s.upgrade(None).unwrap();
     l.wait_progress(300);
     s.rpc(
         "device_inject",
