@@ -61,6 +61,9 @@ pub struct PoolSpace {
     /// volume's copy whose map could not be read (which of their blocks it names is unknown)
     /// until the copy is made anew. The rest of the pool allocates as before.
     blocked: RwLock<Vec<(Uuid, Vec<Uuid>)>>,
+    /// The chunks of a mirrored thin volume's copy that is not served (a device of its group
+    /// missing) though its map read clean: marked taken at open, given back with the map.
+    unserved: Mutex<HashMap<Uuid, Vec<Placement>>>,
 }
 
 /// The pool's free space as one copy of a mirrored thin volume sees it: its own devices
@@ -414,12 +417,24 @@ impl Pool {
         self.space.refs.rebuild(&counts);
         let mut cache = ThinCache::new();
         for (v, m, scan) in scans {
+            // Only a clean scan's chunks are all this map's to give back (a refused one may
+            // name another's).
+            let clean = scan.as_ref().ok().filter(|s| s.1.problem.is_none());
+            let named = clean.map(|s| s.1.placements.clone());
             let opened = scan
                 .and_then(|(spec, scan)| self.start_scanned(v, &m, spec, scan))
                 .map_err(|e| {
                     tracing::error!(volume = %v.name, copy = ?m.slot, error = %e, "thin volume not served");
                     Arc::new(e)
                 });
+            if let (Err(_), Some(named), false) = (&opened, named, m.devices.is_empty()) {
+                let mut unserved = self
+                    .space
+                    .unserved
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                unserved.insert(m.key, named.into_iter().map(|(_, p)| p).collect());
+            }
             cache.insert(m.key, opened);
         }
         *self.thins.lock().unwrap_or_else(|p| p.into_inner()) = cache;
@@ -530,12 +545,24 @@ impl Pool {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&uuid);
-        let Some(Ok(dev)) = dev else { return };
-        let Some(t) = ThinBackend::of(&dev) else {
-            return;
+        let unserved = (self
+            .space
+            .unserved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()))
+        .remove(&uuid);
+        let placements = match (dev, unserved) {
+            (Some(Ok(dev)), _) => {
+                let Some(t) = ThinBackend::of(&dev) else {
+                    return;
+                };
+                t.shut_down();
+                t.placements()
+            }
+            (_, Some(named)) => named,
+            _ => return,
         };
-        t.shut_down();
-        for p in t.placements() {
+        for p in placements {
             if !self.space.refs.release(p) {
                 continue; // Another map (a clone's) still names it.
             }
