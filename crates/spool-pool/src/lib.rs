@@ -29,6 +29,7 @@ mod thin_create;
 mod thin_maps;
 mod thin_mirror;
 mod thin_move;
+mod thin_space;
 mod volume_image;
 mod volumes;
 
@@ -50,7 +51,8 @@ pub use qos::{Priority, QosLimits};
 pub use rbd::RbdTarget;
 pub use remote::RemoteDue;
 pub use snapshots::{inflate, SnapshotInfo};
-pub use thin::{PoolSpace, DEFAULT_FULL_WAIT};
+pub use thin::DEFAULT_FULL_WAIT;
+pub use thin_space::PoolSpace;
 
 use members::Member;
 use metadata::{PoolTable, Record};

@@ -12,7 +12,7 @@
 //!
 //! Owns: splitting the devices among the copies, adding copies to a thin volume, making a
 //! copy anew on the device that replaces one of its own (a copy's chunk source,
-//! `CopySpace`, is `thin.rs`'s). Must not know: the data path, how a copy is rebuilt (the
+//! `CopySpace`, is `thin_space.rs`'s). Must not know: the data path, how a copy is rebuilt (the
 //! mirror does it: a copy made anew has a new identity).
 
 use spool_devices::Device;

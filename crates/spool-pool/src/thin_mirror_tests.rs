@@ -564,7 +564,11 @@ fn an_unserved_copys_chunks_go_back_when_it_is_made_anew() {
         assert!(p.mirror("m").unwrap().unwrap().stop_copying());
         let v = &p.table.volumes[0];
         let (_, two) = v.leg_maps().find(|(_, m)| m.devices.len() == 2).unwrap();
-        let pulled = *two.devices.iter().find(|d| **d != two.map[0].device).unwrap();
+        let pulled = *two
+            .devices
+            .iter()
+            .find(|d| **d != two.map[0].device)
+            .unwrap();
         let e = p.table.devices.iter().find(|x| x.uuid == pulled).unwrap();
         (std::path::PathBuf::from(&e.last_path), v.uuid)
     };
