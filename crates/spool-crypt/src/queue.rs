@@ -8,9 +8,14 @@
 //! stays valid ciphertext. Discards pass through; write-zeroes cannot (zeroes on the device
 //! decrypt to noise) and fail with `EOPNOTSUPP` (encrypted volumes do not offer it).
 //!
+//! A caller may submit several operations under one tag (a worker sends every piece of a
+//! request with the request's tag, two of them to one device when the layout's segments are
+//! not contiguous), as every queue allows: in-flight records are kept under ids of this
+//! queue's own, handed to the device as its tags, never under the caller's tag.
+//!
 //! Must not know: volumes' metadata, virtio, where keys come from.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
@@ -96,10 +101,42 @@ impl Bounce {
     }
 }
 
-/// An operation in flight: its bounce buffer, and for a read the caller's iovecs to fill.
+/// An operation in flight: the caller's tag, its bounce buffer (none for an operation
+/// passed through: a flush, a discard), and for a read the caller's iovecs to fill.
 struct Pending {
-    bounce: Bounce,
+    tag: u64,
+    bounce: Option<Bounce>,
     read: Option<(*const IoVec, u32, u64)>,
+}
+
+/// Operations in flight under ids of the queue's own (their index; the device's tag), so
+/// that two operations under one caller tag never share a record.
+#[derive(Default)]
+struct InFlight {
+    slots: Vec<Option<Pending>>,
+    vacant: Vec<usize>,
+}
+
+impl InFlight {
+    fn insert(&mut self, p: Pending) -> u64 {
+        match self.vacant.pop() {
+            Some(i) => {
+                self.slots[i] = Some(p);
+                i as u64
+            }
+            None => {
+                self.slots.push(Some(p));
+                (self.slots.len() - 1) as u64
+            }
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Pending> {
+        let i = usize::try_from(id).ok()?;
+        let p = self.slots.get_mut(i)?.take()?;
+        self.vacant.push(i);
+        Some(p)
+    }
 }
 
 /// A queue that encrypts what it writes and decrypts what it reads (module doc).
@@ -107,7 +144,7 @@ pub struct CryptQueue {
     inner: Box<dyn DeviceQueue>,
     cipher: Arc<Locked<XtsCipher>>,
     map: TweakMap,
-    pending: HashMap<u64, Pending>,
+    pending: InFlight,
     free: Vec<Bounce>,
     refused: VecDeque<(u64, i32)>,
 }
@@ -124,7 +161,7 @@ impl CryptQueue {
             inner,
             cipher,
             map,
-            pending: HashMap::new(),
+            pending: InFlight::default(),
             free: Vec::new(),
             refused: VecDeque::new(),
         }
@@ -290,8 +327,15 @@ impl DeviceQueue for CryptQueue {
             DeviceIo::WriteZeroes { .. } => {
                 return self.refused.push_back((tag, -libc::EOPNOTSUPP))
             }
-            // SAFETY: nothing of the caller's memory is involved.
-            other => return unsafe { self.inner.submit(other, tag) },
+            other => {
+                let id = self.pending.insert(Pending {
+                    tag,
+                    bounce: None,
+                    read: None,
+                });
+                // SAFETY: nothing of the caller's memory is involved.
+                return unsafe { self.inner.submit(other, id) };
+            }
         };
         // SAFETY: the submit contract.
         let bufs = unsafe { iovecs(iov, iovcnt) };
@@ -314,12 +358,16 @@ impl DeviceQueue for CryptQueue {
         }
         let one: *const IoVec = &*bounce.iov;
         let read = (!write).then_some((iov, iovcnt, sector));
-        self.pending.insert(tag, Pending { bounce, read });
+        let id = self.pending.insert(Pending {
+            tag,
+            bounce: Some(bounce),
+            read,
+        });
         // SAFETY: the bounce buffer and its iovec stay in `pending` (heap allocations that do
-        // not move with the map) until this tag is reaped.
+        // not move with the table) until `id` is reaped; no other operation uses `id` before.
         unsafe {
             self.inner
-                .submit(DeviceIo::data(write, offset, len, one, 1), tag)
+                .submit(DeviceIo::data(write, offset, len, one, 1), id)
         };
     }
 
@@ -340,21 +388,26 @@ impl DeviceQueue for CryptQueue {
             free,
             ..
         } = self;
-        n + inner.reap(&mut |tag, mut res| {
-            if let Some(mut p) = pending.remove(&tag) {
+        n + inner.reap(&mut |id, mut res| {
+            let Some(p) = pending.remove(id) else {
+                // Every operation handed to the device has a record: a device that reports
+                // one it was never given (or twice) is not ours to complete.
+                tracing::error!(id, "crypt queue: completion for an operation not in flight");
+                return;
+            };
+            if let Some(mut b) = p.bounce {
                 if let (Some((iov, iovcnt, sector)), true) = (p.read, res >= 0) {
                     // SAFETY: the caller's writable buffers, `len` bytes in all, valid until
                     // this reap returns (the submit contract).
-                    let r = unsafe {
-                        decrypt_scatter(cipher, p.bounce.data(), iovecs(iov, iovcnt), sector)
-                    };
+                    let r =
+                        unsafe { decrypt_scatter(cipher, b.data(), iovecs(iov, iovcnt), sector) };
                     if let Err(e) = r {
                         res = e;
                     }
                 }
-                CryptQueue::recycle(free, p.bounce);
+                CryptQueue::recycle(free, b);
             }
-            done(tag, res)
+            done(p.tag, res)
         })
     }
 
@@ -409,19 +462,24 @@ mod tests {
         got.unwrap()
     }
 
-    /// Writes land encrypted with the volume's sector as the tweak, reads come back plain, and
-    /// what cannot be encrypted right is refused.
-    #[test]
-    fn writes_ciphertext_reads_plaintext() {
+    /// A 1 MiB file device `d.img` in a new directory, and a new data key's cipher.
+    fn fixture() -> (tempfile::TempDir, Device, Arc<Locked<XtsCipher>>) {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("d.img");
         let opts = OpenOptions {
             create_size: Some(1 << 20),
             ..Default::default()
         };
-        let dev = Device::open(&path, &opts).unwrap();
-        let key = DataKey::generate().unwrap();
-        let cipher = Arc::new(key.cipher().unwrap());
+        let dev = Device::open(&dir.path().join("d.img"), &opts).unwrap();
+        let cipher = Arc::new(DataKey::generate().unwrap().cipher().unwrap());
+        (dir, dev, cipher)
+    }
+
+    /// Writes land encrypted with the volume's sector as the tweak, reads come back plain, and
+    /// what cannot be encrypted right is refused.
+    #[test]
+    fn writes_ciphertext_reads_plaintext() {
+        let (dir, dev, cipher) = fixture();
+        let path = dir.path().join("d.img");
         // Device bytes 64K.. hold volume bytes 1M.. (sector 2048).
         let map = TweakMap::new(vec![(65536, 65536, 1 << 20)]);
         let mut q = CryptQueue::new(dev.open_queue(8).unwrap(), cipher.clone(), map);
@@ -505,6 +563,74 @@ mod tests {
             len: 4096,
         };
         assert_eq!(run(&mut q, zeroes), -libc::EOPNOTSUPP);
+        assert_eq!(q.in_flight(), 0);
+    }
+
+    /// Two pieces of one request on one device (a layout whose segments are not contiguous)
+    /// come under one tag: each is encrypted and decrypted with its own buffer and sector,
+    /// in both directions, with a flush under the same tag beside them.
+    #[test]
+    fn pieces_under_one_tag_keep_their_own_buffers() {
+        let (dir, dev, cipher) = fixture();
+        let path = dir.path().join("d.img");
+        // Volume bytes 0..256K at device 512K, volume 256K..512K at device 0 (a split layout).
+        let map = TweakMap::new(vec![(512 << 10, 256 << 10, 0), (0, 256 << 10, 256 << 10)]);
+        let mut q = CryptQueue::new(dev.open_queue(8).unwrap(), cipher.clone(), map);
+        let a: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+        let b: Vec<u8> = (0..65536u32).map(|i| (i % 241) as u8 ^ 0xa5).collect();
+        let iov = |buf: &[u8]| IoVec {
+            iov_base: buf.as_ptr() as *mut _,
+            iov_len: buf.len(),
+        };
+        let (ia, ib) = ([iov(&a)], [iov(&b)]);
+        // The tail of the first segment and the head of the second, one tag.
+        let (da, db) = ((512 << 10) + (192 << 10), 0u64);
+        let reap_all = |q: &mut CryptQueue, n: usize| {
+            let mut got = Vec::new();
+            while got.len() < n {
+                q.reap(&mut |tag, res| got.push((tag, res)));
+            }
+            got
+        };
+        // SAFETY: the buffers outlive the calls, which wait for every completion.
+        unsafe {
+            q.submit(DeviceIo::data(true, da, 65536, ia.as_ptr(), 1), 7);
+            q.submit(DeviceIo::data(true, db, 65536, ib.as_ptr(), 1), 7);
+            q.submit(DeviceIo::Flush, 7);
+        }
+        q.kick().unwrap();
+        let mut got = reap_all(&mut q, 3);
+        got.sort();
+        assert_eq!(got, vec![(7, 0), (7, 65536), (7, 65536)]);
+        let raw = |at: u64, sector: u64| {
+            let mut r = vec![0u8; 65536];
+            std::fs::File::open(&path)
+                .unwrap()
+                .read_exact_at(&mut r, at)
+                .unwrap();
+            cipher.decrypt(&mut r, sector);
+            r
+        };
+        assert!(raw(da, (192 << 10) / 512) == a, "first piece stored wrong");
+        assert!(raw(db, (256 << 10) / 512) == b, "second piece stored wrong");
+        let (mut ra, mut rb) = (vec![0u8; 65536], vec![0u8; 65536]);
+        let oa = [IoVec {
+            iov_base: ra.as_mut_ptr().cast(),
+            iov_len: 65536,
+        }];
+        let ob = [IoVec {
+            iov_base: rb.as_mut_ptr().cast(),
+            iov_len: 65536,
+        }];
+        // SAFETY: as above.
+        unsafe {
+            q.submit(DeviceIo::data(false, da, 65536, oa.as_ptr(), 1), 9);
+            q.submit(DeviceIo::data(false, db, 65536, ob.as_ptr(), 1), 9);
+        }
+        q.kick().unwrap();
+        assert_eq!(reap_all(&mut q, 2), vec![(9, 65536), (9, 65536)]);
+        assert!(ra == a, "first piece read back another buffer's data");
+        assert!(rb == b, "second piece read back another buffer's data");
         assert_eq!(q.in_flight(), 0);
     }
 

@@ -57,18 +57,28 @@ impl QueueWorker {
             let io_err_log = &mut self.tel.io_err_log;
             let health = self.dev.layout.devices[d].health();
             let n = self.dev.queues[d].reap(&mut |tag, res| {
-                let Some(Some(inf)) = slots.get_mut(tag as usize) else {
+                let (head, at) = super::dispatch::tag_piece(tag);
+                let Some(Some(inf)) = slots.get_mut(head as usize) else {
                     tracing::error!(tag, "completion for a request that is not in flight");
                     return;
                 };
                 if res < 0 {
-                    let piece = bufs[tag as usize].pieces.iter().find(|p| p.0 as usize == d);
+                    let piece = bufs[head as usize]
+                        .pieces
+                        .get(at)
+                        .filter(|p| p.0 as usize == d);
                     super::recovery::note_piece_error(
-                        inf, -res, piece, health, io_err_log, volume, tag,
+                        inf,
+                        -res,
+                        piece,
+                        health,
+                        io_err_log,
+                        volume,
+                        head as u64,
                     );
                 }
                 if inf.pieces.piece_back(res >= 0) {
-                    finished.push(tag as u16);
+                    finished.push(head);
                 }
             });
             any |= n > 0;

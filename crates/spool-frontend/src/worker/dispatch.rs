@@ -291,7 +291,7 @@ impl QueueWorker {
         inf.sweep = self.sweep.count;
         self.inflight.submit(head, inf);
         let parts = &self.inflight.bufs(head).parts;
-        for (d, mut io) in ios {
+        for (i, (d, mut io)) in ios.into_iter().enumerate() {
             if let DeviceIo::Read { iov, iovcnt, .. } | DeviceIo::Write { iov, iovcnt, .. } =
                 &mut io
             {
@@ -303,9 +303,23 @@ impl QueueWorker {
             // for a head `dispatch` found free (`head_busy`: none of its pieces is in a
             // device); each iovec lies in one region of `host_of` (`host_iovecs`; `slice_iov`
             // stays inside), which stays mapped until completion (`retired_maps`).
-            unsafe { self.dev.queues[d].submit(io, head as u64) };
+            unsafe { self.dev.queues[d].submit(io, piece_tag(head, i)) };
         }
     }
+}
+
+/// The device tag of piece `piece` of request `head`: the head in the low 16 bits, the
+/// piece's index above them, so a completion names the very piece it is for (two pieces of
+/// one request can be on one device: a layout whose segments are not contiguous).
+#[inline]
+pub(super) fn piece_tag(head: u16, piece: usize) -> u64 {
+    head as u64 | (piece as u64) << 16
+}
+
+/// The (head, piece index) a device tag names ([`piece_tag`]).
+#[inline]
+pub(super) fn tag_piece(tag: u64) -> (u16, usize) {
+    (tag as u16, (tag >> 16) as usize)
 }
 
 /// The iovecs covering `[at, at + len)` of the data described by `iov`.
