@@ -196,11 +196,16 @@ impl DeviceHealth {
     /// Called by a worker for a failed or timed-out piece of I/O. A path error or a timeout
     /// on a healthy device holds the device's I/O at once (Healthy → Resetting); everything
     /// else waits for the monitor.
+    ///
+    /// The state change and the report are made under one lock, the one
+    /// [`DeviceHealth::take_reports_with_state`] reads both under: a monitor never sees a
+    /// device this report made resetting without seeing the report too (it would reset the
+    /// device for nothing, then again for the report).
     pub fn report(&self, r: ErrorReport) {
+        let mut q = self.reports.lock().unwrap_or_else(|p| p.into_inner());
         if r.class() == ErrorClass::Path {
             self.transition(HealthState::Healthy, HealthState::Resetting);
         }
-        let mut q = self.reports.lock().unwrap_or_else(|p| p.into_inner());
         if q.len() >= REPORT_QUEUE_MAX {
             q.pop_front();
             self.dropped.fetch_add(1, Ordering::Relaxed);
@@ -214,6 +219,19 @@ impl DeviceHealth {
     pub fn take_reports(&self) -> (Vec<ErrorReport>, u64) {
         let mut q = self.reports.lock().unwrap_or_else(|p| p.into_inner());
         (
+            q.drain(..).collect(),
+            self.dropped.swap(0, Ordering::Relaxed),
+        )
+    }
+
+    /// Takes every waiting report, how many were dropped, and the state the device was in
+    /// when they were taken (read under the lock [`DeviceHealth::report`] changes it under):
+    /// a device that was healthy then and is resetting later has a report still waiting.
+    pub fn take_reports_with_state(&self) -> (HealthState, Vec<ErrorReport>, u64) {
+        let mut q = self.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let state = self.state();
+        (
+            state,
             q.drain(..).collect(),
             self.dropped.swap(0, Ordering::Relaxed),
         )

@@ -59,14 +59,35 @@ fn go(
 impl Monitor {
     /// Runs one device's state machine; `emit` records events.
     pub(crate) fn step(&self, w: &mut Watched, emit: &mut dyn FnMut(Emitted)) {
+        let taken = w.dev.health().take_reports_with_state();
+        self.step_taken(w, taken, emit)
+    }
+
+    /// [`Monitor::step`] with the reports already taken (and the state seen as they were).
+    pub(crate) fn step_taken(
+        &self,
+        w: &mut Watched,
+        (seen, reports, dropped): (HealthState, Vec<ErrorReport>, u64),
+        emit: &mut dyn FnMut(Emitted),
+    ) {
         let health = w.dev.health().clone();
-        let (reports, dropped) = health.take_reports();
         w.counters.dropped_reports += dropped;
         let now = Instant::now();
         for r in &reports {
             self.apply_report(w, &health, r, now, emit);
         }
-        match health.state() {
+        let state = health.state();
+        if seen == HealthState::Healthy
+            && state == HealthState::Resetting
+            && w.reset_started.is_none()
+        {
+            // Made resetting since the reports were taken: by a worker's path report, which
+            // is waiting (`DeviceHealth::report`), or by an operator. The next round begins
+            // the reset with the report's reason; beginning it now would reset the device
+            // once for nothing and once more for the report.
+            return;
+        }
+        match state {
             HealthState::Resetting => self.step_resetting(w, &health, now, emit),
             HealthState::Healthy => self.step_healthy(w, &health, now, emit),
             HealthState::Failed => {

@@ -116,6 +116,46 @@ fn path_errors_and_timeouts_reset_and_come_back() {
     assert_eq!((r.counters.timeouts, r.counters.resets), (1, 1));
 }
 
+/// A worker's path report that lands between the monitor taking the reports and looking at
+/// the state (forced here: the test holds the monitor's lock and runs its round by hand)
+/// resets the device once, not once for the state and again for the report.
+#[test]
+fn a_report_racing_the_monitor_resets_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Monitor::start(policy());
+    let dev = device(&dir, "d");
+    let uuid = Uuid::new_v4();
+    m.watch(uuid, dev.clone());
+    {
+        let mut inner = m.lock();
+        let w = &mut inner.devices[0];
+        let taken = w.dev.health().take_reports_with_state();
+        assert_eq!(taken.0, HealthState::Healthy);
+        assert!(taken.1.is_empty());
+        dev.health().report(errno(libc::EIO, true));
+        assert_eq!(dev.health().state(), HealthState::Resetting);
+        m.step_taken(w, taken, &mut |_| {});
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !counted(&m, uuid) {
+        assert!(
+            Instant::now() < deadline,
+            "the monitor never took the report"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The round that counts the report is the one a second reset would begin and end in
+    // (the probe answers at once), under the lock `reports` takes: seen together.
+    let r = wait_state(&m, uuid, "healthy");
+    m.stop();
+    assert_eq!(
+        (r.counters.path_errors, r.counters.resets),
+        (1, 1),
+        "{}",
+        r.reason
+    );
+}
+
 #[test]
 fn a_link_that_stays_down_past_the_reset_timeout_fails_the_device() {
     let link_down = |ms: u64| {
@@ -217,16 +257,19 @@ fn events_are_numbered_and_the_hook_runs() {
     assert_eq!(kinds, vec![(1, Some("resetting")), (2, Some("healthy"))]);
     assert_eq!(last, 2);
     assert!(m.events(2).0.is_empty());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
-        if text.lines().count() == 2 {
-            assert!(text.contains(&format!("state healthy {uuid}")), "{text}");
-            break;
+    let hook_lines = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            if text.lines().count() == n {
+                return text;
+            }
+            assert!(Instant::now() < deadline, "hook output: {text:?}");
+            std::thread::sleep(Duration::from_millis(10));
         }
-        assert!(Instant::now() < deadline, "hook output: {text:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    };
+    let text = hook_lines(2);
+    assert!(text.contains(&format!("state healthy {uuid}")), "{text}");
     // A replacement is an event too, and resets the counters.
     let new = device(&dir, "e");
     let new_uuid = Uuid::new_v4();
@@ -235,6 +278,13 @@ fn events_are_numbered_and_the_hook_runs() {
     assert_eq!(events[0].kind, "replaced");
     assert_eq!(m.reports().len(), 1);
     assert_eq!(m.reports()[0].device, new_uuid);
+    // Its hook runs too: waited for, so that no hook outlives the directory it writes in.
+    let text = hook_lines(3);
+    assert!(
+        text.lines().nth(2).unwrap().starts_with("replaced"),
+        "{text}"
+    );
+    m.stop();
 }
 
 /// An isolation is handed to the recorder before the state is set: whoever sees the device
