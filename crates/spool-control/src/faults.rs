@@ -77,9 +77,15 @@ pub fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError> {
         "read" => FaultOps::Read,
         "write" => FaultOps::Write,
         "any" => FaultOps::Any,
+        "meta-read" => FaultOps::MetaRead,
+        "meta-write" => FaultOps::MetaWrite,
+        "meta-zero" => FaultOps::MetaZero,
+        "meta" => FaultOps::Meta,
         o => {
             return Err(RpcError::InvalidParams(format!(
-                "op '{o}' must be read, write or any"
+                "op '{o}' must be read, write or any (the queues' I/O), or meta-read, \
+                 meta-write, meta-zero or meta (metadata: pool tables, thin maps, chunk \
+                 zeroing and copies)"
             )))
         }
     };
@@ -104,6 +110,17 @@ pub fn rule_of(p: &InjectParams, size: u64) -> Result<FaultRule, RpcError> {
             (FaultEffect::Errno(errno_of(e)?), 1, false)
         }
     };
+    if ops.is_meta()
+        && matches!(
+            effect,
+            FaultEffect::Crash | FaultEffect::PanicOnReset | FaultEffect::WedgeOnReset
+        )
+    {
+        return Err(RpcError::InvalidParams(format!(
+            "kind '{}' acts on queue I/O or the reset path, not on metadata: use op read, write or any",
+            p.kind
+        )));
+    }
     let offset = p
         .offset
         .as_ref()
@@ -142,6 +159,30 @@ mod tests {
 
     fn params(kind: &str) -> InjectParams {
         serde_json::from_value(serde_json::json!({"id": "d", "kind": kind})).unwrap()
+    }
+
+    /// Metadata ops reach the device's synchronous I/O; effects that only a queue or the
+    /// reset path has are refused there.
+    #[test]
+    fn metadata_ops_and_what_they_refuse() {
+        let with = |kind: &str, op: &str| {
+            let mut p = params(kind);
+            p.op = Some(op.into());
+            rule_of(&p, 1 << 30)
+        };
+        for (op, want) in [
+            ("meta-read", FaultOps::MetaRead),
+            ("meta-write", FaultOps::MetaWrite),
+            ("meta-zero", FaultOps::MetaZero),
+            ("meta", FaultOps::Meta),
+        ] {
+            let r = with("transient", op).unwrap();
+            assert_eq!((r.ops, r.effect), (want, FaultEffect::Errno(libc::EIO)));
+        }
+        let e = with("crash", "meta-write").unwrap_err().to_string();
+        assert!(e.contains("not on metadata"), "{e}");
+        let e = with("transient", "metadata").unwrap_err().to_string();
+        assert!(e.contains("meta-write"), "{e}");
     }
 
     #[test]

@@ -316,6 +316,10 @@ pub fn fault_rule(
             FaultOps::Read => "read",
             FaultOps::Write => "write",
             FaultOps::Any => "any",
+            FaultOps::MetaRead => "meta-read",
+            FaultOps::MetaWrite => "meta-write",
+            FaultOps::MetaZero => "meta-zero",
+            FaultOps::Meta => "meta",
         }
         .into(),
         offset: r.offset,

@@ -17,7 +17,9 @@ use crate::backend::{BackendInfo, ControllerStatus, OpenOptions, PoolDevice, Pro
 use crate::file::FileBackend;
 use crate::null::NullBackend;
 use crate::nvme::NvmeBackend;
-use crate::{DeviceHealth, DeviceQueue, ErrorClass, FaultSet, FaultyQueue, NullReads, Result};
+use crate::{
+    DeviceHealth, DeviceQueue, ErrorClass, FaultSet, FaultyQueue, MetaOp, NullReads, Result,
+};
 
 /// A pool device: a backend, its health cell and its fault injection.
 #[derive(Debug)]
@@ -128,17 +130,32 @@ impl Device {
 
     /// Synchronous read used for metadata (never on the data path).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.injected(MetaOp::Read, offset, buf.len() as u64, "reading metadata")?;
         self.backend.read_at(buf, offset)
     }
 
     /// Synchronous, durable write used for metadata (never on the data path).
     pub fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.injected(MetaOp::Write, offset, buf.len() as u64, "writing metadata")?;
         self.backend.write_at_durable(buf, offset)
     }
 
     /// Makes a range read back as zeroes, durably.
     pub fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
+        self.injected(MetaOp::Zero, offset, len, "zeroing a range")?;
         self.backend.zero_range(offset, len)
+    }
+
+    /// The error an armed metadata fault rule gives this operation, if one matches.
+    fn injected(&self, op: MetaOp, offset: u64, len: u64, what: &'static str) -> Result<()> {
+        match self.faults.check_meta(op, offset, len) {
+            None => Ok(()),
+            Some(e) => Err(crate::Error::Io {
+                path: self.path().display().to_string(),
+                what,
+                source: std::io::Error::from_raw_os_error(e),
+            }),
+        }
     }
 
     /// Opens a queue on this device for one worker, behind the device's fault injection.

@@ -250,3 +250,72 @@ fn devices_stack_on_devices() {
         "a Device answers presence for what it wraps"
     );
 }
+
+/// Metadata rules reach the device's synchronous I/O, by kind and range, and leave queue
+/// I/O alone; queue rules leave metadata alone.
+#[test]
+fn metadata_faults_reach_synchronous_io_by_kind() {
+    let dev = Device::new(MemBackend::new(1 << 16), &[]);
+    let meta = |ops, offset, len, count| FaultRule {
+        effect: FaultEffect::Errno(libc::EIO),
+        ops,
+        offset,
+        len,
+        count,
+        duration: None,
+        fails_probe: false,
+    };
+    let errno = |r: Result<()>| match r {
+        Err(Error::Io { source, .. }) => source.raw_os_error(),
+        Ok(()) => None,
+        Err(e) => panic!("{e}"),
+    };
+    dev.faults()
+        .add(meta(FaultOps::MetaWrite, 4096, 4096, Some(1)));
+    let mut b = [0u8; 512];
+    // Outside the range, and reads and zeroing: untouched.
+    assert_eq!(errno(dev.write_at_durable(&b, 0)), None);
+    assert_eq!(errno(dev.read_at(&mut b, 4096)), None);
+    assert_eq!(errno(dev.zero_range(4096, 512)), None);
+    assert_eq!(errno(dev.write_at_durable(&b, 4096 + 512)), Some(libc::EIO));
+    assert_eq!(
+        errno(dev.write_at_durable(&b, 4096)),
+        None,
+        "count 1: disarmed"
+    );
+    dev.faults().add(meta(FaultOps::Meta, 0, 0, Some(3)));
+    assert_eq!(errno(dev.read_at(&mut b, 0)), Some(libc::EIO));
+    assert_eq!(errno(dev.zero_range(0, 512)), Some(libc::EIO));
+    // A queue rule is not a metadata rule, nor the other way round.
+    let mut q = dev.open_queue(4).unwrap();
+    let iov = [IoVec {
+        iov_base: b.as_mut_ptr().cast(),
+        iov_len: 512,
+    }];
+    // SAFETY: `b` and `iov` outlive the submission, reaped below.
+    unsafe { q.submit(DeviceIo::data(true, 0, 512, iov.as_ptr(), 1), 1) };
+    let mut got = None;
+    while got.is_none() {
+        q.reap(&mut |_, r| got = Some(r));
+    }
+    assert_eq!(got, Some(512), "a metadata rule failed queue I/O");
+    assert_eq!(errno(dev.write_at_durable(&b, 0)), Some(libc::EIO));
+    dev.faults().add(meta(FaultOps::Any, 0, 0, None));
+    assert_eq!(
+        errno(dev.write_at_durable(&b, 0)),
+        None,
+        "a queue rule failed metadata"
+    );
+    // Holding effects fail synchronous I/O with a timeout; a crash rule never matches it.
+    dev.faults().clear();
+    dev.faults().add(FaultRule {
+        effect: FaultEffect::Hang,
+        ..meta(FaultOps::MetaRead, 0, 0, Some(1))
+    });
+    assert_eq!(errno(dev.read_at(&mut b, 0)), Some(libc::ETIMEDOUT));
+    dev.faults().add(FaultRule {
+        effect: FaultEffect::Crash,
+        ..meta(FaultOps::Meta, 0, 0, None)
+    });
+    assert_eq!(errno(dev.write_at_durable(&b, 0)), None);
+}

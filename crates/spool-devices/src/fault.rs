@@ -17,13 +17,63 @@ use std::time::{Duration, Instant};
 
 use crate::queue::{DeviceIo, DeviceQueue};
 
-/// Which operations a rule matches.
+/// Which operations a rule matches. `Read`, `Write` and `Any` are the queues' I/O (guest
+/// data, mirror copies); the `Meta*` kinds are the device's synchronous metadata I/O
+/// ([`crate::Device::read_at`], [`crate::Device::write_at_durable`],
+/// [`crate::Device::zero_range`]: pool tables, thin maps, chunk zeroing, copy-on-write
+/// copies), so that every durable metadata step can be made to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultOps {
     Read,
     /// Writes, write-zeroes, discards and flushes.
     Write,
     Any,
+    /// Synchronous metadata reads.
+    MetaRead,
+    /// Synchronous durable metadata writes.
+    MetaWrite,
+    /// Synchronous zeroing of a range.
+    MetaZero,
+    /// Any synchronous metadata operation.
+    Meta,
+}
+
+/// A synchronous metadata operation of a [`crate::Device`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetaOp {
+    Read,
+    Write,
+    Zero,
+}
+
+impl FaultOps {
+    /// Whether a rule on these ops matches a queue operation (`write`: not a read).
+    fn matches_queue(self, write: bool) -> bool {
+        match self {
+            FaultOps::Any => true,
+            FaultOps::Read => !write,
+            FaultOps::Write => write,
+            FaultOps::MetaRead | FaultOps::MetaWrite | FaultOps::MetaZero | FaultOps::Meta => false,
+        }
+    }
+
+    /// Whether a rule on these ops matches a synchronous metadata operation.
+    fn matches_meta(self, op: MetaOp) -> bool {
+        matches!(
+            (self, op),
+            (FaultOps::Meta, _)
+                | (FaultOps::MetaRead, MetaOp::Read)
+                | (FaultOps::MetaWrite, MetaOp::Write)
+                | (FaultOps::MetaZero, MetaOp::Zero)
+        )
+    }
+
+    /// Whether these ops are the synchronous metadata kinds.
+    pub fn is_meta(self) -> bool {
+        self.matches_meta(MetaOp::Read)
+            || self.matches_meta(MetaOp::Write)
+            || self.matches_meta(MetaOp::Zero)
+    }
 }
 
 /// What a matching operation does.
@@ -185,6 +235,29 @@ impl FaultSet {
 
     #[cold]
     fn check_slow(&self, write: bool, offset: u64, len: u64) -> Option<FaultEffect> {
+        self.check_with(|ops| ops.matches_queue(write), offset, len)
+    }
+
+    /// The errno a synchronous metadata operation fails with under the armed rules (`None`:
+    /// it goes to the device). A rule that would hold a queue operation (hang, stuck) fails
+    /// a synchronous one with `ETIMEDOUT`, as a caller's timeout would; the others (crash,
+    /// reset-path effects) act on queue operations only and never match here.
+    pub fn check_meta(&self, op: MetaOp, offset: u64, len: u64) -> Option<i32> {
+        if !self.armed.load(Ordering::Relaxed) {
+            return None;
+        }
+        match self.check_with(|ops| ops.matches_meta(op), offset, len)? {
+            FaultEffect::Errno(e) => Some(e),
+            _ => Some(libc::ETIMEDOUT),
+        }
+    }
+
+    fn check_with(
+        &self,
+        matches: impl Fn(FaultOps) -> bool,
+        offset: u64,
+        len: u64,
+    ) -> Option<FaultEffect> {
         let mut rules = self.lock();
         Self::expire(&mut rules);
         if rules.iter().all(|a| a.rule.effect.on_reset()) {
@@ -192,14 +265,12 @@ impl FaultSet {
             return None;
         }
         let hit = rules.iter_mut().find(|a| {
-            if a.rule.effect.on_reset() {
+            if a.rule.effect.on_reset()
+                || a.rule.effect == FaultEffect::Crash && a.rule.ops.is_meta()
+            {
                 return false;
             }
-            let ops = match a.rule.ops {
-                FaultOps::Any => true,
-                FaultOps::Read => !write,
-                FaultOps::Write => write,
-            };
+            let ops = matches(a.rule.ops);
             let range = a.rule.len == 0
                 || len == 0
                 || (offset < a.rule.offset.saturating_add(a.rule.len)

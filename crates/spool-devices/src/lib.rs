@@ -34,7 +34,7 @@ pub use backend::{
     BackendInfo, ControllerStatus, ErrorLogRecord, OpenOptions, PoolDevice, Probe, SmartHealth,
 };
 pub use device::Device;
-pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue};
+pub use fault::{FaultEffect, FaultOps, FaultRule, FaultSet, FaultStatus, FaultyQueue, MetaOp};
 pub use file::FileBackend;
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;

@@ -153,6 +153,8 @@ impl Allocator<'_> {
         }
         let mut fresh = Vec::new();
         let mut copied = Vec::new();
+        // Chunks whose requesters were told already (failed, or nothing to copy).
+        let mut answered = std::collections::HashSet::new();
         for (n, (&c, (boxes, asked))) in want.iter().enumerate() {
             // While the pool is full, the chunks asked for and not served yet wait.
             let left = (want.len() - n) as u64;
@@ -165,6 +167,7 @@ impl Allocator<'_> {
                     for m in boxes {
                         m.post(Some(Note::Mapped { chunk: c }));
                     }
+                    answered.insert(c);
                     continue;
                 }
                 None => self.take_zeroed(deadline, left),
@@ -179,7 +182,10 @@ impl Allocator<'_> {
             };
             match got {
                 Ok(p) => fresh.push((c, Some(p), stamp)),
-                Err(errno) => post_failed(boxes, c, errno),
+                Err(errno) => {
+                    post_failed(boxes, c, errno);
+                    answered.insert(c);
+                }
             }
         }
         // Waiting for space serves unmaps: an entry unmapped (or changed) since it was
@@ -197,6 +203,7 @@ impl Allocator<'_> {
             if failed.contains(&map::block_of(c)) {
                 // Maybe on the device: the chunk stays taken (see the module doc).
                 post_failed(&want[&c].0, c, -libc::EIO);
+                answered.insert(c);
             } else {
                 self.s.map.set(c, p);
             }
@@ -212,8 +219,13 @@ impl Allocator<'_> {
         }
         drop(r);
         self.batch_done();
+        // Every other requester is told to look again: its chunk is mapped now, or its new
+        // chunk went back (`drop_changed`), or it was skipped as mapped and has been unmapped
+        // since (a whole-chunk discard served while this batch waited for space). Whoever
+        // still finds a hole asks again; one left unanswered would never ask again (a queue
+        // asks once until answered) and its parked write would wait for ever.
         for (&chunk, (boxes, _)) in &want {
-            if self.s.map.get_for_write(chunk).is_some() || dropped.contains(&chunk) {
+            if !answered.contains(&chunk) {
                 for m in boxes {
                     m.post(Some(Note::Mapped { chunk }));
                 }
@@ -325,16 +337,35 @@ impl Allocator<'_> {
         }
         let s = self.s;
         let mut old = Vec::new();
+        let mut holes: Vec<Change> = Vec::new();
+        let unsure = s
+            .unsure_blocks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         for u in &unmaps {
-            for c in u.first..u.end.min(s.chunks()) {
+            let end = u.end.min(s.chunks());
+            for c in u.first..end {
                 if let Some(p) = s.map.get(c) {
                     s.map.set(c, None);
                     old.push((c, p));
+                    holes.push((c, None));
+                }
+            }
+            // A block of the range whose last write failed may still name what memory has
+            // cleared (an earlier try of this very unmap, answered EIO): written again, so
+            // that this answer means the holes are on the device.
+            if u.first < end {
+                for &b in unsure.range(map::block_of(u.first)..=map::block_of(end - 1)) {
+                    let c = map::block_entries(b, s.map.capacity())
+                        .find(|c| (u.first..end).contains(c));
+                    if let Some(c) = c.filter(|&c| s.map.get(c).is_none()) {
+                        holes.push((c, None));
+                    }
                 }
             }
         }
         crash_point(s, CrashPoint::Cleared);
-        let holes: Vec<Change> = old.iter().map(|&(c, _)| (c, None)).collect();
         let failed = persist(s, &holes);
         crash_point(s, CrashPoint::HolesWritten);
         let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
@@ -426,8 +457,10 @@ pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
             let e = map::encode(s.spec.volume, i, p.and_then(|(d, o)| s.placement(d, o)));
             buf[at..at + ENTRY_BYTES as usize].copy_from_slice(&e);
         }
+        let mut ok = true;
         for store in places.iter() {
             if let Err(e) = store.write_block(b, &buf) {
+                ok = false;
                 tracing::error!(volume = %s.spec.path.display(), block = b, error = %e, "writing the thin volume's map failed");
                 if let Some((dev, off)) = store.locate(b * BLOCK_BYTES) {
                     report(dev, off, BLOCK_BYTES);
@@ -436,6 +469,12 @@ pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
                 break;
             }
         }
+        let mut unsure = s.unsure_blocks.lock().unwrap_or_else(|p| p.into_inner());
+        match ok {
+            true => unsure.remove(&b),
+            false => unsure.insert(b),
+        };
+        drop(unsure);
         buf.fill(0);
     }
     failed

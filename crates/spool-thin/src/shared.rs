@@ -100,6 +100,10 @@ pub(crate) struct Shared {
     /// Chunks the allocator took and has not published or given back yet (what `pool
     /// check` must not call leaked): set by `take_filled`, emptied when the batch is done.
     pub(crate) in_hand: Mutex<Vec<Placement>>,
+    /// Map blocks whose last write failed: on the device they may hold the old entries or
+    /// the new ones, whatever memory says. A change that finds its entries already as it
+    /// wants them in memory must still write such a block before it is acknowledged.
+    pub(crate) unsure_blocks: Mutex<std::collections::BTreeSet<u64>>,
     /// Where the allocator dies (crash-point tests; read only in test builds).
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) crash_at: Mutex<Option<CrashPoint>>,
@@ -138,6 +142,7 @@ impl Shared {
             retire: Mutex::default(),
             snapshots: Mutex::default(),
             in_hand: Mutex::default(),
+            unsure_blocks: Mutex::default(),
             crash_at: Mutex::default(),
         }
     }
@@ -216,7 +221,8 @@ impl Shared {
 /// What one queue is told by the allocator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Note {
-    /// Chunk `chunk`, asked for, is mapped (or was already).
+    /// Chunk `chunk`, asked for, is done with: mapped (or was already), or unmapped again
+    /// since it was asked for. A requester that still finds a hole there asks again.
     Mapped { chunk: u64 },
     /// Chunk `chunk` could not be allocated (a negative errno).
     Failed { chunk: u64, errno: i32 },

@@ -372,7 +372,8 @@ pub struct QosArgs {
 pub struct InjectArgs {
     pub id: String,
     pub kind: String,
-    /// read, write or any.
+    /// read, write or any (the queues' I/O); meta-read, meta-write, meta-zero or meta (the
+    /// device's metadata I/O: pool tables, thin maps, chunk zeroing and copies).
     #[arg(long, default_value = "any")]
     pub op: String,
     /// Device byte offset of the affected range (e.g. 1G).
