@@ -66,6 +66,7 @@ impl Pool {
             space: Default::default(),
             thins: Default::default(),
             retired: Default::default(),
+            commit_unsure: false,
         };
         // Thin volumes' chunks are named by their maps, not the table: taken now, before
         // anything can allocate.

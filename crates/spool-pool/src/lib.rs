@@ -191,6 +191,10 @@ pub struct Pool {
     thins: std::sync::Mutex<thin::ThinCache>,
     /// Extents of removed mirror legs the running queues may still write (`retired.rs`).
     retired: retired::Retired,
+    /// A table commit failed and could not be undone: a restart may open the table before
+    /// or the one that failed. Until a commit succeeds, extents released are held instead
+    /// (`volumes.rs`, `Pool::release`).
+    commit_unsure: bool,
 }
 
 impl Pool {
@@ -217,22 +221,69 @@ impl Pool {
             .checked_add(1)
             .filter(|&g| g < u64::MAX)
             .ok_or_else(|| Error::Metadata("the pool's generation counter is exhausted".into()))?;
-        for m in self.members.iter().filter(|m| !m.isolated()) {
-            metadata::write_record(
-                &m.dev,
-                &Record {
-                    generation,
-                    device_uuid: m.uuid,
-                    table: table.clone(),
-                },
-                erase,
-            )
-            .map_err(|e| Error::Metadata(format!("{}: {e}", m.dev.path().display())))?;
+        let write = |m: &Member, generation: u64, table: &PoolTable| {
+            let rec = Record {
+                generation,
+                device_uuid: m.uuid,
+                table: table.clone(),
+            };
+            metadata::write_record(&m.dev, &rec, erase)
+        };
+        let mut took = Vec::new();
+        let mut failed = None;
+        for (i, m) in self
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !m.isolated())
+        {
+            match write(m, generation, &table) {
+                Ok(()) => took.push(i),
+                Err(e) => {
+                    let why = format!("{}: {e}", m.dev.path().display());
+                    // Only a failed device write may have left the record on the device.
+                    failed = Some((why, matches!(e, metadata::WriteError::Device(_))));
+                    break;
+                }
+            }
         }
-        self.table = table;
-        self.generation = generation;
-        self.refresh_space();
-        Ok(())
+        let Some((why, maybe_written)) = failed else {
+            self.table = table;
+            self.generation = generation;
+            self.commit_unsure = false;
+            self.refresh_space();
+            return Ok(());
+        };
+        if took.is_empty() && !maybe_written {
+            return Err(Error::Metadata(why));
+        }
+        // Some members hold the new table (and the one that failed may): a restart would open
+        // it while this process goes on with the old one. Rolled back: the old table as the
+        // generation after, on every member that took the new one (its slot for that
+        // generation held the one before, which the new table now supersedes there). A
+        // member whose write failed is not written again: the slot of the table before is
+        // what it falls back to.
+        let back = took
+            .iter()
+            .filter(|&&i| write(&self.members[i], generation + 1, &self.table).is_ok())
+            .count();
+        // The next commit goes to the slot the failed generation went to, never over the
+        // last one known whole.
+        self.generation = generation + 1;
+        if back > 0 {
+            tracing::error!(error = %why, "writing the pool table failed on a member; the table before was written back, nothing changed");
+            return Err(Error::Metadata(format!(
+                "{why} (nothing changed: the table before was written back)"
+            )));
+        }
+        // Neither is known to be on the devices: the next start may open either table.
+        // Until a commit succeeds, what this process frees stays taken (`Pool::release`),
+        // so nothing either table names is handed out twice.
+        self.commit_unsure = true;
+        tracing::error!(error = %why, "writing the pool table failed and could not be undone: the next start may open the old or the new table; extents freed until a commit succeeds stay taken until a restart");
+        Err(Error::Metadata(format!(
+            "{why} (the new table may or may not be on the device: a restart opens one or the other; what it would have freed stays taken until then)"
+        )))
     }
 
     pub(crate) fn find(&self, id: &str) -> Result<usize> {

@@ -127,6 +127,11 @@ impl Pool {
     }
 
     pub(crate) fn release(&mut self, extents: &[ExtentEntry]) {
+        if self.commit_unsure {
+            // A table that names them may be what the next start opens (`commit_with`).
+            self.hold_until_restart(Uuid::nil(), extents.to_vec());
+            return;
+        }
         for e in extents {
             if let Some(m) = self.members.iter_mut().find(|m| m.uuid == e.device) {
                 m.free(e.offset, e.order);
