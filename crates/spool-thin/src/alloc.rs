@@ -11,11 +11,12 @@
 //! for: a queue of this volume whose I/O never completes keeps every chunk the volume unmaps
 //! from then on from going back, until a restart, but allocation goes on).
 //!
-//! A map block whose write failed may or may not be on the device: its chunks are never
-//! given back (the next start rebuilds free space from what the map says), memory keeps the
-//! new state (an allocation stays unpublished, an unmap stays a hole) and the requests fail
-//! with `EIO`; the next write of that block, with whatever changes it then carries, makes
-//! device and memory agree again.
+//! A map block whose write failed may or may not be on the device: memory keeps the new
+//! state (an allocation stays unpublished, an unmap stays a hole), the requests fail with
+//! `EIO`, and the block is marked unsure with the chunks the device may name in it (held,
+//! not given back). The next successful write of that block, with whatever changes it then
+//! carries (an unmap over it writes it even when memory has nothing to clear), makes device
+//! and memory agree again and gives back the held chunks it does not name.
 //!
 //! When the pool is full, a write waits up to `full_wait` from when it asked (discards are
 //! still served meanwhile: they are what frees space) and then fails with `ENOSPC`.
@@ -201,9 +202,11 @@ impl Allocator<'_> {
         }
         for &(c, p) in &fresh {
             if failed.contains(&map::block_of(c)) {
-                // Maybe on the device: the chunk stays taken (see the module doc).
+                // Maybe on the device: the chunk stays taken (see the module doc) until the
+                // block's next successful write.
                 post_failed(&want[&c].0, c, -libc::EIO);
                 answered.insert(c);
+                hold(self.s, c, p.and_then(|(d, off)| self.s.placement(d, off)));
             } else {
                 self.s.map.set(c, p);
             }
@@ -219,18 +222,7 @@ impl Allocator<'_> {
         }
         drop(r);
         self.batch_done();
-        // Every other requester is told to look again: its chunk is mapped now, or its new
-        // chunk went back (`drop_changed`), or it was skipped as mapped and has been unmapped
-        // since (a whole-chunk discard served while this batch waited for space). Whoever
-        // still finds a hole asks again; one left unanswered would never ask again (a queue
-        // asks once until answered) and its parked write would wait for ever.
-        for (&chunk, (boxes, _)) in &want {
-            if !answered.contains(&chunk) {
-                for m in boxes {
-                    m.post(Some(Note::Mapped { chunk }));
-                }
-            }
-        }
+        answer_the_rest(&want, &answered);
     }
 
     /// Ends a batch: every chunk taken in it is published, given back, or (a failed map
@@ -356,7 +348,10 @@ impl Allocator<'_> {
             // cleared (an earlier try of this very unmap, answered EIO): written again, so
             // that this answer means the holes are on the device.
             if u.first < end {
-                for &b in unsure.range(map::block_of(u.first)..=map::block_of(end - 1)) {
+                for &b in unsure
+                    .range(map::block_of(u.first)..=map::block_of(end - 1))
+                    .map(|(b, _)| b)
+                {
                     let c = map::block_entries(b, s.map.capacity())
                         .find(|c| (u.first..end).contains(c));
                     if let Some(c) = c.filter(|&c| s.map.get(c).is_none()) {
@@ -370,9 +365,11 @@ impl Allocator<'_> {
         crash_point(s, CrashPoint::HolesWritten);
         let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
         for &(c, (d, off)) in &old {
-            // A block whose write failed keeps its chunks taken (see the module doc).
-            if !failed.contains(&map::block_of(c)) {
-                r.next.extend(s.placement(d, off));
+            // A block whose write failed keeps its chunks taken (see the module doc) until
+            // its next successful write.
+            match failed.contains(&map::block_of(c)) {
+                false => r.next.extend(s.placement(d, off)),
+                true => hold(s, c, s.placement(d, off)),
             }
         }
         drop(r);
@@ -382,6 +379,31 @@ impl Allocator<'_> {
                 token: u.token,
                 errno: if bad { -libc::EIO } else { 0 },
             }));
+        }
+    }
+}
+
+/// Holds `chunk`'s placement `p` (one the device may name in the block of `chunk`, whose
+/// write failed) until that block's next successful write (`persist`).
+fn hold(s: &Shared, chunk: u64, p: Option<Placement>) {
+    let mut unsure = s.unsure_blocks.lock().unwrap_or_else(|p| p.into_inner());
+    unsure.entry(map::block_of(chunk)).or_default().extend(p);
+}
+
+/// Tells every requester of `want` not `answered` yet to look again: its chunk is mapped
+/// now, or its new chunk went back (`drop_changed`), or it was skipped as mapped and has been
+/// unmapped since (a whole-chunk discard served while the batch waited for space). Whoever
+/// still finds a hole asks again; one left unanswered would never ask again (a queue asks
+/// once until answered) and its parked write would wait for ever.
+fn answer_the_rest<T>(
+    want: &BTreeMap<u64, (Vec<Arc<Mailbox>>, T)>,
+    answered: &std::collections::HashSet<u64>,
+) {
+    for (&chunk, (boxes, _)) in want {
+        if !answered.contains(&chunk) {
+            for m in boxes {
+                m.post(Some(Note::Mapped { chunk }));
+            }
         }
     }
 }
@@ -471,10 +493,32 @@ pub(crate) fn persist(s: &Shared, changes: &[Change]) -> Vec<u64> {
         }
         let mut unsure = s.unsure_blocks.lock().unwrap_or_else(|p| p.into_inner());
         match ok {
-            true => unsure.remove(&b),
-            false => unsure.insert(b),
-        };
-        drop(unsure);
+            true => {
+                // Written whole: the chunks held for it that it does not name go back (after
+                // a grace period: a failed unmap's chunk was readable).
+                let held = unsure.remove(&b).unwrap_or_default();
+                drop(unsure);
+                let named: Vec<Placement> = map::block_entries(b, s.map.capacity())
+                    .filter_map(|i| {
+                        let p = ch
+                            .iter()
+                            .find(|x| x.0 == i)
+                            .map_or_else(|| s.map.get(i), |x| x.1);
+                        p.and_then(|(d, o)| s.placement(d, o))
+                    })
+                    .collect();
+                let back: Vec<Placement> =
+                    held.into_iter().filter(|p| !named.contains(p)).collect();
+                if !back.is_empty() {
+                    (s.retire.lock().unwrap_or_else(|p| p.into_inner()))
+                        .next
+                        .extend(back);
+                }
+            }
+            false => {
+                unsure.entry(b).or_default();
+            }
+        }
         buf.fill(0);
     }
     failed

@@ -102,8 +102,11 @@ pub(crate) struct Shared {
     pub(crate) in_hand: Mutex<Vec<Placement>>,
     /// Map blocks whose last write failed: on the device they may hold the old entries or
     /// the new ones, whatever memory says. A change that finds its entries already as it
-    /// wants them in memory must still write such a block before it is acknowledged.
-    pub(crate) unsure_blocks: Mutex<std::collections::BTreeSet<u64>>,
+    /// wants them in memory must still write such a block before it is acknowledged. With
+    /// each, the chunks held back because the device may name them there (a failed
+    /// allocation's new chunk, a failed unmap's old one): the block's next successful write
+    /// gives back those it does not name.
+    pub(crate) unsure_blocks: Mutex<std::collections::BTreeMap<u64, Vec<Placement>>>,
     /// Where the allocator dies (crash-point tests; read only in test builds).
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) crash_at: Mutex<Option<CrashPoint>>,
