@@ -250,6 +250,42 @@ impl Shared {
     }
 }
 
+/// A leg that only grew is the same leg: its stale bits stay its own, under its new
+/// identity (`prepare_legs` would wipe them as a new leg's in its slot).
+fn keep_grown(regions: &Regions, grown: &[(u8, u64, u64)]) {
+    for &(slot, old, new) in grown {
+        let id = regions.bitmap.slot_id(slot);
+        let _ = id.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
+/// The legs of `new` that are legs of `old` grown (the same slot, its pieces those of the old
+/// one with more after them, the old last one perhaps longer): (slot, old id, new id).
+fn grown_legs(old: &MirrorSpec, new: &MirrorSpec) -> Vec<(u8, u64, u64)> {
+    let mut out = Vec::new();
+    for l in &new.legs {
+        let Some(p) = old.legs.iter().find(|p| p.slot == l.slot) else {
+            continue;
+        };
+        let Some((last, head)) = p.pieces.split_last() else {
+            continue;
+        };
+        let prefix = l.pieces.len() >= p.pieces.len()
+            && head.iter().zip(&l.pieces).all(|(a, b)| a == b)
+            && l.pieces.get(head.len()).is_some_and(|b| {
+                (b.logical, b.device, b.offset) == (last.logical, last.device, last.offset)
+                    && b.len >= last.len
+            });
+        let same_devices = (p.pieces.iter()).all(|a| {
+            old.devices.get(a.device).map(Arc::as_ptr) == new.devices.get(a.device).map(Arc::as_ptr)
+        });
+        if p.id != l.id && prefix && same_devices && p.far == l.far {
+            out.push((l.slot, p.id, l.id));
+        }
+    }
+    out
+}
+
 /// A mirror of legs on other devices, as a pool device (inside the [`Device`] a [`Mirror`]
 /// hands the data path).
 struct MirrorBackend {
@@ -330,7 +366,8 @@ impl Mirror {
             None => previous.filter(|m| m.stop_resync()),
             Some(_) => previous.filter(leg_gone).filter(|m| m.stop_resync()),
         };
-        let opened = Self::open_regions(spec, &path, reuse);
+        let grown = previous.map_or_else(Vec::new, |m| grown_legs(&m.shared.spec, &spec));
+        let opened = Self::open_regions(spec, &path, reuse, &grown);
         if let (Err(_), Some(m)) = (&opened, replaced) {
             m.shared.stop.store(false, Ordering::Release);
             m.shared.stopped.store(false, Ordering::Release);
@@ -339,11 +376,17 @@ impl Mirror {
         opened
     }
 
-    fn open_regions(spec: MirrorSpec, path: &Path, reuse: Option<&Mirror>) -> Result<Mirror> {
+    fn open_regions(
+        spec: MirrorSpec,
+        path: &Path,
+        reuse: Option<&Mirror>,
+        grown: &[(u8, u64, u64)],
+    ) -> Result<Mirror> {
         let shift = region_shift(spec.size);
         let n = spec.size.div_ceil(1 << shift).max(1) as usize;
         let (regions, progress, resync_at_open) = match reuse {
             Some(m) => {
+                keep_grown(&m.shared.regions, grown);
                 prepare_legs(&spec, &m.shared.regions, Found::Kept);
                 (
                     m.shared.regions.clone(),
@@ -362,6 +405,7 @@ impl Mirror {
                 let writes = WriteCounts::create(counts.as_deref(), n)
                     .map_err(|e| Error::io(path, "create the write counters", e))?;
                 let regions = Regions::new(bitmap, shift, writes);
+                keep_grown(&regions, grown);
                 prepare_legs(&spec, &regions, found);
                 let intents = prepare_intents(&spec, &regions, found, left.as_deref());
                 (Arc::new(regions), Default::default(), intents)
