@@ -114,6 +114,38 @@ impl VolumeLayout {
     pub fn map(&self, offset: u64, len: u64, f: impl FnMut(usize, u64, u64, u64)) {
         spool_devices::fanout::split(&self.segments, offset, len, f)
     }
+
+    /// A queue on device `d` of the layout for one worker, through [`Self::wrap_queue`].
+    pub fn open_queue(
+        &self,
+        d: usize,
+        depth: u32,
+    ) -> std::io::Result<Box<dyn spool_devices::DeviceQueue>> {
+        let dev = self.devices.get(d).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such device in the layout")
+        })?;
+        Ok(self.wrap_queue(d, dev.open_queue(depth)?))
+    }
+
+    /// `q`, a queue on device `d`, as the volume's I/O goes through it: an encrypted
+    /// volume's is wrapped in a [`spool_crypt::CryptQueue`] whose tweaks are the volume
+    /// offsets of the layout's segments on that device.
+    pub fn wrap_queue(
+        &self,
+        d: usize,
+        q: Box<dyn spool_devices::DeviceQueue>,
+    ) -> Box<dyn spool_devices::DeviceQueue> {
+        match &self.cipher {
+            None => q,
+            Some(c) => {
+                let pieces = self.segments.iter().filter(|s| s.device == d);
+                let map = spool_crypt::TweakMap::new(
+                    pieces.map(|s| (s.offset, s.len, s.logical)).collect(),
+                );
+                Box::new(spool_crypt::CryptQueue::new(q, c.clone(), map))
+            }
+        }
+    }
 }
 
 /// A volume that is one segment of `len` bytes at the start of `dev` (a mirror device, an

@@ -240,9 +240,14 @@ impl Pool {
             match write(m, generation, &table) {
                 Ok(()) => took.push(i),
                 Err(e) => {
-                    let why = format!("{}: {e}", m.dev.path().display());
-                    // Only a failed device write may have left the record on the device.
-                    failed = Some((why, matches!(e, metadata::WriteError::Device(_))));
+                    // Only a failed device write may have left the record on the device; its
+                    // error names the device already.
+                    let device = matches!(e, metadata::WriteError::Device(_));
+                    let why = match device {
+                        true => e.to_string(),
+                        false => format!("{}: {e}", m.dev.path().display()),
+                    };
+                    failed = Some((why, device));
                     break;
                 }
             }

@@ -1,7 +1,7 @@
 //! The volume's devices as one queue's worker holds them: the layout it follows (as the pool
 //! publishes it, checked once a round), a queue per device of that layout (an encrypted
-//! volume's wrapped in a [`CryptQueue`]), each device's health epoch the worker last acted on,
-//! and whether every device does its I/O inline.
+//! volume's wrapped in a `CryptQueue` by the layout), each device's health epoch the worker
+//! last acted on, and whether every device does its I/O inline.
 //!
 //! Owns: [`WorkerDevices`], opening a device's queue. Must not know: requests, the ring,
 //! pacing, health transitions (the worker reads the epochs and acts).
@@ -9,7 +9,6 @@
 use std::sync::Arc;
 
 use arc_swap::{ArcSwap, Cache};
-use spool_crypt::{CryptQueue, TweakMap};
 use spool_devices::DeviceQueue;
 use spool_pool::VolumeLayout;
 
@@ -47,22 +46,16 @@ impl WorkerDevices {
         }
     }
 
-    /// Device `d`'s queue; an encrypted volume's is wrapped in a [`CryptQueue`] whose tweaks
-    /// are the volume offsets of the layout's segments on that device.
+    /// Device `d`'s queue; an encrypted volume's is wrapped in a `CryptQueue` whose tweaks
+    /// are the volume offsets of the layout's segments on that device
+    /// (`VolumeLayout::wrap_queue`).
     pub(super) fn open_queue(
         &mut self,
         d: usize,
         depth: u32,
     ) -> std::io::Result<Box<dyn DeviceQueue>> {
         let q = self.open_device_queue(d, depth)?;
-        Ok(match &self.layout.cipher {
-            None => q,
-            Some(c) => {
-                let pieces = self.layout.segments.iter().filter(|s| s.device == d);
-                let map = TweakMap::new(pieces.map(|s| (s.offset, s.len, s.logical)).collect());
-                Box::new(CryptQueue::new(q, c.clone(), map))
-            }
-        })
+        Ok(self.layout.wrap_queue(d, q))
     }
 
     #[cfg(not(test))]

@@ -1,0 +1,350 @@
+//! Runs a case: builds its world, drives its steps through the engine, keeps the model, and
+//! checks every read, every restart and the end (the volume, its snapshots and `pool check`)
+//! against it. A write that fails is sent again (as the worker retries a path error) and,
+//! failing still, may have landed or not; a restart gives up every request in flight.
+//!
+//! Owns: [`run`] and what a failure says. Must not know: how steps are drawn.
+
+use std::path::Path;
+
+use spool_devices::{FaultEffect, FaultOps, FaultRule};
+
+use crate::case::{Case, Step};
+use crate::engine::{Engine, Kind as Io, Request};
+use crate::model::{decode, stamp, Model, Wrong, ANY, SECTOR, ZERO};
+use crate::world::{World, VOLUME};
+
+/// Requests in flight per queue at most.
+const DEPTH: u32 = 8;
+/// Times a failed request is sent again before it counts as failed.
+const RETRIES: u32 = 4;
+
+/// A case that failed: at which step, and what was wrong.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub step: usize,
+    pub what: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "step {}: {}", self.step, self.what)
+    }
+}
+
+/// What a case that passed did.
+#[derive(Debug, Default, Clone)]
+pub struct Summary {
+    pub requests: u64,
+    pub failed_requests: u64,
+    pub bytes_checked: u64,
+    pub restarts: u64,
+    pub snapshots: u64,
+}
+
+struct Runner {
+    world: World,
+    engine: Option<Engine>,
+    model: Model,
+    snaps: Vec<(String, Model)>,
+    generation: u64,
+    step: usize,
+    sum: Summary,
+    /// Failed requests to send again.
+    again: Vec<Request>,
+}
+
+/// Runs `case` in `dir` (a new, empty directory).
+pub fn run(case: &Case, dir: &Path) -> Result<Summary, Failure> {
+    let fail = |step: usize| move |what: Wrong| Failure { step, what: what.0 };
+    let world = World::build(dir, &case.world).map_err(fail(0))?;
+    let mut r = Runner {
+        world,
+        engine: None,
+        model: Model::new(
+            case.world.size.next_multiple_of(SECTOR),
+            case.world.kind.encrypted(),
+        ),
+        snaps: Vec::new(),
+        generation: 0,
+        step: 0,
+        sum: Summary::default(),
+        again: Vec::new(),
+    };
+    r.open_engine().map_err(fail(0))?;
+    for (i, st) in case.steps.iter().enumerate() {
+        r.step = i;
+        r.one(st).map_err(fail(i))?;
+    }
+    r.step = case.steps.len();
+    r.verify().map_err(fail(r.step))?;
+    let report = r.world.pool().check();
+    if !report.problems.is_empty() {
+        return Err(fail(r.step)(Wrong(format!(
+            "pool check: {:?}",
+            report.problems
+        ))));
+    }
+    Ok(r.sum)
+}
+
+impl Runner {
+    fn engine(&mut self) -> &mut Engine {
+        self.engine.as_mut().expect("engine open")
+    }
+
+    fn open_engine(&mut self) -> Result<(), Wrong> {
+        let queues = self.world.spec.queues;
+        let layout = (self.world.pool().layout(VOLUME)).map_err(|e| format!("layout: {e}"))?;
+        self.engine = Some(Engine::open(layout, queues, DEPTH).map_err(|e| e.to_string())?);
+        Ok(())
+    }
+
+    fn one(&mut self, st: &Step) -> Result<(), Wrong> {
+        match *st {
+            Step::Io {
+                q,
+                kind,
+                offset,
+                len,
+            } => self.io(q, kind, offset, len),
+            Step::Drain => self.drain(),
+            Step::Verify => self.verify(),
+            Step::Grow { by } => self.grow(by),
+            Step::Snapshot => self.snapshot(),
+            Step::Fault {
+                dev,
+                meta,
+                write,
+                count,
+            } => {
+                self.fault(dev, meta, write, count);
+                Ok(())
+            }
+            Step::Restart => self.restart(),
+        }
+    }
+
+    /// Submits one request once its queue has room and nothing it must not race is in
+    /// flight (an update races everything over its range, a read only updates).
+    fn io(&mut self, q: usize, kind: Io, offset: u64, len: u64) -> Result<(), Wrong> {
+        let size = self.model.sectors() * SECTOR;
+        let (offset, len) = (offset.min(size), len.min(size - offset.min(size)));
+        if kind != Io::Flush && len == 0 {
+            return Ok(());
+        }
+        let update = !matches!(kind, Io::Read | Io::Flush);
+        self.settle(move |e| {
+            e.has_room(q) && (kind == Io::Flush || !e.overlaps(offset, len, update))
+        })?;
+        let mut buf = Vec::new();
+        let mut generation = 0;
+        match kind {
+            Io::Write => {
+                self.generation += 1;
+                generation = self.generation;
+                buf = vec![0u8; len as usize];
+                stamp(&mut buf, offset, generation);
+                self.model.allow(offset, len, generation);
+            }
+            Io::Read => buf = vec![0xeeu8; len as usize],
+            Io::Discard => {
+                self.model.allow(offset, len, ZERO);
+                if self.world.spec.kind.encrypted() {
+                    // Ciphertext discarded decrypts to noise (or stays as it was).
+                    self.model.allow(offset, len, ANY);
+                }
+            }
+            Io::Zero => self.model.allow(offset, len, ZERO),
+            Io::Flush => {}
+        }
+        self.sum.requests += 1;
+        self.engine().submit(q, kind, offset, len, generation, buf);
+        Ok(())
+    }
+
+    /// Reaps until `until` holds and no failed request waits to be sent again, settling
+    /// every request that finishes.
+    fn settle(&mut self, until: impl Fn(&Engine) -> bool) -> Result<(), Wrong> {
+        loop {
+            self.resend();
+            if until(self.engine.as_ref().expect("engine open")) {
+                return Ok(());
+            }
+            let done = self.engine().reap_until(&until)?;
+            for r in done {
+                self.finished(r)?;
+            }
+        }
+    }
+
+    fn drain(&mut self) -> Result<(), Wrong> {
+        self.settle(|e| e.in_flight(None) == 0)
+    }
+
+    /// What a finished request makes of the model, or what is wrong with it.
+    fn finished(&mut self, r: Request) -> Result<(), Wrong> {
+        if r.error != 0 {
+            return self.failed(r);
+        }
+        match r.kind {
+            Io::Write => self.model.set(r.offset, r.len, r.generation),
+            Io::Zero => self.model.set(r.offset, r.len, ZERO),
+            Io::Read => {
+                self.check(&self.model, r.offset, &r.buf, "read")?;
+                self.sum.bytes_checked += r.len;
+            }
+            Io::Discard | Io::Flush => {}
+        }
+        Ok(())
+    }
+
+    /// A failed request: sent again up to RETRIES times, as the worker retries a path error
+    /// (an encrypted volume's write-zeroes is refused for good, and a full pool fails a
+    /// write for good); failing still, its effect stays possible.
+    fn failed(&mut self, r: Request) -> Result<(), Wrong> {
+        let final_ = (r.error == -libc::EOPNOTSUPP && r.kind == Io::Zero)
+            || r.error == -libc::ENOSPC
+            || r.tries >= RETRIES;
+        match final_ {
+            true => self.sum.failed_requests += 1,
+            false => self.again.push(r),
+        }
+        Ok(())
+    }
+
+    /// Sends the failed requests again, after a pause that grows with their tries (a device
+    /// reset takes a moment).
+    fn resend(&mut self) {
+        let again = std::mem::take(&mut self.again);
+        if let Some(most) = again.iter().map(|r| r.tries).max() {
+            std::thread::sleep(std::time::Duration::from_millis(1 << most.min(5)));
+        }
+        for mut r in again {
+            if r.kind == Io::Read {
+                r.buf.fill(0xee);
+            }
+            self.engine().resubmit(r);
+        }
+    }
+
+    /// Checks `buf`, read at volume offset `offset`, against `m`, sector by sector.
+    fn check(&self, m: &Model, offset: u64, buf: &[u8], what: &str) -> Result<(), Wrong> {
+        for (k, s) in buf.chunks_exact(SECTOR as usize).enumerate() {
+            let at = offset + k as u64 * SECTOR;
+            if let Err(e) = m.check(at, decode(s)) {
+                return Err(Wrong(format!(
+                    "{what} at {offset} (+{}): sector {at} {e}",
+                    k as u64 * SECTOR
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the whole volume (1 MiB at a time, on queue 0) and every snapshot, and checks
+    /// them.
+    fn verify(&mut self) -> Result<(), Wrong> {
+        self.drain()?;
+        let size = self.model.sectors() * SECTOR;
+        let mut at = 0;
+        while at < size {
+            let len = (1 << 20).min(size - at);
+            self.io(0, Io::Read, at, len)?;
+            at += len;
+        }
+        self.drain()?;
+        let snaps = std::mem::take(&mut self.snaps);
+        let result = self.verify_snapshots(&snaps);
+        self.snaps = snaps;
+        result
+    }
+
+    fn verify_snapshots(&mut self, snaps: &[(String, Model)]) -> Result<(), Wrong> {
+        for (name, m) in snaps {
+            let img = (self.world.pool().snapshot_image(VOLUME, name, None))
+                .map_err(|e| format!("snapshot {name}: {e}"))?;
+            let size = m.sectors() * SECTOR;
+            let mut buf = vec![0u8; 1 << 20];
+            let mut at = 0;
+            while at < size {
+                let len = (1u64 << 20).min(size - at) as usize;
+                // A read an injected fault fails is read again, as a backup client would.
+                let mut tries = 0;
+                while let Err(e) = img.read_at(&mut buf[..len], at) {
+                    tries += 1;
+                    if tries > RETRIES {
+                        return Err(Wrong(format!("snapshot {name} at {at}: {e}")));
+                    }
+                }
+                self.check(m, at, &buf[..len], &format!("snapshot {name}"))?;
+                at += len as u64;
+            }
+        }
+        Ok(())
+    }
+
+    fn grow(&mut self, by: u64) -> Result<(), Wrong> {
+        self.drain()?;
+        let size = self.model.sectors() * SECTOR + by;
+        match self.world.pool().resize_volume(VOLUME, size) {
+            Ok(_) => {
+                self.model.grow(size);
+                self.open_engine()
+            }
+            // A grow the pool has no room for, or whose table commit failed (a metadata
+            // fault), changes nothing this process serves.
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn snapshot(&mut self) -> Result<(), Wrong> {
+        self.drain()?;
+        let name = format!("s{}", self.step);
+        match self.world.pool().snapshot_volume(VOLUME, &name) {
+            Ok(_) => {
+                self.snaps.push((name, self.model.clone()));
+                self.sum.snapshots += 1;
+                Ok(())
+            }
+            // Refused, or its commit failed: no snapshot to check (one whose commit was
+            // unsure may come back at a restart; it is not checked).
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn fault(&mut self, dev: usize, meta: bool, write: bool, count: u64) {
+        let devices = self.world.pool().device_handles();
+        let (_, d) = &devices[dev % devices.len()];
+        let ops = match (meta, write) {
+            (true, true) => FaultOps::MetaWrite,
+            (true, false) => FaultOps::MetaRead,
+            (false, true) => FaultOps::Write,
+            (false, false) => FaultOps::Read,
+        };
+        d.faults().add(FaultRule {
+            effect: FaultEffect::Errno(libc::EIO),
+            ops,
+            offset: 0,
+            len: 0,
+            count: Some(count),
+            duration: None,
+            fails_probe: false,
+        });
+    }
+
+    /// Gives up what is in flight (each may have landed or not: the model allows both
+    /// already), opens the pool again from its devices and checks everything.
+    fn restart(&mut self) -> Result<(), Wrong> {
+        self.again.clear();
+        self.engine().reap_until(|e| e.in_flight(None) == 0)?;
+        self.engine = None;
+        for (_, d) in self.world.pool().device_handles() {
+            d.faults().clear();
+        }
+        self.world.reopen()?;
+        self.sum.restarts += 1;
+        self.open_engine()?;
+        self.verify()
+    }
+}
