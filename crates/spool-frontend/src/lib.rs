@@ -32,7 +32,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use spool_pool::VolumeLayout;
 
-pub use server::{listen_key, session_key, Restore, VolumeServer};
+pub use server::{listen_key, session_key, AdmissionHold, Restore, VolumeServer};
 pub use session::{
     RestoreClock, RestoreError, Session, SessionState, MAX_QUEUE_SIZE, SESSION_STATE_FORMAT,
 };

@@ -20,9 +20,11 @@ use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+mod admission;
 mod kept;
 mod socket;
 
+pub use admission::{Admission, AdmissionHold};
 use kept::{restore_connection, Kept};
 use socket::{bind, limit_message_time, peer_closed, peer_pid};
 
@@ -67,6 +69,7 @@ pub struct VolumeServer {
     mode: Arc<AtomicU8>,
     wake: EventFd,
     connected: Arc<AtomicBool>,
+    admission: Arc<Admission>,
     session: SessionSlot,
     thread: Option<JoinHandle<()>>,
 }
@@ -78,6 +81,7 @@ struct Serve {
     mode: Arc<AtomicU8>,
     epoll: Epoll,
     connected: Arc<AtomicBool>,
+    admission: Arc<Admission>,
     slot: SessionSlot,
 }
 
@@ -119,6 +123,7 @@ impl VolumeServer {
         }
         let mode = Arc::new(AtomicU8::new(RUN));
         let connected = Arc::new(AtomicBool::new(false));
+        let admission = Admission::new(connected.clone());
         let session: SessionSlot = Arc::new(Mutex::new(None));
         let serve = Serve {
             ctx: ctx.clone(),
@@ -126,6 +131,7 @@ impl VolumeServer {
             mode: mode.clone(),
             epoll,
             connected: connected.clone(),
+            admission: admission.clone(),
             slot: session.clone(),
         };
         let name: String = format!("vu-{}", ctx.name()).chars().take(15).collect();
@@ -150,6 +156,7 @@ impl VolumeServer {
             mode,
             wake,
             connected,
+            admission,
             session,
             thread: Some(thread),
         })
@@ -168,6 +175,12 @@ impl VolumeServer {
     /// Whether a frontend is connected now.
     pub fn connected(&self) -> bool {
         self.connected.load(Ordering::Acquire)
+    }
+
+    /// Keeps new frontends out (waiting) until the hold is dropped, unless one is connected
+    /// now (`None`): what an operation that must not run under a VM holds while it runs.
+    pub fn hold_admission(&self) -> Option<AdmissionHold> {
+        self.admission.hold()
     }
 
     /// The device-reset hook: every running queue abandons its device queues and resubmits
@@ -387,7 +400,10 @@ impl Serve {
         mut handler: BackendReqHandler<Mutex<Session>>,
     ) {
         let mut refused_log = ratelimit::guest_warning();
-        self.connected.store(true, Ordering::Release);
+        // Marked connected under the gate: this one waits for an operation holding it.
+        if !self.admission.enter(&|| self.running()) {
+            return;
+        }
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(session.clone());
         let added = self.epoll.ctl(
             ControlOperation::Add,

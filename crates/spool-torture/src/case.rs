@@ -28,6 +28,15 @@ pub enum Step {
     Grow { by: u64 },
     /// Takes a snapshot (thin kinds).
     Snapshot,
+    /// Reverts the volume to its snapshot `of` (modulo how many there are), with no queue
+    /// open (a VM stopped), as the daemon requires.
+    Revert { of: usize },
+    /// Clones snapshot `of` into a new volume, checked against the snapshot from then on.
+    Clone { of: usize },
+    /// Deletes snapshot `of`.
+    DeleteSnapshot { of: usize },
+    /// Copies every chunk the volume shares (`volume inflate`).
+    Inflate,
     /// Device `dev`'s next `count` operations of one kind fail with EIO: metadata (`meta`)
     /// or queue I/O, writes (`write`) or reads.
     Fault {
@@ -78,6 +87,17 @@ fn place(rng: &mut Rng, size: u64) -> (u64, u64) {
         rng.below(max + 1)
     };
     (offset * 512, len)
+}
+
+/// A revert, clone, snapshot deletion or inflate.
+fn snapshot_control(rng: &mut Rng) -> Step {
+    let of = rng.below(8) as usize;
+    match rng.below(4) {
+        0 => Step::Revert { of },
+        1 => Step::Clone { of },
+        2 => Step::DeleteSnapshot { of },
+        _ => Step::Inflate,
+    }
 }
 
 impl Case {
@@ -135,7 +155,8 @@ impl Case {
                     size += by;
                     Step::Grow { by }
                 }
-                87..=90 if thin => Step::Snapshot,
+                87..=88 if thin => Step::Snapshot,
+                89..=90 if thin => snapshot_control(&mut rng),
                 91..=94 => Step::Fault {
                     dev: rng.below(world.devices.len() as u64) as usize,
                     meta: rng.chance(50),

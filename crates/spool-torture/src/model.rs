@@ -149,6 +149,32 @@ impl Model {
         }
     }
 
+    /// The volume holds what `other` says (a revert to the snapshot `other` models), over
+    /// the sectors both have.
+    pub fn take(&mut self, other: &Model) {
+        for (s, o) in self.sets.iter_mut().zip(&other.sets) {
+            s.clone_from(o);
+        }
+        // Sectors past the snapshot's size (a grow since): what a revert leaves there is
+        // the snapshot's (holes: fresh).
+        for s in self.sets.iter_mut().skip(other.sets.len()) {
+            s.clone_from(&self.fresh);
+        }
+    }
+
+    /// The volume may hold what it holds or what `other` says (a revert that failed part
+    /// way).
+    pub fn widen(&mut self, other: &Model) {
+        for (i, s) in self.sets.iter_mut().enumerate() {
+            let more = other.sets.get(i).unwrap_or(&self.fresh);
+            for &v in more {
+                if !s.contains(&v) {
+                    s.push(v);
+                }
+            }
+        }
+    }
+
     /// What sector `i` may hold.
     pub fn allowed(&self, i: u64) -> &[u64] {
         &self.sets[i as usize]

@@ -34,13 +34,19 @@ impl Daemon {
         Ok(deleted?.wire())
     }
 
-    /// Offline only: a VM connected to the volume would see its data change under it.
+    /// Offline only: a VM connected to the volume would see its data change under it. The
+    /// volume's server keeps new frontends out for the whole revert (one that connects
+    /// meanwhile waits for it to end), so no VM comes in between the check and the revert.
     fn volume_revert(&self, p: SnapshotParams) -> Result<ChangedChunks, RpcError> {
         let v = self.pool().volume(&p.id)?;
-        if self.servers().get(&v.uuid).is_some_and(|s| s.connected()) {
-            return Err(RpcError::InUse(v.name.clone()));
-        }
-        let chunks = self.pool().revert_volume(&p.id, &p.snapshot)?;
+        let hold = match self.servers().get(&v.uuid).map(|s| s.hold_admission()) {
+            Some(None) => return Err(RpcError::InUse(v.name.clone())),
+            Some(Some(h)) => Some(h),
+            None => None,
+        };
+        let chunks = self.pool().revert_volume(&p.id, &p.snapshot);
+        drop(hold);
+        let chunks = chunks?;
         Ok(ChangedChunks {
             volume: v.name,
             chunks,
