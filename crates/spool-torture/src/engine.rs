@@ -86,13 +86,11 @@ impl Engine {
             .count()
     }
 
-    /// Whether a request in flight overlaps `[offset, offset + len)` that a new one must
-    /// not race: any but a flush for an update (`update`), a write, discard or zeroing for a
-    /// read.
-    pub fn overlaps(&self, offset: u64, len: u64, update: bool) -> bool {
+    /// Whether a write, discard or zeroing in flight overlaps `[offset, offset + len)`: what
+    /// a new update must not race (reads race anything; the model follows them).
+    pub fn overlaps_update(&self, offset: u64, len: u64) -> bool {
         self.slots.iter().flatten().any(|r| {
-            r.kind != Kind::Flush
-                && (update || r.kind != Kind::Read)
+            !matches!(r.kind, Kind::Read | Kind::Flush)
                 && r.offset < offset + len
                 && offset < r.offset + r.len
         })

@@ -180,10 +180,41 @@ impl Model {
         &self.sets[i as usize]
     }
 
+    /// The sets of `[offset, offset + len)`, as they are now (what a read racing updates
+    /// starts from: `widen_sets` adds what the updates allow).
+    pub fn sets_of(&self, offset: u64, len: u64) -> Vec<Vec<u64>> {
+        let (a, b) = (
+            (offset / SECTOR) as usize,
+            ((offset + len) / SECTOR) as usize,
+        );
+        self.sets[a..b].to_vec()
+    }
+
     /// Whether `seen` at volume offset `at` (sector `at / SECTOR`) is allowed; `Err` says
     /// what is wrong.
     pub fn check(&self, at: u64, seen: Seen) -> Result<(), Wrong> {
-        let allowed = self.allowed(at / SECTOR);
+        check_allowed(self.allowed(at / SECTOR), at, seen)
+    }
+}
+
+/// Adds `value` to the sets of `sets` (covering volume bytes from `start`) over
+/// `[offset, offset + len)`.
+pub fn widen_sets(sets: &mut [Vec<u64>], start: u64, offset: u64, len: u64, value: u64) {
+    let end = start + sets.len() as u64 * SECTOR;
+    let (a, b) = (offset.max(start), (offset + len).min(end));
+    if a >= b {
+        return;
+    }
+    for s in &mut sets[((a - start) / SECTOR) as usize..((b - start) / SECTOR) as usize] {
+        if !s.contains(&value) {
+            s.push(value);
+        }
+    }
+}
+
+/// Whether `seen` at volume offset `at` is one of `allowed`; `Err` says what is wrong.
+pub fn check_allowed(allowed: &[u64], at: u64, seen: Seen) -> Result<(), Wrong> {
+    {
         if allowed.contains(&ANY) {
             return match seen {
                 Seen::Stamp { offset, generation } if offset != at => Err(Wrong(format!(

@@ -5,13 +5,14 @@
 //!
 //! Owns: [`run`] and what a failure says. Must not know: how steps are drawn.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use spool_devices::{FaultEffect, FaultOps, FaultRule};
 
 use crate::case::{Case, Step};
 use crate::engine::{Engine, Kind as Io, Request};
-use crate::model::{decode, stamp, Model, Wrong, ANY, SECTOR, ZERO};
+use crate::model::{check_allowed, decode, stamp, widen_sets, Model, Wrong, ANY, SECTOR, ZERO};
 use crate::world::{World, VOLUME};
 
 /// Requests in flight per queue at most.
@@ -56,6 +57,12 @@ struct Runner {
     sum: Summary,
     /// Failed requests to send again.
     again: Vec<Request>,
+    /// Reads in flight (by the id in their `generation`): what each may return, and where
+    /// it starts.
+    racing: HashMap<u64, Vec<Vec<u64>>>,
+    read_at: HashMap<u64, u64>,
+    /// Reads sent so far (their ids).
+    reads: u64,
 }
 
 /// Runs `case` in `dir` (a new, empty directory).
@@ -75,6 +82,9 @@ pub fn run(case: &Case, dir: &Path) -> Result<Summary, Failure> {
         step: 0,
         sum: Summary::default(),
         again: Vec::new(),
+        racing: HashMap::new(),
+        read_at: HashMap::new(),
+        reads: 0,
     };
     r.open_engine().map_err(fail(0))?;
     for (i, st) in case.steps.iter().enumerate() {
@@ -141,8 +151,10 @@ impl Runner {
         }
     }
 
-    /// Submits one request once its queue has room and nothing it must not race is in
-    /// flight (an update races everything over its range, a read only updates).
+    /// Submits one request once its queue has room and, for an update, no other update
+    /// over its range is in flight (two would land in either order). Reads race anything:
+    /// each keeps the sets of its range as they were when it went out, widened by every
+    /// update submitted while it is in flight.
     fn io(&mut self, q: usize, kind: Io, offset: u64, len: u64) -> Result<(), Wrong> {
         let size = self.model.sectors() * SECTOR;
         let (offset, len) = (offset.min(size), len.min(size - offset.min(size)));
@@ -150,9 +162,7 @@ impl Runner {
             return Ok(());
         }
         let update = !matches!(kind, Io::Read | Io::Flush);
-        self.settle(move |e| {
-            e.has_room(q) && (kind == Io::Flush || !e.overlaps(offset, len, update))
-        })?;
+        self.settle(move |e| e.has_room(q) && !(update && e.overlaps_update(offset, len)))?;
         let mut buf = Vec::new();
         let mut generation = 0;
         match kind {
@@ -161,22 +171,42 @@ impl Runner {
                 generation = self.generation;
                 buf = vec![0u8; len as usize];
                 stamp(&mut buf, offset, generation);
-                self.model.allow(offset, len, generation);
+                self.allow(offset, len, generation);
             }
-            Io::Read => buf = vec![0xeeu8; len as usize],
+            Io::Read => {
+                // A read's "generation" names it among the reads in flight.
+                self.reads += 1;
+                generation = self.reads;
+                buf = vec![0xeeu8; len as usize];
+                let sets = self.model.sets_of(offset, len);
+                self.racing.insert(generation, sets);
+                self.read_at.insert(generation, offset);
+            }
             Io::Discard => {
-                self.model.allow(offset, len, ZERO);
+                self.allow(offset, len, ZERO);
                 if self.world.spec.kind.encrypted() {
                     // Ciphertext discarded decrypts to noise (or stays as it was).
-                    self.model.allow(offset, len, ANY);
+                    self.allow(offset, len, ANY);
                 }
             }
-            Io::Zero => self.model.allow(offset, len, ZERO),
+            Io::Zero => self.allow(offset, len, ZERO),
             Io::Flush => {}
         }
         self.sum.requests += 1;
         self.engine().submit(q, kind, offset, len, generation, buf);
         Ok(())
+    }
+
+    /// `[offset, offset + len)` may hold `value` from now on, and so may what every read in
+    /// flight over it returns.
+    fn allow(&mut self, offset: u64, len: u64, value: u64) {
+        self.model.allow(offset, len, value);
+        for (&id, sets) in self.racing.iter_mut() {
+            let start = self.read_at.get(&id).copied();
+            if let Some(start) = start {
+                widen_sets(sets, start, offset, len, value);
+            }
+        }
     }
 
     /// Reaps until `until` holds and no failed request waits to be sent again, settling
@@ -207,7 +237,19 @@ impl Runner {
             Io::Write => self.model.set(r.offset, r.len, r.generation),
             Io::Zero => self.model.set(r.offset, r.len, ZERO),
             Io::Read => {
-                self.check(&self.model, r.offset, &r.buf, "read")?;
+                let sets = self.racing.remove(&r.generation).unwrap_or_default();
+                self.read_at.remove(&r.generation);
+                for (k, s) in r.buf.chunks_exact(SECTOR as usize).enumerate() {
+                    let at = r.offset + k as u64 * SECTOR;
+                    let allowed = sets.get(k).map_or(self.model.allowed(at / SECTOR), |v| v);
+                    check_allowed(allowed, at, decode(s)).map_err(|e| {
+                        Wrong(format!(
+                            "read at {} (+{}): sector {at} {e}",
+                            r.offset,
+                            k as u64 * SECTOR
+                        ))
+                    })?;
+                }
                 self.sum.bytes_checked += r.len;
             }
             Io::Discard | Io::Flush => {}
@@ -223,7 +265,13 @@ impl Runner {
             || r.error == -libc::ENOSPC
             || r.tries >= RETRIES;
         match final_ {
-            true => self.sum.failed_requests += 1,
+            true => {
+                self.sum.failed_requests += 1;
+                if r.kind == Io::Read {
+                    self.racing.remove(&r.generation);
+                    self.read_at.remove(&r.generation);
+                }
+            }
             false => self.again.push(r),
         }
         Ok(())
@@ -438,6 +486,8 @@ impl Runner {
     fn restart(&mut self) -> Result<(), Wrong> {
         self.again.clear();
         self.engine().reap_until(|e| e.in_flight(None) == 0)?;
+        self.racing.clear();
+        self.read_at.clear();
         self.engine = None;
         for (_, d) in self.world.pool().device_handles() {
             d.faults().clear();
