@@ -137,13 +137,25 @@ impl Device {
     /// Synchronous, durable write used for metadata (never on the data path).
     pub fn write_at_durable(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.injected(MetaOp::Write, offset, buf.len() as u64, "writing metadata")?;
-        self.backend.write_at_durable(buf, offset)
+        self.backend.write_at_durable(buf, offset)?;
+        self.synced();
+        Ok(())
+    }
+
+    /// A synchronous durable operation returned: it synced the whole device (fdatasync), so
+    /// every write completed before it is durable (for the power-cut log, when armed).
+    fn synced(&self) {
+        if let Some(log) = self.faults.write_log() {
+            log.synced();
+        }
     }
 
     /// Makes a range read back as zeroes, durably.
     pub fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
         self.injected(MetaOp::Zero, offset, len, "zeroing a range")?;
-        self.backend.zero_range(offset, len)
+        self.backend.zero_range(offset, len)?;
+        self.synced();
+        Ok(())
     }
 
     /// The error an armed metadata fault rule gives this operation, if one matches.

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::queue::{DeviceIo, DeviceQueue};
+use crate::write_log::{Logging, WriteLog};
 
 /// Which operations a rule matches. `Read`, `Write` and `Any` are the queues' I/O (guest
 /// data, mirror copies); the `Meta*` kinds are the device's synchronous metadata I/O
@@ -151,11 +152,24 @@ pub struct FaultSet {
     next_id: AtomicU64,
     smart_warning: AtomicU8,
     injected: AtomicU64,
+    /// The power-cut log, when a test armed one (queues opened after it log their writes).
+    log: std::sync::OnceLock<std::sync::Arc<WriteLog>>,
 }
 
 impl FaultSet {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Armed>> {
         self.rules.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Arms the power-cut log (tests: [`WriteLog`]); queues opened from now on log their
+    /// writes and flushes in it. False when one is armed already.
+    pub fn set_write_log(&self, log: std::sync::Arc<WriteLog>) -> bool {
+        self.log.set(log).is_ok()
+    }
+
+    /// The power-cut log, if armed.
+    pub fn write_log(&self) -> Option<&std::sync::Arc<WriteLog>> {
+        self.log.get()
     }
 
     /// Arms a rule; returns its id.
@@ -324,17 +338,21 @@ pub struct FaultyQueue<Q> {
     done: VecDeque<(u64, i32)>,
     hung: Vec<u64>,
     stuck: Vec<u64>,
+    /// The power-cut log's bookkeeping, when the device had one armed at open.
+    logging: Option<Logging>,
 }
 
 impl<Q: DeviceQueue> FaultyQueue<Q> {
     /// Wraps `inner`; rules are read from `faults`.
     pub fn new(inner: Q, faults: std::sync::Arc<FaultSet>) -> Self {
+        let logging = faults.write_log().cloned().map(Logging::new);
         FaultyQueue {
             inner,
             faults,
             done: VecDeque::new(),
             hung: Vec::new(),
             stuck: Vec::new(),
+            logging,
         }
     }
 }
@@ -353,7 +371,13 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
         match self.faults.check(write, offset, len) {
             // (`check` never answers with a reset-path effect.)
             None | Some(FaultEffect::PanicOnReset | FaultEffect::WedgeOnReset) => {
-                // SAFETY: the caller's guarantee is passed on unchanged.
+                // SAFETY: the caller's guarantee (valid buffers until reaped) covers the
+                // log's copy of a write's data, made here, and is passed on unchanged.
+                let tag = match &mut self.logging {
+                    None => tag,
+                    Some(l) => unsafe { l.submitted(io, tag) },
+                };
+                // SAFETY: as above.
                 unsafe { self.inner.submit(io, tag) }
             }
             Some(FaultEffect::Errno(e)) => self.done.push_back((tag, -e)),
@@ -372,7 +396,17 @@ impl<Q: DeviceQueue> DeviceQueue for FaultyQueue<Q> {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) -> usize {
-        crate::queue::drain_done(&mut self.done, done) + self.inner.reap(done)
+        let n = crate::queue::drain_done(&mut self.done, done);
+        match &mut self.logging {
+            None => n + self.inner.reap(done),
+            Some(l) => {
+                n + self.inner.reap(&mut |id, res| {
+                    if let Some(tag) = l.completed(id, res) {
+                        done(tag, res)
+                    }
+                })
+            }
+        }
     }
 
     fn completion_fd(&self) -> RawFd {

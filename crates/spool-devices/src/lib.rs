@@ -29,6 +29,7 @@ mod rbd;
 mod sync_queue;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+mod write_log;
 
 pub use backend::{
     BackendInfo, ControllerStatus, ErrorLogRecord, OpenOptions, PoolDevice, Probe, SmartHealth,
@@ -44,6 +45,7 @@ pub use nvme::NvmeBackend;
 pub use rbd::{
     Ceph, CephClusters, CephConnections, CephOptions, RbdBackend, RbdQueue, RbdSnapshot,
 };
+pub use write_log::{Logged, WriteLog};
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a
 /// reset; the null devices' metadata, so a benchmark pool keeps its volumes). The daemon

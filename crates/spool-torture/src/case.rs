@@ -47,6 +47,9 @@ pub enum Step {
     },
     /// Gives up every request in flight and opens the pool again from its devices.
     Restart,
+    /// As `Restart`, but the power goes: each device keeps what its flushes covered and a
+    /// random subset (from `seed`) of the writes since.
+    PowerCut { seed: u64 },
 }
 
 /// A world and what is done to it.
@@ -163,7 +166,8 @@ impl Case {
                     write: rng.chance(70),
                     count: 1 + rng.below(2),
                 },
-                95..=97 => Step::Restart,
+                95 => Step::Restart,
+                96..=97 => Step::PowerCut { seed: rng.next() },
                 98..=99 => Step::Verify,
                 _ => continue,
             };

@@ -96,6 +96,14 @@ impl Engine {
         })
     }
 
+    /// The ranges of the writes, discards and zeroings in flight.
+    pub fn updates_in_flight(&self) -> Vec<(u64, u64)> {
+        (self.slots.iter().flatten())
+            .filter(|r| !matches!(r.kind, Kind::Read | Kind::Flush))
+            .map(|r| (r.offset, r.len))
+            .collect()
+    }
+
     /// Whether queue `q` has room for another request.
     pub fn has_room(&self, q: usize) -> bool {
         self.in_flight(Some(q)) < self.depth as usize

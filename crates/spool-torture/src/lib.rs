@@ -6,14 +6,13 @@
 //! layout, every piece under the request's tag, several queues with requests in flight
 //! together, sizes and offsets across extent and chunk boundaries, discards, write-zeroes,
 //! flushes), grows it, snapshots it, makes its devices fail (queue and metadata I/O), and
-//! restarts it (every request in flight given up, the pool opened again from its devices),
-//! checking every read, every restart and the end against the model of what each sector may
-//! hold. A failing case is shrunk to a short one and printed as a ready test.
+//! restarts it (every request in flight given up, the pool opened again from its devices)
+//! and cuts its power (each device keeps what its flushes covered and a random subset of the
+//! writes since), checking every read, every restart and the end against the model of what
+//! each sector may hold. A failing case is shrunk to a short one and printed as a ready test.
 //!
-//! What it does not do yet, and says so: power cuts (writes since the last flush lost in
-//! part) and a worker killed mid-request need a simulated device and the real daemon (tier
-//! 2); control operations beyond grow and snapshot (clone, revert, inflate, copies added and
-//! removed, replace, rekey) are not drawn yet.
+//! What it does not do yet, and says so: a worker killed mid-request needs the real daemon
+//! (tier 2); copies added and removed, replace and rekey are not drawn yet.
 //!
 //! Owns: the tester. Must not know: virtio, the daemon, the RPC.
 

@@ -61,11 +61,13 @@ fn main() {
         let t0 = Instant::now();
         match run_in_temp(&case) {
             Ok(s) => println!(
-                "{what}: ok ({} requests, {} failed and retried out, {} MiB checked, {} restarts, {} snapshots, {} reverts/clones/inflates) in {:.1} s",
+                "{what}: ok ({} requests, {} failed and retried out, {} MiB checked, {} restarts, {} power cuts losing {} writes, {} snapshots, {} reverts/clones/inflates) in {:.1} s",
                 s.requests,
                 s.failed_requests,
                 s.bytes_checked >> 20,
                 s.restarts,
+                s.power_cuts,
+                s.writes_lost,
                 s.snapshots,
                 s.controls,
                 t0.elapsed().as_secs_f64()

@@ -89,6 +89,28 @@ pub fn decode(sector: &[u8]) -> Seen {
     }
 }
 
+/// What a sector that is no whole stamp looks like, for a failure's message: the stamp its
+/// first words name and where the bytes stop matching it, or how many bytes are zero.
+pub fn describe(sector: &[u8]) -> String {
+    let word = |i: usize| u64::from_le_bytes(sector[i * 8..i * 8 + 8].try_into().unwrap());
+    let zeroes = sector.iter().filter(|&&b| b == 0).count();
+    if word(0) != MAGIC {
+        return format!(
+            "no stamp header ({zeroes} of 512 bytes zero, first word {:#x})",
+            word(0)
+        );
+    }
+    let (offset, generation) = (word(1), word(2));
+    let bad = (3..SECTOR as usize / 8).find(|&i| word(i) != filler(offset, generation, i as u64));
+    let runs = (3..SECTOR as usize / 8)
+        .filter(|&i| word(i) != filler(offset, generation, i as u64))
+        .count();
+    format!(
+        "a stamp for offset {offset} generation {generation} that stops matching at byte {} ({runs} of 61 words differ; {zeroes} bytes zero)",
+        bad.map_or(0, |i| i * 8)
+    )
+}
+
 /// The values each sector of one volume may hold: a set per sector, kept as runs of
 /// sectors with the same set.
 #[derive(Debug, Clone)]
@@ -172,6 +194,14 @@ impl Model {
                     s.push(v);
                 }
             }
+        }
+    }
+
+    /// The sets become `sets` (a flush's accumulated view of the whole volume), over the
+    /// sectors both have.
+    pub fn replace(&mut self, sets: Vec<Vec<u64>>) {
+        for (s, n) in self.sets.iter_mut().zip(sets) {
+            *s = n;
         }
     }
 

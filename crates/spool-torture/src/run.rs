@@ -17,6 +17,8 @@ use crate::world::{World, VOLUME};
 
 /// Requests in flight per queue at most.
 const DEPTH: u32 = 8;
+/// The bit that marks a flush's id among the reads' (both kept in `racing`).
+const FLUSH: u64 = 1 << 62;
 /// Times a failed request is sent again before it counts as failed.
 const RETRIES: u32 = 4;
 
@@ -43,6 +45,9 @@ pub struct Summary {
     pub snapshots: u64,
     /// Reverts, clones and inflates that were done (not refused).
     pub controls: u64,
+    pub power_cuts: u64,
+    /// Writes the power cuts took back.
+    pub writes_lost: u64,
 }
 
 struct Runner {
@@ -61,8 +66,13 @@ struct Runner {
     /// it starts.
     racing: HashMap<u64, Vec<Vec<u64>>>,
     read_at: HashMap<u64, u64>,
-    /// Reads sent so far (their ids).
+    /// Reads (and flushes) sent so far (their ids).
     reads: u64,
+    /// What each sector may hold after a power cut: what the last completed flush left
+    /// there, and every value allowed since.
+    hist: Model,
+    /// `hist` as it was when each snapshot (and the clones of it) was taken.
+    snap_hist: HashMap<String, Model>,
 }
 
 /// Runs `case` in `dir` (a new, empty directory).
@@ -85,6 +95,11 @@ pub fn run(case: &Case, dir: &Path) -> Result<Summary, Failure> {
         racing: HashMap::new(),
         read_at: HashMap::new(),
         reads: 0,
+        hist: Model::new(
+            case.world.size.next_multiple_of(SECTOR),
+            case.world.kind.encrypted(),
+        ),
+        snap_hist: HashMap::new(),
     };
     r.open_engine().map_err(fail(0))?;
     for (i, st) in case.steps.iter().enumerate() {
@@ -148,6 +163,7 @@ impl Runner {
                 Ok(())
             }
             Step::Restart => self.restart(),
+            Step::PowerCut { seed } => self.power_cut(seed),
         }
     }
 
@@ -178,7 +194,11 @@ impl Runner {
                 self.reads += 1;
                 generation = self.reads;
                 buf = vec![0xeeu8; len as usize];
-                let sets = self.model.sets_of(offset, len);
+                let mut sets = self.model.sets_of(offset, len);
+                // An update in flight already races it too: a sector may be torn there.
+                for (o, l) in self.engine().updates_in_flight() {
+                    widen_sets(&mut sets, offset, o, l, ANY);
+                }
                 self.racing.insert(generation, sets);
                 self.read_at.insert(generation, offset);
             }
@@ -190,7 +210,14 @@ impl Runner {
                 }
             }
             Io::Zero => self.allow(offset, len, ZERO),
-            Io::Flush => {}
+            Io::Flush => {
+                // What the flush will have made durable: the sets now, widened by what is
+                // allowed while it is in flight (kept as a read of the whole volume is).
+                self.reads += 1;
+                generation = FLUSH | self.reads;
+                self.racing.insert(generation, self.model.sets_of(0, size));
+                self.read_at.insert(generation, 0);
+            }
         }
         self.sum.requests += 1;
         self.engine().submit(q, kind, offset, len, generation, buf);
@@ -199,12 +226,20 @@ impl Runner {
 
     /// `[offset, offset + len)` may hold `value` from now on, and so may what every read in
     /// flight over it returns.
+    ///
+    /// A read racing an update may also see a sector torn between the two (a file's page
+    /// cache copies bytes, not sectors, and no device promises more for a read and a write
+    /// of one block in flight together): anything but another block's data.
     fn allow(&mut self, offset: u64, len: u64, value: u64) {
         self.model.allow(offset, len, value);
+        self.hist.allow(offset, len, value);
         for (&id, sets) in self.racing.iter_mut() {
             let start = self.read_at.get(&id).copied();
             if let Some(start) = start {
                 widen_sets(sets, start, offset, len, value);
+                if id & FLUSH == 0 {
+                    widen_sets(sets, start, offset, len, ANY);
+                }
             }
         }
     }
@@ -243,6 +278,12 @@ impl Runner {
                     let at = r.offset + k as u64 * SECTOR;
                     let allowed = sets.get(k).map_or(self.model.allowed(at / SECTOR), |v| v);
                     check_allowed(allowed, at, decode(s)).map_err(|e| {
+                        let e = match decode(s) {
+                            crate::model::Seen::Garbage => {
+                                format!("{e}: {}", crate::model::describe(s))
+                            }
+                            _ => e.to_string(),
+                        };
                         Wrong(format!(
                             "read at {} (+{}): sector {at} {e}",
                             r.offset,
@@ -252,7 +293,14 @@ impl Runner {
                 }
                 self.sum.bytes_checked += r.len;
             }
-            Io::Discard | Io::Flush => {}
+            Io::Flush => {
+                // Durable now: what a power cut may leave starts from here.
+                if let Some(sets) = self.racing.remove(&r.generation) {
+                    self.read_at.remove(&r.generation);
+                    self.hist.replace(sets);
+                }
+            }
+            Io::Discard => {}
         }
         Ok(())
     }
@@ -285,8 +333,24 @@ impl Runner {
             std::thread::sleep(std::time::Duration::from_millis(1 << most.min(5)));
         }
         for mut r in again {
-            if r.kind == Io::Read {
-                r.buf.fill(0xee);
+            match r.kind {
+                Io::Read => {
+                    r.buf.fill(0xee);
+                    let updates = self.engine().updates_in_flight();
+                    if let (Some(sets), Some(&at)) = (
+                        self.racing.get_mut(&r.generation),
+                        self.read_at.get(&r.generation),
+                    ) {
+                        for (o, l) in updates {
+                            widen_sets(sets, at, o, l, ANY);
+                        }
+                    }
+                }
+                // Sent again, it races the reads in flight over it as a new one would (its
+                // value is allowed already: this widens them by a torn sector).
+                Io::Write => self.allow(r.offset, r.len, r.generation),
+                Io::Discard | Io::Zero => self.allow(r.offset, r.len, ZERO),
+                Io::Flush => {}
             }
             self.engine().resubmit(r);
         }
@@ -367,9 +431,15 @@ impl Runner {
         match self.world.pool().revert_volume(VOLUME, &name) {
             Ok(_) => {
                 self.sum.controls += 1;
-                self.model.take(&m)
+                self.model.take(&m);
+                let h = self.snap_hist.get(&name).cloned().unwrap_or(m);
+                self.hist.take(&h);
             }
-            Err(_) => self.model.widen(&m),
+            Err(_) => {
+                self.model.widen(&m);
+                let h = self.snap_hist.get(&name).cloned().unwrap_or(m);
+                self.hist.widen(&h);
+            }
         }
         self.open_engine()
     }
@@ -385,6 +455,9 @@ impl Runner {
             .clone_snapshot(VOLUME, &name, &clone)
             .is_ok()
         {
+            if let Some(h) = self.snap_hist.get(&name).cloned() {
+                self.snap_hist.insert(clone.clone(), h);
+            }
             self.clones.push((clone, m));
         }
         Ok(())
@@ -438,6 +511,7 @@ impl Runner {
         match self.world.pool().resize_volume(VOLUME, size) {
             Ok(_) => {
                 self.model.grow(size);
+                self.hist.grow(size);
                 self.open_engine()
             }
             // A grow the pool has no room for, or whose table commit failed (a metadata
@@ -451,6 +525,7 @@ impl Runner {
         let name = format!("s{}", self.step);
         match self.world.pool().snapshot_volume(VOLUME, &name) {
             Ok(_) => {
+                self.snap_hist.insert(name.clone(), self.hist.clone());
                 self.snaps.push((name, self.model.clone()));
                 self.sum.snapshots += 1;
                 Ok(())
@@ -479,6 +554,28 @@ impl Runner {
             duration: None,
             fails_probe: false,
         });
+    }
+
+    /// Gives up what is in flight, cuts the power (each device keeps what its flushes
+    /// covered and a random subset of the rest) and checks everything against what a cut
+    /// may leave: since the last flush, any value written (snapshots and clones alike).
+    fn power_cut(&mut self, seed: u64) -> Result<(), Wrong> {
+        self.again.clear();
+        self.engine().reap_until(|e| e.in_flight(None) == 0)?;
+        self.racing.clear();
+        self.read_at.clear();
+        self.engine = None;
+        let lost = self.world.power_cut(&mut crate::rng::Rng::new(seed))?;
+        self.sum.power_cuts += 1;
+        self.sum.writes_lost += lost;
+        self.model = self.hist.clone();
+        for (n, m) in self.snaps.iter_mut().chain(self.clones.iter_mut()) {
+            if let Some(h) = self.snap_hist.get(n) {
+                m.widen(h);
+            }
+        }
+        self.open_engine()?;
+        self.verify()
     }
 
     /// Gives up what is in flight (each may have landed or not: the model allows both

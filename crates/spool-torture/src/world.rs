@@ -112,6 +112,8 @@ pub struct World {
     dir: std::path::PathBuf,
     kek: Arc<spool_crypt::Kek>,
     pub monitor: Arc<spool_health::Monitor>,
+    /// Each device's power-cut log.
+    logs: Vec<(std::path::PathBuf, Arc<spool_devices::WriteLog>)>,
 }
 
 /// The volume under test.
@@ -173,14 +175,17 @@ impl World {
         for (u, d) in pool.device_handles() {
             monitor.watch(u, d);
         }
-        Ok(World {
+        let mut w = World {
             spec: spec.clone(),
             pool: Some(pool),
             specs,
             dir: dir.to_path_buf(),
             kek,
             monitor,
-        })
+            logs: Vec::new(),
+        };
+        w.arm_logs();
+        Ok(w)
     }
 
     /// Drops the pool and opens it again from its devices, as a restarted spoold does.
@@ -195,7 +200,59 @@ impl World {
             self.monitor.watch(u, d);
         }
         self.pool = Some(pool);
+        self.arm_logs();
         Ok(())
+    }
+
+    /// Arms a power-cut log on every device (before any queue of theirs opens).
+    fn arm_logs(&mut self) {
+        self.logs.clear();
+        for (_, d) in self.pool().device_handles() {
+            let path = d.path().to_path_buf();
+            let file = std::fs::File::open(&path).ok();
+            let log = Arc::new(spool_devices::WriteLog::new(Box::new(move |at, buf| {
+                use std::os::unix::fs::FileExt;
+                buf.fill(0);
+                if let Some(f) = &file {
+                    let _ = f.read_at(buf, at);
+                }
+            })));
+            if d.faults().set_write_log(log.clone()) {
+                self.logs.push((path, log));
+            }
+        }
+    }
+
+    /// Cuts the power: the pool goes (every request done), then each device keeps what its
+    /// last completed flush covered and a random subset of the writes since (applied in
+    /// order, as dm-log-writes replays do), and the pool opens again. Returns how many
+    /// writes were lost.
+    pub fn power_cut(&mut self, rng: &mut Rng) -> Result<u64, Wrong> {
+        use std::os::unix::fs::FileExt;
+        self.monitor.stop();
+        self.monitor = monitor();
+        self.pool = None;
+        let mut lost = 0;
+        for (path, log) in std::mem::take(&mut self.logs) {
+            let writes = log.volatile();
+            let f = (std::fs::OpenOptions::new().write(true).open(&path))
+                .map_err(|e| format!("power cut: {}: {e}", path.display()))?;
+            let put = |at: u64, data: &[u8]| {
+                f.write_all_at(data, at)
+                    .map_err(|e| Wrong(format!("power cut: {}: {e}", path.display())))
+            };
+            for w in writes.iter().rev() {
+                put(w.offset, &w.old)?;
+            }
+            for w in &writes {
+                match rng.chance(50) {
+                    true => put(w.offset, &w.new)?,
+                    false => lost += 1,
+                }
+            }
+        }
+        self.reopen()?;
+        Ok(lost)
     }
 
     /// The pool (open but while `reopen` runs).
