@@ -436,22 +436,7 @@ impl Pass<'_> {
     /// allocators' chunks (in memory), the sharing counts.
     fn allocators(&mut self, named: &HashMap<Placement, (u64, u32)>) {
         let pool = self.pool;
-        // Held by a thin allocator: named in memory, in a grace period, or being allocated.
-        let mut live: BTreeSet<(Uuid, u64)> = BTreeSet::new();
-        // Names a grace period still holds in the sharing counts, per chunk.
-        let mut retiring: HashMap<Placement, u32> = HashMap::new();
-        {
-            let thins = pool.thins.lock().unwrap_or_else(|p| p.into_inner());
-            for d in thins.values().filter_map(|d| d.as_ref().ok()) {
-                if let Some(t) = ThinBackend::of(d) {
-                    let held = t.placements().into_iter().chain(t.in_hand());
-                    live.extend(held.map(|p| (p.device, p.offset)));
-                    for p in t.retiring() {
-                        *retiring.entry(p).or_default() += 1;
-                    }
-                }
-            }
-        }
+        let (live, retiring) = thin_held(pool);
         for m in &pool.members {
             let free = m
                 .buddy
@@ -512,6 +497,40 @@ impl Pass<'_> {
             }
         }
     }
+}
+
+/// What the thin allocators hold in memory: every chunk they name, are giving back or are
+/// allocating (`live`), and per chunk the names the sharing counts still keep for maps
+/// letting it go (a grace period, a retired map).
+fn thin_held(pool: &Pool) -> (BTreeSet<(Uuid, u64)>, HashMap<Placement, u32>) {
+    // Held by a thin allocator: named in memory, in a grace period, or being allocated.
+    let mut live: BTreeSet<(Uuid, u64)> = BTreeSet::new();
+    // Names a grace period still holds in the sharing counts, per chunk.
+    let mut retiring: HashMap<Placement, u32> = HashMap::new();
+    {
+        let thins = pool.thins.lock().unwrap_or_else(|p| p.into_inner());
+        for d in thins.values().filter_map(|d| d.as_ref().ok()) {
+            if let Some(t) = ThinBackend::of(d) {
+                let held = t.placements().into_iter().chain(t.in_hand());
+                live.extend(held.map(|p| (p.device, p.offset)));
+                for p in t.retiring() {
+                    *retiring.entry(p).or_default() += 1;
+                }
+            }
+        }
+        // A map the table no longer names but queues may still use (a clone's own map
+        // after its copies took over: `Pool::retire_map`) keeps its names in the counts
+        // until it is released: counted as a name each, as a grace period's are.
+        for key in pool.retired_map_keys() {
+            let t = thins.get(&key).and_then(|d| d.as_ref().ok());
+            if let Some(t) = t.and_then(|d| ThinBackend::of(d)) {
+                for (_, p) in t.live_entries() {
+                    *retiring.entry(p).or_default() += 1;
+                }
+            }
+        }
+    }
+    (live, retiring)
 }
 
 #[cfg(test)]

@@ -63,6 +63,12 @@ impl Pool {
         }
     }
 
+    /// The keys of the thin maps retired and not released yet (their backends still serve
+    /// the queues that hold an older layout).
+    pub(crate) fn retired_map_keys(&self) -> Vec<Uuid> {
+        self.retired.maps.iter().map(|&(_, _, key)| key).collect()
+    }
+
     /// The newest ticket of volume `volume`'s retired extents (None: it has none): the
     /// generation from which on no layout names them.
     pub fn retired_ticket(&self, volume: Uuid) -> Option<u64> {
