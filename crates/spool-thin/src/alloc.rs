@@ -99,10 +99,10 @@ impl Allocator<'_> {
             }
             self.unmap(work.unmaps);
             for reply in work.snapshots {
-                if let Err(unsent) = reply.send(self.take_snapshot()) {
+                if let Err(unsent) = reply.answer(self.take_snapshot()) {
                     // The caller gave up waiting and recorded nothing: the snapshot's names
-                    // go again.
-                    for (_, p) in unsent.0.unwrap_or_default() {
+                    // go again (exactly once: `Handoff`).
+                    for (_, p) in unsent.unwrap_or_default() {
                         if self.s.source.shared_chunks().release(p) {
                             self.s.source.give_back(p.device, p.offset);
                         }
@@ -422,7 +422,7 @@ fn fail_all(work: crate::shared::Work) {
     }
     let down = || "the volume is shutting down".to_string();
     for reply in work.snapshots {
-        let _ = reply.send(Err(Error::Snapshot(down())));
+        let _ = reply.answer(Err(Error::Snapshot(down())));
     }
     for (_, reply) in work.reverts {
         let _ = reply.send(Err(Error::Snapshot(down())));

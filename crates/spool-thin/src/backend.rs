@@ -218,15 +218,16 @@ impl ThinBackend {
     /// it, or calls [`ThinBackend::drop_snapshot`] when it cannot. Returns how many chunks
     /// it names.
     pub fn snapshot(&self, snap: &SnapshotSpec) -> Result<u64, Error> {
-        let (tx, rx) = std::sync::mpsc::channel();
+        let reply = crate::handoff::Handoff::new();
         let mut w = self.shared.work.lock().unwrap_or_else(|p| p.into_inner());
-        w.snapshots.push(tx);
+        w.snapshots.push(reply.clone());
         drop(w);
         self.shared.wake.notify_one();
         let wait = crate::snapshot::DRAIN_WAIT + std::time::Duration::from_secs(60);
-        let entries = rx
-            .recv_timeout(wait)
-            .map_err(|_| Error::Snapshot("the volume's allocator did not answer".into()))??;
+        // Given up, a late answer goes back to the allocator, which lets its names go.
+        let entries = reply
+            .wait(wait)
+            .ok_or_else(|| Error::Snapshot("the volume's allocator did not answer".into()))??;
         if let Err(e) = map::write_image(&snap.store, snap.uuid, &entries) {
             self.release(entries.iter().map(|e| e.1));
             return Err(e);

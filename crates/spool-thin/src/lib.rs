@@ -18,6 +18,7 @@ pub mod alloc;
 mod backend;
 mod evict;
 mod grace;
+mod handoff;
 pub mod map;
 mod queue;
 mod relocate;

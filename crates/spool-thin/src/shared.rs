@@ -370,9 +370,10 @@ pub(crate) type Revert = (
     std::sync::mpsc::Sender<Result<u64, crate::Error>>,
 );
 
-/// Where a snapshot's chunks (chunk index, where), or why it failed, are sent.
+/// Where a snapshot's chunks (chunk index, where), or why it failed, are handed to the
+/// caller (or back, when it gave up waiting).
 pub(crate) type SnapshotReply =
-    std::sync::mpsc::Sender<Result<Vec<(u64, Placement)>, crate::Error>>;
+    Arc<crate::handoff::Handoff<Result<Vec<(u64, Placement)>, crate::Error>>>;
 
 impl Work {
     pub(crate) fn is_empty(&self) -> bool {
