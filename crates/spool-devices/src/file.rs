@@ -225,10 +225,13 @@ fn stat_or_create(path: &Path, create_size: Option<u64>) -> Result<std::fs::Meta
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => match create_size {
             Some(size) => {
                 check_size(path, size)?;
+                // Owner only, whatever the umask: it will hold volumes' data (a plain
+                // volume's in the clear).
                 let f = StdOpenOptions::new()
                     .read(true)
                     .write(true)
                     .create_new(true)
+                    .mode(0o600)
                     .open(path)
                     .map_err(|e| Error::io(path, "create", e))?;
                 f.set_len(size)
@@ -369,6 +372,10 @@ mod tests {
         .unwrap();
         assert_eq!(dev.size(), 1 << 20);
         assert_eq!(dev.info().backend, "file");
+        // Created for the owner only, whatever the umask (it holds volumes' data).
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
         dev.write_at_durable(b"hello", 4096).unwrap();
         let mut b = [0u8; 5];
         dev.read_at(&mut b, 4096).unwrap();
