@@ -470,3 +470,36 @@ thin = true
     let out = ctl(&d, &["volume", "snapshots", "vm"]);
     assert_eq!(out.matches("vm@load").count(), snaps.min(2), "{out}");
 }
+
+/// An export is never put on spoold's own sockets (its RPC socket, a volume's vhost-user
+/// socket) nor on a socket another server listens on; a socket left behind by an export
+/// that is gone is replaced. (An export on the RPC socket used to replace it: the RPC
+/// stopped answering.)
+#[test]
+fn an_export_is_not_put_on_a_live_or_own_socket() {
+    let mut d = Spoold::prepared(CONFIG);
+    d.spawn();
+    ctl(&d, &["volume", "snapshot", "t", "s"]);
+    let export = |d: &Spoold, path: &std::path::Path| {
+        let nbd = format!("unix:{}", path.display());
+        spoolctl(d, &["volume", "export", "t@s", "--nbd", &nbd])
+    };
+    for own in [d.rpc_path(), d.socket("t")] {
+        let (ok, _, err) = export(&d, &own);
+        assert!(!ok && err.contains("spoold's own"), "{}: {err}", own.display());
+        assert!(own.exists(), "{} was replaced", own.display());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let busy = dir.path().join("busy.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&busy).unwrap();
+    let (ok, _, err) = export(&d, &busy);
+    assert!(!ok && err.contains("listens on"), "{err}");
+    drop(listener);
+    // Nobody listens there now: a stale socket, replaced.
+    let (ok, out, err) = export(&d, &busy);
+    assert!(ok, "{out}{err}");
+    ctl(&d, &["volume", "unexport", "t@s"]);
+    // The RPC still answers, and the volume is still served on its socket.
+    ctl(&d, &["volume", "list"]);
+    drop(connect(&d.socket("t"), 1, false).unwrap());
+}

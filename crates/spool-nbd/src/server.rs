@@ -160,10 +160,20 @@ impl Server {
         let mut bound = None;
         let l = match &listen {
             Listen::Unix(p) => {
-                // A socket left by an earlier export is replaced; anything else is not ours.
+                // A socket left by an earlier export is replaced; one something listens on
+                // (another server, spoold's own sockets) and anything else are not ours.
                 use std::os::unix::fs::FileTypeExt;
                 match std::fs::symlink_metadata(p) {
-                    Ok(m) if m.file_type().is_socket() => std::fs::remove_file(p).map_err(err)?,
+                    Ok(m) if m.file_type().is_socket() => {
+                        if std::os::unix::net::UnixStream::connect(p).is_ok() {
+                            let e = io::Error::new(
+                                io::ErrorKind::AddrInUse,
+                                "a socket something listens on",
+                            );
+                            return Err(err(e));
+                        }
+                        std::fs::remove_file(p).map_err(err)?
+                    }
                     Ok(_) => {
                         let e = io::Error::new(
                             io::ErrorKind::AlreadyExists,

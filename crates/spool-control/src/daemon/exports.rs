@@ -73,8 +73,10 @@ impl Exported {
     }
 }
 
-/// `unix:PATH` (absolute) or `HOST:PORT`, as a listening address of an export.
-pub(super) fn parse_listen(nbd: &str) -> Result<Listen, RpcError> {
+/// `unix:PATH` (absolute, and not one of spoold's own sockets: the RPC socket, the
+/// vhost-user socket directory, the journal directory) or `HOST:PORT`, as a listening
+/// address of an export.
+pub(super) fn parse_listen(nbd: &str, cfg: &crate::Config) -> Result<Listen, RpcError> {
     let listen = Listen::parse(nbd).map_err(|e| RpcError::InvalidParams(e.to_string()))?;
     if let Listen::Unix(path) = &listen {
         if !path.is_absolute() {
@@ -83,8 +85,31 @@ pub(super) fn parse_listen(nbd: &str) -> Result<Listen, RpcError> {
                 path.display()
             )));
         }
+        let at = resolved(path);
+        let own = at == resolved(&cfg.rpc_socket)
+            || at.starts_with(resolved(&cfg.socket_dir))
+            || cfg
+                .journal_dir
+                .as_deref()
+                .is_some_and(|j| at.starts_with(resolved(j)));
+        if own {
+            return Err(RpcError::InvalidParams(format!(
+                "unix:{}: that is spoold's own (its RPC socket, vhost-user sockets or journal); pick a path outside them",
+                path.display()
+            )));
+        }
     }
     Ok(listen)
+}
+
+/// `p` with its directory resolved (symlinks, `..`), the file itself perhaps not there yet.
+fn resolved(p: &std::path::Path) -> std::path::PathBuf {
+    match (p.parent(), p.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
+            .map(|d| d.join(name))
+            .unwrap_or_else(|_| p.to_path_buf()),
+        _ => std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()),
+    }
 }
 
 pub(super) fn uri(listen: &Listen, name: &str) -> String {
@@ -106,7 +131,7 @@ impl Daemon {
     }
 
     fn snapshot_export(&self, p: ExportParams) -> Result<ExportInfo, RpcError> {
-        let listen = parse_listen(&p.nbd)?;
+        let listen = parse_listen(&p.nbd, &self.cfg)?;
         // Not under the exports' lock: `volume_receive` takes the transfers' lock, then
         // looks at the exports.
         let receiving = self.receiving_listens(&listen.to_string());

@@ -220,7 +220,7 @@ impl Daemon {
                 ))
             }
         };
-        let listen = super::exports::parse_listen(nbd)?;
+        let listen = super::exports::parse_listen(nbd, &self.cfg)?;
         // Lock order: the transfers, then the pool, the servers; the exports' lock is
         // never held with it (`snapshot_export` looks at the transfers without its own).
         let exported = self.export_listens(&listen.to_string());
@@ -338,7 +338,7 @@ impl Daemon {
                     _ => None,
                 };
                 let fd = fds.into_iter().next().ok_or_else(bad)?;
-                let listen = super::exports::parse_listen(&nbd)?;
+                let listen = super::exports::parse_listen(&nbd, &self.cfg)?;
                 // The transfer listener's carry another spoold's ciphertext, if encrypted.
                 let ciphertext = peers.is_some();
                 let v = self
