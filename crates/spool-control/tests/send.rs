@@ -480,3 +480,32 @@ fn a_thin_volume_is_sent_through_the_transfer_listener() {
     assert!(out.contains("finished"), "{out}");
     assert!(ctl_err(&a, &["volume", "show", "v"]).contains("no volume"));
 }
+
+/// Clients that are no peers of the transfer listener are turned away, and their refusals
+/// are logged a few a minute, not one line each (anyone who reaches the port can knock).
+#[test]
+fn refusals_of_non_peers_do_not_flood_the_log() {
+    let b = Spoold::start(&LISTENING.replace(
+        r#"peers = ["127.0.0.1"]"#,
+        r#"peers = ["127.0.0.2"]"#,
+    ));
+    let port = transfer_port(&b);
+    for _ in 0..60 {
+        if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            let mut buf = [0u8; 1];
+            // Turned away: closed without an answer.
+            let _ = std::io::Read::read(&mut &s, &mut buf);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let lines = loop {
+        let n = b.log().matches("was turned away").count();
+        if n >= 5 || Instant::now() > deadline {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let after = b.log().matches("was turned away").count();
+    assert_eq!((lines, after), (5, 5), "{}", b.log());
+}

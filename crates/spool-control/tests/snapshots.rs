@@ -486,7 +486,11 @@ fn an_export_is_not_put_on_a_live_or_own_socket() {
     };
     for own in [d.rpc_path(), d.socket("t")] {
         let (ok, _, err) = export(&d, &own);
-        assert!(!ok && err.contains("spoold's own"), "{}: {err}", own.display());
+        assert!(
+            !ok && err.contains("spoold's own"),
+            "{}: {err}",
+            own.display()
+        );
         assert!(own.exists(), "{} was replaced", own.display());
     }
     let dir = tempfile::tempdir().unwrap();

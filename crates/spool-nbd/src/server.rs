@@ -122,10 +122,10 @@ impl Listener {
                 let (s, from) = l.accept()?;
                 let ip = from.ip().to_canonical();
                 if (peers.as_ref()).is_some_and(|p| !p.iter().any(|a| a.to_canonical() == ip)) {
-                    tracing::warn!(peer = %from, "an NBD client from a peer not allowed was turned away");
+                    // Logged by the accept loop, a few a minute (anyone can knock).
                     return Err(io::Error::new(
                         io::ErrorKind::PermissionDenied,
-                        "peer not allowed",
+                        format!("an NBD client from {from}, a peer not allowed, was turned away"),
                     ));
                 }
                 s.set_nonblocking(false)?;
@@ -289,6 +289,7 @@ impl Drop for Server {
 
 fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conns: Conns) {
     let mut next = 0u64;
+    let mut refused = RefusedLog::default();
     while !stop.load(Ordering::SeqCst) {
         match l.accept() {
             Ok(s) => {
@@ -326,7 +327,11 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conn
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {}
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                if refused.allow() {
+                    tracing::warn!(suppressed = refused.take_suppressed(), "{e}");
+                }
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting an NBD client failed");
                 std::thread::sleep(Duration::from_millis(20));
@@ -400,4 +405,40 @@ fn handshake(
     r.read_exact(&mut flags)?;
     let no_zeroes = u32::from_be_bytes(flags) & CLIENT_NO_ZEROES != 0;
     crate::handshake::run(r, w, e, no_zeroes)
+}
+
+/// At most a few lines a minute for refused clients (anyone who reaches the port can make
+/// one); the next line logged says how many were left out.
+#[derive(Default)]
+struct RefusedLog {
+    window: Option<std::time::Instant>,
+    logged: u32,
+    suppressed: u64,
+}
+
+impl RefusedLog {
+    const BURST: u32 = 5;
+    const PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
+
+    fn allow(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        if self
+            .window
+            .is_none_or(|w| now.duration_since(w) >= Self::PERIOD)
+        {
+            self.window = Some(now);
+            self.logged = 0;
+        }
+        if self.logged < Self::BURST {
+            self.logged += 1;
+            true
+        } else {
+            self.suppressed += 1;
+            false
+        }
+    }
+
+    fn take_suppressed(&mut self) -> u64 {
+        std::mem::take(&mut self.suppressed)
+    }
 }

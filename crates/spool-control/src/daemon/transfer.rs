@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use spool_frontend::ratelimit::Verdict;
 use spool_nbd::Listen;
 use spool_pool::metadata::VolumeKey;
 use spool_pool::VolumeInfo;
@@ -376,6 +377,8 @@ impl Daemon {
 /// [`HELLOS_AT_ONCE`] at a time.
 fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
     let busy = Arc::new(AtomicUsize::new(0));
+    // Anyone who reaches the port can knock: their refusals are logged a few a minute.
+    let mut refused_log = spool_frontend::ratelimit::LogLimit::new(5, Duration::from_secs(60));
     loop {
         let Some(d) = weak.upgrade() else { return };
         if d.stopping.load(Ordering::Acquire) {
@@ -390,12 +393,16 @@ fn accept_loop(l: TcpListener, weak: std::sync::Weak<Daemon>) {
                     .as_ref()
                     .is_some_and(|t| t.peers.iter().any(|p| p.to_canonical() == ip));
                 if !allowed {
-                    tracing::warn!(peer = %from, "a transfer hello from a peer not in [transfer] peers was turned away");
+                    if let Verdict::Log { suppressed } = refused_log.check() {
+                        tracing::warn!(peer = %from, suppressed, "a transfer hello from a peer not in [transfer] peers was turned away");
+                    }
                     continue;
                 }
                 if busy.fetch_add(1, Ordering::AcqRel) >= HELLOS_AT_ONCE {
                     busy.fetch_sub(1, Ordering::AcqRel);
-                    tracing::warn!(peer = %from, "a transfer hello was turned away: {HELLOS_AT_ONCE} are being answered");
+                    if let Verdict::Log { suppressed } = refused_log.check() {
+                        tracing::warn!(peer = %from, suppressed, "a transfer hello was turned away: {HELLOS_AT_ONCE} are being answered");
+                    }
                     continue;
                 }
                 let (w, b) = (weak.clone(), busy.clone());
