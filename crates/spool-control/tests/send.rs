@@ -485,10 +485,8 @@ fn a_thin_volume_is_sent_through_the_transfer_listener() {
 /// are logged a few a minute, not one line each (anyone who reaches the port can knock).
 #[test]
 fn refusals_of_non_peers_do_not_flood_the_log() {
-    let b = Spoold::start(&LISTENING.replace(
-        r#"peers = ["127.0.0.1"]"#,
-        r#"peers = ["127.0.0.2"]"#,
-    ));
+    let b =
+        Spoold::start(&LISTENING.replace(r#"peers = ["127.0.0.1"]"#, r#"peers = ["127.0.0.2"]"#));
     let port = transfer_port(&b);
     for _ in 0..60 {
         if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {

@@ -32,6 +32,8 @@ pub(super) struct Op {
     pub(super) current: u8,
     /// Iovec arrays of pieces that split the request's own (kept until completion).
     pub(super) split: Vec<Box<[IoVec]>>,
+    /// A flush: the devices (a bit per index) whose flush failed.
+    pub(super) flush_failed: u64,
 }
 
 /// The device operation for `op`'s bytes `[at, at + n)` at device offset `dev_off`; a piece

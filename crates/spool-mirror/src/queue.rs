@@ -260,6 +260,26 @@ impl MirrorQueue {
         true
     }
 
+    /// A flush the legs on devices `devices` (a bit per index) failed and others took: 0
+    /// once those legs are stale wherever another is current, else a path error.
+    fn missed_flush(&self, devices: u64) -> i32 {
+        let missed = (self.shared.spec.legs.iter())
+            .filter(|l| {
+                l.pieces
+                    .iter()
+                    .any(|p| p.device < 64 && devices & (1u64 << p.device) != 0)
+            })
+            .fold(0, |m, l| m | super::bitmap::stale(l.slot));
+        match self
+            .shared
+            .regions
+            .missed_flush(self.shared.all_slots(), missed)
+        {
+            true => 0,
+            false => -libc::EIO,
+        }
+    }
+
     fn submit_flush(&mut self, i: usize) -> bool {
         let mut devices = Vec::new();
         for l in &self.shared.spec.legs {
@@ -334,9 +354,11 @@ impl MirrorQueue {
         let res = match op.kind {
             Kind::Read if read_err != 0 => read_err,
             Kind::Read => op.pieces.first_error(),
+            Kind::Flush if failed == 0 => 0,
             // Durable on one leg is durable: the failed devices were reported (their
-            // monitor resets or isolates them).
-            Kind::Flush if failed == 0 || op.pieces.any_succeeded() => 0,
+            // monitor resets or isolates them), and the legs on them are stale wherever
+            // another leg is current (they may lose what the flush did not cover).
+            Kind::Flush if op.pieces.any_succeeded() => self.missed_flush(op.flush_failed),
             Kind::Flush => op.pieces.first_error(),
             // Done when a leg current at submit took it all; the legs that failed then missed
             // it (marked stale before the completion). When every current leg failed, the
@@ -424,6 +446,7 @@ impl DeviceQueue for MirrorQueue {
             issued: 0,
             current: 0,
             split: Vec::new(),
+            flush_failed: 0,
         });
         let started = match kind {
             Kind::Read => self.submit_read(i),
@@ -457,6 +480,9 @@ impl DeviceQueue for MirrorQueue {
                 let Some(Some(op)) = ops.get_mut(i) else {
                     return;
                 };
+                if res < 0 && slot == FLUSH_SLOT {
+                    op.flush_failed |= 1u64.checked_shl(d as u32).unwrap_or(0);
+                }
                 if res < 0 {
                     // Where on the device, as the worker reports a plain volume's pieces (a
                     // flush has no range).

@@ -228,6 +228,27 @@ impl Regions {
         }
     }
 
+    /// Legs `missed` (their stale bits; `all`: every leg's) failed a flush that others took:
+    /// each is marked stale (durably) in every region where another leg is current, so what
+    /// it may lose at a power cut is read from, and copied back from, those. False when in
+    /// some region no other leg is current: there the flush made nothing durable.
+    pub(crate) fn missed_flush(&self, all: u8, missed: u8) -> bool {
+        let n = self.bitmap.regions();
+        let mut covered = true;
+        for r in 0..n {
+            let current = all & !self.bitmap.byte(r).load(Ordering::Acquire);
+            if current & !missed != 0 {
+                self.mark(r, current & missed);
+            } else if current & missed != 0 {
+                covered = false;
+            }
+        }
+        if n > 0 {
+            self.bitmap.sync(0, n - 1);
+        }
+        covered
+    }
+
     /// Clears region `r`'s intent bit if no write is in flight there and none started since
     /// `gen` was seen; never races a write entering (see [`Regions::enter`]).
     pub(crate) fn try_clear_intent(&self, r: usize, gen: u32) -> bool {
