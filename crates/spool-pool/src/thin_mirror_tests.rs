@@ -381,8 +381,7 @@ fn copies_added_to_a_thin_volume_and_to_a_clone_take_over_from_its_own_map() {
             "the written chunks and the origin's, each once"
         );
     }
-    // The clone's own map goes once no queue uses it; the snapshot keeps what it shares.
-    // Until then its names stay in the sharing counts, and the check counts them too.
+    // The own map goes once unused (its names counted till then); the snapshot keeps its.
     let r = p.check();
     assert!(r.problems.is_empty(), "while the own map is retired: {r:?}");
     let ticket = p.retired_ticket(m.uuid).expect("the own map is held");
