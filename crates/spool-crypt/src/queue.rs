@@ -20,7 +20,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
-use spool_devices::{DeviceIo, DeviceQueue, IoVec};
+use spool_devices::{DeviceIo, DeviceQueue, IoVec, Slots};
 
 use crate::locked::Locked;
 use crate::xts::{XtsCipher, SECTOR};
@@ -109,42 +109,13 @@ struct Pending {
     read: Option<(*const IoVec, u32, u64)>,
 }
 
-/// Operations in flight under ids of the queue's own (their index; the device's tag), so
-/// that two operations under one caller tag never share a record.
-#[derive(Default)]
-struct InFlight {
-    slots: Vec<Option<Pending>>,
-    vacant: Vec<usize>,
-}
-
-impl InFlight {
-    fn insert(&mut self, p: Pending) -> u64 {
-        match self.vacant.pop() {
-            Some(i) => {
-                self.slots[i] = Some(p);
-                i as u64
-            }
-            None => {
-                self.slots.push(Some(p));
-                (self.slots.len() - 1) as u64
-            }
-        }
-    }
-
-    fn remove(&mut self, id: u64) -> Option<Pending> {
-        let i = usize::try_from(id).ok()?;
-        let p = self.slots.get_mut(i)?.take()?;
-        self.vacant.push(i);
-        Some(p)
-    }
-}
-
 /// A queue that encrypts what it writes and decrypts what it reads (module doc).
 pub struct CryptQueue {
     inner: Box<dyn DeviceQueue>,
     cipher: Arc<Locked<XtsCipher>>,
     map: TweakMap,
-    pending: InFlight,
+    /// In flight, under ids of the queue's own (the device's tags).
+    pending: Slots<Pending>,
     free: Vec<Bounce>,
     refused: VecDeque<(u64, i32)>,
 }
@@ -161,7 +132,7 @@ impl CryptQueue {
             inner,
             cipher,
             map,
-            pending: InFlight::default(),
+            pending: Slots::default(),
             free: Vec::new(),
             refused: VecDeque::new(),
         }

@@ -26,6 +26,7 @@ mod null;
 mod nvme;
 mod queue;
 mod rbd;
+mod slots;
 mod sync_queue;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
@@ -45,6 +46,7 @@ pub use nvme::NvmeBackend;
 pub use rbd::{
     Ceph, CephClusters, CephConnections, CephOptions, RbdBackend, RbdQueue, RbdSnapshot,
 };
+pub use slots::Slots;
 pub use write_log::{Logged, WriteLog};
 /// Backend state kept alive across worker restarts: descriptors a backend deposits with the
 /// daemon's keeper and gets back in the next worker (NVMe controllers, re-attached without a

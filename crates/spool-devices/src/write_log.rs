@@ -135,8 +135,7 @@ impl WriteLog {
 /// pieces share a tag), each with what it is in the log.
 pub(crate) struct Logging {
     log: std::sync::Arc<WriteLog>,
-    ops: Vec<Option<(u64, Op)>>,
-    vacant: Vec<usize>,
+    ops: crate::Slots<(u64, Op)>,
 }
 
 #[derive(Clone, Copy)]
@@ -150,8 +149,7 @@ impl Logging {
     pub(crate) fn new(log: std::sync::Arc<WriteLog>) -> Logging {
         Logging {
             log,
-            ops: Vec::new(),
-            vacant: Vec::new(),
+            ops: crate::Slots::default(),
         }
     }
 
@@ -186,23 +184,12 @@ impl Logging {
             DeviceIo::Flush => Op::Flush(self.log.flush()),
             DeviceIo::Read { .. } => Op::Other,
         };
-        match self.vacant.pop() {
-            Some(i) => {
-                self.ops[i] = Some((tag, op));
-                i as u64
-            }
-            None => {
-                self.ops.push(Some((tag, op)));
-                (self.ops.len() - 1) as u64
-            }
-        }
+        self.ops.insert((tag, op))
     }
 
     /// Operation `id` completed with `res`: logged, and its caller's tag returned.
     pub(crate) fn completed(&mut self, id: u64, res: i32) -> Option<u64> {
-        let i = usize::try_from(id).ok()?;
-        let (tag, op) = self.ops.get_mut(i)?.take()?;
-        self.vacant.push(i);
+        let (tag, op) = self.ops.remove(id)?;
         match op {
             Op::Write(seq) => self.log.write_done(seq),
             Op::Flush(seq) => self.log.flush_done(seq, res >= 0),
