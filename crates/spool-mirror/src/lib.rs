@@ -29,6 +29,8 @@ mod resync;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_flush;
+#[cfg(test)]
 mod tests_stop;
 #[cfg(test)]
 mod tests_sync;

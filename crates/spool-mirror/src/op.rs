@@ -34,6 +34,8 @@ pub(super) struct Op {
     pub(super) split: Vec<Box<[IoVec]>>,
     /// A flush: the devices (a bit per index) whose flush failed.
     pub(super) flush_failed: u64,
+    /// A flush: its number (`Regions::flush_submitted`).
+    pub(super) flush: u32,
 }
 
 /// The device operation for `op`'s bytes `[at, at + n)` at device offset `dev_off`; a piece

@@ -262,7 +262,7 @@ impl MirrorQueue {
 
     /// A flush the legs on devices `devices` (a bit per index) failed and others took: 0
     /// once those legs are stale wherever another is current, else a path error.
-    fn missed_flush(&self, devices: u64) -> i32 {
+    fn missed_flush(&self, devices: u64, flush: u32) -> i32 {
         let missed = (self.shared.spec.legs.iter())
             .filter(|l| {
                 l.pieces
@@ -273,7 +273,7 @@ impl MirrorQueue {
         match self
             .shared
             .regions
-            .missed_flush(self.shared.all_slots(), missed)
+            .missed_flush(self.shared.all_slots(), missed, flush)
         {
             true => 0,
             false => -libc::EIO,
@@ -295,6 +295,7 @@ impl MirrorQueue {
         let Some(op) = self.ops[i].as_mut() else {
             return false;
         };
+        op.flush = self.shared.regions.flush_submitted();
         for &d in &devices {
             op.pieces.issue();
             let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
@@ -358,7 +359,9 @@ impl MirrorQueue {
             // Durable on one leg is durable: the failed devices were reported (their
             // monitor resets or isolates them), and the legs on them are stale wherever
             // another leg is current (they may lose what the flush did not cover).
-            Kind::Flush if op.pieces.any_succeeded() => self.missed_flush(op.flush_failed),
+            Kind::Flush if op.pieces.any_succeeded() => {
+                self.missed_flush(op.flush_failed, op.flush)
+            }
             Kind::Flush => op.pieces.first_error(),
             // Done when a leg current at submit took it all; the legs that failed then missed
             // it (marked stale before the completion). When every current leg failed, the
@@ -367,6 +370,7 @@ impl MirrorQueue {
             Kind::Write | Kind::Zeroes => {
                 let (first, last) = op.regions;
                 let res = if op.current & !failed != 0 {
+                    self.shared.regions.wrote(first, last);
                     if failed != 0 {
                         for r in first..=last {
                             self.shared.regions.mark(r, failed);
@@ -447,6 +451,7 @@ impl DeviceQueue for MirrorQueue {
             current: 0,
             split: Vec::new(),
             flush_failed: 0,
+            flush: 0,
         });
         let started = match kind {
             Kind::Read => self.submit_read(i),

@@ -27,6 +27,11 @@ pub(crate) struct Regions {
     pub(crate) writes: WriteCounts,
     /// Writes ever started per region (the copy's race check).
     pub(crate) gens: Box<[AtomicU32]>,
+    /// Per region, the number of the first flush submitted after its last write completed
+    /// (see [`Regions::wrote`]): which regions a failed flush leaves undurable.
+    pub(crate) unflushed: Box<[AtomicU32]>,
+    /// Flushes submitted since the mirror opened.
+    pub(crate) flushes: AtomicU32,
     /// Regions marked stale, per slot.
     pub(crate) stale: [AtomicU64; MAX_LEGS],
     /// Regions out of sync (a read source recorded).
@@ -47,6 +52,8 @@ impl Regions {
             bitmap,
             writes,
             gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            unflushed: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            flushes: AtomicU32::new(0),
             stale: Default::default(),
             out_of_sync: AtomicU64::new(0),
             required_ids: Default::default(),
@@ -228,23 +235,45 @@ impl Regions {
         }
     }
 
-    /// Legs `missed` (their stale bits; `all`: every leg's) failed a flush that others took:
-    /// each is marked stale (durably) in every region where another leg is current, so what
-    /// it may lose at a power cut is read from, and copied back from, those. False when in
-    /// some region no other leg is current: there the flush made nothing durable.
-    pub(crate) fn missed_flush(&self, all: u8, missed: u8) -> bool {
+    /// A write to regions `first..=last` completed on the legs it went to: the next flush
+    /// submitted is the first that covers it there.
+    pub(crate) fn wrote(&self, first: usize, last: usize) {
+        let next = self.flushes.load(Ordering::SeqCst);
+        for r in first..=last {
+            self.unflushed[r].fetch_max(next, Ordering::SeqCst);
+        }
+    }
+
+    /// A flush is submitted: its number (it covers every write [`Regions::wrote`] recorded
+    /// before, with that number or less; a write completing meanwhile is given the next).
+    pub(crate) fn flush_submitted(&self) -> u32 {
+        self.flushes.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Legs `missed` (their stale bits; `all`: every leg's) failed flush `flush` that others
+    /// took: each is marked stale (durably), where another leg is current, in every region
+    /// written since the flush before it was submitted (an earlier flush that covered a
+    /// region answers for it itself), so what it may lose at a power cut is read from, and
+    /// copied back from, those. False when in such a region no other leg is current: there
+    /// the flush made nothing durable.
+    pub(crate) fn missed_flush(&self, all: u8, missed: u8, flush: u32) -> bool {
         let n = self.bitmap.regions();
         let mut covered = true;
+        let (mut first, mut last) = (usize::MAX, 0);
         for r in 0..n {
+            if self.unflushed[r].load(Ordering::SeqCst) < flush {
+                continue;
+            }
             let current = all & !self.bitmap.byte(r).load(Ordering::Acquire);
             if current & !missed != 0 {
                 self.mark(r, current & missed);
+                (first, last) = (first.min(r), r);
             } else if current & missed != 0 {
                 covered = false;
             }
         }
-        if n > 0 {
-            self.bitmap.sync(0, n - 1);
+        if first <= last {
+            self.bitmap.sync(first, last);
         }
         covered
     }
