@@ -8,7 +8,10 @@
 //! the metadata holds is taken (else it could be handed out twice), what is taken is named
 //! by the metadata or by a thin volume's allocator (else it leaked until the next start),
 //! and the sharing counts say "shared" exactly for the chunks more than one map names (else
-//! a write could change a snapshot, or a chunk would never go back).
+//! a write could change a snapshot, or a chunk would never go back). A map block whose last
+//! write failed may hold on the device either what memory holds or what it held before, until
+//! its next successful write: its chunks are held (not leaked) and their counts, which follow
+//! memory, are not compared with what the device names.
 //!
 //! Thin allocators keep working during a check, so what they change between reading the
 //! maps and reading the allocators can look wrong for an instant. A pass that finds nothing
@@ -20,7 +23,7 @@
 //!
 //! Owns: [`CheckReport`] and the checks. Must not know: RPC, how maps are written.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use spool_thin::map::Placement;
@@ -436,7 +439,11 @@ impl Pass<'_> {
     /// allocators' chunks (in memory), the sharing counts.
     fn allocators(&mut self, named: &HashMap<Placement, (u64, u32)>) {
         let pool = self.pool;
-        let (live, retiring) = thin_held(pool);
+        let ThinHeld {
+            live,
+            retiring,
+            unsure,
+        } = thin_held(pool);
         for m in &pool.members {
             let free = m
                 .buddy
@@ -477,6 +484,9 @@ impl Pass<'_> {
         }
         let refs = &pool.space.refs;
         for (p, &(i, n)) in named {
+            if unsure.contains(p) {
+                continue; // Named by a map block that may differ on the device (below).
+            }
             // A chunk let go by one map keeps that name until its grace period ends.
             let n = n + retiring.get(p).copied().unwrap_or(0);
             let counted = refs.named_by(*p);
@@ -500,9 +510,12 @@ impl Pass<'_> {
 }
 
 /// What the thin allocators hold in memory: every chunk they name, are giving back or are
-/// allocating (`live`), and per chunk the names the sharing counts still keep for maps
-/// letting it go (a grace period, a retired map).
-fn thin_held(pool: &Pool) -> (BTreeSet<(Uuid, u64)>, HashMap<Placement, u32>) {
+/// allocating (`live`), per chunk the names the sharing counts still keep for maps letting
+/// it go (a grace period, a retired map), and the chunks of map blocks whose last write
+/// failed (the device may name others there than memory does until the block is written
+/// again: their counts are not compared).
+fn thin_held(pool: &Pool) -> ThinHeld {
+    let mut unsure: HashSet<Placement> = HashSet::new();
     // Held by a thin allocator: named in memory, in a grace period, or being allocated.
     let mut live: BTreeSet<(Uuid, u64)> = BTreeSet::new();
     // Names a grace period still holds in the sharing counts, per chunk.
@@ -511,8 +524,13 @@ fn thin_held(pool: &Pool) -> (BTreeSet<(Uuid, u64)>, HashMap<Placement, u32>) {
         let thins = pool.thins.lock().unwrap_or_else(|p| p.into_inner());
         for d in thins.values().filter_map(|d| d.as_ref().ok()) {
             if let Some(t) = ThinBackend::of(d) {
+                let maybe = t.unsure_placements();
                 let held = t.placements().into_iter().chain(t.in_hand());
-                live.extend(held.map(|p| (p.device, p.offset)));
+                live.extend(
+                    held.chain(maybe.iter().copied())
+                        .map(|p| (p.device, p.offset)),
+                );
+                unsure.extend(maybe);
                 for p in t.retiring() {
                     *retiring.entry(p).or_default() += 1;
                 }
@@ -530,7 +548,18 @@ fn thin_held(pool: &Pool) -> (BTreeSet<(Uuid, u64)>, HashMap<Placement, u32>) {
             }
         }
     }
-    (live, retiring)
+    ThinHeld {
+        live,
+        retiring,
+        unsure,
+    }
+}
+
+/// What [`thin_held`] finds.
+struct ThinHeld {
+    live: BTreeSet<(Uuid, u64)>,
+    retiring: HashMap<Placement, u32>,
+    unsure: HashSet<Placement>,
 }
 
 #[cfg(test)]

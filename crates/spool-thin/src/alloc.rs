@@ -383,9 +383,15 @@ impl Allocator<'_> {
     }
 }
 
+/// The map blocks whose last write failed.
+pub(crate) fn unsure_blocks(s: &Shared) -> std::collections::BTreeSet<u64> {
+    let unsure = s.unsure_blocks.lock().unwrap_or_else(|p| p.into_inner());
+    unsure.keys().copied().collect()
+}
+
 /// Holds `chunk`'s placement `p` (one the device may name in the block of `chunk`, whose
 /// write failed) until that block's next successful write (`persist`).
-fn hold(s: &Shared, chunk: u64, p: Option<Placement>) {
+pub(crate) fn hold(s: &Shared, chunk: u64, p: Option<Placement>) {
     let mut unsure = s.unsure_blocks.lock().unwrap_or_else(|p| p.into_inner());
     unsure.entry(map::block_of(chunk)).or_default().extend(p);
 }

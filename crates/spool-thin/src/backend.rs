@@ -185,6 +185,22 @@ impl ThinBackend {
         out
     }
 
+    /// The chunks of map blocks whose last write failed (what the device holds there may
+    /// differ from memory until the block's next successful write): those memory names in
+    /// them and those held for them. Their sharing counts follow memory, not the device.
+    pub fn unsure_placements(&self) -> Vec<Placement> {
+        let unsure = (self.shared.unsure_blocks.lock()).unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::new();
+        for (&b, held) in unsure.iter() {
+            out.extend(held.iter().copied());
+            for i in crate::map::block_entries(b, self.shared.map.capacity()) {
+                let p = self.shared.map.get(i);
+                out.extend(p.and_then(|(d, o)| self.shared.placement(d, o)));
+            }
+        }
+        out
+    }
+
     /// Chunks the allocator has taken and not published or given back yet.
     pub fn in_hand(&self) -> Vec<Placement> {
         (self.shared.in_hand.lock())
@@ -297,7 +313,7 @@ impl ThinBackend {
     /// named before is let go. Returns how many chunk entries changed.
     pub fn revert(&self, uuid: Uuid) -> Result<u64, Error> {
         let entries = self.snapshot_entries(uuid).ok_or_else(|| {
-            Error::Snapshot(match self.snapshot_damage(uuid) {
+            Error::Revert(match self.snapshot_damage(uuid) {
                 Some(why) => {
                     format!("the snapshot's map is corrupt ({why}): it can only be deleted")
                 }
@@ -310,7 +326,7 @@ impl ThinBackend {
         drop(w);
         self.shared.wake.notify_one();
         rx.recv()
-            .map_err(|_| Error::Snapshot("the volume's allocator stopped".into()))?
+            .map_err(|_| Error::Revert("the volume's allocator stopped".into()))?
     }
 
     /// Device `device` leaves the pool (replaced): every entry of the volume's and its

@@ -52,6 +52,8 @@ pub enum Error {
     Thread(std::io::Error),
     #[error("cannot take the snapshot: {0}")]
     Snapshot(String),
+    #[error("cannot revert to the snapshot: {0}")]
+    Revert(String),
     #[error("cannot forget the chunks on the replaced device: {0}")]
     Evict(String),
     #[error("cannot move the thin volume's map: {0}")]

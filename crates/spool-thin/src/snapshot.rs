@@ -82,22 +82,29 @@ impl Allocator<'_> {
     /// Makes the volume's map name exactly `entries` (a snapshot's: chunk index, where),
     /// each marked shared; the chunks it named before are let go after the grace period.
     /// Written durably block by block: a crash in between leaves the volume partly reverted
-    /// (the operator runs it again). Returns how many entries changed.
+    /// (the operator runs it again). A block whose write failed is taken as reverted in
+    /// memory all the same (what the device holds may be either): its old chunks are held
+    /// until its next successful write (alloc.rs), which the first write to one of its
+    /// chunks makes (they are marked shared) and so does running the revert again. Memory
+    /// keeping the old entries instead would let writes land in place in chunks a restart
+    /// could find unnamed. Returns how many entries changed.
     pub(crate) fn revert(&mut self, entries: &[(u64, Placement)]) -> Result<u64, Error> {
         let s = self.s;
         let want: std::collections::HashMap<u64, Placement> = entries.iter().copied().collect();
         let refs = s.source.shared_chunks();
+        let unsure = crate::alloc::unsure_blocks(s);
         let mut changes = Vec::new();
         for c in 0..s.chunks() {
             let now = s.map.get(c).and_then(|(d, off)| s.placement(d, off));
             let to = want.get(&c).copied();
-            if now == to {
+            // A block whose last write failed is written again even where memory agrees.
+            if now == to && !unsure.contains(&crate::map::block_of(c)) {
                 continue;
             }
             let to = match to {
                 Some(p) => {
                     let d = s.device_of(p.device).ok_or_else(|| {
-                        Error::Snapshot(format!(
+                        Error::Revert(format!(
                             "the snapshot's chunk {c} is on device {}, not in the pool",
                             p.device
                         ))
@@ -113,22 +120,25 @@ impl Allocator<'_> {
         let mut r = s.retire.lock().unwrap_or_else(|p| p.into_inner());
         let mut done = 0;
         for (c, to, now) in changes {
-            if let Some((d, off)) = to {
-                // Counted even when its block failed: the entry may be on the device, so the
-                // chunk stays pinned until a restart counts the maps again.
-                refs.add(s.placement(d, off).expect("indexed above"));
+            let to_p = to.map(|(d, off)| s.placement(d, off).expect("indexed above"));
+            if to_p == now {
+                continue; // An unsure block's entry written again.
             }
-            if failed.contains(&crate::map::block_of(c)) {
-                continue; // Maybe on the device: memory keeps the old entry (alloc.rs).
+            if let Some(p) = to_p {
+                refs.add(p);
             }
             // One store: no write may find the snapshot's chunk unmarked.
             s.map.set_shared(c, to);
-            r.next.extend(now);
+            match failed.contains(&crate::map::block_of(c)) {
+                // The device may still name it: held until the block's next good write.
+                true => crate::alloc::hold(s, c, now),
+                false => r.next.extend(now),
+            }
             done += 1;
         }
         match failed.is_empty() {
             true => Ok(done),
-            false => Err(Error::Snapshot(format!(
+            false => Err(Error::Revert(format!(
                 "{} map blocks could not be written; run it again",
                 failed.len()
             ))),
@@ -151,6 +161,14 @@ impl Allocator<'_> {
             return Err(-libc::EIO);
         };
         if !s.source.shared_chunks().is_shared(p) {
+            // Its block's last write failed: the device may name another chunk there (a
+            // revert failed part way), so the block is written before writes land in place.
+            let b = crate::map::block_of(c);
+            if crate::alloc::unsure_blocks(s).contains(&b)
+                && !crate::alloc::persist(s, &[(c, Some(old))]).is_empty()
+            {
+                return Err(-libc::EIO);
+            }
             s.map.set(c, Some(old));
             return Ok(None);
         }

@@ -188,3 +188,53 @@ fn a_failed_allocation_gives_its_chunk_back_once_the_block_is_written() {
     assert_eq!(rw(&mut *q, false, 0, &mut back), 0);
     assert!(back == data);
 }
+
+/// A revert whose map block write fails answers an error and is taken as reverted in memory
+/// all the same (the device may hold either): reads see the snapshot's data, the chunks the
+/// block named before stay held, and running it again writes the block and gives them back.
+/// (Memory kept the old entries before: writes then landed in place in chunks a restart could
+/// find unnamed, and the sharing counts named the snapshot's chunks twice: seed 5038.)
+#[test]
+fn a_revert_whose_map_write_fails_is_reverted_in_memory_and_finished_by_running_it_again() {
+    let f = fixture(8);
+    let (thin, _) = f.open(4 * CHUNK);
+    let t = ThinBackend::of(&thin).unwrap();
+    let mut q = thin.open_queue(8).unwrap();
+    let mut data = vec![1u8; 4096];
+    assert_eq!(rw(&mut *q, true, 0, &mut data), 0);
+    let s = super::snapshots::snap_spec(&f, "s.map");
+    assert_eq!(t.snapshot(&s).unwrap(), 1);
+    data.fill(2);
+    assert_eq!(rw(&mut *q, true, 0, &mut data), 0);
+    assert_eq!(rw(&mut *q, true, CHUNK, &mut data), 0);
+    assert_eq!(f.free(), 5, "the snapshot's chunk, its copy, chunk 1's");
+    f.dev.faults().add(spool_devices::FaultRule {
+        effect: spool_devices::FaultEffect::Errno(libc::EIO),
+        ops: spool_devices::FaultOps::MetaWrite,
+        offset: 0,
+        len: CHUNKS_AT,
+        count: Some(1),
+        duration: None,
+        fails_probe: false,
+    });
+    assert!(t.revert(s.uuid).is_err(), "its map block write failed");
+    let mut back = vec![0u8; 4096];
+    assert_eq!(rw(&mut *q, false, 0, &mut back), 0);
+    assert!(back.iter().all(|&b| b == 1), "the snapshot's data");
+    assert_eq!(rw(&mut *q, false, CHUNK, &mut back), 0);
+    assert!(back.iter().all(|&b| b == 0), "a hole, as in the snapshot");
+    assert_eq!(t.unsure_placements().len(), 3, "the snapshot's, held: 2");
+    assert_eq!(f.free(), 5, "held while the device may name them");
+    assert_eq!(t.revert(s.uuid).unwrap(), 0, "nothing left to change");
+    assert!(t.unsure_placements().is_empty());
+    f.wait_free(7);
+    assert_eq!(t.shared_chunks(), 1);
+    // The device names what memory does: the snapshot's chunk only.
+    let d = f.dev.clone();
+    let u = f.source.uuid;
+    let scan = ThinBackend::scan(&spec(f.volume, &f.dev, 4 * CHUNK), &move |x: Uuid| {
+        (x == u).then(|| d.clone())
+    });
+    let named = t.snapshot_entries(s.uuid).unwrap();
+    assert_eq!(scan.placements, named);
+}
