@@ -195,3 +195,43 @@ fn against_our_server(offers_write_zeroes: bool) {
     assert_eq!(d[511], 1);
     assert!(d[512 + 4096..512 + (3 * MIB) as usize] == w[4096..]);
 }
+
+/// A server that takes a request and never answers: the synchronous wait a copy makes
+/// aborts it, gives it up once its caller stops and returns (the copy's thread ends), and
+/// the reply that never comes touches nothing.
+#[test]
+fn a_synchronous_command_a_server_never_answers_is_given_up_when_the_caller_stops() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mem = Arc::new(MemExport(
+        std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize]),
+        true,
+    ));
+    let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();
+    let srv = spool_nbd::Server::start(listen, mem.clone()).unwrap();
+    let uri = format!("nbd://{}/m", srv.listen);
+    let dev = Device::open(Path::new(&uri), &OpenOptions::default()).unwrap();
+    let mut q = dev.open_queue(8).unwrap();
+    // The server's reads wait for this lock: it answers nothing while the test holds it.
+    let hold = mem.0.lock().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stopping = stop.clone();
+    let copy = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 4096];
+        let v = [iov(&mut buf)];
+        let io = DeviceIo::data(false, 0, 4096, v.as_ptr(), 1);
+        let give_up = || stopping.load(Ordering::Acquire);
+        // SAFETY: `buf` and `v` outlive the call, which returns once the command is reaped.
+        let r = unsafe { crate::run_one(&mut *q, io, Duration::from_secs(1), &give_up) };
+        tx.send(r).unwrap();
+    });
+    // Aborted after 1 s (which takes nothing back from a network server), given up at 3 s
+    // at the latest: at 1.5 s it still waits.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(rx.try_recv().is_err(), "answered while the server holds it");
+    stop.store(true, Ordering::Release);
+    let r = (rx.recv_timeout(Duration::from_secs(5))).expect("the wait did not end when stopped");
+    assert_eq!(r, -libc::ECANCELED);
+    copy.join().unwrap();
+    drop(hold);
+}
