@@ -33,9 +33,17 @@ fn dirty_name(e: &dyn Export) -> Option<String> {
     e.base().map(|b| format!("qemu:dirty-bitmap:{b}"))
 }
 
-/// Whether `name` asks for this export (the empty name is the default export).
+/// Whether `name` asks for this export (the empty name is the default export, unless the
+/// export has a secret name: then only that, compared in constant time).
 fn ours(e: &dyn Export, name: &str) -> bool {
-    name.is_empty() || name == e.name()
+    match e.secret() {
+        Some(secret) => {
+            let (a, b) = (name.as_bytes(), secret.as_bytes());
+            let differ = (a.iter().zip(b)).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+            a.len() == b.len() && differ == 0
+        }
+        None => name.is_empty() || name == e.name(),
+    }
 }
 
 /// Runs the option phase: `Some` when transmission starts, `None` when the client aborted.
@@ -68,9 +76,12 @@ pub fn run(
                 return Ok(None);
             }
             OPT_LIST => {
-                let mut d = (e.name().len() as u32).to_be_bytes().to_vec();
-                d.extend_from_slice(e.name().as_bytes());
-                option_reply(w, opt, REP_SERVER, &d)?;
+                // An export with a secret name is not listed: its users were told the name.
+                if e.secret().is_none() {
+                    let mut d = (e.name().len() as u32).to_be_bytes().to_vec();
+                    d.extend_from_slice(e.name().as_bytes());
+                    option_reply(w, opt, REP_SERVER, &d)?;
+                }
                 option_reply(w, opt, REP_ACK, &[])?;
             }
             OPT_INFO | OPT_GO => {

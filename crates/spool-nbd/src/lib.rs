@@ -30,6 +30,12 @@ pub use server::{serve_io, Listen, Server, HANDSHAKE_LIMIT, MAX_CONNECTIONS};
 pub trait Export: Send + Sync + 'static {
     /// The export's name (what clients ask for; the empty name also gets it).
     fn name(&self) -> &str;
+    /// A name only the export's users are told (a transfer's receive export): when set, a
+    /// client must ask for exactly it (the export's name and the empty name get nothing,
+    /// and listing shows nothing). What the export's name is still used for: logs.
+    fn secret(&self) -> Option<&str> {
+        None
+    }
     /// Bytes.
     fn size(&self) -> u64;
     /// Reads `buf.len()` bytes at `offset` (within the size).

@@ -51,7 +51,7 @@ impl std::fmt::Display for Listen {
 /// hold up to `transmit::IN_FLIGHT_BYTES` of data).
 pub const MAX_CONNECTIONS: usize = 16;
 
-/// How long a client may take over the greeting and the option phase (qemu-nbd's
+/// How long a client may take over the greeting and the option phase, all of it (qemu-nbd's
 /// `--handshake-limit` default): one that connects and then says nothing, or haggles on,
 /// would otherwise hold one of the [`MAX_CONNECTIONS`] places for as long as it likes.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
@@ -340,9 +340,33 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conn
     }
 }
 
+/// A connection's reading side with a deadline on the whole handshake, not on each read
+/// (a client trickling a byte now and then would otherwise keep its place for ever): before
+/// each read the socket may wait only what is left. `until: None`: no deadline.
+struct Bounded {
+    s: Box<dyn Stream>,
+    until: Option<std::time::Instant>,
+}
+
+impl Read for Bounded {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(until) = self.until {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            self.s.read_limit(Some(left))?;
+        }
+        self.s.read(buf)
+    }
+}
+
 fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()> {
     s.read_limit(Some(HANDSHAKE_LIMIT))?;
-    let mut r = BufReader::new(s.try_clone_box()?);
+    let mut r = BufReader::new(Bounded {
+        s: s.try_clone_box()?,
+        until: Some(std::time::Instant::now() + HANDSHAKE_LIMIT),
+    });
     let limit = s.try_clone_box()?;
     let mut w = BufWriter::new(s);
     let sess = match handshake(&mut r, &mut w, e) {
@@ -360,6 +384,7 @@ fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()
         Err(err) => return Err(err),
     };
     // Requests may be far apart (a mirror's writes): no limit from here on.
+    r.get_mut().until = None;
     limit.read_limit(None)?;
     crate::transmit::run(&mut r, &mut w, e, &sess, stop, crate::transmit::IN_FLIGHT)
 }

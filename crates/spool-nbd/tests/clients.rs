@@ -438,3 +438,46 @@ fn silent_clients_lose_their_place_after_the_handshake_limit() {
     let mut c = UnixStream::connect(&sock).unwrap();
     assert_eq!(greeting(&mut c), 18, "a place again");
 }
+
+/// The handshake's limit is on the whole of it: a client that sends a byte of its options
+/// every few seconds (each read answered within the limit) is disconnected all the same.
+#[test]
+fn a_client_trickling_its_handshake_is_disconnected_at_the_limit() {
+    use std::os::unix::net::UnixStream;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let _s = Server::start(Listen::Unix(sock.clone()), Arc::new(Mem::new())).unwrap();
+    let mut c = UnixStream::connect(&sock).unwrap();
+    let t0 = Instant::now();
+    let mut g = [0u8; 18];
+    c.read_exact(&mut g).unwrap();
+    // The client's flags, then NBD_OPT_LIST's header and more, one byte every 3 s.
+    let mut bytes = vec![0, 0, 0, 3];
+    bytes.extend_from_slice(&0x4948_4156_454f_5054u64.to_be_bytes());
+    bytes.extend_from_slice(&3u32.to_be_bytes());
+    bytes.extend_from_slice(&0u32.to_be_bytes());
+    c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut sent = 0;
+    let closed = loop {
+        if sent < bytes.len() && c.write_all(&bytes[sent..=sent]).is_err() {
+            break t0.elapsed();
+        }
+        sent += 1;
+        let mut b = [0u8; 64];
+        match c.read(&mut b) {
+            Ok(0) => break t0.elapsed(),
+            Ok(_) => panic!("an answer before the option was complete"),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => assert!(
+                t0.elapsed() < spool_nbd::HANDSHAKE_LIMIT * 3,
+                "still connected after {:?}",
+                t0.elapsed()
+            ),
+            Err(_) => break t0.elapsed(),
+        }
+    };
+    assert!(
+        closed < spool_nbd::HANDSHAKE_LIMIT + Duration::from_secs(4),
+        "disconnected after {closed:?}, {sent} bytes"
+    );
+}
