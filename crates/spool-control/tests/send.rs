@@ -204,6 +204,19 @@ fn reads_back(d: &Spoold, data: &[u8]) {
     }
 }
 
+/// Kills `b`'s worker and waits until the next one serves its transfer again.
+fn kill_receiving_worker(b: &Spoold) {
+    b.kill_worker();
+    let t = Instant::now();
+    while !b
+        .log()
+        .contains("receiving the volume again after the worker's restart")
+    {
+        assert!(t.elapsed() < Duration::from_secs(30), "{}", b.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The destination's config for a send through its transfer listener: no volume (the
 /// hello creates it), a listener on a free port of 127.0.0.1, this host the only peer.
 const LISTENING: &str = r#"
@@ -404,15 +417,7 @@ fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
     ctl_err(&b, &["volume", "show", "v"]);
     ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
     // The transfer, served again by B's next worker, still takes the ciphertext.
-    b.kill_worker();
-    let t = Instant::now();
-    while !b
-        .log()
-        .contains("receiving the volume again after the worker's restart")
-    {
-        assert!(t.elapsed() < Duration::from_secs(30), "{}", b.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    kill_receiving_worker(&b);
     wait_current(&a, &b);
     let show = ctl(&b, &["volume", "show", "v"]);
     let kek = |d: &Spoold| {
@@ -506,4 +511,47 @@ fn refusals_of_non_peers_do_not_flood_the_log() {
     std::thread::sleep(Duration::from_millis(300));
     let after = b.log().matches("was turned away").count();
     assert_eq!((lines, after), (5, 5), "{}", b.log());
+}
+
+/// The export a hello opens answers only to the name its answer told the sender: a process
+/// sharing the sender's address (here: every test process is on 127.0.0.1) that knows the
+/// volume's name but was not told the answer gets nothing from it, reads or writes.
+#[test]
+fn the_export_a_hello_opens_needs_the_name_its_answer_gave() {
+    let b = Spoold::start(LISTENING);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+    let token = "0123456789abcdef0123";
+    ctl(&b, &["volume", "receive", "v", "--token", token]);
+    let mut s = std::net::TcpStream::connect(&to).unwrap();
+    let hello = format!(
+        "{{\"version\":1,\"token\":\"{token}\",\"volume\":\"v\",\"size\":4194304,\"num_queues\":1,\"copies\":1}}\n"
+    );
+    s.write_all(hello.as_bytes()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let reply: serde_json::Value = serde_json::from_str(answer.trim()).unwrap();
+    let uri = reply["nbd"].as_str().unwrap_or_else(|| panic!("{answer}"));
+    let (at, name) = uri.rsplit_once('/').unwrap();
+    assert!(name.len() >= 32 && name != "v", "{uri}");
+    let deadline = Duration::from_secs(10);
+    for guess in ["v", ""] {
+        let t = spool_nbd::client::Target::parse(&format!("{at}/{guess}")).unwrap();
+        let e = spool_nbd::client::connect(&t, deadline).err();
+        assert!(e.is_some(), "export name {guess:?} was served");
+    }
+    let t = spool_nbd::client::Target::parse(uri).unwrap();
+    let read = || {
+        let mut c = spool_nbd::client::connect(&t, deadline).expect("the sender's name");
+        c.stream
+            .write_all(&spool_nbd::client::request(0, 1, 0, 4096))
+            .unwrap();
+        let (cookie, err) = spool_nbd::client::read_reply(&mut c.stream).unwrap();
+        assert_eq!((cookie, err), (1, 0));
+    };
+    read();
+    // B's next worker serves it under the same name, and only under it.
+    kill_receiving_worker(&b);
+    read();
+    let guess = spool_nbd::client::Target::parse(&format!("{at}/v")).unwrap();
+    assert!(spool_nbd::client::connect(&guess, deadline).is_err());
 }

@@ -67,12 +67,34 @@ struct ReceiveExport {
     /// NVMe namespace's blocks, a mirror's legs), which would undo a write to another part
     /// of it from another connection made meanwhile.
     partial: RwLock<()>,
+    /// The name a sender must ask for (a transfer the listener opened: told only to the
+    /// peer that said hello with the token), else `None` (the volume's name, or none).
+    secret: Option<String>,
+}
+
+/// A new export name no one can guess: 256 bits from the operating system's generator
+/// (two v4 UUIDs' random bits), in hex.
+pub(super) fn new_secret() -> String {
+    format!("{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple())
 }
 
 /// The unit a device writes whole (every block size spoold serves divides it).
 const PAGE: u64 = 4096;
 
 impl ReceiveExport {
+    fn new(v: &spool_pool::VolumeInfo, ctx: Arc<VolumeContext>, secret: Option<String>) -> Self {
+        ReceiveExport {
+            name: v.name.clone(),
+            size: v.size,
+            ctx,
+            ending: AtomicBool::new(false),
+            ended: RwLock::new(None),
+            written: AtomicU64::new(0),
+            partial: RwLock::new(()),
+            secret,
+        }
+    }
+
     /// Runs `f` on the volume's current layout unless the transfer ended.
     fn with_layout<R>(
         &self,
@@ -123,6 +145,9 @@ impl ReceiveExport {
 impl spool_nbd::Export for ReceiveExport {
     fn name(&self) -> &str {
         &self.name
+    }
+    fn secret(&self) -> Option<&str> {
+        self.secret.as_deref()
     }
     fn size(&self) -> u64 {
         self.size
@@ -232,12 +257,12 @@ impl Daemon {
                 "{listen} serves another export already"
             )));
         }
-        self.start_receiving(&mut receiving, &v, listen, None, None)
+        self.start_receiving(&mut receiving, &v, listen, None, None, None)
     }
 
     /// Serves the transfer into `v` on `listen` (on `kept`, the socket a previous worker
-    /// left, if given; only to `peers` when given: the transfer listener's), kept with the
-    /// keeper for the next worker.
+    /// left, if given; only to `peers` when given: the transfer listener's; under the name
+    /// `secret` only, when given), kept with the keeper for the next worker.
     pub(super) fn start_receiving(
         &self,
         receiving: &mut Vec<Receiving>,
@@ -245,6 +270,7 @@ impl Daemon {
         listen: Listen,
         kept: Option<std::os::fd::OwnedFd>,
         peers: Option<Arc<[std::net::IpAddr]>>,
+        secret: Option<String>,
     ) -> Result<ReceiveInfo, RpcError> {
         refuse_twice(receiving, v)?;
         let ctx = self
@@ -254,15 +280,7 @@ impl Daemon {
             .ok_or_else(|| {
                 RpcError::InvalidParams(format!("volume '{}' is not served (offline?)", v.name))
             })?;
-        let export = Arc::new(ReceiveExport {
-            name: v.name.clone(),
-            size: v.size,
-            ctx: ctx.clone(),
-            ending: AtomicBool::new(false),
-            ended: RwLock::new(None),
-            written: AtomicU64::new(0),
-            partial: RwLock::new(()),
-        });
+        let export = Arc::new(ReceiveExport::new(v, ctx.clone(), secret));
         // Registered only while no frontend's queue runs (the context decides that under the
         // lock its queue starts take): a queue that starts later ends the transfer first.
         // The hook holds the export weakly: a transfer stopped meanwhile is gone.
@@ -290,7 +308,7 @@ impl Daemon {
         let r = Receiving {
             volume: v.uuid,
             nbd: listen.to_string(),
-            uri: super::exports::uri(&listen, &v.name),
+            uri: super::exports::uri(&listen, export.secret.as_deref().unwrap_or(&v.name)),
             export,
             server,
         };
@@ -299,6 +317,7 @@ impl Daemon {
                 "nbd": r.nbd,
                 "peers": allowed.is_some(),
                 "allowed": allowed,
+                "secret": r.export.secret,
             })
             .to_string();
             if let Err(e) = s.put(&kept_key(v.uuid), value, &[r.server.listener_fd()]) {
@@ -337,6 +356,8 @@ impl Daemon {
                     Some(true) => Some(self.kept_peers(&kept["allowed"])?),
                     _ => None,
                 };
+                // (None from a worker before secret names: its sender was told no name.)
+                let secret = kept["secret"].as_str().map(String::from);
                 let fd = fds.into_iter().next().ok_or_else(bad)?;
                 let listen = super::exports::parse_listen(&nbd, &self.cfg)?;
                 // The transfer listener's carry another spoold's ciphertext, if encrypted.
@@ -345,7 +366,8 @@ impl Daemon {
                     .pool()
                     .check_writable_outside(&uuid.to_string(), ciphertext)?;
                 let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-                self.start_receiving(&mut receiving, &v, listen, Some(fd.into()), peers)
+                let fd = Some(fd.into());
+                self.start_receiving(&mut receiving, &v, listen, fd, peers, secret)
             })();
             match r {
                 Ok(info) => {

@@ -235,7 +235,10 @@ impl Daemon {
         }
         let at = Listen::Tcp(SocketAddr::new(here, 0).to_string());
         let only = Arc::from([peer]);
-        let info = self.start_receiving(&mut receiving, &v, at, None, Some(only))?;
+        // Bound to the hello, not to the address alone: the export answers only to the name
+        // this answer tells the sender (anything else sharing its address gets nothing).
+        let secret = Some(super::receive::new_secret());
+        let info = self.start_receiving(&mut receiving, &v, at, None, Some(only), secret)?;
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = expected.iter_mut().find(|e| e.volume == h.volume) {
             e.answered = Some(v.uuid);
