@@ -27,9 +27,20 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// (see `LegSpec::far`), so the link is tried again often.
 const REQUIRED_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
+/// How long a remote leg's connection must stay healthy for its loss to be reconnected at
+/// once: one lost sooner (a server that shakes hands and then fails every request) waits
+/// out a back-off that keeps growing, instead of a reconnect on every settler round.
+const STABLE_FOR: Duration = Duration::from_secs(30);
+
 /// A remote leg's connection, or when to try again.
 pub(crate) enum Remote {
-    Open(Arc<Device>),
+    /// Connected at `since`, after a wait of `backoff` (what the next one is if it is lost
+    /// before [`STABLE_FOR`]).
+    Open {
+        dev: Arc<Device>,
+        since: Instant,
+        backoff: Duration,
+    },
     /// A connect is under way ([`RemoteDue::connect`]), with the connection it replaces.
     Connecting(Option<Arc<Device>>),
     Unreachable {
@@ -37,6 +48,21 @@ pub(crate) enum Remote {
         backoff: Duration,
         why: String,
     },
+}
+
+impl Remote {
+    /// Connected now, by an operator's send (a first wait if it is lost soon).
+    fn opened(dev: Arc<Device>) -> Remote {
+        Remote::Open {
+            dev,
+            since: Instant::now(),
+            backoff: FIRST_BACKOFF,
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        matches!(self, Remote::Open { dev, .. } if dev.health().state() == HealthState::Healthy)
+    }
 }
 
 /// The remote legs' devices by leg id.
@@ -62,7 +88,11 @@ impl RemoteDue {
         let entry = match open_remote(&self.volume, &self.leg.uri, self.need) {
             Ok(dev) => {
                 tracing::info!(volume = %self.volume, to = %self.leg.uri, "remote leg connected; resyncing what it missed");
-                Remote::Open(dev)
+                Remote::Open {
+                    dev,
+                    since: Instant::now(),
+                    backoff: self.backoff,
+                }
             }
             Err(e) => {
                 tracing::debug!(volume = %self.volume, to = %self.leg.uri, error = %e, "remote leg unreachable");
@@ -78,7 +108,7 @@ impl RemoteDue {
         // connection is dropped with it.
         match links.get_mut(&self.leg.id) {
             Some(e @ Remote::Connecting(_)) => {
-                let connected = matches!(entry, Remote::Open(_));
+                let connected = matches!(entry, Remote::Open { .. });
                 *e = entry;
                 connected
             }
@@ -111,7 +141,7 @@ impl Pool {
                 )));
             }
             let dev = open_remote(&v.name, uri, v.size)?;
-            self.remote_cache().insert(r.id, Remote::Open(dev));
+            self.remote_cache().insert(r.id, Remote::opened(dev));
             tracing::info!(volume = %v.name, to = %uri, "volume send resumed");
             return Ok(self.volume_info(&v));
         }
@@ -153,7 +183,7 @@ impl Pool {
                 })?;
             }
         }
-        self.remote_cache().insert(leg_id, Remote::Open(dev));
+        self.remote_cache().insert(leg_id, Remote::opened(dev));
         let r = self.replace_volume(i, v, &[], &[]);
         if r.is_err() {
             self.remote_cache().remove(&leg_id);
@@ -229,8 +259,33 @@ impl Pool {
                 MAX_BACKOFF
             };
             let (backoff, was) = match cache.remove(&leg.id) {
-                Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => {
-                    cache.insert(leg.id, Remote::Open(d));
+                Some(e @ Remote::Open { .. }) if e.healthy() => {
+                    cache.insert(leg.id, e);
+                    continue;
+                }
+                // Lost soon after it connected: not again before a longer wait.
+                Some(Remote::Open {
+                    dev,
+                    since,
+                    backoff,
+                    ..
+                }) if now.duration_since(since) < STABLE_FOR => {
+                    let backoff = (backoff * 2).min(cap).max(FIRST_BACKOFF);
+                    let why = format!(
+                        "link {} {:.1} s after connecting; connecting again in {:.1} s",
+                        dev.health().state().name(),
+                        now.duration_since(since).as_secs_f64(),
+                        backoff.as_secs_f64()
+                    );
+                    tracing::debug!(volume = %v.name, to = %leg.uri, "{why}");
+                    cache.insert(
+                        leg.id,
+                        Remote::Unreachable {
+                            next: now + backoff,
+                            backoff,
+                            why,
+                        },
+                    );
                     continue;
                 }
                 Some(e @ Remote::Unreachable { next, .. }) if next > now => {
@@ -242,7 +297,7 @@ impl Pool {
                     continue;
                 }
                 Some(Remote::Unreachable { backoff, .. }) => (backoff.min(cap), None),
-                Some(Remote::Open(d)) => (FIRST_BACKOFF, Some(d)),
+                Some(Remote::Open { dev, .. }) => (FIRST_BACKOFF, Some(dev)),
                 None => (FIRST_BACKOFF, None),
             };
             cache.insert(leg.id, Remote::Connecting(was));
@@ -261,7 +316,9 @@ impl Pool {
     /// The open device of remote leg `r` (`None`: not connected now).
     pub(crate) fn remote_device(&self, r: &RemoteLeg) -> Option<Arc<Device>> {
         match self.remote_cache().get(&r.id) {
-            Some(Remote::Open(d)) | Some(Remote::Connecting(Some(d))) => Some(d.clone()),
+            Some(Remote::Open { dev: d, .. }) | Some(Remote::Connecting(Some(d))) => {
+                Some(d.clone())
+            }
             _ => None,
         }
     }
@@ -269,8 +326,8 @@ impl Pool {
     /// Why remote leg `r` is not connected, if it is not.
     pub fn remote_trouble(&self, r: &RemoteLeg) -> Option<String> {
         match self.remote_cache().get(&r.id) {
-            Some(Remote::Open(d)) if d.health().state() == HealthState::Healthy => None,
-            Some(Remote::Open(d)) => Some(format!("link {}", d.health().state().name())),
+            Some(e @ Remote::Open { .. }) if e.healthy() => None,
+            Some(Remote::Open { dev, .. }) => Some(format!("link {}", dev.health().state().name())),
             Some(Remote::Connecting(_)) => Some("connecting".into()),
             Some(Remote::Unreachable { why, .. }) => Some(why.clone()),
             None => Some("not connected yet".into()),
