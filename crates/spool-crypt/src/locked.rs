@@ -5,6 +5,11 @@
 //! Locking is best effort: past `RLIMIT_MEMLOCK` the value is still used, and one warning
 //! says so.
 //!
+//! [`scrubbed`]: code that builds key schedules (the `aes` crate computes them on the stack
+//! and returns them by value, through several frames) runs below a frame of its own, and the
+//! stack it used is overwritten once it returns, so no copy stays behind in memory that a
+//! core dump includes.
+//!
 //! Must not know: what the value is.
 
 use std::ops::{Deref, DerefMut};
@@ -82,4 +87,33 @@ impl<T> DerefMut for Locked<T> {
     fn deref_mut(&mut self) -> &mut T {
         &mut self.value
     }
+}
+
+/// Bytes of stack [`scrubbed`] overwrites below its frame: far more than key setup uses
+/// (the `aes` crate's deepest path takes a few KiB).
+const SCRUB_BYTES: usize = 32 << 10;
+
+/// Runs `f` and returns its result (which must own no key material by value: a [`Locked`]
+/// box, a flag), then overwrites the stack `f` used. For key setup, whose intermediate
+/// copies on the stack would otherwise outlive it.
+#[inline(never)]
+pub fn scrubbed<R>(f: impl FnOnce() -> R) -> R {
+    let r = below(f);
+    scrub();
+    r
+}
+
+/// A frame under [`scrubbed`]'s, where `f` runs.
+#[inline(never)]
+fn below<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// Overwrites [`SCRUB_BYTES`] of stack starting where [`below`]'s frame was.
+#[inline(never)]
+fn scrub() {
+    let mut area = [0u8; SCRUB_BYTES];
+    // Volatile writes: not optimised away although nothing reads them.
+    zeroize::Zeroize::zeroize(&mut area[..]);
+    std::hint::black_box(&area);
 }
