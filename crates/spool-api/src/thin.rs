@@ -97,6 +97,10 @@ pub struct ExportParams {
     /// without it.
     #[serde(default)]
     pub decrypt: bool,
+    /// Serve over TCP without TLS: whoever reaches the address reads the snapshot, and
+    /// whoever is on the path sees its data. Refused without it when `[tls]` is not set.
+    #[serde(default)]
+    pub plaintext: bool,
 }
 
 /// A snapshot served over NBD.

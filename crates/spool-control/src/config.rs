@@ -12,6 +12,7 @@ mod encryption;
 mod faults;
 mod health;
 mod io;
+mod tls;
 mod transfer;
 
 pub use encryption::{read_private, KekError, KeySource};
@@ -201,6 +202,8 @@ struct RawConfig {
     #[serde(default)]
     transfer: transfer::RawTransfer,
     #[serde(default)]
+    tls: tls::RawTls,
+    #[serde(default)]
     faults: Vec<faults::RawFault>,
     #[serde(default)]
     debug: RawDebug,
@@ -298,6 +301,9 @@ pub struct Config {
     pub encryption: Option<KeySource>,
     /// `[transfer]`: where other spoolds send volumes here (off when unset).
     pub transfer: Option<TransferConfig>,
+    /// `[tls] dir`: the x509 credentials of NBD over TLS (docs/security.md); TCP exports
+    /// need it (or their `plaintext` option).
+    pub tls: Option<PathBuf>,
     /// `[[faults]]`: fault rules armed on every device from its first open, in every worker
     /// (docs/failures.md).
     pub faults: Vec<spool_devices::FaultRule>,
@@ -520,6 +526,7 @@ impl Config {
         refuse_unbuilt(&volumes)?;
         Ok(Config {
             transfer: transfer::transfer(&raw.transfer)?,
+            tls: tls::tls(&raw.tls, &base)?,
             faults: faults::faults(&raw.faults)?,
             write_witness: raw.debug.write_witness.as_deref().map(|p| base.abs(p)),
             encryption,

@@ -26,11 +26,15 @@ pub use crate::proto::{
 pub const MAX_IO: u32 = 32 << 20;
 
 /// Where an export is: `nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`, the
-/// URI form of the NBD project's doc/uri.md (as qemu and libnbd write it).
+/// URI form of the NBD project's doc/uri.md (as qemu and libnbd write it); `nbds://` and
+/// `nbds+unix://` for the same over TLS (with the credentials [`crate::tls::set_client`]
+/// gave).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
     pub addr: Addr,
     pub export: String,
+    /// TLS is required (`nbds`).
+    pub tls: bool,
 }
 
 /// The server's socket.
@@ -44,6 +48,11 @@ impl Target {
     /// Reads an NBD URI; the error says what a URI looks like.
     pub fn parse(uri: &str) -> Result<Target, crate::Error> {
         let bad = || crate::Error::Uri(uri.to_string());
+        let (tls, uri) = match uri.strip_prefix("nbds") {
+            Some(rest) => (true, format!("nbd{rest}")),
+            None => (false, uri.to_string()),
+        };
+        let uri = uri.as_str();
         if let Some(rest) = uri.strip_prefix("nbd+unix://") {
             let (path, query) = rest.split_once('?').ok_or_else(bad)?;
             // No host: the socket names the server.
@@ -56,6 +65,7 @@ impl Target {
             return Ok(Target {
                 addr: Addr::Unix(decode(socket).ok_or_else(bad)?.into()),
                 export: decode(export).ok_or_else(bad)?,
+                tls,
             });
         }
         let rest = uri.strip_prefix("nbd://").ok_or_else(bad)?;
@@ -78,6 +88,7 @@ impl Target {
         Ok(Target {
             addr: Addr::Tcp(addr),
             export: decode(export).ok_or_else(bad)?,
+            tls,
         })
     }
 }
@@ -102,9 +113,10 @@ fn decode(s: &str) -> Option<String> {
 
 impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = if self.tls { "s" } else { "" };
         match &self.addr {
-            Addr::Tcp(a) => write!(f, "nbd://{a}/{}", self.export),
-            Addr::Unix(p) => write!(f, "nbd+unix:///{}?socket={}", self.export, p.display()),
+            Addr::Tcp(a) => write!(f, "nbd{s}://{a}/{}", self.export),
+            Addr::Unix(p) => write!(f, "nbd{s}+unix:///{}?socket={}", self.export, p.display()),
         }
     }
 }
@@ -237,7 +249,15 @@ pub fn connect(t: &Target, deadline: Duration) -> io::Result<Connection> {
         Addr::Unix(p) => Stream::Unix(UnixStream::connect(p)?),
     };
     let mut s = stream;
-    let (size, flags, max_io) = handshake(&mut s, &t.export, until)?;
+    let (size, flags, max_io) = match t.tls {
+        false => handshake(&mut s, &t.export, until)?,
+        true => {
+            s = starttls(s, t, until)?;
+            go(&mut s, &t.export, &mut |s: &Stream| {
+                self::deadline(s, until)
+            })?
+        }
+    };
     s.set_timeouts(None)?;
     Ok(Connection {
         stream: s,
@@ -271,12 +291,73 @@ pub fn handshake_io<S: Read + Write>(s: &mut S, export: &str) -> io::Result<(u64
     negotiate(s, export, &mut |_: &S| Ok(()))
 }
 
+/// The greeting, the client's flags and `NBD_OPT_STARTTLS` in the clear, the TLS handshake,
+/// then the plaintext end of the encrypted connection.
+fn starttls(mut s: Stream, t: &Target, until: Instant) -> io::Result<Stream> {
+    let tls = crate::tls::client().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{t}: no TLS credentials for nbds:// (spoold: [tls] dir)"),
+        )
+    })?;
+    let bound = &mut |s: &Stream| deadline(s, until);
+    greet(&mut s, bound)?;
+    let mut opt = IHAVEOPT.to_be_bytes().to_vec();
+    opt.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes());
+    s.write_all(&opt)?;
+    bound(&s)?;
+    let (kind, msg) = read_option_reply(&mut s)?;
+    if kind != REP_ACK {
+        return Err(io::Error::other(format!(
+            "{t}: the server refused TLS ({})",
+            String::from_utf8_lossy(&msg)
+        )));
+    }
+    let host = match &t.addr {
+        Addr::Tcp(a) => a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h),
+        Addr::Unix(_) => "localhost",
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let app = match &s {
+        Stream::Tcp(tcp) => tls.connect(tcp.try_clone()?, host, until)?,
+        Stream::Unix(u) => tls.connect(u.try_clone()?, host, until)?,
+    };
+    Ok(Stream::Unix(app))
+}
+
+/// One option reply: its kind and payload.
+fn read_option_reply(s: &mut impl Read) -> io::Result<(u32, Vec<u8>)> {
+    let mut r = [0u8; 20];
+    s.read_exact(&mut r)?;
+    if u64::from_be_bytes(r[0..8].try_into().expect("8 bytes")) != REPLY_MAGIC {
+        return Err(invalid("bad option reply magic".into()));
+    }
+    let kind = u32::from_be_bytes(r[12..16].try_into().expect("4 bytes"));
+    let len = u32::from_be_bytes(r[16..20].try_into().expect("4 bytes"));
+    if len > MAX_OPTION {
+        return Err(invalid("option reply too long".into()));
+    }
+    let mut p = vec![0u8; len as usize];
+    s.read_exact(&mut p)?;
+    Ok((kind, p))
+}
+
 /// The handshake; `bound` runs before each read (the caller's deadline).
 fn negotiate<S: Read + Write>(
     s: &mut S,
     export: &str,
     bound: &mut dyn FnMut(&S) -> io::Result<()>,
 ) -> io::Result<(u64, u16, u32)> {
+    greet(s, bound)?;
+    go(s, export, bound)
+}
+
+/// The server's greeting, and the client's flags: whether the server takes no zeroes.
+fn greet<S: Read + Write>(
+    s: &mut S,
+    bound: &mut dyn FnMut(&S) -> io::Result<()>,
+) -> io::Result<bool> {
     bound(s)?;
     let mut h = [0u8; 18];
     s.read_exact(&mut h)?;
@@ -292,6 +373,15 @@ fn negotiate<S: Read + Write>(
     let no_zeroes = server & FLAG_NO_ZEROES != 0;
     let client = FLAG_FIXED_NEWSTYLE as u32 | if no_zeroes { CLIENT_NO_ZEROES } else { 0 };
     s.write_all(&client.to_be_bytes())?;
+    Ok(no_zeroes)
+}
+
+/// `NBD_OPT_GO` for `export`: its size, transmission flags and the largest request.
+fn go<S: Read + Write>(
+    s: &mut S,
+    export: &str,
+    bound: &mut dyn FnMut(&S) -> io::Result<()>,
+) -> io::Result<(u64, u16, u32)> {
     // NBD_OPT_GO: the export's name, and a request for its block sizes.
     let mut data = (export.len() as u32).to_be_bytes().to_vec();
     data.extend_from_slice(export.as_bytes());

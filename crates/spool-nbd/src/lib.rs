@@ -12,6 +12,9 @@
 //! dirty bitmaps, so `qemu-img map` with `x-dirty-bitmap` and `nbdinfo --map` read only what
 //! changed.
 //!
+//! With TLS ([`tls`]), a server requires `NBD_OPT_STARTTLS` before any other option (every
+//! other one gets `NBD_REP_ERR_TLS_REQD`), and a client of an `nbds://` URI starts it.
+//!
 //! [`client`] is the other side, for sending I/O to any NBD server: URIs, the handshake,
 //! request and reply framing (spool-devices' `nbd:` backend drives it).
 //!
@@ -22,6 +25,8 @@ pub mod client;
 mod handshake;
 mod proto;
 mod server;
+mod starttls;
+pub mod tls;
 mod transmit;
 
 pub use server::{serve_io, Listen, Server, HANDSHAKE_LIMIT, MAX_CONNECTIONS};

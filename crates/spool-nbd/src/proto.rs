@@ -19,6 +19,7 @@ pub const CLIENT_NO_ZEROES: u32 = 2;
 pub const OPT_EXPORT_NAME: u32 = 1;
 pub const OPT_ABORT: u32 = 2;
 pub const OPT_LIST: u32 = 3;
+pub const OPT_STARTTLS: u32 = 5;
 pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
@@ -31,6 +32,7 @@ pub const REP_INFO: u32 = 3;
 pub const REP_META_CONTEXT: u32 = 4;
 pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+pub const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) + 9;
 
@@ -97,6 +99,11 @@ pub fn string_at(b: &[u8], at: usize) -> Option<(String, usize)> {
 
 /// An option from the client: its number and payload.
 pub fn read_option(r: &mut impl Read) -> io::Result<(u32, Vec<u8>)> {
+    read_option_up_to(r, MAX_OPTION)
+}
+
+/// [`read_option`] with a payload of at most `max` bytes.
+pub fn read_option_up_to(r: &mut impl Read, max: u32) -> io::Result<(u32, Vec<u8>)> {
     let mut h = [0u8; 16];
     r.read_exact(&mut h)?;
     if u64::from_be_bytes(h[0..8].try_into().expect("8 bytes")) != IHAVEOPT {
@@ -107,7 +114,7 @@ pub fn read_option(r: &mut impl Read) -> io::Result<(u32, Vec<u8>)> {
     }
     let opt = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
     let len = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
-    if len > MAX_OPTION {
+    if len > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "option too long",

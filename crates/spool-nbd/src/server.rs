@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::proto::*;
+use crate::tls::ServerTls;
 use crate::{Error, Export};
 
 /// Where a server listens.
@@ -152,8 +153,20 @@ impl Server {
         export: Arc<dyn Export>,
         peers: Option<Arc<[IpAddr]>>,
     ) -> Result<Server, Error> {
+        Self::start_tls(listen, kept, export, peers, None)
+    }
+
+    /// [`Server::start_for`], with TLS required of every client when `tls` is given (see
+    /// `starttls.rs`).
+    pub fn start_tls(
+        listen: Listen,
+        kept: Option<std::os::fd::OwnedFd>,
+        export: Arc<dyn Export>,
+        peers: Option<Arc<[IpAddr]>>,
+        tls: Option<ServerTls>,
+    ) -> Result<Server, Error> {
         if let Some(fd) = kept {
-            return Self::start_kept(listen, fd, export, peers);
+            return Self::start_kept(listen, fd, export, peers, tls);
         }
         let named = listen.to_string();
         let err = |e| Error::Listen(named.clone(), e);
@@ -196,7 +209,7 @@ impl Server {
                 Listener::Tcp(l, peers)
             }
         };
-        Self::serve_on(bound.unwrap_or(listen), l, export)
+        Self::serve_on(bound.unwrap_or(listen), l, export, tls)
     }
 
     /// Serves `export` on `fd`, a socket listening on `listen` that an earlier process of
@@ -208,7 +221,7 @@ impl Server {
         fd: std::os::fd::OwnedFd,
         export: Arc<dyn Export>,
     ) -> Result<Server, Error> {
-        Self::start_kept(listen, fd, export, None)
+        Self::start_kept(listen, fd, export, None, None)
     }
 
     fn start_kept(
@@ -216,6 +229,7 @@ impl Server {
         fd: std::os::fd::OwnedFd,
         export: Arc<dyn Export>,
         peers: Option<Arc<[IpAddr]>>,
+        tls: Option<ServerTls>,
     ) -> Result<Server, Error> {
         let err = |e| Error::Listen(listen.to_string(), e);
         let other = |what: String| err(io::Error::new(io::ErrorKind::InvalidInput, what));
@@ -239,7 +253,7 @@ impl Server {
                 Listener::Tcp(l, peers)
             }
         };
-        Self::serve_on(listen, l, export)
+        Self::serve_on(listen, l, export, tls)
     }
 
     /// The listening socket, to keep across a restart ([`Server::start_on`]); valid while
@@ -248,7 +262,12 @@ impl Server {
         self.listener_fd
     }
 
-    fn serve_on(listen: Listen, l: Listener, export: Arc<dyn Export>) -> Result<Server, Error> {
+    fn serve_on(
+        listen: Listen,
+        l: Listener,
+        export: Arc<dyn Export>,
+        tls: Option<ServerTls>,
+    ) -> Result<Server, Error> {
         use std::os::fd::AsRawFd;
         let err = |e| Error::Listen(listen.to_string(), e);
         let listener_fd = match &l {
@@ -260,7 +279,7 @@ impl Server {
         let (s, c) = (stop.clone(), conns.clone());
         let thread = std::thread::Builder::new()
             .name("spool-nbd".into())
-            .spawn(move || accept_loop(l, export, s, c))
+            .spawn(move || accept_loop(l, export, s, c, tls))
             .map_err(err)?;
         Ok(Server {
             listen,
@@ -287,7 +306,13 @@ impl Drop for Server {
     }
 }
 
-fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conns: Conns) {
+fn accept_loop(
+    l: Listener,
+    export: Arc<dyn Export>,
+    stop: Arc<AtomicBool>,
+    conns: Conns,
+    tls: Option<ServerTls>,
+) {
     let mut next = 0u64;
     let mut refused = RefusedLog::default();
     while !stop.load(Ordering::SeqCst) {
@@ -308,11 +333,11 @@ fn accept_loop(l: Listener, export: Arc<dyn Export>, stop: Arc<AtomicBool>, conn
                 let id = next;
                 open.push((id, kept));
                 drop(open);
-                let (e, st, c) = (export.clone(), stop.clone(), conns.clone());
+                let (e, st, c, t) = (export.clone(), stop.clone(), conns.clone(), tls.clone());
                 let spawned = std::thread::Builder::new()
                     .name("spool-nbd-conn".into())
                     .spawn(move || {
-                        if let Err(err) = serve(s, &*e, &st) {
+                        if let Err(err) = serve(s, &*e, &st, t.as_ref()) {
                             tracing::debug!(export = e.name(), error = %err, "NBD connection ended");
                         }
                         c.lock().unwrap_or_else(|p| p.into_inner()).retain(|x| x.0 != id);
@@ -361,15 +386,34 @@ impl Read for Bounded {
     }
 }
 
-fn serve(s: Box<dyn Stream>, e: &dyn Export, stop: &AtomicBool) -> io::Result<()> {
+fn serve(
+    s: Box<dyn Stream>,
+    e: &dyn Export,
+    stop: &AtomicBool,
+    tls: Option<&ServerTls>,
+) -> io::Result<()> {
     s.read_limit(Some(HANDSHAKE_LIMIT))?;
+    let until = std::time::Instant::now() + HANDSHAKE_LIMIT;
+    // With TLS: the greeting and the options before it in the clear, then the rest of the
+    // handshake and the requests over the encrypted connection's plaintext end.
+    let (s, greeted) = match tls {
+        None => (s, None),
+        Some(t) => match greet_tls(s, t, until)? {
+            Some((app, no_zeroes)) => (Box::new(app) as Box<dyn Stream>, Some(no_zeroes)),
+            None => return Ok(()),
+        },
+    };
     let mut r = BufReader::new(Bounded {
         s: s.try_clone_box()?,
-        until: Some(std::time::Instant::now() + HANDSHAKE_LIMIT),
+        until: Some(until),
     });
     let limit = s.try_clone_box()?;
     let mut w = BufWriter::new(s);
-    let sess = match handshake(&mut r, &mut w, e) {
+    let sess = match greeted {
+        None => handshake(&mut r, &mut w, e),
+        Some(no_zeroes) => crate::handshake::run(&mut r, &mut w, e, no_zeroes),
+    };
+    let sess = match sess {
         Ok(Some(sess)) => sess,
         Ok(None) => return Ok(()),
         Err(err)
@@ -413,6 +457,39 @@ fn serve_threads(
         return Ok(());
     };
     crate::transmit::run(r, w, e, &sess, stop, threads)
+}
+
+/// The greeting, the client's flags and the options before TLS on `s`: the encrypted
+/// connection's plaintext end and whether the client takes no zeroes, or `None` when it left.
+fn greet_tls(
+    mut s: Box<dyn Stream>,
+    tls: &ServerTls,
+    until: std::time::Instant,
+) -> io::Result<Option<(std::os::unix::net::UnixStream, bool)>> {
+    s.write_all(&NBDMAGIC.to_be_bytes())?;
+    s.write_all(&IHAVEOPT.to_be_bytes())?;
+    s.write_all(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes())?;
+    let mut r = Bounded {
+        s: s.try_clone_box()?,
+        until: Some(until),
+    };
+    let mut flags = [0u8; 4];
+    r.read_exact(&mut flags)?;
+    let no_zeroes = u32::from_be_bytes(flags) & CLIENT_NO_ZEROES != 0;
+    let app = crate::starttls::until_tls(s, &mut r, tls, until)?;
+    Ok(app.map(|a| (a, no_zeroes)))
+}
+
+impl crate::tls::Pumpable for Box<dyn Stream> {
+    fn clone_handle(&self) -> io::Result<Self> {
+        self.try_clone_box()
+    }
+    fn timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        self.read_limit(t)
+    }
+    fn shut(&self) {
+        Stream::shut(&**self)
+    }
 }
 
 /// The greeting and the option phase: the session to serve, or `None` when the client

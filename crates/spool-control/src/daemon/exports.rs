@@ -119,6 +119,31 @@ pub(super) fn uri(listen: &Listen, name: &str) -> String {
     }
 }
 
+/// The TLS a snapshot export on `listen` is served with: none on a Unix socket (its mode
+/// guards it); over TCP `[tls]`'s credentials, or none when the operator asked for
+/// plaintext, else refused with what to do.
+fn export_tls(
+    cfg: &crate::config::Config,
+    listen: &Listen,
+    plaintext: bool,
+) -> Result<Option<spool_nbd::tls::ServerTls>, RpcError> {
+    if matches!(listen, Listen::Unix(_)) {
+        return Ok(None);
+    }
+    match (&cfg.tls, plaintext) {
+        (_, true) => {
+            tracing::warn!(listen = %listen, "a snapshot is exported over TCP without TLS: whoever reaches the address reads it");
+            Ok(None)
+        }
+        (Some(dir), false) => spool_nbd::tls::ServerTls::load(dir)
+            .map(Some)
+            .map_err(|e| RpcError::InvalidParams(e.to_string())),
+        (None, false) => Err(RpcError::InvalidParams(format!(
+            "an export over TCP ({listen}) is served with TLS: set [tls] dir in the config (docs/security.md), or pass --plaintext (RPC: plaintext) to serve it in the clear to whoever reaches that address"
+        ))),
+    }
+}
+
 impl Daemon {
     fn volume_diff(&self, p: DiffParams) -> Result<DiffResult, RpcError> {
         let (chunk, ranges) = self.pool().diff(&p.id, &p.from, p.to.as_deref())?;
@@ -158,20 +183,28 @@ impl Daemon {
                 "{listen} serves another export already"
             )));
         }
-        let info = ExportInfo {
-            volume: volume.name.clone(),
-            snapshot: p.snapshot.clone(),
-            nbd: listen.to_string(),
-            uri: uri(&listen, &image.name),
-            size: image.size,
-            base: p.since.clone(),
-        };
+        let tls = export_tls(&self.cfg, &listen, p.plaintext)?;
+        let secure = tls.is_some();
+        let (name, size) = (image.name.clone(), image.size);
         let export = Arc::new(SnapshotExport {
             image,
             alive: RwLock::new(true),
         });
-        let server = Server::start(listen, export.clone())
+        let server = Server::start_tls(listen, None, export.clone(), None, tls)
             .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
+        // What it listens on (a TCP port 0 is the free port it got).
+        let mut uri = uri(&server.listen, &name);
+        if secure {
+            uri = uri.replacen("nbd://", "nbds://", 1);
+        }
+        let info = ExportInfo {
+            volume: volume.name.clone(),
+            snapshot: p.snapshot.clone(),
+            nbd: server.listen.to_string(),
+            uri,
+            size,
+            base: p.since.clone(),
+        };
         tracing::info!(export = %info.uri, base = ?info.base, "snapshot exported over NBD");
         exports.push(Exported {
             volume: volume.uuid,

@@ -31,6 +31,8 @@ pub enum StartError {
     Journal(#[from] spool_journal::Error),
     #[error("config lists no devices; add at least one [[devices]] entry")]
     NoDevices,
+    #[error("[tls]: {0}")]
+    Tls(std::io::Error),
     #[error(transparent)]
     Pool(#[from] spool_pool::Error),
     #[error("volume {name}: {source}")]
@@ -103,6 +105,30 @@ pub(super) fn prepare(cfg: &Config) -> Result<(), StartError> {
     if cfg.devices.is_empty() {
         return Err(StartError::NoDevices);
     }
+    load_tls(cfg)
+}
+
+/// `[tls] dir`: its server credentials checked (exports load them again when they start,
+/// so renewed certificates are taken without a restart), its client ones set for `nbds://`
+/// connections. A directory with neither is refused.
+fn load_tls(cfg: &Config) -> Result<(), StartError> {
+    let Some(dir) = &cfg.tls else { return Ok(()) };
+    let server = dir.join("server-cert.pem").exists();
+    if server {
+        spool_nbd::tls::ServerTls::load(dir).map_err(StartError::Tls)?;
+    }
+    let client = dir.join("ca-cert.pem").exists();
+    if client {
+        let c = spool_nbd::tls::ClientTls::load(dir).map_err(StartError::Tls)?;
+        spool_nbd::tls::set_client(c);
+    }
+    if !server && !client {
+        return Err(StartError::Tls(std::io::Error::other(format!(
+            "{} holds neither server-cert.pem nor ca-cert.pem (QEMU's tls-creds-x509 layout: docs/security.md)",
+            dir.display()
+        ))));
+    }
+    tracing::info!(dir = %dir.display(), server, client, "TLS credentials loaded");
     Ok(())
 }
 

@@ -228,7 +228,7 @@ pub enum VolumeCmd {
     },
     /// Serve a snapshot read-only over NBD, for qemu-img, nbdinfo, nbdcopy and backup tools:
     /// meta context base:allocation, and with --since qemu:dirty-bitmap:SNAP (what changed
-    /// since that snapshot).
+    /// since that snapshot). Over TCP with TLS (nbds://, [tls] dir in the config).
     Export {
         /// VOLUME@SNAPSHOT.
         snapshot: String,
@@ -242,6 +242,10 @@ pub enum VolumeCmd {
         /// the export (refused without it).
         #[arg(long)]
         decrypt: bool,
+        /// Over TCP without TLS: whoever reaches HOST:PORT reads the snapshot and whoever is
+        /// on the path sees its data (over TCP, TLS from [tls] dir is required otherwise).
+        #[arg(long)]
+        plaintext: bool,
     },
     /// Stop serving a snapshot over NBD.
     Unexport {

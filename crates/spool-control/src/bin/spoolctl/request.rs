@@ -184,7 +184,8 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             nbd,
             since,
             decrypt,
-        } => export(s, nbd, since.clone(), *decrypt),
+            plaintext,
+        } => export(s, nbd, since.clone(), (*decrypt, *plaintext)),
         VolumeCmd::Unexport { snapshot: s } => {
             let (id, snapshot) = snapshot::split(s)?;
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
@@ -230,7 +231,12 @@ fn diff(from: &str, to: Option<&str>) -> Result<Request, CtlError> {
 }
 
 /// `volume export`.
-fn export(s: &str, nbd: &str, since: Option<String>, decrypt: bool) -> Result<Request, CtlError> {
+fn export(
+    s: &str,
+    nbd: &str,
+    since: Option<String>,
+    (decrypt, plaintext): (bool, bool),
+) -> Result<Request, CtlError> {
     let (id, snapshot) = snapshot::split(s)?;
     build::<api::SnapshotExport>(api::ExportParams {
         id,
@@ -238,6 +244,7 @@ fn export(s: &str, nbd: &str, since: Option<String>, decrypt: bool) -> Result<Re
         nbd: absolute_nbd(nbd)?,
         since,
         decrypt,
+        plaintext,
     })
 }
 

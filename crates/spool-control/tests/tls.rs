@@ -1,0 +1,100 @@
+//! Snapshot exports over TCP with TLS (`[tls] dir`, credentials made by
+//! `scripts/tls-certs.sh`): the URI is `nbds://`, `nbdinfo` and `nbdcopy` read it with a
+//! client certificate, a client without TLS gets nothing; without `[tls]` a TCP export is
+//! refused unless `--plaintext` asks for the clear.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{connect, ctl, pattern, spoolctl, Spoold};
+
+const VOLUME: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "t"
+size = "8M"
+num_queues = 1
+thin = true
+"#;
+
+fn credentials(dir: &Path) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/tls-certs.sh");
+    let out = Command::new(script).arg(dir).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn output(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// A snapshot `t@s` of 1 MiB written with pattern 5.
+fn snapshot(d: &Spoold) -> Vec<u8> {
+    let data = pattern(5, 0, 1 << 20);
+    let mut c = connect(&d.socket("t"), 1, false).unwrap();
+    assert_eq!(c.write_sync(0, 0, &data), 0);
+    drop(c);
+    ctl(d, &["volume", "snapshot", "t", "s"]);
+    data
+}
+
+#[test]
+#[ignore = "needs openssl, nbdinfo and nbdcopy (scripts/install-deps.sh installs them)"]
+fn a_snapshot_is_exported_over_tcp_with_tls_and_only_in_the_clear_when_asked() {
+    let certs = tempfile::tempdir().unwrap();
+    credentials(certs.path());
+    let d = Spoold::start(&format!(
+        "{VOLUME}[tls]\ndir = \"{}\"\n",
+        certs.path().display()
+    ));
+    let data = snapshot(&d);
+    let out = ctl(&d, &["volume", "export", "t@s", "--nbd", "127.0.0.1:0"]);
+    let uri = out
+        .split_whitespace()
+        .find(|w| w.starts_with("nbds://"))
+        .unwrap_or_else(|| panic!("no nbds:// URI: {out}"));
+    let with_certs = format!("{uri}?tls-certificates={}", certs.path().display());
+    let (ok, info) = output(Command::new("nbdinfo").arg(&with_certs));
+    assert!(ok && info.contains("8388608"), "{info}");
+    let copy = certs.path().join("copy.img");
+    let (ok, o) = output(Command::new("nbdcopy").arg(&with_certs).arg(&copy));
+    assert!(ok, "{o}");
+    assert!(std::fs::read(&copy).unwrap()[..1 << 20] == data[..]);
+    let plain = uri.replacen("nbds://", "nbd://", 1);
+    let (ok, o) = output(Command::new("nbdinfo").arg(&plain));
+    assert!(!ok, "read without TLS: {o}");
+    drop(d);
+
+    // No [tls]: over TCP only with --plaintext; a Unix socket as before.
+    let d = Spoold::start(VOLUME);
+    snapshot(&d);
+    let (ok, _, err) = spoolctl(&d, &["volume", "export", "t@s", "--nbd", "127.0.0.1:0"]);
+    assert!(!ok && err.contains("--plaintext"), "{err}");
+    let out = ctl(
+        &d,
+        &[
+            "volume",
+            "export",
+            "t@s",
+            "--nbd",
+            "127.0.0.1:0",
+            "--plaintext",
+        ],
+    );
+    let uri = out
+        .split_whitespace()
+        .find(|w| w.starts_with("nbd://"))
+        .unwrap();
+    let (ok, info) = output(Command::new("nbdinfo").arg(uri));
+    assert!(ok && info.contains("8388608"), "{info}");
+}
