@@ -32,26 +32,20 @@ impl AlignedBuf {
 /// Submits `io` on `q` and waits for its completion, polling (every 50 µs for the first
 /// few milliseconds, then every millisecond: a command that takes long costs no core);
 /// returns its result (bytes or 0 on success, a negative errno on failure). A command that
-/// has not come back after `abort_after` is aborted once; one still out when `give_up()`
-/// says so (checked from then on: the caller is stopping) or after [`GIVE_UP_AFTER`]
-/// aborts' worth is given up ([`DeviceQueue::abandon`]: a network server that never
-/// answers) and completes with `-ECANCELED`. The wait goes on until the queue gives the
-/// command back: a command the kernel holds is never left behind with the buffers.
+/// has not come back after `abort_after` is aborted once; the wait goes on until the queue
+/// gives it back. It is never given up here: a write whose fate is unknown could still land
+/// after whatever the caller does next (a copy stopped, then the leg written anew), which
+/// the torture tester showed as a mirror leg serving old data (seed 7017).
 ///
 /// # Safety
 ///
 /// The buffers `io` points at must stay valid until this call returns (it returns only once
 /// the command's completion is reaped), and `q` must have no other command in flight.
-pub unsafe fn run_one(
-    q: &mut dyn DeviceQueue,
-    io: DeviceIo,
-    abort_after: Duration,
-    give_up: &dyn Fn() -> bool,
-) -> i32 {
+pub unsafe fn run_one(q: &mut dyn DeviceQueue, io: DeviceIo, abort_after: Duration) -> i32 {
     // SAFETY: the caller keeps the buffers valid until this returns, after the completion.
     unsafe { q.submit(io, 1) };
     let t0 = std::time::Instant::now();
-    let (mut aborted, mut abandoned) = (false, false);
+    let mut aborted = false;
     loop {
         let _ = q.kick();
         let mut res = None;
@@ -68,14 +62,8 @@ pub unsafe fn run_one(
             aborted = true;
             q.abort();
         }
-        if aborted && !abandoned && (give_up() || waited >= abort_after * GIVE_UP_AFTER) {
-            abandoned = true;
-            q.abandon();
-        }
     }
 }
 
 /// How long [`run_one`] polls at its fastest.
 const SPIN_FOR: Duration = Duration::from_millis(5);
-/// How many times `abort_after` [`run_one`] waits before it gives a command up.
-pub const GIVE_UP_AFTER: u32 = 3;

@@ -88,9 +88,8 @@ impl LegIo {
     }
 
     /// Submits `io` and waits for its completion. A command that does not come back within
-    /// 10 s is aborted, and given up once the mirror stops or after 30 s (`run_one`); the
-    /// wait goes on until the queue gives it back (the buffers it points at belong to the
-    /// caller until then). An error is reported to the device's
+    /// 10 s is aborted; the wait goes on until the queue gives it back (the buffers it
+    /// points at belong to the caller until then). An error is reported to the device's
     /// health, as the data path's are (a copy reading a failing source must get it
     /// isolated, or the copy would retry it for ever while another leg could serve).
     fn run(&mut self, shared: &Shared, d: usize, io: DeviceIo) -> Result<()> {
@@ -111,9 +110,7 @@ impl LegIo {
         let q = self.queue(shared, d)?;
         // SAFETY: the iovec and buffer `io` points at outlive this call, which returns only
         // once the command's completion is reaped; the queue has nothing else in flight.
-        // A stopping mirror gives up a command its leg never answers (the thread ends).
-        let stopping = || shared.stop.load(std::sync::atomic::Ordering::Acquire);
-        let r = unsafe { spool_devices::run_one(&mut **q, io, Duration::from_secs(10), &stopping) };
+        let r = unsafe { spool_devices::run_one(&mut **q, io, Duration::from_secs(10)) };
         if r < 0 && r != -libc::ECANCELED && !(zeroes && unsupported(-r)) {
             if let Some(dev) = shared.spec.devices.get(d) {
                 dev.health().report(ErrorReport {

@@ -94,7 +94,7 @@ impl SyncCalls<'_> {
         let io = DeviceIo::data(write, offset, buf.len() as u64, &iov, 1);
         // SAFETY: `iov` and `buf` outlive the call, which returns once the command is
         // reaped; the queue is this call's alone (under the lock).
-        match unsafe { run_one(q, io, ABORT_AFTER, &|| false) } {
+        match unsafe { run_one(q, io, ABORT_AFTER) } {
             r if r >= 0 => Ok(()),
             r => Err(failed(self.0, if write { "write" } else { "read" }, -r)),
         }
@@ -108,7 +108,7 @@ impl SyncCalls<'_> {
         what: &'static str,
     ) -> spool_devices::Result<()> {
         // SAFETY: the command points at no buffer.
-        match unsafe { run_one(q, io, ABORT_AFTER, &|| false) } {
+        match unsafe { run_one(q, io, ABORT_AFTER) } {
             r if r >= 0 => Ok(()),
             r => Err(failed(self.0, what, -r)),
         }
