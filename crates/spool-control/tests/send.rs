@@ -270,7 +270,11 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
         e.contains("no transfer of volume 'v' with that token"),
         "{e}"
     );
-    let out = ctl(&b, &["volume", "receive", "v", "--token", token]);
+    // The token from a file here, from standard input there: out of the process list.
+    let file = b.dir.path().join("token");
+    std::fs::write(&file, format!("{token}\n")).unwrap();
+    let file = file.to_str().unwrap();
+    let out = ctl(&b, &["volume", "receive", "v", "--token-file", file]);
     assert!(out.contains("expecting volume v"), "{out}");
     let e = send("0123456789abcdef0124");
     assert!(
@@ -283,7 +287,19 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
         "created on a refusal"
     );
 
-    let out = ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    let mut sender = std::process::Command::new(env!("CARGO_BIN_EXE_spoolctl"))
+        .arg("--socket")
+        .arg(a.rpc_path())
+        .args(["volume", "send", "v", "--to", &to, "--token-file", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = sender.stdin.take().unwrap();
+    stdin.write_all(format!("{token}\n").as_bytes()).unwrap();
+    drop(stdin);
+    let out = sender.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
     assert!(out.contains("sending v to nbd://127.0.0.1:"), "{out}");
     let show = ctl(&b, &["volume", "show", "v"]);
     assert!(

@@ -258,22 +258,7 @@ pub enum VolumeCmd {
     /// volume, with --stop, or when the volume is deleted; worker restarts keep it. With
     /// --token instead of --nbd: expect another spoold sending the volume (created here as
     /// the sender has it if missing) on the `[transfer] listen` socket (docs/transfer.md).
-    #[command(group = clap::ArgGroup::new("receive_how").required(true).args(["nbd", "token", "stop"]))]
-    Receive {
-        /// The volume (name or UUID; with --token, the name, which need not exist yet).
-        id: String,
-        /// unix:PATH or HOST:PORT.
-        #[arg(long, value_name = "unix:PATH|HOST:PORT")]
-        nbd: Option<String>,
-        /// The token the sender gives (16 to 256 printable characters; `openssl rand -hex
-        /// 16` makes one). Visible to other users of this host in the process list while
-        /// spoolctl runs.
-        #[arg(long, value_name = "TOKEN")]
-        token: Option<String>,
-        /// End the transfer (open connections fail their next request).
-        #[arg(long)]
-        stop: bool,
-    },
+    Receive(ReceiveArgs),
     /// Send a volume to another host while it runs: the destination's NBD export (its
     /// spoold's `volume receive`) becomes a remote copy, rebuilt online and then kept in step
     /// (a write completes once both hosts have it). A dropped link is resumed from the
@@ -401,6 +386,28 @@ pub struct InjectArgs {
     pub bits: Option<u8>,
 }
 
+/// `volume receive`.
+#[derive(clap::Args, Debug)]
+#[command(group = clap::ArgGroup::new("receive_how").required(true).args(["nbd", "token", "token_file", "stop"]))]
+pub struct ReceiveArgs {
+    /// The volume (name or UUID; with --token, the name, which need not exist yet).
+    pub id: String,
+    /// unix:PATH or HOST:PORT.
+    #[arg(long, value_name = "unix:PATH|HOST:PORT")]
+    pub nbd: Option<String>,
+    /// The token the sender gives (16 to 256 printable characters; `openssl rand -hex
+    /// 16` makes one). Visible to other users of this host in the process list while
+    /// spoolctl runs: --token-file keeps it out of it.
+    #[arg(long, value_name = "TOKEN")]
+    pub token: Option<String>,
+    /// --token read from a file (its first line), or from standard input with `-`.
+    #[arg(long, value_name = "PATH|-")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// End the transfer (open connections fail their next request).
+    #[arg(long)]
+    pub stop: bool,
+}
+
 /// `volume send`.
 #[derive(clap::Args, Debug)]
 pub struct SendArgs {
@@ -412,8 +419,17 @@ pub struct SendArgs {
     pub to: Option<String>,
     /// The token the destination's operator gave `volume receive NAME --token` there: the
     /// destination then creates the volume as it is here and answers with its export.
-    #[arg(long, value_name = "TOKEN", requires = "to")]
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        requires = "to",
+        conflicts_with = "token_file"
+    )]
     pub token: Option<String>,
+    /// --token read from a file (its first line), or from standard input with `-`: kept out
+    /// of the process list, where other users of this host see --token.
+    #[arg(long, value_name = "PATH|-", requires = "to")]
+    pub token_file: Option<std::path::PathBuf>,
     /// Stop sending: the remote copy is dropped, the volume here is as it was.
     #[arg(long, conflicts_with = "finish")]
     pub cancel: bool,

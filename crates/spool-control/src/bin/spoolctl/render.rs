@@ -73,7 +73,7 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
             VolumeCmd::Unexport { .. } => show::<api::SnapshotUnexport>(r, |e| {
                 println!("stopped serving {}@{} on {}", e.volume, e.snapshot, e.nbd)
             }),
-            VolumeCmd::Receive { stop, .. } => receive(*stop, r),
+            VolumeCmd::Receive(a) => receive(a.stop, r),
             VolumeCmd::Send(_) => {
                 show::<api::VolumeSend>(r, |s| println!("{}", super::send::line(s)))
             }

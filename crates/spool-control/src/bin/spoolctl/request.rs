@@ -11,7 +11,9 @@ use spool_api::{
     SnapshotParams,
 };
 
-use super::args::{Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, SendArgs, SnapshotCmd, VolumeCmd};
+use super::args::{
+    Cmd, DeviceCmd, InjectArgs, PoolCmd, QosArgs, ReceiveArgs, SendArgs, SnapshotCmd, VolumeCmd,
+};
 use super::snapshot;
 use super::CtlError;
 
@@ -190,7 +192,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             let (id, snapshot) = snapshot::split(s)?;
             build::<api::SnapshotUnexport>(SnapshotParams { id, snapshot })
         }
-        VolumeCmd::Receive { id, nbd, token, .. } => receive(id, nbd.as_deref(), token.as_deref()),
+        VolumeCmd::Receive(a) => receive(a),
         VolumeCmd::Send(a) => send(a),
     }
 }
@@ -253,22 +255,52 @@ fn send(a: &SendArgs) -> Result<Request, CtlError> {
     build::<api::VolumeSend>(api::SendParams {
         id: a.id.clone(),
         to: a.to.clone(),
-        token: a.token.clone(),
+        token: token_of(a.token.as_deref(), a.token_file.as_deref())?,
         cancel: a.cancel,
         finish: a.finish,
     })
 }
 
+/// The transfer token: `--token`, or the first line of `--token-file` (`-`: standard input).
+fn token_of(
+    token: Option<&str>,
+    file: Option<&std::path::Path>,
+) -> Result<Option<String>, CtlError> {
+    let Some(path) = file else {
+        return Ok(token.map(str::to_string));
+    };
+    let text = match path.as_os_str() == "-" {
+        true => {
+            let mut line = String::new();
+            std::io::stdin()
+                .read_line(&mut line)
+                .map_err(|e| CtlError::Usage(format!("--token-file -: {e}")))?;
+            line
+        }
+        false => std::fs::read_to_string(path)
+            .map_err(|e| CtlError::Usage(format!("--token-file {}: {e}", path.display())))?,
+    };
+    let first = text.lines().next().unwrap_or("").trim();
+    if first.is_empty() {
+        return Err(CtlError::Usage(format!(
+            "--token-file {}: no token in it",
+            path.display()
+        )));
+    }
+    Ok(Some(first.to_string()))
+}
+
 /// `volume receive`: start (with an address, or a token for the transfer listener) or
 /// stop.
-fn receive(id: &str, nbd: Option<&str>, token: Option<&str>) -> Result<Request, CtlError> {
-    let id = id.to_string();
+fn receive(a: &ReceiveArgs) -> Result<Request, CtlError> {
+    let token = token_of(a.token.as_deref(), a.token_file.as_deref())?;
+    let (id, nbd) = (a.id.clone(), a.nbd.as_deref());
     match (nbd, token) {
         (None, None) => build::<api::VolumeReceiveStop>(api::ReceiveStopParams { id }),
         (nbd, token) => build::<api::VolumeReceive>(api::ReceiveParams {
             id,
             nbd: nbd.map(absolute_nbd).transpose()?,
-            token: token.map(str::to_string),
+            token,
         }),
     }
 }
