@@ -9,7 +9,7 @@ mod common;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use common::{connect, ctl, ctl_err, pattern, Spoold};
+use common::{connect, ctl, ctl_err, pattern, reads_back, transfer_port, wait_current, Spoold};
 use serde_json::json;
 
 /// Each spoold's config: the same volume on both hosts (the destination's is created by
@@ -25,24 +25,6 @@ num_queues = 1
 "#;
 
 const MIB: usize = 1 << 20;
-
-/// Waits (up to 120 s) until `volume send v` says the copy is current.
-fn wait_current(a: &Spoold, b: &Spoold) {
-    let t0 = Instant::now();
-    loop {
-        let out = ctl(a, &["volume", "send", "v"]);
-        if out.contains(": current") {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the copy never became current: {out}\nsource:\n{}\ndestination:\n{}",
-            a.log(),
-            b.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 #[test]
 fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides() {
@@ -193,17 +175,6 @@ fn a_running_volume_is_sent_to_another_spoold_across_worker_kills_on_both_sides(
     assert!(ctl_err(&a, &["volume", "show", "v"]).contains("v"));
 }
 
-/// Reads volume v through `d`'s vhost-user socket (its frontend starts it: the switchover)
-/// and checks it holds `data`, MiB by MiB.
-fn reads_back(d: &Spoold, data: &[u8]) {
-    let mut c = connect(&d.socket("v"), 1, false).unwrap();
-    for (i, m) in data.chunks(MIB).enumerate() {
-        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
-        assert_eq!(r, 0);
-        assert!(got == m, "MiB {i} differs on the destination");
-    }
-}
-
 /// Kills `b`'s worker and waits until the next one serves its transfer again.
 fn kill_receiving_worker(b: &Spoold) {
     b.kill_worker();
@@ -227,25 +198,6 @@ create_size = "64M"
 listen = "127.0.0.1:0"
 peers = ["127.0.0.1"]
 "#;
-
-/// The port B's transfer listener got (from its log).
-fn transfer_port(b: &Spoold) -> u16 {
-    let t = Instant::now();
-    loop {
-        let log = b.log();
-        let port = log
-            .lines()
-            .find(|l| l.contains("transfer listener"))
-            .and_then(|l| l.split("listen=127.0.0.1:").nth(1))
-            .and_then(|p| p.split(|c: char| !c.is_ascii_digit()).next())
-            .and_then(|p| p.parse().ok());
-        if let Some(p) = port {
-            return p;
-        }
-        assert!(t.elapsed() < Duration::from_secs(10), "no listener:\n{log}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// `volume send --to HOST:PORT --token`: the destination creates the volume as the source
 /// has it (size, queues, I/O limits) once the hello carries the token its operator gave

@@ -98,3 +98,69 @@ fn a_snapshot_is_exported_over_tcp_with_tls_and_only_in_the_clear_when_asked() {
     let (ok, info) = output(Command::new("nbdinfo").arg(uri));
     assert!(ok && info.contains("8388608"), "{info}");
 }
+
+/// The sending host: volume v, 16 MiB.
+const SENDER: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "v"
+size = "16M"
+num_queues = 1
+"#;
+
+/// The receiving host: a transfer listener on a free port, the sender (127.0.0.1) its peer.
+const RECEIVER: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[transfer]
+listen = "127.0.0.1:0"
+peers = ["127.0.0.1"]
+"#;
+
+/// Both hosts with `[tls]`: the hello and the copy go over TLS (the export a hello opens is
+/// `nbds://`), the copy becomes current and the destination reads what the source's client
+/// wrote; on the sender's address, a client without TLS or without a certificate gets
+/// nothing from the export.
+#[test]
+#[ignore = "needs openssl and nbdinfo (scripts/install-deps.sh installs them)"]
+fn a_volume_is_sent_between_two_spoolds_over_tls() {
+    let certs = tempfile::tempdir().unwrap();
+    credentials(certs.path());
+    let tls = format!("[tls]\ndir = \"{}\"\n", certs.path().display());
+    let a = Spoold::start(&format!("{SENDER}{tls}"));
+    let b = Spoold::start(&format!("{RECEIVER}{tls}"));
+    let to = format!("127.0.0.1:{}", common::transfer_port(&b));
+    let token = "0123456789abcdef0123";
+    let data = pattern(4, 0, 16 << 20);
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    for (i, m) in data.chunks(1 << 20).enumerate() {
+        assert_eq!(c.write_sync(0, (i << 20) as u64, m), 0);
+    }
+    ctl(&b, &["volume", "receive", "v", "--token", token]);
+    let out = ctl(&a, &["volume", "send", "v", "--to", &to, "--token", token]);
+    assert!(out.contains("sending v to nbds://127.0.0.1:"), "{out}");
+    common::wait_current(&a, &b);
+    let show = ctl(&b, &["volume", "show", "v"]);
+    let uri = show
+        .split_whitespace()
+        .find(|w| w.starts_with("nbds://"))
+        .unwrap_or_else(|| panic!("{show}"));
+    let (ok, o) = output(Command::new("nbdinfo").arg(uri.replacen("nbds://", "nbd://", 1)));
+    assert!(!ok, "read without TLS: {o}");
+    let anonymous = certs.path().join("anonymous");
+    std::fs::create_dir_all(&anonymous).unwrap();
+    std::fs::copy(
+        certs.path().join("ca-cert.pem"),
+        anonymous.join("ca-cert.pem"),
+    )
+    .unwrap();
+    let (ok, o) = output(
+        Command::new("nbdinfo").arg(format!("{uri}?tls-certificates={}", anonymous.display())),
+    );
+    assert!(!ok, "read without a client certificate: {o}");
+    drop(c);
+    common::reads_back(&b, &data);
+}

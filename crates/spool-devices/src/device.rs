@@ -60,7 +60,7 @@ impl Device {
         let name = path.to_str().unwrap_or_default();
         let backend: Box<dyn PoolDevice> = if let Some(bdf) = name.strip_prefix("nvme:") {
             Box::new(NvmeBackend::open(bdf, !opts.no_nvme_sgl, &opts.handoff)?)
-        } else if name.starts_with("nbd://") || name.starts_with("nbd+unix://") {
+        } else if crate::is_nbd_uri(name) {
             Box::new(crate::NbdBackend::open(name)?)
         } else if let Some(image) = name.strip_prefix("rbd:") {
             Box::new(crate::RbdBackend::open(

@@ -41,6 +41,14 @@ pub use file::FileBackend;
 pub use health::{DeviceHealth, ErrorClass, ErrorReport, HealthState, Signal};
 pub use inline::InlineQueue;
 pub use nbd::{NbdBackend, NbdQueue};
+
+/// Whether `s` is an NBD URI a device opens: `nbd://`, `nbd+unix://`, and the same over TLS
+/// (`nbds://`, `nbds+unix://`).
+pub fn is_nbd_uri(s: &str) -> bool {
+    ["nbd://", "nbd+unix://", "nbds://", "nbds+unix://"]
+        .iter()
+        .any(|p| s.starts_with(p))
+}
 pub use null::{NullBackend, NullQueue, NullReads};
 pub use nvme::NvmeBackend;
 pub use rbd::{

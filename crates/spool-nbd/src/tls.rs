@@ -118,6 +118,12 @@ impl ServerTls {
         })
     }
 
+    /// The TLS handshake as the server on a TCP connection (another protocol than NBD: the
+    /// transfer hello), all of it before `until`; then the plaintext end.
+    pub fn accept_tcp(&self, s: std::net::TcpStream, until: Instant) -> io::Result<UnixStream> {
+        self.accept(s, until)
+    }
+
     /// The TLS handshake as the server on `s`, all of it before `until`; then the plaintext
     /// end of the connection.
     pub(crate) fn accept<S: Pumpable>(&self, s: S, until: Instant) -> io::Result<UnixStream> {
@@ -144,6 +150,17 @@ impl ClientTls {
             config: Arc::new(config),
             dir: dir.into(),
         })
+    }
+
+    /// The TLS handshake as the client of `host` on a TCP connection (the transfer hello)
+    /// before `until`; then the plaintext end.
+    pub fn connect_tcp(
+        &self,
+        s: std::net::TcpStream,
+        host: &str,
+        until: Instant,
+    ) -> io::Result<UnixStream> {
+        self.connect(s, host, until)
     }
 
     /// The TLS handshake as the client of `host` on `s` before `until`; then the plaintext

@@ -124,9 +124,9 @@ impl Pool {
     /// the write-intent bitmap says the leg missed. An encrypted volume is sent as its
     /// ciphertext, only where the destination has its data key (`key_there`).
     pub fn send_volume(&mut self, id: &str, uri: &str, key_there: bool) -> Result<VolumeInfo> {
-        if !(uri.starts_with("nbd://") || uri.starts_with("nbd+unix://")) {
+        if !spool_devices::is_nbd_uri(uri) {
             return Err(Error::InvalidArgument(format!(
-                "'{uri}' is not an NBD URI: nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH"
+                "'{uri}' is not an NBD URI: nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH (nbds:// over TLS)"
             )));
         }
         let i = self.find(id)?;

@@ -299,7 +299,14 @@ impl Daemon {
         }
         let allowed: Option<Vec<String>> =
             (peers.as_ref()).map(|p| p.iter().map(|ip| ip.to_string()).collect());
-        let started = Server::start_for(listen, kept, export.clone(), peers);
+        // The transfer listener's exports go over TLS when this host has server credentials.
+        let tls = peers
+            .as_ref()
+            .map(|_| self.transfer_tls())
+            .transpose()?
+            .flatten();
+        let secure = tls.is_some();
+        let started = Server::start_tls(listen, kept, export.clone(), peers, tls);
         let server = started.map_err(|e| {
             export.end("it could not listen");
             RpcError::InvalidParams(e.to_string())
@@ -308,7 +315,7 @@ impl Daemon {
         let r = Receiving {
             volume: v.uuid,
             nbd: listen.to_string(),
-            uri: super::exports::uri(&listen, export.secret.as_deref().unwrap_or(&v.name)),
+            uri: receive_uri(&listen, export.secret.as_deref().unwrap_or(&v.name), secure),
             export,
             server,
         };
@@ -461,6 +468,15 @@ fn refuse_twice(receiving: &[Receiving], v: &spool_pool::VolumeInfo) -> Result<(
 }
 
 /// The URI the transfer into `volume` is served at, if it is received and has not ended.
+/// A receive export's URI: `nbds://` when served over TLS.
+fn receive_uri(listen: &Listen, name: &str, tls: bool) -> String {
+    let uri = super::exports::uri(listen, name);
+    match tls {
+        true => uri.replacen("nbd://", "nbds://", 1),
+        false => uri,
+    }
+}
+
 pub(super) fn uri_of(receiving: &[Receiving], volume: Uuid) -> Option<String> {
     receiving
         .iter()

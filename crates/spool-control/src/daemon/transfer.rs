@@ -73,8 +73,35 @@ fn untagged(h: &TransferHello) -> Vec<u8> {
     serde_json::to_vec(&h).unwrap_or_default()
 }
 
+/// A hello's connection: TCP, or the plaintext end of TLS over it.
+enum HelloStream {
+    Tcp(TcpStream),
+    Tls(std::os::unix::net::UnixStream),
+}
+
+impl HelloStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            HelloStream::Tcp(s) => s.set_read_timeout(t),
+            HelloStream::Tls(s) => s.set_read_timeout(t),
+        }
+    }
+    fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            HelloStream::Tcp(s) => (&*s).read(buf),
+            HelloStream::Tls(s) => (&*s).read(buf),
+        }
+    }
+    fn write_all(&self, buf: &[u8]) -> std::io::Result<()> {
+        match self {
+            HelloStream::Tcp(s) => (&*s).write_all(buf),
+            HelloStream::Tls(s) => (&*s).write_all(buf),
+        }
+    }
+}
+
 /// Reads one line of at most [`HELLO_MAX`] bytes, all of it within `wait`.
-fn read_line(s: &TcpStream, wait: Duration) -> std::io::Result<String> {
+fn read_line(s: &HelloStream, wait: Duration) -> std::io::Result<String> {
     let deadline = Instant::now() + wait;
     let mut line = Vec::new();
     let mut buf = [0u8; 4096];
@@ -84,7 +111,7 @@ fn read_line(s: &TcpStream, wait: Duration) -> std::io::Result<String> {
             return Err(std::io::Error::other("no complete line in time"));
         }
         s.set_read_timeout(Some(left))?;
-        match (&*s).read(&mut buf)? {
+        match s.read(&mut buf)? {
             0 => return Err(std::io::Error::other("no complete line")),
             n => line.extend_from_slice(&buf[..n]),
         }
@@ -93,6 +120,19 @@ fn read_line(s: &TcpStream, wait: Duration) -> std::io::Result<String> {
 }
 
 impl Daemon {
+    /// The TLS of the transfer listener and the exports it opens: `[tls]`'s server
+    /// credentials when it has them (read again each time: renewed certificates are taken).
+    pub(super) fn transfer_tls(&self) -> Result<Option<spool_nbd::tls::ServerTls>, RpcError> {
+        match &self.cfg.tls {
+            Some(dir) if dir.join("server-cert.pem").exists() => {
+                spool_nbd::tls::ServerTls::load(dir)
+                    .map(Some)
+                    .map_err(|e| RpcError::InvalidParams(e.to_string()))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// `volume receive NAME --token T`: volume NAME (which need not exist) may be sent here
     /// by a peer that says hello with token T; replaces an earlier expectation of NAME.
     pub(super) fn expect_transfer(&self, name: &str, token: &str) -> Result<ReceiveInfo, RpcError> {
@@ -338,6 +378,19 @@ impl Daemon {
             .map_err(|e| fail(e.to_string()))?;
         s.set_write_timeout(Some(HELLO_WAIT))
             .map_err(|e| fail(e.to_string()))?;
+        // With client credentials ([tls] dir), the hello goes over TLS, the listener's
+        // certificate checked against this host's CA and the address given.
+        let s = match spool_nbd::tls::client() {
+            Some(tls) => {
+                let host = to.rsplit_once(':').map_or(to, |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let until = Instant::now() + HELLO_WAIT;
+                let plain =
+                    (tls.connect_tcp(s, host, until)).map_err(|e| fail(format!("TLS: {e}")))?;
+                HelloStream::Tls(plain)
+            }
+            None => HelloStream::Tcp(s),
+        };
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
         let mut hello = TransferHello {
             version: TRANSFER_VERSION,
@@ -363,13 +416,18 @@ impl Daemon {
         }
         let mut line = serde_json::to_string(&hello).map_err(|e| fail(e.to_string()))?;
         line.push('\n');
-        (&s).write_all(line.as_bytes())
+        s.write_all(line.as_bytes())
             .map_err(|e| fail(e.to_string()))?;
         let answer = read_line(&s, ANSWER_WAIT).map_err(|e| fail(format!("no answer ({e})")))?;
         let reply: TransferReply =
             serde_json::from_str(&answer).map_err(|e| fail(format!("a bad answer ({e})")))?;
         match (reply.nbd, reply.error) {
-            (Some(uri), None) if uri.starts_with("nbd://") && uri.len() <= 1024 => Ok(uri),
+            (Some(uri), None)
+                if (uri.starts_with("nbd://") || uri.starts_with("nbds://"))
+                    && uri.len() <= 1024 =>
+            {
+                Ok(uri)
+            }
             (_, Some(e)) => Err(fail(format!("refused: {e}"))),
             _ => Err(fail("a bad answer".into())),
         }
@@ -455,6 +513,25 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
     let _ = s.set_nonblocking(false);
     let _ = s.set_write_timeout(Some(HELLO_WAIT));
     let here = s.local_addr().map(|a| a.ip().to_canonical());
+    // With server credentials ([tls] dir), a hello comes over TLS or not at all.
+    let tls = match weak.upgrade().map(|d| d.transfer_tls()) {
+        Some(Ok(t)) => t,
+        Some(Err(e)) => {
+            tracing::warn!(%peer, "a transfer hello cannot be answered over TLS: {e}");
+            return;
+        }
+        None => return,
+    };
+    let s = match tls {
+        Some(t) => match t.accept_tcp(s, Instant::now() + HELLO_WAIT) {
+            Ok(plain) => HelloStream::Tls(plain),
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "a transfer hello's TLS handshake failed");
+                return;
+            }
+        },
+        None => HelloStream::Tcp(s),
+    };
     let reply = match read_line(&s, HELLO_WAIT).map(|l| serde_json::from_str::<TransferHello>(&l)) {
         Err(e) => TransferReply {
             nbd: None,
@@ -489,6 +566,6 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
     };
     if let Ok(mut line) = serde_json::to_string(&reply) {
         line.push('\n');
-        let _ = (&s).write_all(line.as_bytes());
+        let _ = s.write_all(line.as_bytes());
     }
 }

@@ -545,3 +545,57 @@ pub fn write_rounds_until(c: &mut Client_, done: &dyn Fn() -> bool, min_rounds: 
     round
 }
 pub mod raw;
+
+// Sending volumes between two spoolds (tests/send.rs, tests/tls.rs).
+
+/// Waits (up to 120 s) until `volume send v` says the copy is current.
+#[allow(dead_code)]
+pub fn wait_current(a: &Spoold, b: &Spoold) {
+    let t0 = Instant::now();
+    loop {
+        let out = ctl(a, &["volume", "send", "v"]);
+        if out.contains(": current") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the copy never became current: {out}\nsource:\n{}\ndestination:\n{}",
+            a.log(),
+            b.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Reads volume v through `d`'s vhost-user socket (its frontend starts it: the switchover)
+/// and checks it holds `data`, MiB by MiB.
+#[allow(dead_code)]
+pub fn reads_back(d: &Spoold, data: &[u8]) {
+    let mut c = connect(&d.socket("v"), 1, false).unwrap();
+    const MIB: usize = 1 << 20;
+    for (i, m) in data.chunks(MIB).enumerate() {
+        let (r, got) = c.read_sync(0, (i * MIB) as u64, MIB);
+        assert_eq!(r, 0);
+        assert!(got == m, "MiB {i} differs on the destination");
+    }
+}
+
+/// The port B's transfer listener got (from its log).
+#[allow(dead_code)]
+pub fn transfer_port(b: &Spoold) -> u16 {
+    let t = Instant::now();
+    loop {
+        let log = b.log();
+        let port = log
+            .lines()
+            .find(|l| l.contains("transfer listener"))
+            .and_then(|l| l.split("listen=127.0.0.1:").nth(1))
+            .and_then(|p| p.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|p| p.parse().ok());
+        if let Some(p) = port {
+            return p;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no listener:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -497,10 +497,10 @@ fn validate_remote(v: &VolumeEntry) -> Result<(), Invalid> {
             )));
         }
         let printable = r.uri.bytes().all(|b| b.is_ascii_graphic());
-        let scheme = r.uri.starts_with("nbd://") || r.uri.starts_with("nbd+unix://");
+        let scheme = spool_devices::is_nbd_uri(&r.uri);
         if r.uri.len() > MAX_URI || !printable || !scheme {
             return Err(Invalid(format!(
-                "remote leg {}: its address is not an nbd:// or nbd+unix:// URI of at most {MAX_URI} printable characters",
+                "remote leg {}: its address is not an nbd://, nbd+unix:// (or nbds://) URI of at most {MAX_URI} printable characters",
                 l.slot
             )));
         }
