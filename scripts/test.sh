@@ -44,6 +44,7 @@ python3 scripts/bench-idle.py --quick
 python3 scripts/bench-crypt.py --quick > /dev/null
 python3 scripts/bench-thin.py --quick > /dev/null
 python3 scripts/bench-snapshots.py --quick > /dev/null
+python3 scripts/bench-tls.py --quick > /dev/null
 python3 scripts/bench-ceph.py --quick
 scripts/bench-journal.sh --quick
 echo "== all tests passed"
