@@ -3,7 +3,7 @@
 # and qemu-storage-daemon), fio and a static busybox for the test guest, systemd (run as a
 # private user manager by the systemd test, never as this machine's init), libvirt, and Ceph's
 # monitor, OSD and client tools (a private test cluster), libnbd's nbdinfo and nbdcopy, and
-# qemu-utils. The machine may carry bookworm-backports' qemu-utils; Debian refuses to mix it
+# qemu-utils, and openssl (the TLS tests' credentials). The machine may carry bookworm-backports' qemu-utils; Debian refuses to mix it
 # with bookworm's qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
 set -euo pipefail
 need=()
@@ -27,6 +27,8 @@ command -v ceph-osd >/dev/null || need+=(ceph-osd)
 command -v rbd >/dev/null || need+=(ceph-common)
 # The snapshot export is read by libnbd's tools as a backup would (tests/snapshots.rs).
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
+# The TLS tests make their x509 credentials with openssl (scripts/tls-certs.sh).
+command -v openssl >/dev/null || need+=(openssl)
 # qemu-img, qemu-io and qemu-nbd (qemu-utils, pinned below with every install) write to and
 # serve NBD exports in the nbd:// device and NBD server tests.
 utils=ok
