@@ -288,29 +288,13 @@ impl Channel {
         Ok(())
     }
 
-    /// Receives one message; `None` when the peer has closed its end.
+    /// Receives one message; `None` when the peer has closed its end. Its descriptors are
+    /// installed close-on-exec by the kernel as they arrive (`MSG_CMSG_CLOEXEC`): a child
+    /// another thread starts meanwhile (the health hook, the key command) inherits none of
+    /// them. (They were marked after `recvmsg` returned, which left that window open.)
     pub fn recv(&self) -> std::io::Result<Option<(Msg, Vec<File>)>> {
         let mut buf = vec![0u8; MAX_MSG + 1];
-        let mut raw = [-1 as RawFd; MAX_FDS];
-        let mut iov = [libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        }];
-        // SAFETY: the iovec points at `buf`, which we own and which outlives the call; any
-        // bytes may be written into it.
-        let (n, nfds) = unsafe { self.0.recv_with_fds(&mut iov, &mut raw) }
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
-        let files: Vec<File> = raw[..nfds]
-            .iter()
-            .map(|&fd| {
-                // SAFETY: recvmsg installed these `nfds <= MAX_FDS` descriptors for us; we are
-                // their only owner. Marked close-on-exec (not atomic with recvmsg).
-                unsafe {
-                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
-                    File::from_raw_fd(fd)
-                }
-            })
-            .collect();
+        let (n, files) = recv_cloexec(&self.0, &mut buf)?;
         if n == 0 {
             return Ok(None);
         }
@@ -328,6 +312,59 @@ impl Channel {
         })?;
         Ok(Some((msg, files)))
     }
+}
+
+/// One datagram into `buf` and the descriptors that came with it (at most [`MAX_FDS`]),
+/// installed close-on-exec atomically. A message whose descriptors did not all fit is refused
+/// (the kernel closed the rest; those received are closed with the error).
+fn recv_cloexec(sock: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<(usize, Vec<File>)> {
+    let fd_bytes = (MAX_FDS * std::mem::size_of::<libc::c_int>()) as libc::c_uint;
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    // u64s: the control buffer aligned as a cmsghdr needs.
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: a zeroed msghdr is a valid empty one; its pointers are set below to memory
+    // that outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = (control.len() * 8) as _;
+    // SAFETY: `msg` points at `buf` and `control`, both alive and writable for their lengths;
+    // recvmsg writes at most those.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut files = Vec::new();
+    // SAFETY: the CMSG_* walk stays inside `msg.msg_control[..msg_controllen]`, which the
+    // kernel filled; each SCM_RIGHTS payload is an array of descriptors it installed for us,
+    // each owned once, here.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            let h = &*c;
+            if h.cmsg_level == libc::SOL_SOCKET && h.cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const libc::c_int;
+                let len = (h.cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..len / std::mem::size_of::<libc::c_int>() {
+                    files.push(File::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a keeper message carried more than {MAX_FDS} descriptors"),
+        ));
+    }
+    Ok((n as usize, files))
 }
 
 #[cfg(test)]
@@ -393,6 +430,9 @@ mod tests {
             }
         );
         assert_eq!(files.len(), 1);
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(files[0].as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC, "close-on-exec");
         let mut s = String::new();
         files[0].rewind().unwrap();
         files[0].read_to_string(&mut s).unwrap();
