@@ -9,20 +9,11 @@ mod common;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use common::{connect, ctl, ctl_err, pattern, reads_back, transfer_port, wait_current, Spoold};
+use common::{
+    connect, ctl, ctl_err, pattern, reads_back, transfer_port, wait_current, Spoold, CONFIG,
+    LISTENING,
+};
 use serde_json::json;
-
-/// Each spoold's config: the same volume on both hosts (the destination's is created by
-/// hand, as docs/transfer.md says).
-const CONFIG: &str = r#"
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "64M"
-[[volumes]]
-name = "v"
-size = "16M"
-num_queues = 1
-"#;
 
 const MIB: usize = 1 << 20;
 
@@ -187,17 +178,6 @@ fn kill_receiving_worker(b: &Spoold) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
-
-/// The destination's config for a send through its transfer listener: no volume (the
-/// hello creates it), a listener on a free port of 127.0.0.1, this host the only peer.
-const LISTENING: &str = r#"
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "64M"
-[transfer]
-listen = "127.0.0.1:0"
-peers = ["127.0.0.1"]
-"#;
 
 /// `volume send --to HOST:PORT --token`: the destination creates the volume as the source
 /// has it (size, queues, I/O limits) once the hello carries the token its operator gave

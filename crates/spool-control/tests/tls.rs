@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 
 use common::{connect, ctl, pattern, spoolctl, Spoold};
@@ -20,16 +19,6 @@ size = "8M"
 num_queues = 1
 thin = true
 "#;
-
-fn credentials(dir: &Path) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/tls-certs.sh");
-    let out = Command::new(script).arg(dir).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 fn output(cmd: &mut Command) -> (bool, String) {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
@@ -52,7 +41,7 @@ fn snapshot(d: &Spoold) -> Vec<u8> {
 #[ignore = "needs openssl, nbdinfo and nbdcopy (scripts/install-deps.sh installs them)"]
 fn a_snapshot_is_exported_over_tcp_with_tls_and_only_in_the_clear_when_asked() {
     let certs = tempfile::tempdir().unwrap();
-    credentials(certs.path());
+    common::tls_credentials(certs.path());
     let d = Spoold::start(&format!(
         "{VOLUME}[tls]\ndir = \"{}\"\n",
         certs.path().display()
@@ -99,27 +88,6 @@ fn a_snapshot_is_exported_over_tcp_with_tls_and_only_in_the_clear_when_asked() {
     assert!(ok && info.contains("8388608"), "{info}");
 }
 
-/// The sending host: volume v, 16 MiB.
-const SENDER: &str = r#"
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "64M"
-[[volumes]]
-name = "v"
-size = "16M"
-num_queues = 1
-"#;
-
-/// The receiving host: a transfer listener on a free port, the sender (127.0.0.1) its peer.
-const RECEIVER: &str = r#"
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "64M"
-[transfer]
-listen = "127.0.0.1:0"
-peers = ["127.0.0.1"]
-"#;
-
 /// Both hosts with `[tls]`: the hello and the copy go over TLS (the export a hello opens is
 /// `nbds://`), the copy becomes current and the destination reads what the source's client
 /// wrote; on the sender's address, a client without TLS or without a certificate gets
@@ -128,10 +96,10 @@ peers = ["127.0.0.1"]
 #[ignore = "needs openssl and nbdinfo (scripts/install-deps.sh installs them)"]
 fn a_volume_is_sent_between_two_spoolds_over_tls() {
     let certs = tempfile::tempdir().unwrap();
-    credentials(certs.path());
+    common::tls_credentials(certs.path());
     let tls = format!("[tls]\ndir = \"{}\"\n", certs.path().display());
-    let a = Spoold::start(&format!("{SENDER}{tls}"));
-    let b = Spoold::start(&format!("{RECEIVER}{tls}"));
+    let a = Spoold::start(&format!("{}{tls}", common::CONFIG));
+    let b = Spoold::start(&format!("{}{tls}", common::LISTENING));
     let to = format!("127.0.0.1:{}", common::transfer_port(&b));
     let token = "0123456789abcdef0123";
     let data = pattern(4, 0, 16 << 20);

@@ -302,12 +302,8 @@ fn starttls(mut s: Stream, t: &Target, until: Instant) -> io::Result<Stream> {
     })?;
     let bound = &mut |s: &Stream| deadline(s, until);
     greet(&mut s, bound)?;
-    let mut opt = IHAVEOPT.to_be_bytes().to_vec();
-    opt.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
-    opt.extend_from_slice(&0u32.to_be_bytes());
-    s.write_all(&opt)?;
-    bound(&s)?;
-    let (kind, msg) = read_option_reply(&mut s)?;
+    s.write_all(&option(OPT_STARTTLS, &[]))?;
+    let (kind, msg) = read_option_reply(&mut s, bound)?;
     if kind != REP_ACK {
         return Err(io::Error::other(format!(
             "{t}: the server refused TLS ({})",
@@ -326,8 +322,21 @@ fn starttls(mut s: Stream, t: &Target, until: Instant) -> io::Result<Stream> {
     Ok(Stream::Unix(app))
 }
 
-/// One option reply: its kind and payload.
-fn read_option_reply(s: &mut impl Read) -> io::Result<(u32, Vec<u8>)> {
+/// An option for the server: its number and payload, framed.
+fn option(opt: u32, data: &[u8]) -> Vec<u8> {
+    let mut o = IHAVEOPT.to_be_bytes().to_vec();
+    o.extend_from_slice(&opt.to_be_bytes());
+    o.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    o.extend_from_slice(data);
+    o
+}
+
+/// One option reply: its kind and payload (`bound` runs before each read).
+fn read_option_reply<S: Read>(
+    s: &mut S,
+    bound: &mut dyn FnMut(&S) -> io::Result<()>,
+) -> io::Result<(u32, Vec<u8>)> {
+    bound(s)?;
     let mut r = [0u8; 20];
     s.read_exact(&mut r)?;
     if u64::from_be_bytes(r[0..8].try_into().expect("8 bytes")) != REPLY_MAGIC {
@@ -339,6 +348,7 @@ fn read_option_reply(s: &mut impl Read) -> io::Result<(u32, Vec<u8>)> {
         return Err(invalid("option reply too long".into()));
     }
     let mut p = vec![0u8; len as usize];
+    bound(s)?;
     s.read_exact(&mut p)?;
     Ok((kind, p))
 }
@@ -387,27 +397,10 @@ fn go<S: Read + Write>(
     data.extend_from_slice(export.as_bytes());
     data.extend_from_slice(&1u16.to_be_bytes());
     data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-    let mut opt = IHAVEOPT.to_be_bytes().to_vec();
-    opt.extend_from_slice(&OPT_GO.to_be_bytes());
-    opt.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    opt.extend_from_slice(&data);
-    s.write_all(&opt)?;
+    s.write_all(&option(OPT_GO, &data))?;
     let (mut size, mut flags, mut max_io) = (None, 0u16, MAX_IO);
     loop {
-        bound(s)?;
-        let mut r = [0u8; 20];
-        s.read_exact(&mut r)?;
-        if u64::from_be_bytes(r[0..8].try_into().expect("8 bytes")) != REPLY_MAGIC {
-            return Err(invalid("bad option reply magic".into()));
-        }
-        let kind = u32::from_be_bytes(r[12..16].try_into().expect("4 bytes"));
-        let len = u32::from_be_bytes(r[16..20].try_into().expect("4 bytes"));
-        if len > MAX_OPTION {
-            return Err(invalid("option reply too long".into()));
-        }
-        let mut p = vec![0u8; len as usize];
-        bound(s)?;
-        s.read_exact(&mut p)?;
+        let (kind, p) = read_option_reply(s, bound)?;
         match kind {
             REP_ACK => break,
             REP_INFO => match u16_at(&p, 0) {

@@ -203,31 +203,25 @@ pub(crate) trait Pumpable: Read + Write + Send + 'static {
     fn shut(&self);
 }
 
-impl Pumpable for std::net::TcpStream {
-    fn clone_handle(&self) -> io::Result<Self> {
-        self.try_clone()
-    }
-    fn timeouts(&self, t: Option<std::time::Duration>) -> io::Result<()> {
-        self.set_read_timeout(t)?;
-        self.set_write_timeout(t)
-    }
-    fn shut(&self) {
-        let _ = self.shutdown(std::net::Shutdown::Both);
-    }
+/// Both socket kinds hand out handles, time out and shut down alike.
+macro_rules! pumpable {
+    ($($t:ty),*) => {$(
+        impl Pumpable for $t {
+            fn clone_handle(&self) -> io::Result<Self> {
+                self.try_clone()
+            }
+            fn timeouts(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+                self.set_read_timeout(t)?;
+                self.set_write_timeout(t)
+            }
+            fn shut(&self) {
+                let _ = self.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    )*};
 }
 
-impl Pumpable for UnixStream {
-    fn clone_handle(&self) -> io::Result<Self> {
-        self.try_clone()
-    }
-    fn timeouts(&self, t: Option<std::time::Duration>) -> io::Result<()> {
-        self.set_read_timeout(t)?;
-        self.set_write_timeout(t)
-    }
-    fn shut(&self) {
-        let _ = self.shutdown(std::net::Shutdown::Both);
-    }
-}
+pumpable!(std::net::TcpStream, UnixStream);
 
 /// Runs the handshake on `s` before `until`, then starts the pump; returns the plaintext end.
 fn establish<S: Pumpable>(

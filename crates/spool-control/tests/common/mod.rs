@@ -548,6 +548,31 @@ pub mod raw;
 
 // Sending volumes between two spoolds (tests/send.rs, tests/tls.rs).
 
+/// Each spoold's config: the same volume on both hosts (the destination's is created by
+/// hand, as docs/transfer.md says).
+#[allow(dead_code)]
+pub const CONFIG: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[[volumes]]
+name = "v"
+size = "16M"
+num_queues = 1
+"#;
+
+/// The destination's config for a send through its transfer listener: no volume (the
+/// hello creates it), a listener on a free port of 127.0.0.1, this host the only peer.
+#[allow(dead_code)]
+pub const LISTENING: &str = r#"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "64M"
+[transfer]
+listen = "127.0.0.1:0"
+peers = ["127.0.0.1"]
+"#;
+
 /// Waits (up to 120 s) until `volume send v` says the copy is current.
 #[allow(dead_code)]
 pub fn wait_current(a: &Spoold, b: &Spoold) {
@@ -598,4 +623,17 @@ pub fn transfer_port(b: &Spoold) -> u16 {
         assert!(t.elapsed() < Duration::from_secs(10), "no listener:\n{log}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A new CA and its server (127.0.0.1, localhost) and client certificates in `dir`, made by
+/// `scripts/tls-certs.sh` (openssl).
+#[allow(dead_code)]
+pub fn tls_credentials(dir: &Path) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/tls-certs.sh");
+    let out = Command::new(script).arg(dir).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
