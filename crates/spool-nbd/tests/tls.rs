@@ -158,3 +158,67 @@ fn standard_clients_read_an_export_over_tls_and_others_get_nothing() {
     c.stream.read_exact(&mut got).unwrap();
     assert!(got[..] == want[4096..4096 + 8192]);
 }
+
+/// Before TLS a server answers nothing but `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT`: any
+/// other option is refused with `NBD_REP_ERR_TLS_REQD` (nothing of the export said), one
+/// longer than any option before TLS ends the connection, and so does
+/// `NBD_OPT_EXPORT_NAME` (it cannot be refused otherwise).
+#[test]
+#[ignore = "needs openssl (scripts/install-deps.sh installs it)"]
+fn before_tls_only_starttls_is_answered() {
+    use std::io::{Read, Write};
+    let d = tempfile::tempdir().unwrap();
+    credentials(d.path());
+    let tls = ServerTls::load(d.path()).unwrap();
+    let listen = Listen::parse("127.0.0.1:0").unwrap();
+    let s = Server::start_tls(listen, None, Arc::new(Pattern), None, Some(tls)).unwrap();
+    let opt = |n: u32, data: &[u8]| {
+        let mut o = 0x4948_4156_454f_5054u64.to_be_bytes().to_vec();
+        o.extend_from_slice(&n.to_be_bytes());
+        o.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        o.extend_from_slice(data);
+        o
+    };
+    let open = || {
+        let mut c = std::net::TcpStream::connect(s.listen.to_string()).unwrap();
+        c.set_read_timeout(Some(std::time::Duration::from_secs(15)))
+            .unwrap();
+        let mut g = [0u8; 18];
+        c.read_exact(&mut g).unwrap();
+        c.write_all(&[0, 0, 0, 3]).unwrap();
+        c
+    };
+    let closed = |c: &mut std::net::TcpStream| {
+        let mut b = [0u8; 64];
+        match c.read(&mut b) {
+            Ok(0) => true,
+            // A reset (unread bytes were pending) ends it too; a timeout does not.
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+            Ok(_) => false,
+        }
+    };
+    // NBD_OPT_GO for the export, NBD_OPT_LIST: refused, and the connection goes on.
+    let mut c = open();
+    let mut go = (8u32.to_be_bytes()).to_vec();
+    go.extend_from_slice(b"vol@snap\0\0");
+    for (n, data) in [(7u32, go.as_slice()), (3, &[][..])] {
+        c.write_all(&opt(n, data)).unwrap();
+        let mut r = [0u8; 20];
+        c.read_exact(&mut r).unwrap();
+        let kind = u32::from_be_bytes(r[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(r[16..20].try_into().unwrap());
+        assert_eq!(kind, (1 << 31) + 5, "option {n}: NBD_REP_ERR_TLS_REQD");
+        let mut msg = vec![0u8; len as usize];
+        c.read_exact(&mut msg).unwrap();
+    }
+    // An option of 5000 bytes before TLS: the connection ends.
+    c.write_all(&opt(3, &[0u8; 5000])).unwrap();
+    assert!(closed(&mut c), "an oversized option was read");
+    // NBD_OPT_EXPORT_NAME: closed, nothing of the export sent.
+    let mut c = open();
+    c.write_all(&opt(1, b"vol@snap")).unwrap();
+    assert!(closed(&mut c), "NBD_OPT_EXPORT_NAME was answered");
+}
