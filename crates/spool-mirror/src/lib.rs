@@ -19,6 +19,7 @@
 //! Must not know: volumes, extents or pool metadata (the pool describes the legs), virtio.
 
 pub mod bitmap;
+mod copy;
 mod gone;
 mod legio;
 mod op;
@@ -28,6 +29,8 @@ mod regions;
 mod resync;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_copy;
 #[cfg(test)]
 mod tests_flush;
 #[cfg(test)]

@@ -4,12 +4,8 @@
 //! (healthy while every region has a usable current leg), also during a long pass; the leg
 //! I/O that `verify` shares.
 //!
-//! A region is copied in pieces of [`COPY_PIECE`]; while a piece is read from the source and
-//! written to the targets no write is in flight in the region and none enters (writes wait in
-//! their queue: md's resync barrier), so the copy never lands older bytes over a newer write.
-//! The copy counts only if no write started in the region meanwhile (its generation is
-//! unchanged); otherwise it is copied again on a later pass. Reads never go to a leg stale in
-//! the region, so a copy in progress is never seen.
+//! Each region is copied by `copy.rs` (in pieces, writes kept out while one moves); reads
+//! never go to a leg stale in the region, so a copy in progress is never seen.
 //!
 //! Owns: [`Progress`]. Must not know: the data path's queues, the pool.
 
@@ -18,7 +14,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, sync_source, INTENT, SYNC_SOURCE};
-use super::legio::{leg_read, leg_write, leg_zeroes, AlignedBuf, LegIo};
+use super::copy::copy_region;
+use super::legio::{leg_read, leg_write, AlignedBuf, LegIo};
 use super::{Shared, MAX_LEGS, MISSING};
 use spool_devices::{Error, HealthState, Result};
 
@@ -26,11 +23,6 @@ use spool_devices::{Error, HealthState, Result};
 const IDLE_TICK: Duration = Duration::from_millis(200);
 /// A region's intent bit is cleared after this long without a new write there.
 const CLEAR_AFTER: Duration = Duration::from_secs(1);
-/// Longest wait for a region's writes to drain before the copy moves on to other regions.
-const DRAIN_WAIT: Duration = Duration::from_millis(20);
-/// The copy moves a region this much at a time, keeping writes out of the region meanwhile:
-/// short enough that a write waiting for it waits about one device write.
-const COPY_PIECE: u64 = 256 << 10;
 
 /// What the copying has done since it last started.
 #[derive(Default)]
@@ -322,98 +314,6 @@ pub(super) fn region_range(shared: &Shared, r: usize) -> (u64, u64) {
     shared.region_range(r)
 }
 
-/// Waits (briefly) until no write is in flight in region `r`; returns the generation seen
-/// before, or `None` when writes kept coming.
-pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
-    let t0 = Instant::now();
-    loop {
-        let g = shared.regions.gens[r].load(Ordering::SeqCst);
-        if shared.regions.writes[r].load(Ordering::SeqCst) & !super::FLAGS == 0 {
-            return Some(g);
-        }
-        if t0.elapsed() > DRAIN_WAIT {
-            return None;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
-
-/// Copies region `r` from leg `source` to the legs in `targets`; true when the copy counts
-/// (no write reached the region meanwhile). An out-of-sync region is in sync afterwards: the
-/// legs copied to agree with the source, and the legs that were not (not usable now) are
-/// marked stale there, so they are copied to before they are read.
-fn copy_region(
-    shared: &Shared,
-    io: &mut LegIo,
-    buf: &mut AlignedBuf,
-    (r, source, targets): (usize, u8, u8),
-) -> Result<bool> {
-    let Some(g) = quiet_gen(shared, r) else {
-        return Ok(false);
-    };
-    let (off, len) = region_range(shared, r);
-    if targets != 0 {
-        let mut written = Vec::new();
-        let mut at = 0;
-        while at < len {
-            let n = COPY_PIECE.min(len - at);
-            let Some(_held) = HeldForCopy::wait(shared, r) else {
-                return Ok(false);
-            };
-            let buf = buf.get(n as usize);
-            leg_read(shared, io, source, off + at, buf)?;
-
-            // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
-            // (a fresh volume sent to another host is mostly zeroes).
-            let zeroes = all_zero(buf);
-            for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
-                if shared.stop.load(Ordering::Acquire) {
-                    return Ok(false); // dropped meanwhile: its space may be given back
-                }
-                let piece = (t, off + at, n);
-                if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
-                    shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);
-                } else if !zeroes {
-                    leg_write(shared, io, t, off + at, Some(&mut *buf), n, &mut written)?;
-                }
-            }
-            at += n;
-        }
-        for d in written {
-            io.flush(shared, d)?;
-        }
-    }
-    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
-        return Ok(false);
-    }
-    let others = shared.all_slots() & !targets & !stale(source);
-    let (_, after) = shared.regions.update(r, |b| match sync_source(b) {
-        Some(s) if s == source => (b & !targets & !SYNC_SOURCE) | others,
-        Some(_) => b,
-        None => b & !targets,
-    });
-    if sync_source(after).is_some() {
-        // The source moved meanwhile (its leg failed): copied again from the new one.
-        return Ok(false);
-    }
-    if others != 0 {
-        shared.regions.bitmap.sync(r, r);
-    }
-    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
-        // A write came in between: it may have found a target unusable and marked it.
-        let usable = shared.usable(shared.healthy(), off, len);
-        shared.regions.mark(r, targets & !usable);
-    }
-    Ok(true)
-}
-
-/// Whether `buf` holds only zero bytes (page by page, so a piece of data stops at its first
-/// page; each page's test is a branch-free OR the compiler vectorises).
-pub(crate) fn all_zero(buf: &[u8]) -> bool {
-    buf.chunks(4096)
-        .all(|page| page.iter().fold(0u8, |acc, &b| acc | b) == 0)
-}
-
 /// Clears the intent bit of regions without a write for [`CLEAR_AFTER`].
 fn clear_pass(shared: &Shared, seen: &mut Vec<(u32, Instant)>) {
     let n = shared.regions.bitmap.regions();
@@ -429,35 +329,6 @@ fn clear_pass(shared: &Shared, seen: &mut Vec<(u32, Instant)>) {
         } else if now.duration_since(s.1) >= CLEAR_AFTER {
             shared.regions.try_clear_intent(r, g);
         }
-    }
-}
-
-/// Region `r` held for one piece of a copy (no write in flight or entering), until dropped.
-struct HeldForCopy<'a> {
-    shared: &'a Shared,
-    r: usize,
-}
-
-impl<'a> HeldForCopy<'a> {
-    /// Waits (briefly: [`DRAIN_WAIT`]) for the writes in flight or waiting in region `r`
-    /// to be done and holds it; `None` when writes kept coming (the region is copied on a
-    /// later pass).
-    fn wait(shared: &'a Shared, r: usize) -> Option<HeldForCopy<'a>> {
-        let t0 = Instant::now();
-        while !shared.regions.hold_for_copy(r) {
-            if t0.elapsed() > DRAIN_WAIT {
-                shared.regions.forget_waiter(r);
-                return None;
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        Some(HeldForCopy { shared, r })
-    }
-}
-
-impl Drop for HeldForCopy<'_> {
-    fn drop(&mut self) {
-        self.shared.regions.release_copy(self.r);
     }
 }
 

@@ -7,8 +7,9 @@
 use std::sync::atomic::Ordering;
 
 use super::bitmap::{stale, sync_source};
+use super::copy::quiet_gen;
 use super::legio::{leg_read, AlignedBuf, LegIo};
-use super::resync::{quiet_gen, region_range};
+use super::resync::region_range;
 use super::{Shared, MAX_LEGS};
 use spool_devices::Result;
 

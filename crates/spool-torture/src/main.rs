@@ -32,6 +32,14 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    // The pool's own log, only when asked for (RUST_LOG=spool_mirror=debug…): read beside
+    // SPOOL_TORTURE_TRACE's steps when a failing case is studied.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let first = args.seed.unwrap_or_else(|| {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         t.map_or(1, |d| d.as_nanos() as u64 % 1_000_000_007)

@@ -8,8 +8,6 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use spool_devices::{FaultEffect, FaultOps, FaultRule};
-
 use crate::case::{Case, Step};
 use crate::engine::{Engine, Kind as Io, Request};
 use crate::model::{check_allowed, decode, stamp, widen_sets, Model, Wrong, ANY, SECTOR, ZERO};
@@ -102,8 +100,13 @@ pub fn run(case: &Case, dir: &Path) -> Result<Summary, Failure> {
         snap_hist: HashMap::new(),
     };
     r.open_engine().map_err(fail(0))?;
+    // Each step as it starts, to set beside the pool's log (RUST_LOG) when a case is read.
+    let trace = std::env::var_os("SPOOL_TORTURE_TRACE").is_some();
     for (i, st) in case.steps.iter().enumerate() {
         r.step = i;
+        if trace {
+            eprintln!("step {}: {st:?}", i + 1);
+        }
         r.one(st).map_err(fail(i))?;
     }
     r.step = case.steps.len();
@@ -159,7 +162,7 @@ impl Runner {
                 write,
                 count,
             } => {
-                self.fault(dev, meta, write, count);
+                self.world.fault(dev, meta, write, count);
                 Ok(())
             }
             Step::Restart => self.restart(),
@@ -534,26 +537,6 @@ impl Runner {
             // unsure may come back at a restart; it is not checked).
             Err(_) => Ok(()),
         }
-    }
-
-    fn fault(&mut self, dev: usize, meta: bool, write: bool, count: u64) {
-        let devices = self.world.pool().device_handles();
-        let (_, d) = &devices[dev % devices.len()];
-        let ops = match (meta, write) {
-            (true, true) => FaultOps::MetaWrite,
-            (true, false) => FaultOps::MetaRead,
-            (false, true) => FaultOps::Write,
-            (false, false) => FaultOps::Read,
-        };
-        d.faults().add(FaultRule {
-            effect: FaultEffect::Errno(libc::EIO),
-            ops,
-            offset: 0,
-            len: 0,
-            count: Some(count),
-            duration: None,
-            fails_probe: false,
-        });
     }
 
     /// Gives up what is in flight, cuts the power (each device keeps what its flushes

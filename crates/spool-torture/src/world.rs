@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use spool_devices::{FaultEffect, FaultOps, FaultRule};
 use spool_pool::{DeviceSpec, Pool, PoolOptions};
 
 use crate::model::Wrong;
@@ -258,5 +259,27 @@ impl World {
     /// The pool (open but while `reopen` runs).
     pub fn pool(&mut self) -> &mut Pool {
         self.pool.as_mut().expect("the pool is open")
+    }
+
+    /// Arms a fault on device `dev` (modulo their number): its next `count` data or
+    /// metadata reads or writes fail with EIO.
+    pub fn fault(&mut self, dev: usize, meta: bool, write: bool, count: u64) {
+        let devices = self.pool().device_handles();
+        let (_, d) = &devices[dev % devices.len()];
+        let ops = match (meta, write) {
+            (true, true) => FaultOps::MetaWrite,
+            (true, false) => FaultOps::MetaRead,
+            (false, true) => FaultOps::Write,
+            (false, false) => FaultOps::Read,
+        };
+        d.faults().add(FaultRule {
+            effect: FaultEffect::Errno(libc::EIO),
+            ops,
+            offset: 0,
+            len: 0,
+            count: Some(count),
+            duration: None,
+            fails_probe: false,
+        });
     }
 }

@@ -1,0 +1,161 @@
+//! Copying one region of a mirror from a source leg to target legs, piece by piece, with
+//! writes kept out of the region while each piece moves (md's resync barrier, writes first).
+//! A copy counts only if no write reached the region meanwhile, and it never copies from a
+//! source that a write missed after the source was chosen: it would land older bytes over
+//! the only leg holding that write.
+//!
+//! Owns: one region's copy. Must not know: which regions need copying (the background
+//! thread's pass, `resync.rs`), the data path's queues.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::bitmap::{stale, sync_source, SYNC_SOURCE};
+use super::legio::{leg_read, leg_write, leg_zeroes, AlignedBuf, LegIo};
+use super::{Shared, MAX_LEGS};
+use spool_devices::Result;
+
+/// Longest wait for a region's writes to drain before the copy moves on to other regions.
+const DRAIN_WAIT: Duration = Duration::from_millis(20);
+/// The copy moves a region this much at a time, keeping writes out of the region meanwhile:
+/// short enough that a write waiting for it waits about one device write.
+const COPY_PIECE: u64 = 256 << 10;
+
+/// Waits (briefly) until no write is in flight in region `r`; returns the generation seen
+/// before, or `None` when writes kept coming.
+pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
+    let t0 = Instant::now();
+    loop {
+        let g = shared.regions.gens[r].load(Ordering::SeqCst);
+        if shared.regions.writes[r].load(Ordering::SeqCst) & !super::FLAGS == 0 {
+            return Some(g);
+        }
+        if t0.elapsed() > DRAIN_WAIT {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Copies region `r` from leg `source` to the legs in `targets`; true when the copy counts
+/// (no write reached the region meanwhile). An out-of-sync region is in sync afterwards: the
+/// legs copied to agree with the source, and the legs that were not (not usable now) are
+/// marked stale there, so they are copied to before they are read.
+pub(crate) fn copy_region(
+    shared: &Shared,
+    io: &mut LegIo,
+    buf: &mut AlignedBuf,
+    (r, source, targets): (usize, u8, u8),
+) -> Result<bool> {
+    let Some(g) = quiet_gen(shared, r) else {
+        return Ok(false);
+    };
+    // The source was chosen from the region's byte before its writes drained: one in flight
+    // then may have failed on the source since (marking it stale there) and reached the
+    // targets, which the copy would overwrite with the older bytes. Chosen again next pass.
+    if !still_source(shared, r, source) {
+        return Ok(false);
+    }
+    let (off, len) = shared.region_range(r);
+    if targets != 0 {
+        let mut written = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let n = COPY_PIECE.min(len - at);
+            let Some(_held) = HeldForCopy::wait(shared, r) else {
+                return Ok(false);
+            };
+            // A write between two pieces may have missed the source (the same overwrite):
+            // the copy counts for nothing then, so it stops before the next piece.
+            if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+                return Ok(false);
+            }
+            let buf = buf.get(n as usize);
+            leg_read(shared, io, source, off + at, buf)?;
+
+            // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
+            // (a fresh volume sent to another host is mostly zeroes).
+            let zeroes = all_zero(buf);
+            for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
+                if shared.stop.load(Ordering::Acquire) {
+                    return Ok(false); // dropped meanwhile: its space may be given back
+                }
+                let piece = (t, off + at, n);
+                if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
+                    shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);
+                } else if !zeroes {
+                    leg_write(shared, io, t, off + at, Some(&mut *buf), n, &mut written)?;
+                }
+            }
+            at += n;
+        }
+        for d in written {
+            io.flush(shared, d)?;
+        }
+    }
+    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+        return Ok(false);
+    }
+    let others = shared.all_slots() & !targets & !stale(source);
+    let (_, after) = shared.regions.update(r, |b| match sync_source(b) {
+        Some(s) if s == source => (b & !targets & !SYNC_SOURCE) | others,
+        Some(_) => b,
+        None => b & !targets,
+    });
+    if sync_source(after).is_some() {
+        // The source moved meanwhile (its leg failed): copied again from the new one.
+        return Ok(false);
+    }
+    if others != 0 {
+        shared.regions.bitmap.sync(r, r);
+    }
+    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+        // A write came in between: it may have found a target unusable and marked it.
+        let usable = shared.usable(shared.healthy(), off, len);
+        shared.regions.mark(r, targets & !usable);
+    }
+    Ok(true)
+}
+
+/// Whether leg `source` may still be copied from in region `r`: not stale there, and the
+/// region's read source if it is out of sync.
+fn still_source(shared: &Shared, r: usize, source: u8) -> bool {
+    let byte = shared.regions.bitmap.byte(r).load(Ordering::Acquire);
+    byte & stale(source) == 0 && sync_source(byte).is_none_or(|s| s == source)
+}
+
+/// Whether `buf` holds only zero bytes (page by page, so a piece of data stops at its first
+/// page; each page's test is a branch-free OR the compiler vectorises).
+pub(crate) fn all_zero(buf: &[u8]) -> bool {
+    buf.chunks(4096)
+        .all(|page| page.iter().fold(0u8, |acc, &b| acc | b) == 0)
+}
+
+/// Region `r` held for one piece of a copy (no write in flight or entering), until dropped.
+struct HeldForCopy<'a> {
+    shared: &'a Shared,
+    r: usize,
+}
+
+impl<'a> HeldForCopy<'a> {
+    /// Waits (briefly: [`DRAIN_WAIT`]) for the writes in flight or waiting in region `r`
+    /// to be done and holds it; `None` when writes kept coming (the region is copied on a
+    /// later pass).
+    fn wait(shared: &'a Shared, r: usize) -> Option<HeldForCopy<'a>> {
+        let t0 = Instant::now();
+        while !shared.regions.hold_for_copy(r) {
+            if t0.elapsed() > DRAIN_WAIT {
+                shared.regions.forget_waiter(r);
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Some(HeldForCopy { shared, r })
+    }
+}
+
+impl Drop for HeldForCopy<'_> {
+    fn drop(&mut self) {
+        self.shared.regions.release_copy(self.r);
+    }
+}
