@@ -9,10 +9,9 @@
 //! Must not know: where key material comes from (files, credentials, commands: the control
 //! plane reads them), the pool table's format.
 
-use aes::cipher::generic_array::GenericArray;
-use aes::cipher::{BlockEncrypt, KeyInit};
-use aes::Aes256;
-use aes_kw::KekAes256;
+use aes::cipher::{BlockCipherEncrypt, KeyInit};
+use aes::{Aes256, Block};
+use aes_kw::KwAes256;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use zeroize::{Zeroize, Zeroizing};
@@ -95,9 +94,11 @@ impl Kek {
     /// A name for the key that reveals nothing of it: the first 8 bytes of AES-256 under the
     /// key of a fixed block, in hex (a key check value).
     pub fn id(&self) -> String {
-        let mut block = GenericArray::clone_from_slice(b"spool kek check\0");
+        let mut block = Block::from(*b"spool kek check\0");
         crate::locked::scrubbed(|| {
-            Aes256::new(GenericArray::from_slice(&self.key[..])).encrypt_block(&mut block)
+            Aes256::new_from_slice(&self.key[..])
+                .expect("a key-encryption key is 32 bytes")
+                .encrypt_block(&mut block)
         });
         block[..8].iter().map(|b| format!("{b:02x}")).collect()
     }
@@ -128,8 +129,9 @@ impl Kek {
     pub fn wrap(&self, data_key: &DataKey) -> [u8; WRAPPED_LEN] {
         let mut out = [0u8; WRAPPED_LEN];
         crate::locked::scrubbed(|| {
-            KekAes256::new(GenericArray::from_slice(&self.key[..]))
-                .wrap(&data_key.key[..], &mut out)
+            KwAes256::new_from_slice(&self.key[..])
+                .expect("a key-encryption key is 32 bytes")
+                .wrap_key(&data_key.key[..], &mut out)
                 .expect("a 64-byte key wraps into 72 bytes");
         });
         out
@@ -145,8 +147,9 @@ impl Kek {
         }
         let mut key = Locked::new([0u8; XTS_KEY_LEN]);
         let unwrapped = crate::locked::scrubbed(|| {
-            KekAes256::new(GenericArray::from_slice(&self.key[..]))
-                .unwrap(wrapped, &mut key[..])
+            KwAes256::new_from_slice(&self.key[..])
+                .expect("a key-encryption key is 32 bytes")
+                .unwrap_key(wrapped, &mut key[..])
                 .is_ok()
         });
         if !unwrapped {

@@ -1,7 +1,7 @@
 //! Per-volume encryption at rest (docs/encryption.md).
 //!
 //! Owns: the data cipher (`xts`: AES-XTS-256 over 512-byte sectors, dm-crypt's
-//! `aes-xts-plain64`), keys (`keys`: the key-encryption key an operator gives spoold, data keys
+//! `aes-xts-plain64`; `xts_wide`: the same on VAES-512 where the CPU has it), keys (`keys`: the key-encryption key an operator gives spoold, data keys
 //! wrapped under it with AES key wrap, key ids), memory for keys (`locked`: out of swap and
 //! core dumps, zeroed on drop), and [`CryptQueue`] (`queue`: a device queue over another that
 //! writes only ciphertext, with the volume's sector as the tweak).
@@ -15,6 +15,7 @@ mod keys;
 mod locked;
 mod queue;
 mod xts;
+mod xts_wide;
 
 pub use keys::{from_hex, to_hex, DataKey, Kek, KeyError, KEK_LEN, WRAPPED_LEN};
 pub use locked::Locked;
