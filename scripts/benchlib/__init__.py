@@ -226,12 +226,14 @@ class Qsd(Server):
     """qemu-storage-daemon in DIR exporting `blockdev` (node "base") over vhost-user-blk: the whole
     node, or with `parts` [(offset, size), ...] one raw node on it and one export per part (every
     node before any export: QEMU 7.2 aborts when a raw node is added on a file node an iothread
-    export already moved to its context). Sockets DIR/v{i}.sock, log DIR/qsd.log."""
+    export already moved to its context). Sockets DIR/v{i}.sock, log DIR/qsd.log. `objects`: more
+    --object values (a LUKS image's secret)."""
 
-    def __init__(self, dir, blockdev, parts=None, iothread=False, queues=None, settle=0.1):
+    def __init__(self, dir, blockdev, parts=None, iothread=False, queues=None, settle=0.1, objects=()):
         os.makedirs(dir, exist_ok=True)
         self.dir, self.log = dir, os.path.join(dir, "qsd.log")
-        cmd = ["qemu-storage-daemon", "--blockdev", blockdev] + (["--object", "iothread,id=io0"] if iothread else [])
+        cmd = ["qemu-storage-daemon", *[x for o in objects for x in ("--object", o)], "--blockdev", blockdev]
+        cmd += ["--object", "iothread,id=io0"] if iothread else []
         nodes = [f"v{i}" for i in range(len(parts))] if parts else ["base"]
         for node, (offset, size) in zip(nodes, parts or []):
             cmd += ["--blockdev", f"driver=raw,node-name={node},file=base,offset={offset},size={size}"]
