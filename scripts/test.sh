@@ -20,11 +20,14 @@ SPOOL_E2E=1 cargo test --workspace -- --include-ignored --skip migration_soak
 echo "== the guest kill, upgrade, stop and migration tests again on QEMU 10.0 (bookworm-backports)"
 # (Not the systemd test: what it adds to the keeper test below, systemd's descriptor store,
 # does not depend on QEMU's version; nor the plain fio verify test, whose job the kill and
-# upgrade tests run too: dropped here to keep CI under 40 minutes.)
+# upgrade tests run too; and the live migration of a VM with its local volume rather than
+# the RBD one: the same vhost-user migration on QEMU's side in a sixth of the time, the
+# RBD lock handoff being spoold's alone. Dropped here to keep CI under 40 minutes.)
+# --workspace, as above: `-p spool-control` alone resolves other features and rebuilds.
 q10=$(scripts/install-qemu10.sh)
 SPOOL_E2E=1 SPOOL_QEMU=$q10 SPOOL_QEMU_DATA=$(dirname "$(dirname "$q10")")/share/qemu \
-    cargo test -p spool-control --test e2e_qemu --test migration -- --include-ignored \
-    vm_survives vm_stopped a_vm_on_rbd
+    cargo test --workspace --test e2e_qemu --test migration -- --include-ignored \
+    vm_survives vm_stopped a_vm_moves
 echo "== userspace NVMe driver in a TCG guest (VFIO, intel-iommu, QEMU's emulated NVMe)"
 python3 scripts/test-nvme.py
 echo "== fuzz smoke"
