@@ -65,9 +65,12 @@ pub(crate) fn copy_region(
             let Some(_held) = HeldForCopy::wait(shared, r) else {
                 return Ok(false);
             };
-            // A write between two pieces may have missed the source (the same overwrite):
-            // the copy counts for nothing then, so it stops before the next piece.
-            if shared.regions.gens[r].load(Ordering::SeqCst) != g {
+            // A write between two pieces may have missed the source (the same overwrite),
+            // and a flush the source's device failed makes it stale without any write: the
+            // copy counts for nothing then, so it stops before the next piece.
+            if shared.regions.gens[r].load(Ordering::SeqCst) != g
+                || !still_source(shared, r, source)
+            {
                 return Ok(false);
             }
             let buf = buf.get(n as usize);
@@ -93,26 +96,30 @@ pub(crate) fn copy_region(
             io.flush(shared, d)?;
         }
     }
+    // The targets become current under a hold of the region, so no write can enter between
+    // the last check and the change: one that failed on a target then would mark it stale
+    // in vain (it is still), and the change would clear that.
+    let Some(_held) = HeldForCopy::wait(shared, r) else {
+        return Ok(false);
+    };
     if shared.regions.gens[r].load(Ordering::SeqCst) != g {
         return Ok(false);
     }
     let others = shared.all_slots() & !targets & !stale(source);
     let (_, after) = shared.regions.update(r, |b| match sync_source(b) {
+        // A flush the source missed marks it without a hold: checked in the change itself.
+        _ if b & stale(source) != 0 => b,
         Some(s) if s == source => (b & !targets & !SYNC_SOURCE) | others,
         Some(_) => b,
         None => b & !targets,
     });
-    if sync_source(after).is_some() {
-        // The source moved meanwhile (its leg failed): copied again from the new one.
+    if sync_source(after).is_some() || after & stale(source) != 0 {
+        // The source moved meanwhile (its leg failed), or it missed a flush: copied again
+        // from the leg that serves then.
         return Ok(false);
     }
     if others != 0 {
         shared.regions.bitmap.sync(r, r);
-    }
-    if shared.regions.gens[r].load(Ordering::SeqCst) != g {
-        // A write came in between: it may have found a target unusable and marked it.
-        let usable = shared.usable(shared.healthy(), off, len);
-        shared.regions.mark(r, targets & !usable);
     }
     Ok(true)
 }
