@@ -119,21 +119,28 @@ impl WideKeys {
     }
 }
 
+/// `w` XORed with itself shifted by one, two and three words: each word of the result is the
+/// XOR of the words up to it (the key schedule's running XOR over a round key's words).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "aes")]
+fn running_xor(w: __m128i) -> __m128i {
+    let mut t = w;
+    let mut s = _mm_slli_si128::<4>(w);
+    t = _mm_xor_si128(t, s);
+    s = _mm_slli_si128::<4>(s);
+    t = _mm_xor_si128(t, s);
+    s = _mm_slli_si128::<4>(s);
+    _mm_xor_si128(t, s)
+}
+
 /// One step of the AES-256 key schedule (Intel's white paper, figure 33): the next even
 /// round key from the last two and the key-generation assist of the odd one.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "aes")]
 fn next_even(prev: __m128i, assist: __m128i) -> __m128i {
-    let assist = _mm_shuffle_epi32::<0xff>(assist);
-    let mut t = prev;
-    let mut s = _mm_slli_si128::<4>(prev);
-    t = _mm_xor_si128(t, s);
-    s = _mm_slli_si128::<4>(s);
-    t = _mm_xor_si128(t, s);
-    s = _mm_slli_si128::<4>(s);
-    t = _mm_xor_si128(t, s);
-    _mm_xor_si128(t, assist)
+    _mm_xor_si128(running_xor(prev), _mm_shuffle_epi32::<0xff>(assist))
 }
 
 /// The next odd round key from the odd one before and the even one just made.
@@ -142,14 +149,7 @@ fn next_even(prev: __m128i, assist: __m128i) -> __m128i {
 #[target_feature(enable = "aes")]
 fn next_odd(prev: __m128i, even: __m128i) -> __m128i {
     let assist = _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0>(even));
-    let mut t = prev;
-    let mut s = _mm_slli_si128::<4>(prev);
-    t = _mm_xor_si128(t, s);
-    s = _mm_slli_si128::<4>(s);
-    t = _mm_xor_si128(t, s);
-    s = _mm_slli_si128::<4>(s);
-    t = _mm_xor_si128(t, s);
-    _mm_xor_si128(t, assist)
+    _mm_xor_si128(running_xor(prev), assist)
 }
 
 /// AES-256's 15 encryption round keys of `key` (FIPS-197 §5.2).
