@@ -56,45 +56,8 @@ pub(crate) fn copy_region(
     if !still_source(shared, r, source) {
         return Ok(false);
     }
-    let (off, len) = shared.region_range(r);
-    if targets != 0 {
-        let mut written = Vec::new();
-        let mut at = 0;
-        while at < len {
-            let n = COPY_PIECE.min(len - at);
-            let Some(_held) = HeldForCopy::wait(shared, r) else {
-                return Ok(false);
-            };
-            // A write between two pieces may have missed the source (the same overwrite),
-            // and a flush the source's device failed makes it stale without any write: the
-            // copy counts for nothing then, so it stops before the next piece.
-            if shared.regions.gens[r].load(Ordering::SeqCst) != g
-                || !still_source(shared, r, source)
-            {
-                return Ok(false);
-            }
-            let buf = buf.get(n as usize);
-            leg_read(shared, io, source, off + at, buf)?;
-
-            // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
-            // (a fresh volume sent to another host is mostly zeroes).
-            let zeroes = all_zero(buf);
-            for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
-                if shared.stop.load(Ordering::Acquire) {
-                    return Ok(false); // dropped meanwhile: its space may be given back
-                }
-                let piece = (t, off + at, n);
-                if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
-                    shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);
-                } else if !zeroes {
-                    leg_write(shared, io, t, off + at, Some(&mut *buf), n, &mut written)?;
-                }
-            }
-            at += n;
-        }
-        for d in written {
-            io.flush(shared, d)?;
-        }
+    if targets != 0 && !copy_pieces(shared, io, buf, (r, source, targets), g)? {
+        return Ok(false);
     }
     // The targets become current under a hold of the region, so no write can enter between
     // the last check and the change: one that failed on a target then would mark it stale
@@ -120,6 +83,55 @@ pub(crate) fn copy_region(
     }
     if others != 0 {
         shared.regions.bitmap.sync(r, r);
+    }
+    Ok(true)
+}
+
+/// Copies region `r` piece by piece from `source` to `targets` and flushes them; false when
+/// a write reached the region (its generation moved from `g`) or the source stopped being
+/// one, so the copy counts for nothing.
+fn copy_pieces(
+    shared: &Shared,
+    io: &mut LegIo,
+    buf: &mut AlignedBuf,
+    (r, source, targets): (usize, u8, u8),
+    g: u32,
+) -> Result<bool> {
+    let (off, len) = shared.region_range(r);
+    let mut written = Vec::new();
+    let mut at = 0;
+    while at < len {
+        let n = COPY_PIECE.min(len - at);
+        let Some(_held) = HeldForCopy::wait(shared, r) else {
+            return Ok(false);
+        };
+        // A write between two pieces may have missed the source (the same overwrite),
+        // and a flush the source's device failed makes it stale without any write: the
+        // copy counts for nothing then, so it stops before the next piece.
+        if shared.regions.gens[r].load(Ordering::SeqCst) != g || !still_source(shared, r, source) {
+            return Ok(false);
+        }
+        let buf = buf.get(n as usize);
+        leg_read(shared, io, source, off + at, buf)?;
+
+        // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
+        // (a fresh volume sent to another host is mostly zeroes).
+        let zeroes = all_zero(buf);
+        for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
+            if shared.stop.load(Ordering::Acquire) {
+                return Ok(false); // dropped meanwhile: its space may be given back
+            }
+            let piece = (t, off + at, n);
+            if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
+                shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);
+            } else if !zeroes {
+                leg_write(shared, io, t, off + at, Some(&mut *buf), n, &mut written)?;
+            }
+        }
+        at += n;
+    }
+    for d in written {
+        io.flush(shared, d)?;
     }
     Ok(true)
 }
