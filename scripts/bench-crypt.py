@@ -78,7 +78,7 @@ def luks_qsd(shm):
 def cipher_rates(secs):
     """spool-crypt's XTS on one core beside OpenSSL's, 4 KiB and 128 KiB, GB/s."""
     ex = os.path.join(b.bin_dir(), "examples", "xts_rate")
-    if not (b.BINS or os.environ.get("SPOOL_TARGET_DIR")):
+    if not b.prebuilt():
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "spool-crypt", "--example", "xts_rate"],
                        cwd=b.REPO, check=True)
     out = subprocess.run([ex, "--seconds", str(secs)], capture_output=True, text=True, check=True).stdout

@@ -10,7 +10,7 @@
 # sleeps (poll_idle_us is short), so only the measured one runs.
 # Also counts the journal's instructions per request with callgrind (deterministic).
 # Writes docs/benchmarks/journal-overhead.json and .md (about 6 minutes).
-#   usage: scripts/bench-journal.sh [--quick] [SECONDS per case, default 24]
+#   usage: [SPOOL_BIN_DIR=DIR] scripts/bench-journal.sh [--quick] [SECONDS per case, default 24]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -19,7 +19,9 @@ runtime=24; name=journal-overhead
 # numbers); it writes journal-overhead-quick.* instead of the committed results.
 if [[ "${1:-}" == "--quick" ]]; then runtime=1; name=journal-overhead-quick; shift; fi
 [[ -n "${1:-}" ]] && runtime=$1
-cargo build --release -q --bin spoold --bin spool-bench
+# $SPOOL_BIN_DIR names a build to use instead (CI's smoke: the debug build its tests made).
+bins=${SPOOL_BIN_DIR:-target/release}
+[[ -n "${SPOOL_BIN_DIR:-}" ]] || cargo build --release -q --bin spoold --bin spool-bench
 work=$(mktemp -d /dev/shm/spool-bench.XXXXXX)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null; rm -rf "$work"; }
@@ -45,12 +47,12 @@ name = "v"
 size = "512M"
 num_queues = 1
 EOC
-    target/release/spoold -c "$work/$mode.toml" --no-keeper >/dev/null 2>"$work/$mode.log" &
+    "$bins"/spoold -c "$work/$mode.toml" --no-keeper >/dev/null 2>"$work/$mode.log" &
     pids+=($!)
     for _ in $(seq 100); do [[ -S "$(sock $mode)" ]] && break; sleep 0.05; done
     [[ -S "$(sock $mode)" ]] || { echo "spoold ($mode) did not start" >&2; cat "$work/$mode.log" >&2; exit 1; }
     # Every block written once, so reads are served from allocated blocks, not holes.
-    [[ $mode == n* ]] || target/release/spool-bench --socket "$(sock $mode)" --rw write --bs 1048576 --iodepth 4 --fill --json >/dev/null
+    [[ $mode == n* ]] || "$bins"/spool-bench --socket "$(sock $mode)" --rw write --bs 1048576 --iodepth 4 --fill --json >/dev/null
 done
 out="$work/results.jsonl"
 # Each case is measured in REPS connections of runtime/REPS seconds, A and B swapped every
@@ -65,7 +67,7 @@ for c in "${cases[@]}"; do
     set -- $c
     for rep in $(seq "$reps"); do
         a=$1; b=$2; (( rep % 2 == 0 )) && { a=$2; b=$1; }
-        target/release/spool-bench --socket "$(sock "$a")" --compare "$(sock "$b")" --rw "$3" --iodepth "$4" \
+        "$bins"/spool-bench --socket "$(sock "$a")" --compare "$(sock "$b")" --rw "$3" --iodepth "$4" \
             --poll --runtime "$(python3 -c "print(max(0.2, $runtime / $reps))")" --label "$a-$b" --json >> "$out"
     done
 done
@@ -74,11 +76,11 @@ done
 # of 8 (what a poll round takes and completes at QD32).
 cg_n=100000; cg=""; [[ $name == *quick ]] && cg_n=10000
 if command -v valgrind >/dev/null; then
-    cargo build --release -q --example journal_cost
+    [[ -n "${SPOOL_BIN_DIR:-}" ]] || cargo build --release -q --example journal_cost
     for batch in 1 8; do
         for m in journal nojournal; do
             v=$(valgrind --tool=callgrind --callgrind-out-file=/dev/null \
-                target/release/examples/journal_cost $m $cg_n $batch 2>&1 | awk '/Collected/ {print $4}')
+                "$bins"/examples/journal_cost $m $cg_n $batch 2>&1 | awk '/Collected/ {print $4}')
             cg="$cg $batch:$m:$v"
         done
     done

@@ -35,6 +35,10 @@ echo "== fuzz smoke"
 scripts/fuzz.sh 10
 echo "== benchmark suite smoke (checks the suite runs, not its numbers)"
 python3 -c "import matplotlib" 2>/dev/null || pip install -q matplotlib
+# On the debug build the tests made (a release build would add about 3 minutes): the
+# smoke checks the scripts, not the numbers.
+cargo build --workspace --bins --examples
+export SPOOL_BIN_DIR=$PWD/target/debug
 python3 scripts/bench.py --quick
 python3 scripts/bench-restart.py --quick
 python3 scripts/bench-failures.py --quick

@@ -64,12 +64,19 @@ def workdir(prefix="spool-bench-", base="/dev/shm"):
     return d
 
 
-def bin_dir():
-    """Where the release binaries are: --bin-dir, else $SPOOL_TARGET_DIR/release when set (a build
-    outside the work tree, e.g. `CARGO_TARGET_DIR=/work/target-bench cargo build --release`), else
-    target/release of this checkout."""
+def prebuilt():
+    """The binaries' directory when one was named (--bin-dir, $SPOOL_BIN_DIR or $SPOOL_TARGET_DIR),
+    else None: the scripts then build target/release themselves."""
     t = os.environ.get("SPOOL_TARGET_DIR")
-    return BINS or (os.path.join(t, "release") if t else os.path.join(REPO, "target", "release"))
+    return BINS or os.environ.get("SPOOL_BIN_DIR") or (os.path.join(t, "release") if t else None)
+
+
+def bin_dir():
+    """Where the binaries are: --bin-dir, else $SPOOL_BIN_DIR (any build's directory: CI's smoke
+    runs use the debug build its tests made, target/debug), else $SPOOL_TARGET_DIR/release when set
+    (a build outside the work tree, e.g. `CARGO_TARGET_DIR=/work/target-bench cargo build
+    --release`), else target/release of this checkout."""
+    return prebuilt() or os.path.join(REPO, "target", "release")
 
 
 def binary(name):
@@ -77,10 +84,10 @@ def binary(name):
 
 
 def build(bins=("spoold", "spoolctl", "spool-bench")):
-    """`cargo build --release` of the binaries, unless --bin-dir or SPOOL_TARGET_DIR names a build
-    (which must then have them)."""
+    """`cargo build --release` of the binaries, unless a build was named (see prebuilt), which must
+    then have them."""
     flags = [x for b in bins for x in ("--bin", b)]
-    if not (BINS or os.environ.get("SPOOL_TARGET_DIR")):
+    if not prebuilt():
         subprocess.run(["cargo", "build", "--release", "-q", *flags], cwd=REPO, check=True)
     elif not all(os.access(binary(b), os.X_OK) for b in bins):
         sys.exit(f"{bin_dir()} lacks one of {bins}: cargo build --release {' '.join(flags)} there")
