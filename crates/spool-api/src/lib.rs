@@ -36,8 +36,8 @@ pub use thin::{
     SnapshotParams,
 };
 pub use transfer::{
-    ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams, TransferHello,
-    TransferKey, TransferReply, TRANSFER_VERSION,
+    ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams, TransferChallenge,
+    TransferHello, TransferKey, TransferReply, ANSWER_PROOF, HELLO_PROOF, TRANSFER_VERSION,
 };
 
 pub use check::CheckReport;

@@ -166,7 +166,8 @@ fn volume_qos_params_and_limits_on_the_wire() {
 fn a_transfer_hello_names_thin_only_for_thin_volumes() {
     let mut hello = TransferHello {
         version: TRANSFER_VERSION,
-        token: "t".repeat(16),
+        nonce: "ab".repeat(32),
+        proof: "cd".repeat(32),
         volume: "v".into(),
         size: 1 << 20,
         num_queues: 1,

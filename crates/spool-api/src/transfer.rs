@@ -17,6 +17,9 @@ pub struct ReceiveParams {
     pub nbd: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// With `token`: the largest volume the sender may send (and so create here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_size: Option<crate::SizeValue>,
 }
 
 /// `volume_receive_stop`: stop receiving volume `id`.
@@ -89,14 +92,30 @@ pub struct SendInfo {
     pub trouble: Option<String>,
 }
 
-/// What a sending spoold says first on a destination's transfer listener (one JSON line):
-/// the token, and the volume as the destination is to create it if it does not exist.
+/// What a destination's transfer listener says first (one JSON line): its version and a
+/// fresh nonce, which the sender's hello must carry and its proof cover (no hello replays).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferChallenge {
+    /// [`TRANSFER_VERSION`].
+    pub version: u32,
+    /// 32 random bytes, in hex.
+    pub nonce: String,
+}
+
+/// What a sending spoold says to the challenge (one JSON line): the volume as the
+/// destination is to create it if it does not exist, and the proof that it holds the
+/// token, which never crosses the network.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TransferHello {
     /// [`TRANSFER_VERSION`].
     pub version: u32,
-    pub token: String,
+    /// The challenge's nonce.
+    pub nonce: String,
+    /// HMAC-SHA256 (hex) under the token of the whole hello as JSON with this field and the
+    /// key's tag empty (`spool_crypt::proof`, purpose [`HELLO_PROOF`]): every field, the data
+    /// key included, is as the token's holder wrote it for this challenge.
+    pub proof: String,
     pub volume: String,
     pub size: u64,
     pub num_queues: u16,
@@ -132,8 +151,12 @@ pub struct TransferKey {
     pub tag: String,
 }
 
-/// The transfer hello's version.
-pub const TRANSFER_VERSION: u32 = 1;
+/// The transfer hello's version: 2 proves the token over a challenge's nonce (1 sent it).
+pub const TRANSFER_VERSION: u32 = 2;
+/// The purpose the hello's proof is made for.
+pub const HELLO_PROOF: &str = "spool transfer hello";
+/// The purpose the answer's proof is made for.
+pub const ANSWER_PROOF: &str = "spool transfer answer";
 
 /// The destination's answer (one JSON line): the NBD URI to send to, or why not.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -141,6 +164,10 @@ pub const TRANSFER_VERSION: u32 = 1;
 pub struct TransferReply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd: Option<String>,
+    /// With `nbd`: HMAC-SHA256 (hex) under the token of the nonce and `nbd` (purpose
+    /// [`ANSWER_PROOF`]), so the sender sends only where the token's other holder said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proof: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }

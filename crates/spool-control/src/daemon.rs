@@ -22,6 +22,7 @@ use crate::config::Config;
 mod devices;
 mod exports;
 mod failures;
+mod hello;
 mod keeper;
 mod methods;
 mod mirrors;
@@ -35,6 +36,7 @@ mod thin;
 mod transfer;
 mod volumes;
 
+pub use hello::{answer_proof, hello_proof};
 pub use keeper::Keeping;
 pub use methods::method_table;
 pub use startup::StartError;

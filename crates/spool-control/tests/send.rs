@@ -6,14 +6,15 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use common::{
-    connect, ctl, ctl_err, pattern, reads_back, transfer_port, wait_current, Spoold, CONFIG,
+    connect, ctl, ctl_err, hello, pattern, reads_back, transfer_port, wait_current, Spoold, CONFIG,
     LISTENING,
 };
 use serde_json::json;
+use spool_control::api;
 
 const MIB: usize = 1 << 20;
 
@@ -247,25 +248,19 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
     reads_back(&b, &data);
 
     // The transfer ended when B's frontend started: the token opens nothing again.
-    let hello = |line: &str| {
-        let mut s = std::net::TcpStream::connect(&to).unwrap();
-        s.write_all(line.as_bytes()).unwrap();
-        let mut answer = String::new();
-        s.read_to_string(&mut answer).unwrap();
-        answer
-    };
-    let again = format!(
-        "{{\"version\":1,\"token\":\"{token}\",\"volume\":\"v\",\"size\":16777216,\"num_queues\":1,\"copies\":1}}\n"
-    );
-    let answer = hello(&again);
+    let say = |h: api::TransferHello| hello::say(&to, token, h);
+    let again = || hello::plain("v", 16 << 20);
+    let answer = say(again());
     assert!(answer.contains("has ended"), "{answer}");
-    assert!(hello("not json\n").contains("a bad hello"));
+    assert!(hello::say_raw(&to, |_| "not json\n".into()).contains("a bad hello"));
     // A name with a line break cannot forge a line of B's log.
-    let forged = again.replace("\"volume\":\"v\"", "\"volume\":\"v\\nERROR forged line\"");
-    assert!(!hello(&forged).is_empty());
+    assert!(!say(hello::plain("v\nERROR forged line", 1 << 20)).is_empty());
     assert!(!b.log().contains("\nERROR forged line"), "{}", b.log());
     assert!(b.log().contains("v\\nERROR forged line"), "{}", b.log());
-    assert!(hello(&again.replace("\"version\":1", "\"version\":9")).contains("version 9"));
+    let v9 = hello::say_raw(&to, |n| {
+        hello::proved(token, n, again()).replace("\"version\":2", "\"version\":9")
+    });
+    assert!(v9.contains("version 9"), "{v9}");
     // An existing volume may be expected too; --stop forgets it.
     let out = ctl(
         &b,
@@ -276,7 +271,7 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
         "{out}"
     );
     ctl(&b, &["volume", "receive", "v", "--stop"]);
-    assert!(hello(&again).contains("no transfer of volume 'v'"));
+    assert!(say(again()).contains("no transfer of volume 'v'"));
 
     // A volume received by hand is not exported a second time for a hello: the second
     // export would write on after `--stop` (or a delete) ended the first.
@@ -284,10 +279,7 @@ fn a_volume_is_sent_through_the_transfer_listener_with_a_token() {
     let by_hand = format!("unix:{}", b.dir.path().join("w.nbd").display());
     ctl(&b, &["volume", "receive", "w", "--nbd", &by_hand]);
     ctl(&b, &["volume", "receive", "w", "--token", token]);
-    let w = again
-        .replace("\"volume\":\"v\"", "\"volume\":\"w\"")
-        .replace("16777216", "4194304");
-    let answer = hello(&w);
+    let answer = say(hello::plain("w", 4 << 20));
     assert!(answer.contains("being received already"), "{answer}");
     let show = ctl(&b, &["volume", "show", "w"]);
     assert_eq!(show.matches("receiving over NBD").count(), 1, "{show}");
@@ -349,15 +341,14 @@ fn an_encrypted_volume_is_sent_as_ciphertext_to_a_host_with_the_same_key() {
         .rpc("volume_show", serde_json::json!({"id": "v"}))
         .unwrap()["kek_id"]
         .clone();
-    let forged = format!(
-        "{{\"version\":1,\"token\":\"{token}\",\"volume\":\"v\",\"size\":16777216,\"num_queues\":1,\"copies\":1,\"key\":{{\"cipher\":\"aes-xts-plain64\",\"kek_id\":{kek_id},\"wrapped\":\"{}\",\"tag\":\"{}\"}}}}\n",
-        "ab".repeat(72),
-        "cd".repeat(32)
-    );
-    let mut s = std::net::TcpStream::connect(&to).unwrap();
-    s.write_all(forged.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
+    let mut forged = hello::plain("v", 16 << 20);
+    forged.key = Some(api::TransferKey {
+        cipher: "aes-xts-plain64".into(),
+        kek_id: kek_id.as_str().unwrap().into(),
+        wrapped: "ab".repeat(72),
+        tag: "cd".repeat(32),
+    });
+    let answer = hello::say(&to, token, forged);
     assert!(
         answer.contains("does not prove the sender holds"),
         "{answer}"
@@ -470,13 +461,7 @@ fn the_export_a_hello_opens_needs_the_name_its_answer_gave() {
     let to = format!("127.0.0.1:{}", transfer_port(&b));
     let token = "0123456789abcdef0123";
     ctl(&b, &["volume", "receive", "v", "--token", token]);
-    let mut s = std::net::TcpStream::connect(&to).unwrap();
-    let hello = format!(
-        "{{\"version\":1,\"token\":\"{token}\",\"volume\":\"v\",\"size\":4194304,\"num_queues\":1,\"copies\":1}}\n"
-    );
-    s.write_all(hello.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
+    let answer = hello::say(&to, token, hello::plain("v", 4 << 20));
     let reply: serde_json::Value = serde_json::from_str(answer.trim()).unwrap();
     let uri = reply["nbd"].as_str().unwrap_or_else(|| panic!("{answer}"));
     let (at, name) = uri.rsplit_once('/').unwrap();

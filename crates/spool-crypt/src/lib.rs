@@ -3,7 +3,8 @@
 //! Owns: the data cipher (`xts`: AES-XTS-256 over 512-byte sectors, dm-crypt's
 //! `aes-xts-plain64`; `xts_wide`: the same on VAES-512 where the CPU has it), keys (`keys`: the key-encryption key an operator gives spoold, data keys
 //! wrapped under it with AES key wrap, key ids), memory for keys (`locked`: out of swap and
-//! core dumps, zeroed on drop), and [`CryptQueue`] (`queue`: a device queue over another that
+//! core dumps, zeroed on drop), `proof` (showing a shared secret such as a transfer's
+//! token without sending it), and [`CryptQueue`] (`queue`: a device queue over another that
 //! writes only ciphertext, with the volume's sector as the tweak).
 //!
 //! Sits above spool-devices (it wraps device queues, as the mirror wraps devices) and below
@@ -13,6 +14,7 @@
 
 mod keys;
 mod locked;
+pub mod proof;
 mod queue;
 mod xts;
 mod xts_wide;

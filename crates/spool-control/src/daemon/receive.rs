@@ -237,7 +237,15 @@ impl Receiving {
 impl Daemon {
     fn volume_receive(&self, p: ReceiveParams) -> Result<ReceiveInfo, RpcError> {
         let nbd = match (&p.nbd, &p.token) {
-            (None, Some(token)) => return self.expect_transfer(&p.id, token),
+            (None, Some(token)) => {
+                let max = super::volumes::opt_size(p.max_size, "max_size")?;
+                return self.expect_transfer(&p.id, token, max);
+            }
+            (Some(_), _) if p.max_size.is_some() => {
+                return Err(RpcError::InvalidParams(
+                    "max_size bounds what a sender's hello creates: give it with token, not nbd".into(),
+                ))
+            }
             (Some(nbd), None) => nbd,
             _ => {
                 return Err(RpcError::InvalidParams(

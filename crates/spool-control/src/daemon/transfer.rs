@@ -1,17 +1,16 @@
 //! The transfer listener (`[transfer] listen`, docs/transfer.md): a spoold about to send a
-//! volume here says hello first, one JSON line each way. The hello carries the token the
-//! operator gave both hosts (`volume receive NAME --token` here, `volume send NAME --to
-//! HOST:PORT --token` there) and the volume as the sender has it; the answer is the NBD URI
-//! of the volume's receive export, on a port of its own, after the volume was created here
-//! as the sender has it (size, queues, copies, I/O limits) if it did not exist. Only the
-//! configured peers may connect, to the listener and to the exports it starts. The sender
-//! side of the hello is here too ([`Daemon::say_hello`]).
+//! volume here says hello first, one JSON line each way after this side's challenge
+//! (`hello.rs`). The hello proves the token the operator gave both hosts (`volume receive
+//! NAME --token` here, `volume send NAME --to HOST:PORT --token` there) and carries the
+//! volume as the sender has it; the answer is the NBD URI of the volume's receive export, on
+//! a port of its own, after the volume was created here as the sender has it (size, queues,
+//! copies, I/O limits) if it did not exist. Only the configured peers may connect, to the
+//! listener and to the exports it starts.
 //!
-//! Owns: the listener, the transfers expected, both sides of the hello. Must not know: the
-//! NBD protocol, the mirror.
+//! Owns: the listener, the transfers expected, what a hello is answered. Must not know: the
+//! NBD protocol, the mirror, the hello's framing and proofs (`hello.rs`).
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -22,8 +21,9 @@ use spool_nbd::Listen;
 use spool_pool::metadata::VolumeKey;
 use spool_pool::VolumeInfo;
 
+use super::hello::{answer_proof, check_token, hello_proved_by, untagged, HelloStream, HELLO_WAIT};
 use super::Daemon;
-use crate::api::{self, ReceiveInfo, TransferHello, TransferReply, TRANSFER_VERSION};
+use crate::api::{ReceiveInfo, TransferHello, TransferReply, TRANSFER_VERSION};
 use crate::rpc::RpcError;
 
 /// A volume a sender may send here, with its token (`volume receive NAME --token`), and
@@ -32,92 +32,15 @@ use crate::rpc::RpcError;
 pub(super) struct Expected {
     volume: String,
     token: String,
+    /// The largest volume the sender may send (`volume receive --max-size`).
+    max_size: Option<u64>,
     answered: Option<uuid::Uuid>,
 }
 
 /// Where the keeper keeps the listening socket across worker restarts.
 const KEPT_KEY: &str = "transfer-listen";
-/// The longest hello line either way.
-const HELLO_MAX: u64 = 16 << 10;
-/// How long the listener waits for a sender's whole hello.
-const HELLO_WAIT: Duration = Duration::from_secs(5);
 /// Hellos answered at once; more connections are closed.
 const HELLOS_AT_ONCE: usize = 8;
-/// How long a sender waits for the answer (the volume may be created first).
-const ANSWER_WAIT: Duration = Duration::from_secs(60);
-/// A token's length bounds (printable ASCII, no spaces).
-const TOKEN_LEN: std::ops::RangeInclusive<usize> = 16..=256;
-
-fn check_token(t: &str) -> Result<(), RpcError> {
-    if TOKEN_LEN.contains(&t.len()) && t.bytes().all(|b| b.is_ascii_graphic()) {
-        return Ok(());
-    }
-    Err(RpcError::InvalidParams(format!(
-        "a transfer token is {} to {} printable characters without spaces (for example `openssl rand -hex 16`)",
-        TOKEN_LEN.start(),
-        TOKEN_LEN.end()
-    )))
-}
-
-/// Whether two tokens are equal, in a time that does not depend on where they differ.
-fn same_token(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
-}
-
-/// What a hello's tag covers: the hello as JSON, its tag empty.
-fn untagged(h: &TransferHello) -> Vec<u8> {
-    let mut h = h.clone();
-    if let Some(k) = &mut h.key {
-        k.tag.clear();
-    }
-    serde_json::to_vec(&h).unwrap_or_default()
-}
-
-/// A hello's connection: TCP, or the plaintext end of TLS over it.
-enum HelloStream {
-    Tcp(TcpStream),
-    Tls(std::os::unix::net::UnixStream),
-}
-
-impl HelloStream {
-    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
-        match self {
-            HelloStream::Tcp(s) => s.set_read_timeout(t),
-            HelloStream::Tls(s) => s.set_read_timeout(t),
-        }
-    }
-    fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self {
-            HelloStream::Tcp(s) => (&*s).read(buf),
-            HelloStream::Tls(s) => (&*s).read(buf),
-        }
-    }
-    fn write_all(&self, buf: &[u8]) -> std::io::Result<()> {
-        match self {
-            HelloStream::Tcp(s) => (&*s).write_all(buf),
-            HelloStream::Tls(s) => (&*s).write_all(buf),
-        }
-    }
-}
-
-/// Reads one line of at most [`HELLO_MAX`] bytes, all of it within `wait`.
-fn read_line(s: &HelloStream, wait: Duration) -> std::io::Result<String> {
-    let deadline = Instant::now() + wait;
-    let mut line = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !line.ends_with(b"\n") {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || line.len() as u64 >= HELLO_MAX {
-            return Err(std::io::Error::other("no complete line in time"));
-        }
-        s.set_read_timeout(Some(left))?;
-        match s.read(&mut buf)? {
-            0 => return Err(std::io::Error::other("no complete line")),
-            n => line.extend_from_slice(&buf[..n]),
-        }
-    }
-    String::from_utf8(line).map_err(|_| std::io::Error::other("not UTF-8"))
-}
 
 impl Daemon {
     /// The TLS of the transfer listener and the exports it opens: `[tls]`'s server
@@ -135,7 +58,12 @@ impl Daemon {
 
     /// `volume receive NAME --token T`: volume NAME (which need not exist) may be sent here
     /// by a peer that says hello with token T; replaces an earlier expectation of NAME.
-    pub(super) fn expect_transfer(&self, name: &str, token: &str) -> Result<ReceiveInfo, RpcError> {
+    pub(super) fn expect_transfer(
+        &self,
+        name: &str,
+        token: &str,
+        max_size: Option<u64>,
+    ) -> Result<ReceiveInfo, RpcError> {
         let Some(t) = &self.cfg.transfer else {
             return Err(RpcError::InvalidParams(
                 "no transfer listener: set [transfer] listen and peers in the config (docs/transfer.md), or give --nbd".into(),
@@ -153,6 +81,7 @@ impl Daemon {
         expected.push(Expected {
             volume: name.into(),
             token: token.into(),
+            max_size,
             answered: None,
         });
         let at = self.transfer_at.get().copied().unwrap_or(t.listen);
@@ -227,31 +156,45 @@ impl Daemon {
         Ok(())
     }
 
-    /// Answers one hello from `peer` that reached this host at `here`: the NBD URI of the
-    /// volume's receive export (bound to that address, for that peer only), or why not.
-    fn answer(&self, h: &TransferHello, here: IpAddr, peer: IpAddr) -> Result<String, Refused> {
+    /// Answers one hello from `peer` that reached this host at `here`, in answer to the
+    /// challenge `nonce`: the NBD URI of the volume's receive export (bound to that address,
+    /// for that peer only) and the token the hello proved, or why not.
+    fn answer(
+        &self,
+        h: &TransferHello,
+        nonce: &str,
+        here: IpAddr,
+        peer: IpAddr,
+    ) -> Result<(String, String), Refused> {
         if self.cfg.transfer.is_none() {
             return Err(Refused::NoListener);
         }
         if h.version != TRANSFER_VERSION {
             return Err(Refused::Version(h.version));
         }
-        let answered = {
+        if h.nonce != nonce {
+            return Err(Refused::Replayed);
+        }
+        let (token, answered, max_size) = {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             let e = expected
                 .iter()
-                .find(|e| e.volume == h.volume && same_token(&e.token, &h.token));
+                .find(|e| e.volume == h.volume && hello_proved_by(&e.token, h));
             // The same answer for an unknown volume and a wrong token: no oracle.
             let Some(e) = e else {
                 return Err(Refused::NotExpected(h.volume.clone()));
             };
-            e.answered
+            (e.token.clone(), e.answered, e.max_size)
         };
         if let Some(uuid) = answered {
             // Said hello again (a send resumed): the same export while it runs.
             let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
             return super::receive::uri_of(&receiving, uuid)
+                .map(|uri| (uri, token))
                 .ok_or_else(|| Refused::Ended(h.volume.clone()));
+        }
+        if let Some(max) = max_size.filter(|&m| h.size > m) {
+            return Err(Refused::TooLarge(h.volume.clone(), h.size, max));
         }
         // Before the transfers' lock: creating the volume shows it, which looks at them.
         let v = self.volume_as_sent(h)?;
@@ -263,11 +206,12 @@ impl Daemon {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             let e = expected
                 .iter()
-                .find(|e| e.volume == h.volume && same_token(&e.token, &h.token));
+                .find(|e| e.volume == h.volume && e.token == token);
             match e.map(|e| e.answered) {
                 None => return Err(Refused::Ended(h.volume.clone())),
                 Some(Some(uuid)) => {
                     return super::receive::uri_of(&receiving, uuid)
+                        .map(|uri| (uri, token))
                         .ok_or_else(|| Refused::Ended(h.volume.clone()))
                 }
                 Some(None) => {}
@@ -283,7 +227,7 @@ impl Daemon {
         if let Some(e) = expected.iter_mut().find(|e| e.volume == h.volume) {
             e.answered = Some(v.uuid);
         }
-        Ok(info.uri)
+        Ok((info.uri, token))
     }
 
     /// The volume a hello names: created as the sender has it if it does not exist (an
@@ -358,80 +302,6 @@ impl Daemon {
             }
         }
     }
-
-    /// The sender's side: says hello to the transfer listener at `to` (`HOST:PORT`) for
-    /// volume `v` with `token`; returns the NBD URI to send to.
-    pub(super) fn say_hello(
-        &self,
-        to: &str,
-        token: &str,
-        v: &VolumeInfo,
-    ) -> Result<String, RpcError> {
-        check_token(token)?;
-        let fail = |why: String| RpcError::InvalidParams(format!("transfer listener {to}: {why}"));
-        let addr = to
-            .to_socket_addrs()
-            .map_err(|e| fail(format!("not a HOST:PORT address ({e})")))?
-            .next()
-            .ok_or_else(|| fail("no address".into()))?;
-        let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-            .map_err(|e| fail(e.to_string()))?;
-        s.set_write_timeout(Some(HELLO_WAIT))
-            .map_err(|e| fail(e.to_string()))?;
-        // With client credentials ([tls] dir), the hello goes over TLS, the listener's
-        // certificate checked against this host's CA and the address given.
-        let s = match spool_nbd::tls::client() {
-            Some(tls) => {
-                let host = to.rsplit_once(':').map_or(to, |(h, _)| h);
-                let host = host.trim_start_matches('[').trim_end_matches(']');
-                let until = Instant::now() + HELLO_WAIT;
-                let plain =
-                    (tls.connect_tcp(s, host, until)).map_err(|e| fail(format!("TLS: {e}")))?;
-                HelloStream::Tls(plain)
-            }
-            None => HelloStream::Tcp(s),
-        };
-        let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
-        let mut hello = TransferHello {
-            version: TRANSFER_VERSION,
-            token: token.into(),
-            volume: v.name.clone(),
-            size: v.size,
-            num_queues: v.num_queues,
-            copies: v.copies.saturating_sub(remote).max(1),
-            qos: v.qos.map(crate::wire::ToWire::wire),
-            key: self.pool().wrapped_key(&v.name)?.map(|k| api::TransferKey {
-                cipher: k.cipher,
-                kek_id: k.kek_id,
-                wrapped: k.wrapped,
-                tag: String::new(),
-            }),
-            thin: v.thin.is_some(),
-        };
-        if hello.key.is_some() {
-            let tag = self.pool().transfer_tag(&untagged(&hello))?;
-            if let Some(k) = &mut hello.key {
-                k.tag = tag;
-            }
-        }
-        let mut line = serde_json::to_string(&hello).map_err(|e| fail(e.to_string()))?;
-        line.push('\n');
-        s.write_all(line.as_bytes())
-            .map_err(|e| fail(e.to_string()))?;
-        let answer = read_line(&s, ANSWER_WAIT).map_err(|e| fail(format!("no answer ({e})")))?;
-        let reply: TransferReply =
-            serde_json::from_str(&answer).map_err(|e| fail(format!("a bad answer ({e})")))?;
-        match (reply.nbd, reply.error) {
-            (Some(uri), None)
-                if (uri.starts_with("nbd://") || uri.starts_with("nbds://"))
-                    && uri.len() <= 1024 =>
-            {
-                Ok(uri)
-            }
-            (_, Some(e)) => Err(fail(format!("refused: {e}"))),
-            _ => Err(fail("a bad answer".into())),
-        }
-    }
 }
 
 /// Accepts senders until the daemon stops: each hello on a thread of its own, at most
@@ -497,6 +367,12 @@ enum Refused {
     NoListener,
     #[error("transfer version {0} is not spoken here (this spoold speaks {TRANSFER_VERSION})")]
     Version(u32),
+    #[error("a bad hello ({0})")]
+    Bad(serde_json::Error),
+    #[error("the hello does not answer this listener's challenge (a replayed hello?)")]
+    Replayed,
+    #[error("volume '{0}' is {1} bytes on the sender, more than the {2} this host allows (`volume receive {0} --max-size`)")]
+    TooLarge(String, u64, u64),
     #[error("no transfer of volume '{0}' with that token is expected here (`spoolctl volume receive {0} --token TOKEN` on this host first)")]
     NotExpected(String),
     #[error("the transfer of volume '{0}' here has ended; `spoolctl volume receive {0} --token TOKEN` on this host allows another")]
@@ -532,40 +408,61 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
         },
         None => HelloStream::Tcp(s),
     };
-    let reply = match read_line(&s, HELLO_WAIT).map(|l| serde_json::from_str::<TransferHello>(&l)) {
-        Err(e) => TransferReply {
-            nbd: None,
-            error: Some(format!("no hello ({e})")),
-        },
-        Ok(Err(e)) => TransferReply {
-            nbd: None,
-            error: Some(format!("a bad hello ({e})")),
-        },
+    let challenge = match super::hello::challenge() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(%peer, "no nonce for a transfer hello: {e}");
+            return;
+        }
+    };
+    if s.send(&challenge).is_err() {
+        return;
+    }
+    let (nbd, proof, error) = match s.line(HELLO_WAIT).map(|l| parse_hello(&l)) {
+        Err(e) => (None, None, format!("no hello ({e})")),
+        Ok(Err(why)) => (None, None, why.to_string()),
         Ok(Ok(h)) => {
             let Some(d) = weak.upgrade() else { return };
             let answer = match here {
-                Ok(here) => d.answer(&h, here, peer),
+                Ok(here) => d.answer(&h, &challenge.nonce, here, peer),
                 Err(e) => Err(Refused::NoLocalAddress(e)),
             };
-            match &answer {
-                Ok(uri) => {
-                    tracing::info!(volume = ?h.volume, %peer, %uri, "a sender said hello: receiving the volume")
+            match answer {
+                Ok((uri, token)) => {
+                    tracing::info!(volume = ?h.volume, %peer, %uri, "a sender said hello: receiving the volume");
+                    let proof = answer_proof(&token, &challenge.nonce, &uri);
+                    let _ = s.send(&TransferReply {
+                        nbd: Some(uri),
+                        proof: Some(proof),
+                        error: None,
+                    });
+                    return;
                 }
                 Err(e) => {
                     // The reason may quote the peer's words: escaped, as the name is.
                     let why = e.to_string();
-                    tracing::warn!(volume = ?h.volume, %peer, why = ?why, "a transfer hello was refused")
+                    tracing::warn!(volume = ?h.volume, %peer, why = ?why, "a transfer hello was refused");
+                    (None, None, why)
                 }
             }
-            let (nbd, error) = match answer {
-                Ok(u) => (Some(u), None),
-                Err(e) => (None, Some(e.to_string())),
-            };
-            TransferReply { nbd, error }
         }
     };
-    if let Ok(mut line) = serde_json::to_string(&reply) {
-        line.push('\n');
-        let _ = s.write_all(line.as_bytes());
+    let _ = s.send(&TransferReply {
+        nbd,
+        proof,
+        error: Some(error),
+    });
+}
+
+/// A hello line, or why it is not one: another version's is refused as such, not as bad JSON.
+fn parse_hello(line: &str) -> Result<TransferHello, Refused> {
+    let version = serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| v.get("version").and_then(|v| v.as_u64()));
+    match version {
+        Some(v) if v != u64::from(TRANSFER_VERSION) => {
+            Err(Refused::Version(v.min(u64::from(u32::MAX)) as u32))
+        }
+        _ => serde_json::from_str(line).map_err(Refused::Bad),
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod ceph;
 pub mod guest;
+pub mod hello;
 pub mod libvirt;
 pub mod link;
 pub mod load;

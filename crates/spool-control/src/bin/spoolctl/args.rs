@@ -403,6 +403,10 @@ pub struct ReceiveArgs {
     /// --token read from a file (its first line), or from standard input with `-`.
     #[arg(long, value_name = "PATH|-")]
     pub token_file: Option<std::path::PathBuf>,
+    /// With a token: refuse a sender whose volume is larger than this (e.g. 100G), so the
+    /// token's holder cannot take all of the pool's free space.
+    #[arg(long, value_name = "SIZE", conflicts_with_all = ["nbd", "stop"])]
+    pub max_size: Option<String>,
     /// End the transfer (open connections fail their next request).
     #[arg(long)]
     pub stop: bool,

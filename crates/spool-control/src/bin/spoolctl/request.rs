@@ -301,6 +301,7 @@ fn receive(a: &ReceiveArgs) -> Result<Request, CtlError> {
             id,
             nbd: nbd.map(absolute_nbd).transpose()?,
             token,
+            max_size: opt_size(&a.max_size)?,
         }),
     }
 }
