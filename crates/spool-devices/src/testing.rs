@@ -97,8 +97,31 @@ impl Drop for QemuNbd {
 }
 
 /// A writable export in memory, for the client against spool-nbd's own server; with
-/// `false`, it does not offer write-zeroes (the client then writes zeroes as data).
-pub struct MemExport(pub std::sync::Mutex<Vec<u8>>, pub bool);
+/// `false`, it does not offer write-zeroes (the client then writes zeroes as data). Its
+/// reads pass its [`Gate`] first.
+pub struct MemExport(pub std::sync::Mutex<Vec<u8>>, pub bool, pub Gate);
+
+/// Open unless closed: closed, what passes it waits until it opens again (a server that
+/// took a request and does not answer).
+#[derive(Default)]
+pub struct Gate {
+    closed: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Gate {
+    pub fn close(&self) {
+        *self.closed.lock().unwrap() = true;
+    }
+    pub fn open(&self) {
+        *self.closed.lock().unwrap() = false;
+        self.cv.notify_all();
+    }
+    fn pass(&self) {
+        let closed = self.closed.lock().unwrap();
+        drop(self.cv.wait_while(closed, |c| *c).unwrap());
+    }
+}
 
 impl spool_nbd::Export for MemExport {
     fn name(&self) -> &str {
@@ -108,6 +131,7 @@ impl spool_nbd::Export for MemExport {
         self.0.lock().unwrap().len() as u64
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.2.pass();
         let d = self.0.lock().unwrap();
         buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
         Ok(())

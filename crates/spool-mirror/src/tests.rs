@@ -547,6 +547,7 @@ fn a_mirror_opens_its_queue_while_a_remote_legs_export_is_unreachable() {
     let mem = Arc::new(spool_devices::testing::MemExport(
         std::sync::Mutex::new(vec![0u8; SIZE as usize]),
         true,
+        Default::default(),
     ));
     let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();
     let srv = spool_nbd::Server::start(listen, mem).unwrap();

@@ -173,7 +173,11 @@ fn a_rebuild_sends_pieces_of_zeroes_as_write_zeroes() {
     local.write_at_durable(&data, MIB + 3 * MIB).unwrap();
     // The remote copy starts as junk: the zeroes must really be written there.
     let export = Arc::new(Counting(
-        MemExport(std::sync::Mutex::new(vec![0xee; size as usize]), true),
+        MemExport(
+            std::sync::Mutex::new(vec![0xee; size as usize]),
+            true,
+            Default::default(),
+        ),
         AtomicU64::new(0),
     ));
     let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();

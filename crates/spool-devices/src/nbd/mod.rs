@@ -50,17 +50,27 @@ pub struct NbdBackend {
     queues: Arc<AtomicUsize>,
     /// The synchronous calls' connection (`None` after it broke).
     sync: Mutex<Option<Connection>>,
+    /// How long one synchronous request may take ([`SYNC_TIMEOUT`]).
+    sync_timeout: Duration,
 }
 
 impl NbdBackend {
     /// Connects to the export `uri` names: its size, whether it takes writes.
     pub fn open(uri: &str) -> Result<NbdBackend> {
+        Self::open_with(uri, SYNC_TIMEOUT)
+    }
+
+    /// [`Self::open`], each synchronous request bounded by `sync_timeout`: the first
+    /// connection's as every later one's (a server that stops answering fails the request,
+    /// never holds a copy or the pool for ever).
+    pub(crate) fn open_with(uri: &str, sync_timeout: Duration) -> Result<NbdBackend> {
         let path = PathBuf::from(uri);
         let target = Target::parse(uri).map_err(|e| Error::Invalid {
             path: uri.into(),
             msg: e.to_string(),
         })?;
         let conn = client::connect(&target, CONNECT_TIMEOUT)
+            .and_then(|c| c.stream.set_timeouts(Some(sync_timeout)).map(|_| c))
             .map_err(|e| Error::io(&path, "connect to the NBD server", e))?;
         if conn.read_only() {
             return Err(Error::Invalid {
@@ -79,6 +89,7 @@ impl NbdBackend {
             max_io: conn.max_io as u64,
             queues: Arc::default(),
             sync: Mutex::new(Some(conn)),
+            sync_timeout,
         })
     }
 
@@ -113,7 +124,7 @@ impl NbdBackend {
         };
         if sync.is_none() {
             let c = client::connect(&self.target, CONNECT_TIMEOUT)
-                .and_then(|c| c.stream.set_timeouts(Some(SYNC_TIMEOUT)).map(|_| c))
+                .and_then(|c| c.stream.set_timeouts(Some(self.sync_timeout)).map(|_| c))
                 .map_err(|e| Error::io(&self.path, "connect to the NBD server", e))?;
             *sync = Some(c);
         }

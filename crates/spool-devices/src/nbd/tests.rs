@@ -153,6 +153,7 @@ fn against_our_server(offers_write_zeroes: bool) {
     let mem = Arc::new(MemExport(
         std::sync::Mutex::new(vec![1u8; (4 * MIB) as usize]),
         offers_write_zeroes,
+        Default::default(),
     ));
     // Port 0: a free port the server names (no window for another process to take it).
     let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();
@@ -194,4 +195,33 @@ fn against_our_server(offers_write_zeroes: bool) {
     let d = mem.0.lock().unwrap();
     assert_eq!(d[511], 1);
     assert!(d[512 + 4096..512 + (3 * MIB) as usize] == w[4096..]);
+}
+
+/// The synchronous requests' first connection (the one `open` made) is bounded like every
+/// later one: a server that holds a read fails it after the timeout. It used to block for
+/// ever (its connection had no timeout), and with it a copy thread or the pool's caller.
+#[test]
+fn a_held_synchronous_request_fails_after_the_timeout_on_the_first_connection() {
+    let held = Arc::new(MemExport(
+        std::sync::Mutex::new(vec![7u8; MIB as usize]),
+        true,
+        Default::default(),
+    ));
+    held.2.close();
+    let listen = spool_nbd::Listen::parse("127.0.0.1:0").unwrap();
+    let srv = spool_nbd::Server::start(listen, held.clone()).unwrap();
+    let uri = format!("nbd://{}/m", srv.listen);
+    let b = super::NbdBackend::open_with(&uri, Duration::from_millis(300)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 4096];
+        let _ = tx.send(crate::PoolDevice::read_at(&b, &mut buf, 0).map(|_| buf[0]));
+    });
+    let r = rx.recv_timeout(Duration::from_secs(20));
+    held.2.open();
+    match r {
+        Ok(Err(e)) => assert!(e.to_string().contains("NBD request"), "{e}"),
+        Ok(Ok(b)) => panic!("the held read was answered ({b})"),
+        Err(_) => panic!("the held read never failed: the first connection has no timeout"),
+    }
 }
