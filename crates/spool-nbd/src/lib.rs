@@ -51,10 +51,14 @@ pub trait Export: Send + Sync + 'static {
     /// Whether extent `i` holds data (false: a hole, reading as zeroes).
     fn allocated(&self, i: u64) -> bool;
     /// The base the dirty bitmap is against, if any (its meta context is
-    /// `qemu:dirty-bitmap:BASE`).
-    fn base(&self) -> Option<&str>;
-    /// Whether extent `i` changed since the base.
-    fn changed(&self, i: u64) -> bool;
+    /// `qemu:dirty-bitmap:BASE`; default: none, no dirty bitmap is offered).
+    fn base(&self) -> Option<&str> {
+        None
+    }
+    /// Whether extent `i` changed since the base (asked only when there is one).
+    fn changed(&self, _i: u64) -> bool {
+        false
+    }
     /// Whether clients may write (default: no, the export is read-only).
     fn writable(&self) -> bool {
         false
