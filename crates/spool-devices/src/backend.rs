@@ -37,6 +37,12 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
     /// volume never sees an old tenant's data).
     fn zero_range(&self, offset: u64, len: u64) -> Result<()>;
 
+    /// Gives the device up for good: requests in flight on its queues fail now rather than
+    /// when (if ever) the device answers. For a remote leg being dropped, whose writes no
+    /// longer matter; what a request already sent does there is not known. Default: nothing
+    /// (local devices answer or fail by themselves).
+    fn abort(&self) {}
+
     /// Opens a queue on this device for one worker.
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>>;
 

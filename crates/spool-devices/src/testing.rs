@@ -98,8 +98,19 @@ impl Drop for QemuNbd {
 
 /// A writable export in memory, for the client against spool-nbd's own server; with
 /// `false`, it does not offer write-zeroes (the client then writes zeroes as data). Its
-/// reads pass its [`Gate`] first.
+/// reads and writes pass its [`Gate`] first.
 pub struct MemExport(pub std::sync::Mutex<Vec<u8>>, pub bool, pub Gate);
+
+impl MemExport {
+    /// Serves the export over TCP on a free port of 127.0.0.1: the server (serving while it
+    /// lives) and the URI to open.
+    pub fn serve(self: &std::sync::Arc<Self>) -> (spool_nbd::Server, String) {
+        let listen = spool_nbd::Listen::parse("127.0.0.1:0").expect("an address");
+        let srv = spool_nbd::Server::start(listen, self.clone()).expect("a server");
+        let uri = format!("nbd://{}/m", srv.listen);
+        (srv, uri)
+    }
+}
 
 /// Open unless closed: closed, what passes it waits until it opens again (a server that
 /// took a request and does not answer).
@@ -107,6 +118,7 @@ pub struct MemExport(pub std::sync::Mutex<Vec<u8>>, pub bool, pub Gate);
 pub struct Gate {
     closed: std::sync::Mutex<bool>,
     cv: std::sync::Condvar,
+    waiting: std::sync::atomic::AtomicUsize,
 }
 
 impl Gate {
@@ -117,9 +129,16 @@ impl Gate {
         *self.closed.lock().unwrap() = false;
         self.cv.notify_all();
     }
+    /// How many wait at it now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::SeqCst)
+    }
     fn pass(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
         let closed = self.closed.lock().unwrap();
+        self.waiting.fetch_add(1, SeqCst);
         drop(self.cv.wait_while(closed, |c| *c).unwrap());
+        self.waiting.fetch_sub(1, SeqCst);
     }
 }
 
@@ -155,6 +174,7 @@ impl spool_nbd::Export for MemExport {
         self.1
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.2.pass();
         let mut d = self.0.lock().unwrap();
         d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
         Ok(())

@@ -485,6 +485,11 @@ impl Mirror {
         }
     }
 
+    /// Whether the background thread has ended (after a stop) and let go of what it held.
+    pub fn copying_ended(&self) -> bool {
+        self.shared.stopped.load(Ordering::Acquire)
+    }
+
     /// Stops the background thread (its copying and health keeping) for good and waits, at
     /// most 5 s, until it has: after a `true`, nothing it does reaches a leg any more (a
     /// volume being deleted, whose space is about to be given back). After a `false` (a

@@ -98,6 +98,9 @@ impl Pool {
             v.copies = v.copies.saturating_sub(1).max(v.legs.len() as u8).max(2);
         }
         let uuid = v.uuid;
+        if let Some(r) = &leg.remote {
+            self.abort_remote(r.id);
+        }
         let info = self.replace_volume(i, v, &[], &[])?;
         // Free once no queue writes the removed leg (the daemon says when).
         self.retire(uuid, leg.extents);

@@ -334,6 +334,19 @@ impl Pool {
         }
     }
 
+    /// Cuts the connections of remote leg `leg_id`, which is being removed (checked
+    /// removable already): the copy may wait on a request the other host never answers,
+    /// and so ends when the mirror is stopped (the leg is given up: what its writes do there
+    /// no longer matters) instead of running on, and the stop does not hold the pool's lock
+    /// for its 5 s.
+    pub(crate) fn abort_remote(&self, leg_id: Uuid) {
+        if let Some(Remote::Open { dev, .. } | Remote::Connecting(Some(dev))) =
+            self.remote_cache().get(&leg_id)
+        {
+            dev.backend().abort();
+        }
+    }
+
     fn remote_cache(&self) -> std::sync::MutexGuard<'_, RemoteCache> {
         self.remotes.lock().unwrap_or_else(|p| p.into_inner())
     }

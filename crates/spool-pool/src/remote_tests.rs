@@ -444,3 +444,40 @@ fn a_link_lost_soon_after_connecting_waits_a_growing_back_off() {
     );
     assert!(p.remote_trouble(&leg).is_none(), "connected again");
 }
+
+/// A destination that takes the copy's write and never answers: `cancel_send` cuts the
+/// leg's connections, so the mirror's thread ends with the stop (it used to wait on the
+/// write for ever, a busy thread left behind by each send and cancel, and the cancel held
+/// the pool's lock for the stop's 5 s).
+#[test]
+fn a_cancel_ends_a_copy_waiting_on_a_destination_that_never_answers() {
+    use spool_devices::testing::MemExport;
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 20), spec(d.path(), "b", 20)];
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume("v", 4 << 20, false, 1).unwrap();
+    p.layout("v")
+        .unwrap()
+        .write_at(&pattern(3, 4 << 20), 0)
+        .unwrap();
+    let far = std::sync::Arc::new(MemExport(
+        std::sync::Mutex::new(vec![0u8; 4 << 20]),
+        true,
+        Default::default(),
+    ));
+    far.2.close();
+    let (_srv, uri) = far.serve();
+    p.send_volume("v", &uri, false).unwrap();
+    let m = p.mirror("v").unwrap().expect("a mirror while sending");
+    // The copy's first piece reaches the server, which holds it.
+    let t0 = Instant::now();
+    while far.2.waiting() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "no write held");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let v = p.cancel_send("v").unwrap();
+    let ended = m.copying_ended();
+    far.2.open();
+    assert_eq!(v.copies, 1);
+    assert!(ended, "the copy's thread still waits on the destination");
+}

@@ -52,6 +52,8 @@ pub struct NbdBackend {
     sync: Mutex<Option<Connection>>,
     /// How long one synchronous request may take ([`SYNC_TIMEOUT`]).
     sync_timeout: Duration,
+    /// The queues open on the export, for [`PoolDevice::abort`].
+    live: Mutex<Vec<std::sync::Weak<queue::Shared>>>,
 }
 
 impl NbdBackend {
@@ -90,6 +92,7 @@ impl NbdBackend {
             queues: Arc::default(),
             sync: Mutex::new(Some(conn)),
             sync_timeout,
+            live: Mutex::default(),
         })
     }
 
@@ -217,7 +220,21 @@ impl PoolDevice for NbdBackend {
             )));
         }
         let conn = client::connect(&self.target, CONNECT_TIMEOUT)?;
-        Ok(Box::new(NbdQueue::new(conn, self.queues.clone())?))
+        Ok(Box::new(NbdQueue::new(
+            conn,
+            self.queues.clone(),
+            &self.live,
+        )?))
+    }
+
+    /// Cuts every queue's connection: what they have in flight fails with `ENOTCONN`, now,
+    /// even on a server that never answers. (The synchronous connection ends its requests
+    /// by its timeout.)
+    fn abort(&self) {
+        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        for q in live.iter().filter_map(std::sync::Weak::upgrade) {
+            q.cut();
+        }
     }
 
     /// A connection of its own and a read of the first sector, each within

@@ -77,13 +77,22 @@ struct Part {
 }
 
 /// What the worker, the reader and the writer share.
-struct Shared {
+pub(crate) struct Shared {
     completions: Completions,
     pending: Mutex<HashMap<u64, Part>>,
     dead: AtomicBool,
+    /// A handle on the connection, for [`Shared::cut`].
+    socket: Stream,
 }
 
 impl Shared {
+    /// Cuts the connection (the device was aborted: its leg is given up for good): the
+    /// reader sees it end and fails what is in flight with `ENOTCONN`, so a caller waiting
+    /// on a request a server never answers returns.
+    pub(crate) fn cut(&self) {
+        self.socket.shutdown();
+    }
+
     fn complete(&self, tag: u64, res: i32) {
         self.completions.push(tag, res);
     }
@@ -147,13 +156,23 @@ pub struct NbdQueue {
 }
 
 impl NbdQueue {
-    pub(crate) fn new(conn: Connection, open: Arc<AtomicUsize>) -> std::io::Result<Self> {
+    /// A queue over `conn`, counted in `open` and listed in `live` (for an abort).
+    pub(crate) fn new(
+        conn: Connection,
+        open: Arc<AtomicUsize>,
+        live: &Mutex<Vec<std::sync::Weak<Shared>>>,
+    ) -> std::io::Result<Self> {
         conn.stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
         let shared = Arc::new(Shared {
             completions: Completions::new()?,
             pending: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
+            socket: conn.stream.try_clone()?,
         });
+        let mut queues = live.lock().unwrap_or_else(|e| e.into_inner());
+        queues.retain(|q| q.strong_count() > 0);
+        queues.push(Arc::downgrade(&shared));
+        drop(queues);
         let (tx, rx) = mpsc::channel::<Vec<Out>>();
         let mut w = conn.stream.try_clone()?;
         let r = conn.stream.try_clone()?;
