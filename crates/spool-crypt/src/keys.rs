@@ -297,6 +297,49 @@ mod tests {
         .unwrap();
     }
 
+    /// Encrypting and decrypting leave no round key on the stack either: one sector (the
+    /// batched path) and 32 (the VAES-512 path, where the CPU has it), each way. Every
+    /// round key of both keys is looked for, as the wide path computes them (the batched
+    /// path's are the same values).
+    #[test]
+    fn the_data_path_leaves_no_round_key_on_the_stack() {
+        let key = DataKey::generate().unwrap();
+        // The round keys computed here, on this thread: the ones that encrypt run nothing
+        // else.
+        let (d, t) = key.bytes().split_at(32);
+        let Some(wide) =
+            crate::xts_wide::WideKeys::new(d.try_into().unwrap(), t.try_into().unwrap())
+        else {
+            return; // no AES-NI with VAES here: the round keys are not computed apart
+        };
+        let keys = wide.all();
+        let bytes = key.bytes();
+        let ciphers = [
+            std::sync::Arc::new(XtsCipher::new(bytes).unwrap()),
+            std::sync::Arc::new(XtsCipher::new(bytes).unwrap().narrow()),
+        ];
+        for (c, n) in ciphers
+            .iter()
+            .flat_map(|c| [(c.clone(), 1), (c.clone(), 32)])
+        {
+            let keys = keys.clone();
+            std::thread::spawn(move || {
+                let mut data = vec![0x11u8; 32 * 512];
+                c.encrypt(&mut data[..n * 512], 9);
+                c.decrypt(&mut data[..n * 512], 9);
+                let needles: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+                let wide = if c.wide.is_some() { "wide" } else { "batched" };
+                assert_eq!(
+                    copies_below_here(&needles),
+                    0,
+                    "round keys on the stack ({n} sectors, the {wide} path)"
+                );
+            })
+            .join()
+            .unwrap();
+        }
+    }
+
     #[test]
     fn material_is_32_bytes_or_64_hex_digits() {
         let raw = [0x5au8; 32];

@@ -64,6 +64,17 @@ pub(crate) fn available() -> bool {
 }
 
 impl WideKeys {
+    /// Every round key (for tests looking for copies of them).
+    #[cfg(test)]
+    pub(crate) fn all(&self) -> Vec<[u8; 16]> {
+        self.enc
+            .iter()
+            .chain(&self.dec)
+            .chain(&self.tweak)
+            .copied()
+            .collect()
+    }
+
     /// The round keys of data key `data` and tweak key `tweak`; `None` where the CPU lacks
     /// the wide path ([`available`]).
     pub(crate) fn new(data: &[u8; 32], tweak: &[u8; 32]) -> Option<WideKeys> {
