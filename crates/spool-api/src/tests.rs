@@ -167,6 +167,7 @@ fn a_transfer_hello_names_thin_only_for_thin_volumes() {
     let mut hello = TransferHello {
         version: TRANSFER_VERSION,
         nonce: "ab".repeat(32),
+        sender_nonce: "ef".repeat(32),
         proof: "cd".repeat(32),
         volume: "v".into(),
         size: 1 << 20,

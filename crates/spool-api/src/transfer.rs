@@ -112,6 +112,9 @@ pub struct TransferHello {
     pub version: u32,
     /// The challenge's nonce.
     pub nonce: String,
+    /// The sender's own fresh nonce (32 random bytes, in hex), which the answer's proof
+    /// covers: an answer recorded earlier does not answer this hello.
+    pub sender_nonce: String,
     /// HMAC-SHA256 (hex) under the token of the whole hello as JSON with this field and the
     /// key's tag empty (`spool_crypt::proof`, purpose [`HELLO_PROOF`]): every field, the data
     /// key included, is as the token's holder wrote it for this challenge.
@@ -164,8 +167,9 @@ pub const ANSWER_PROOF: &str = "spool transfer answer";
 pub struct TransferReply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd: Option<String>,
-    /// With `nbd`: HMAC-SHA256 (hex) under the token of the nonce and `nbd` (purpose
-    /// [`ANSWER_PROOF`]), so the sender sends only where the token's other holder said.
+    /// With `nbd`: HMAC-SHA256 (hex) under the token of both nonces and `nbd` (purpose
+    /// [`ANSWER_PROOF`]), so the sender sends only where the token's other holder said, in
+    /// answer to this hello.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proof: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

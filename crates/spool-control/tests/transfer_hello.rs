@@ -126,28 +126,39 @@ fn a_hello_whose_data_key_was_stripped_is_refused() {
 }
 
 /// A listener that does not hold the token (an on-path party answering in B's place, or a
-/// host given another token) answers with an export of its own: A sends nothing there.
+/// host given another token) answers with an export of its own, and one that replays an
+/// answer B gave to an earlier hello (its proof made for another sender nonce): A sends
+/// nothing there either way.
 #[test]
 fn a_sender_sends_only_where_the_token_holder_answered() {
     let a = Spoold::start(CONFIG);
-    let at = listener_by_hand(|s| {
-        let mut r = BufReader::new(s.try_clone().unwrap());
-        let nonce = "11".repeat(32);
-        (&s).write_all(format!("{{\"version\":2,\"nonce\":\"{nonce}\"}}\n").as_bytes())
-            .unwrap();
-        let mut h = String::new();
-        r.read_line(&mut h).unwrap();
-        let proof = spool_control::daemon::answer_proof(
-            "another-token-0123",
-            &nonce,
-            "nbd://127.0.0.1:9/x",
-        );
-        let reply = format!("{{\"nbd\":\"nbd://127.0.0.1:9/x\",\"proof\":\"{proof}\"}}\n");
-        (&s).write_all(reply.as_bytes()).unwrap();
-    });
+    let forge = |token: &'static str, replayed: bool| {
+        listener_by_hand(move |s| {
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let nonce = "11".repeat(32);
+            (&s).write_all(format!("{{\"version\":2,\"nonce\":\"{nonce}\"}}\n").as_bytes())
+                .unwrap();
+            let mut line = String::new();
+            r.read_line(&mut line).unwrap();
+            let mut h: api::TransferHello = serde_json::from_str(&line).unwrap();
+            if replayed {
+                h.sender_nonce = "22".repeat(32); // the hello the recorded answer was for
+            }
+            let uri = "nbd://127.0.0.1:9/x";
+            let proof = spool_control::daemon::answer_proof(token, &h, uri);
+            let reply = format!("{{\"nbd\":\"{uri}\",\"proof\":\"{proof}\"}}\n");
+            (&s).write_all(reply.as_bytes()).unwrap();
+        })
+    };
+    for at in [forge("another-token-0123", false), forge(TOKEN, true)] {
+        let e = ctl_err(&a, &["volume", "send", "v", "--to", &at, "--token", TOKEN]);
+        assert!(e.contains("does not prove it holds the token"), "{e}");
+        assert!(!ctl(&a, &["volume", "show", "v"]).contains("nbd://127.0.0.1:9"));
+    }
+    // The same listener answering this hello with the token's proof is believed.
+    let at = forge(TOKEN, false);
     let e = ctl_err(&a, &["volume", "send", "v", "--to", &at, "--token", TOKEN]);
-    assert!(e.contains("does not prove it holds the token"), "{e}");
-    assert!(!ctl(&a, &["volume", "show", "v"]).contains("nbd://127.0.0.1:9"));
+    assert!(!e.contains("does not prove"), "{e}");
 }
 
 /// A spoold of transfer version 1 (it waits for the hello, then says it got none) is

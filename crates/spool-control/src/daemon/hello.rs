@@ -67,9 +67,14 @@ pub(super) fn hello_proved_by(token: &str, h: &TransferHello) -> bool {
     proof::check(token.as_bytes(), HELLO_PROOF, &[&untagged(h)], &tag)
 }
 
-/// The proof a holder of `token` gives for answering challenge `nonce` with `uri`.
-pub fn answer_proof(token: &str, nonce: &str, uri: &str) -> String {
-    let parts: [&[u8]; 2] = [nonce.as_bytes(), uri.as_bytes()];
+/// The proof a holder of `token` gives for answering hello `h` (to its challenge and its own
+/// nonce) with `uri`.
+pub fn answer_proof(token: &str, h: &TransferHello, uri: &str) -> String {
+    let parts: [&[u8]; 3] = [
+        h.nonce.as_bytes(),
+        h.sender_nonce.as_bytes(),
+        uri.as_bytes(),
+    ];
     spool_crypt::to_hex(&proof::prove(token.as_bytes(), ANSWER_PROOF, &parts))
 }
 
@@ -163,7 +168,7 @@ impl Daemon {
                 line.trim_end().chars().take(200).collect::<String>()
             ))),
         };
-        let hello = self.hello_for(v, token, nonce.clone())?;
+        let hello = self.hello_for(v, token, nonce)?;
         s.send(&hello).map_err(|e| fail(e.to_string()))?;
         let answer = s
             .line(ANSWER_WAIT)
@@ -176,7 +181,7 @@ impl Daemon {
                     && uri.len() <= 1024 =>
             {
                 // Constant time is not needed here: the answer's proof is the listener's.
-                if p != answer_proof(token, &nonce, &uri) {
+                if p != answer_proof(token, &hello, &uri) {
                     return Err(fail(
                         "its answer does not prove it holds the token: not sending there (an on-path party, or a listener given another token)".into(),
                     ));
@@ -196,9 +201,12 @@ impl Daemon {
         nonce: String,
     ) -> Result<TransferHello, RpcError> {
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
+        let mine = proof::nonce()
+            .map_err(|e| RpcError::InvalidParams(format!("no nonce for the hello: {e}")))?;
         let mut hello = TransferHello {
             version: TRANSFER_VERSION,
             nonce,
+            sender_nonce: spool_crypt::to_hex(&mine),
             proof: String::new(),
             volume: v.name.clone(),
             size: v.size,

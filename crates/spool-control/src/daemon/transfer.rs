@@ -175,6 +175,10 @@ impl Daemon {
         if h.nonce != nonce {
             return Err(Refused::Replayed);
         }
+        // Its own nonce, which the answer's proof covers: 32 bytes in hex.
+        if h.sender_nonce.len() != 64 || spool_crypt::from_hex(&h.sender_nonce).is_none() {
+            return Err(Refused::NoSenderNonce);
+        }
         let (token, answered, max_size) = {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             let e = expected
@@ -367,6 +371,8 @@ enum Refused {
     NoListener,
     #[error("transfer version {0} is not spoken here (this spoold speaks {TRANSFER_VERSION})")]
     Version(u32),
+    #[error("the hello carries no nonce of the sender's own (32 bytes in hex)")]
+    NoSenderNonce,
     #[error("a bad hello ({0})")]
     Bad(serde_json::Error),
     #[error("the hello does not answer this listener's challenge (a replayed hello?)")]
@@ -430,7 +436,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
             match answer {
                 Ok((uri, token)) => {
                     tracing::info!(volume = ?h.volume, %peer, %uri, "a sender said hello: receiving the volume");
-                    let proof = answer_proof(&token, &challenge.nonce, &uri);
+                    let proof = answer_proof(&token, &h, &uri);
                     let _ = s.send(&TransferReply {
                         nbd: Some(uri),
                         proof: Some(proof),

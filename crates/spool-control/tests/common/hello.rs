@@ -36,6 +36,7 @@ pub fn plain(name: &str, size: u64) -> TransferHello {
     TransferHello {
         version: spool_control::api::TRANSFER_VERSION,
         nonce: String::new(),
+        sender_nonce: "5e".repeat(32),
         proof: String::new(),
         volume: name.into(),
         size,
