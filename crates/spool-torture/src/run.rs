@@ -13,6 +13,8 @@ use crate::engine::{Engine, Kind as Io, Request};
 use crate::model::{check_allowed, decode, stamp, widen_sets, Model, Wrong, ANY, SECTOR, ZERO};
 use crate::world::{World, VOLUME};
 
+mod verify;
+
 /// Requests in flight per queue at most.
 const DEPTH: u32 = 8;
 /// The bit that marks a flush's id among the reads' (both kept in `racing`).
@@ -395,29 +397,6 @@ impl Runner {
         result
     }
 
-    /// Reads clone `name` whole through queues of its own and checks it against `m`.
-    fn verify_clone(&mut self, name: &str, m: &Model) -> Result<(), Wrong> {
-        let layout = (self.world.pool().layout(name)).map_err(|e| format!("clone {name}: {e}"))?;
-        let mut e = Engine::open(layout, 1, DEPTH).map_err(|e| format!("clone {name}: {e}"))?;
-        let size = m.sectors() * SECTOR;
-        let mut at = 0;
-        while at < size {
-            let len = (1u64 << 20).min(size - at);
-            e.submit(0, Io::Read, at, len, 0, vec![0xee; len as usize]);
-            for r in e.reap_until(|e| e.in_flight(None) == 0)? {
-                if r.error != 0 {
-                    return Err(Wrong(format!(
-                        "clone {name}: read at {} failed: {}",
-                        r.offset, r.error
-                    )));
-                }
-                self.check(m, r.offset, &r.buf, &format!("clone {name}"))?;
-            }
-            at += len;
-        }
-        Ok(())
-    }
-
     /// Snapshot `of` (modulo how many there are), if any.
     fn snap(&self, of: usize) -> Option<(String, Model)> {
         (!self.snaps.is_empty()).then(|| self.snaps[of % self.snaps.len()].clone())
@@ -484,30 +463,6 @@ impl Runner {
         Ok(())
     }
 
-    fn verify_snapshots(&mut self, snaps: &[(String, Model)]) -> Result<(), Wrong> {
-        for (name, m) in snaps {
-            let img = (self.world.pool().snapshot_image(VOLUME, name, None))
-                .map_err(|e| format!("snapshot {name}: {e}"))?;
-            let size = m.sectors() * SECTOR;
-            let mut buf = vec![0u8; 1 << 20];
-            let mut at = 0;
-            while at < size {
-                let len = (1u64 << 20).min(size - at) as usize;
-                // A read an injected fault fails is read again, as a backup client would.
-                let mut tries = 0;
-                while let Err(e) = img.read_at(&mut buf[..len], at) {
-                    tries += 1;
-                    if tries > RETRIES {
-                        return Err(Wrong(format!("snapshot {name} at {at}: {e}")));
-                    }
-                }
-                self.check(m, at, &buf[..len], &format!("snapshot {name}"))?;
-                at += len as u64;
-            }
-        }
-        Ok(())
-    }
-
     fn grow(&mut self, by: u64) -> Result<(), Wrong> {
         self.drain()?;
         let size = self.model.sectors() * SECTOR + by;
@@ -564,6 +519,12 @@ impl Runner {
     /// Gives up what is in flight (each may have landed or not: the model allows both
     /// already), opens the pool again from its devices and checks everything.
     fn restart(&mut self) -> Result<(), Wrong> {
+        self.restart_quiet()?;
+        self.verify()
+    }
+
+    /// [`Self::restart`] without the check.
+    fn restart_quiet(&mut self) -> Result<(), Wrong> {
         self.again.clear();
         self.engine().reap_until(|e| e.in_flight(None) == 0)?;
         self.racing.clear();
@@ -574,7 +535,6 @@ impl Runner {
         }
         self.world.reopen()?;
         self.sum.restarts += 1;
-        self.open_engine()?;
-        self.verify()
+        self.open_engine()
     }
 }

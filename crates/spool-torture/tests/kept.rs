@@ -411,6 +411,34 @@ fn kept_flush_that_skipped_an_unhealthy_leg_then_a_power_cut() {
     check(&case);
 }
 
+/// A fault armed to fail a clone's metadata read outlived the clone (which read nothing) and
+/// failed the check's own open of the clone: a clean refusal for an injected read error, which
+/// the tester now tries again as it does reads (seed 9234; the tester's own defect).
+#[test]
+fn kept_clone_opened_while_a_metadata_fault_is_armed() {
+    let case = Case {
+        seed: 9234,
+        world: WorldSpec {
+            devices: vec![31, 32],
+            pads: vec![(3, false), (3, false), (4, false)],
+            kind: Thin,
+            size: 4175872,
+            queues: 3,
+        },
+        steps: vec![
+            Snapshot,
+            Fault {
+                dev: 1,
+                meta: true,
+                write: false,
+                count: 1,
+            },
+            Clone { of: 6 },
+        ],
+    };
+    check(&case);
+}
+
 /// A mirrored volume grown after a write failed on one leg: the new mirror took the grown
 /// leg for a new one in its slot and wiped its stale bits, so reads went to the leg that
 /// missed the write and returned zeroes for acknowledged data (fixed in spool-mirror: a leg
