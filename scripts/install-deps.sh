@@ -3,7 +3,7 @@
 # and qemu-storage-daemon), fio and a static busybox for the test guest, systemd (run as a
 # private user manager by the systemd test, never as this machine's init), libvirt, and Ceph's
 # monitor, OSD and client tools (a private test cluster), libnbd's nbdinfo and nbdcopy, and
-# qemu-utils, and openssl (the TLS tests' credentials). The machine may carry bookworm-backports' qemu-utils; Debian refuses to mix it
+# qemu-utils, openssl (the TLS tests' credentials) and cryptsetup (a LUKS image for a benchmark). The machine may carry bookworm-backports' qemu-utils; Debian refuses to mix it
 # with bookworm's qemu-system-x86, so the utilities are pinned to bookworm's 7.2 as well.
 set -euo pipefail
 need=()
@@ -29,6 +29,9 @@ command -v rbd >/dev/null || need+=(ceph-common)
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 # The TLS tests make their x509 credentials with openssl (scripts/tls-certs.sh).
 command -v openssl >/dev/null || need+=(openssl)
+# bench-crypt.py formats qemu-storage-daemon's LUKS image with cryptsetup (a fixed PBKDF2
+# count: qemu-img's own timing of it refuses under load, "Unable to get accurate CPU usage").
+command -v cryptsetup >/dev/null || [ -x /sbin/cryptsetup ] || need+=(cryptsetup-bin)
 # qemu-img, qemu-io and qemu-nbd (qemu-utils, pinned below with every install) write to and
 # serve NBD exports in the nbd:// device and NBD server tests.
 utils=ok
