@@ -93,6 +93,16 @@ fn a_captured_hello_opens_nothing_and_cannot_be_altered() {
         raised.contains("no transfer of volume 'v' with that token"),
         "{raised}"
     );
+    // A sender nonce that is not 32 bytes in hex is refused, proved or not.
+    for bad in ["", "zz", &"ab".repeat(31), &"ab".repeat(33)] {
+        let mut h = hello::plain("v", 16 << 20);
+        h.sender_nonce = bad.to_string();
+        let answer = hello::say(&to, TOKEN, h);
+        assert!(
+            answer.contains("no nonce of the sender's own"),
+            "{bad:?}: {answer}"
+        );
+    }
     // The real sender's hello again (a send resumed) gets the same export.
     let again = hello::say(&to, TOKEN, hello::plain("v", 16 << 20));
     assert!(again.contains("\"nbd\":\"nbd://127.0.0.1:"), "{again}");
