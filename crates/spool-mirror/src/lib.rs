@@ -502,16 +502,7 @@ impl Mirror {
     /// Ends the background thread and waits for it (bounded: a copy in progress finishes
     /// first); false, logged, when it did not end in time.
     fn stop_resync(&self) -> bool {
-        self.shared.stop.store(true, Ordering::Release);
-        let t0 = std::time::Instant::now();
-        while !self.shared.stopped.load(Ordering::Acquire) {
-            if t0.elapsed() > std::time::Duration::from_secs(5) {
-                tracing::error!(mirror = %self.device.path().display(), "the previous mirror's resync thread did not stop");
-                return false;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        true
+        end_resync(&self.shared, self.device.path())
     }
 
     /// An operator's decision for regions where no usable leg is current (every leg missed
@@ -549,9 +540,32 @@ impl Mirror {
     }
 }
 
+/// Ends `shared`'s background thread and waits for it (bounded: a copy in progress finishes
+/// its piece first); false, logged, when it did not end in time.
+fn end_resync(shared: &Shared, path: &Path) -> bool {
+    shared.stop.store(true, Ordering::Release);
+    if resync::on_resync_thread() {
+        return false; // (never waits for itself)
+    }
+    let t0 = std::time::Instant::now();
+    while !shared.stopped.load(Ordering::Acquire) {
+        if t0.elapsed() > std::time::Duration::from_secs(5) {
+            tracing::error!(mirror = %path.display(), "the mirror's resync thread did not stop");
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    true
+}
+
 impl Drop for MirrorBackend {
+    /// Returns once the background thread let go of the legs: whoever dropped the mirror
+    /// (a pool closing, a power cut in the torture tester) may then take the devices for
+    /// itself. A copy finishing behind its back once wrote a leg and marked it current
+    /// after the torture tester had put the devices back to what a power cut leaves: the
+    /// leg read old data after the cut (seed 4).
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Release);
+        end_resync(&self.shared, &self.path);
     }
 }
 

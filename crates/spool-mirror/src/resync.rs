@@ -88,7 +88,18 @@ pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
     thread.spawn(body).map(|_| ())
 }
 
+thread_local! {
+    /// Set on a mirror's background thread (which must never wait for itself to end).
+    static RESYNC_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the caller runs on a mirror's background thread.
+pub(crate) fn on_resync_thread() -> bool {
+    RESYNC_THREAD.with(|t| t.get())
+}
+
 fn run(weak: Weak<Shared>) {
+    RESYNC_THREAD.with(|t| t.set(true));
     let mut seen: Vec<(u32, Instant)> = Vec::new();
     let (mut io, mut buf) = (LegIo::default(), AlignedBuf::default());
     loop {
