@@ -32,7 +32,10 @@ pub(super) struct Op {
     pub(super) current: u8,
     /// Iovec arrays of pieces that split the request's own (kept until completion).
     pub(super) split: Vec<Box<[IoVec]>>,
-    /// A flush: the devices (a bit per index) whose flush failed.
+    /// A flush: the devices (a bit per index) whose flush failed, or that it skipped (not
+    /// healthy when it was submitted: such a device may hold completed writes no flush
+    /// covered, which a power cut may take, so it missed the flush as surely as one it
+    /// failed on; torture seed 9045).
     pub(super) flush_failed: u64,
     /// A flush: its number (`Regions::flush_submitted`).
     pub(super) flush: u32,

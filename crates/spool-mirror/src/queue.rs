@@ -281,21 +281,21 @@ impl MirrorQueue {
     }
 
     fn submit_flush(&mut self, i: usize) -> bool {
-        let mut devices = Vec::new();
-        for l in &self.shared.spec.legs {
-            for p in &l.pieces {
-                if p.device != super::MISSING
-                    && self.healthy & (1 << p.device) != 0
-                    && !devices.contains(&p.device)
-                {
-                    devices.push(p.device);
-                }
+        // A leg's device not healthy now is skipped: it missed the flush (see `flush_failed`).
+        let (mut devices, mut skipped) = (Vec::new(), 0u64);
+        let pieces = self.shared.spec.legs.iter().flat_map(|l| &l.pieces);
+        for p in pieces.filter(|p| p.device != super::MISSING) {
+            if self.healthy & (1 << p.device) == 0 {
+                skipped |= 1u64.checked_shl(p.device as u32).unwrap_or(0);
+            } else if !devices.contains(&p.device) {
+                devices.push(p.device);
             }
         }
         let Some(op) = self.ops[i].as_mut() else {
             return false;
         };
         op.flush = self.shared.regions.flush_submitted();
+        op.flush_failed = skipped;
         for &d in &devices {
             op.pieces.issue();
             let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
@@ -355,7 +355,7 @@ impl MirrorQueue {
         let res = match op.kind {
             Kind::Read if read_err != 0 => read_err,
             Kind::Read => op.pieces.first_error(),
-            Kind::Flush if failed == 0 => 0,
+            Kind::Flush if failed == 0 && op.flush_failed == 0 => 0,
             // Durable on one leg is durable: the failed devices were reported (their
             // monitor resets or isolates them), and the legs on them are stale wherever
             // another leg is current (they may lose what the flush did not cover).

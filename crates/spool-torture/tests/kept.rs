@@ -149,6 +149,268 @@ fn seeds_7_to_12() {
     seeds(7..=12);
 }
 
+/// A write completed on a leg whose device then failed before any flush covered it; the next
+/// flush skipped that device (not healthy) and reported success with nothing marked, so after
+/// a power cut the leg, current by the bitmap, read zeroes for the write the model had seen
+/// flushed (seed 9045, shrunk from 112 steps; it failed about one run in ten; fixed in
+/// spool-mirror: a flush that skips a leg's device marks it as a failed flush does).
+#[test]
+fn kept_flush_that_skipped_an_unhealthy_leg_then_a_power_cut() {
+    let case = Case {
+        seed: 9045,
+        world: WorldSpec {
+            devices: vec![53, 63, 52, 69],
+            pads: vec![(1, true), (3, true)],
+            kind: Mirror(2),
+            size: 28304896,
+            queues: 3,
+        },
+        steps: vec![
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 8368640,
+                len: 131072,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Read,
+                offset: 2096640,
+                len: 512,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 26946048,
+                len: 2097152,
+            },
+            Restart,
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 3110912,
+                len: 65536,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 30883840,
+                len: 131072,
+            },
+            Fault {
+                dev: 2,
+                meta: true,
+                write: true,
+                count: 1,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 24117248,
+                len: 512,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 9400832,
+                len: 72704,
+            },
+            Grow { by: 511488 },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 23002112,
+                len: 133632,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 26564608,
+                len: 2097152,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 29269504,
+                len: 136192,
+            },
+            Grow { by: 1473536 },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 6387200,
+                len: 2097152,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 32632320,
+                len: 65536,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 17393664,
+                len: 512,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 24149504,
+                len: 2097152,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Read,
+                offset: 276992,
+                len: 8704,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 2394624,
+                len: 512,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 16919552,
+                len: 8704,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Read,
+                offset: 23488512,
+                len: 2097152,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 12030976,
+                len: 131072,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 9383424,
+                len: 65536,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 18869248,
+                len: 8704,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Flush,
+                offset: 0,
+                len: 0,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 30015488,
+                len: 137216,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 30991360,
+                len: 1055744,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Flush,
+                offset: 0,
+                len: 0,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 6078976,
+                len: 1310720,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Zero,
+                offset: 8729088,
+                len: 2097152,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Zero,
+                offset: 21748736,
+                len: 2097152,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 22236160,
+                len: 512,
+            },
+            Fault {
+                dev: 1,
+                meta: false,
+                write: true,
+                count: 2,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 11836416,
+                len: 1053184,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 12576256,
+                len: 65536,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 27256832,
+                len: 7680,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Write,
+                offset: 27771904,
+                len: 2097152,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Flush,
+                offset: 0,
+                len: 0,
+            },
+            Io {
+                q: 1,
+                kind: IoKind::Read,
+                offset: 2721280,
+                len: 2097152,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 6141440,
+                len: 1048576,
+            },
+            Io {
+                q: 2,
+                kind: IoKind::Write,
+                offset: 27570688,
+                len: 2097152,
+            },
+            PowerCut {
+                seed: 8849500526177547847,
+            },
+        ],
+    };
+    check(&case);
+}
+
 /// A fault armed to fail a clone's metadata read outlived the clone (which read nothing) and
 /// failed the check's own open of the clone: a clean refusal for an injected read error, which
 /// the tester now tries again as it does reads (seed 9234; the tester's own defect).
