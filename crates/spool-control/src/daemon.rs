@@ -24,6 +24,7 @@ mod exports;
 mod failures;
 mod hello;
 mod keeper;
+mod kept_keys;
 mod methods;
 mod mirrors;
 mod receive;
@@ -119,6 +120,7 @@ impl Daemon {
         let parts = (monitor, keeping, open_devices, write_witness);
         let d = Arc::new(Daemon::new(cfg, pool, parts));
         d.keep_state_format();
+        d.keep_keks();
         d.ensure_volumes()?;
         d.apply_configured_qos()?;
         d.serve_volumes();

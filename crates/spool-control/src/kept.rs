@@ -14,6 +14,8 @@ pub const HEALTH_PREFIX: &str = "health/";
 pub const RPC_LISTEN_KEY: &str = "rpc/listen";
 /// The metrics endpoint's listening TCP socket (`[metrics] listen`).
 pub const METRICS_LISTEN_KEY: &str = "metrics/listen";
+/// Key of the key-encryption keys a worker hands the next (`daemon::kept_keys`).
+pub const KEK_KEY: &str = "keys/kek";
 /// Key naming the state formats the running worker writes.
 pub const FORMAT_KEY: &str = "meta/state-format";
 /// Key prefix of everything the frontend keeps for a volume (`vol/UUID/…`).

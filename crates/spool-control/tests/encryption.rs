@@ -16,8 +16,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::{
-    connect, kill_workers_holding_a_write, pattern, spoolctl, write_rounds_until, Spoold, BS,
-    RECOVERED,
+    connect, kill_workers_holding_a_write, pattern, spoolctl, write_key, write_rounds_until,
+    Spoold, BS, RECOVERED,
 };
 use serde_json::json;
 
@@ -39,12 +39,6 @@ size = "16M"
 num_queues = 2
 "#
     .into()
-}
-
-/// A key file of `byte` repeated, in hex, mode 0600.
-fn write_key(path: &Path, byte: u8) {
-    std::fs::write(path, format!("{byte:02x}").repeat(32)).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {

@@ -68,6 +68,7 @@ impl Pool {
             retired: Default::default(),
             commit_unsure: false,
         };
+        pool.settle_keys();
         // Thin volumes' chunks are named by their maps, not the table: taken now, before
         // anything can allocate.
         pool.open_thins();

@@ -25,20 +25,25 @@ pub(crate) type CipherCache = HashMap<Uuid, Arc<Locked<XtsCipher>>>;
 /// A volume cipher as the data path holds it.
 pub type VolumeCipher = Arc<Locked<XtsCipher>>;
 
-/// `v`'s data key unwrapped with `kek`, or why not (naming both keys' ids).
+/// `v`'s data key unwrapped with `kek`, which must be the key it names.
 fn unwrap_key(v: &VolumeEntry, key: &VolumeKey, kek: &Kek) -> Result<DataKey> {
     if kek.id() != key.kek_id {
-        return Err(key_error(
-            v,
-            format!(
-                "its key was wrapped under key-encryption key {}, and spoold has {}: give spoold that key (a rekey that did not finish, or the wrong key file?)",
-                key.kek_id,
-                kek.id()
-            ),
-        ));
+        return Err(not_held(v, key, &[kek.id()]));
     }
     let wrapped = spool_crypt::from_hex(&key.wrapped).unwrap_or_default();
     kek.unwrap(&wrapped).map_err(|e| key_error(v, e))
+}
+
+/// Why `v`'s key unwraps with none of the keys spoold has (`have`: their ids).
+fn not_held(v: &VolumeEntry, key: &VolumeKey, have: &[String]) -> Error {
+    key_error(
+        v,
+        format!(
+            "its key was wrapped under key-encryption key {}, and spoold has {}: give spoold that key (the wrong key file, or a key given to a rekey and lost with a restart of the whole daemon?)",
+            key.kek_id,
+            have.join(" and ")
+        ),
+    )
 }
 
 fn key_error(v: &VolumeEntry, why: impl std::fmt::Display) -> Error {
@@ -226,9 +231,17 @@ impl Pool {
         )))
     }
 
-    /// The data key of encrypted volume `v`, unwrapped.
+    /// The data key of encrypted volume `v`, unwrapped with whichever key spoold has that
+    /// it names (the key in use, or the other side of a rekey).
     fn data_key(&self, v: &VolumeEntry, key: &VolumeKey) -> Result<DataKey> {
-        unwrap_key(v, key, self.kek(v)?)
+        let kek = self.kek(v)?;
+        match std::iter::once(kek)
+            .chain(&self.opts.other_keks)
+            .find(|k| k.id() == key.kek_id)
+        {
+            Some(k) => unwrap_key(v, key, k),
+            None => Err(not_held(v, key, &self.kek_ids())),
+        }
     }
 
     /// The cipher of `v` when it is encrypted (unwrapped once, then cached).
@@ -269,8 +282,11 @@ impl Pool {
     /// Rewraps every encrypted volume's data key under `new` without touching any data, and
     /// makes `new` the pool's key-encryption key. Both metadata slots of every member are
     /// rewritten, so no key wrapped under the old one remains. Returns how many keys were
-    /// rewrapped. Every key is unwrapped before anything is written: a key the current
-    /// key-encryption key cannot unwrap fails the whole rekey and changes nothing.
+    /// rewrapped (those under `new` already are left: a rekey that failed part way is
+    /// finished by running it again). Every key is unwrapped before anything is written: a
+    /// key spoold cannot unwrap fails the whole rekey and changes nothing. Until the commit
+    /// has succeeded both keys are kept ([`Pool::keks`]): a commit that failed part way may
+    /// have left a table wrapped under either on some member, or in memory.
     pub fn rekey(&mut self, new: Arc<Kek>) -> Result<usize> {
         let mut table = self.table.clone();
         let mut n = 0;
@@ -278,6 +294,9 @@ impl Pool {
             let Some(key) = v.encryption.clone() else {
                 continue;
             };
+            if key.kek_id == new.id() {
+                continue;
+            }
             let dk = self.data_key(v, &key)?;
             v.encryption = Some(VolumeKey {
                 cipher: key.cipher,
@@ -286,10 +305,64 @@ impl Pool {
             });
             n += 1;
         }
+        if !self.kek_ids().contains(&new.id()) {
+            self.opts.other_keks.push(new.clone());
+        }
         self.commit_erasing(table)?;
         tracing::info!(keys = n, kek = %new.id(), "data keys rewrapped under a new key-encryption key");
         self.opts.kek = Some(new);
+        self.settle_keys();
         Ok(n)
+    }
+
+    /// Chooses, at open and after a rekey, the key new data keys are wrapped under and the
+    /// keys kept besides it. The key in use is the first of those a previous worker held,
+    /// then the configured one, that the table names; with none named, the configured one
+    /// (or, without one, the first kept).
+    /// So a restart between a rekey and the config change, or between putting the new key
+    /// where the config points and the rekey, serves every volume. Every other key stays
+    /// only while the table names it: an old key is let go once nothing is wrapped under it.
+    pub(crate) fn settle_keys(&mut self) {
+        let named: std::collections::HashSet<String> = (self.table.volumes.iter())
+            .filter_map(|v| v.encryption.as_ref().map(|k| k.kek_id.clone()))
+            .collect();
+        let configured = self.opts.kek.clone();
+        let mut all: Vec<Arc<Kek>> = Vec::new();
+        let given = self.opts.other_keks.drain(..).chain(self.opts.kek.take());
+        for k in given {
+            if !all.iter().any(|a| a.id() == k.id()) {
+                all.push(k);
+            }
+        }
+        let in_use = (all.iter().find(|k| named.contains(&k.id())).cloned())
+            .or(configured)
+            .or_else(|| all.first().cloned());
+        self.opts.other_keks = all
+            .into_iter()
+            .filter(|k| named.contains(&k.id()))
+            .filter(|k| in_use.as_ref().is_none_or(|u| u.id() != k.id()))
+            .collect();
+        self.opts.kek = in_use;
+        if !self.opts.other_keks.is_empty() {
+            tracing::warn!(kek = ?self.kek_id(), others = ?self.kek_ids(), "data keys are wrapped under more than one key-encryption key (a rekey that did not finish): run `spoolctl volume rekey` again");
+        }
+    }
+
+    /// Every key-encryption key spoold holds: the one in use first, then those some data
+    /// key is still wrapped under (for the next worker: the daemon keeps them with the
+    /// keeper).
+    pub fn keks(&self) -> Vec<Arc<Kek>> {
+        self.opts
+            .kek
+            .iter()
+            .chain(&self.opts.other_keks)
+            .cloned()
+            .collect()
+    }
+
+    /// The ids of [`Pool::keks`].
+    pub fn kek_ids(&self) -> Vec<String> {
+        self.keks().iter().map(|k| k.id()).collect()
     }
 
     /// The key-encryption key's id, if spoold has one.

@@ -143,6 +143,11 @@ pub struct PoolOptions {
     /// The key-encryption key that wraps encrypted volumes' data keys (config
     /// `[encryption]`); without one, encrypted volumes are refused.
     pub kek: Option<std::sync::Arc<spool_crypt::Kek>>,
+    /// Key-encryption keys besides `kek` that may unwrap data keys: those a previous worker
+    /// held (a rekey's two sides), the one it wrapped new keys under first. At open the pool
+    /// settles which key wraps new keys and keeps the others only while its table names
+    /// them ([`Pool::keks`]; docs/encryption.md).
+    pub other_keks: Vec<std::sync::Arc<spool_crypt::Kek>>,
     /// How long a write to a thin volume that needs a chunk waits for free space when the
     /// pool is full before it fails (config `[thin] full_wait_ms`).
     pub thin_full_wait: std::time::Duration,
@@ -163,6 +168,7 @@ impl Default for PoolOptions {
             handoff: Default::default(),
             lock_wait: std::time::Duration::ZERO,
             kek: None,
+            other_keks: Vec::new(),
             thin_full_wait: thin::DEFAULT_FULL_WAIT,
         }
     }
@@ -315,6 +321,8 @@ impl Pool {
 mod check_tests;
 #[cfg(test)]
 mod mirror_tests;
+#[cfg(test)]
+mod rekey_tests;
 #[cfg(test)]
 mod remote_tests;
 #[cfg(test)]

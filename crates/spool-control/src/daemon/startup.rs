@@ -178,6 +178,7 @@ pub(super) fn open_pool(
             _ => Duration::ZERO,
         },
         kek: load_kek(cfg),
+        other_keks: keeping.map(super::kept_keys::take).unwrap_or_default(),
         thin_full_wait: cfg.thin_full_wait,
     };
     Ok(Pool::open(&specs, opts)?)
@@ -277,6 +278,13 @@ impl Daemon {
             if let Err(e) = s.put(kept::FORMAT_KEY, format, &[]) {
                 tracing::error!("cannot deposit the state format with the keeper: {e}");
             }
+        }
+    }
+
+    /// Step 5: hands the pool's key-encryption keys to the next worker (`kept_keys`).
+    pub(super) fn keep_keks(&self) {
+        if let Some(s) = &self.store {
+            super::kept_keys::keep(&**s, &self.pool().keks());
         }
     }
 

@@ -55,13 +55,20 @@ impl Daemon {
         let old = pool.kek_id().ok_or_else(|| {
             RpcError::InvalidParams("spoold has no key-encryption key to rekey from".into())
         })?;
-        if old == new.id() {
+        // The key in use again is refused, unless a rekey to it failed part way (both
+        // keys held): running it again finishes that one.
+        if old == new.id() && pool.kek_ids().len() == 1 {
             return Err(RpcError::InvalidParams(format!(
                 "the new key is the key in use ({old}): put the new key in place first"
             )));
         }
         let kek_id = new.id();
-        let rewrapped = pool.rekey(std::sync::Arc::new(new))?;
+        let rewrapped = pool.rekey(std::sync::Arc::new(new));
+        // Kept whatever came of it: a rekey that failed part way holds both keys.
+        if let Some(s) = &self.store {
+            super::kept_keys::keep(&**s, &pool.keks());
+        }
+        let rewrapped = rewrapped?;
         Ok(api::RekeyResult {
             rewrapped,
             kek_id,

@@ -638,3 +638,10 @@ pub fn tls_credentials(dir: &Path) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A key file of `byte` repeated, in hex, mode 0600 (a key-encryption key).
+pub fn write_key(path: &Path, byte: u8) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("{byte:02x}").repeat(32)).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
