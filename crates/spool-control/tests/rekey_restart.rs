@@ -6,7 +6,6 @@
 
 mod common;
 
-
 use common::{connect, pattern, spoolctl, write_key, Spoold, BS};
 use serde_json::json;
 

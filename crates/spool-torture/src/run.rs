@@ -523,6 +523,13 @@ impl Runner {
         self.verify()
     }
 
+    /// Disarms every fault rule still armed on the pool's devices.
+    fn clear_faults(&mut self) {
+        for (_, d) in self.world.pool().device_handles() {
+            d.faults().clear();
+        }
+    }
+
     /// [`Self::restart`] without the check.
     fn restart_quiet(&mut self) -> Result<(), Wrong> {
         self.again.clear();
@@ -530,9 +537,7 @@ impl Runner {
         self.racing.clear();
         self.read_at.clear();
         self.engine = None;
-        for (_, d) in self.world.pool().device_handles() {
-            d.faults().clear();
-        }
+        self.clear_faults();
         self.world.reopen()?;
         self.sum.restarts += 1;
         self.open_engine()

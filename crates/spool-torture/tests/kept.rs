@@ -411,6 +411,71 @@ fn kept_flush_that_skipped_an_unhealthy_leg_then_a_power_cut() {
     check(&case);
 }
 
+/// Metadata read faults armed for earlier steps (five in all) outlasted the check's four tries
+/// at reading an encrypted thin volume's snapshot, whose image reads through the devices'
+/// synchronous path: the tester's own defect; it now clears the rules after the tries and
+/// only a failure after is wrong (seed 9554).
+#[test]
+fn kept_snapshot_read_while_metadata_faults_are_armed() {
+    let case = Case {
+        seed: 9554,
+        world: WorldSpec {
+            devices: vec![25],
+            pads: vec![(3, true)],
+            kind: EncryptedThin,
+            size: 10465280,
+            queues: 1,
+        },
+        steps: vec![
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 2216960,
+                len: 1048064,
+            },
+            Drain,
+            Snapshot,
+            Fault {
+                dev: 0,
+                meta: true,
+                write: false,
+                count: 2,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 5134848,
+                len: 1310720,
+            },
+            Fault {
+                dev: 0,
+                meta: true,
+                write: false,
+                count: 1,
+            },
+            Fault {
+                dev: 0,
+                meta: false,
+                write: false,
+                count: 2,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 6225408,
+                len: 131072,
+            },
+            Fault {
+                dev: 0,
+                meta: true,
+                write: false,
+                count: 2,
+            },
+        ],
+    };
+    check(&case);
+}
+
 /// A fault armed to fail a clone's metadata read outlived the clone (which read nothing) and
 /// failed the check's own open of the clone: a clean refusal for an injected read error, which
 /// the tester now tries again as it does reads (seed 9234; the tester's own defect).
