@@ -180,6 +180,8 @@ pub(crate) struct Shared {
     pub(crate) far: u8,
     /// Stale bits of the required legs (see [`LegSpec::far`]); only grows while open.
     pub(crate) required: AtomicU8,
+    /// Stale bits of the legs taking over from the others ([`Mirror::begin_hand_over`]).
+    pub(crate) taking_over: AtomicU8,
     pub(crate) regions: Arc<Regions>,
     /// The health cell of the `Device` wrapping this mirror (set once it exists).
     pub(crate) health: OnceLock<Arc<DeviceHealth>>,
@@ -426,6 +428,7 @@ impl Mirror {
             stripes: stripes(&spec.legs),
             far,
             required: AtomicU8::new(required),
+            taking_over: AtomicU8::new(0),
             spec,
             regions,
             health: OnceLock::new(),
@@ -472,6 +475,23 @@ impl Mirror {
     pub fn leg_current(&self, slot: u8) -> bool {
         self.shared.writable() & bitmap::stale(slot) != 0
             && self.shared.regions.stale[slot as usize % MAX_LEGS].load(Ordering::Acquire) == 0
+    }
+
+    /// Legs `slots` (stale bits) take over from the others from now on (a thin volume's
+    /// copies replacing its own map): a write that any of them misses fails as a whole, a
+    /// path error (`ENOLINK`: its sender sends it again) with nothing marked, even where
+    /// another leg took it, as a write every current leg failed does. So nothing is
+    /// acknowledged that lives only on the legs that go, and the legs that stay are not
+    /// made stale where only those that go would be current. Returns the slots of `slots`
+    /// this added (for [`Mirror::cancel_hand_over`]).
+    pub fn begin_hand_over(&self, slots: u8) -> u8 {
+        let before = self.shared.taking_over.fetch_or(slots, Ordering::AcqRel);
+        slots & !before
+    }
+
+    /// Takes back what [`Mirror::begin_hand_over`] returned (a hand-over that did not happen).
+    pub fn cancel_hand_over(&self, slots: u8) {
+        self.shared.taking_over.fetch_and(!slots, Ordering::AcqRel);
     }
 
     /// Clears the intent bit of every region with no write in flight (a clean stop: the

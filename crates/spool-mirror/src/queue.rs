@@ -369,7 +369,17 @@ impl MirrorQueue {
             // failed write) and nothing is marked: the current legs stay the copy source.
             Kind::Write | Kind::Zeroes => {
                 let (first, last) = op.regions;
-                let res = if op.current & !failed != 0 {
+                let taking_over = self
+                    .shared
+                    .taking_over
+                    .load(std::sync::atomic::Ordering::Acquire);
+                let res = if failed & taking_over != 0 {
+                    // A leg taking over missed it: failed as a whole, nothing marked (the
+                    // legs that go would hold it alone); sent again, it reaches the ones
+                    // that stay.
+                    self.shared.regions.wrote(first, last);
+                    -libc::ENOLINK
+                } else if op.current & !failed != 0 {
                     self.shared.regions.wrote(first, last);
                     if failed != 0 {
                         for r in first..=last {

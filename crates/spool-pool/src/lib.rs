@@ -332,4 +332,6 @@ mod tests;
 #[cfg(test)]
 mod thin_mirror_tests;
 #[cfg(test)]
+mod thin_takeover_tests;
+#[cfg(test)]
 mod thin_tests;

@@ -184,19 +184,36 @@ impl Pool {
         }
     }
 
-    /// Whether every copy added to `v` is synced in the table and current in its mirror now
-    /// (the table's flag is never taken back: a copy that missed a write since, on a full
-    /// device, is stale in the mirror only).
-    fn copies_current(&self, v: &VolumeEntry) -> bool {
+    /// Starts the hand-over to the copies added to `v` in its mirror
+    /// (`Mirror::begin_hand_over`), then checks that each is synced in the table and current
+    /// in the mirror: the slots it started when so (the takeover may go ahead: from the
+    /// check on, a write a copy misses fails as a whole, so none acknowledged lives only on
+    /// the own map that goes), `None` when not (and the hand-over is cancelled). The table's flag is never taken back:
+    /// a copy that missed a write since, on a full device, is stale in the mirror only.
+    fn hold_copies_current(&self, v: &VolumeEntry) -> Option<u8> {
         let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((_, m)) = cache.get(&v.uuid) else {
-            return false;
-        };
-        v.leg_maps().all(|(l, _)| {
+        let (_, m) = cache.get(&v.uuid)?;
+        let slots = v.leg_maps().fold(0u8, |s, (l, _)| s | 1 << l.slot);
+        let made = m.begin_hand_over(slots);
+        let current = v.leg_maps().all(|(l, _)| {
             l.synced
                 && m.leg_id(l.slot) == Some(crate::layout::table_leg_id(l))
                 && m.leg_current(l.slot)
-        })
+        });
+        if !current {
+            m.cancel_hand_over(made);
+            return None;
+        }
+        Some(made)
+    }
+
+    /// Cancels the hand-over [`Pool::hold_copies_current`] started (a takeover whose commit
+    /// failed: the own map goes on serving beside the copies).
+    fn release_copies(&self, v: Uuid, made: u8) {
+        let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, m)) = cache.get(&v) {
+            m.cancel_hand_over(made);
+        }
     }
 
     /// Adds two copies to thin volume `i` (see the module doc): refused for a volume with
@@ -249,12 +266,15 @@ impl Pool {
     /// origin) is held until no queue uses it ([`Pool::release_retired`]). Returns the
     /// volumes changed (their layout must be published again).
     pub fn finish_thin_copies(&mut self) -> Result<Vec<String>> {
-        let done: Vec<usize> = (self.table.volumes.iter().enumerate())
-            .filter(|(_, v)| adding_copies(v) && self.copies_current(v))
+        let adding: Vec<usize> = (self.table.volumes.iter().enumerate())
+            .filter(|(_, v)| adding_copies(v))
             .map(|(i, _)| i)
             .collect();
         let mut changed = Vec::new();
-        for i in done {
+        for i in adding {
+            let Some(made) = self.hold_copies_current(&self.table.volumes[i]) else {
+                continue;
+            };
             let mut table = self.table.clone();
             let v = &mut table.volumes[i];
             v.legs.retain(|l| l.thin.is_some());
@@ -263,6 +283,7 @@ impl Pool {
             t.origin = None;
             let (uuid, name) = (v.uuid, v.name.clone());
             if let Err(e) = self.commit(table) {
+                self.release_copies(uuid, made);
                 // The volumes finished so far are returned, to be published.
                 tracing::error!(volume = %name, error = %e, "cannot record that the thin volume's copies took over; trying again later");
                 break;
