@@ -21,6 +21,7 @@
 pub mod bitmap;
 mod copy;
 mod gone;
+mod handover;
 mod legio;
 mod op;
 mod prepare;
@@ -477,23 +478,6 @@ impl Mirror {
             && self.shared.regions.stale[slot as usize % MAX_LEGS].load(Ordering::Acquire) == 0
     }
 
-    /// Legs `slots` (stale bits) take over from the others from now on (a thin volume's
-    /// copies replacing its own map): a write that any of them misses fails as a whole, a
-    /// path error (`ENOLINK`: its sender sends it again) with nothing marked, even where
-    /// another leg took it, as a write every current leg failed does. So nothing is
-    /// acknowledged that lives only on the legs that go, and the legs that stay are not
-    /// made stale where only those that go would be current. Returns the slots of `slots`
-    /// this added (for [`Mirror::cancel_hand_over`]).
-    pub fn begin_hand_over(&self, slots: u8) -> u8 {
-        let before = self.shared.taking_over.fetch_or(slots, Ordering::AcqRel);
-        slots & !before
-    }
-
-    /// Takes back what [`Mirror::begin_hand_over`] returned (a hand-over that did not happen).
-    pub fn cancel_hand_over(&self, slots: u8) {
-        self.shared.taking_over.fetch_and(!slots, Ordering::AcqRel);
-    }
-
     /// Clears the intent bit of every region with no write in flight (a clean stop: the
     /// next start then resyncs only what was really in flight). Safe while writes run.
     pub fn clear_quiet_intents(&self) {
@@ -522,7 +506,7 @@ impl Mirror {
     /// Ends the background thread and waits for it (bounded: a copy in progress finishes
     /// first); false, logged, when it did not end in time.
     fn stop_resync(&self) -> bool {
-        end_resync(&self.shared, self.device.path())
+        resync::end(&self.shared, self.device.path())
     }
 
     /// An operator's decision for regions where no usable leg is current (every leg missed
@@ -560,24 +544,6 @@ impl Mirror {
     }
 }
 
-/// Ends `shared`'s background thread and waits for it (bounded: a copy in progress finishes
-/// its piece first); false, logged, when it did not end in time.
-fn end_resync(shared: &Shared, path: &Path) -> bool {
-    shared.stop.store(true, Ordering::Release);
-    if resync::on_resync_thread() {
-        return false; // (never waits for itself)
-    }
-    let t0 = std::time::Instant::now();
-    while !shared.stopped.load(Ordering::Acquire) {
-        if t0.elapsed() > std::time::Duration::from_secs(5) {
-            tracing::error!(mirror = %path.display(), "the mirror's resync thread did not stop");
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    true
-}
-
 impl Drop for MirrorBackend {
     /// Returns once the background thread let go of the legs: whoever dropped the mirror
     /// (a pool closing, a power cut in the torture tester) may then take the devices for
@@ -585,7 +551,7 @@ impl Drop for MirrorBackend {
     /// after the torture tester had put the devices back to what a power cut leaves: the
     /// leg read old data after the cut (seed 4).
     fn drop(&mut self) {
-        end_resync(&self.shared, &self.path);
+        resync::end(&self.shared, &self.path);
     }
 }
 

@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 use super::bitmap::{stale, INTENT};
 use super::op::{piece_io, Kind, Op};
 use super::Shared;
+
+mod flush;
 use spool_devices::epoll_watch as watch;
 use spool_devices::fanout::{split, Fanout, PieceAt};
 use spool_devices::{DeviceIo, DeviceQueue, ErrorReport, Signal};
@@ -260,52 +262,6 @@ impl MirrorQueue {
         true
     }
 
-    /// A flush the legs on devices `devices` (a bit per index) failed and others took: 0
-    /// once those legs are stale wherever another is current, else a path error.
-    fn missed_flush(&self, devices: u64, flush: u32) -> i32 {
-        let missed = (self.shared.spec.legs.iter())
-            .filter(|l| {
-                l.pieces
-                    .iter()
-                    .any(|p| p.device < 64 && devices & (1u64 << p.device) != 0)
-            })
-            .fold(0, |m, l| m | super::bitmap::stale(l.slot));
-        match self
-            .shared
-            .regions
-            .missed_flush(self.shared.all_slots(), missed, flush)
-        {
-            true => 0,
-            false => -libc::EIO,
-        }
-    }
-
-    fn submit_flush(&mut self, i: usize) -> bool {
-        // A leg's device not healthy now is skipped: it missed the flush (see `flush_failed`).
-        let (mut devices, mut skipped) = (Vec::new(), 0u64);
-        let pieces = self.shared.spec.legs.iter().flat_map(|l| &l.pieces);
-        for p in pieces.filter(|p| p.device != super::MISSING) {
-            if self.healthy & (1 << p.device) == 0 {
-                skipped |= 1u64.checked_shl(p.device as u32).unwrap_or(0);
-            } else if !devices.contains(&p.device) {
-                devices.push(p.device);
-            }
-        }
-        let Some(op) = self.ops[i].as_mut() else {
-            return false;
-        };
-        op.flush = self.shared.regions.flush_submitted();
-        op.flush_failed = skipped;
-        for &d in &devices {
-            op.pieces.issue();
-            let tag = ((i as u64) << SLOT_BITS) | FLUSH_SLOT as u64;
-            // SAFETY: a flush carries no buffers.
-            unsafe { self.queues[d].submit(DeviceIo::Flush, tag) };
-            busy(&mut self.outstanding, &mut self.progress, d);
-        }
-        !devices.is_empty()
-    }
-
     /// Tries the writes waiting for the copy again (those still waiting wait for the next
     /// release of a region the copy holds).
     fn retry_waiting(&mut self) {
@@ -355,14 +311,7 @@ impl MirrorQueue {
         let res = match op.kind {
             Kind::Read if read_err != 0 => read_err,
             Kind::Read => op.pieces.first_error(),
-            Kind::Flush if failed == 0 && op.flush_failed == 0 => 0,
-            // Durable on one leg is durable: the failed devices were reported (their
-            // monitor resets or isolates them), and the legs on them are stale wherever
-            // another leg is current (they may lose what the flush did not cover).
-            Kind::Flush if op.pieces.any_succeeded() => {
-                self.missed_flush(op.flush_failed, op.flush)
-            }
-            Kind::Flush => op.pieces.first_error(),
+            Kind::Flush => self.settle_flush(&op, failed),
             // Done when a leg current at submit took it all; the legs that failed then missed
             // it (marked stale before the completion). When every current leg failed, the
             // write failed as a whole (its blocks are indeterminate on every leg, as for any

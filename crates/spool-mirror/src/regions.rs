@@ -32,6 +32,13 @@ pub(crate) struct Regions {
     pub(crate) unflushed: Box<[AtomicU32]>,
     /// Flushes submitted since the mirror opened.
     pub(crate) flushes: AtomicU32,
+    /// Per slot, the first flush number whose regions' writes a power cut may take from the
+    /// leg: every write to it that a flush before had to cover, one the leg took did (or
+    /// its region was marked stale). A leg that missed several flushes in a row is behind
+    /// since the first of them (torture seed 9748: a retried flush, which the leg missed
+    /// again, looked only at the regions written since the one before, found none, and
+    /// reported success; the write it should have covered was lost at the next power cut).
+    pub(crate) durable_before: [AtomicU32; MAX_LEGS],
     /// Regions marked stale, per slot.
     pub(crate) stale: [AtomicU64; MAX_LEGS],
     /// Regions out of sync (a read source recorded).
@@ -54,6 +61,7 @@ impl Regions {
             gens: (0..n).map(|_| AtomicU32::new(0)).collect(),
             unflushed: (0..n).map(|_| AtomicU32::new(0)).collect(),
             flushes: AtomicU32::new(0),
+            durable_before: Default::default(),
             stale: Default::default(),
             out_of_sync: AtomicU64::new(0),
             required_ids: Default::default(),
@@ -252,11 +260,33 @@ impl Regions {
 
     /// Legs `missed` (their stale bits; `all`: every leg's) failed flush `flush` that others
     /// took: each is marked stale (durably), where another leg is current, in every region
-    /// written since the flush before it was submitted (an earlier flush that covered a
-    /// region answers for it itself), so what it may lose at a power cut is read from, and
-    /// copied back from, those. False when in such a region no other leg is current: there
-    /// the flush made nothing durable.
+    /// written since the last flush it took (`durable_before`; an earlier flush that covered
+    /// a region answers for it itself), so what it may lose at a power cut is read from,
+    /// and copied back from, those. False when in such a region no other leg is current:
+    /// there the flush made nothing durable. Either way the legs that took it are durable
+    /// up to it, and, when true, so are the marked ones (what they may lose is stale).
     pub(crate) fn missed_flush(&self, all: u8, missed: u8, flush: u32) -> bool {
+        let since = (0..MAX_LEGS as u8)
+            .filter(|&s| missed & stale(s) != 0)
+            .map(|s| self.durable_before[s as usize].load(Ordering::SeqCst))
+            .fold(flush, u32::min);
+        let covered = self.mark_unflushed(all, missed, since);
+        self.flushed(all & !missed, flush);
+        if covered {
+            self.flushed(missed, flush);
+        }
+        covered
+    }
+
+    /// Legs `slots` took flush `flush`: what was written before it was submitted is durable
+    /// on them.
+    pub(crate) fn flushed(&self, slots: u8, flush: u32) {
+        for s in (0..MAX_LEGS as u8).filter(|&s| slots & stale(s) != 0) {
+            self.durable_before[s as usize].fetch_max(flush + 1, Ordering::SeqCst);
+        }
+    }
+
+    fn mark_unflushed(&self, all: u8, missed: u8, flush: u32) -> bool {
         let n = self.bitmap.regions();
         let mut covered = true;
         let (mut first, mut last) = (usize::MAX, 0);

@@ -88,6 +88,24 @@ pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
     thread.spawn(body).map(|_| ())
 }
 
+/// Ends `shared`'s background thread and waits for it (bounded: a copy in progress finishes
+/// its piece first); false, logged, when it did not end in time.
+pub(crate) fn end(shared: &Shared, path: &std::path::Path) -> bool {
+    shared.stop.store(true, Ordering::Release);
+    if on_resync_thread() {
+        return false; // (never waits for itself)
+    }
+    let t0 = std::time::Instant::now();
+    while !shared.stopped.load(Ordering::Acquire) {
+        if t0.elapsed() > std::time::Duration::from_secs(5) {
+            tracing::error!(mirror = %path.display(), "the mirror's resync thread did not stop");
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    true
+}
+
 thread_local! {
     /// Set on a mirror's background thread (which must never wait for itself to end).
     static RESYNC_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };

@@ -100,3 +100,24 @@ fn a_flush_that_skips_an_unhealthy_leg_marks_what_it_may_lose() {
     let (a, b) = legs_of(&devs);
     assert_eq!(a, b, "legs differ after catching up");
 }
+
+/// The only current leg misses a flush (its device resetting), and then the retried flush
+/// too: the retry must fail as well, for the write the first should have covered is still
+/// not durable anywhere. Found by the torture tester (seed 9748): the retry looked only at
+/// the regions written since the first was submitted, found none, and reported success;
+/// the next power cut lost the write.
+#[test]
+fn a_flush_retried_after_the_only_current_leg_missed_one_fails_again() {
+    let d = tempfile::tempdir().unwrap();
+    let (devs, _mirror, mut q) = written_at_one_mib(d.path());
+    assert_eq!(flush(&mut *q), 0, "both legs took the first flush");
+    // Leg 1 misses a write to region 3 (stale there); then leg 0's device fails too.
+    devs[1].health().set(HealthState::Resetting);
+    assert_eq!(run(&mut *q, true, 3 * MIB, &mut vec![0xa5; 4096]), 0);
+    devs[0].health().set(HealthState::Resetting);
+    devs[1].health().set(HealthState::Healthy);
+    assert_ne!(flush(&mut *q), 0, "no leg made region 3 durable");
+    assert_ne!(flush(&mut *q), 0, "still none did");
+    devs[0].health().set(HealthState::Healthy);
+    assert_eq!(flush(&mut *q), 0, "leg 0 took it");
+}
