@@ -125,6 +125,7 @@ impl Daemon {
         d.apply_configured_qos()?;
         d.serve_volumes();
         d.restore_receiving();
+        d.restore_exports();
         d.release_unserved_kept();
         d.start_spare_watcher();
         d.start_mirror_settler();

@@ -4,6 +4,12 @@
 //! A served snapshot's chunks must not go back to the pool while a client may read them:
 //! deleting the snapshot or its volume stops its exports first, and a stopped export fails
 //! every read from then on (a read in progress finishes before the stop returns).
+//!
+//! An export outlives the worker that started it: its listening socket and what it serves
+//! are kept with the keeper (`export/VOLUME/NBD`), and the next worker serves it again on
+//! that socket, so a backup client connecting during a restart or an upgrade waits in the
+//! listen queue instead of being refused. A connection open at the restart is cut (a
+//! client with reconnection, such as QEMU's `reconnect-delay`, carries on).
 
 use std::sync::{Arc, RwLock};
 
@@ -14,6 +20,13 @@ use uuid::Uuid;
 use super::Daemon;
 use crate::api::{self, DiffParams, DiffResult, ExportInfo, ExportParams, SnapshotParams};
 use crate::rpc::{MethodTable, RpcError};
+
+/// Key prefix of the exports kept with the keeper.
+const KEPT_PREFIX: &str = "export/";
+
+fn kept_key(volume: Uuid, nbd: &str) -> String {
+    format!("{KEPT_PREFIX}{volume}/{nbd}")
+}
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::VolumeDiff>(Daemon::volume_diff)
@@ -156,6 +169,16 @@ impl Daemon {
     }
 
     fn snapshot_export(&self, p: ExportParams) -> Result<ExportInfo, RpcError> {
+        self.start_export(p, None)
+    }
+
+    /// Serves snapshot export `p` (on `kept`, the listening socket a previous worker left,
+    /// if given), kept with the keeper for the next worker.
+    fn start_export(
+        &self,
+        p: ExportParams,
+        kept: Option<std::os::fd::OwnedFd>,
+    ) -> Result<ExportInfo, RpcError> {
         let listen = parse_listen(&p.nbd, &self.cfg)?;
         // Not under the exports' lock: `volume_receive` takes the transfers' lock, then
         // looks at the exports.
@@ -190,7 +213,7 @@ impl Daemon {
             image,
             alive: RwLock::new(true),
         });
-        let server = Server::start_tls(listen, None, export.clone(), None, tls)
+        let server = Server::start_tls(listen, kept, export.clone(), None, tls)
             .map_err(|e| RpcError::InvalidParams(e.to_string()))?;
         // What it listens on (a TCP port 0 is the free port it got).
         let mut uri = uri(&server.listen, &name);
@@ -206,6 +229,18 @@ impl Daemon {
             base: p.since.clone(),
         };
         tracing::info!(export = %info.uri, base = ?info.base, "snapshot exported over NBD");
+        if let Some(s) = &self.store {
+            let again = ExportParams {
+                id: volume.uuid.to_string(),
+                nbd: info.nbd.clone(),
+                ..p
+            };
+            let value = serde_json::to_string(&again).unwrap_or_default();
+            let key = kept_key(volume.uuid, &info.nbd);
+            if let Err(e) = s.put(&key, value, &[server.listener_fd()]) {
+                tracing::error!(export = %info.uri, "cannot keep the export's socket with the keeper ({e}): a worker restart ends it");
+            }
+        }
         exports.push(Exported {
             volume: volume.uuid,
             info: info.clone(),
@@ -251,7 +286,48 @@ impl Daemon {
             .into_iter()
             .partition(|e| e.volume == volume && snapshot.is_none_or(|s| e.info.snapshot == s));
         *exports = keep;
+        if let Some(s) = &self.store {
+            for e in &stop {
+                if let Err(why) = s.remove(&kept_key(e.volume, &e.info.nbd)) {
+                    tracing::error!(export = %e.info.uri, "keeper: {why}");
+                }
+            }
+        }
         let stopped = stop.into_iter().map(Exported::stop).collect();
         (stopped, then())
+    }
+
+    /// Serves again the exports the previous worker kept, on their kept sockets (at start,
+    /// once the volumes are served). One that cannot be (its snapshot gone meanwhile) is
+    /// let go, its socket closed.
+    pub(super) fn restore_exports(&self) {
+        let (Some(k), Some(s)) = (&self.keeping, &self.store) else {
+            return;
+        };
+        for key in k.keys(KEPT_PREFIX) {
+            let Some((value, fds)) = k.take(&key) else {
+                continue;
+            };
+            let r = match (
+                serde_json::from_str::<ExportParams>(&value),
+                fds.into_iter().next(),
+            ) {
+                (Ok(p), Some(fd)) => self.start_export(p, Some(fd.into())),
+                _ => Err(RpcError::InvalidParams(format!(
+                    "kept export {key}: {value}"
+                ))),
+            };
+            match r {
+                Ok(info) => {
+                    tracing::info!(export = %info.uri, "snapshot exported again after the worker's restart")
+                }
+                Err(e) => {
+                    tracing::warn!(key = %key, "a kept export is not served again: {e}");
+                    if let Err(e) = s.remove(&key) {
+                        tracing::error!(key = %key, "keeper: {e}");
+                    }
+                }
+            }
+        }
     }
 }
