@@ -209,3 +209,86 @@ create_size = "1G"
         }
     }
 }
+
+/// Issue 53's guest check: the same kinds on split layouts, served to one real guest as six
+/// disks, each written whole by fio with random requests of 4 KiB to 4 MiB (the kernel's
+/// limit raised to the most the disk takes, so the largest requests a guest sends) and read
+/// back with crc32c verify; then every volume grown by a size that is not a power of two
+/// and the guest booted again on the grown disks.
+#[test]
+#[ignore = "boots a QEMU guest (TCG)"]
+fn a_guests_fio_verifies_every_kind_on_a_split_layout_fresh_and_grown() {
+    let mut d = Spoold::prepared(
+        r#"
+[encryption]
+key_file = "@DIR@/kek"
+[[devices]]
+path = "@DIR@/d0.img"
+create_size = "512M"
+[[devices]]
+path = "@DIR@/d1.img"
+create_size = "512M"
+"#,
+    );
+    let kek = d.dir.path().join("kek");
+    std::fs::write(&kek, "cd".repeat(32)).unwrap();
+    std::fs::set_permissions(&kek, std::fs::Permissions::from_mode(0o600)).unwrap();
+    d.spawn();
+    for pad in ["pad0", "pad1"] {
+        d.rpc(
+            "volume_create",
+            json!({"name": pad, "size": "4M", "num_queues": 1}),
+        )
+        .unwrap();
+    }
+    let kinds: [(&str, serde_json::Value); 6] = [
+        ("enc", json!({"size": "45M", "encrypt": true})),
+        ("plain", json!({"size": "45M"})),
+        ("mir", json!({"size": "29M", "mirror": 2})),
+        (
+            "encmir",
+            json!({"size": "29M", "mirror": 2, "encrypt": true}),
+        ),
+        ("thin", json!({"size": "37M", "thin": true})),
+        (
+            "encthin",
+            json!({"size": "37M", "thin": true, "encrypt": true}),
+        ),
+    ];
+    for (name, p) in &kinds {
+        let mut p = p.clone();
+        p["name"] = json!(name);
+        p["num_queues"] = json!(1);
+        d.rpc("volume_create", p).unwrap();
+    }
+    for name in ["enc", "plain", "mir", "encmir"] {
+        let e = extents(&d, name, 0);
+        assert!(
+            split_on_one_device(&e),
+            "{name}'s layout is contiguous, not the case under test: {e:?}"
+        );
+    }
+    let socks: Vec<_> = kinds.iter().map(|(n, _)| d.socket(n)).collect();
+    let socks: Vec<&std::path::Path> = socks.iter().map(|s| s.as_path()).collect();
+    let logs = tempfile::tempdir().unwrap();
+    for round in ["fresh", "grown"] {
+        if round == "grown" {
+            for (name, _) in &kinds {
+                let size = d.rpc("volume_show", json!({"id": name})).unwrap()["size"]
+                    .as_u64()
+                    .unwrap();
+                d.rpc(
+                    "volume_resize",
+                    json!({"id": name, "size": size + (11 << 20)}),
+                )
+                .unwrap();
+            }
+        }
+        let log = logs.path().join(format!("{round}.console"));
+        let c = common::guest::run_guest_disks(&socks, "split", 1, &log);
+        common::guest::assert_pass(&c, &d, &format!("split ({round})"));
+        let disks = c.lines().filter(|l| l.contains("largest request")).count();
+        assert_eq!(disks, kinds.len(), "the guest saw {disks} disks:\n{c}");
+        assert!(c.contains(&format!("SPOOL-E2E: fio jobs {disks}")), "{c}");
+    }
+}

@@ -142,8 +142,18 @@ pub fn qemu_tcg_on(
 pub const BOOT_WATCHDOG_S: u64 = 240;
 
 pub fn run_guest(sock: &std::path::Path, job: &str, queues: u16, log: &std::path::Path) -> String {
+    run_guest_disks(&[sock], job, queues, log)
+}
+
+/// [`run_guest`] with a disk on each of `socks` (`/dev/vda`, `/dev/vdb`, … in that order).
+pub fn run_guest_disks(
+    socks: &[&std::path::Path],
+    job: &str,
+    queues: u16,
+    log: &std::path::Path,
+) -> String {
     for attempt in 1..=2 {
-        match run_guest_once(sock, job, queues, log) {
+        match run_guest_once(socks, job, queues, log) {
             Ok(console) => return console,
             Err(console) if attempt == 1 => {
                 // Only a guest that never reached user space is retried: the daemon has not
@@ -163,7 +173,7 @@ pub fn run_guest(sock: &std::path::Path, job: &str, queues: u16, log: &std::path
 /// Runs one guest to the end. Err(console) if its init printed nothing within
 /// [`BOOT_WATCHDOG_S`] (the guest is then stopped).
 fn run_guest_once(
-    sock: &std::path::Path,
+    socks: &[&std::path::Path],
     job: &str,
     queues: u16,
     log: &std::path::Path,
@@ -172,7 +182,26 @@ fn run_guest_once(
     use std::process::Stdio;
     use std::sync::{Arc, Mutex};
     let start = Instant::now();
-    let mut child = qemu(sock, job, queues, "", 600)
+    let mut cmd = qemu(
+        socks[0],
+        job,
+        queues,
+        &format!("spool.disks={}", socks.len()),
+        600,
+    );
+    for (i, sock) in socks.iter().enumerate().skip(1) {
+        cmd.args([
+            "-chardev",
+            &format!(
+                "socket,id=c{i},path={},{}",
+                sock.display(),
+                reconnect_option()
+            ),
+            "-device",
+            &format!("vhost-user-blk-pci,chardev=c{i},num-queues={queues}"),
+        ]);
+    }
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
