@@ -12,7 +12,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 
 use common::{connect, pattern, Client_, Spoold, REGION};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// Bytes per request: larger than a 1 MiB extent, so that some requests span three.
 const REQ: usize = 1280 << 10;
@@ -125,25 +125,35 @@ fn write_and_check(c: &mut Client_, what: &str, offs: &[u64], salt: u64) {
     }
 }
 
-#[test]
-fn every_kind_on_a_split_layout_reads_back_what_was_written() {
-    let mut d = Spoold::prepared(
-        r#"
-[encryption]
-key_file = "@DIR@/kek"
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "1G"
-[[devices]]
-path = "@DIR@/d1.img"
-create_size = "1G"
-"#,
-    );
+/// Six volume kinds, `plain_size` for the thick ones, `mirror_size` for the mirrored ones and
+/// `thin_size` for the thin ones.
+fn kinds(plain_size: &str, mirror_size: &str, thin_size: &str) -> Vec<(&'static str, Value)> {
+    vec![
+        ("enc", json!({"size": plain_size, "encrypt": true})),
+        ("plain", json!({"size": plain_size})),
+        ("mir", json!({"size": mirror_size, "mirror": 2})),
+        (
+            "encmir",
+            json!({"size": mirror_size, "mirror": 2, "encrypt": true}),
+        ),
+        ("thin", json!({"size": thin_size, "thin": true})),
+        (
+            "encthin",
+            json!({"size": thin_size, "thin": true, "encrypt": true}),
+        ),
+    ]
+}
+
+/// A spoold with two devices of `device_size` and an encryption key, a small volume made
+/// first on each device (so the next ones' extents come where it is not), then `kinds`.
+fn split_world(device_size: &str, kinds: &[(&str, Value)]) -> Spoold {
+    let mut d = Spoold::prepared(&format!(
+        "[encryption]\nkey_file = \"@DIR@/kek\"\n[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"{device_size}\"\n[[devices]]\npath = \"@DIR@/d1.img\"\ncreate_size = \"{device_size}\"\n"
+    ));
     let kek = d.dir.path().join("kek");
     std::fs::write(&kek, "ab".repeat(32)).unwrap();
     std::fs::set_permissions(&kek, std::fs::Permissions::from_mode(0o600)).unwrap();
     d.spawn();
-    // A small volume first on each device, so the next ones' extents come where it is not.
     for pad in ["pad0", "pad1"] {
         d.rpc(
             "volume_create",
@@ -151,26 +161,30 @@ create_size = "1G"
         )
         .unwrap();
     }
-    let kinds: [(&str, serde_json::Value); 6] = [
-        ("enc", json!({"size": "300M", "encrypt": true})),
-        ("plain", json!({"size": "300M"})),
-        ("mir", json!({"size": "101M", "mirror": 2})),
-        (
-            "encmir",
-            json!({"size": "101M", "mirror": 2, "encrypt": true}),
-        ),
-        ("thin", json!({"size": "61M", "thin": true})),
-        (
-            "encthin",
-            json!({"size": "61M", "thin": true, "encrypt": true}),
-        ),
-    ];
-    for (name, p) in &kinds {
+    for (name, p) in kinds {
         let mut p = p.clone();
         p["name"] = json!(name);
         p["num_queues"] = json!(1);
         d.rpc("volume_create", p).unwrap();
     }
+    d
+}
+
+/// Grows every volume of `kinds` by `by` bytes (new extents wherever space is).
+fn grow(d: &Spoold, kinds: &[(&str, Value)], by: u64) {
+    for (name, _) in kinds {
+        let size = d.rpc("volume_show", json!({"id": name})).unwrap()["size"]
+            .as_u64()
+            .unwrap();
+        d.rpc("volume_resize", json!({"id": name, "size": size + by}))
+            .unwrap();
+    }
+}
+
+#[test]
+fn every_kind_on_a_split_layout_reads_back_what_was_written() {
+    let kinds = kinds("300M", "101M", "61M");
+    let d = split_world("1G", &kinds);
     let e = extents(&d, "enc", 0);
     assert!(
         split_on_one_device(&e),
@@ -178,17 +192,8 @@ create_size = "1G"
     );
     for round in 0..2u64 {
         if round == 1 {
-            // Grown by sizes that are not powers of two: new extents wherever space is.
-            for (name, _) in &kinds {
-                let size = d.rpc("volume_show", json!({"id": name})).unwrap()["size"]
-                    .as_u64()
-                    .unwrap();
-                d.rpc(
-                    "volume_resize",
-                    json!({"id": name, "size": size + (13 << 20)}),
-                )
-                .unwrap();
-            }
+            // Grown by a size that is not a power of two.
+            grow(&d, &kinds, 13 << 20);
         }
         for (name, _) in &kinds {
             let size = d.rpc("volume_show", json!({"id": name})).unwrap()["size"]
@@ -218,49 +223,8 @@ create_size = "1G"
 #[test]
 #[ignore = "boots a QEMU guest (TCG)"]
 fn a_guests_fio_verifies_every_kind_on_a_split_layout_fresh_and_grown() {
-    let mut d = Spoold::prepared(
-        r#"
-[encryption]
-key_file = "@DIR@/kek"
-[[devices]]
-path = "@DIR@/d0.img"
-create_size = "512M"
-[[devices]]
-path = "@DIR@/d1.img"
-create_size = "512M"
-"#,
-    );
-    let kek = d.dir.path().join("kek");
-    std::fs::write(&kek, "cd".repeat(32)).unwrap();
-    std::fs::set_permissions(&kek, std::fs::Permissions::from_mode(0o600)).unwrap();
-    d.spawn();
-    for pad in ["pad0", "pad1"] {
-        d.rpc(
-            "volume_create",
-            json!({"name": pad, "size": "4M", "num_queues": 1}),
-        )
-        .unwrap();
-    }
-    let kinds: [(&str, serde_json::Value); 6] = [
-        ("enc", json!({"size": "45M", "encrypt": true})),
-        ("plain", json!({"size": "45M"})),
-        ("mir", json!({"size": "29M", "mirror": 2})),
-        (
-            "encmir",
-            json!({"size": "29M", "mirror": 2, "encrypt": true}),
-        ),
-        ("thin", json!({"size": "37M", "thin": true})),
-        (
-            "encthin",
-            json!({"size": "37M", "thin": true, "encrypt": true}),
-        ),
-    ];
-    for (name, p) in &kinds {
-        let mut p = p.clone();
-        p["name"] = json!(name);
-        p["num_queues"] = json!(1);
-        d.rpc("volume_create", p).unwrap();
-    }
+    let kinds = kinds("45M", "29M", "37M");
+    let d = split_world("512M", &kinds);
     for name in ["enc", "plain", "mir", "encmir"] {
         let e = extents(&d, name, 0);
         assert!(
@@ -273,16 +237,7 @@ create_size = "512M"
     let logs = tempfile::tempdir().unwrap();
     for round in ["fresh", "grown"] {
         if round == "grown" {
-            for (name, _) in &kinds {
-                let size = d.rpc("volume_show", json!({"id": name})).unwrap()["size"]
-                    .as_u64()
-                    .unwrap();
-                d.rpc(
-                    "volume_resize",
-                    json!({"id": name, "size": size + (11 << 20)}),
-                )
-                .unwrap();
-            }
+            grow(&d, &kinds, 11 << 20);
         }
         let log = logs.path().join(format!("{round}.console"));
         let c = common::guest::run_guest_disks(&socks, "split", 1, &log);
