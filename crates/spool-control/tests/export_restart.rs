@@ -85,35 +85,62 @@ enum Restart {
     Upgrade,
 }
 
-/// Runs `copy` while another thread restarts the worker as `restarts` says, 100 ms apart,
-/// and returns once both are done. The copy is rate-limited so that most restarts land in
-/// it; which ones do is printed, not asserted (the copy must be right either way).
-fn through(d: &std::sync::Arc<Spoold>, restarts: &[Restart], copy: impl FnOnce()) {
-    let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let (dd, b, rs) = (d.clone(), busy.clone(), restarts.to_vec());
-    let t = std::thread::spawn(move || {
-        let mut during = 0;
-        for r in rs {
-            std::thread::sleep(std::time::Duration::from_millis(100));
-            during += b.load(std::sync::atomic::Ordering::SeqCst) as usize;
-            match r {
-                Restart::Kill => {
-                    dd.kill_worker();
-                }
-                Restart::Upgrade => {
-                    dd.upgrade(None).expect("upgrade");
-                }
+/// What the export logs once a client is past its handshake.
+const CONNECTED: &str = "an NBD client connected";
+
+/// Runs qemu-img with `args`; once it is past its handshake (the export logs one more
+/// connection), restarts the worker as `restarts` says, 100 ms apart; then waits for it to
+/// succeed. A restart during a client's first handshake fails its open (qemu-img has no
+/// connection to resume yet), so none is made before it; later ones may land anywhere,
+/// in a reconnection's handshake too (QEMU tries again until `reconnect-delay`). Whether
+/// the copy was still running at each is printed, not asserted: it must be right either
+/// way.
+fn qemu_img_through(d: &Spoold, restarts: &[Restart], args: &[&str]) {
+    let before = d.log().matches(CONNECTED).count();
+    let mut child = std::process::Command::new("timeout")
+        .arg("120")
+        .arg("qemu-img")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("qemu-img runs");
+    if !restarts.is_empty() {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while d.log().matches(CONNECTED).count() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "qemu-img never connected"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    let mut during = 0;
+    for r in restarts {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        during += child.try_wait().unwrap().is_none() as usize;
+        match r {
+            Restart::Kill => {
+                d.kill_worker();
+            }
+            Restart::Upgrade => {
+                d.upgrade(None).expect("upgrade");
             }
         }
-        during
-    });
-    copy();
-    busy.store(false, std::sync::atomic::Ordering::SeqCst);
-    let during = t.join().expect("restarts");
-    eprintln!(
-        "{during} of {} restarts began during the copy",
-        restarts.len()
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
+    if !restarts.is_empty() {
+        eprintln!(
+            "{during} of {} restarts came while the copy ran",
+            restarts.len()
+        );
+    }
 }
 
 /// qemu-img's NBD source, reconnecting through restarts: `reconnect-delay` pauses the
@@ -153,7 +180,6 @@ fn a_full_and_two_incremental_backups_complete_through_kills_and_upgrades() {
         "[[devices]]\npath = \"@DIR@/d0.img\"\ncreate_size = \"96M\"\n[[volumes]]\nname = \"b\"\nsize = \"24M\"\nnum_queues = 1\nthin = true\n",
     );
     d.spawn();
-    let d = std::sync::Arc::new(d);
     let mut c = connect(&d.socket("b"), 1, false).unwrap();
     for i in 0..(24 * MIB / BS as u64) {
         let off = i * BS as u64;
@@ -177,8 +203,10 @@ fn a_full_and_two_incremental_backups_complete_through_kills_and_upgrades() {
         ],
     );
     let src = nbd_opts(&sock, "b@s1");
-    through(&d, &[Kill, Kill, Upgrade, Kill, Kill, Upgrade], || {
-        qemu_img(&[
+    qemu_img_through(
+        &d,
+        &[Kill, Kill, Upgrade, Kill, Kill, Upgrade],
+        &[
             "convert",
             "-r",
             "3M",
@@ -187,8 +215,8 @@ fn a_full_and_two_incremental_backups_complete_through_kills_and_upgrades() {
             "-O",
             "raw",
             backup_s,
-        ])
-    });
+        ],
+    );
     qemu_img(&["compare", "--image-opts", &file_opts, &src]);
     ctl(&d, &["volume", "unexport", "b@s1"]);
     let mut last = "s1".to_string();
@@ -197,8 +225,10 @@ fn a_full_and_two_incremental_backups_complete_through_kills_and_upgrades() {
         &[Kill, Upgrade, Kill, Kill, Upgrade],
     ];
     for (n, restarts) in schedules.into_iter().enumerate() {
-        // The guest changes a block in every other chunk (1 MiB chunks).
-        for chunk in (n as u64..24).step_by(2) {
+        // The guest changes a block in each of 8 chunks in a row (1 MiB chunks) and in
+        // two more apart: three dirty ranges, one of 8 MiB.
+        let first = [2u64, 13][n];
+        for chunk in (first..first + 8).chain([first + 10, (first + 20) % 24]) {
             let off = chunk * MIB + 3 * BS as u64;
             assert_eq!(c.write_sync(0, off, &pattern(10 + n as u64, off, BS)), 0);
         }
@@ -230,28 +260,40 @@ fn a_full_and_two_incremental_backups_complete_through_kills_and_upgrades() {
             .map(|l| l.split_whitespace().collect::<Vec<_>>())
             .filter(|f| f.len() > 2 && f[2] == "1")
             .map(|f| (f[0].parse().unwrap(), f[1].parse().unwrap()))
-            .collect();
-        assert_eq!(dirty.len(), 12, "{map}");
-        // A qemu-img for each of the 12 ranges: the restarts land in and between them.
-        through(&d, restarts, || {
-            for (off, len) in &dirty {
-                let src = format!(
-                    "driver=raw,offset={off},size={len},file.{}",
-                    nbd_opts(&sock, &name).replace(',', ",file.")
-                );
-                let dst = format!(
-                    "driver=raw,offset={off},size={len},file.driver=file,file.filename={backup_s}"
-                );
-                qemu_img(&[
+            .fold(Vec::new(), |mut v: Vec<(u64, u64)>, (o, l)| {
+                // Adjacent dirty extents are one range to copy.
+                match v.last_mut() {
+                    Some(last) if last.0 + last.1 == o => last.1 += l,
+                    _ => v.push((o, l)),
+                }
+                v
+            });
+        assert_eq!(dirty.len(), 3, "{map}");
+        // A qemu-img for each range, the restarts in the 8 MiB one (at 2 MiB/s).
+        for (off, len) in &dirty {
+            let src = format!(
+                "driver=raw,offset={off},size={len},file.{}",
+                nbd_opts(&sock, &name).replace(',', ",file.")
+            );
+            let dst = format!(
+                "driver=raw,offset={off},size={len},file.driver=file,file.filename={backup_s}"
+            );
+            let rs: &[Restart] = if *len == 8 * MIB { restarts } else { &[] };
+            qemu_img_through(
+                &d,
+                rs,
+                &[
                     "convert",
                     "-n",
+                    "-r",
+                    "2M",
                     "--image-opts",
                     &src,
                     "--target-image-opts",
                     &dst,
-                ]);
-            }
-        });
+                ],
+            );
+        }
         qemu_img(&[
             "compare",
             "--image-opts",

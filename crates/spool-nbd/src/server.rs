@@ -427,6 +427,9 @@ fn serve(
         }
         Err(err) => return Err(err),
     };
+    // What an operator (and a test timing a restart after it) looks for: a client past its
+    // handshake, reading. A few a backup: not a flood.
+    tracing::info!(export = e.name(), "an NBD client connected");
     // Requests may be far apart (a mirror's writes): no limit from here on.
     r.get_mut().until = None;
     limit.read_limit(None)?;
