@@ -14,12 +14,15 @@
 //! What it does not do yet, and says so: a worker killed mid-request needs the real daemon
 //! (tier 2); copies added and removed, replace and rekey are not drawn yet.
 //!
+//! Tier 2, the same model through the real daemon, lives with the daemon's tests
+//! (`crates/spool-control/tests/torture_daemon.rs`): it uses this crate's `model` and `rng`.
+//!
 //! Owns: the tester. Must not know: virtio, the daemon, the RPC.
 
 mod case;
 mod engine;
-mod model;
-mod rng;
+pub mod model;
+pub mod rng;
 mod run;
 mod shrink;
 mod world;

@@ -1,0 +1,522 @@
+//! Tier 2 of the torture tester (issue 54, docs/torture.md): the reference model of
+//! `spool-torture` driven through the real spoold and the real libblkio client. From a seed
+//! a case draws a pool (1–3 file devices, free space fragmented by volumes made and some
+//! deleted first) and one volume of a random kind (plain, mirrored, encrypted, encrypted
+//! mirrored, thin, encrypted thin, mirrored thin) of a size that is rarely a power of two,
+//! served on 1–2 queues; then batches of reads, writes, write-zeroes, discards and flushes
+//! in flight together (sizes of a sector to 1280 KiB, most across an extent boundary), with
+//! the worker SIGKILLed or upgraded while a batch is in flight, the whole daemon killed and
+//! started again between batches, the volume grown and (thin kinds) snapshotted. Every read
+//! is checked against the model; at the end the whole volume, a clone of every snapshot
+//! (against the model as it was when the snapshot was taken) and `pool check`.
+//!
+//! No faults are injected here (tier 1 covers device errors and power cuts in-process): so
+//! any failed request is a finding, but a write-zeroes an encrypted volume refuses.
+//!
+//! Runs the fixed seeds below (`SPOOL_TORTURE_DAEMON_SEEDS=1,2,3` for others;
+//! `SPOOL_TORTURE_DAEMON_MINUTES=N` draws fresh seeds from the clock for N minutes, printed
+//! as it goes, so a failure names its seed). A seed replays the same steps; the completion
+//! order is the kernel's.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+use common::{assert_pool_checks_clean, connect, Client_, Spoold, REGION};
+use serde_json::{json, Value};
+use spool_torture::model::{decode, stamp, widen_sets, Model, ANY, SECTOR, ZERO};
+use spool_torture::rng::Rng;
+
+const MIB: u64 = 1 << 20;
+/// The largest request: a Linux guest's default `max_sectors_kb`.
+const MAX_REQ: u64 = 1280 << 10;
+/// Requests in flight together, each with a buffer of MAX_REQ in the client's region.
+const SLOTS: usize = (REGION as u64 / MAX_REQ) as usize;
+/// The most a volume grows to.
+const GROWN_MAX: u64 = 48 * MIB;
+/// Batches a case runs.
+const BATCHES: usize = 120;
+/// Seeds CI runs: a dozen, every kind at least once (plain 15, 23; mirrored 10; encrypted
+/// 1; encrypted mirrored 5, 24; thin 2, 8; encrypted thin 14, 20; mirrored thin 4, 17).
+const SEEDS: &[u64] = &[1, 2, 4, 5, 8, 10, 14, 15, 17, 20, 23, 24];
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Plain,
+    Mirror,
+    Encrypted,
+    EncryptedMirror,
+    Thin,
+    EncryptedThin,
+    MirroredThin,
+}
+
+impl Kind {
+    const ALL: [Kind; 7] = [
+        Kind::Plain,
+        Kind::Mirror,
+        Kind::Encrypted,
+        Kind::EncryptedMirror,
+        Kind::Thin,
+        Kind::EncryptedThin,
+        Kind::MirroredThin,
+    ];
+    fn encrypted(self) -> bool {
+        matches!(
+            self,
+            Kind::Encrypted | Kind::EncryptedMirror | Kind::EncryptedThin
+        )
+    }
+    fn mirrored(self) -> bool {
+        matches!(
+            self,
+            Kind::Mirror | Kind::EncryptedMirror | Kind::MirroredThin
+        )
+    }
+    fn thin(self) -> bool {
+        matches!(self, Kind::Thin | Kind::EncryptedThin | Kind::MirroredThin)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Io {
+    Read,
+    Write,
+    Zero,
+    Discard,
+    Flush,
+}
+
+#[derive(Debug)]
+struct Req {
+    q: usize,
+    io: Io,
+    off: u64,
+    len: u64,
+    generation: u64,
+}
+
+/// One case: the daemon, the volume under test, its model and its snapshots' models.
+struct Case {
+    seed: u64,
+    rng: Rng,
+    d: Spoold,
+    kind: Kind,
+    size: u64,
+    queues: usize,
+    c: Option<Client_>,
+    model: Model,
+    snapshots: Vec<(String, Model)>,
+    generation: u64,
+    /// Boundaries requests are placed across: extent starts, MiB marks.
+    bounds: Vec<u64>,
+    /// What it did: requests, restarts, upgrades, daemon kills, grows, snapshots.
+    did: [u64; 6],
+}
+
+fn main_cfg(devices: &[u64]) -> String {
+    let mut cfg = String::from("[encryption]\nkey_file = \"@DIR@/kek\"\n");
+    for (i, mib) in devices.iter().enumerate() {
+        cfg += &format!("[[devices]]\npath = \"@DIR@/d{i}.img\"\ncreate_size = \"{mib}M\"\n");
+    }
+    cfg
+}
+
+impl Case {
+    fn new(seed: u64) -> Case {
+        let mut rng = Rng::new(seed);
+        let kind = Kind::ALL[rng.below(Kind::ALL.len() as u64) as usize];
+        let n = if kind.mirrored() {
+            2 + rng.below(2)
+        } else {
+            1 + rng.below(3)
+        };
+        // Room for what a case can ask: the volume grown to GROWN_MAX, pads of up to 21 MiB,
+        // and on a thin volume with snapshots every chunk copied once per snapshot (no case
+        // here fills the pool: a full one makes writes wait, then fail, by design).
+        let least = if kind.thin() && !kind.mirrored() {
+            256
+        } else {
+            96
+        };
+        let devices: Vec<u64> = (0..n).map(|_| least + rng.below(64)).collect();
+        let mut d = Spoold::prepared(&main_cfg(&devices));
+        let kek = d.dir.path().join("kek");
+        std::fs::write(&kek, format!("{:064x}", seed.wrapping_mul(0x9e37_79b9) | 1)).unwrap();
+        std::fs::set_permissions(&kek, std::fs::Permissions::from_mode(0o600)).unwrap();
+        d.spawn();
+        // Free space fragmented: pads made, some deleted again.
+        for p in 0..1 + rng.below(3) {
+            let name = format!("pad{p}");
+            let size = (1 + rng.below(7)) * MIB + rng.below(8) * 512 * 8;
+            rpc(
+                &d,
+                "volume_create",
+                json!({"name": name, "size": size, "num_queues": 1}),
+            );
+            if rng.chance(40) {
+                rpc(&d, "volume_delete", json!({"id": name}));
+            }
+        }
+        let size = (6 + rng.below(34)) * MIB + rng.below(256) * 4096;
+        let queues = 1 + rng.below(2) as usize;
+        let mut p = json!({"name": "t", "size": size, "num_queues": queues});
+        if kind.encrypted() {
+            p["encrypt"] = json!(true);
+        }
+        if kind.mirrored() {
+            p["mirror"] = json!(2);
+        }
+        if kind.thin() {
+            p["thin"] = json!(true);
+        }
+        rpc(&d, "volume_create", p);
+        let mut case = Case {
+            seed,
+            rng,
+            d,
+            kind,
+            size,
+            queues,
+            c: None,
+            model: Model::new(size, kind.encrypted()),
+            snapshots: Vec::new(),
+            generation: 0,
+            bounds: Vec::new(),
+            did: [0; 6],
+        };
+        case.reconnect();
+        case
+    }
+
+    fn reconnect(&mut self) {
+        self.c = None;
+        let c = connect(&self.d.socket("t"), self.queues as i32, false)
+            .unwrap_or_else(|e| panic!("seed {}: connect: {e}\n{}", self.seed, self.d.log()));
+        assert_eq!(c.capacity, self.size, "seed {}: capacity", self.seed);
+        self.c = Some(c);
+        let v = rpc(&self.d, "volume_show", json!({"id": "t"}));
+        let mut b: Vec<u64> = v["extent_map"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|e| e["volume_offset"].as_u64())
+                    .collect()
+            })
+            .unwrap_or_default();
+        b.extend((1..self.size / MIB).map(|k| k * MIB));
+        b.retain(|&x| x > 0 && x < self.size);
+        b.sort_unstable();
+        b.dedup();
+        self.bounds = b;
+    }
+
+    /// A request's offset and length: most cross a boundary.
+    fn place(&mut self) -> (u64, u64) {
+        const LENS: [u64; 9] = [512, 4096, 8704, 65536, 131072, MIB - 4096, MIB, MAX_REQ, 0];
+        let mut len = LENS[self.rng.below(LENS.len() as u64) as usize];
+        if len == 0 {
+            len = (1 + self.rng.below(600)) * SECTOR;
+        }
+        let len = len.min(self.size);
+        let sectors = |x: u64| x / SECTOR;
+        let off = if !self.bounds.is_empty() && self.rng.chance(70) {
+            let b = self.bounds[self.rng.below(self.bounds.len() as u64) as usize];
+            b.saturating_sub((1 + self.rng.below(sectors(len).max(1))) * SECTOR)
+        } else {
+            self.rng.below(sectors(self.size - len) + 1) * SECTOR
+        };
+        (off.min(self.size - len), len)
+    }
+
+    fn draw_batch(&mut self) -> Vec<Req> {
+        let n = 1 + self.rng.below(SLOTS as u64) as usize;
+        let mut reqs: Vec<Req> = Vec::new();
+        for _ in 0..n {
+            let (off, len) = self.place();
+            let r = self.rng.below(100);
+            let mut io = match r {
+                0..=49 => Io::Write,
+                50..=84 => Io::Read,
+                85..=89 => Io::Zero,
+                90..=94 => Io::Discard,
+                _ => Io::Flush,
+            };
+            let overlaps = |o: &Req| {
+                o.io != Io::Read && o.io != Io::Flush && o.off < off + len && off < o.off + o.len
+            };
+            // Two updates of one range in flight together may land in either order.
+            if io != Io::Read && io != Io::Flush && reqs.iter().any(overlaps) {
+                io = Io::Read;
+            }
+            self.generation += 1;
+            let q = self.rng.below(self.queues as u64) as usize;
+            reqs.push(Req {
+                q,
+                io,
+                off,
+                len,
+                generation: self.generation,
+            });
+        }
+        reqs
+    }
+
+    /// One batch: submitted together, perhaps a worker restart or an upgrade while they
+    /// are in flight, then every completion checked.
+    fn batch(&mut self, step: usize) {
+        let reqs = self.draw_batch();
+        // What each read may see: the model now, widened by every update in the batch (and
+        // a torn sector where one overlaps it: anything but another block's data).
+        let mut racing: Vec<Option<Vec<Vec<u64>>>> = Vec::new();
+        for r in &reqs {
+            racing.push((r.io == Io::Read).then(|| {
+                let mut sets = self.model.sets_of(r.off, r.len);
+                for u in reqs
+                    .iter()
+                    .filter(|u| !matches!(u.io, Io::Read | Io::Flush))
+                {
+                    widen_sets(&mut sets, r.off, u.off, u.len, ANY);
+                }
+                sets
+            }));
+        }
+        for r in &reqs {
+            match r.io {
+                Io::Write => self.model.allow(r.off, r.len, r.generation),
+                Io::Zero => self.model.allow(r.off, r.len, ZERO),
+                Io::Discard => {
+                    self.model.allow(r.off, r.len, ZERO);
+                    if self.kind.encrypted() {
+                        self.model.allow(r.off, r.len, ANY);
+                    }
+                }
+                Io::Read | Io::Flush => {}
+            }
+        }
+        let c = self.c.as_mut().unwrap();
+        let mut per_queue = vec![0usize; self.queues];
+        for (i, r) in reqs.iter().enumerate() {
+            let at = i * MAX_REQ as usize;
+            let flags = blkio::ReqFlags::empty();
+            match r.io {
+                Io::Write => {
+                    stamp(c_buf(c, at, r.len), r.off, r.generation);
+                    c.write(r.q, r.off, at, r.len as usize, i);
+                }
+                Io::Read => {
+                    c_buf(c, at, r.len).fill(0xee);
+                    c.read(r.q, r.off, at, r.len as usize, i);
+                }
+                Io::Zero => c.queues[r.q].write_zeroes(r.off, r.len, i, flags),
+                Io::Discard => c.queues[r.q].discard(r.off, r.len, i, flags),
+                Io::Flush => c.queues[r.q].flush(i, flags),
+            }
+            per_queue[r.q] += 1;
+        }
+        self.did[0] += reqs.len() as u64;
+        let event = self.rng.below(100);
+        if std::env::var_os("SPOOL_TORTURE_TRACE").is_some() {
+            eprintln!("batch {step} (event {event}, size {}): {reqs:?}", self.size);
+        }
+        match event {
+            0..=14 => {
+                self.d.kill_worker();
+                self.did[1] += 1;
+            }
+            15..=19 => {
+                self.d
+                    .upgrade(None)
+                    .unwrap_or_else(|e| panic!("seed {}: upgrade: {e:?}", self.seed));
+                self.did[2] += 1;
+            }
+            _ => {}
+        }
+        let c = self.c.as_mut().unwrap();
+        let mut done = Vec::new();
+        for (q, &n) in per_queue.iter().enumerate() {
+            done.extend(c.wait(q, n));
+        }
+        for (i, ret) in done {
+            let r = &reqs[i];
+            if ret != 0 {
+                let refused_zeroes = r.io == Io::Zero && ret == -libc::EOPNOTSUPP;
+                assert!(
+                    refused_zeroes,
+                    "seed {} batch {step}: {r:?} failed with {ret} (no fault was injected)\n{}",
+                    self.seed,
+                    self.d.log()
+                );
+                continue;
+            }
+            match r.io {
+                Io::Write => self.model.set(r.off, r.len, r.generation),
+                Io::Zero => self.model.set(r.off, r.len, ZERO),
+                Io::Read => {
+                    let sets = racing[i].take().unwrap();
+                    let buf = c_buf(self.c.as_mut().unwrap(), i * MAX_REQ as usize, r.len).to_vec();
+                    if let Err(e) = check(&sets, r.off, &buf) {
+                        panic!(
+                            "seed {} ({:?}, {} bytes) batch {step}: {r:?}: {e}\n{}",
+                            self.seed,
+                            self.kind,
+                            self.size,
+                            self.d.log()
+                        );
+                    }
+                }
+                Io::Discard | Io::Flush => {}
+            }
+        }
+    }
+
+    /// Between batches, nothing in flight: the daemon killed whole and started again, a
+    /// grow, a snapshot.
+    fn control(&mut self) {
+        let what = self.rng.below(100);
+        if std::env::var_os("SPOOL_TORTURE_TRACE").is_some() {
+            eprintln!("control {what}");
+        }
+        match what {
+            0..=5 => {
+                self.c = None;
+                self.d.kill();
+                self.d.spawn();
+                self.did[3] += 1;
+                self.reconnect();
+            }
+            6..=10 => {
+                let by = (1 + self.rng.below(5)) * MIB + self.rng.below(64) * 4096;
+                if self.size + by > GROWN_MAX {
+                    return;
+                }
+                self.size += by;
+                rpc(
+                    &self.d,
+                    "volume_resize",
+                    json!({"id": "t", "size": self.size}),
+                );
+                self.model.grow(self.size);
+                self.did[4] += 1;
+                self.reconnect();
+            }
+            // Mirrored thin volumes take no snapshots yet (the daemon says so).
+            11..=18 if self.kind.thin() && !self.kind.mirrored() && self.snapshots.len() < 3 => {
+                let name = format!("s{}", self.snapshots.len());
+                rpc(
+                    &self.d,
+                    "volume_snapshot",
+                    json!({"id": "t", "snapshot": name}),
+                );
+                self.snapshots.push((name, self.model.clone()));
+                self.did[5] += 1;
+            }
+            _ => {}
+        }
+    }
+
+    /// Reads all of volume `name` (`size` bytes) and checks it against `m`.
+    fn verify(&mut self, name: &str, size: u64, m: &Model) {
+        let mut c = connect(&self.d.socket(name), 1, false)
+            .unwrap_or_else(|e| panic!("seed {}: connect {name}: {e}", self.seed));
+        let mut off = 0;
+        while off < size {
+            let n = (size - off).min(REGION as u64 / 2);
+            c_buf(&mut c, 0, n).fill(0xee);
+            c.read(0, off, 0, n as usize, 0);
+            let ret = c.wait(0, 1)[0].1;
+            assert_eq!(ret, 0, "seed {}: reading {name} at {off}", self.seed);
+            let buf = c_buf(&mut c, 0, n).to_vec();
+            if let Err(e) = check(&m.sets_of(off, n), off, &buf) {
+                panic!(
+                    "seed {} ({:?}): {name} read whole: {e}\n{}",
+                    self.seed,
+                    self.kind,
+                    self.d.log()
+                );
+            }
+            off += n;
+        }
+    }
+
+    fn finish(mut self) {
+        self.c = None;
+        let (size, model) = (self.size, self.model.clone());
+        self.verify("t", size, &model);
+        for (name, m) in std::mem::take(&mut self.snapshots) {
+            let clone = format!("c{name}");
+            rpc(
+                &self.d,
+                "volume_clone",
+                json!({"id": "t", "snapshot": name, "name": clone}),
+            );
+            self.verify(&clone, m.sectors() * SECTOR, &m);
+        }
+        assert_pool_checks_clean(&self.d);
+    }
+}
+
+fn c_buf(c: &mut Client_, at: usize, len: u64) -> &mut [u8] {
+    c.buf(at, len as usize)
+}
+
+fn rpc(d: &Spoold, method: &str, params: Value) -> Value {
+    d.rpc(method, params.clone())
+        .unwrap_or_else(|e| panic!("{method} {params}: {e:?}\n{}", d.log()))
+}
+
+/// Checks `buf`, read at volume offset `off`, against the sets `sets` (from `off`).
+fn check(sets: &[Vec<u64>], off: u64, buf: &[u8]) -> Result<(), String> {
+    for (k, s) in buf.chunks_exact(SECTOR as usize).enumerate() {
+        let at = off + k as u64 * SECTOR;
+        spool_torture::model::check_allowed(&sets[k], at, decode(s))
+            .map_err(|e| format!("sector {at} (+{}): {e}", at - off))?;
+    }
+    Ok(())
+}
+
+fn run(seed: u64) {
+    let start = Instant::now();
+    let mut case = Case::new(seed);
+    let (kind, queues) = (case.kind, case.queues);
+    for step in 0..BATCHES {
+        case.batch(step);
+        case.control();
+    }
+    let (size, did) = (case.size, case.did);
+    case.finish();
+    eprintln!(
+        "seed {seed}: {kind:?}, {size} bytes, {queues} queue(s): {} requests, {} worker kills, {} upgrades, {} daemon kills, {} grows, {} snapshots; {:.1}s",
+        did[0],
+        did[1],
+        did[2],
+        did[3],
+        did[4],
+        did[5],
+        start.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn the_real_daemon_holds_what_the_model_says_through_kills_and_upgrades() {
+    if let Ok(m) = std::env::var("SPOOL_TORTURE_DAEMON_MINUTES") {
+        let until = Instant::now() + Duration::from_secs(60 * m.parse::<u64>().unwrap());
+        while Instant::now() < until {
+            let seed = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64;
+            eprintln!("seed {seed}: starting");
+            run(seed);
+        }
+        return;
+    }
+    let seeds: Vec<u64> = match std::env::var("SPOOL_TORTURE_DAEMON_SEEDS") {
+        Ok(s) => s.split(',').map(|x| x.trim().parse().unwrap()).collect(),
+        Err(_) => SEEDS.to_vec(),
+    };
+    for seed in seeds {
+        run(seed);
+    }
+}
