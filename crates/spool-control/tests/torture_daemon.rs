@@ -10,8 +10,11 @@
 //! is checked against the model; at the end the whole volume, a clone of every snapshot
 //! (against the model as it was when the snapshot was taken) and `pool check`.
 //!
-//! No faults are injected here (tier 1 covers device errors and power cuts in-process): so
-//! any failed request is a finding, but a write-zeroes an encrypted volume refuses.
+//! Between batches a fault may be armed for the next one through `device_inject`, of a kind
+//! the worker must hide from the guest (transient errors, a short link-down, a worker crash
+//! at a write, a panic in a device reset) or, on thin kinds, a failed metadata write (which
+//! may fail the updates waiting on it). Any other failed request is a finding, but a
+//! write-zeroes an encrypted volume refuses. Tier 1 covers media errors and power cuts.
 //!
 //! Runs the fixed seeds below (`SPOOL_TORTURE_DAEMON_SEEDS=1,2,3` for others;
 //! `SPOOL_TORTURE_DAEMON_MINUTES=N` draws fresh seeds from the clock for N minutes, printed
@@ -111,8 +114,12 @@ struct Case {
     generation: u64,
     /// Boundaries requests are placed across: extent starts, MiB marks.
     bounds: Vec<u64>,
-    /// What it did: requests, restarts, upgrades, daemon kills, grows, snapshots.
-    did: [u64; 6],
+    /// Devices in the pool.
+    devices: usize,
+    /// The device a fault is armed on for the next batch, and whether it hits metadata.
+    armed: Option<(usize, bool)>,
+    /// What it did: requests, restarts, upgrades, daemon kills, grows, snapshots, faults.
+    did: [u64; 7],
 }
 
 fn main_cfg(devices: &[u64]) -> String {
@@ -184,7 +191,9 @@ impl Case {
             snapshots: Vec::new(),
             generation: 0,
             bounds: Vec::new(),
-            did: [0; 6],
+            devices: n as usize,
+            armed: None,
+            did: [0; 7],
         };
         case.reconnect();
         case
@@ -342,10 +351,15 @@ impl Case {
             let r = &reqs[i];
             if ret != 0 {
                 let refused_zeroes = r.io == Io::Zero && ret == -libc::EOPNOTSUPP;
+                // A thin map block whose write fails fails the updates it holds (docs/thin.md).
+                let meta = self.armed.is_some_and(|(_, meta)| meta)
+                    && matches!(r.io, Io::Write | Io::Zero | Io::Discard)
+                    && ret == -libc::EIO;
                 assert!(
-                    refused_zeroes,
-                    "seed {} batch {step}: {r:?} failed with {ret} (no fault was injected)\n{}",
+                    refused_zeroes || meta,
+                    "seed {} batch {step}: {r:?} failed with {ret} (armed: {:?})\n{}",
                     self.seed,
+                    self.armed,
                     self.d.log()
                 );
                 continue;
@@ -369,6 +383,67 @@ impl Case {
                 Io::Discard | Io::Flush => {}
             }
         }
+        if let Some((dev, _)) = self.armed.take() {
+            // What the batch did not hit goes, so it cannot fail the next one.
+            let id = self.device(dev);
+            rpc(&self.d, "device_clear_faults", json!({ "id": id }));
+        }
+    }
+
+    fn device(&self, i: usize) -> String {
+        self.d
+            .dir
+            .path()
+            .join(format!("d{i}.img"))
+            .display()
+            .to_string()
+    }
+
+    /// Arms a fault for the next batch on one device: one the worker must hide from the
+    /// guest (a transient EIO or two, a short link-down, a worker crash at a write reaching
+    /// the device, a panic in the device's reset), or on a thin volume a failed metadata
+    /// write, which may fail the updates waiting on it.
+    fn arm_fault(&mut self) {
+        let dev = self.rng.below(self.devices as u64) as usize;
+        let id = self.device(dev);
+        let op = ["read", "write"][self.rng.below(2) as usize];
+        let count = 1 + self.rng.below(2);
+        let what = self.rng.below(if self.kind.thin() { 5 } else { 4 });
+        let (rules, meta) = match what {
+            0 => (
+                vec![json!({"kind": "transient", "op": op, "count": count})],
+                false,
+            ),
+            1 => (
+                vec![json!({"kind": "link-down", "duration_ms": 20 + self.rng.below(130)})],
+                false,
+            ),
+            2 => (
+                vec![json!({"kind": "crash", "op": "write", "count": 1})],
+                false,
+            ),
+            // A mirror's queues reset the mirror, not the device: the rule is armed, not hit.
+            3 => (
+                vec![
+                    json!({"kind": "reset-panic"}),
+                    json!({"kind": "transient", "op": op, "count": 1}),
+                ],
+                false,
+            ),
+            _ => (
+                vec![json!({"kind": "transient", "op": "meta-write", "count": 1})],
+                true,
+            ),
+        };
+        if std::env::var_os("SPOOL_TORTURE_TRACE").is_some() {
+            eprintln!("fault on d{dev}: {rules:?}");
+        }
+        for mut r in rules {
+            r["id"] = json!(id);
+            rpc(&self.d, "device_inject", r);
+        }
+        self.armed = Some((dev, meta));
+        self.did[6] += 1;
     }
 
     /// Between batches, nothing in flight: the daemon killed whole and started again, a
@@ -412,6 +487,7 @@ impl Case {
                 self.snapshots.push((name, self.model.clone()));
                 self.did[5] += 1;
             }
+            19..=32 => self.arm_fault(),
             _ => {}
         }
     }
@@ -487,13 +563,14 @@ fn run(seed: u64) {
     let (size, did) = (case.size, case.did);
     case.finish();
     eprintln!(
-        "seed {seed}: {kind:?}, {size} bytes, {queues} queue(s): {} requests, {} worker kills, {} upgrades, {} daemon kills, {} grows, {} snapshots; {:.1}s",
+        "seed {seed}: {kind:?}, {size} bytes, {queues} queue(s): {} requests, {} worker kills, {} upgrades, {} daemon kills, {} grows, {} snapshots, {} faults; {:.1}s",
         did[0],
         did[1],
         did[2],
         did[3],
         did[4],
         did[5],
+        did[6],
         start.elapsed().as_secs_f64()
     );
 }

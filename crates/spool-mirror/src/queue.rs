@@ -28,6 +28,7 @@ use super::op::{piece_io, Kind, Op};
 use super::Shared;
 
 mod flush;
+mod mixed;
 use spool_devices::epoll_watch as watch;
 use spool_devices::fanout::{split, Fanout, PieceAt};
 use spool_devices::{DeviceIo, DeviceQueue, ErrorReport, Signal};
@@ -168,15 +169,30 @@ impl MirrorQueue {
         let alive = self.shared.alive();
         match op.kind {
             Kind::Flush => -libc::ENOLINK,
-            _ if self.shared.current(alive, op.offset, op.len, op.regions) != 0 => -libc::ENOLINK,
+            _ if self
+                .shared
+                .current_sets(alive, op.offset, op.len, op.regions)
+                & 1
+                == 0 =>
+            {
+                -libc::ENOLINK
+            }
             _ => -libc::ENOMEDIUM,
         }
     }
 
-    /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches. (Borrows the
-    /// fields apart rather than cloning the shared state's `Arc`: its count is one cache line
-    /// every queue of the volume would bounce per request.)
+    /// Submits `op`'s range on leg `slot`: one piece per leg piece it touches.
+    #[inline]
     fn submit_leg(&mut self, i: usize, slot: u8) {
+        let op = self.ops[i].as_ref().expect("live op");
+        let (offset, len) = (op.offset, op.len);
+        self.submit_leg_range(i, slot, offset, len);
+    }
+
+    /// Submits `[offset, offset + len)` of op `i` (within its range) on leg `slot`. (Borrows
+    /// the fields apart rather than cloning the shared state's `Arc`: its count is one cache
+    /// line every queue of the volume would bounce per request.)
+    fn submit_leg_range(&mut self, i: usize, slot: u8, offset: u64, len: u64) {
         let MirrorQueue {
             shared,
             ops,
@@ -190,8 +206,9 @@ impl MirrorQueue {
         };
         let op = ops[i].as_mut().expect("live op");
         let tag = ((i as u64) << SLOT_BITS) | slot as u64;
-        split(pieces, op.offset, op.len, |device, dev_off, n, at| {
-            let io = piece_io(op, dev_off, n, at);
+        let skip = offset - op.offset;
+        split(pieces, offset, len, |device, dev_off, n, at| {
+            let io = piece_io(op, dev_off, n, skip + at);
             // SAFETY: buffers and iovec arrays stay valid until this piece is reaped: the
             // caller's by the submit contract, split arrays because `op` keeps them.
             unsafe { queues[device].submit(io, tag) };
@@ -200,11 +217,14 @@ impl MirrorQueue {
         });
     }
 
+    /// Reads go to one leg holding current data in every region they touch (or, with none,
+    /// region by region: `queue/mixed.rs`).
     fn submit_read(&mut self, i: usize) -> bool {
         let op = self.ops[i].as_ref().expect("live op");
         let mut choices = self.readable(op) & !op.issued;
         if choices == 0 {
-            return false;
+            // No leg current in all of it: each region's part from a leg current there.
+            return op.issued == 0 && self.submit_mixed_read(i);
         }
         if choices & !self.shared.far != 0 {
             choices &= !self.shared.far;
@@ -229,11 +249,17 @@ impl MirrorQueue {
         let current = self
             .shared
             .current(self.healthy, op.offset, op.len, op.regions);
+        let sets = match current {
+            0 => self
+                .shared
+                .current_sets(self.healthy, op.offset, op.len, op.regions),
+            c => 1 << c,
+        };
         let required = self
             .shared
             .required
             .load(std::sync::atomic::Ordering::Acquire);
-        if current == 0 || required & !writable != 0 {
+        if sets & 1 != 0 || required & !writable != 0 {
             return false;
         }
         let (first, last) = op.regions;
@@ -254,6 +280,7 @@ impl MirrorQueue {
         let op = self.ops[i].as_mut().expect("live op");
         op.issued = writable;
         op.current = current;
+        op.current_sets = sets;
         for slot in 0..3u8 {
             if writable & stale(slot) != 0 {
                 self.submit_leg(i, slot);
@@ -312,7 +339,9 @@ impl MirrorQueue {
             Kind::Read if read_err != 0 => read_err,
             Kind::Read => op.pieces.first_error(),
             Kind::Flush => self.settle_flush(&op, failed),
-            // Done when a leg current at submit took it all; the legs that failed then missed
+            // Done when a leg current at submit took it all (or, in a range whose regions are
+            // current on different legs, a leg current in each region took that region's
+            // part: every leg gets the whole write); the legs that failed then missed
             // it (marked stale before the completion). When every current leg failed, the
             // write failed as a whole (its blocks are indeterminate on every leg, as for any
             // failed write) and nothing is marked: the current legs stay the copy source.
@@ -328,7 +357,7 @@ impl MirrorQueue {
                     // that stay.
                     self.shared.regions.wrote(first, last);
                     -libc::ENOLINK
-                } else if op.current & !failed != 0 {
+                } else if mixed::took(op.current_sets, failed) {
                     self.shared.regions.wrote(first, last);
                     if failed != 0 {
                         for r in first..=last {
@@ -408,6 +437,7 @@ impl DeviceQueue for MirrorQueue {
             pieces: Fanout::default(),
             issued: 0,
             current: 0,
+            current_sets: 0,
             split: Vec::new(),
             flush_failed: 0,
             flush: 0,

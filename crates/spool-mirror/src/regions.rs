@@ -368,6 +368,25 @@ impl Shared {
         self.current_and_sync(healthy, offset, len, regions).0
     }
 
+    /// The legs current in each region of `[offset, offset + len)` (regions `regions`), as a
+    /// set of masks: bit `m` is set when some region's current legs are mask `m` (bit 0:
+    /// some region has none). A range whose regions are current on different legs (each
+    /// missed a write the other took, before the copy caught up) has no leg current in all
+    /// of it, and is still served: each region from, or by, a leg current there.
+    pub(crate) fn current_sets(
+        &self,
+        healthy: u64,
+        offset: u64,
+        len: u64,
+        regions: (usize, usize),
+    ) -> u8 {
+        let usable = self.usable(healthy, offset, len);
+        (regions.0..=regions.1).fold(0u8, |sets, r| {
+            let b = self.regions.bitmap.byte(r).load(Ordering::Acquire);
+            sets | 1 << (usable & !b & 0b111)
+        })
+    }
+
     /// [`Shared::current`], and whether some region of the range is out of sync (one pass
     /// over the region bytes: the read path's).
     #[inline]

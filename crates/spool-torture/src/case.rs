@@ -167,7 +167,9 @@ impl Case {
                     count: 1 + rng.below(2),
                 },
                 95 => Step::Restart,
-                96..=97 => Step::PowerCut { seed: rng.next_u64() },
+                96..=97 => Step::PowerCut {
+                    seed: rng.next_u64(),
+                },
                 98..=99 => Step::Verify,
                 _ => continue,
             };

@@ -1,0 +1,69 @@
+//! Requests over regions current on different legs: leg 1 missed a write of one region and
+//! leg 0 a write of the next (each device failed once, before the copy caught up), so no
+//! leg holds every acknowledged write of a request across both, and yet each region has a
+//! leg that does. Such a request is served, not failed: a read takes each region's part
+//! from a leg current there; a write goes to every leg as always and is done when, in each
+//! of its regions, a leg current there took it (tier-2 torture, seed 4).
+//!
+//! Owns: the mixed read's pieces, the mixed write's rule. Must not know: how the regions
+//! came to be so (the bitmap's), the devices' queues (the queue's).
+
+use super::MirrorQueue;
+use crate::bitmap::stale;
+
+/// Whether a write that the legs `failed` failed is done, when the legs current in each of
+/// its regions were the masks in `sets` (a bit per mask, as `Shared::current_sets`): in
+/// every region a leg current there took it.
+#[inline]
+pub(super) fn took(sets: u8, failed: u8) -> bool {
+    (1..8u8).all(|m| sets & (1 << m) == 0 || m & !failed != 0)
+}
+
+impl MirrorQueue {
+    /// Reads op `i` region by region, each run of regions from one leg readable in all of
+    /// them; false (nothing submitted) when some region has no readable leg.
+    #[cold]
+    pub(super) fn submit_mixed_read(&mut self, i: usize) -> bool {
+        let op = self.ops[i].as_ref().expect("live op");
+        let (offset, end, (first, last)) = (op.offset, op.offset + op.len, op.regions);
+        // (start, end, leg) of each run, in order.
+        let mut runs: Vec<(u64, u64, u8)> = Vec::new();
+        let mut legs = 0u8;
+        for r in first..=last {
+            let (r_off, r_len) = self.shared.region_range(r);
+            let (a, b) = (r_off.max(offset), (r_off + r_len).min(end));
+            let here = self.shared.readable(self.healthy, a, b - a, (r, r));
+            if here == 0 {
+                return false;
+            }
+            match runs.last_mut() {
+                Some(run) if here & stale(run.2) != 0 => run.1 = b,
+                _ => runs.push((a, b, here.trailing_zeros() as u8)),
+            }
+            legs |= here;
+        }
+        let op = self.ops[i].as_mut().expect("live op");
+        op.issued = legs;
+        for (a, b, slot) in runs {
+            self.submit_leg_range(i, slot, a, b - a);
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::took;
+
+    #[test]
+    fn a_write_is_done_when_each_region_kept_a_current_leg() {
+        // Region A current on leg 0 only, region B on leg 1 only.
+        let sets = 1 << 0b01 | 1 << 0b10;
+        assert!(took(sets, 0));
+        assert!(!took(sets, 0b01), "region A's only current leg failed");
+        assert!(!took(sets, 0b10), "region B's only current leg failed");
+        // One leg current everywhere: done unless it failed.
+        assert!(took(1 << 0b11, 0b01));
+        assert!(!took(1 << 0b11, 0b11));
+    }
+}
