@@ -6,7 +6,8 @@
 //! served on 1–2 queues; then batches of reads, writes, write-zeroes, discards and flushes
 //! in flight together (sizes of a sector to 1280 KiB, most across an extent boundary), with
 //! the worker SIGKILLed or upgraded while a batch is in flight, the whole daemon killed and
-//! started again between batches, the volume grown and (thin kinds) snapshotted. Every read
+//! started again between batches, the volume grown, thin kinds snapshotted and reverted,
+//! thick kinds given a copy or losing one, encrypted kinds rekeyed. Every read
 //! is checked against the model; at the end the whole volume, a clone of every snapshot
 //! (against the model as it was when the snapshot was taken) and `pool check`.
 //!
@@ -116,10 +117,16 @@ struct Case {
     bounds: Vec<u64>,
     /// Devices in the pool.
     devices: usize,
-    /// The device a fault is armed on for the next batch, and whether it hits metadata.
-    armed: Option<(usize, bool)>,
-    /// What it did: requests, restarts, upgrades, daemon kills, grows, snapshots, faults.
-    did: [u64; 7],
+    /// The device a fault is armed on for the next batch, whether it hits metadata, and
+    /// whether it crashes the worker.
+    armed: Option<(usize, bool, bool)>,
+    /// Copies of a thick volume (a copy added or removed changes it).
+    copies: u64,
+    /// Rekeys so far (the key file of the last is `kek.N`).
+    rekeys: u64,
+    /// What it did: requests, restarts, upgrades, daemon kills, grows, snapshots, faults,
+    /// rekeys, copies added or removed, reverts.
+    did: [u64; 10],
 }
 
 fn main_cfg(devices: &[u64]) -> String {
@@ -193,7 +200,9 @@ impl Case {
             bounds: Vec::new(),
             devices: n as usize,
             armed: None,
-            did: [0; 7],
+            copies: if kind.mirrored() { 2 } else { 1 },
+            rekeys: 0,
+            did: [0; 10],
         };
         case.reconnect();
         case
@@ -335,9 +344,20 @@ impl Case {
                 self.did[1] += 1;
             }
             15..=19 => {
-                self.d
-                    .upgrade(None)
-                    .unwrap_or_else(|e| panic!("seed {}: upgrade: {e:?}", self.seed));
+                match self.d.upgrade(None) {
+                    Ok(_) => {}
+                    // The crash rule fired in the old worker before the hand-off: the upgrade
+                    // is aborted and the worker restarted, which serves the batch.
+                    Err(e) if self.armed.is_some_and(|(.., crash)| crash) => {
+                        assert!(
+                            e.message.contains("aborted"),
+                            "seed {}: upgrade: {e:?}",
+                            self.seed
+                        );
+                        self.d.status();
+                    }
+                    Err(e) => panic!("seed {}: upgrade: {e:?}\n{}", self.seed, self.d.log()),
+                }
                 self.did[2] += 1;
             }
             _ => {}
@@ -352,7 +372,7 @@ impl Case {
             if ret != 0 {
                 let refused_zeroes = r.io == Io::Zero && ret == -libc::EOPNOTSUPP;
                 // A thin map block whose write fails fails the updates it holds (docs/thin.md).
-                let meta = self.armed.is_some_and(|(_, meta)| meta)
+                let meta = self.armed.is_some_and(|(_, meta, _)| meta)
                     && matches!(r.io, Io::Write | Io::Zero | Io::Discard)
                     && ret == -libc::EIO;
                 assert!(
@@ -383,10 +403,18 @@ impl Case {
                 Io::Discard | Io::Flush => {}
             }
         }
-        if let Some((dev, _)) = self.armed.take() {
-            // What the batch did not hit goes, so it cannot fail the next one.
+        if let Some((dev, _, crash)) = self.armed.take() {
+            // What the batch did not hit goes, so it cannot fail the next one. A crash rule
+            // may fire now (a copy's write) and take the answer with the worker; its
+            // successor has no rules.
             let id = self.device(dev);
-            rpc(&self.d, "device_clear_faults", json!({ "id": id }));
+            match self.d.rpc("device_clear_faults", json!({ "id": id })) {
+                Ok(_) => {}
+                Err(_) if crash => {
+                    self.d.status();
+                }
+                Err(e) => panic!("device_clear_faults: {e:?}\n{}", self.d.log()),
+            }
         }
     }
 
@@ -440,9 +468,18 @@ impl Case {
         }
         for mut r in rules {
             r["id"] = json!(id);
-            rpc(&self.d, "device_inject", r);
+            // A crash rule may fire (a copy's write) before the worker answers: then the
+            // answer is lost with it, and the keeper's next worker serves on.
+            let crash = r["kind"] == "crash";
+            match self.d.rpc("device_inject", r.clone()) {
+                Ok(_) => {}
+                Err(_) if crash => {
+                    self.d.status();
+                }
+                Err(e) => panic!("device_inject {r}: {e:?}\n{}", self.d.log()),
+            }
         }
-        self.armed = Some((dev, meta));
+        self.armed = Some((dev, meta, what == 2));
         self.did[6] += 1;
     }
 
@@ -488,8 +525,70 @@ impl Case {
                 self.did[5] += 1;
             }
             19..=32 => self.arm_fault(),
+            33..=35 if self.kind.encrypted() => self.rekey(),
+            36..=39 if !self.kind.thin() => self.change_copies(),
+            40..=43 if !self.snapshots.is_empty() => self.revert(),
             _ => {}
         }
+    }
+
+    /// Rotates the key-encryption key as docs/encryption.md says: `volume rekey --key-file
+    /// NEW`, then the config's key file made NEW; sometimes a worker restart in between.
+    fn rekey(&mut self) {
+        self.rekeys += 1;
+        let new = self.d.dir.path().join(format!("kek.{}", self.rekeys));
+        let key = format!("{:064x}", self.rng.next_u64() | 1);
+        std::fs::write(&new, &key).unwrap();
+        std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o600)).unwrap();
+        rpc(
+            &self.d,
+            "volume_rekey",
+            json!({"key_file": new.display().to_string()}),
+        );
+        if self.rng.chance(50) {
+            self.d.kill_worker();
+        }
+        let kek = self.d.dir.path().join("kek");
+        std::fs::write(&kek, &key).unwrap();
+        self.did[7] += 1;
+    }
+
+    /// Adds a copy to a thick volume (a rebuild runs behind the batches that follow) or
+    /// removes one.
+    fn change_copies(&mut self) {
+        let add = self.copies == 1 || (self.copies < self.devices as u64 && self.rng.chance(50));
+        if add && self.copies >= self.devices as u64 {
+            return;
+        }
+        let action = if add { "add" } else { "remove" };
+        rpc(
+            &self.d,
+            "volume_mirror",
+            json!({"id": "t", "action": action}),
+        );
+        self.copies = if add {
+            self.copies + 1
+        } else {
+            self.copies - 1
+        };
+        self.did[8] += 1;
+    }
+
+    /// Reverts the thin volume to one of its snapshots (its client gone, as the daemon
+    /// requires), then reconnects.
+    fn revert(&mut self) {
+        let k = self.rng.below(self.snapshots.len() as u64) as usize;
+        let (name, m) = self.snapshots[k].clone();
+        self.c = None;
+        self.d.wait_disconnected("t");
+        rpc(
+            &self.d,
+            "volume_revert",
+            json!({"id": "t", "snapshot": name}),
+        );
+        self.model.take(&m);
+        self.did[9] += 1;
+        self.reconnect();
     }
 
     /// Reads all of volume `name` (`size` bytes) and checks it against `m`.
@@ -563,7 +662,7 @@ fn run(seed: u64) {
     let (size, did) = (case.size, case.did);
     case.finish();
     eprintln!(
-        "seed {seed}: {kind:?}, {size} bytes, {queues} queue(s): {} requests, {} worker kills, {} upgrades, {} daemon kills, {} grows, {} snapshots, {} faults; {:.1}s",
+        "seed {seed}: {kind:?}, {size} bytes, {queues} queue(s): {} requests, {} worker kills, {} upgrades, {} daemon kills, {} grows, {} snapshots, {} faults, {} rekeys, {} copy changes, {} reverts; {:.1}s",
         did[0],
         did[1],
         did[2],
@@ -571,6 +670,9 @@ fn run(seed: u64) {
         did[4],
         did[5],
         did[6],
+        did[7],
+        did[8],
+        did[9],
         start.elapsed().as_secs_f64()
     );
 }

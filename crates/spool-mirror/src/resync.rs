@@ -148,6 +148,7 @@ fn keep_health(shared: &Shared) {
     let required = require_caught_up_far_legs(shared, healthy);
     let to = match stripes_health(shared, healthy) {
         HealthState::Healthy if waiting_region(shared, healthy) => HealthState::Resetting,
+        HealthState::Healthy if waiting_stripes(shared, healthy) => HealthState::Resetting,
         // A copy elsewhere that was current cannot take writes (its link is down): every
         // request waits until it can, or until the operator drops it.
         HealthState::Healthy if required & !shared.writable() != 0 => HealthState::Resetting,
@@ -203,6 +204,37 @@ fn waiting_region(shared: &Shared, healthy: u64) -> bool {
         let (off, len) = region_range(shared, i);
         shared.current(healthy, off, len, (i, i)) == 0
             && shared.current(alive, off, len, (i, i)) != 0
+    })
+}
+
+/// Stripes a request may span: a guest's largest (a few MiB) over extents of 1 MiB or more.
+const SPAN_STRIPES: usize = 4;
+
+/// Whether some run of up to [`SPAN_STRIPES`] stripes has no leg on healthy devices across
+/// all of it, though it would have one once the resetting devices are back: legs that swap
+/// devices between stripes (a grown mirror's new extents land where there is space), one
+/// of the devices resetting. A request across such a run has no leg to go to until the
+/// device is back, so the worker must hold it without spending its retries on every
+/// other health change (tier-2 torture: a write failed after three, a link-down of 104 ms).
+fn waiting_stripes(shared: &Shared, healthy: u64) -> bool {
+    let alive = shared.alive();
+    if alive == healthy {
+        return false;
+    }
+    let on = |s: &crate::Stripe, devices: u64| {
+        (0..MAX_LEGS).fold(0u8, |m, slot| {
+            let d = s.dev[slot];
+            m | (((d != MISSING && devices & (1 << d) != 0) as u8) << slot)
+        })
+    };
+    let st = &shared.stripes;
+    (0..st.len()).any(|i| {
+        let (mut now, mut later) = (0b111u8, 0b111u8);
+        st[i..(i + SPAN_STRIPES).min(st.len())].iter().any(|s| {
+            now &= on(s, healthy);
+            later &= on(s, alive);
+            now == 0 && later != 0
+        })
     })
 }
 

@@ -160,7 +160,7 @@ impl Keeper {
         }
         self.worker = None;
         if self.up.is_some() {
-            self.abort_candidate(&why);
+            self.abort_candidate_then(&why, "restarting it with the kept descriptors");
         }
         tracing::warn!("keeper: {why}; restarting it with the kept descriptors");
         self.sd_notify(&format!("STATUS=restarting the worker: {why}"));

@@ -167,15 +167,18 @@ impl Keeper {
 
     /// Ends an upgrade before the old worker stopped: kill the candidate, answer the RPC.
     pub(super) fn abort_candidate(&mut self, why: &str) {
+        self.abort_candidate_then(why, "the old worker keeps serving");
+    }
+
+    /// [`Self::abort_candidate`], saying what happens next (`then`): the old worker serves
+    /// on, or (it died) is restarted.
+    pub(super) fn abort_candidate_then(&mut self, why: &str, then: &str) {
         if let Some(c) = self.cand.take() {
             kill(c.pid);
             self.retiring.push(c.id);
         }
         if let Some(u) = self.up.take() {
-            let why = format!(
-                "upgrade to {} aborted: {why}; the old worker keeps serving",
-                u.binary.display()
-            );
+            let why = format!("upgrade to {} aborted: {why}; {then}", u.binary.display());
             tracing::error!("keeper: {why}");
             self.set_report(RestartReport {
                 counts: Default::default(),
