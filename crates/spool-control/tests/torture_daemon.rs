@@ -561,11 +561,14 @@ impl Case {
             return;
         }
         let action = if add { "add" } else { "remove" };
-        rpc(
-            &self.d,
-            "volume_mirror",
-            json!({"id": "t", "action": action}),
-        );
+        let p = json!({"id": "t", "action": action});
+        match self.d.rpc("volume_mirror", p.clone()) {
+            Ok(_) => {}
+            // Every leg holds some region alone (each missed a write the other took, the
+            // copy not caught up): none can go without losing writes, and the daemon says so.
+            Err(e) if !add && e.message.contains("holds the only current copy") => return,
+            Err(e) => panic!("volume_mirror {p}: {e:?}\n{}", self.d.log()),
+        }
         self.copies = if add {
             self.copies + 1
         } else {

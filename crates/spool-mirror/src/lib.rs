@@ -478,6 +478,17 @@ impl Mirror {
             && self.shared.regions.stale[slot as usize % MAX_LEGS].load(Ordering::Acquire) == 0
     }
 
+    /// Whether some region's only current legs are among `slots` (a bit per slot): one
+    /// where every other leg missed a write it took (a transient failure the copy has not
+    /// caught up with yet), so removing those legs would lose acknowledged writes.
+    pub fn only_current_in(&self, slots: u8) -> bool {
+        let (all, r) = (self.shared.all_slots(), &self.shared.regions);
+        (0..r.bitmap.regions()).any(|i| {
+            let current = all & !r.bitmap.byte(i).load(Ordering::Acquire) & 0b111;
+            current != 0 && current & !slots == 0
+        })
+    }
+
     /// Clears the intent bit of every region with no write in flight (a clean stop: the
     /// next start then resyncs only what was really in flight). Safe while writes run.
     pub fn clear_quiet_intents(&self) {

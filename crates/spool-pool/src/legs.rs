@@ -72,16 +72,31 @@ impl Pool {
                 v.name
             )));
         }
+        // The live mirror knows which legs missed writes since (a leg marked synced in the
+        // table may be stale in some regions after a transient failure): removing the only
+        // current copy of a region would lose what the guest was told is written.
+        let holds_alone = |slot: u8| {
+            let cache = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+            cache
+                .get(&v.uuid)
+                .is_some_and(|(_, m)| m.only_current_in(spool_mirror::bitmap::stale(slot)))
+        };
         let at = match slot {
             Some(s) => v.legs.iter().position(|l| l.slot == s).ok_or_else(|| {
                 Error::InvalidArgument(format!("volume '{}' has no leg {s}", v.name))
             })?,
-            None => v
-                .legs
-                .iter()
-                .position(|l| !l.synced)
-                .unwrap_or(v.legs.len() - 1),
+            // An unsynced leg first, then the last, of those that hold nothing alone.
+            None => (v.legs.iter().enumerate())
+                .filter(|(_, l)| !holds_alone(l.slot))
+                .min_by_key(|&(i, l)| (l.synced, if l.synced { usize::MAX - i } else { i }))
+                .map_or(v.legs.len() - 1, |(i, _)| i),
         };
+        if holds_alone(v.legs[at].slot) {
+            return Err(Error::InvalidArgument(format!(
+                "leg {} of volume '{}' holds the only current copy of some regions (the other legs missed writes there and are being rebuilt); remove it once `volume show` has the others current",
+                v.legs[at].slot, v.name
+            )));
+        }
         self.check_remote_leg_removable(&v, v.legs[at].slot)?;
         let leg = v.legs.remove(at);
         if !v.legs.iter().any(|l| l.synced && l.remote.is_none()) {

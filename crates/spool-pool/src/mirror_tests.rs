@@ -283,3 +283,35 @@ fn a_mirror_that_does_not_fit_says_why_and_what_would() {
     assert_eq!(largest_mirror(&[10, 10, 10], 3, 1), 10);
     assert_eq!(largest_mirror(&[100, 1], 2, 1), 1);
 }
+
+/// A copy that missed a write (its device resetting) is stale there while the other holds
+/// it alone; the table still calls both synced. Removing the one that holds it is refused
+/// (it used to be removed, and the volume then read the stale copy's old data: the torture
+/// tester's tier 2), and a removal that names no leg takes the stale one.
+#[test]
+fn a_copy_that_alone_holds_a_write_is_not_removed() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = [spec(d.path(), "a", 40), spec(d.path(), "b", 40)];
+    let mut p = Pool::open(&specs, super::tests::mirror_opts(d.path())).unwrap();
+    let v = p.create_volume_copies("v", 4 << 20, false, 1, 2).unwrap();
+    assert!(v.legs.iter().all(|l| l.synced), "{v:?}");
+    let on = p.table.volumes[p.find("v").unwrap()].legs[1].extents[0].device;
+    let dev1 = p.members.iter().find(|m| m.uuid == on).unwrap().dev.clone();
+    let layout = p.layout("v").unwrap();
+    dev1.health().set(spool_devices::HealthState::Resetting);
+    let mut data = vec![7u8; 8192];
+    assert_eq!(
+        super::snapshot_tests::io(&layout.devices[0], true, 0, &mut data),
+        0
+    );
+    let e = p.remove_leg("v", Some(0)).unwrap_err().to_string();
+    assert!(e.contains("holds the only current copy"), "{e}");
+    let v = p.remove_leg("v", None).unwrap();
+    assert_eq!((v.copies, v.legs.len()), (1, 0), "the stale copy went");
+    dev1.health().set(spool_devices::HealthState::Healthy);
+    drop(layout);
+    let layout = p.layout("v").unwrap();
+    let mut back = vec![0u8; 8192];
+    layout.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, data, "the copy left lost the write");
+}

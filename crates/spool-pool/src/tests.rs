@@ -18,6 +18,14 @@ pub(crate) fn opts() -> PoolOptions {
     }
 }
 
+/// [`opts`] with mirrors' bitmaps kept in `dir`.
+pub(crate) fn mirror_opts(dir: &std::path::Path) -> PoolOptions {
+    PoolOptions {
+        mirror_dir: Some(dir.to_path_buf()),
+        ..opts()
+    }
+}
+
 #[test]
 fn volumes_survive_reopen_exactly() {
     let d = tempfile::tempdir().unwrap();
