@@ -21,6 +21,7 @@
 pub mod bitmap;
 mod copy;
 mod gone;
+mod grow;
 mod handover;
 mod legio;
 mod op;
@@ -54,6 +55,7 @@ pub use verify::Verify;
 use writes::WriteCounts;
 
 use bitmap::{Bitmap, Found, INTENT};
+use grow::{grown_legs, keep_grown};
 use prepare::{prepare_intents, prepare_legs};
 use spool_devices::{BackendInfo, PoolDevice, Probe};
 use spool_devices::{Device, DeviceHealth, DeviceQueue, Error, HealthState, Result};
@@ -256,42 +258,6 @@ impl Shared {
     pub(crate) fn leg(&self, slot: u8) -> Option<&LegSpec> {
         self.spec.legs.iter().find(|l| l.slot == slot)
     }
-}
-
-/// A leg that only grew is the same leg: its stale bits stay its own, under its new
-/// identity (`prepare_legs` would wipe them as a new leg's in its slot).
-fn keep_grown(regions: &Regions, grown: &[(u8, u64, u64)]) {
-    for &(slot, old, new) in grown {
-        let id = regions.bitmap.slot_id(slot);
-        let _ = id.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire);
-    }
-}
-
-/// The legs of `new` that are legs of `old` grown (the same slot, its pieces those of the old
-/// one with more after them, the old last one perhaps longer): (slot, old id, new id).
-fn grown_legs(old: &MirrorSpec, new: &MirrorSpec) -> Vec<(u8, u64, u64)> {
-    let mut out = Vec::new();
-    for l in &new.legs {
-        let Some(p) = old.legs.iter().find(|p| p.slot == l.slot) else {
-            continue;
-        };
-        let Some((last, head)) = p.pieces.split_last() else {
-            continue;
-        };
-        let prefix = l.pieces.len() >= p.pieces.len()
-            && head.iter().zip(&l.pieces).all(|(a, b)| a == b)
-            && l.pieces.get(head.len()).is_some_and(|b| {
-                (b.logical, b.device, b.offset) == (last.logical, last.device, last.offset)
-                    && b.len >= last.len
-            });
-        let same_devices = (p.pieces.iter()).all(|a| {
-            old.devices.get(a.device).map(Arc::as_ptr) == new.devices.get(a.device).map(Arc::as_ptr)
-        });
-        if p.id != l.id && prefix && same_devices && p.far == l.far {
-            out.push((l.slot, p.id, l.id));
-        }
-    }
-    out
 }
 
 /// A mirror of legs on other devices, as a pool device (inside the [`Device`] a [`Mirror`]

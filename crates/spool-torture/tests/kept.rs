@@ -1305,3 +1305,110 @@ fn kept_copy_from_a_source_that_missed_a_write() {
     };
     check(&case);
 }
+
+/// Seed 10589: a 3-copy mirror on four devices, grown after write faults on one device had
+/// left a leg stale in places, read older data for acknowledged writes: the grow put a leg's
+/// new piece on a device the mirror had not used, the devices' indices moved, the grown leg
+/// was taken for a new one in its slot and its stale bits were wiped (fixed in spool-mirror's
+/// `grown_legs`: devices compared as themselves).
+#[test]
+fn kept_mirror_grown_onto_a_device_it_did_not_use() {
+    let case = Case {
+        seed: 10589,
+        world: WorldSpec {
+            devices: vec![41, 31, 34, 36],
+            pads: vec![(1, false)],
+            kind: Mirror(3),
+            size: 9434112,
+            queues: 1,
+        },
+        steps: vec![
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 7286784,
+                len: 1048064,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 8210944,
+                len: 1048576,
+            },
+            Fault {
+                dev: 3,
+                meta: false,
+                write: false,
+                count: 1,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 6878208,
+                len: 2097152,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 1933312,
+                len: 2097152,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 1613824,
+                len: 65536,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 6307328,
+                len: 1053696,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 2094080,
+                len: 9728,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 6105600,
+                len: 1310720,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 7664128,
+                len: 512,
+            },
+            Fault {
+                dev: 0,
+                meta: false,
+                write: true,
+                count: 2,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Read,
+                offset: 861696,
+                len: 1048576,
+            },
+            Grow { by: 988672 },
+            Io {
+                q: 0,
+                kind: IoKind::Write,
+                offset: 7515648,
+                len: 1048064,
+            },
+            Io {
+                q: 0,
+                kind: IoKind::Zero,
+                offset: 2940416,
+                len: 2100224,
+            },
+        ],
+    };
+    check(&case);
+}
