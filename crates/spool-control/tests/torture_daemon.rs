@@ -493,7 +493,7 @@ impl Case {
         match what {
             0..=5 => {
                 self.c = None;
-                self.d.kill();
+                self.d.kill_all();
                 self.d.spawn();
                 self.did[3] += 1;
                 self.reconnect();

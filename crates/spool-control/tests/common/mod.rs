@@ -174,6 +174,40 @@ impl Spoold {
         }
     }
 
+    /// SIGKILLs the keeper and every process it started (the serving worker, a standby,
+    /// an upgrade's candidate), as a host's crash or a cgroup kill does, and waits until all
+    /// are gone: a worker left exiting on its own after its keeper still holds the devices'
+    /// locks, and a spoold started at once finds them in use.
+    pub fn kill_all(&mut self) {
+        let Some(keeper) = self.child.as_ref().map(|c| c.id()) else {
+            return;
+        };
+        let mut all = Vec::new();
+        let mut next = vec![keeper];
+        while let Some(pid) = next.pop() {
+            for kid in children(pid) {
+                all.push(kid);
+                next.push(kid);
+            }
+        }
+        // SIGSTOP first, so that none starts another before it is killed.
+        for &pid in &all {
+            // SAFETY: kill(2) takes no pointers.
+            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        }
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+        for &pid in &all {
+            // SAFETY: as above.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        for pid in all {
+            wait_gone(pid);
+        }
+    }
+
     /// `daemon_status`, retried while a worker restarts (an RPC accepted by a dying worker
     /// fails; the next one reaches the new worker).
     pub fn status(&self) -> Value {
@@ -304,6 +338,22 @@ pub fn assert_pool_checks_clean(d: &Spoold) {
         ok && out.contains("no problems found"),
         "pool check:\n{out}{err}"
     );
+}
+
+/// The children of process `pid` (every thread's), from /proc.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
 }
 
 pub fn wait_gone(pid: u32) {
