@@ -91,13 +91,14 @@ impl Pool {
                 .min_by_key(|&(i, l)| (l.synced, if l.synced { usize::MAX - i } else { i }))
                 .map_or(v.legs.len() - 1, |(i, _)| i),
         };
+        // A far copy's own reason first (it says what to do about the far host).
+        self.check_remote_leg_removable(&v, v.legs[at].slot)?;
         if holds_alone(v.legs[at].slot) {
             return Err(Error::InvalidArgument(format!(
                 "leg {} of volume '{}' holds the only current copy of some regions (the other legs missed writes there and are being rebuilt); remove it once `volume show` has the others current",
                 v.legs[at].slot, v.name
             )));
         }
-        self.check_remote_leg_removable(&v, v.legs[at].slot)?;
         let leg = v.legs.remove(at);
         if !v.legs.iter().any(|l| l.synced && l.remote.is_none()) {
             return Err(Error::InvalidArgument(format!(
