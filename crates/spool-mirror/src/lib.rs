@@ -36,6 +36,8 @@ mod tests_copy;
 #[cfg(test)]
 mod tests_flush;
 #[cfg(test)]
+mod tests_misses;
+#[cfg(test)]
 mod tests_stop;
 #[cfg(test)]
 mod tests_sync;

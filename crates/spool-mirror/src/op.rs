@@ -30,10 +30,6 @@ pub(super) struct Op {
     pub(super) issued: u8,
     /// Writes: the legs current in every region of the write when it was submitted.
     pub(super) current: u8,
-    /// Writes: the legs current in each of its regions then ([`Shared::current_sets`]).
-    ///
-    /// [`Shared::current_sets`]: crate::Shared::current_sets
-    pub(super) current_sets: u8,
     /// Iovec arrays of pieces that split the request's own (kept until completion).
     pub(super) split: Vec<Box<[IoVec]>>,
     /// A flush: the devices (a bit per index) whose flush failed, or that it skipped (not

@@ -23,8 +23,9 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::bitmap::{stale, INTENT};
+use super::bitmap::stale;
 use super::op::{piece_io, Kind, Op};
+use super::regions::Entry;
 use super::Shared;
 
 mod flush;
@@ -263,9 +264,10 @@ impl MirrorQueue {
             return false;
         }
         let (first, last) = op.regions;
-        let want = INTENT | (self.shared.all_slots() & !writable);
-        match self.shared.regions.enter(first, last, want) {
-            None => {
+        let all = self.shared.all_slots();
+        match self.shared.regions.enter_write(first, last, all, writable) {
+            Entry::NoCurrent => return false,
+            Entry::Held => {
                 self.waiting.push_back(i);
                 // Woken when the copy lets a region go (at once if it did already): the
                 // worker does not poll for it meanwhile.
@@ -274,13 +276,12 @@ impl MirrorQueue {
                 }
                 return true;
             }
-            Some(true) => self.shared.regions.bitmap.sync(first, last),
-            Some(false) => {}
+            Entry::Entered { sync: true } => self.shared.regions.bitmap.sync(first, last),
+            Entry::Entered { sync: false } => {}
         }
         let op = self.ops[i].as_mut().expect("live op");
         op.issued = writable;
         op.current = current;
-        op.current_sets = sets;
         for slot in 0..3u8 {
             if writable & stale(slot) != 0 {
                 self.submit_leg(i, slot);
@@ -319,13 +320,15 @@ impl MirrorQueue {
             // Repair: the leg's range is rewritten from a good copy by the resync thread;
             // only when another leg holds every acknowledged write there (marking the only
             // copy stale would leave nothing to read: the read fails as on a plain device).
-            let holders = self.shared.current(!0, op.offset, op.len, (first, last));
             let media = op.pieces.media_targets();
-            if media != 0 && holders & !media != 0 {
-                for r in first..=last {
-                    self.shared.regions.mark(r, media);
+            if media != 0 {
+                let others = self.shared.all_slots() & !media;
+                let marked = (first..=last).fold(false, |m, r| {
+                    self.shared.regions.mark_keeping(r, media, others).1 | m
+                });
+                if marked {
+                    self.shared.regions.bitmap.sync(first, last);
                 }
-                self.shared.regions.bitmap.sync(first, last);
             }
             read_err = op.pieces.retry();
             if self.submit_read(i) {
@@ -339,12 +342,14 @@ impl MirrorQueue {
             Kind::Read if read_err != 0 => read_err,
             Kind::Read => op.pieces.first_error(),
             Kind::Flush => self.settle_flush(&op, failed),
-            // Done when a leg current at submit took it all (or, in a range whose regions are
-            // current on different legs, a leg current in each region took that region's
-            // part: every leg gets the whole write); the legs that failed then missed
-            // it (marked stale before the completion). When every current leg failed, the
-            // write failed as a whole (its blocks are indeterminate on every leg, as for any
-            // failed write) and nothing is marked: the current legs stay the copy source.
+            // Done when, in each of its regions, a leg still current there took it all (in a
+            // range whose regions are current on different legs, a different leg in each:
+            // every leg gets the whole write); the legs that failed then missed it (marked
+            // stale before the completion). When no leg still current in some region took
+            // it (every current leg failed, or the one that took it was made stale meanwhile
+            // by a write it missed that the failed one took), the write failed as a whole:
+            // its blocks are indeterminate on every leg, as for any failed write, and that
+            // region's current legs stay the copy source.
             Kind::Write | Kind::Zeroes => {
                 let (first, last) = op.regions;
                 let taking_over = self
@@ -357,14 +362,8 @@ impl MirrorQueue {
                     // that stay.
                     self.shared.regions.wrote(first, last);
                     -libc::ENOLINK
-                } else if mixed::took(op.current_sets, failed) {
+                } else if mixed::took(&self.shared, &op, failed) {
                     self.shared.regions.wrote(first, last);
-                    if failed != 0 {
-                        for r in first..=last {
-                            self.shared.regions.mark(r, failed);
-                        }
-                        self.shared.regions.bitmap.sync(first, last);
-                    }
                     // A required leg missed it: held (a path error) until it can take it.
                     let required = self
                         .shared
@@ -375,7 +374,10 @@ impl MirrorQueue {
                         _ => -libc::ENOLINK,
                     }
                 } else {
-                    op.pieces.first_error()
+                    match op.pieces.first_error() {
+                        0 => -libc::EIO,
+                        e => e,
+                    }
                 };
                 self.shared.regions.leave(first, last);
                 res
@@ -437,7 +439,6 @@ impl DeviceQueue for MirrorQueue {
             pieces: Fanout::default(),
             issued: 0,
             current: 0,
-            current_sets: 0,
             split: Vec::new(),
             flush_failed: 0,
             flush: 0,

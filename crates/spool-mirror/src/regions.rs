@@ -18,6 +18,16 @@ use super::bitmap::{out_of_sync, stale, sync_source, Bitmap, INTENT, SYNC_SOURCE
 use super::writes::WriteCounts;
 use super::{Shared, CLEARING, COPYING, MAX_LEGS, WAITER};
 
+/// What a write entering its regions found ([`Regions::enter_write`]).
+pub(crate) enum Entry {
+    /// The copy holds one of them: try again once it lets go.
+    Held,
+    /// In; `sync`: the bitmap bytes changed and are synced before the write goes out.
+    Entered { sync: bool },
+    /// No leg it can reach is current in one of them (nothing counted).
+    NoCurrent,
+}
+
 /// The per-region state shared by every queue of one mirror.
 pub(crate) struct Regions {
     pub(crate) shift: u32,
@@ -187,6 +197,42 @@ impl Regions {
         bits & !old != 0
     }
 
+    /// Sets `bits` in region `r` unless that leaves no leg of `keep` current there, checked
+    /// and set in one step: two misses racing on different legs (a write each leg missed a
+    /// different one of, a flush each failed) cannot each leave the other the region's only
+    /// copy and then stale it, leaving none. Whether `keep` still has a current leg there.
+    /// And whether the byte changed (then the caller syncs it before going on).
+    pub(crate) fn mark_keeping(&self, r: usize, bits: u8, keep: u8) -> (bool, bool) {
+        let (old, new) = self.update(r, |old| match keep & !(old | bits) & 0b111 {
+            0 => old,
+            _ => old | bits,
+        });
+        (keep & !(new | bits) & 0b111 != 0, old != new)
+    }
+
+    /// A write to the legs `writable` (of the mirror's legs `all`) enters regions
+    /// `first..=last`: as [`Regions::enter`] with the intent bit, and the legs it cannot
+    /// reach marked stale there unless that leaves none of `writable` current (another
+    /// queue, with another view of the devices' health, staled those meanwhile: the write
+    /// leaves again and finds no leg).
+    pub(crate) fn enter_write(&self, first: usize, last: usize, all: u8, writable: u8) -> Entry {
+        let Some(mut sync) = self.enter(first, last, INTENT) else {
+            return Entry::Held;
+        };
+        let missed = all & !writable;
+        if missed != 0 {
+            for r in first..=last {
+                let (kept, changed) = self.mark_keeping(r, missed, writable);
+                if !kept {
+                    self.leave(first, last);
+                    return Entry::NoCurrent;
+                }
+                sync |= changed;
+            }
+        }
+        Entry::Entered { sync }
+    }
+
     /// Clears the stale bits of `slots_mask` in region `r`.
     pub(crate) fn unmark(&self, r: usize, slots_mask: u8) {
         let old = self
@@ -294,11 +340,9 @@ impl Regions {
             if self.unflushed[r].load(Ordering::SeqCst) < flush {
                 continue;
             }
-            let current = all & !self.bitmap.byte(r).load(Ordering::Acquire);
-            if current & !missed != 0 {
-                self.mark(r, current & missed);
+            if self.mark_keeping(r, all & missed, all & !missed).0 {
                 (first, last) = (first.min(r), r);
-            } else if current & missed != 0 {
+            } else if all & missed & !self.bitmap.byte(r).load(Ordering::Acquire) != 0 {
                 covered = false;
             }
         }

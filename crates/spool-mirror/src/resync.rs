@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use super::bitmap::{stale, sync_source, INTENT, SYNC_SOURCE};
 use super::copy::copy_region;
 use super::legio::{leg_read, leg_write, AlignedBuf, LegIo};
+use super::regions::Entry;
 use super::{Shared, MAX_LEGS, MISSING};
 use spool_devices::{Error, HealthState, Result};
 
@@ -416,12 +417,17 @@ pub(crate) fn read_current(shared: &Shared, buf: &mut [u8], off: u64) -> Result<
             buf.copy_from_slice(b);
             Ok(())
         }
-        None => Err(Error::io(
-            std::path::Path::new(&shared.spec.name),
-            "read",
-            std::io::Error::from_raw_os_error(libc::ENOLINK),
-        )),
+        None => Err(no_current_leg(shared, "read")),
     }
+}
+
+/// A path error (`ENOLINK`): no usable leg holds every acknowledged write of the range.
+fn no_current_leg(shared: &Shared, what: &'static str) -> Error {
+    Error::io(
+        std::path::Path::new(&shared.spec.name),
+        what,
+        std::io::Error::from_raw_os_error(libc::ENOLINK),
+    )
 }
 
 /// Synchronous write (or zeroing, `data` None, of `len` bytes) to every usable leg.
@@ -433,10 +439,13 @@ pub(crate) fn write_all_legs(
 ) -> Result<()> {
     let writable = shared.usable(shared.healthy(), off, len);
     let (first, last) = shared.regions.span(off, len);
-    let want = INTENT | (shared.all_slots() & !writable);
-    while shared.regions.enter(first, last, want).is_none() {
-        // A piece of the copy is landing there: one device write.
-        std::thread::sleep(Duration::from_micros(100));
+    loop {
+        match (shared.regions).enter_write(first, last, shared.all_slots(), writable) {
+            // A piece of the copy is landing there: one device write.
+            Entry::Held => std::thread::sleep(Duration::from_micros(100)),
+            Entry::Entered { .. } => break,
+            Entry::NoCurrent => return Err(no_current_leg(shared, "write")),
+        }
     }
     shared.regions.bitmap.sync(first, last);
     let mut res = Ok(());

@@ -3,20 +3,30 @@
 //! leg holds every acknowledged write of a request across both, and yet each region has a
 //! leg that does. Such a request is served, not failed: a read takes each region's part
 //! from a leg current there; a write goes to every leg as always and is done when, in each
-//! of its regions, a leg current there took it (tier-2 torture, seed 4).
+//! of its regions, a leg still current there took it (tier-2 torture, seed 4).
 //!
 //! Owns: the mixed read's pieces, the mixed write's rule. Must not know: how the regions
 //! came to be so (the bitmap's), the devices' queues (the queue's).
 
 use super::MirrorQueue;
 use crate::bitmap::stale;
+use crate::op::Op;
+use crate::Shared;
 
-/// Whether a write that the legs `failed` failed is done, when the legs current in each of
-/// its regions were the masks in `sets` (a bit per mask, as `Shared::current_sets`): in
-/// every region a leg current there took it.
-#[inline]
-pub(super) fn took(sets: u8, failed: u8) -> bool {
-    (1..8u8).all(|m| sets & (1 << m) == 0 || m & !failed != 0)
+/// Whether write `op`, which the legs `failed` failed, is done: in every region of it a
+/// leg still current there took it all. The failed legs are marked stale (durably) in each
+/// region where one that took it is current, in the same step as that check
+/// (`Regions::mark_keeping`): a region is never left with no current leg.
+pub(super) fn took(shared: &Shared, op: &Op, failed: u8) -> bool {
+    let (first, last) = op.regions;
+    let taken = op.issued & !failed;
+    let all = (first..=last).fold(true, |all, r| {
+        shared.regions.mark_keeping(r, failed, taken).0 & all
+    });
+    if failed != 0 {
+        shared.regions.bitmap.sync(first, last);
+    }
+    all
 }
 
 impl MirrorQueue {
@@ -48,22 +58,5 @@ impl MirrorQueue {
             self.submit_leg_range(i, slot, a, b - a);
         }
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::took;
-
-    #[test]
-    fn a_write_is_done_when_each_region_kept_a_current_leg() {
-        // Region A current on leg 0 only, region B on leg 1 only.
-        let sets = 1 << 0b01 | 1 << 0b10;
-        assert!(took(sets, 0));
-        assert!(!took(sets, 0b01), "region A's only current leg failed");
-        assert!(!took(sets, 0b10), "region B's only current leg failed");
-        // One leg current everywhere: done unless it failed.
-        assert!(took(1 << 0b11, 0b01));
-        assert!(!took(1 << 0b11, 0b11));
     }
 }
