@@ -57,6 +57,11 @@ pub struct MirrorStatus {
     /// client, and those are counted).
     #[serde(default)]
     pub zeroed_bytes: u64,
+    /// Bytes the copy found never written on its source (a thin copy's holes, from the
+    /// copy's map) since the volume was opened: not read, not counted against
+    /// `resync_rate`, and written to a copy only where that copy had written them.
+    #[serde(default)]
+    pub unwritten_bytes: u64,
     /// Bytes out of sync after an unclean stop (every current leg holds every acknowledged
     /// write there; one serves reads until the resync makes them agree).
     #[serde(default)]

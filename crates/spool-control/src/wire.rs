@@ -388,6 +388,7 @@ pub fn mirror_status(
         regions_copied: p.map_or(0, |p| p.regions_copied),
         region_size: p.map_or(0, |p| p.region_size),
         zeroed_bytes: p.map_or(0, |p| p.zeroed_bytes),
+        unwritten_bytes: p.map_or(0, |p| p.unwritten_bytes),
         out_of_sync_bytes: p.map_or(0, |p| p.out_of_sync_bytes),
         regions_without_current: p.map_or(0, |p| p.regions_without_current),
         without_current_offsets: p.map_or(Vec::new(), |p| p.without_current_offsets.clone()),

@@ -43,6 +43,13 @@ pub trait PoolDevice: Send + Sync + std::fmt::Debug {
     /// (local devices answer or fail by themselves).
     fn abort(&self) {}
 
+    /// Whether every byte of `[offset, offset + len)` is known to read back as zeroes
+    /// because it was never written (a thin device's unmapped chunks), so a copy need not
+    /// read it. `false` when not known, the default: a plain device answers only by reading.
+    fn known_unwritten(&self, _offset: u64, _len: u64) -> bool {
+        false
+    }
+
     /// Opens a queue on this device for one worker.
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>>;
 

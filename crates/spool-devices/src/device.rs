@@ -170,6 +170,14 @@ impl Device {
         }
     }
 
+    /// Whether `[offset, offset + len)` is known never to have been written (reads back
+    /// zeroes without being read: [`PoolDevice::known_unwritten`]); only while the device is
+    /// healthy (a failing device's reads fail, and a copy must find that out by reading).
+    pub fn known_unwritten(&self, offset: u64, len: u64) -> bool {
+        self.health.state() == crate::HealthState::Healthy
+            && self.backend.known_unwritten(offset, len)
+    }
+
     /// Opens a queue on this device for one worker, behind the device's fault injection.
     pub fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
         let inner = self.backend.open_queue(depth)?;

@@ -11,12 +11,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::bitmap::{stale, sync_source, SYNC_SOURCE};
-use super::legio::{leg_read, leg_write, leg_zeroes, AlignedBuf, LegIo};
+use super::legio::{leg_read, leg_unwritten, leg_write, leg_zeroes, AlignedBuf, LegIo};
 use super::{Shared, MAX_LEGS};
 use spool_devices::Result;
 
 /// Longest wait for a region's writes to drain before the copy moves on to other regions.
 const DRAIN_WAIT: Duration = Duration::from_millis(20);
+/// Longest the copy keeps writes out of a region never quiet while those in flight finish
+/// ([`HeldForCopy::drain`]); then it lets them in again and tries on a later pass.
+const DRAIN_WHOLE: Duration = Duration::from_millis(100);
 /// The copy moves a region this much at a time, keeping writes out of the region meanwhile:
 /// short enough that a write waiting for it waits about one device write.
 const COPY_PIECE: u64 = 256 << 10;
@@ -37,36 +40,77 @@ pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
     }
 }
 
-/// Copies region `r` from leg `source` to the legs in `targets`; true when the copy counts
-/// (no write reached the region meanwhile). An out-of-sync region is in sync afterwards: the
+/// Copies region `r` from leg `source` to the legs in `targets`; `Some` when the copy counts
+/// (no write reached the region meanwhile), with the bytes of it the source never wrote
+/// (not read: [`leg_unwritten`]). An out-of-sync region is in sync afterwards: the
 /// legs copied to agree with the source, and the legs that were not (not usable now) are
 /// marked stale there, so they are copied to before they are read.
+///
+/// Writes first: each piece moves under a hold of its own and writes go in between (a write
+/// waits at most one piece). A region the guest writes all the time is never quiet that
+/// way, and its copy never counted: the leg stayed stale there for as long as the guest
+/// wrote (found in release builds, where a test's load outran the copy). Such a region is
+/// then copied once more with writes kept out of it from the start to the end, as md's
+/// resync barrier does: new writes wait, those in flight finish, the whole region moves.
 pub(crate) fn copy_region(
     shared: &Shared,
     io: &mut LegIo,
     buf: &mut AlignedBuf,
+    job: (usize, u8, u8),
+) -> Result<Option<u64>> {
+    if let Some(n) = copy_once(shared, io, buf, job, None)? {
+        return Ok(Some(n));
+    }
+    if shared.stop.load(Ordering::Acquire) || !still_source(shared, job.0, job.1) {
+        return Ok(None);
+    }
+    let Some(held) = HeldForCopy::drain(shared, job.0) else {
+        return Ok(None);
+    };
+    copy_once(shared, io, buf, job, Some(&held))
+}
+
+/// One try at [`copy_region`]: piece by piece with writes in between, or, under `whole` (a
+/// hold of the region taken for the whole copy), with none.
+fn copy_once(
+    shared: &Shared,
+    io: &mut LegIo,
+    buf: &mut AlignedBuf,
     (r, source, targets): (usize, u8, u8),
-) -> Result<bool> {
-    let Some(g) = quiet_gen(shared, r) else {
-        return Ok(false);
+    whole: Option<&HeldForCopy>,
+) -> Result<Option<u64>> {
+    let g = match whole {
+        Some(_) => shared.regions.gens[r].load(Ordering::SeqCst),
+        None => match quiet_gen(shared, r) {
+            Some(g) => g,
+            None => return Ok(None),
+        },
     };
     // The source was chosen from the region's byte before its writes drained: one in flight
     // then may have failed on the source since (marking it stale there) and reached the
     // targets, which the copy would overwrite with the older bytes. Chosen again next pass.
     if !still_source(shared, r, source) {
-        return Ok(false);
+        return Ok(None);
     }
-    if targets != 0 && !copy_pieces(shared, io, buf, (r, source, targets), g)? {
-        return Ok(false);
+    let mut unwritten = 0;
+    if targets != 0 {
+        match copy_pieces(shared, io, buf, (r, source, targets), (g, whole.is_some()))? {
+            Some(n) => unwritten = n,
+            None => return Ok(None),
+        }
     }
     // The targets become current under a hold of the region, so no write can enter between
     // the last check and the change: one that failed on a target then would mark it stale
     // in vain (it is still), and the change would clear that.
-    let Some(_held) = HeldForCopy::wait(shared, r) else {
-        return Ok(false);
+    let _held = match whole {
+        Some(_) => None,
+        None => match HeldForCopy::wait(shared, r) {
+            Some(h) => Some(h),
+            None => return Ok(None),
+        },
     };
     if shared.regions.gens[r].load(Ordering::SeqCst) != g {
-        return Ok(false);
+        return Ok(None);
     }
     let others = shared.all_slots() & !targets & !stale(source);
     let (_, after) = shared.regions.update(r, |b| match sync_source(b) {
@@ -79,49 +123,70 @@ pub(crate) fn copy_region(
     if sync_source(after).is_some() || after & stale(source) != 0 {
         // The source moved meanwhile (its leg failed), or it missed a flush: copied again
         // from the leg that serves then.
-        return Ok(false);
+        return Ok(None);
     }
     if others != 0 {
         shared.regions.bitmap.sync(r, r);
     }
-    Ok(true)
+    Ok(Some(unwritten))
 }
 
-/// Copies region `r` piece by piece from `source` to `targets` and flushes them; false when
+/// Copies region `r` piece by piece from `source` to `targets` and flushes them; `None` when
 /// a write reached the region (its generation moved from `g`) or the source stopped being
-/// one, so the copy counts for nothing.
+/// one, so the copy counts for nothing; else the bytes the source never wrote. `whole`: the
+/// caller holds the region throughout (no hold per piece).
 fn copy_pieces(
     shared: &Shared,
     io: &mut LegIo,
     buf: &mut AlignedBuf,
     (r, source, targets): (usize, u8, u8),
-    g: u32,
-) -> Result<bool> {
+    (g, whole): (u32, bool),
+) -> Result<Option<u64>> {
     let (off, len) = shared.region_range(r);
     let mut written = Vec::new();
-    let mut at = 0;
+    let (mut at, mut unwritten) = (0, 0);
     while at < len {
         let n = COPY_PIECE.min(len - at);
-        let Some(_held) = HeldForCopy::wait(shared, r) else {
-            return Ok(false);
+        let _held = match whole {
+            true => None,
+            false => match HeldForCopy::wait(shared, r) {
+                Some(h) => Some(h),
+                None => return Ok(None),
+            },
         };
         // A write between two pieces may have missed the source (the same overwrite),
         // and a flush the source's device failed makes it stale without any write: the
         // copy counts for nothing then, so it stops before the next piece.
         if shared.regions.gens[r].load(Ordering::SeqCst) != g || !still_source(shared, r, source) {
-            return Ok(false);
+            return Ok(None);
         }
         let buf = buf.get(n as usize);
-        leg_read(shared, io, source, off + at, buf)?;
-
+        // A piece the source never wrote (a thin copy's holes) is zeroes without reading it
+        // (the region is held: no write changes that meanwhile), and a target that never
+        // wrote it either needs nothing: an empty thin copy is copied at once.
+        let hole = leg_unwritten(shared, source, off + at, n);
+        if hole {
+            unwritten += n;
+        } else {
+            leg_read(shared, io, source, off + at, buf)?;
+        }
         // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
         // (a fresh volume sent to another host is mostly zeroes).
-        let zeroes = all_zero(buf);
+        let (zeroes, mut filled) = (hole || all_zero(buf), !hole);
         for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
             if shared.stop.load(Ordering::Acquire) {
-                return Ok(false); // dropped meanwhile: its space may be given back
+                return Ok(None); // dropped meanwhile: its space may be given back
             }
             let piece = (t, off + at, n);
+            if hole && leg_unwritten(shared, t, off + at, n) {
+                continue;
+            }
+            if !filled {
+                // Zeroes as data for a device without write-zeroes (only when one is
+                // needed: a pass over a big empty thin copy skips every piece).
+                buf.fill(0);
+                filled = true;
+            }
             if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
                 shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);
             } else if !zeroes {
@@ -133,7 +198,7 @@ fn copy_pieces(
     for d in written {
         io.flush(shared, d)?;
     }
-    Ok(true)
+    Ok(Some(unwritten))
 }
 
 /// Whether leg `source` may still be copied from in region `r`: not stale there, and the
@@ -170,6 +235,24 @@ impl<'a> HeldForCopy<'a> {
             std::thread::sleep(Duration::from_micros(100));
         }
         Some(HeldForCopy { shared, r })
+    }
+}
+
+impl<'a> HeldForCopy<'a> {
+    /// Keeps writes out of region `r` from now on (they wait, as for any hold) and waits
+    /// (briefly: [`DRAIN_WHOLE`]) for those in flight there to finish: the copy's barrier for
+    /// a region never quiet. `None` when they did not finish in time (let go again).
+    fn drain(shared: &'a Shared, r: usize) -> Option<HeldForCopy<'a>> {
+        shared.regions.bar_for_copy(r);
+        let held = HeldForCopy { shared, r };
+        let t0 = Instant::now();
+        while shared.regions.writes[r].load(Ordering::SeqCst) & !super::FLAGS != 0 {
+            if t0.elapsed() > DRAIN_WHOLE {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Some(held)
     }
 }
 

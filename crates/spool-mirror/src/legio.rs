@@ -179,6 +179,18 @@ fn leg_pieces(
     Ok(())
 }
 
+/// Whether leg `slot` never wrote volume range `[off, off + len)`: every device piece of it
+/// says so ([`spool_devices::Device::known_unwritten`]: a thin copy's holes) or lies past the
+/// leg's end (read as zeroes). False for a leg that is missing or on a missing device.
+pub(super) fn leg_unwritten(shared: &Shared, slot: u8, off: u64, len: u64) -> bool {
+    let mut all = true;
+    let walked = leg_pieces(shared, slot, off, len, |d, o, n, _| {
+        all &= shared.spec.devices[d].known_unwritten(o, n);
+        Ok(())
+    });
+    walked.is_ok() && all
+}
+
 pub(super) fn leg_read(
     shared: &Shared,
     io: &mut LegIo,

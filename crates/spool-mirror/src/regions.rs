@@ -144,6 +144,13 @@ impl Regions {
             .is_ok()
     }
 
+    /// Keeps writes out of region `r` from now on, with writes still in flight there (the
+    /// copy waits for them to finish): new writes wait as for [`Regions::hold_for_copy`],
+    /// until [`Regions::release_copy`]. For a region never quiet.
+    pub(crate) fn bar_for_copy(&self, r: usize) {
+        self.writes[r].fetch_or(COPYING, Ordering::SeqCst);
+    }
+
     /// Lets writes into region `r` again (see [`Regions::hold_for_copy`]), and wakes the
     /// queues whose writes wait for the copy.
     pub(crate) fn release_copy(&self, r: usize) {

@@ -29,10 +29,17 @@ const CLEAR_AFTER: Duration = Duration::from_secs(1);
 #[derive(Default)]
 pub(crate) struct ProgressCell {
     copied: AtomicU64,
-    started: Mutex<Option<(Instant, u64)>>,
+    /// Bytes copied that count against the rate: `copied` less what was never written on
+    /// the source (`unwritten`, not read).
+    paced: AtomicU64,
+    /// When copying last started, with `copied` and `paced` then.
+    started: Mutex<Option<(Instant, u64, u64)>>,
     pub(crate) resynced: AtomicU64,
     /// Bytes copied as write-zeroes (pieces of zeroes): no data crossed for them.
     pub(crate) zeroes: AtomicU64,
+    /// Bytes of regions copied that the source's device said it never wrote (a thin copy's
+    /// holes): not read, written only to targets that had written them.
+    unwritten: AtomicU64,
 }
 
 /// One leg's state, as the control plane shows it.
@@ -67,6 +74,10 @@ pub struct Progress {
     /// Zeroes written as data to a device without write-zeroes are not counted (an NBD
     /// server without it gets them as data from the NBD client: counted all the same).
     pub zeroed_bytes: u64,
+    /// Bytes copied that the source's device said it never wrote (a thin copy's holes):
+    /// not read and not counted against `resync_rate`; a target that never wrote them
+    /// either is not written.
+    pub unwritten_bytes: u64,
     /// Bytes in regions out of sync (after an unclean stop): every current leg holds every
     /// acknowledged write there, one serves the reads until the resync makes them agree.
     pub out_of_sync_bytes: u64,
@@ -299,14 +310,14 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
             continue;
         }
         match copy_region(shared, io, buf, (r, source, targets)) {
-            Ok(true) => {
+            Ok(Some(unwritten)) => {
                 any = true;
                 // A far leg current now takes every write from now on (before anyone
                 // sees it current: see `Daemon::sending`).
                 require_caught_up_far_legs(shared, healthy);
-                note_copied(shared, r);
+                note_copied(shared, r, unwritten);
             }
-            Ok(false) => {}
+            Ok(None) => {}
             Err(e) => {
                 // The device's health has the error: the next pass sees what it decided.
                 tracing::warn!(mirror = %shared.spec.name, region = r, error = %e, "copying a mirror region failed; will retry");
@@ -324,19 +335,21 @@ fn copy_pass(shared: &Shared, io: &mut LegIo, buf: &mut AlignedBuf) -> bool {
     any
 }
 
-fn note_copied(shared: &Shared, r: usize) {
+/// Region `r` was copied, `unwritten` bytes of it never written on the source: those do not
+/// count against the rate (nothing was read for them).
+fn note_copied(shared: &Shared, r: usize, unwritten: u64) {
     let (_, len) = region_range(shared, r);
-    shared.progress.copied.fetch_add(len, Ordering::Relaxed);
-    shared.progress.resynced.fetch_add(1, Ordering::Relaxed);
-    let mut s = shared
-        .progress
-        .started
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let p = &shared.progress;
+    p.copied.fetch_add(len, Ordering::Relaxed);
+    p.paced.fetch_add(len - unwritten, Ordering::Relaxed);
+    p.unwritten.fetch_add(unwritten, Ordering::Relaxed);
+    p.resynced.fetch_add(1, Ordering::Relaxed);
+    let mut s = p.started.lock().unwrap_or_else(|p| p.into_inner());
     if s.is_none() {
         *s = Some((
             Instant::now(),
-            shared.progress.copied.load(Ordering::Relaxed) - len,
+            p.copied.load(Ordering::Relaxed) - len,
+            p.paced.load(Ordering::Relaxed) - (len - unwritten),
         ));
     }
     drop(s);
@@ -347,7 +360,7 @@ fn note_copied(shared: &Shared, r: usize) {
 /// [`IDLE_TICK`] meanwhile.
 fn throttle(shared: &Shared) {
     let rate = shared.spec.resync_rate;
-    let Some((t0, c0)) = *shared
+    let Some((t0, _, p0)) = *shared
         .progress
         .started
         .lock()
@@ -358,8 +371,8 @@ fn throttle(shared: &Shared) {
     if rate == 0 {
         return;
     }
-    let copied = shared.progress.copied.load(Ordering::Relaxed) - c0;
-    let due = Duration::from_secs_f64(copied as f64 / rate as f64);
+    let paced = shared.progress.paced.load(Ordering::Relaxed) - p0;
+    let due = Duration::from_secs_f64(paced as f64 / rate as f64);
     // In slices: a pass over a big volume at a low rate lasts hours, and the mirror's
     // health (a current leg's device resetting) and a stop must not wait for it.
     while let Some(wait) = due.checked_sub(t0.elapsed()) {
@@ -514,7 +527,7 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
         .lock()
         .unwrap_or_else(|p| p.into_inner());
     let (copied_bytes, rate) = match started {
-        Some((t0, c0)) => {
+        Some((t0, c0, _)) => {
             let secs = t0.elapsed().as_secs_f64().max(1e-3);
             (copied - c0, ((copied - c0) as f64 / secs) as u64)
         }
@@ -530,6 +543,7 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
         resync_at_open: shared.resync_at_open,
         regions_copied: shared.progress.resynced.load(Ordering::Relaxed),
         zeroed_bytes: shared.progress.zeroes.load(Ordering::Relaxed),
+        unwritten_bytes: shared.progress.unwritten.load(Ordering::Relaxed),
         out_of_sync_bytes,
         regions_without_current,
         without_current_offsets,

@@ -332,6 +332,8 @@ mod tests;
 #[cfg(test)]
 mod thin_mirror_tests;
 #[cfg(test)]
+mod thin_rebuild_tests;
+#[cfg(test)]
 mod thin_takeover_tests;
 #[cfg(test)]
 mod thin_tests;

@@ -20,6 +20,11 @@ pub(crate) fn io(dev: &Device, write: bool, offset: u64, data: &mut [u8]) -> i32
             1,
         )
     };
+    reap_one(&mut *q)
+}
+
+/// Kicks `q` and waits for its one request's result.
+pub(crate) fn reap_one(q: &mut dyn spool_devices::DeviceQueue) -> i32 {
     q.kick().unwrap();
     loop {
         let mut got = None;

@@ -563,6 +563,20 @@ impl PoolDevice for ThinBackend {
         crate::sync_io::SyncCalls(&self.shared, &self.sync_io).zero(offset, len)
     }
 
+    /// Every chunk of the range is a hole in the map now: it reads as zeroes (a thin
+    /// device has no backing image; a clone's chunks are mapped, shared). The answer holds
+    /// while no write reaches the range (the caller keeps them out: a mirror's copy holds
+    /// the region).
+    fn known_unwritten(&self, offset: u64, len: u64) -> bool {
+        let chunk = self.shared.spec.chunk;
+        let Some(end) = offset.checked_add(len) else {
+            return false;
+        };
+        len > 0
+            && end <= self.size()
+            && (offset / chunk..=(end - 1) / chunk).all(|c| self.shared.map.get(c).is_none())
+    }
+
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
         Ok(Box::new(ThinQueue::new(self.shared.clone(), depth)?))
     }
