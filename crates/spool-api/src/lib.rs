@@ -33,7 +33,7 @@ mod thin;
 mod transfer;
 pub use thin::{
     ChangedChunks, CloneParams, DiffParams, DiffResult, ExportInfo, ExportParams, Snapshot,
-    SnapshotParams,
+    SnapshotParams, TakeSnapshotParams,
 };
 pub use transfer::{
     ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams, TransferChallenge,
@@ -111,7 +111,7 @@ methods! {
         "add a copy to a volume (a plain one becomes a mirror) or remove one, online";
     VolumeRekey = "volume_rekey", RekeyParams => RekeyResult,
         "rewrap every encrypted volume's data key under a new key-encryption key (no data is touched)";
-    VolumeSnapshot = "volume_snapshot", SnapshotParams => Snapshot,
+    VolumeSnapshot = "volume_snapshot", TakeSnapshotParams => Snapshot,
         "take a crash-consistent snapshot of a running thin volume";
     VolumeSnapshots = "volume_snapshots", IdParams => Vec<Snapshot>,
         "a thin volume's snapshots, oldest first";

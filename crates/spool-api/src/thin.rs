@@ -30,6 +30,17 @@ pub struct SnapshotParams {
     pub snapshot: String,
 }
 
+/// `volume_snapshot`: take snapshot `snapshot` of volume `id`; with `require_space`, refused
+/// when the copies its writes could need after it exceed the pool's free space.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TakeSnapshotParams {
+    pub id: String,
+    pub snapshot: String,
+    #[serde(default)]
+    pub require_space: bool,
+}
+
 /// `volume_clone`: a new volume `name` from snapshot `snapshot` of volume `id`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -59,6 +70,15 @@ pub struct Snapshot {
     /// RBD's own snapshot (docs/ceph.md): `mapped` and `exclusive` are not counted here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rbd: bool,
+    /// In `volume_snapshot`'s answer: the bytes the volume's first writes after it could
+    /// need for copies (every chunk it maps), the pool's free bytes when it was taken, and a
+    /// warning when the first is larger (writes may then fail for want of space).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copies_could_need: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_free: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// `volume_diff`: what differs between snapshot `from` of volume `id` and snapshot `to`

@@ -483,6 +483,9 @@ impl ToWire<Snapshot> for spool_pool::SnapshotInfo {
             exclusive: s.exclusive,
             error: s.error,
             rbd: s.rbd,
+            copies_could_need: None,
+            pool_free: None,
+            warning: None,
         }
     }
 }

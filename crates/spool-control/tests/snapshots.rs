@@ -507,3 +507,41 @@ fn an_export_is_not_put_on_a_live_or_own_socket() {
     ctl(&d, &["volume", "list"]);
     drop(connect(&d.socket("t"), 1, false).unwrap());
 }
+
+/// A snapshot says what it could cost the pool later: the volume's writes after it copy
+/// every chunk it maps once. On a pool with less free space than that it is taken with a
+/// warning (those writes may fail once the pool is full), or refused before anything is
+/// taken with `--require-space` (issue 57: such writes used to fail with no word before).
+#[test]
+fn a_snapshot_says_when_the_pool_may_not_hold_its_copies() {
+    let mut d = Spoold::prepared(CONFIG);
+    d.spawn();
+    let (ok, _, err) = spoolctl(&d, &["volume", "snapshot", "t", "empty", "--require-space"]);
+    assert!(
+        ok && !err.contains("warning"),
+        "nothing mapped, nothing to copy: {err}"
+    );
+    // 64 MiB mapped (a block in every MiB) on a 96 MiB pool: under 32 MiB free.
+    let mut c = connect(&d.socket("t"), 1, false).unwrap();
+    for at in (0..64 * MIB).step_by(MIB as usize) {
+        assert_eq!(c.write_sync(0, at, &pattern(1, at, 65536)), 0);
+    }
+    drop(c);
+    let (ok, out, err) = spoolctl(&d, &["volume", "snapshot", "t", "s1", "--require-space"]);
+    assert!(!ok, "taken: {out}");
+    assert!(
+        err.contains("could need 64") && err.contains("not taken"),
+        "{err}"
+    );
+    let list = ctl(&d, &["volume", "snapshots", "t"]);
+    assert!(!list.contains("t@s1"), "{list}");
+    let (ok, out, err) = spoolctl(&d, &["volume", "snapshot", "t", "s1"]);
+    assert!(ok && out.contains("taken"), "{out}{err}");
+    assert!(err.contains("warning") && err.contains("64"), "{err}");
+    let answer = ctl(&d, &["--json", "volume", "snapshot", "t", "s2"]);
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(v["copies_could_need"], 64 * MIB, "{v}");
+    assert!(v["pool_free"].as_u64().unwrap() < 32 * MIB, "{v}");
+    assert!(v["warning"].is_string(), "{v}");
+    assert_pool_checks_clean(&d);
+}

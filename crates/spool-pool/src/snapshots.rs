@@ -79,6 +79,21 @@ impl Pool {
         Ok(map)
     }
 
+    /// What a snapshot of thin volume `id` could cost later, before it is taken: the bytes
+    /// its copies could need (every chunk the volume maps shared with it, each copied on its
+    /// first write after), and the pool's free bytes now. `None` for an RBD volume (the
+    /// cluster keeps its snapshots). Other thin volumes' shared chunks draw on the same free
+    /// space and are not counted here.
+    pub fn snapshot_space(&self, id: &str) -> Result<Option<(u64, u64)>> {
+        if self.rbd_volume(id)?.is_some() {
+            return Ok(None);
+        }
+        let (_, v, dev) = self.thin_volume(id)?;
+        let need = thin_backend(&v, &dev)?.allocated();
+        let free = self.members.iter().map(|m| m.free_bytes()).sum();
+        Ok(Some((need, free)))
+    }
+
     /// Takes snapshot `name` of running thin volume `id` (crash-consistent: every write
     /// completed before it is in it, none started after it).
     pub fn snapshot_volume(&mut self, id: &str, name: &str) -> Result<SnapshotInfo> {

@@ -2,9 +2,13 @@
 //! `volume_clone`; docs/snapshots.md): pool operations, and serving a new clone.
 
 use super::Daemon;
-use crate::api::{self, ChangedChunks, CloneParams, IdParams, Snapshot, SnapshotParams, Volume};
+use crate::api::{
+    self, ChangedChunks, CloneParams, IdParams, Snapshot, SnapshotParams, TakeSnapshotParams,
+    Volume,
+};
 use crate::rpc::{MethodTable, RpcError};
 use crate::wire::ToWire;
+use spool_api::size::format_size;
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::VolumeSnapshot>(Daemon::volume_snapshot)
@@ -16,8 +20,41 @@ pub(super) fn register(t: &mut MethodTable<Daemon>) {
 }
 
 impl Daemon {
-    fn volume_snapshot(&self, p: SnapshotParams) -> Result<Snapshot, RpcError> {
-        Ok(self.pool().snapshot_volume(&p.id, &p.snapshot)?.wire())
+    /// Says what the snapshot could cost the pool later: each chunk the volume maps is
+    /// copied on its first write after it, so a pool with less free space than the volume
+    /// maps may fail those writes. A warning in the answer (and the log), or with
+    /// `require_space` a refusal before anything is taken (issue 57).
+    fn volume_snapshot(&self, p: TakeSnapshotParams) -> Result<Snapshot, RpcError> {
+        let mut pool = self.pool();
+        let space = pool.snapshot_space(&p.id)?;
+        let short = space.filter(|&(need, free)| need > free);
+        if let (Some((need, free)), true) = (short, p.require_space) {
+            return Err(RpcError::Pool(spool_pool::Error::InvalidArgument(format!(
+                "volume '{}': its writes after a snapshot could need {} for copies (every chunk \
+                 it maps), the pool has {} free: snapshot '{}' not taken (add space, or take it \
+                 without --require-space)",
+                p.id,
+                format_size(need),
+                format_size(free),
+                p.snapshot
+            ))));
+        }
+        let mut s = pool.snapshot_volume(&p.id, &p.snapshot)?.wire();
+        drop(pool);
+        if let Some((need, free)) = space {
+            (s.copies_could_need, s.pool_free) = (Some(need), Some(free));
+        }
+        if let Some((need, free)) = short {
+            let w = format!(
+                "its writes could need {} for copies, the pool has {} free: writes may fail \
+                 for want of space once it is full (add space or delete snapshots)",
+                format_size(need),
+                format_size(free)
+            );
+            tracing::warn!(volume = %s.volume, snapshot = %s.name, need, free, "snapshot taken on a pool that may not hold its copies");
+            s.warning = Some(w);
+        }
+        Ok(s)
     }
 
     fn volume_snapshots(&self, p: IdParams) -> Result<Vec<Snapshot>, RpcError> {

@@ -204,6 +204,10 @@ pub enum VolumeCmd {
         id: String,
         /// The snapshot's name (unique among the volume's).
         snapshot: String,
+        /// Refuse it when the copies the volume's writes could need after it (every chunk it
+        /// maps) exceed the pool's free space; without this it is taken with a warning.
+        #[arg(long)]
+        require_space: bool,
     },
     /// List a thin volume's snapshots, oldest first.
     Snapshots { id: String },

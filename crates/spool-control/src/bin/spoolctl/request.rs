@@ -172,7 +172,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             size: size(sz)?,
         }),
         VolumeCmd::Qos(a) => qos(a),
-        VolumeCmd::Snapshot { id, snapshot: s } => snapshot_take(id, s),
+        VolumeCmd::Snapshot { .. } => snapshot_take(cmd),
         VolumeCmd::Snapshots { id: v } => id::<api::VolumeSnapshots>(v),
         VolumeCmd::Clone { snapshot: s, name } => snapshot_clone(s, name),
         VolumeCmd::Diff { from, to } => diff(from, to.as_deref()),
@@ -197,10 +197,19 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
     }
 }
 
-fn snapshot_take(volume: &str, snapshot: &str) -> Result<Request, CtlError> {
-    build::<api::VolumeSnapshot>(SnapshotParams {
-        id: volume.into(),
-        snapshot: snapshot.into(),
+fn snapshot_take(cmd: &VolumeCmd) -> Result<Request, CtlError> {
+    let VolumeCmd::Snapshot {
+        id,
+        snapshot,
+        require_space,
+    } = cmd
+    else {
+        unreachable!("called for `volume snapshot` only");
+    };
+    build::<api::VolumeSnapshot>(api::TakeSnapshotParams {
+        id: id.clone(),
+        snapshot: snapshot.clone(),
+        require_space: *require_space,
     })
 }
 

@@ -89,6 +89,9 @@ pub fn taken(s: &Snapshot) {
         format_size(s.mapped),
         format_size(s.size)
     );
+    if let Some(w) = &s.warning {
+        eprintln!("warning: snapshot {}@{}: {w}", s.volume, s.name);
+    }
 }
 
 pub fn deleted(s: &Snapshot) {
