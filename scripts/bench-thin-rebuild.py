@@ -65,7 +65,7 @@ def main():
                        unwritten_bytes=m.get("unwritten_bytes", 0), zeroed_bytes=m.get("zeroed_bytes", 0),
                        regions_copied=m.get("regions_copied", 0))
             log(f"{name}: {size} {'thin' if thin else 'thick'}, {written >> 20} MiB written: copies in {secs:.2f} s "
-                f"({row['unwritten_bytes'] >> 20} MiB never written, not read)")
+                f"({row['unwritten_bytes'] >> 20} MiB never written on either side: neither read nor written)")
             rows.append(row)
     shutil.rmtree(shm)
     b.save("thin-rebuild", {"resync_rate": 64 << 20, "cases": rows}, quick=a.quick)

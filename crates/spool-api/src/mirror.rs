@@ -57,9 +57,9 @@ pub struct MirrorStatus {
     /// client, and those are counted).
     #[serde(default)]
     pub zeroed_bytes: u64,
-    /// Bytes the copy found never written on its source (a thin copy's holes, from the
-    /// copy's map) since the volume was opened: not read, not counted against
-    /// `resync_rate`, and written to a copy only where that copy had written them.
+    /// Bytes the copy found never written on its source nor on the copies it brought up to
+    /// date (a thin copy's holes, from the copies' maps) since the volume was opened:
+    /// neither read nor written, and not counted against `resync_rate`.
     #[serde(default)]
     pub unwritten_bytes: u64,
     /// Bytes out of sync after an unclean stop (every current leg holds every acknowledged

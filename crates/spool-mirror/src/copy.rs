@@ -41,8 +41,8 @@ pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
 }
 
 /// Copies region `r` from leg `source` to the legs in `targets`; `Some` when the copy counts
-/// (no write reached the region meanwhile), with the bytes of it the source never wrote
-/// (not read: [`leg_unwritten`]). An out-of-sync region is in sync afterwards: the
+/// (no write reached the region meanwhile), with the bytes of it that neither source nor
+/// targets ever wrote (neither read nor written: [`leg_unwritten`]). An out-of-sync region is in sync afterwards: the
 /// legs copied to agree with the source, and the legs that were not (not usable now) are
 /// marked stale there, so they are copied to before they are read.
 ///
@@ -50,18 +50,23 @@ pub(super) fn quiet_gen(shared: &Shared, r: usize) -> Option<u32> {
 /// waits at most one piece). A region the guest writes all the time is never quiet that
 /// way, and its copy never counted: the leg stayed stale there for as long as the guest
 /// wrote (found in release builds, where a test's load outran the copy). Such a region is
-/// then copied once more with writes kept out of it from the start to the end, as md's
-/// resync barrier does: new writes wait, those in flight finish, the whole region moves.
+/// then, when writes came in meanwhile, copied once more with writes kept out of it from the
+/// start to the end, as md's resync barrier does: new writes wait, those in flight finish,
+/// the whole region moves.
 pub(crate) fn copy_region(
     shared: &Shared,
     io: &mut LegIo,
     buf: &mut AlignedBuf,
     job: (usize, u8, u8),
 ) -> Result<Option<u64>> {
+    let g0 = shared.regions.gens[job.0].load(Ordering::SeqCst);
     if let Some(n) = copy_once(shared, io, buf, job, None)? {
         return Ok(Some(n));
     }
-    if shared.stop.load(Ordering::Acquire) || !still_source(shared, job.0, job.1) {
+    // Only writes coming in keep a region from being copied that way: a write that does not
+    // finish (a hung leg) is no reason to keep the others out of it.
+    let churned = shared.regions.gens[job.0].load(Ordering::SeqCst) != g0;
+    if !churned || shared.stop.load(Ordering::Acquire) || !still_source(shared, job.0, job.1) {
         return Ok(None);
     }
     let Some(held) = HeldForCopy::drain(shared, job.0) else {
@@ -133,7 +138,7 @@ fn copy_once(
 
 /// Copies region `r` piece by piece from `source` to `targets` and flushes them; `None` when
 /// a write reached the region (its generation moved from `g`) or the source stopped being
-/// one, so the copy counts for nothing; else the bytes the source never wrote. `whole`: the
+/// one, so the copy counts for nothing; else the bytes neither read nor written. `whole`: the
 /// caller holds the region throughout (no hold per piece).
 fn copy_pieces(
     shared: &Shared,
@@ -165,14 +170,12 @@ fn copy_pieces(
         // (the region is held: no write changes that meanwhile), and a target that never
         // wrote it either needs nothing: an empty thin copy is copied at once.
         let hole = leg_unwritten(shared, source, off + at, n);
-        if hole {
-            unwritten += n;
-        } else {
+        if !hole {
             leg_read(shared, io, source, off + at, buf)?;
         }
         // A piece of zeroes goes out as write-zeroes: no data crosses a far leg's link
         // (a fresh volume sent to another host is mostly zeroes).
-        let (zeroes, mut filled) = (hole || all_zero(buf), !hole);
+        let (zeroes, mut filled, mut wrote) = (hole || all_zero(buf), !hole, false);
         for t in (0..MAX_LEGS as u8).filter(|&t| targets & stale(t) != 0) {
             if shared.stop.load(Ordering::Acquire) {
                 return Ok(None); // dropped meanwhile: its space may be given back
@@ -187,11 +190,15 @@ fn copy_pieces(
                 buf.fill(0);
                 filled = true;
             }
+            wrote = true;
             if zeroes && leg_zeroes(shared, io, piece, buf, &mut written)? {
                 shared.progress.zeroes.fetch_add(n, Ordering::Relaxed);
             } else if !zeroes {
                 leg_write(shared, io, t, off + at, Some(&mut *buf), n, &mut written)?;
             }
+        }
+        if hole && !wrote {
+            unwritten += n; // neither read nor written: not counted against the rate
         }
         at += n;
     }

@@ -22,6 +22,8 @@ use spool_devices::{Error, HealthState, Result};
 
 /// How often the thread looks for work when there is none.
 const IDLE_TICK: Duration = Duration::from_millis(200);
+/// The most of the copy's rate saved up while it walks regions needing no I/O.
+const MAX_CREDIT: Duration = Duration::from_secs(1);
 /// A region's intent bit is cleared after this long without a new write there.
 const CLEAR_AFTER: Duration = Duration::from_secs(1);
 
@@ -29,16 +31,17 @@ const CLEAR_AFTER: Duration = Duration::from_secs(1);
 #[derive(Default)]
 pub(crate) struct ProgressCell {
     copied: AtomicU64,
-    /// Bytes copied that count against the rate: `copied` less what was never written on
-    /// the source (`unwritten`, not read).
+    /// Bytes copied that count against the rate: `copied` less what was neither read nor
+    /// written (`unwritten`).
     paced: AtomicU64,
-    /// When copying last started, with `copied` and `paced` then.
-    started: Mutex<Option<(Instant, u64, u64)>>,
+    /// When copying last started, with `copied` and `paced` then, and where the rate's
+    /// clock stands (moved on past time spent without I/O, see [`throttle`]).
+    started: Mutex<Option<(Instant, u64, u64, Instant)>>,
     pub(crate) resynced: AtomicU64,
     /// Bytes copied as write-zeroes (pieces of zeroes): no data crossed for them.
     pub(crate) zeroes: AtomicU64,
-    /// Bytes of regions copied that the source's device said it never wrote (a thin copy's
-    /// holes): not read, written only to targets that had written them.
+    /// Bytes of regions copied that neither the source nor the targets ever wrote, by their
+    /// devices (a thin copy's holes): neither read nor written.
     unwritten: AtomicU64,
 }
 
@@ -74,9 +77,8 @@ pub struct Progress {
     /// Zeroes written as data to a device without write-zeroes are not counted (an NBD
     /// server without it gets them as data from the NBD client: counted all the same).
     pub zeroed_bytes: u64,
-    /// Bytes copied that the source's device said it never wrote (a thin copy's holes):
-    /// not read and not counted against `resync_rate`; a target that never wrote them
-    /// either is not written.
+    /// Bytes copied that neither the source nor the targets ever wrote, by their devices (a
+    /// thin copy's holes): neither read nor written, and not counted against `resync_rate`.
     pub unwritten_bytes: u64,
     /// Bytes in regions out of sync (after an unclean stop): every current leg holds every
     /// acknowledged write there, one serves the reads until the resync makes them agree.
@@ -346,10 +348,12 @@ fn note_copied(shared: &Shared, r: usize, unwritten: u64) {
     p.resynced.fetch_add(1, Ordering::Relaxed);
     let mut s = p.started.lock().unwrap_or_else(|p| p.into_inner());
     if s.is_none() {
+        let now = Instant::now();
         *s = Some((
-            Instant::now(),
+            now,
             p.copied.load(Ordering::Relaxed) - len,
             p.paced.load(Ordering::Relaxed) - (len - unwritten),
+            now,
         ));
     }
     drop(s);
@@ -360,19 +364,23 @@ fn note_copied(shared: &Shared, r: usize, unwritten: u64) {
 /// [`IDLE_TICK`] meanwhile.
 fn throttle(shared: &Shared) {
     let rate = shared.spec.resync_rate;
-    let Some((t0, _, p0)) = *shared
-        .progress
-        .started
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-    else {
-        return;
-    };
     if rate == 0 {
         return;
     }
-    let paced = shared.progress.paced.load(Ordering::Relaxed) - p0;
+    let mut started = (shared.progress.started.lock()).unwrap_or_else(|p| p.into_inner());
+    let Some((_, _, p0, clock)) = started.as_mut() else {
+        return;
+    };
+    let paced = shared.progress.paced.load(Ordering::Relaxed) - *p0;
     let due = Duration::from_secs_f64(paced as f64 / rate as f64);
+    // Time spent walking regions without I/O (a thin copy's holes) paced nothing: at most
+    // MAX_CREDIT of it is saved up for the data after, not the whole walk (which let the
+    // next few hundred MiB go unthrottled).
+    if let Some(ahead) = clock.elapsed().checked_sub(due + MAX_CREDIT) {
+        *clock += ahead;
+    }
+    let t0 = *clock;
+    drop(started);
     // In slices: a pass over a big volume at a low rate lasts hours, and the mirror's
     // health (a current leg's device resetting) and a stop must not wait for it.
     while let Some(wait) = due.checked_sub(t0.elapsed()) {
@@ -527,7 +535,7 @@ pub(crate) fn progress(shared: &Shared) -> super::Progress {
         .lock()
         .unwrap_or_else(|p| p.into_inner());
     let (copied_bytes, rate) = match started {
-        Some((t0, c0, _)) => {
+        Some((t0, c0, _, _)) => {
             let secs = t0.elapsed().as_secs_f64().max(1e-3);
             (copied - c0, ((copied - c0) as f64 / secs) as u64)
         }

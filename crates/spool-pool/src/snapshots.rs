@@ -89,6 +89,8 @@ impl Pool {
             return Ok(None);
         }
         let (_, v, dev) = self.thin_volume(id)?;
+        // What the snapshot itself would refuse is said first, not the space.
+        Self::refuse_mirrored_thin(&v, "a snapshot")?;
         let need = thin_backend(&v, &dev)?.allocated();
         let free = self.members.iter().map(|m| m.free_bytes()).sum();
         Ok(Some((need, free)))

@@ -564,17 +564,29 @@ impl PoolDevice for ThinBackend {
     }
 
     /// Every chunk of the range is a hole in the map now: it reads as zeroes (a thin
-    /// device has no backing image; a clone's chunks are mapped, shared). The answer holds
-    /// while no write reaches the range (the caller keeps them out: a mirror's copy holds
-    /// the region).
+    /// device has no backing image; a clone's chunks are mapped, shared), and durably so:
+    /// none is in a map block whose last write failed (the device may still name a chunk
+    /// there, which a restart would read back). The answer holds while no write reaches the
+    /// range (the caller keeps them out: a mirror's copy holds the region).
     fn known_unwritten(&self, offset: u64, len: u64) -> bool {
         let chunk = self.shared.spec.chunk;
         let Some(end) = offset.checked_add(len) else {
             return false;
         };
-        len > 0
-            && end <= self.size()
-            && (offset / chunk..=(end - 1) / chunk).all(|c| self.shared.map.get(c).is_none())
+        if len == 0 || end > self.size() {
+            return false;
+        }
+        let chunks = offset / chunk..=(end - 1) / chunk;
+        let unsure = (self.shared.unsure_blocks.lock()).unwrap_or_else(|p| p.into_inner());
+        let (first, last) = (*chunks.start(), *chunks.end());
+        if (unsure.range(crate::map::block_of(first)..=crate::map::block_of(last)))
+            .next()
+            .is_some()
+        {
+            return false;
+        }
+        drop(unsure);
+        chunks.into_iter().all(|c| self.shared.map.get(c).is_none())
     }
 
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {

@@ -182,25 +182,26 @@ impl Spoold {
         let Some(keeper) = self.child.as_ref().map(|c| c.id()) else {
             return;
         };
+        // Each process is stopped before its children are listed: a stopped process starts
+        // no other, so none is missed. (Listing the tree first and stopping it after left a
+        // window: a worker the keeper started in between outlived the kill, orphaned, and
+        // answered the next spawn's RPC check before the new daemon served its volumes;
+        // tier 2 then found the vhost socket refusing, once in some 150 whole-daemon kills.)
         let mut all = Vec::new();
         let mut next = vec![keeper];
         while let Some(pid) = next.pop() {
-            for kid in children(pid) {
-                all.push(kid);
-                next.push(kid);
+            stop_process(pid);
+            if pid != keeper {
+                all.push(pid);
             }
-        }
-        // SIGSTOP first, so that none starts another before it is killed.
-        for &pid in &all {
-            // SAFETY: kill(2) takes no pointers.
-            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+            next.extend(children(pid));
         }
         if let Some(mut c) = self.child.take() {
             c.kill().unwrap();
             c.wait().unwrap();
         }
         for &pid in &all {
-            // SAFETY: as above.
+            // SAFETY: kill(2) takes no pointers.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
         for pid in all {
@@ -354,6 +355,26 @@ fn children(pid: u32) -> Vec<u32> {
                 .collect::<Vec<u32>>()
         })
         .collect()
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T`, `Z`, ...), `None` once it is gone.
+fn process_state(pid: u32) -> Option<char> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "PID (COMM) STATE ...": COMM may hold spaces and parentheses; the state follows the last.
+    st.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// SIGSTOPs `pid` and waits until it is stopped (or gone): from then on it starts no child.
+fn stop_process(pid: u32) {
+    // SAFETY: kill(2) takes no pointers.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !matches!(process_state(pid), None | Some('T' | 't' | 'Z' | 'X')) {
+        if Instant::now() > deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 pub fn wait_gone(pid: u32) {
