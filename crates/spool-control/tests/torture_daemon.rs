@@ -44,8 +44,23 @@ const BATCHES: usize = 120;
 /// Seeds CI runs, every kind: plain 15, 23; mirrored 10; encrypted 1; encrypted mirrored
 /// 5, 24; thin 2, 8; encrypted thin 14, 20; mirrored thin 4, 17 (seed 4 once failed one CI
 /// run in three: two writes of a region each missed by a different leg left it no current
-/// leg, docs/torture.md).
-const SEEDS: &[u64] = &[1, 2, 4, 5, 8, 10, 14, 15, 17, 20, 23, 24];
+/// leg, docs/torture.md); and mirrored 1796412153012569785 (a copy removed and one added
+/// at once on the same extents was trusted without a rebuild).
+const SEEDS: &[u64] = &[
+    1,
+    2,
+    4,
+    5,
+    8,
+    10,
+    14,
+    15,
+    17,
+    20,
+    23,
+    24,
+    1796412153012569785,
+];
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Kind {
@@ -560,6 +575,10 @@ impl Case {
         }
         let action = if add { "add" } else { "remove" };
         let p = json!({"id": "t", "action": action});
+        if std::env::var_os("SPOOL_TORTURE_TRACE").is_some() {
+            let v = rpc(&self.d, "volume_show", json!({"id": "t"}));
+            eprintln!("copies {action} ({} now): {}", self.copies, v["mirror"]);
+        }
         match self.d.rpc("volume_mirror", p.clone()) {
             Ok(_) => {}
             // Every leg holds some region alone (each missed a write the other took, the
@@ -572,6 +591,10 @@ impl Case {
         } else {
             self.copies - 1
         };
+        if std::env::var_os("SPOOL_TORTURE_TRACE").is_some() {
+            let v = rpc(&self.d, "volume_show", json!({"id": "t"}));
+            eprintln!("copies after {action}: {}", v["mirror"]);
+        }
         self.did[8] += 1;
     }
 

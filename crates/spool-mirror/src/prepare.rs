@@ -6,7 +6,10 @@
 use std::sync::atomic::Ordering;
 
 use crate::bitmap::{self, Found, INTENT, SYNC_SOURCE};
-use crate::{MirrorSpec, Regions, MISSING};
+use crate::{MirrorSpec, Regions, MAX_LEGS, MISSING};
+
+/// The identity a slot without a leg holds (a new bitmap's slots hold it too).
+const NO_LEG: u64 = 0;
 
 /// Marks what the legs need copied: legs not synced whose slot's bits belong to another
 /// placement (or to no bitmap) become stale everywhere; a synced leg whose slot held another
@@ -14,6 +17,16 @@ use crate::{MirrorSpec, Regions, MISSING};
 pub(crate) fn prepare_legs(spec: &MirrorSpec, regions: &Regions, found: Found) {
     let n = regions.bitmap.regions();
     let mut cleanup = !spec.legs.iter().fold(0, |m, l| m | bitmap::stale(l.slot)) & 0b111;
+    // A slot without a leg forgets its last leg's identity: a leg added there later is new
+    // even on the very extents the removed one had (a thick leg's identity is its extents),
+    // never taken for the removed leg, current wherever the removal cleared it, holding its
+    // old data (tier 2, a fresh seed: a copy removed and one added at once).
+    for slot in (0..MAX_LEGS as u8).filter(|&s| cleanup & bitmap::stale(s) != 0) {
+        regions
+            .bitmap
+            .slot_id(slot)
+            .store(NO_LEG, Ordering::Release);
+    }
     let mut fill = 0u8;
     for l in &spec.legs {
         let id = regions.bitmap.slot_id(l.slot);

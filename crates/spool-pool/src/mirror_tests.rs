@@ -315,3 +315,53 @@ fn a_copy_that_alone_holds_a_write_is_not_removed() {
     layout.read_at(&mut back, 0).unwrap();
     assert_eq!(back, data, "the copy left lost the write");
 }
+
+/// A copy removed and another added at once lands on the same extents, in the same slot:
+/// its identity (from its extents) was the removed copy's, so the mirror took it for that
+/// copy, current wherever the removal had cleared it, and read the removed copy's old data
+/// for writes made since (tier 2, a fresh seed). It is a new copy: rebuilt before it is read.
+#[test]
+fn a_copy_added_where_one_was_removed_is_rebuilt_not_trusted() {
+    let d = tempfile::tempdir().unwrap();
+    let specs = three(d.path());
+    let mut p = Pool::open(&specs, opts()).unwrap();
+    p.create_volume_copies("v", 4 << 20, false, 1, 2).unwrap();
+    p.add_leg("v").unwrap();
+    let caught_up = |p: &mut Pool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let _serving = p.layout("v").unwrap();
+        while !p.volume("v").unwrap().legs.iter().all(|l| l.synced) {
+            assert!(std::time::Instant::now() < deadline, "never rebuilt");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            p.settle_mirrors().unwrap();
+        }
+    };
+    caught_up(&mut p);
+    let put = |p: &Pool, byte: u8| {
+        let l = p.layout("v").unwrap();
+        let mut data = vec![byte; 4 << 20];
+        assert_eq!(
+            super::snapshot_tests::io(&l.devices[0], true, 0, &mut data),
+            0
+        );
+    };
+    put(&p, 0x11);
+    let before = leg_spans(&p, "v")[2].clone();
+    p.remove_leg("v", Some(2)).unwrap();
+    let uuid = p.volume("v").unwrap().uuid;
+    let ticket = p.retired_ticket(uuid).expect("retired extents");
+    p.release_retired(uuid, ticket);
+    put(&p, 0x22);
+    p.add_leg("v").unwrap();
+    assert_eq!(
+        leg_spans(&p, "v")[2],
+        before,
+        "the same extents, as the test means"
+    );
+    caught_up(&mut p);
+    // Every copy holds the second write (the new one had the first where it was trusted).
+    let m = p.mirror("v").unwrap().unwrap();
+    let v = m.verify().unwrap();
+    assert_eq!((v.regions_differing, v.regions_skipped), (0, 0), "{v:?}");
+    assert!(m.stop_copying());
+}
