@@ -173,10 +173,13 @@ pub(super) fn open_pool(
         handoff,
         // Taking over from a killed or stopped worker: its descriptors, and with them the
         // devices' locks, may outlive it for a moment (io_uring teardown is asynchronous).
-        lock_wait: match keeping {
-            Some(k) if k.restored().info.reason != "first-start" => Duration::from_secs(2),
-            _ => Duration::ZERO,
-        },
+        // A first start waits too: a spoold killed whole (keeper and workers, as an OOM kill
+        // or a cgroup kill does) and started again at once is a first start to its new
+        // keeper, and its dead worker's writes may still be in flight. Not waiting left a
+        // volume unserved for the new worker's whole life ("one of its devices is missing",
+        // its stale socket refusing VMs; tier 2, about one whole-daemon kill in 150). A
+        // second spoold on the same devices is refused 2 s later than before.
+        lock_wait: Duration::from_secs(2),
         kek: load_kek(cfg),
         other_keks: keeping.map(super::kept_keys::take).unwrap_or_default(),
         thin_full_wait: cfg.thin_full_wait,
