@@ -570,15 +570,12 @@ impl PoolDevice for ThinBackend {
     /// range (the caller keeps them out: a mirror's copy holds the region).
     fn known_unwritten(&self, offset: u64, len: u64) -> bool {
         let chunk = self.shared.spec.chunk;
-        let Some(end) = offset.checked_add(len) else {
-            return false;
+        let end = match offset.checked_add(len) {
+            Some(end) if len > 0 && end <= self.size() => end,
+            _ => return false,
         };
-        if len == 0 || end > self.size() {
-            return false;
-        }
-        let chunks = offset / chunk..=(end - 1) / chunk;
+        let (first, last) = (offset / chunk, (end - 1) / chunk);
         let unsure = (self.shared.unsure_blocks.lock()).unwrap_or_else(|p| p.into_inner());
-        let (first, last) = (*chunks.start(), *chunks.end());
         if (unsure.range(crate::map::block_of(first)..=crate::map::block_of(last)))
             .next()
             .is_some()
@@ -586,7 +583,7 @@ impl PoolDevice for ThinBackend {
             return false;
         }
         drop(unsure);
-        chunks.into_iter().all(|c| self.shared.map.get(c).is_none())
+        (first..=last).all(|c| self.shared.map.get(c).is_none())
     }
 
     fn open_queue(&self, depth: u32) -> std::io::Result<Box<dyn DeviceQueue>> {
