@@ -312,18 +312,26 @@ impl Regions {
     }
 
     /// Legs `missed` (their stale bits; `all`: every leg's) failed flush `flush` that others
-    /// took: each is marked stale (durably), where another leg is current, in every region
-    /// written since the last flush it took (`durable_before`; an earlier flush that covered
-    /// a region answers for it itself), so what it may lose at a power cut is read from,
-    /// and copied back from, those. False when in such a region no other leg is current:
-    /// there the flush made nothing durable. Either way the legs that took it are durable
-    /// up to it, and, when true, so are the marked ones (what they may lose is stale).
-    pub(crate) fn missed_flush(&self, all: u8, missed: u8, flush: u32) -> bool {
+    /// took, in each region `r` those of `missed_in(r)` (the legs whose part of `r` is on a
+    /// device that missed it): each is marked stale there (durably), where another leg is
+    /// current, if `r` was written since the last flush the leg took (`durable_before`; an
+    /// earlier flush that covered a region answers for it itself), so what it may lose at a
+    /// power cut is read from, and copied back from, those. False when in such a region no
+    /// other leg is current: there the flush made nothing durable. Either way the legs that
+    /// took it everywhere are durable up to it, and, when true, so are the others (what they
+    /// may lose is stale).
+    pub(crate) fn missed_flush(
+        &self,
+        all: u8,
+        missed: u8,
+        flush: u32,
+        missed_in: &dyn Fn(usize) -> u8,
+    ) -> bool {
         let since = (0..MAX_LEGS as u8)
             .filter(|&s| missed & stale(s) != 0)
             .map(|s| self.durable_before[s as usize].load(Ordering::SeqCst))
             .fold(flush, u32::min);
-        let covered = self.mark_unflushed(all, missed, since);
+        let covered = self.mark_unflushed(all, since, missed_in);
         self.flushed(all & !missed, flush);
         if covered {
             self.flushed(missed, flush);
@@ -339,12 +347,16 @@ impl Regions {
         }
     }
 
-    fn mark_unflushed(&self, all: u8, missed: u8, flush: u32) -> bool {
+    fn mark_unflushed(&self, all: u8, flush: u32, missed_in: &dyn Fn(usize) -> u8) -> bool {
         let n = self.bitmap.regions();
         let mut covered = true;
         let (mut first, mut last) = (usize::MAX, 0);
         for r in 0..n {
             if self.unflushed[r].load(Ordering::SeqCst) < flush {
+                continue;
+            }
+            let missed = missed_in(r);
+            if missed == 0 {
                 continue;
             }
             if self.mark_keeping(r, all & missed, all & !missed).0 {

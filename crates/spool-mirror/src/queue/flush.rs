@@ -9,21 +9,27 @@ use crate::op::Op;
 use spool_devices::DeviceIo;
 
 impl MirrorQueue {
-    /// A flush the legs on devices `devices` (a bit per index) failed and others took: 0
-    /// once those legs are stale wherever another is current, else a path error.
+    /// A flush the devices `devices` (a bit per index) failed and others took: 0 once, in
+    /// each region, the legs whose part of it lies on those devices are stale wherever
+    /// another is current, else a path error. A leg over several devices missed the flush
+    /// only where it lies on a device that missed it: elsewhere its device took it (tier-2
+    /// torture: a grown leg's new device failed a flush, and the leg was counted as missing
+    /// it in regions that only it held, on its other device, that had taken it).
     fn missed_flush(&self, devices: u64, flush: u32) -> i32 {
-        let missed = (self.shared.spec.legs.iter())
+        let sh = &self.shared;
+        let all = sh.all_slots();
+        let missed_in = |r: usize| {
+            let (off, len) = sh.region_range(r);
+            all & sh.usable(u64::MAX, off, len) & !sh.usable(!devices, off, len)
+        };
+        let legs = (sh.spec.legs.iter())
             .filter(|l| {
                 l.pieces
                     .iter()
                     .any(|p| p.device < 64 && devices & (1u64 << p.device) != 0)
             })
             .fold(0, |m, l| m | crate::bitmap::stale(l.slot));
-        match self
-            .shared
-            .regions
-            .missed_flush(self.shared.all_slots(), missed, flush)
-        {
+        match sh.regions.missed_flush(all, legs, flush, &missed_in) {
             true => 0,
             false => -libc::EIO,
         }
