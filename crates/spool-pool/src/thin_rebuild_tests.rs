@@ -47,11 +47,35 @@ fn copy_device(p: &Pool, i: usize) -> Arc<Device> {
     p.map_device(v, key).unwrap()
 }
 
+/// `ops` failing once with EIO anywhere on a device.
+fn fails_once(ops: FaultOps) -> FaultRule {
+    FaultRule {
+        effect: FaultEffect::Errno(5),
+        ops,
+        offset: 0,
+        len: u64::MAX,
+        count: Some(1),
+        duration: None,
+        fails_probe: false,
+    }
+}
+
 fn discard(dev: &Device, offset: u64, len: u64) -> i32 {
     let mut q = dev.open_queue(4).unwrap();
     // SAFETY: a discard names no memory.
     unsafe { q.submit(DeviceIo::Discard { offset, len }, 1) };
     reap_one(&mut *q)
+}
+
+/// A 16 MiB thin volume "m" of two copies, 4 MiB of 0x5a written at 4 MiB.
+fn written_at_4_mib(d: &std::path::Path) -> (Pool, VolumeLayout) {
+    let mut p = pool(d);
+    p.create_thin_copies("m", 16 * MIB, false, 1, 2, false)
+        .unwrap();
+    let l = p.layout("m").unwrap();
+    let mut data = vec![0x5a; 4 * MIB as usize];
+    assert_eq!(io(&l.devices[0], true, 4 * MIB, &mut data), 0);
+    (p, l)
 }
 
 /// A copy made anew (a device replaced) is rebuilt from the other: only the three chunks the
@@ -113,22 +137,9 @@ fn a_new_copy_is_rebuilt_from_what_the_source_wrote_only() {
 #[test]
 fn a_hole_the_target_missed_is_written_to_it_as_zeroes() {
     let d = tempfile::tempdir().unwrap();
-    let mut p = pool(d.path());
-    p.create_thin_copies("m", 16 * MIB, false, 1, 2, false)
-        .unwrap();
-    let l = p.layout("m").unwrap();
-    let mut data = vec![0x5a; 4 * MIB as usize];
-    assert_eq!(io(&l.devices[0], true, 4 * MIB, &mut data), 0);
+    let (mut p, l) = written_at_4_mib(d.path());
     let target = copy_device(&p, 1);
-    target.faults().add(FaultRule {
-        effect: FaultEffect::Errno(5),
-        ops: FaultOps::Write,
-        offset: 0,
-        len: u64::MAX,
-        count: Some(1),
-        duration: None,
-        fails_probe: false,
-    });
+    target.faults().add(fails_once(FaultOps::Write));
     assert_eq!(
         discard(&l.devices[0], 4 * MIB, 4 * MIB),
         0,
@@ -148,4 +159,52 @@ fn a_hole_the_target_missed_is_written_to_it_as_zeroes() {
     let v = m.verify().unwrap();
     assert_eq!((v.regions_differing, v.regions_skipped), (0, 0), "{v:?}");
     assert!(m.stop_copying());
+}
+
+/// A copy whose map block write failed under a whole-chunk discard holds a hole in memory
+/// that its device may still name (the block is unsure). The rebuild writes it zeroes in
+/// 256 KiB pieces; those must write the block, so that the copy's device says hole too and
+/// the chunk it held goes back. (They were taken as needing nothing: the copy's chunk stayed
+/// held, and after a restart the copy's map named the discarded data again.)
+#[test]
+fn a_rebuild_over_a_hole_the_target_is_unsure_of_writes_its_map() {
+    let d = tempfile::tempdir().unwrap();
+    let (mut p, l) = written_at_4_mib(d.path());
+    let v = &p.table.volumes[p.find("m").unwrap()];
+    let map_at = v.leg_maps().nth(1).unwrap().1.devices[0];
+    let member = p.members.iter().find(|m| m.uuid == map_at).unwrap();
+    member.dev.faults().add(fails_once(FaultOps::MetaWrite));
+    assert_eq!(
+        discard(&l.devices[0], 4 * MIB, 4 * MIB),
+        0,
+        "copy 0 took it"
+    );
+    drop(l);
+    // The monitor's job, here by hand: the device that failed the write is healthy again.
+    let member = p.members.iter().find(|m| m.uuid == map_at).unwrap();
+    member.dev.health().set(spool_devices::HealthState::Healthy);
+    let target = copy_device(&p, 1);
+    target.health().set(spool_devices::HealthState::Healthy);
+    let thin = spool_thin::ThinBackend::of(&target).unwrap();
+    assert!(
+        !thin.unsure_placements().is_empty(),
+        "the failed block's chunks are held"
+    );
+    caught_up(&mut p);
+    assert!(
+        thin.unsure_placements().is_empty(),
+        "the rebuild left the copy's map block unsure"
+    );
+    assert_eq!(thin.allocated(), 0);
+    let m = p.mirror("m").unwrap().unwrap();
+    assert!(m.stop_copying());
+    drop((m, target));
+    drop(p);
+    let p = pool(d.path());
+    let thin = copy_device(&p, 1);
+    let allocated = spool_thin::ThinBackend::of(&thin).unwrap().allocated();
+    assert_eq!(
+        allocated, 0,
+        "after a restart the copy names the chunk again"
+    );
 }

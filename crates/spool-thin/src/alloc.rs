@@ -15,8 +15,9 @@
 //! state (an allocation stays unpublished, an unmap stays a hole), the requests fail with
 //! `EIO`, and the block is marked unsure with the chunks the device may name in it (held,
 //! not given back). The next successful write of that block, with whatever changes it then
-//! carries (an unmap over it writes it even when memory has nothing to clear), makes device
-//! and memory agree again and gives back the held chunks it does not name.
+//! carries (an unmap over it writes it even when memory has nothing to clear, and so does a
+//! write-zeroes over part of a hole in it), makes device and memory agree again and gives
+//! back the held chunks it does not name.
 //!
 //! When the pool is full, a write waits up to `full_wait` from when it asked (discards are
 //! still served meanwhile: they are what frees space) and then fails with `ENOSPC`.
@@ -345,16 +346,18 @@ impl Allocator<'_> {
                 }
             }
             // A block of the range whose last write failed may still name what memory has
-            // cleared (an earlier try of this very unmap, answered EIO): written again, so
-            // that this answer means the holes are on the device.
-            if u.first < end {
+            // cleared (an earlier try of this very unmap, answered EIO), or a hole a
+            // write-zeroes covers in part: written again, so that this answer means the
+            // holes are on the device.
+            let (first, end) = (u.confirm.start, u.confirm.end.min(s.chunks()));
+            if first < end {
                 for &b in unsure
-                    .range(map::block_of(u.first)..=map::block_of(end - 1))
+                    .range(map::block_of(first)..=map::block_of(end - 1))
                     .map(|(b, _)| b)
                 {
                     let c = map::block_entries(b, s.map.capacity())
-                        .find(|c| (u.first..end).contains(c));
-                    if let Some(c) = c.filter(|&c| s.map.get(c).is_none()) {
+                        .find(|&c| (first..end).contains(&c) && s.map.get(c).is_none());
+                    if let Some(c) = c {
                         holes.push((c, None));
                     }
                 }
@@ -374,13 +377,19 @@ impl Allocator<'_> {
         }
         drop(r);
         for u in unmaps {
-            let bad = (u.first..u.end).any(|c| failed.contains(&map::block_of(c)));
+            let bad = (u.confirm.clone()).any(|c| failed.contains(&map::block_of(c)));
             u.mailbox.post(Some(Note::Unmapped {
                 token: u.token,
                 errno: if bad { -libc::EIO } else { 0 },
             }));
         }
     }
+}
+
+/// Whether chunk `c`'s map block's last write failed.
+pub(crate) fn unsure(s: &Shared, c: u64) -> bool {
+    let unsure = s.unsure_blocks.lock().unwrap_or_else(|p| p.into_inner());
+    !unsure.is_empty() && unsure.contains_key(&map::block_of(c))
 }
 
 /// The map blocks whose last write failed.

@@ -292,8 +292,12 @@ impl Mailbox {
 /// An unmap of chunks `[first, end)`.
 #[derive(Debug)]
 pub(crate) struct Unmap {
+    /// The whole chunks cleared, `first..end` (may be empty).
     pub(crate) first: u64,
     pub(crate) end: u64,
+    /// The chunks whose map blocks, where unsure, are written again though memory holds
+    /// holes there: the cleared ones and those a write-zeroes covers in part as holes.
+    pub(crate) confirm: std::ops::Range<u64>,
     pub(crate) token: u64,
     pub(crate) mailbox: Arc<Mailbox>,
 }

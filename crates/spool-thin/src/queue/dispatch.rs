@@ -212,31 +212,31 @@ impl ThinQueue {
             self.parked.push(idx);
             return;
         }
-        let (mut first, mut end) = (u64::MAX, 0);
+        // Whole chunks to clear, and chunks whose unsure map blocks to write.
+        let (mut clear, mut confirm) = ((u64::MAX, 0), (u64::MAX, 0));
+        let widen = |r: &mut (u64, u64), c: u64| *r = (r.0.min(c), r.1.max(c + 1));
         for ((c, within, n, _), st) in pieces.into_iter().zip(states) {
             // Only a chunk covered whole goes back. The last chunk of a volume whose size is
             // not a multiple of it is not (a grow between this and the allocator's unmap
             // would expose a tail the request never covered, and drop a write to it).
             let Some((at, shared)) = st else {
-                first = first.min(c);
-                end = end.max(c + 1);
+                widen(&mut clear, c);
+                widen(&mut confirm, c);
                 continue;
             };
-            // A hole needs nothing; a discard of part of a shared chunk is dropped (zeroes
-            // into one waited above).
+            // A hole needs nothing, but where its map block's last write failed (the device
+            // may still name a chunk there) zeroes are confirmed by writing the block; a
+            // discard of part of a shared chunk is dropped (zeroes into one waited above).
             let (Some((d, off)), false) = (at, shared) else {
+                if zeroes && at.is_none() && crate::alloc::unsure(&self.shared, c) {
+                    widen(&mut confirm, c);
+                }
                 continue;
             };
-            let io = if zeroes {
-                DeviceIo::WriteZeroes {
-                    offset: off + within,
-                    len: n,
-                }
-            } else {
-                DeviceIo::Discard {
-                    offset: off + within,
-                    len: n,
-                }
+            let (offset, len) = (off + within, n);
+            let io = match zeroes {
+                true => DeviceIo::WriteZeroes { offset, len },
+                false => DeviceIo::Discard { offset, len },
             };
             match self.queue(d) {
                 Ok(q) => {
@@ -247,13 +247,14 @@ impl ThinQueue {
                 Err(e) => self.op(idx).pieces.set_failure(e),
             }
         }
-        if first < end {
+        if confirm.0 < confirm.1 {
             self.op(idx).unmapping = true;
             self.seq = self.seq.wrapping_add(1);
             self.op(idx).seq = self.seq;
             self.shared.request_unmap(Unmap {
-                first,
-                end,
+                first: clear.0,
+                end: clear.1,
+                confirm: confirm.0..confirm.1,
                 token: (idx as u64) << 32 | self.seq as u64,
                 mailbox: self.mailbox.clone(),
             });
