@@ -418,10 +418,15 @@ impl Case {
                 Io::Discard | Io::Flush => {}
             }
         }
+        self.disarm();
+    }
+
+    /// Clears the armed fault: what the batch did not hit goes, so it cannot fail the next
+    /// one (or the final checks' clones: a fault armed by the last control step outlived
+    /// every batch and failed a clone's table write). A crash rule may fire now (a copy's
+    /// write) and take the answer with the worker; its successor has no rules.
+    fn disarm(&mut self) {
         if let Some((dev, _, crash)) = self.armed.take() {
-            // What the batch did not hit goes, so it cannot fail the next one. A crash rule
-            // may fire now (a copy's write) and take the answer with the worker; its
-            // successor has no rules.
             let id = self.device(dev);
             match self.d.rpc("device_clear_faults", json!({ "id": id })) {
                 Ok(_) => {}
@@ -642,6 +647,7 @@ impl Case {
     }
 
     fn finish(mut self) {
+        self.disarm();
         self.c = None;
         let (size, model) = (self.size, self.model.clone());
         self.verify("t", size, &model);
