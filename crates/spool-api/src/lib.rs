@@ -133,6 +133,8 @@ methods! {
         "serve a volume no VM uses as a writable NBD export, for another host or qemu-img/nbdcopy to write its data into";
     VolumeReceiveStop = "volume_receive_stop", ReceiveStopParams => ReceiveInfo,
         "stop receiving a volume (open connections fail their next request)";
+    VolumePromote = "volume_promote", IdParams => Volume,
+        "make a replica of another host's volume this host's own, at a higher epoch, and let VMs run it";
     VolumeSend = "volume_send", SendParams => SendInfo,
         "send a volume to another host's NBD export (a remote copy kept in step while it runs), or cancel or finish that";
     VolumeQos = "volume_qos", VolumeQosParams => Volume,

@@ -76,6 +76,13 @@ pub struct VolumeInfo {
     /// A thin volume's chunks (docs/thin.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thin: Option<super::ThinInfo>,
+    /// The address of the host whose copy this is (a replica: no VM runs it here until
+    /// `volume_promote`; docs/replicas.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_of: Option<String>,
+    /// The epoch the volume is served under here (a replica: its primary's); absent: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
 }
 
 /// One extent of a volume: `len` bytes at byte `offset` of `device`, holding the bytes of

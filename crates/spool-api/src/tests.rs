@@ -73,6 +73,8 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         encrypted: false,
         kek_id: None,
         thin: None,
+        replica_of: None,
+        epoch: 0,
     };
     let v = Volume {
         info,
@@ -176,9 +178,15 @@ fn a_transfer_hello_names_thin_only_for_thin_volumes() {
         qos: None,
         key: None,
         thin: false,
+        replica: false,
+        epoch: 0,
     };
     assert!(!wire(&hello).contains("thin"), "{}", wire(&hello));
+    // Nor does a move's hello name a replica or an epoch it does not have.
+    let w = wire(&hello);
+    assert!(!w.contains("replica") && !w.contains("epoch"), "{w}");
     hello.thin = true;
+    (hello.replica, hello.epoch) = (true, 3);
     let back: TransferHello = serde_json::from_str(&wire(&hello)).unwrap();
     assert_eq!(back, hello);
 }

@@ -20,6 +20,10 @@ pub struct ReceiveParams {
     /// With `token`: the largest volume the sender may send (and so create here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_size: Option<crate::SizeValue>,
+    /// With `token`: the volume becomes a standing replica of the sender's (`volume
+    /// replicate` there): no VM runs it here until `volume_promote` (docs/replicas.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replica: bool,
 }
 
 /// `volume_receive_stop`: stop receiving volume `id`.
@@ -65,6 +69,10 @@ pub struct SendParams {
     pub cancel: bool,
     #[serde(default)]
     pub finish: bool,
+    /// With `to` and `token`: the copy there is a standing replica (`volume replicate`),
+    /// which its host runs only once promoted (docs/replicas.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replica: bool,
 }
 
 /// How sending a volume stands.
@@ -135,6 +143,18 @@ pub struct TransferHello {
     /// Left out when false, so a thick volume's hello reads as before.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub thin: bool,
+    /// The copy there is to be a standing replica (`volume replicate`); it must be expected
+    /// as one (`volume receive --replica`). Left out when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replica: bool,
+    /// The epoch the sender serves the volume under: a destination that promoted its copy
+    /// at a higher one refuses it (the sender is fenced off). Left out when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// An encrypted volume's data key as the sender's pool table holds it: wrapped (AES key

@@ -28,6 +28,7 @@ mod kept_keys;
 mod methods;
 mod mirrors;
 mod receive;
+mod replica;
 mod send;
 mod snapshots;
 mod startup;
@@ -71,6 +72,8 @@ pub struct Daemon {
     expected: Mutex<Vec<transfer::Expected>>,
     /// Where the transfer listener listens (once started).
     transfer_at: std::sync::OnceLock<std::net::SocketAddr>,
+    /// The replicas' gates, held until each is promoted: their frontends wait.
+    replica_holds: Mutex<BTreeMap<Uuid, spool_frontend::AdmissionHold>>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -161,6 +164,7 @@ impl Daemon {
             receiving: Mutex::default(),
             expected: Mutex::default(),
             transfer_at: std::sync::OnceLock::new(),
+            replica_holds: Mutex::new(BTreeMap::new()),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,
@@ -209,9 +213,17 @@ impl Daemon {
             None => Restore::default(),
         };
         let path = self.socket_path(&v.name);
-        let server = VolumeServer::start(&path, ctx, self.store.clone(), restore)
-            .map_err(|source| ServeError::Socket { path, source })?;
+        // Another host's replica: no frontend comes in before it is promoted.
+        let (server, hold) = match v.replica {
+            Some(_) => VolumeServer::start_held(&path, ctx, self.store.clone(), restore)
+                .map(|(s, h)| (s, Some(h))),
+            None => VolumeServer::start(&path, ctx, self.store.clone(), restore).map(|s| (s, None)),
+        }
+        .map_err(|source| ServeError::Socket { path, source })?;
         self.servers().insert(v.uuid, server);
+        if let Some(h) = hold {
+            self.hold_replica(v, h);
+        }
         Ok(())
     }
 

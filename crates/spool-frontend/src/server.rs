@@ -94,6 +94,28 @@ impl VolumeServer {
         store: Option<Arc<dyn StateStore>>,
         restore: Restore,
     ) -> std::io::Result<VolumeServer> {
+        Ok(Self::start_gated(path, ctx, store, restore, false)?.0)
+    }
+
+    /// [`VolumeServer::start`] with new frontends kept out (waiting) from the first moment
+    /// until the hold is dropped: a volume no VM may run yet (another host's replica).
+    pub fn start_held(
+        path: &Path,
+        ctx: Arc<VolumeContext>,
+        store: Option<Arc<dyn StateStore>>,
+        restore: Restore,
+    ) -> std::io::Result<(VolumeServer, AdmissionHold)> {
+        let (server, hold) = Self::start_gated(path, ctx, store, restore, true)?;
+        Ok((server, hold.expect("no frontend before the server starts")))
+    }
+
+    fn start_gated(
+        path: &Path,
+        ctx: Arc<VolumeContext>,
+        store: Option<Arc<dyn StateStore>>,
+        restore: Restore,
+        held: bool,
+    ) -> std::io::Result<(VolumeServer, Option<AdmissionHold>)> {
         let listener = match restore.listener {
             Some(l) => l,
             None => bind(path)?,
@@ -124,6 +146,7 @@ impl VolumeServer {
         let mode = Arc::new(AtomicU8::new(RUN));
         let connected = Arc::new(AtomicBool::new(false));
         let admission = Admission::new(connected.clone());
+        let hold = held.then(|| admission.hold()).flatten();
         let session: SessionSlot = Arc::new(Mutex::new(None));
         let serve = Serve {
             ctx: ctx.clone(),
@@ -150,7 +173,7 @@ impl VolumeServer {
             .name(name)
             .spawn(move || serve.run(listener, kept))?;
         tracing::info!(volume = %ctx.name(), socket = %path.display(), "serving vhost-user-blk");
-        Ok(VolumeServer {
+        let server = VolumeServer {
             path: path.to_path_buf(),
             ctx,
             mode,
@@ -159,7 +182,8 @@ impl VolumeServer {
             admission,
             session,
             thread: Some(thread),
-        })
+        };
+        Ok((server, hold))
     }
 
     /// Socket path.
@@ -392,6 +416,15 @@ struct Ready {
 }
 
 impl Serve {
+    /// Marks the frontend connected under the gate: it waits for an operation holding it
+    /// (said in the log). False once the server stops meanwhile.
+    fn enter_gate(&self) -> bool {
+        if self.admission.held() {
+            tracing::info!(volume = %self.ctx.name(), "a frontend connected while new ones are held (a replica not promoted yet, or a revert): it waits");
+        }
+        self.admission.enter(&|| self.running())
+    }
+
     fn serve_connection(
         &self,
         listener: &UnixListener,
@@ -400,8 +433,7 @@ impl Serve {
         mut handler: BackendReqHandler<Mutex<Session>>,
     ) {
         let mut refused_log = ratelimit::guest_warning();
-        // Marked connected under the gate: this one waits for an operation holding it.
-        if !self.admission.enter(&|| self.running()) {
+        if !self.enter_gate() {
             return;
         }
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(session.clone());

@@ -66,6 +66,10 @@ pub struct VolumeInfo {
     pub kek_id: Option<String>,
     /// A thin volume's chunks (docs/thin.md).
     pub thin: Option<ThinInfo>,
+    /// Another host's copy, not to be run here until promoted (docs/replicas.md).
+    pub replica: Option<crate::metadata::ReplicaOf>,
+    /// The epoch the volume is served under here (0: never promoted).
+    pub epoch: u64,
 }
 
 /// A thin volume's space.
@@ -252,6 +256,8 @@ impl Pool {
             encrypted: v.encryption.is_some(),
             kek_id: v.encryption.as_ref().map(|k| k.kek_id.clone()),
             thin,
+            replica: v.replica.clone(),
+            epoch: v.epoch,
         }
     }
 

@@ -22,6 +22,7 @@ pub mod qos;
 mod rbd;
 mod rbd_snapshots;
 mod remote;
+mod replica;
 mod retired;
 mod snapshots;
 mod thin;

@@ -143,12 +143,14 @@ impl HelloStream {
 
 impl Daemon {
     /// The sender's side: says hello to the transfer listener at `to` (`HOST:PORT`) for
-    /// volume `v` with `token`; returns the NBD URI to send to.
+    /// volume `v` with `token` (for a standing replica there: `replica`); returns the NBD
+    /// URI to send to.
     pub(super) fn say_hello(
         &self,
         to: &str,
         token: &str,
         v: &VolumeInfo,
+        replica: bool,
     ) -> Result<String, RpcError> {
         check_token(token)?;
         let fail = |why: String| RpcError::InvalidParams(format!("transfer listener {to}: {why}"));
@@ -168,7 +170,7 @@ impl Daemon {
                 line.trim_end().chars().take(200).collect::<String>()
             ))),
         };
-        let hello = self.hello_for(v, token, nonce)?;
+        let hello = self.hello_for(v, token, nonce, replica)?;
         s.send(&hello).map_err(|e| fail(e.to_string()))?;
         let answer = s
             .line(ANSWER_WAIT)
@@ -199,6 +201,7 @@ impl Daemon {
         v: &VolumeInfo,
         token: &str,
         nonce: String,
+        replica: bool,
     ) -> Result<TransferHello, RpcError> {
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
         let mine = proof::nonce()
@@ -220,6 +223,8 @@ impl Daemon {
                 tag: String::new(),
             }),
             thin: v.thin.is_some(),
+            replica,
+            epoch: v.epoch,
         };
         if hello.key.is_some() {
             let tag = self.pool().transfer_tag(&untagged(&hello))?;

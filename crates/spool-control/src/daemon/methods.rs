@@ -19,6 +19,7 @@ pub fn method_table() -> MethodTable<Daemon> {
     super::snapshots::register(&mut t);
     super::exports::register(&mut t);
     super::receive::register(&mut t);
+    super::replica::register(&mut t);
     super::send::register(&mut t);
     super::stats::register(&mut t);
     super::status::register(&mut t);
@@ -64,7 +65,7 @@ mod tests {
         let doc = include_str!("../../../../docs/rpc.md");
         let t = method_table();
         let names: Vec<_> = t.methods().map(|m| m.name).collect();
-        assert_eq!(names.len(), 35, "{names:?}");
+        assert_eq!(names.len(), 36, "{names:?}");
         for n in names {
             assert!(doc.contains(&format!("| `{n}` |")), "docs/rpc.md lacks {n}");
         }

@@ -239,7 +239,12 @@ impl Daemon {
         let nbd = match (&p.nbd, &p.token) {
             (None, Some(token)) => {
                 let max = super::volumes::opt_size(p.max_size, "max_size")?;
-                return self.expect_transfer(&p.id, token, max);
+                return self.expect_transfer(&p.id, token, max, p.replica);
+            }
+            _ if p.replica => {
+                return Err(RpcError::InvalidParams(
+                    "a replica comes through the transfer listener: give token, not nbd".into(),
+                ))
             }
             (Some(_), _) if p.max_size.is_some() => {
                 return Err(RpcError::InvalidParams(

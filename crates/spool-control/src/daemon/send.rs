@@ -30,6 +30,11 @@ impl Daemon {
                 "give one of to, cancel and finish".into(),
             ));
         }
+        if p.replica && p.token.is_none() {
+            return Err(RpcError::InvalidParams(
+                "a replica goes through the destination's transfer listener: give to (HOST:PORT) and token".into(),
+            ));
+        }
         if p.token.is_some() && p.to.is_none() {
             return Err(RpcError::InvalidParams(
                 "a token goes with to (the destination's transfer listener, HOST:PORT)".into(),
@@ -45,7 +50,7 @@ impl Daemon {
                         pool.check_sendable(&p.id, true)?;
                         pool.volume(&p.id)?
                     };
-                    self.say_hello(to, token, &v)?
+                    self.say_hello(to, token, &v, p.replica)?
                 }
                 None => to.clone(),
             };

@@ -34,6 +34,8 @@ pub(super) struct Expected {
     token: String,
     /// The largest volume the sender may send (`volume receive --max-size`).
     max_size: Option<u64>,
+    /// A standing replica (`volume receive --replica`), not a move.
+    replica: bool,
     answered: Option<uuid::Uuid>,
 }
 
@@ -63,6 +65,7 @@ impl Daemon {
         name: &str,
         token: &str,
         max_size: Option<u64>,
+        replica: bool,
     ) -> Result<ReceiveInfo, RpcError> {
         let Some(t) = &self.cfg.transfer else {
             return Err(RpcError::InvalidParams(
@@ -82,6 +85,7 @@ impl Daemon {
             volume: name.into(),
             token: token.into(),
             max_size,
+            replica,
             answered: None,
         });
         let at = self.transfer_at.get().copied().unwrap_or(t.listen);
@@ -179,7 +183,7 @@ impl Daemon {
         if h.sender_nonce.len() != 64 || spool_crypt::from_hex(&h.sender_nonce).is_none() {
             return Err(Refused::NoSenderNonce);
         }
-        let (token, answered, max_size) = {
+        let (token, answered, max_size, replica) = {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             let e = expected
                 .iter()
@@ -188,8 +192,9 @@ impl Daemon {
             let Some(e) = e else {
                 return Err(Refused::NotExpected(h.volume.clone()));
             };
-            (e.token.clone(), e.answered, e.max_size)
+            (e.token.clone(), e.answered, e.max_size, e.replica)
         };
+        check_role(replica, h)?;
         if let Some(uuid) = answered {
             // Said hello again (a send resumed): the same export while it runs.
             let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
@@ -201,7 +206,11 @@ impl Daemon {
             return Err(Refused::TooLarge(h.volume.clone(), h.size, max));
         }
         // Before the transfers' lock: creating the volume shows it, which looks at them.
-        let v = self.volume_as_sent(h)?;
+        let v = self.volume_as_sent(h, peer)?;
+        let v = match h.replica {
+            true => self.become_replica(&v, &peer.to_string(), h.epoch)?,
+            false => v,
+        };
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         // Again under the transfers' lock: while the volume was made, a `--stop` may have
         // ended the expectation, or a second hello of the same send (the sender tries
@@ -237,7 +246,7 @@ impl Daemon {
     /// The volume a hello names: created as the sender has it if it does not exist (an
     /// encrypted one under the sender's data key), else checked (as large, the same data
     /// key, receivable).
-    fn volume_as_sent(&self, h: &TransferHello) -> Result<VolumeInfo, RpcError> {
+    fn volume_as_sent(&self, h: &TransferHello, peer: IpAddr) -> Result<VolumeInfo, RpcError> {
         if let Some(k) = &h.key {
             // Before anything else: only a holder of this host's key-encryption key sends
             // a data key that is taken.
@@ -254,6 +263,11 @@ impl Daemon {
             Ok(v) if v.size < h.size => Err(RpcError::InvalidParams(format!(
                 "volume '{}' here has {} bytes, fewer than the sender's {}",
                 v.name, v.size, h.size
+            ))),
+            // Promoted here since that sender's epoch: it is fenced off (docs/replicas.md).
+            Ok(v) if v.epoch > h.epoch => Err(RpcError::InvalidParams(format!(
+                "volume '{}' here was promoted (epoch {}): a sender at epoch {} is behind it and may not write it",
+                v.name, v.epoch, h.epoch
             ))),
             Ok(v) => {
                 let pool = self.pool();
@@ -285,6 +299,11 @@ impl Daemon {
                         key,
                     )
                 };
+                // A replica is one before it is served: no frontend comes in first.
+                let created = created.and_then(|v| match h.replica {
+                    true => (self.pool()).make_replica(&v.name, &peer.to_string(), h.epoch),
+                    false => Ok(v),
+                });
                 if let Err(e) = self.serve(&created?) {
                     return Err(RpcError::NotServed(e.to_string()));
                 }
@@ -305,6 +324,15 @@ impl Daemon {
                     .map_err(Into::into)
             }
         }
+    }
+}
+
+/// A replica expected (`replica`) is asked for by the hello, and a one-time send is not.
+fn check_role(replica: bool, h: &TransferHello) -> Result<(), Refused> {
+    match (replica, h.replica) {
+        (true, false) => Err(Refused::ReplicaExpected(h.volume.clone())),
+        (false, true) => Err(Refused::ReplicaNotExpected(h.volume.clone())),
+        _ => Ok(()),
     }
 }
 
@@ -383,6 +411,10 @@ enum Refused {
     NotExpected(String),
     #[error("the transfer of volume '{0}' here has ended; `spoolctl volume receive {0} --token TOKEN` on this host allows another")]
     Ended(String),
+    #[error("volume '{0}' is expected here as a standing replica (`volume receive --replica`): send it with `spoolctl volume replicate {0}`")]
+    ReplicaExpected(String),
+    #[error("volume '{0}' is expected here for one transfer, not as a replica: `spoolctl volume receive {0} --token TOKEN --replica` on this host expects a replica")]
+    ReplicaNotExpected(String),
     /// Creating, checking or exporting the volume failed.
     #[error(transparent)]
     Volume(#[from] RpcError),

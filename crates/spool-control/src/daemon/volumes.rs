@@ -213,6 +213,7 @@ impl Daemon {
             }
         }
         self.stop_receiving(v.uuid, "the volume was deleted");
+        self.release_replica(&v);
         // Its snapshots' chunks go back to the pool: no export may read them any more.
         let (_, deleted) = self.with_exports_stopped(v.uuid, None, || {
             self.pool()

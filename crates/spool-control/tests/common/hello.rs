@@ -45,6 +45,8 @@ pub fn plain(name: &str, size: u64) -> TransferHello {
         qos: None,
         key: None,
         thin: false,
+        replica: false,
+        epoch: 0,
     }
 }
 

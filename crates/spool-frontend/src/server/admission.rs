@@ -54,6 +54,11 @@ impl Admission {
         Some(AdmissionHold(self.clone()))
     }
 
+    /// Whether the gate is held now.
+    pub(crate) fn held(&self) -> bool {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) > 0
+    }
+
     /// A frontend comes in: waits while the gate is held, then marks the volume connected.
     /// Returns false (nothing marked) once `go_on` says the server is stopping.
     pub(crate) fn enter(&self, go_on: &dyn Fn() -> bool) -> bool {

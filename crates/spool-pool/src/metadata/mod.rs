@@ -14,6 +14,7 @@ mod rules;
 mod volume;
 pub(crate) use rules::{rbd_name, spans};
 use spool_devices::Device;
+pub use volume::ReplicaOf;
 
 /// First bytes of every metadata record.
 pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
@@ -22,10 +23,11 @@ pub const MAGIC: [u8; 8] = *b"SPOOLPL\x01";
 /// cannot say (volume QoS limits: version 2; mirrored volumes: version 3; volumes on RBD
 /// images: version 4; encrypted volumes: version 5; thin volumes: version 6; snapshots and
 /// clones: version 7; a copy being sent to another host: version 8; a thin volume being sent:
-/// version 9; a mirrored thin volume: version 10), so an older spoold
+/// version 9; a mirrored thin volume: version 10; a replica, or a volume promoted from one:
+/// version 11), so an older spoold
 /// refuses a table it would otherwise rewrite without them, and still reads every table that
 /// needs nothing new.
-pub const FORMAT_VERSION: u32 = 10;
+pub const FORMAT_VERSION: u32 = 11;
 /// Size of one metadata slot in bytes.
 pub const SLOT_SIZE: u64 = 512 * 1024;
 /// Bytes reserved at the start of every device for the two slots; data starts here.
@@ -150,6 +152,12 @@ pub struct VolumeEntry {
     /// chunks are named by the map.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thin: Option<ThinMap>,
+    /// Another host's copy, written by its primary (format version 11; docs/replicas.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<ReplicaOf>,
+    /// The epoch this host serves the volume under (format version 11; 0: never promoted).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub epoch: u64,
 }
 
 /// Where a thin volume's chunk map lives.
@@ -230,6 +238,10 @@ fn is_zero(n: &u8) -> bool {
     *n == 0
 }
 
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
+}
+
 /// One copy of a mirrored volume's data.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct LegEntry {
@@ -266,7 +278,9 @@ impl PoolTable {
     pub fn format_version(&self) -> u32 {
         let shares = |t: &ThinMap| !t.snapshots.is_empty() || t.origin.is_some();
         let sent = |v: &VolumeEntry| v.legs.iter().any(|l| l.remote.is_some());
-        if self
+        if (self.volumes.iter()).any(|v| v.replica.is_some() || v.epoch != 0) {
+            11
+        } else if self
             .volumes
             .iter()
             .any(|v| v.legs.iter().any(|l| l.thin.is_some()))
@@ -575,6 +589,8 @@ mod tests {
                 rbd: None,
                 encryption: None,
                 thin: None,
+                replica: None,
+                epoch: 0,
             }],
         }
     }
@@ -713,6 +729,8 @@ mod tests {
                     rbd: None,
                     encryption: None,
                     thin: None,
+                    replica: None,
+                    epoch: 0,
                 },
                 VolumeEntry {
                     uuid: Uuid::from_u128(11),
@@ -727,6 +745,8 @@ mod tests {
                     rbd: None,
                     encryption: None,
                     thin: None,
+                    replica: None,
+                    epoch: 0,
                 },
             ],
         }

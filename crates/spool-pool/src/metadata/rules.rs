@@ -139,6 +139,10 @@ impl PoolTable {
             k.validate()
                 .map_err(|why| Invalid(format!("{what}: {why}")))?;
         }
+        if let Some(r) = &v.replica {
+            r.validate()
+                .map_err(|why| Invalid(format!("{what}: {why}")))?;
+        }
         if let Some(t) = &v.thin {
             return self.validate_thin(v, t, devices, extent);
         }

@@ -2,9 +2,39 @@
 //!
 //! Must not know: devices, the pool's state, the rules a table obeys (`rules.rs`).
 
+use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::{ExtentEntry, LegEntry, LegMap, VolumeEntry};
+use super::{ExtentEntry, Invalid, LegEntry, LegMap, VolumeEntry};
+
+/// A volume that is another host's copy (format version 11; docs/replicas.md): its primary
+/// writes it through a transfer, and no frontend may run it until it is promoted.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaOf {
+    /// The primary's address, as its hello reached this host.
+    pub primary: String,
+    /// The primary's epoch when it said hello: a promotion here serves at a higher one.
+    pub epoch: u64,
+}
+
+/// The longest primary address a table holds.
+const MAX_PRIMARY: usize = 256;
+
+impl ReplicaOf {
+    pub(crate) fn validate(&self) -> Result<(), Invalid> {
+        let ok = self.primary.bytes().all(|b| b.is_ascii_graphic());
+        if self.primary.is_empty() || self.primary.len() > MAX_PRIMARY || !ok {
+            return Err(Invalid(format!(
+                "replica: its primary is not an address of 1 to {MAX_PRIMARY} printable characters"
+            )));
+        }
+        if self.epoch == u64::MAX {
+            return Err(Invalid("replica: its epoch cannot be raised".into()));
+        }
+        Ok(())
+    }
+}
 
 impl LegEntry {
     /// A mirrored thin volume's copy: a new map (a fresh UUID) on `map`, whose chunks and
@@ -77,6 +107,8 @@ impl VolumeEntry {
             rbd: None,
             encryption: None,
             thin: None,
+            replica: None,
+            epoch: 0,
         }
     }
 

@@ -268,6 +268,19 @@ pub enum VolumeCmd {
     /// (a write completes once both hosts have it). A dropped link is resumed from the
     /// write-intent bitmap. Without an option: how the send stands (docs/transfer.md).
     Send(SendArgs),
+    /// Keep a standing replica of a volume on another spoold (docs/replicas.md): as `volume
+    /// send` through its transfer listener, but the copy there stays a replica, which no VM
+    /// runs until `volume promote` there; every write completes once both hosts have it.
+    /// The destination expects it with `volume receive NAME --token T --replica`.
+    Replicate(ReplicateArgs),
+    /// Make a replica of another host's volume this host's own (its primary died or is cut
+    /// off): the primary's transfer ends first, the volume is served at a higher epoch
+    /// (the old primary is fenced off it: its hellos are refused), and VMs waiting on its
+    /// socket go on (docs/replicas.md).
+    Promote {
+        /// The volume (name or UUID).
+        id: String,
+    },
     /// Create a writable thin volume from a snapshot and serve it: it shares the snapshot's
     /// chunks until it writes there.
     Clone {
@@ -414,6 +427,31 @@ pub struct ReceiveArgs {
     /// End the transfer (open connections fail their next request).
     #[arg(long)]
     pub stop: bool,
+    /// With a token: keep the volume as a standing replica of the sender's (which runs
+    /// `volume replicate`): no VM runs it here until `volume promote` (docs/replicas.md).
+    #[arg(long, conflicts_with_all = ["nbd", "stop"])]
+    pub replica: bool,
+}
+
+/// `volume replicate`.
+#[derive(clap::Args, Debug)]
+#[command(group = clap::ArgGroup::new("replicate_token").required(true).args(["token", "token_file"]))]
+pub struct ReplicateArgs {
+    /// The volume (name or UUID).
+    pub id: String,
+    /// The destination spoold's transfer listener, HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub to: String,
+    /// The token the destination's operator gave `volume receive NAME --token T
+    /// --replica` there.
+    #[arg(long, value_name = "TOKEN", conflicts_with = "token_file")]
+    pub token: Option<String>,
+    /// --token read from a file (its first line), or from standard input with `-`.
+    #[arg(long, value_name = "PATH|-")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Print the progress every second until the replica is current.
+    #[arg(long)]
+    pub wait: bool,
 }
 
 /// `volume send`.

@@ -63,12 +63,14 @@ fn run(args: Args) -> Result<(), CtlError> {
     let req = request::request(&args.cmd)?;
     let mut c = Client::connect(&args.socket)?;
     let r = c.call(&req.method, req.params)?;
-    if let Cmd::Volume {
-        cmd: VolumeCmd::Send(a),
-    } = &args.cmd
-    {
-        if a.wait && !args.json {
-            return send::wait(&args, &a.id);
+    if let Cmd::Volume { cmd } = &args.cmd {
+        let wait = match cmd {
+            VolumeCmd::Send(a) => a.wait.then_some(&a.id),
+            VolumeCmd::Replicate(a) => a.wait.then_some(&a.id),
+            _ => None,
+        };
+        if let Some(id) = wait.filter(|_| !args.json) {
+            return send::wait(&args, id);
         }
     }
     if args.json || matches!(args.cmd, Cmd::Rpc { .. }) {

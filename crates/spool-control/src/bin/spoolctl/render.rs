@@ -74,9 +74,10 @@ pub fn render(cmd: &Cmd, r: Value) -> Result<(), CtlError> {
                 println!("stopped serving {}@{} on {}", e.volume, e.snapshot, e.nbd)
             }),
             VolumeCmd::Receive(a) => receive(a.stop, r),
-            VolumeCmd::Send(_) => {
+            VolumeCmd::Send(_) | VolumeCmd::Replicate(_) => {
                 show::<api::VolumeSend>(r, |s| println!("{}", super::send::line(s)))
             }
+            VolumeCmd::Promote { .. } => show::<api::VolumePromote>(r, volume),
             VolumeCmd::Show { .. }
             | VolumeCmd::Clone { .. }
             | VolumeCmd::Create { .. }
@@ -213,6 +214,14 @@ fn volume(v: &Volume) {
     }
     if let Some(why) = &v.not_served {
         println!("not served: {why}");
+    }
+    match (&v.info.replica_of, v.info.epoch) {
+        (Some(p), e) => println!(
+            "replica of {} on {p} (epoch {e}): VMs connecting here wait until `volume promote {}`",
+            v.info.name, v.info.name
+        ),
+        (None, 0) => {}
+        (None, e) => println!("epoch {e} (promoted here from a replica)"),
     }
     if let Some(r) = &v.receiving {
         match &r.ended {

@@ -194,6 +194,7 @@ fn volume(cmd: &VolumeCmd) -> Result<Request, CtlError> {
         }
         VolumeCmd::Receive(a) => receive(a),
         VolumeCmd::Send(a) => send(a),
+        VolumeCmd::Replicate(_) | VolumeCmd::Promote { .. } => replica(cmd),
     }
 }
 
@@ -267,7 +268,23 @@ fn send(a: &SendArgs) -> Result<Request, CtlError> {
         token: token_of(a.token.as_deref(), a.token_file.as_deref())?,
         cancel: a.cancel,
         finish: a.finish,
+        replica: false,
     })
+}
+
+/// `volume replicate ID --to HOST:PORT --token T`, `volume promote ID`.
+fn replica(cmd: &VolumeCmd) -> Result<Request, CtlError> {
+    match cmd {
+        VolumeCmd::Replicate(a) => build::<api::VolumeSend>(api::SendParams {
+            id: a.id.clone(),
+            to: Some(a.to.clone()),
+            token: token_of(a.token.as_deref(), a.token_file.as_deref())?,
+            replica: true,
+            ..Default::default()
+        }),
+        VolumeCmd::Promote { id: v } => id::<api::VolumePromote>(v),
+        _ => unreachable!("only replicate and promote are built here"),
+    }
 }
 
 /// The transfer token: `--token`, or the first line of `--token-file` (`-`: standard input).
@@ -311,6 +328,7 @@ fn receive(a: &ReceiveArgs) -> Result<Request, CtlError> {
             nbd: nbd.map(absolute_nbd).transpose()?,
             token,
             max_size: opt_size(&a.max_size)?,
+            replica: a.replica,
         }),
     }
 }

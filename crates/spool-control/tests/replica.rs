@@ -1,0 +1,171 @@
+//! Standing replicas between two spoolds on this machine (docs/replicas.md): a volume on A
+//! replicated to B, A killed whole (keeper and worker, as a host dies) with writes in flight,
+//! B's replica promoted: a VM waiting on B's socket goes on and reads every write A's client
+//! saw completed. B's worker restarts keep the replica closed to VMs; a hello from A's epoch
+//! is refused once B promoted, and A, back, completes no write without B.
+
+mod common;
+
+use std::mem::MaybeUninit;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use blkio::Completion;
+use common::{
+    connect, ctl, ctl_err, hello, pattern, transfer_port, Client_, Spoold, BS, CONFIG, LISTENING,
+};
+
+const TOKEN: &str = "0123456789abcdef0123";
+/// Blocks a round writes (64 KiB each, all in flight together).
+const BLOCKS: usize = 32;
+
+/// Submits round `round`: every block stamped with it.
+fn submit_round(c: &mut Client_, round: u64) {
+    for b in 0..BLOCKS {
+        let off = (b * BS) as u64;
+        c.buf(b * BS, BS).copy_from_slice(&pattern(round, off, BS));
+        c.write(0, off, b * BS, BS, b);
+    }
+}
+
+/// Completions on queue 0 within `wait` (none: every request still waits).
+fn completions_within(c: &mut Client_, wait: Duration) -> usize {
+    let mut comps: Vec<MaybeUninit<Completion>> =
+        (0..BLOCKS).map(|_| MaybeUninit::uninit()).collect();
+    let mut t = wait;
+    c.queues[0]
+        .do_io(&mut comps, 1, Some(&mut t), None)
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
+    let mut a = Spoold::start(CONFIG);
+    let b = Spoold::start(LISTENING);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+
+    // A replica is asked for on both sides, or refused on the destination's word.
+    ctl(&b, &["volume", "receive", "v", "--token", TOKEN]);
+    let e = ctl_err(
+        &a,
+        &["volume", "replicate", "v", "--to", &to, "--token", TOKEN],
+    );
+    assert!(e.contains("for one transfer, not as a replica"), "{e}");
+    ctl(
+        &b,
+        &["volume", "receive", "v", "--token", TOKEN, "--replica"],
+    );
+    let e = ctl_err(&a, &["volume", "send", "v", "--to", &to, "--token", TOKEN]);
+    assert!(e.contains("expected here as a standing replica"), "{e}");
+    let out = ctl(
+        &a,
+        &[
+            "volume",
+            "replicate",
+            "v",
+            "--to",
+            &to,
+            "--token",
+            TOKEN,
+            "--wait",
+        ],
+    );
+    assert!(out.contains("current"), "{out}");
+    let show = ctl(&b, &["volume", "show", "v"]);
+    assert!(
+        show.contains("replica of v on 127.0.0.1 (epoch 0)"),
+        "{show}"
+    );
+    let e = ctl_err(&b, &["volume", "promote", "nope"]);
+    assert!(e.contains("nope"), "{e}");
+
+    // Rounds acknowledged on A, then one in flight when A dies whole.
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    let rounds = 6u64;
+    for round in 0..rounds {
+        submit_round(&mut c, round);
+        let done = c.wait(0, BLOCKS);
+        assert!(done.iter().all(|&(_, r)| r == 0), "round {round}: {done:?}");
+    }
+    submit_round(&mut c, rounds);
+    let _ = completions_within(&mut c, Duration::from_millis(2));
+    a.kill_all();
+    drop(c);
+
+    // B's worker restarts: the replica stays closed to VMs (the table says what it is).
+    b.kill_worker();
+    b.status();
+    let show = ctl(&b, &["volume", "show", "v"]);
+    assert!(show.contains("replica of v"), "{show}");
+    let (tx, rx) = mpsc::channel();
+    let sock = b.socket("v");
+    let reader = std::thread::spawn(move || {
+        let mut c = connect(&sock, 1, false).unwrap();
+        tx.send(()).unwrap();
+        (0..BLOCKS)
+            .map(|b| c.read_sync(0, (b * BS) as u64, BS))
+            .collect::<Vec<_>>()
+    });
+    // Its connection is taken and waits at the gate (said in the log before it waits).
+    let t0 = std::time::Instant::now();
+    while !b
+        .log()
+        .contains("a frontend connected while new ones are held")
+    {
+        assert!(t0.elapsed() < Duration::from_secs(20), "{}", b.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        rx.recv_timeout(Duration::from_millis(500)).is_err(),
+        "a VM got into the replica before its promotion"
+    );
+    let out = ctl(&b, &["volume", "promote", "v"]);
+    assert!(out.contains("epoch 1 (promoted here"), "{out}");
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("the waiting VM did not go on after the promotion");
+    let blocks = reader.join().unwrap();
+    for (i, (r, data)) in blocks.into_iter().enumerate() {
+        assert_eq!(r, 0, "block {i}");
+        let off = (i * BS) as u64;
+        assert!(
+            data == pattern(rounds - 1, off, BS) || data == pattern(rounds, off, BS),
+            "block {i} holds neither the last acknowledged write nor the one in flight"
+        );
+    }
+    assert!(ctl_err(&b, &["volume", "promote", "v"]).contains("not a replica"));
+
+    // A hello from the old primary's epoch is fenced off; a later epoch's is taken.
+    ctl(
+        &b,
+        &["volume", "receive", "v", "--token", TOKEN, "--replica"],
+    );
+    let old = |epoch| {
+        let mut h = hello::plain("v", 16 << 20);
+        (h.replica, h.epoch) = (true, epoch);
+        hello::say(&to, TOKEN, h)
+    };
+    let answer = old(0);
+    assert!(answer.contains("promoted (epoch 1)"), "{answer}");
+    let answer = old(1);
+    assert!(answer.contains("\"nbd\""), "{answer}");
+    let show = ctl(&b, &["volume", "show", "v"]);
+    assert!(
+        show.contains("replica of v on 127.0.0.1 (epoch 1)"),
+        "{show}"
+    );
+    let out = ctl(&b, &["volume", "promote", "v"]);
+    assert!(out.contains("epoch 2"), "{out}");
+
+    // A comes back: its copy was current on B, so its writes wait for B, which takes none.
+    a.spawn();
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    c.buf(0, BS).copy_from_slice(&pattern(99, 0, BS));
+    c.write(0, 0, 0, BS, 0);
+    assert_eq!(
+        completions_within(&mut c, Duration::from_secs(2)),
+        0,
+        "the old primary completed a write its replica, promoted, never took"
+    );
+    let send = ctl(&a, &["volume", "send", "v"]);
+    assert!(send.contains("waiting"), "{send}");
+}
