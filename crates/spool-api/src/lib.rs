@@ -36,8 +36,9 @@ pub use thin::{
     SnapshotParams, TakeSnapshotParams,
 };
 pub use transfer::{
-    ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams, TransferChallenge,
-    TransferHello, TransferKey, TransferReply, ANSWER_PROOF, HELLO_PROOF, TRANSFER_VERSION,
+    PromoteParams, ReceiveInfo, ReceiveParams, ReceiveStopParams, SendInfo, SendParams,
+    TransferChallenge, TransferHello, TransferKey, TransferReply, ANSWER_PROOF, HELLO_PROOF,
+    TRANSFER_VERSION,
 };
 
 pub use check::CheckReport;
@@ -133,7 +134,7 @@ methods! {
         "serve a volume no VM uses as a writable NBD export, for another host or qemu-img/nbdcopy to write its data into";
     VolumeReceiveStop = "volume_receive_stop", ReceiveStopParams => ReceiveInfo,
         "stop receiving a volume (open connections fail their next request)";
-    VolumePromote = "volume_promote", IdParams => Volume,
+    VolumePromote = "volume_promote", PromoteParams => Volume,
         "make a replica of another host's volume this host's own, at a higher epoch, and let VMs run it";
     VolumeSend = "volume_send", SendParams => SendInfo,
         "send a volume to another host's NBD export (a remote copy kept in step while it runs), or cancel or finish that";

@@ -80,6 +80,9 @@ pub struct VolumeInfo {
     /// `volume_promote`; docs/replicas.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica_of: Option<String>,
+    /// A replica whose primary said its copy here is complete (current there).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replica_complete: bool,
     /// The epoch the volume is served under here (a replica: its primary's); absent: 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: u64,

@@ -74,6 +74,7 @@ fn volume_results_flatten_and_skip_what_the_old_json_left_out() {
         kek_id: None,
         thin: None,
         replica_of: None,
+        replica_complete: false,
         epoch: 0,
     };
     let v = Volume {
@@ -180,13 +181,14 @@ fn a_transfer_hello_names_thin_only_for_thin_volumes() {
         thin: false,
         replica: false,
         epoch: 0,
+        current: false,
     };
     assert!(!wire(&hello).contains("thin"), "{}", wire(&hello));
     // Nor does a move's hello name a replica or an epoch it does not have.
     let w = wire(&hello);
     assert!(!w.contains("replica") && !w.contains("epoch"), "{w}");
     hello.thin = true;
-    (hello.replica, hello.epoch) = (true, 3);
+    (hello.replica, hello.epoch, hello.current) = (true, 3, true);
     let back: TransferHello = serde_json::from_str(&wire(&hello)).unwrap();
     assert_eq!(back, hello);
 }

@@ -26,6 +26,16 @@ pub struct ReceiveParams {
     pub replica: bool,
 }
 
+/// `volume_promote`: replica `id` becomes this host's volume (docs/replicas.md); with
+/// `force`, even one whose primary never said it was complete.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromoteParams {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
+}
+
 /// `volume_receive_stop`: stop receiving volume `id`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -151,6 +161,11 @@ pub struct TransferHello {
     /// at a higher one refuses it (the sender is fenced off). Left out when 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: u64,
+    /// A replica's sender says again, once its copy there became current: the destination
+    /// records the replica as complete (promoting it loses nothing from then on). Left out
+    /// when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub current: bool,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -74,6 +74,8 @@ pub struct Daemon {
     transfer_at: std::sync::OnceLock<std::net::SocketAddr>,
     /// The replicas' gates, held until each is promoted: their frontends wait.
     replica_holds: Mutex<BTreeMap<Uuid, spool_frontend::AdmissionHold>>,
+    /// Replications started here whose destination was not yet told the copy is current.
+    replicating: Mutex<BTreeMap<Uuid, replica::Replicating>>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -128,6 +130,8 @@ impl Daemon {
         d.apply_configured_qos()?;
         d.serve_volumes();
         d.restore_receiving();
+        d.restore_expected();
+        d.restore_replications();
         d.restore_exports();
         d.release_unserved_kept();
         d.start_spare_watcher();
@@ -165,6 +169,7 @@ impl Daemon {
             expected: Mutex::default(),
             transfer_at: std::sync::OnceLock::new(),
             replica_holds: Mutex::new(BTreeMap::new()),
+            replicating: Mutex::new(BTreeMap::new()),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,

@@ -185,6 +185,7 @@ impl ToWire<VolumeInfo> for spool_pool::VolumeInfo {
             encrypted: v.encrypted,
             kek_id: v.kek_id,
             thin: v.thin.map(ToWire::wire),
+            replica_complete: v.replica.as_ref().is_some_and(|r| r.complete),
             replica_of: v.replica.map(|r| r.primary),
             epoch: v.epoch,
         }

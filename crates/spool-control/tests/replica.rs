@@ -57,6 +57,9 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
     );
     let e = ctl_err(&a, &["volume", "send", "v", "--to", &to, "--token", TOKEN]);
     assert!(e.contains("expected here as a standing replica"), "{e}");
+    // The expectation outlives B's worker (kept with the keeper).
+    b.kill_worker();
+    b.status();
     let out = ctl(
         &a,
         &[
@@ -71,11 +74,20 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
         ],
     );
     assert!(out.contains("current"), "{out}");
-    let show = ctl(&b, &["volume", "show", "v"]);
-    assert!(
-        show.contains("replica of v on 127.0.0.1 (epoch 0)"),
-        "{show}"
-    );
+    // A tells B once its copy is current: B records the replica complete.
+    let t0 = std::time::Instant::now();
+    loop {
+        let show = ctl(&b, &["volume", "show", "v"]);
+        if show.contains("replica of v on 127.0.0.1 (epoch 0, complete)") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{show}\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let e = ctl_err(&b, &["volume", "promote", "nope"]);
     assert!(e.contains("nope"), "{e}");
 
@@ -150,10 +162,14 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
     assert!(answer.contains("\"nbd\""), "{answer}");
     let show = ctl(&b, &["volume", "show", "v"]);
     assert!(
-        show.contains("replica of v on 127.0.0.1 (epoch 1)"),
+        show.contains("replica of v on 127.0.0.1 (epoch 1, not complete yet"),
         "{show}"
     );
-    let out = ctl(&b, &["volume", "promote", "v"]);
+    // Never said complete (this sender never copied): promoted only when forced.
+    let e = ctl_err(&b, &["volume", "promote", "v"]);
+    assert!(e.contains("never held a complete copy"), "{e}");
+    assert!(ctl(&b, &["volume", "show", "v"]).contains("replica of v"));
+    let out = ctl(&b, &["volume", "promote", "v", "--force"]);
     assert!(out.contains("epoch 2"), "{out}");
 
     // A comes back: its copy was current on B, so its writes wait for B, which takes none.

@@ -27,9 +27,11 @@ impl Pool {
                 v.name
             )));
         }
+        // A new transfer copies anew: complete once its primary says so again.
         let replica = Some(ReplicaOf {
             primary: primary.into(),
             epoch,
+            complete: false,
         });
         if v.replica == replica {
             return Ok(self.volume_info(v));
@@ -42,17 +44,55 @@ impl Pool {
         Ok(self.volume_info(&v))
     }
 
-    /// Promotes replica `id`: it is this host's volume from now on, at an epoch above its
-    /// primary's. Refused for a volume that is not a replica.
-    pub fn promote(&mut self, id: &str) -> Result<VolumeInfo> {
-        let i = self.find(id)?;
-        let v = &self.table.volumes[i];
+    /// Replica `id`, if it may be promoted (see [`Pool::promote`]).
+    pub fn check_promotable(&self, id: &str, force: bool) -> Result<ReplicaOf> {
+        let v = &self.table.volumes[self.find(id)?];
         let Some(r) = &v.replica else {
             return Err(Error::invalid(format!(
                 "volume '{}' is not a replica here: nothing to promote",
                 v.name
             )));
         };
+        if !r.complete && !force {
+            return Err(Error::invalid(format!(
+                "volume '{}' here never held a complete copy of its primary's (the copy was never current there): promoting it loses what was not copied yet; --force promotes it all the same",
+                v.name
+            )));
+        }
+        Ok(r.clone())
+    }
+
+    /// Replica `id`'s primary said the copy here is current: from now on it holds every
+    /// write the primary completes (until a new transfer starts over).
+    pub fn replica_complete(&mut self, id: &str) -> Result<VolumeInfo> {
+        let i = self.find(id)?;
+        let v = &self.table.volumes[i];
+        match &v.replica {
+            None => Err(Error::invalid(format!(
+                "volume '{}' is not a replica here",
+                v.name
+            ))),
+            Some(r) if r.complete => Ok(self.volume_info(v)),
+            Some(_) => {
+                let mut table = self.table.clone();
+                if let Some(r) = &mut table.volumes[i].replica {
+                    r.complete = true;
+                }
+                let v = table.volumes[i].clone();
+                self.commit(table)?;
+                tracing::info!(volume = %v.name, "the replica is complete: its primary says every write it completes is here");
+                Ok(self.volume_info(&v))
+            }
+        }
+    }
+
+    /// Promotes replica `id`: it is this host's volume from now on, at an epoch above its
+    /// primary's. Refused for a volume that is not a replica, and (unless `force`) for one
+    /// whose primary never said it was complete.
+    pub fn promote(&mut self, id: &str, force: bool) -> Result<VolumeInfo> {
+        let r = self.check_promotable(id, force)?;
+        let i = self.find(id)?;
+        let v = &self.table.volumes[i];
         let epoch = r.epoch.max(v.epoch) + 1;
         let mut table = self.table.clone();
         table.volumes[i].replica = None;
@@ -89,10 +129,20 @@ mod tests {
         let mut p = Pool::open(&specs, opts()).unwrap();
         let v = p.volume("v").unwrap();
         assert_eq!(v.replica.as_ref().unwrap().primary, "10.0.0.1");
-        let e = p.promote("nope").unwrap_err();
+        let e = p.promote("nope", false).unwrap_err();
         assert!(e.to_string().contains("nope"), "{e}");
-        assert_eq!(p.promote("v").unwrap().epoch, 4);
-        let e = p.promote("v").unwrap_err();
+        let e = p.promote("v", false).unwrap_err();
+        assert!(e.to_string().contains("never held a complete copy"), "{e}");
+        assert!(p.replica_complete("v").unwrap().replica.unwrap().complete);
+        drop(p);
+        let mut p = Pool::open(&specs, opts()).unwrap();
+        assert!(p.volume("v").unwrap().replica.unwrap().complete);
+        // A new transfer starts over: not complete until its primary says so again.
+        let v = p.make_replica("v", "10.0.0.1", 3).unwrap();
+        assert!(!v.replica.unwrap().complete);
+        p.replica_complete("v").unwrap();
+        assert_eq!(p.promote("v", false).unwrap().epoch, 4);
+        let e = p.promote("v", false).unwrap_err();
         assert!(e.to_string().contains("not a replica"), "{e}");
         drop(p);
         let mut p = Pool::open(&specs, opts()).unwrap();
@@ -101,6 +151,8 @@ mod tests {
         let e = p.make_replica("v", "10.0.0.1", 3).unwrap_err();
         assert!(e.to_string().contains("promoted (epoch 4)"), "{e}");
         assert_eq!(p.make_replica("v", "10.0.0.1", 4).unwrap().epoch, 4);
-        assert_eq!(p.promote("v").unwrap().epoch, 5);
+        assert!(p.replica_complete("nope").is_err());
+        assert_eq!(p.promote("v", true).unwrap().epoch, 5, "forced");
+        assert!(p.replica_complete("v").is_err(), "not a replica any more");
     }
 }

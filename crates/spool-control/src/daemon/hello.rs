@@ -143,14 +143,14 @@ impl HelloStream {
 
 impl Daemon {
     /// The sender's side: says hello to the transfer listener at `to` (`HOST:PORT`) for
-    /// volume `v` with `token` (for a standing replica there: `replica`); returns the NBD
-    /// URI to send to.
+    /// volume `v` with `token` (for a standing replica there: `replica`; `current` once
+    /// the copy there became current); returns the NBD URI to send to.
     pub(super) fn say_hello(
         &self,
         to: &str,
         token: &str,
         v: &VolumeInfo,
-        replica: bool,
+        (replica, current): (bool, bool),
     ) -> Result<String, RpcError> {
         check_token(token)?;
         let fail = |why: String| RpcError::InvalidParams(format!("transfer listener {to}: {why}"));
@@ -170,7 +170,7 @@ impl Daemon {
                 line.trim_end().chars().take(200).collect::<String>()
             ))),
         };
-        let hello = self.hello_for(v, token, nonce, replica)?;
+        let hello = self.hello_for(v, token, nonce, (replica, current))?;
         s.send(&hello).map_err(|e| fail(e.to_string()))?;
         let answer = s
             .line(ANSWER_WAIT)
@@ -201,7 +201,7 @@ impl Daemon {
         v: &VolumeInfo,
         token: &str,
         nonce: String,
-        replica: bool,
+        (replica, current): (bool, bool),
     ) -> Result<TransferHello, RpcError> {
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
         let mine = proof::nonce()
@@ -225,6 +225,7 @@ impl Daemon {
             thin: v.thin.is_some(),
             replica,
             epoch: v.epoch,
+            current,
         };
         if hello.key.is_some() {
             let tag = self.pool().transfer_tag(&untagged(&hello))?;

@@ -4,15 +4,36 @@
 //! first, so nothing the old primary sends lands after it, and serves the volume at an
 //! epoch above the primary's, which a hello from that primary never passes again.
 //!
-//! Owns: the replicas' admission holds, `volume_promote`. Must not know: the NBD protocol,
-//! the hello's proofs, the table's layout (`spool_pool::Pool::make_replica`, `promote`).
+//! The primary's side: once its copy there is current, it says hello again with the token
+//! (kept with the keeper meanwhile) so the replica's host records it complete; a replica
+//! never said complete is promoted only with `force`.
+//!
+//! Owns: the replicas' admission holds, `volume_promote`, the replications to tell.
+//! Must not know: the NBD protocol, the hello's proofs, the table's layout
+//! (`spool_pool::Pool::make_replica`, `replica_complete`, `promote`).
 
+use serde::{Deserialize, Serialize};
 use spool_frontend::AdmissionHold;
 use spool_pool::VolumeInfo;
+use uuid::Uuid;
 
 use super::Daemon;
-use crate::api::{self, IdParams, Volume};
+use crate::api::{self, PromoteParams, Volume};
 use crate::rpc::{MethodTable, RpcError};
+
+/// A replication started here: where its destination's listener is and the token, until
+/// that destination was told the copy is current.
+#[derive(Serialize, Deserialize)]
+pub(super) struct Replicating {
+    to: String,
+    token: String,
+    /// Telling it failed once (said in the log once).
+    #[serde(skip)]
+    warned: bool,
+}
+
+/// Where the keeper keeps each replication to tell (`replicate/UUID`).
+const KEPT_PREFIX: &str = "replicate/";
 
 pub(super) fn register(t: &mut MethodTable<Daemon>) {
     t.register::<api::VolumePromote>(Daemon::volume_promote);
@@ -66,20 +87,113 @@ impl Daemon {
     /// `volume promote NAME`: the old primary's transfer ends (a request in progress
     /// finishes first; every later one fails), the table records the volume as this host's
     /// at a higher epoch, and the frontends waiting go in.
-    fn volume_promote(&self, p: IdParams) -> Result<Volume, RpcError> {
+    fn volume_promote(&self, p: PromoteParams) -> Result<Volume, RpcError> {
         let v = self.pool().volume(&p.id)?;
-        if v.replica.is_none() {
-            return Err(RpcError::InvalidParams(format!(
-                "volume '{}' is not a replica here: nothing to promote (docs/replicas.md)",
-                v.name
-            )));
-        }
+        // Refused before anything ends.
+        self.pool().check_promotable(&p.id, p.force)?;
         self.forget_expected(&v.name);
         if let Some(r) = self.stop_receiving(v.uuid, "the replica was promoted") {
             tracing::info!(volume = %v.name, written = r.written, "the primary's transfer ended for the promotion");
         }
-        let v = self.pool().promote(&p.id)?;
+        let v = self.pool().promote(&p.id, p.force)?;
         self.release_replica(&v);
         Ok(self.volume_view(v))
+    }
+}
+
+impl Daemon {
+    /// Remembers (with the keeper too) that volume `v`'s copy at listener `to` is a replica
+    /// to tell once it is current.
+    pub(super) fn remember_replication(&self, v: &VolumeInfo, to: &str, token: &str) {
+        let r = Replicating {
+            to: to.into(),
+            token: token.into(),
+            warned: false,
+        };
+        self.keep_replication(v.uuid, &r);
+        let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+        all.insert(v.uuid, r);
+    }
+
+    fn keep_replication(&self, volume: Uuid, r: &Replicating) {
+        let Some(s) = &self.store else { return };
+        let value = serde_json::to_string(r).unwrap_or_default();
+        if let Err(e) = s.put(&format!("{KEPT_PREFIX}{volume}"), value, &[]) {
+            tracing::error!(%volume, "cannot keep the replication with the keeper ({e}): after a worker restart its destination is not told when the copy is current");
+        }
+    }
+
+    /// Takes over the replications the previous worker had still to tell.
+    pub(super) fn restore_replications(&self) {
+        let Some(k) = &self.keeping else { return };
+        let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+        for key in k.keys(KEPT_PREFIX) {
+            let kept = k
+                .take(&key)
+                .map(|(v, _)| serde_json::from_str::<Replicating>(&v));
+            match (key[KEPT_PREFIX.len()..].parse::<Uuid>(), kept) {
+                (Ok(volume), Some(Ok(r))) => {
+                    self.keep_replication(volume, &r);
+                    all.insert(volume, r);
+                }
+                _ => tracing::warn!(%key, "a kept replication cannot be read: forgotten"),
+            }
+        }
+    }
+
+    /// Tells each replica's host whose copy is current now that it is complete (from the
+    /// mirror settler); a replication whose volume is gone, or no longer sent, is dropped.
+    pub(super) fn tell_replicas_current(&self) {
+        let volumes: Vec<Uuid> = {
+            let all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+            all.keys().copied().collect()
+        };
+        for uuid in volumes {
+            let v = self.pool().volume(&uuid.to_string());
+            let state = v
+                .as_ref()
+                .ok()
+                .and_then(|v| self.sending(v))
+                .map(|s| s.state);
+            let told = match (&v, state.as_deref()) {
+                (Ok(v), Some("current")) => self.tell_current(v),
+                (Ok(_), Some(_)) => false,
+                _ => true,
+            };
+            if told {
+                self.replicating
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&uuid);
+                if let Some(s) = &self.store {
+                    let _ = s.remove(&format!("{KEPT_PREFIX}{uuid}"));
+                }
+            }
+        }
+    }
+
+    /// Says hello again to `v`'s replica's host: its copy is current. Whether it took it.
+    fn tell_current(&self, v: &VolumeInfo) -> bool {
+        let (to, token) = {
+            let all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+            match all.get(&v.uuid) {
+                Some(r) => (r.to.clone(), r.token.clone()),
+                None => return true,
+            }
+        };
+        match self.say_hello(&to, &token, v, (true, true)) {
+            Ok(_) => {
+                tracing::info!(volume = %v.name, %to, "the replica there is told its copy is complete");
+                true
+            }
+            Err(e) => {
+                let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(r) = all.get_mut(&v.uuid).filter(|r| !r.warned) {
+                    r.warned = true;
+                    tracing::warn!(volume = %v.name, %to, "cannot tell the replica there its copy is complete (tried again every half second): {e}");
+                }
+                false
+            }
+        }
     }
 }

@@ -50,7 +50,7 @@ impl Daemon {
                         pool.check_sendable(&p.id, true)?;
                         pool.volume(&p.id)?
                     };
-                    self.say_hello(to, token, &v, p.replica)?
+                    self.say_hello(to, token, &v, (p.replica, false))?
                 }
                 None => to.clone(),
             };
@@ -58,6 +58,9 @@ impl Daemon {
             let key_there = p.token.is_some();
             let v = self.pool().send_volume(&p.id, &to, key_there)?;
             self.republish(&v);
+            if let (true, Some(listener), Some(token)) = (p.replica, &p.to, &p.token) {
+                self.remember_replication(&v, listener, token);
+            }
             return self.send_info(&p.id, None);
         }
         if p.cancel {

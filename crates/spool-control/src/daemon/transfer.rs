@@ -29,6 +29,7 @@ use crate::rpc::RpcError;
 /// A volume a sender may send here, with its token (`volume receive NAME --token`), and
 /// the volume a hello was answered for: a later hello with the token gets the same export
 /// while that transfer runs, and nothing once it has ended.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub(super) struct Expected {
     volume: String,
     token: String,
@@ -37,6 +38,13 @@ pub(super) struct Expected {
     /// A standing replica (`volume receive --replica`), not a move.
     replica: bool,
     answered: Option<uuid::Uuid>,
+}
+
+/// Where the keeper keeps each expected transfer (`expected/NAME/`).
+const EXPECTED_PREFIX: &str = "expected/";
+
+fn expected_key(volume: &str) -> String {
+    format!("{EXPECTED_PREFIX}{volume}/")
 }
 
 /// Where the keeper keeps the listening socket across worker restarts.
@@ -81,13 +89,15 @@ impl Daemon {
         }
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         expected.retain(|e| e.volume != name);
-        expected.push(Expected {
+        let e = Expected {
             volume: name.into(),
             token: token.into(),
             max_size,
             replica,
             answered: None,
-        });
+        };
+        self.keep_expected(&e);
+        expected.push(e);
         let at = self.transfer_at.get().copied().unwrap_or(t.listen);
         tracing::info!(volume = %name, listen = %at, "a transfer of the volume is expected");
         Ok(ReceiveInfo {
@@ -101,11 +111,48 @@ impl Daemon {
         })
     }
 
+    /// Keeps expectation `e` with the keeper, so that the next worker expects it too (and
+    /// a replica's sender can still say its copy became current).
+    fn keep_expected(&self, e: &Expected) {
+        let Some(s) = &self.store else { return };
+        let value = serde_json::to_string(e).unwrap_or_default();
+        if let Err(err) = s.put(&expected_key(&e.volume), value, &[]) {
+            tracing::error!(volume = %e.volume, "cannot keep the expected transfer with the keeper ({err}): a worker restart forgets it");
+        }
+    }
+
+    fn forget_kept_expected(&self, name: &str) {
+        if let Some(s) = &self.store {
+            if let Err(e) = s.remove(&expected_key(name)) {
+                tracing::error!(volume = %name, "keeper: {e}");
+            }
+        }
+    }
+
+    /// Expects again the transfers the previous worker expected.
+    pub(super) fn restore_expected(&self) {
+        let Some(k) = &self.keeping else { return };
+        let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        for key in k.keys(EXPECTED_PREFIX) {
+            let kept = k
+                .take(&key)
+                .map(|(v, _)| serde_json::from_str::<Expected>(&v));
+            match kept {
+                Some(Ok(e)) => {
+                    self.keep_expected(&e);
+                    expected.push(e);
+                }
+                _ => tracing::warn!(%key, "a kept expected transfer cannot be read: forgotten"),
+            }
+        }
+    }
+
     /// Forgets the expected transfer of volume `name`; how it stood, if it was expected.
     pub(super) fn forget_expected(&self, name: &str) -> Option<ReceiveInfo> {
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         let i = expected.iter().position(|e| e.volume == name)?;
         expected.remove(i);
+        self.forget_kept_expected(name);
         Some(ReceiveInfo {
             volume: name.into(),
             nbd: self
@@ -173,16 +220,7 @@ impl Daemon {
         if self.cfg.transfer.is_none() {
             return Err(Refused::NoListener);
         }
-        if h.version != TRANSFER_VERSION {
-            return Err(Refused::Version(h.version));
-        }
-        if h.nonce != nonce {
-            return Err(Refused::Replayed);
-        }
-        // Its own nonce, which the answer's proof covers: 32 bytes in hex.
-        if h.sender_nonce.len() != 64 || spool_crypt::from_hex(&h.sender_nonce).is_none() {
-            return Err(Refused::NoSenderNonce);
-        }
+        check_fresh(h, nonce)?;
         let (token, answered, max_size, replica) = {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             let e = expected
@@ -196,6 +234,10 @@ impl Daemon {
         };
         check_role(replica, h)?;
         if let Some(uuid) = answered {
+            // A replica's sender says its copy here became current.
+            if h.current {
+                (self.pool().replica_complete(&uuid.to_string())).map_err(RpcError::from)?;
+            }
             // Said hello again (a send resumed): the same export while it runs.
             let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
             return super::receive::uri_of(&receiving, uuid)
@@ -239,6 +281,7 @@ impl Daemon {
         let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = expected.iter_mut().find(|e| e.volume == h.volume) {
             e.answered = Some(v.uuid);
+            self.keep_expected(e);
         }
         Ok((info.uri, token))
     }
@@ -325,6 +368,21 @@ impl Daemon {
             }
         }
     }
+}
+
+/// Hello `h` speaks this version and answers challenge `nonce` with a nonce of its own.
+fn check_fresh(h: &TransferHello, nonce: &str) -> Result<(), Refused> {
+    if h.version != TRANSFER_VERSION {
+        return Err(Refused::Version(h.version));
+    }
+    if h.nonce != nonce {
+        return Err(Refused::Replayed);
+    }
+    // Its own nonce, which the answer's proof covers: 32 bytes in hex.
+    if h.sender_nonce.len() != 64 || spool_crypt::from_hex(&h.sender_nonce).is_none() {
+        return Err(Refused::NoSenderNonce);
+    }
+    Ok(())
 }
 
 /// A replica expected (`replica`) is asked for by the hello, and a one-time send is not.

@@ -47,6 +47,7 @@ pub fn plain(name: &str, size: u64) -> TransferHello {
         thin: false,
         replica: false,
         epoch: 0,
+        current: false,
     }
 }
 

@@ -16,6 +16,10 @@ pub struct ReplicaOf {
     pub primary: String,
     /// The primary's epoch when it said hello: a promotion here serves at a higher one.
     pub epoch: u64,
+    /// The primary said its copy here became current (every write it completed since is
+    /// here): until then a promotion would lose what its rebuild had not copied yet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub complete: bool,
 }
 
 /// The longest primary address a table holds.

@@ -280,6 +280,10 @@ pub enum VolumeCmd {
     Promote {
         /// The volume (name or UUID).
         id: String,
+        /// Promote a replica whose primary never said its copy here was complete (it loses
+        /// what the primary's copy had not brought over yet).
+        #[arg(long)]
+        force: bool,
     },
     /// Create a writable thin volume from a snapshot and serve it: it shares the snapshot's
     /// chunks until it writes there.

@@ -217,8 +217,13 @@ fn volume(v: &Volume) {
     }
     match (&v.info.replica_of, v.info.epoch) {
         (Some(p), e) => println!(
-            "replica of {} on {p} (epoch {e}): VMs connecting here wait until `volume promote {}`",
-            v.info.name, v.info.name
+            "replica of {} on {p} (epoch {e}, {}): VMs connecting here wait until `volume promote {}`",
+            v.info.name,
+            match v.info.replica_complete {
+                true => "complete",
+                false => "not complete yet: its primary's copy was never current",
+            },
+            v.info.name
         ),
         (None, 0) => {}
         (None, e) => println!("epoch {e} (promoted here from a replica)"),

@@ -282,7 +282,10 @@ fn replica(cmd: &VolumeCmd) -> Result<Request, CtlError> {
             replica: true,
             ..Default::default()
         }),
-        VolumeCmd::Promote { id: v } => id::<api::VolumePromote>(v),
+        VolumeCmd::Promote { id, force } => build::<api::VolumePromote>(api::PromoteParams {
+            id: id.clone(),
+            force: *force,
+        }),
         _ => unreachable!("only replicate and promote are built here"),
     }
 }
