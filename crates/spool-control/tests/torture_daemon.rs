@@ -45,8 +45,10 @@ const BATCHES: usize = 120;
 /// 5, 24; thin 2, 8; encrypted thin 14, 20; mirrored thin 4, 17 (seed 4 once failed one CI
 /// run in three: two writes of a region each missed by a different leg left it no current
 /// leg, docs/torture.md); mirrored 1796412153012569785 (a copy removed and one added at
-/// once on the same extents was trusted without a rebuild); and plain 1796415333775496874
-/// (a flush one device of a grown copy failed was counted as missed by the whole copy).
+/// once on the same extents was trusted without a rebuild); plain 1796415333775496874
+/// (a flush one device of a grown copy failed was counted as missed by the whole copy); and
+/// mirrored 1796421754462691513 (a write with a current copy in each region but none usable
+/// over all of them failed during a link-down).
 const SEEDS: &[u64] = &[
     1,
     2,
@@ -62,6 +64,7 @@ const SEEDS: &[u64] = &[
     24,
     1796412153012569785,
     1796415333775496874,
+    1796421754462691513,
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq)]

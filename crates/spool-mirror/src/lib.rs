@@ -44,6 +44,7 @@ mod tests_sync;
 #[cfg(test)]
 mod tests_zeroes;
 mod verify;
+mod waiting;
 mod writes;
 
 use std::path::{Path, PathBuf};

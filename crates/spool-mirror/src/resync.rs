@@ -17,6 +17,7 @@ use super::bitmap::{stale, sync_source, INTENT, SYNC_SOURCE};
 use super::copy::copy_region;
 use super::legio::{leg_read, leg_write, AlignedBuf, LegIo};
 use super::regions::Entry;
+use super::waiting;
 use super::{Shared, MAX_LEGS, MISSING};
 use spool_devices::{Error, HealthState, Result};
 
@@ -161,8 +162,8 @@ fn keep_health(shared: &Shared) {
     let healthy = shared.healthy();
     let required = require_caught_up_far_legs(shared, healthy);
     let to = match stripes_health(shared, healthy) {
-        HealthState::Healthy if waiting_region(shared, healthy) => HealthState::Resetting,
-        HealthState::Healthy if waiting_stripes(shared, healthy) => HealthState::Resetting,
+        HealthState::Healthy if waiting::spans(shared, healthy) => HealthState::Resetting,
+        HealthState::Healthy if waiting::stripes(shared, healthy) => HealthState::Resetting,
         // A copy elsewhere that was current cannot take writes (its link is down): every
         // request waits until it can, or until the operator drops it.
         HealthState::Healthy if required & !shared.writable() != 0 => HealthState::Resetting,
@@ -204,52 +205,6 @@ fn require_caught_up_far_legs(shared: &Shared, healthy: u64) -> u8 {
         }
     }
     shared.required.fetch_or(now, Ordering::AcqRel) | now
-}
-
-/// Whether some region has no usable current leg but a current leg on a resetting device.
-/// (Scanned only while a device resets and some leg is stale somewhere: otherwise a usable
-/// leg is current wherever one is.)
-fn waiting_region(shared: &Shared, healthy: u64) -> bool {
-    let (r, alive) = (&shared.regions, shared.alive());
-    if alive == healthy || r.stale.iter().all(|s| s.load(Ordering::Relaxed) == 0) {
-        return false;
-    }
-    (0..r.bitmap.regions()).any(|i| {
-        let (off, len) = region_range(shared, i);
-        shared.current(healthy, off, len, (i, i)) == 0
-            && shared.current(alive, off, len, (i, i)) != 0
-    })
-}
-
-/// Stripes a request may span: a guest's largest (a few MiB) over extents of 1 MiB or more.
-const SPAN_STRIPES: usize = 4;
-
-/// Whether some run of up to [`SPAN_STRIPES`] stripes has no leg on healthy devices across
-/// all of it, though it would have one once the resetting devices are back: legs that swap
-/// devices between stripes (a grown mirror's new extents land where there is space), one
-/// of the devices resetting. A request across such a run has no leg to go to until the
-/// device is back, so the worker must hold it without spending its retries on every
-/// other health change (tier-2 torture: a write failed after three, a link-down of 104 ms).
-fn waiting_stripes(shared: &Shared, healthy: u64) -> bool {
-    let alive = shared.alive();
-    if alive == healthy {
-        return false;
-    }
-    let on = |s: &crate::Stripe, devices: u64| {
-        (0..MAX_LEGS).fold(0u8, |m, slot| {
-            let d = s.dev[slot];
-            m | (((d != MISSING && devices & (1 << d) != 0) as u8) << slot)
-        })
-    };
-    let st = &shared.stripes;
-    (0..st.len()).any(|i| {
-        let (mut now, mut later) = (0b111u8, 0b111u8);
-        st[i..(i + SPAN_STRIPES).min(st.len())].iter().any(|s| {
-            now &= on(s, healthy);
-            later &= on(s, alive);
-            now == 0 && later != 0
-        })
-    })
 }
 
 /// The mirror's health as its stripes say (see [`keep_health`]).
