@@ -21,6 +21,11 @@ pub(super) fn file_device(dir: &Path, name: &str) -> Arc<Device> {
     Arc::new(Device::open(&dir.join(name), &opts).unwrap())
 }
 
+/// Three file devices in `dir` (a, b, c).
+pub(super) fn three_devices(dir: &Path) -> Vec<Arc<Device>> {
+    ["a", "b", "c"].map(|n| file_device(dir, n)).to_vec()
+}
+
 /// Leg 0 on device 0 at 1 MiB; leg 1 on device 1 in two pieces (at 1 MiB and 9 MiB), so
 /// requests can straddle a piece boundary.
 pub(super) fn spec(dir: &Path, devices: Vec<Arc<Device>>, synced1: bool) -> MirrorSpec {

@@ -1,7 +1,7 @@
 //! A flush one leg fails and another takes: the leg is marked stale only in the regions
 //! written since the flush before (what it may lose at a power cut), not everywhere.
 
-use super::tests::{errno_rule, file_device, legs_of, run, setup, wait_until, MIB};
+use super::tests::{errno_rule, legs_of, run, setup, three_devices, wait_until, MIB};
 use super::*;
 use spool_devices::{DeviceIo, FaultOps};
 
@@ -131,11 +131,7 @@ fn a_flush_retried_after_the_only_current_leg_missed_one_fails_again() {
 #[test]
 fn a_flush_missed_by_one_device_of_a_leg_holds_where_the_leg_is_on_another() {
     let d = tempfile::tempdir().unwrap();
-    let devs = vec![
-        file_device(d.path(), "a"),
-        file_device(d.path(), "b"),
-        file_device(d.path(), "c"),
-    ];
+    let devs = three_devices(d.path());
     let mut s = super::tests::spec(d.path(), devs.clone(), true);
     s.legs[1].pieces[1].device = 2;
     s.legs[1].pieces[1].offset = MIB;

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
 
-use super::tests::{file_device, leg_bytes, spec, wait_until, MIB};
+use super::tests::{file_device, leg_bytes, spec, three_devices, wait_until, MIB};
 use super::*;
 use spool_devices::DeviceIo;
 
@@ -148,11 +148,7 @@ fn a_piece_read_before_the_mirror_stopped_is_not_written_after() {
 #[test]
 fn a_mirror_reopened_without_a_leg_ends_the_previous_ones_thread() {
     let d = tempfile::tempdir().unwrap();
-    let devs = vec![
-        file_device(d.path(), "a"),
-        file_device(d.path(), "b"),
-        file_device(d.path(), "c"),
-    ];
+    let devs = three_devices(d.path());
     let two = spec(d.path(), devs.clone(), true);
     let mut three = spec(d.path(), devs.clone(), true);
     let mut leg = three.legs[0].clone();

@@ -427,11 +427,7 @@ fn a_request_across_regions_current_on_different_legs_is_served() {
 #[test]
 fn legs_that_swap_devices_make_the_mirror_wait_while_one_resets() {
     let d = tempfile::tempdir().unwrap();
-    let devs = vec![
-        file_device(d.path(), "a"),
-        file_device(d.path(), "b"),
-        file_device(d.path(), "c"),
-    ];
+    let devs = three_devices(d.path());
     let mut s = spec(d.path(), devs.clone(), true);
     let half = SIZE / 2;
     let piece = |logical, device, offset| LegPiece {
@@ -472,11 +468,7 @@ fn legs_that_swap_devices_make_the_mirror_wait_while_one_resets() {
 #[test]
 fn a_write_with_no_leg_usable_over_its_regions_waits_for_the_device() {
     let d = tempfile::tempdir().unwrap();
-    let devs = vec![
-        file_device(d.path(), "a"),
-        file_device(d.path(), "b"),
-        file_device(d.path(), "c"),
-    ];
+    let devs = three_devices(d.path());
     let mut s = spec(d.path(), devs.clone(), true);
     let half = SIZE / 2;
     let piece = |logical, len, device, offset| LegPiece {
