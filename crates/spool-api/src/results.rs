@@ -304,6 +304,9 @@ pub enum HealthEventKind {
     /// A volume being sent to another host (device: the volume's UUID, path: the
     /// destination's URI): copying (at every quarter), current, disconnected, waiting.
     Send,
+    /// A standing replica here (device: the volume's UUID, path: its primary's address):
+    /// complete, promoted (docs/replicas.md).
+    Replica,
 }
 
 impl HealthEventKind {

@@ -76,6 +76,8 @@ pub struct Daemon {
     replica_holds: Mutex<BTreeMap<Uuid, spool_frontend::AdmissionHold>>,
     /// Replications started here whose destination was not yet told the copy is current.
     replicating: Mutex<BTreeMap<Uuid, replica::Replicating>>,
+    /// When each volume's copy on another host was last seen current (Unix seconds).
+    last_current: Mutex<BTreeMap<Uuid, f64>>,
     /// When this worker started (the I/O counters' epoch).
     started: std::time::Instant,
 }
@@ -170,6 +172,7 @@ impl Daemon {
             transfer_at: std::sync::OnceLock::new(),
             replica_holds: Mutex::new(BTreeMap::new()),
             replicating: Mutex::new(BTreeMap::new()),
+            last_current: Mutex::new(BTreeMap::new()),
             started: std::time::Instant::now(),
             stopping: AtomicBool::new(false),
             cfg,

@@ -27,6 +27,20 @@ pub struct Snapshot {
     pub devices: Vec<DeviceHealthReport>,
     pub status: Status,
     pub space: Space,
+    pub replication: Vec<Replication>,
+}
+
+/// A volume's replication (docs/replicas.md): a replica here, or one sent elsewhere.
+#[derive(Debug, Clone, Default)]
+pub struct Replication {
+    pub volume: String,
+    /// A replica of another host's: whether its primary said it is complete.
+    pub replica: Option<bool>,
+    /// The epoch it is served under here.
+    pub epoch: u64,
+    /// Its copy on another host: bytes that copy still lacks, whether it is current, and
+    /// when it was last seen current (Unix seconds; 0: not since this worker started).
+    pub send: Option<(u64, bool, f64)>,
 }
 
 /// The pool's space, and each thin volume's (docs/thin.md).
@@ -409,11 +423,56 @@ impl Snapshot {
     }
 }
 
+/// A replication row's value for one metric, if it has one.
+type RowOf = dyn Fn(&Replication) -> Option<f64>;
+
+impl Snapshot {
+    fn encode_replication(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+        let rows = |f: &RowOf| {
+            (self.replication.iter())
+                .filter_map(|r| Some((vec![("volume", r.volume.clone())], f(r)?)))
+                .collect::<Vec<_>>()
+        };
+        let families: [(&str, &str, &RowOf); 5] = [
+            (
+                "spool_volume_replica_complete",
+                "On a replica of another host's volume (which runs no VM until promoted): 1 once its primary said the copy here is complete.",
+                &|r| r.replica.map(|c| c as u8 as f64),
+            ),
+            (
+                "spool_volume_epoch",
+                "The epoch a replica, or a volume promoted from one, is served under here.",
+                &|r| Some(r.epoch as f64),
+            ),
+            (
+                "spool_volume_send_behind_bytes",
+                "Bytes the volume's copy on another host still lacks.",
+                &|r| r.send.map(|s| s.0 as f64),
+            ),
+            (
+                "spool_volume_send_current",
+                "1 while the volume's copy on another host holds every write completed here.",
+                &|r| r.send.map(|s| s.1 as u8 as f64),
+            ),
+            (
+                "spool_volume_send_last_current_timestamp_seconds",
+                "When the volume's copy on another host was last seen current (Unix time; 0: not since this worker started).",
+                &|r| r.send.map(|s| s.2),
+            ),
+        ];
+        for (name, help, f) in families {
+            gauges(enc, name, help, rows(f))?;
+        }
+        Ok(())
+    }
+}
+
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         self.encode_volumes(&mut enc)?;
         self.encode_devices(&mut enc)?;
         self.encode_space(&mut enc)?;
+        self.encode_replication(&mut enc)?;
         self.encode_restarts(&mut enc)
     }
 }
@@ -503,5 +562,54 @@ fn answer(
         ),
         (tiny_http::Method::Get, _) => (404, "not found: try /metrics\n".into(), text),
         _ => (405, "only GET is served\n".into(), text),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::StateFormat;
+
+    /// A replica's row says complete and epoch; a sent volume's says how far behind its copy
+    /// is, whether it is current and when it last was; volumes with neither have no row.
+    #[test]
+    fn replication_rows_show_each_side() {
+        let status = Status {
+            pid: 1,
+            version: "0".into(),
+            binary: None,
+            keeper: None,
+            start_phases: Vec::new(),
+            first_io_after_restart_ms: None,
+            last_restart: None,
+            state_format: StateFormat { session: 1 },
+        };
+        let row = |volume: &str, replica, epoch, send| Replication {
+            volume: volume.into(),
+            replica,
+            epoch,
+            send,
+        };
+        let text = render(Snapshot {
+            volumes: Vec::new(),
+            devices: Vec::new(),
+            status,
+            space: Space::default(),
+            replication: vec![
+                row("r", Some(true), 3, None),
+                row("p", None, 0, Some((4096, false, 1700000000.5))),
+            ],
+        });
+        for line in [
+            "spool_volume_replica_complete{volume=\"r\"} 1",
+            "spool_volume_epoch{volume=\"r\"} 3",
+            "spool_volume_epoch{volume=\"p\"} 0",
+            "spool_volume_send_behind_bytes{volume=\"p\"} 4096",
+            "spool_volume_send_current{volume=\"p\"} 0",
+            "spool_volume_send_last_current_timestamp_seconds{volume=\"p\"} 1700000000.5",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+        assert!(!text.contains("spool_volume_replica_complete{volume=\"p\"}"));
     }
 }

@@ -88,6 +88,11 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    let events = b
+        .rpc("events_list", serde_json::json!({"since": 0}))
+        .unwrap()
+        .to_string();
+    assert!(events.contains("the replica here is complete"), "{events}");
     let e = ctl_err(&b, &["volume", "promote", "nope"]);
     assert!(e.contains("nope"), "{e}");
 
@@ -145,6 +150,11 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
         );
     }
     assert!(ctl_err(&b, &["volume", "promote", "v"]).contains("not a replica"));
+    let events = b
+        .rpc("events_list", serde_json::json!({"since": 0}))
+        .unwrap()
+        .to_string();
+    assert!(events.contains("promoted here at epoch 1"), "{events}");
 
     // A hello from the old primary's epoch is fenced off; a later epoch's is taken.
     ctl(

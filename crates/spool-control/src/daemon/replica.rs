@@ -95,8 +95,14 @@ impl Daemon {
         if let Some(r) = self.stop_receiving(v.uuid, "the replica was promoted") {
             tracing::info!(volume = %v.name, written = r.written, "the primary's transfer ended for the promotion");
         }
+        let primary = v
+            .replica
+            .as_ref()
+            .map_or(String::new(), |r| r.primary.clone());
         let v = self.pool().promote(&p.id, p.force)?;
         self.release_replica(&v);
+        let why = format!("volume {}: promoted here at epoch {}", v.name, v.epoch);
+        self.monitor.note(v.uuid, &primary, "replica", why);
         Ok(self.volume_view(v))
     }
 }
@@ -195,5 +201,43 @@ impl Daemon {
                 false
             }
         }
+    }
+}
+
+impl Daemon {
+    /// Each volume's replication, for the metrics endpoint.
+    pub(crate) fn replication(&self) -> Vec<crate::metrics::Replication> {
+        let volumes = self.pool().volumes();
+        let seen = self
+            .last_current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut rows = Vec::new();
+        for v in volumes {
+            let send = self.sending(&v).map(|s| {
+                let at = seen.get(&v.uuid).copied().unwrap_or(0.0);
+                (s.remaining_bytes, s.state == "current", at)
+            });
+            if v.replica.is_none() && v.epoch == 0 && send.is_none() {
+                continue;
+            }
+            rows.push(crate::metrics::Replication {
+                volume: v.name.clone(),
+                replica: v.replica.as_ref().map(|r| r.complete),
+                epoch: v.epoch,
+                send,
+            });
+        }
+        rows
+    }
+
+    /// Volume `v`'s copy elsewhere was seen current now (from the mirror settler).
+    pub(super) fn seen_current(&self, v: &VolumeInfo) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let mut seen = self.last_current.lock().unwrap_or_else(|p| p.into_inner());
+        seen.insert(v.uuid, now);
     }
 }

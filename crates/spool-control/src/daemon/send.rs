@@ -168,7 +168,12 @@ impl Daemon {
             }
         }
         seen.retain(|u, _| sending.iter().any(|(v, _)| v.uuid == *u));
+        (self.last_current.lock().unwrap_or_else(|p| p.into_inner()))
+            .retain(|u, _| sending.iter().any(|(v, _)| v.uuid == *u));
         for (v, s) in sending {
+            if s.state == "current" {
+                self.seen_current(&v);
+            }
             if !self.servers().contains_key(&v.uuid) {
                 continue;
             }

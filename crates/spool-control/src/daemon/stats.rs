@@ -154,6 +154,7 @@ impl Daemon {
             devices,
             status: self.status_now(),
             space: self.space(),
+            replication: self.replication(),
         }
     }
 }

@@ -236,7 +236,10 @@ impl Daemon {
         if let Some(uuid) = answered {
             // A replica's sender says its copy here became current.
             if h.current {
-                (self.pool().replica_complete(&uuid.to_string())).map_err(RpcError::from)?;
+                let v =
+                    (self.pool().replica_complete(&uuid.to_string())).map_err(RpcError::from)?;
+                let why = format!("volume {}: the replica here is complete", v.name);
+                self.monitor.note(v.uuid, &peer.to_string(), "replica", why);
             }
             // Said hello again (a send resumed): the same export while it runs.
             let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
