@@ -93,7 +93,8 @@ pub struct SendInfo {
     pub to: String,
     /// "copying", "current" (every write completed here is there too), "disconnected"
     /// (the link is down while copying), "waiting" (the link is down and the copy there was
-    /// current: the volume's requests wait until it is back, or `cancel`), "cancelled" or
+    /// current: the volume's requests wait until it is back, or `cancel`), "fenced" (a
+    /// replica there was promoted: the volume's writes fail here), "cancelled" or
     /// "finished" (the volume here was deleted).
     pub state: String,
     /// The copy there was complete at least once (the pool table says so).
@@ -209,4 +210,8 @@ pub struct TransferReply {
     pub proof: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// With `error`: the destination promoted its replica of the volume at this epoch,
+    /// above the sender's, which is fenced off it (docs/replicas.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<u64>,
 }

@@ -28,6 +28,36 @@ fn submit_round(c: &mut Client_, round: u64) {
     }
 }
 
+/// Replicates volume v from `a` to `b` (expecting it) through listener `to`, and waits until
+/// `a` says its copy there is current and `b` records its replica complete.
+fn replicate_until_complete(a: &Spoold, b: &Spoold, to: &str) {
+    let args = [
+        "volume",
+        "replicate",
+        "v",
+        "--to",
+        to,
+        "--token",
+        TOKEN,
+        "--wait",
+    ];
+    let out = ctl(a, &args);
+    assert!(out.contains("current"), "{out}");
+    let t0 = std::time::Instant::now();
+    loop {
+        let show = ctl(b, &["volume", "show", "v"]);
+        if show.contains("replica of v on 127.0.0.1 (epoch 0, complete)") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{show}\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Completions on queue 0 within `wait` (none: every request still waits).
 fn completions_within(c: &mut Client_, wait: Duration) -> usize {
     let mut comps: Vec<MaybeUninit<Completion>> =
@@ -60,34 +90,7 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
     // The expectation outlives B's worker (kept with the keeper).
     b.kill_worker();
     b.status();
-    let out = ctl(
-        &a,
-        &[
-            "volume",
-            "replicate",
-            "v",
-            "--to",
-            &to,
-            "--token",
-            TOKEN,
-            "--wait",
-        ],
-    );
-    assert!(out.contains("current"), "{out}");
-    // A tells B once its copy is current: B records the replica complete.
-    let t0 = std::time::Instant::now();
-    loop {
-        let show = ctl(&b, &["volume", "show", "v"]);
-        if show.contains("replica of v on 127.0.0.1 (epoch 0, complete)") {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{show}\n{}",
-            a.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    replicate_until_complete(&a, &b, &to);
     let events = b
         .rpc("events_list", serde_json::json!({"since": 0}))
         .unwrap()
@@ -194,4 +197,44 @@ fn a_promoted_replica_holds_every_write_its_dead_primary_acknowledged() {
     );
     let send = ctl(&a, &["volume", "send", "v"]);
     assert!(send.contains("waiting"), "{send}");
+}
+
+/// B promoted while A still runs (an operator's mistake, or a partition that left the
+/// listener reachable): A's writes wait for B, A asks B's listener, learns it is fenced off
+/// and fails them; its reads go on. A's worker restarted (the token kept with its keeper)
+/// learns it again.
+#[test]
+fn a_running_primary_is_fenced_off_when_its_replica_is_promoted() {
+    let a = Spoold::start(CONFIG);
+    let b = Spoold::start(LISTENING);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+    ctl(
+        &b,
+        &["volume", "receive", "v", "--token", TOKEN, "--replica"],
+    );
+    replicate_until_complete(&a, &b, &to);
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    c.hang_after = Duration::from_secs(30);
+    let data = pattern(1, 0, BS);
+    assert_eq!(c.write_sync(0, 0, &data), 0);
+    ctl(&b, &["volume", "promote", "v"]);
+    let fenced = |c: &mut Client_| {
+        let r = c.write_sync(0, BS as u64, &pattern(2, BS as u64, BS));
+        assert_ne!(r, 0, "a fenced-off primary completed a write");
+        let (r, back) = c.read_sync(0, 0, BS);
+        assert_eq!(r, 0, "reads go on");
+        assert!(back == data);
+    };
+    fenced(&mut c);
+    let send = ctl(&a, &["volume", "send", "v"]);
+    assert!(send.contains("fenced off"), "{send}");
+    let events = (a
+        .rpc("events_list", serde_json::json!({"since": 0}))
+        .unwrap())
+    .to_string();
+    assert!(events.contains("promoted on 127.0.0.1"), "{events}");
+    // A new worker learns it again (writes wait until it does, then fail).
+    a.kill_worker();
+    a.status();
+    fenced(&mut c);
 }

@@ -34,6 +34,8 @@ mod tests;
 #[cfg(test)]
 mod tests_copy;
 #[cfg(test)]
+mod tests_fence;
+#[cfg(test)]
 mod tests_flush;
 #[cfg(test)]
 mod tests_misses;
@@ -439,6 +441,21 @@ impl Mirror {
     /// The identity of leg `slot` as this mirror was built (`None`: no such leg).
     pub fn leg_id(&self, slot: u8) -> Option<u64> {
         self.shared.leg(slot).map(|l| l.id)
+    }
+
+    /// Fences the volume off: its copy elsewhere was promoted there (docs/replicas.md), so
+    /// no write may complete here any more. Writes, write-zeroes and flushes fail at once
+    /// (`EROFS`), those waiting for the copy elsewhere too; reads go on. Kept by the
+    /// mirrors that reuse these regions (a grow, a copy changed) until the volume closes.
+    pub fn fence(&self) {
+        if !self.shared.regions.fenced.swap(true, Ordering::AcqRel) {
+            tracing::error!(mirror = %self.shared.spec.name, "the volume was promoted on another host: its writes fail here from now on");
+        }
+    }
+
+    /// Whether the volume is fenced off ([`Mirror::fence`]).
+    pub fn fenced(&self) -> bool {
+        self.shared.regions.fenced.load(Ordering::Acquire)
     }
 
     /// Whether leg `slot` holds a complete, current copy (present, nothing stale).

@@ -427,6 +427,15 @@ impl DeviceQueue for MirrorQueue {
             self.in_flight -= 1;
             return self.finish_now(tag, -libc::EINVAL);
         }
+        let fenced = self
+            .shared
+            .regions
+            .fenced
+            .load(std::sync::atomic::Ordering::Acquire);
+        if kind != Kind::Read && fenced {
+            self.in_flight -= 1;
+            return self.finish_now(tag, -libc::EROFS);
+        }
         let regions = self.shared.regions.span(offset, len);
         let i = self.new_op(Op {
             tag,

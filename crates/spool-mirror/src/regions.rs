@@ -56,6 +56,8 @@ pub(crate) struct Regions {
     /// Per slot, the id of the far leg there that has held a complete copy (0: none): kept
     /// across the reopens a link's coming and going makes (see `LegSpec::far`).
     pub(crate) required_ids: [AtomicU64; MAX_LEGS],
+    /// The volume was promoted elsewhere ([`crate::Mirror::fence`]): writes fail here.
+    pub(crate) fenced: std::sync::atomic::AtomicBool,
     /// The completion events of queues with writes waiting for the copy to let a region
     /// go ([`Regions::wait_for_copy`]), signalled by [`Regions::release_copy`].
     wakers: std::sync::Mutex<Vec<std::sync::Weak<std::fs::File>>>,
@@ -75,6 +77,7 @@ impl Regions {
             stale: Default::default(),
             out_of_sync: AtomicU64::new(0),
             required_ids: Default::default(),
+            fenced: Default::default(),
             wakers: Default::default(),
         }
     }

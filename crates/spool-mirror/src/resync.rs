@@ -166,7 +166,13 @@ fn keep_health(shared: &Shared) {
         HealthState::Healthy if waiting::stripes(shared, healthy) => HealthState::Resetting,
         // A copy elsewhere that was current cannot take writes (its link is down): every
         // request waits until it can, or until the operator drops it.
-        HealthState::Healthy if required & !shared.writable() != 0 => HealthState::Resetting,
+        // (Fenced off, nothing waits for it: its writes fail.)
+        HealthState::Healthy
+            if required & !shared.writable() != 0
+                && !shared.regions.fenced.load(Ordering::Acquire) =>
+        {
+            HealthState::Resetting
+        }
         h => h,
     };
     let state = cell.state();

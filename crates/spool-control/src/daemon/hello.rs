@@ -177,6 +177,12 @@ impl Daemon {
             .map_err(|e| fail(format!("no answer ({e})")))?;
         let reply: TransferReply =
             serde_json::from_str(&answer).map_err(|e| fail(format!("a bad answer ({e})")))?;
+        if let Some(epoch) = reply.fenced {
+            return Err(RpcError::Fenced {
+                volume: v.name.clone(),
+                epoch,
+            });
+        }
         match (reply.nbd, reply.proof, reply.error) {
             (Some(uri), Some(p), None)
                 if (uri.starts_with("nbd://") || uri.starts_with("nbds://"))

@@ -225,7 +225,7 @@ impl Daemon {
                     d.reconnect_remotes();
                     d.report_mirrors(&mut seen);
                     d.report_sends(&mut sends);
-                    d.tell_replicas_current();
+                    d.watch_replications();
                     d.report_thin_space(&mut space);
                 }
             });

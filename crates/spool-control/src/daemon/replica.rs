@@ -27,10 +27,19 @@ use crate::rpc::{MethodTable, RpcError};
 pub(super) struct Replicating {
     to: String,
     token: String,
+    /// The destination was told the copy is current.
+    #[serde(default)]
+    told: bool,
     /// Telling it failed once (said in the log once).
     #[serde(skip)]
     warned: bool,
+    /// When it was last asked whether it promoted its copy (while the link is down).
+    #[serde(skip)]
+    asked: Option<std::time::Instant>,
 }
+
+/// How often a primary whose replica is away asks its host whether it promoted it.
+const ASK_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Where the keeper keeps each replication to tell (`replicate/UUID`).
 const KEPT_PREFIX: &str = "replicate/";
@@ -91,7 +100,8 @@ impl Daemon {
         let v = self.pool().volume(&p.id)?;
         // Refused before anything ends.
         self.pool().check_promotable(&p.id, p.force)?;
-        self.forget_expected(&v.name);
+        // The expectation stays: a later hello of the old primary's (its token) is told it
+        // is fenced off.
         if let Some(r) = self.stop_receiving(v.uuid, "the replica was promoted") {
             tracing::info!(volume = %v.name, written = r.written, "the primary's transfer ended for the promotion");
         }
@@ -114,7 +124,9 @@ impl Daemon {
         let r = Replicating {
             to: to.into(),
             token: token.into(),
+            told: false,
             warned: false,
+            asked: None,
         };
         self.keep_replication(v.uuid, &r);
         let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
@@ -147,9 +159,12 @@ impl Daemon {
         }
     }
 
-    /// Tells each replica's host whose copy is current now that it is complete (from the
-    /// mirror settler); a replication whose volume is gone, or no longer sent, is dropped.
-    pub(super) fn tell_replicas_current(&self) {
+    /// Watches each replication started here (from the mirror settler): a replica's host
+    /// whose copy became current is told so (once); while the link is down and writes
+    /// wait, the host is asked every [`ASK_EVERY`] whether it promoted its copy, and if it
+    /// did, the volume is fenced off here (its writes fail). A replication whose volume is
+    /// gone, or no longer sent, is dropped.
+    pub(super) fn watch_replications(&self) {
         let volumes: Vec<Uuid> = {
             let all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
             all.keys().copied().collect()
@@ -161,44 +176,82 @@ impl Daemon {
                 .ok()
                 .and_then(|v| self.sending(v))
                 .map(|s| s.state);
-            let told = match (&v, state.as_deref()) {
+            match (&v, state.as_deref()) {
                 (Ok(v), Some("current")) => self.tell_current(v),
-                (Ok(_), Some(_)) => false,
-                _ => true,
-            };
-            if told {
-                self.replicating
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&uuid);
-                if let Some(s) = &self.store {
-                    let _ = s.remove(&format!("{KEPT_PREFIX}{uuid}"));
-                }
+                (Ok(v), Some("waiting")) => self.ask_if_promoted(v),
+                (Ok(_), Some(_)) => {}
+                _ => self.forget_replication(uuid),
             }
         }
     }
 
-    /// Says hello again to `v`'s replica's host: its copy is current. Whether it took it.
-    fn tell_current(&self, v: &VolumeInfo) -> bool {
-        let (to, token) = {
-            let all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
-            match all.get(&v.uuid) {
-                Some(r) => (r.to.clone(), r.token.clone()),
-                None => return true,
-            }
+    fn forget_replication(&self, uuid: Uuid) {
+        (self.replicating.lock().unwrap_or_else(|p| p.into_inner())).remove(&uuid);
+        if let Some(s) = &self.store {
+            let _ = s.remove(&format!("{KEPT_PREFIX}{uuid}"));
+        }
+    }
+
+    /// The listener and token of `v`'s replication, if `due` says it is to be asked now.
+    fn replication_due(
+        &self,
+        v: &VolumeInfo,
+        due: impl FnOnce(&mut Replicating) -> bool,
+    ) -> Option<(String, String)> {
+        let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+        let r = all.get_mut(&v.uuid)?;
+        due(r).then(|| (r.to.clone(), r.token.clone()))
+    }
+
+    /// Says hello again to `v`'s replica's host: its copy is current (once).
+    fn tell_current(&self, v: &VolumeInfo) {
+        let Some((to, token)) = self.replication_due(v, |r| !r.told) else {
+            return;
         };
-        match self.say_hello(&to, &token, v, (true, true)) {
+        let told = self.say_hello(&to, &token, v, (true, true));
+        let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(r) = all.get_mut(&v.uuid) else {
+            return;
+        };
+        match told {
             Ok(_) => {
                 tracing::info!(volume = %v.name, %to, "the replica there is told its copy is complete");
-                true
+                r.told = true;
+                self.keep_replication(v.uuid, r);
             }
-            Err(e) => {
-                let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(r) = all.get_mut(&v.uuid).filter(|r| !r.warned) {
-                    r.warned = true;
-                    tracing::warn!(volume = %v.name, %to, "cannot tell the replica there its copy is complete (tried again every half second): {e}");
+            Err(e) if !r.warned => {
+                r.warned = true;
+                tracing::warn!(volume = %v.name, %to, "cannot tell the replica there its copy is complete (tried again every half second): {e}");
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Asks `v`'s replica's host (its link down, `v`'s writes waiting) whether it promoted
+    /// its copy; fences `v` off here if it did.
+    fn ask_if_promoted(&self, v: &VolumeInfo) {
+        let now = std::time::Instant::now();
+        let due = |r: &mut Replicating| {
+            let due = r.asked.is_none_or(|t| now.duration_since(t) >= ASK_EVERY);
+            if due {
+                r.asked = Some(now);
+            }
+            due
+        };
+        let Some((to, token)) = self.replication_due(v, due) else {
+            return;
+        };
+        if let Err(RpcError::Fenced { epoch, .. }) = self.say_hello(&to, &token, v, (true, false)) {
+            let mirror = self.pool().mirror(&v.uuid.to_string());
+            if let Ok(Some(m)) = mirror {
+                if !m.fenced() {
+                    m.fence();
+                    let why = format!(
+                        "volume {}: promoted on {to} at epoch {epoch}; fenced off here, its writes fail",
+                        v.name
+                    );
+                    self.monitor.note(v.uuid, &to, "send", why);
                 }
-                false
             }
         }
     }

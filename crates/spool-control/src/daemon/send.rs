@@ -134,7 +134,10 @@ impl Daemon {
             .and_then(|m| m.legs.iter().find(|l| l.slot == leg.slot));
         let cut_off = leg.remote_trouble.is_some()
             || here.is_some_and(|l| matches!(l.state.as_str(), "missing" | "unusable"));
+        let mirror = self.pool().mirror(&v.uuid.to_string());
+        let fenced = mirror.ok().flatten().is_some_and(|m| m.fenced());
         let state = match (&leg.remote_trouble, here.map(|l| l.state.as_str())) {
+            _ if fenced => "fenced",
             _ if cut_off && here.is_some_and(|l| l.required) => "waiting",
             (Some(_), _) => "disconnected",
             // Current once required too: from then on no write completes without it.
@@ -229,6 +232,10 @@ fn line_of(s: &SendInfo) -> String {
             s.to,
             s.trouble.as_deref().unwrap_or("no link"),
             s.volume
+        ),
+        "fenced" => format!(
+            "{}: the copy on {} was promoted there: fenced off, its writes fail here",
+            s.volume, s.to
         ),
         state => format!("{}: {state} on {}", s.volume, s.to),
     }

@@ -29,7 +29,7 @@ use crate::rpc::RpcError;
 /// A volume a sender may send here, with its token (`volume receive NAME --token`), and
 /// the volume a hello was answered for: a later hello with the token gets the same export
 /// while that transfer runs, and nothing once it has ended.
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct Expected {
     volume: String,
     token: String,
@@ -221,18 +221,14 @@ impl Daemon {
             return Err(Refused::NoListener);
         }
         check_fresh(h, nonce)?;
-        let (token, answered, max_size, replica) = {
-            let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
-            let e = expected
-                .iter()
-                .find(|e| e.volume == h.volume && hello_proved_by(&e.token, h));
-            // The same answer for an unknown volume and a wrong token: no oracle.
-            let Some(e) = e else {
-                return Err(Refused::NotExpected(h.volume.clone()));
-            };
-            (e.token.clone(), e.answered, e.max_size, e.replica)
-        };
+        let e = self.expected_for(h)?;
+        let (token, answered, max_size, replica) = (e.token, e.answered, e.max_size, e.replica);
         check_role(replica, h)?;
+        // Promoted here since that sender's epoch: it is fenced off (docs/replicas.md).
+        let found = self.pool().volume(&h.volume);
+        if let Some(v) = found.ok().filter(|v| v.epoch > h.epoch) {
+            return Err(Refused::Fenced(v.name, v.epoch));
+        }
         if let Some(uuid) = answered {
             // A replica's sender says its copy here became current.
             if h.current {
@@ -287,6 +283,19 @@ impl Daemon {
             self.keep_expected(e);
         }
         Ok((info.uri, token))
+    }
+
+    /// The expectation hello `h` proves its token for.
+    fn expected_for(&self, h: &TransferHello) -> Result<Expected, Refused> {
+        let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        let e = expected
+            .iter()
+            .find(|e| e.volume == h.volume && hello_proved_by(&e.token, h));
+        // The same answer for an unknown volume and a wrong token: no oracle.
+        let Some(e) = e else {
+            return Err(Refused::NotExpected(h.volume.clone()));
+        };
+        Ok(e.clone())
     }
 
     /// The volume a hello names: created as the sender has it if it does not exist (an
@@ -476,6 +485,8 @@ enum Refused {
     ReplicaExpected(String),
     #[error("volume '{0}' is expected here for one transfer, not as a replica: `spoolctl volume receive {0} --token TOKEN --replica` on this host expects a replica")]
     ReplicaNotExpected(String),
+    #[error("volume '{0}' here was promoted (epoch {1}): a sender at a lower epoch is behind it and may not write it")]
+    Fenced(String, u64),
     /// Creating, checking or exporting the volume failed.
     #[error(transparent)]
     Volume(#[from] RpcError),
@@ -517,6 +528,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
     if s.send(&challenge).is_err() {
         return;
     }
+    let mut fenced = None;
     let (nbd, proof, error) = match s.line(HELLO_WAIT).map(|l| parse_hello(&l)) {
         Err(e) => (None, None, format!("no hello ({e})")),
         Ok(Err(why)) => (None, None, why.to_string()),
@@ -534,6 +546,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
                         nbd: Some(uri),
                         proof: Some(proof),
                         error: None,
+                        fenced: None,
                     });
                     return;
                 }
@@ -541,6 +554,9 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
                     // The reason may quote the peer's words: escaped, as the name is.
                     let why = e.to_string();
                     tracing::warn!(volume = ?h.volume, %peer, why = ?why, "a transfer hello was refused");
+                    if let Refused::Fenced(_, epoch) = e {
+                        fenced = Some(epoch);
+                    }
                     (None, None, why)
                 }
             }
@@ -550,6 +566,7 @@ fn hello(s: TcpStream, peer: IpAddr, weak: std::sync::Weak<Daemon>) {
         nbd,
         proof,
         error: Some(error),
+        fenced,
     });
 }
 

@@ -34,6 +34,9 @@ pub enum RpcError {
     Keeper(std::io::Error),
     #[error("spoold is stopping: it takes no more requests")]
     Stopping,
+    /// The other host promoted its replica of the volume (docs/replicas.md).
+    #[error("volume '{volume}' was promoted on the other host (epoch {epoch}): this host is fenced off it, and its writes fail here")]
+    Fenced { volume: String, epoch: u64 },
 }
 
 impl RpcError {
@@ -51,6 +54,7 @@ impl RpcError {
             | RpcError::Quarantined { .. }
             | RpcError::NotServed(_)
             | RpcError::Health(_)
+            | RpcError::Fenced { .. }
             | RpcError::NoKeeper
             | RpcError::Keeper(_)
             | RpcError::Stopping => -32000,

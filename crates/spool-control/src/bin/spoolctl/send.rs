@@ -45,6 +45,9 @@ pub fn line(s: &api::SendInfo) -> String {
             s.volume
         ),
         "finished" => ": the volume here is deleted".into(),
+        "fenced" => ": the copy there was promoted, so this host is fenced off the volume: \
+                     its writes fail here (docs/replicas.md)"
+            .into(),
         "cancelled" => {
             ": the volume here is as it was; what the other host received stays there".into()
         }
