@@ -238,3 +238,55 @@ fn a_running_primary_is_fenced_off_when_its_replica_is_promoted() {
     a.status();
     fenced(&mut c);
 }
+
+/// The features stacked on a replica: an encrypted thin volume replicates as ciphertext to a
+/// host with the same key-encryption key, created there thin (its holes stay holes), and
+/// B's promotion after A dies serves what A's client wrote.
+#[test]
+fn an_encrypted_thin_replica_takes_over_with_its_holes() {
+    let keyed = |config: &str| {
+        let mut d = Spoold::prepared(&format!("[encryption]\nkey_file = \"@DIR@/kek\"\n{config}"));
+        common::write_key(&d.dir.path().join("kek"), 0x33);
+        d.spawn();
+        d
+    };
+    let mut a = keyed(&CONFIG.replace(
+        "num_queues = 1",
+        "num_queues = 1\nthin = true\nencrypt = true",
+    ));
+    let b = keyed(LISTENING);
+    let to = format!("127.0.0.1:{}", transfer_port(&b));
+    let mut c = connect(&a.socket("v"), 1, false).unwrap();
+    let at = 5 * BS as u64 * 16;
+    let data = pattern(7, at, 4 * BS);
+    assert_eq!(c.write_sync(0, at, &data), 0);
+    ctl(
+        &b,
+        &["volume", "receive", "v", "--token", TOKEN, "--replica"],
+    );
+    replicate_until_complete(&a, &b, &to);
+    let show = ctl(&b, &["volume", "show", "v"]);
+    assert!(show.contains("encryption: aes-xts-plain64"), "{show}");
+    let mapped = |d: &Spoold| {
+        d.rpc("volume_show", serde_json::json!({"id": "v"}))
+            .unwrap()["thin"]["mapped"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(mapped(&b), mapped(&a), "B's copy allocated A's holes");
+    // A hole reads as zeroes decrypt to (docs/encryption.md): the same noise on both hosts.
+    let hole = c.read_sync(0, 8 << 20, BS).1;
+    // One more write acknowledged, then A dies.
+    let more = pattern(8, 0, BS);
+    assert_eq!(c.write_sync(0, 0, &more), 0);
+    drop(c);
+    a.kill_all();
+    ctl(&b, &["volume", "promote", "v"]);
+    let mut c = connect(&b.socket("v"), 1, false).unwrap();
+    assert!(c.read_sync(0, 0, BS).1 == more);
+    assert!(c.read_sync(0, at, 4 * BS).1 == data);
+    assert!(
+        c.read_sync(0, 8 << 20, BS).1 == hole,
+        "a hole reads as on A"
+    );
+}
