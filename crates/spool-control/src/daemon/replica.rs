@@ -12,6 +12,8 @@
 //! Must not know: the NBD protocol, the hello's proofs, the table's layout
 //! (`spool_pool::Pool::make_replica`, `replica_complete`, `promote`).
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use spool_frontend::AdmissionHold;
 use spool_pool::VolumeInfo;
@@ -33,9 +35,13 @@ pub(super) struct Replicating {
     /// Telling it failed once (said in the log once).
     #[serde(skip)]
     warned: bool,
-    /// When it was last asked whether it promoted its copy (while the link is down).
+    /// When it was last said hello to (told, or asked whether it promoted its copy while
+    /// the link is down).
     #[serde(skip)]
     asked: Option<std::time::Instant>,
+    /// A hello to it is under way.
+    #[serde(skip)]
+    busy: bool,
 }
 
 /// How often a primary whose replica is away asks its host whether it promoted it.
@@ -127,6 +133,7 @@ impl Daemon {
             told: false,
             warned: false,
             asked: None,
+            busy: false,
         };
         self.keep_replication(v.uuid, &r);
         let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
@@ -164,23 +171,56 @@ impl Daemon {
     /// wait, the host is asked every [`ASK_EVERY`] whether it promoted its copy, and if it
     /// did, the volume is fenced off here (its writes fail). A replication whose volume is
     /// gone, or no longer sent, is dropped.
-    pub(super) fn watch_replications(&self) {
+    pub(super) fn watch_replications(self: &Arc<Self>) {
         let volumes: Vec<Uuid> = {
             let all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
             all.keys().copied().collect()
         };
         for uuid in volumes {
             let v = self.pool().volume(&uuid.to_string());
-            let state = v
-                .as_ref()
-                .ok()
+            let state = (v.as_ref().ok())
                 .and_then(|v| self.sending(v))
                 .map(|s| s.state);
-            match (&v, state.as_deref()) {
-                (Ok(v), Some("current")) => self.tell_current(v),
-                (Ok(v), Some("waiting")) => self.ask_if_promoted(v),
-                (Ok(_), Some(_)) => {}
-                _ => self.forget_replication(uuid),
+            let (v, current) = match (v, state.as_deref()) {
+                (Ok(v), Some("current")) => (v, true),
+                (Ok(v), Some("waiting")) => (v, false),
+                (Ok(_), Some(_)) => continue,
+                _ => {
+                    self.forget_replication(uuid);
+                    continue;
+                }
+            };
+            let now = std::time::Instant::now();
+            let due = |r: &mut Replicating| {
+                let due = !r.busy
+                    && match current {
+                        true => !r.told,
+                        false => r.asked.is_none_or(|t| now.duration_since(t) >= ASK_EVERY),
+                    };
+                if due {
+                    r.busy = true;
+                    r.asked = Some(now);
+                }
+                due
+            };
+            let Some((to, token)) = self.replication_due(&v, due) else {
+                continue;
+            };
+            // Off the settler's thread: a listener that does not answer holds a hello for
+            // up to a minute, and the settler reconnects links meanwhile.
+            let d = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("replica-hello".into())
+                .spawn(move || {
+                    let res = d.say_hello(&to, &token, &v, (true, current));
+                    match current {
+                        true => d.told_current(&v, &to, res),
+                        false => d.asked_if_promoted(&v, &to, res),
+                    }
+                    d.replication_idle(v.uuid);
+                });
+            if spawned.is_err() {
+                self.replication_idle(uuid);
             }
         }
     }
@@ -189,6 +229,14 @@ impl Daemon {
         (self.replicating.lock().unwrap_or_else(|p| p.into_inner())).remove(&uuid);
         if let Some(s) = &self.store {
             let _ = s.remove(&format!("{KEPT_PREFIX}{uuid}"));
+        }
+    }
+
+    /// No hello to the replica's host of volume `uuid` is under way any more.
+    fn replication_idle(&self, uuid: Uuid) {
+        let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = all.get_mut(&uuid) {
+            r.busy = false;
         }
     }
 
@@ -203,12 +251,8 @@ impl Daemon {
         due(r).then(|| (r.to.clone(), r.token.clone()))
     }
 
-    /// Says hello again to `v`'s replica's host: its copy is current (once).
-    fn tell_current(&self, v: &VolumeInfo) {
-        let Some((to, token)) = self.replication_due(v, |r| !r.told) else {
-            return;
-        };
-        let told = self.say_hello(&to, &token, v, (true, true));
+    /// What `v`'s replica's host answered the hello saying its copy is current.
+    fn told_current(&self, v: &VolumeInfo, to: &str, told: Result<String, RpcError>) {
         let mut all = self.replicating.lock().unwrap_or_else(|p| p.into_inner());
         let Some(r) = all.get_mut(&v.uuid) else {
             return;
@@ -227,31 +271,21 @@ impl Daemon {
         }
     }
 
-    /// Asks `v`'s replica's host (its link down, `v`'s writes waiting) whether it promoted
-    /// its copy; fences `v` off here if it did.
-    fn ask_if_promoted(&self, v: &VolumeInfo) {
-        let now = std::time::Instant::now();
-        let due = |r: &mut Replicating| {
-            let due = r.asked.is_none_or(|t| now.duration_since(t) >= ASK_EVERY);
-            if due {
-                r.asked = Some(now);
-            }
-            due
-        };
-        let Some((to, token)) = self.replication_due(v, due) else {
+    /// What `v`'s replica's host answered when asked (its link down, `v`'s writes
+    /// waiting): `v` is fenced off here if the host promoted its copy.
+    fn asked_if_promoted(&self, v: &VolumeInfo, to: &str, asked: Result<String, RpcError>) {
+        let Err(RpcError::Fenced { epoch, .. }) = asked else {
             return;
         };
-        if let Err(RpcError::Fenced { epoch, .. }) = self.say_hello(&to, &token, v, (true, false)) {
-            let mirror = self.pool().mirror(&v.uuid.to_string());
-            if let Ok(Some(m)) = mirror {
-                if !m.fenced() {
-                    m.fence();
-                    let why = format!(
-                        "volume {}: promoted on {to} at epoch {epoch}; fenced off here, its writes fail",
-                        v.name
-                    );
-                    self.monitor.note(v.uuid, &to, "send", why);
-                }
+        let mirror = self.pool().mirror(&v.uuid.to_string());
+        if let Ok(Some(m)) = mirror {
+            if !m.fenced() {
+                m.fence();
+                let why = format!(
+                    "volume {}: promoted on {to} at epoch {epoch}; fenced off here, its writes fail",
+                    v.name
+                );
+                self.monitor.note(v.uuid, to, "send", why);
             }
         }
     }
