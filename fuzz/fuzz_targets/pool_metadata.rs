@@ -211,6 +211,14 @@ fn generated(b: &mut Bytes) -> PoolTable {
                 }),
                 _ => None,
             },
+            // A standing replica or a promoted volume (format version 11), well formed or
+            // not.
+            replica: (b.u8() % 4 == 0).then(|| spool_pool::metadata::ReplicaOf {
+                primary: ["10.0.0.1", "", "a b", "h\n"][(b.u8() % 4) as usize].into(),
+                epoch: [0, 1, u64::MAX][(b.u8() % 3) as usize],
+                complete: b.u8() % 2 == 0,
+            }),
+            epoch: [0, 0, 1, u64::MAX][(b.u8() % 4) as usize],
         })
         .collect();
     PoolTable {

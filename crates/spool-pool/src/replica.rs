@@ -93,7 +93,9 @@ impl Pool {
         let r = self.check_promotable(id, force)?;
         let i = self.find(id)?;
         let v = &self.table.volumes[i];
-        let epoch = r.epoch.max(v.epoch) + 1;
+        let epoch = (r.epoch.max(v.epoch).checked_add(1)).ok_or_else(|| {
+            Error::invalid(format!("volume '{}': its epoch cannot be raised", v.name))
+        })?;
         let mut table = self.table.clone();
         table.volumes[i].replica = None;
         table.volumes[i].epoch = epoch;

@@ -143,6 +143,9 @@ impl PoolTable {
             r.validate()
                 .map_err(|why| Invalid(format!("{what}: {why}")))?;
         }
+        if v.epoch == u64::MAX {
+            return Err(Invalid(format!("{what}: its epoch cannot be raised")));
+        }
         if let Some(t) = &v.thin {
             return self.validate_thin(v, t, devices, extent);
         }
