@@ -182,6 +182,7 @@ fn a_transfer_hello_names_thin_only_for_thin_volumes() {
         replica: false,
         epoch: 0,
         current: false,
+        ask: false,
     };
     assert!(!wire(&hello).contains("thin"), "{}", wire(&hello));
     // Nor does a move's hello name a replica or an epoch it does not have.

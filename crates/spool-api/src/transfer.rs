@@ -167,6 +167,11 @@ pub struct TransferHello {
     /// when false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub current: bool,
+    /// A replica's sender asks about a transfer already answered (whether its copy there is
+    /// still a replica; with `current`, to say it became current): never starts one. Left
+    /// out when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ask: bool,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -20,6 +20,7 @@ use uuid::Uuid;
 use crate::config::Config;
 
 mod devices;
+mod expected;
 mod exports;
 mod failures;
 mod hello;
@@ -69,7 +70,7 @@ pub struct Daemon {
     /// Volumes being received over NBD (`volume receive`).
     receiving: Mutex<Vec<receive::Receiving>>,
     /// Volumes expected on the transfer listener (`volume receive NAME --token`).
-    expected: Mutex<Vec<transfer::Expected>>,
+    expected: Mutex<Vec<expected::Expected>>,
     /// Where the transfer listener listens (once started).
     transfer_at: std::sync::OnceLock<std::net::SocketAddr>,
     /// The replicas' gates, held until each is promoted: their frontends wait.

@@ -228,6 +228,8 @@ fn a_running_primary_is_fenced_off_when_its_replica_is_promoted() {
     fenced(&mut c);
     let send = ctl(&a, &["volume", "send", "v"]);
     assert!(send.contains("fenced off"), "{send}");
+    let e = ctl_err(&a, &["volume", "send", "v", "--cancel"]);
+    assert!(e.contains("second primary"), "{e}");
     let events = (a
         .rpc("events_list", serde_json::json!({"since": 0}))
         .unwrap())

@@ -141,16 +141,28 @@ impl HelloStream {
     }
 }
 
+/// What a sender's hello is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HelloKind {
+    /// A send (`volume send --token`): a transfer starts (or resumes).
+    Send,
+    /// A standing replica (`volume replicate`): a replication starts, anew.
+    Replicate,
+    /// A replica's sender asks whether its copy there is still a replica (starts nothing).
+    Ask,
+    /// A replica's sender says its copy there became current (starts nothing).
+    Current,
+}
+
 impl Daemon {
     /// The sender's side: says hello to the transfer listener at `to` (`HOST:PORT`) for
-    /// volume `v` with `token` (for a standing replica there: `replica`; `current` once
-    /// the copy there became current); returns the NBD URI to send to.
+    /// volume `v` with `token`, as `kind` says; returns the NBD URI to send to.
     pub(super) fn say_hello(
         &self,
         to: &str,
         token: &str,
         v: &VolumeInfo,
-        (replica, current): (bool, bool),
+        kind: HelloKind,
     ) -> Result<String, RpcError> {
         check_token(token)?;
         let fail = |why: String| RpcError::InvalidParams(format!("transfer listener {to}: {why}"));
@@ -170,7 +182,7 @@ impl Daemon {
                 line.trim_end().chars().take(200).collect::<String>()
             ))),
         };
-        let hello = self.hello_for(v, token, nonce, (replica, current))?;
+        let hello = self.hello_for(v, token, nonce, kind)?;
         s.send(&hello).map_err(|e| fail(e.to_string()))?;
         let answer = s
             .line(ANSWER_WAIT)
@@ -207,7 +219,7 @@ impl Daemon {
         v: &VolumeInfo,
         token: &str,
         nonce: String,
-        (replica, current): (bool, bool),
+        kind: HelloKind,
     ) -> Result<TransferHello, RpcError> {
         let remote = v.legs.iter().any(|l| l.remote.is_some()) as u8;
         let mine = proof::nonce()
@@ -229,9 +241,10 @@ impl Daemon {
                 tag: String::new(),
             }),
             thin: v.thin.is_some(),
-            replica,
+            replica: kind != HelloKind::Send,
             epoch: v.epoch,
-            current,
+            current: kind == HelloKind::Current,
+            ask: matches!(kind, HelloKind::Ask | HelloKind::Current),
         };
         if hello.key.is_some() {
             let tag = self.pool().transfer_tag(&untagged(&hello))?;

@@ -447,9 +447,7 @@ impl Daemon {
     /// Ends and forgets the transfer into volume `volume`, if any.
     pub(super) fn stop_receiving(&self, volume: Uuid, why: &str) -> Option<ReceiveInfo> {
         let mut receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-        let i = receiving.iter().position(|r| r.volume == volume)?;
-        forget_kept(&self.store, volume);
-        Some(receiving.remove(i).stop(why))
+        stop_in(&mut receiving, &self.store, volume, why)
     }
 
     /// The transfer into volume `volume`, as `volume show` reports it.
@@ -466,6 +464,19 @@ impl Daemon {
         let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         receiving.iter().any(|r| r.nbd == nbd)
     }
+}
+
+/// Ends and forgets the transfer into volume `volume` in `receiving` (the transfers, locked
+/// by the caller), if any.
+pub(super) fn stop_in(
+    receiving: &mut Vec<Receiving>,
+    store: &Option<Arc<dyn spool_frontend::StateStore>>,
+    volume: Uuid,
+    why: &str,
+) -> Option<ReceiveInfo> {
+    let i = receiving.iter().position(|r| r.volume == volume)?;
+    forget_kept(store, volume);
+    Some(receiving.remove(i).stop(why))
 }
 
 /// Refuses a second export of volume `v`: it would write on after the first is stopped (a

@@ -183,7 +183,9 @@ impl Daemon {
                 .map(|s| s.state);
             let (v, current) = match (v, state.as_deref()) {
                 (Ok(v), Some("current")) => (v, true),
-                (Ok(v), Some("waiting")) => (v, false),
+                // Cut off: while its writes wait (or, before the copy was current, go on
+                // here alone), ask whether the copy there was promoted.
+                (Ok(v), Some("waiting" | "disconnected")) => (v, false),
                 (Ok(_), Some(_)) => continue,
                 _ => {
                     self.forget_replication(uuid);
@@ -212,7 +214,11 @@ impl Daemon {
             let spawned = std::thread::Builder::new()
                 .name("replica-hello".into())
                 .spawn(move || {
-                    let res = d.say_hello(&to, &token, &v, (true, current));
+                    let kind = match current {
+                        true => super::hello::HelloKind::Current,
+                        false => super::hello::HelloKind::Ask,
+                    };
+                    let res = d.say_hello(&to, &token, &v, kind);
                     match current {
                         true => d.told_current(&v, &to, res),
                         false => d.asked_if_promoted(&v, &to, res),

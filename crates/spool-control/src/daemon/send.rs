@@ -50,7 +50,11 @@ impl Daemon {
                         pool.check_sendable(&p.id, true)?;
                         pool.volume(&p.id)?
                     };
-                    self.say_hello(to, token, &v, (p.replica, false))?
+                    let kind = match p.replica {
+                        true => super::hello::HelloKind::Replicate,
+                        false => super::hello::HelloKind::Send,
+                    };
+                    self.say_hello(to, token, &v, kind)?
                 }
                 None => to.clone(),
             };
@@ -65,6 +69,12 @@ impl Daemon {
         }
         if p.cancel {
             let before = self.send_info(&p.id, None)?;
+            if before.state == "fenced" {
+                return Err(RpcError::InvalidParams(format!(
+                    "volume '{}' was promoted on {}: cancelling would let its writes complete here again, making this host a second primary; its copy there is the volume now (delete this one once its VM is stopped)",
+                    before.volume, before.to
+                )));
+            }
             let v = self.pool().cancel_send(&p.id)?;
             self.republish(&v);
             return Ok(SendInfo {

@@ -76,6 +76,12 @@ impl Daemon {
     /// meanwhile waits for it to end), so no VM comes in between the check and the revert.
     fn volume_revert(&self, p: SnapshotParams) -> Result<ChangedChunks, RpcError> {
         let v = self.pool().volume(&p.id)?;
+        if v.replica.is_some() {
+            return Err(RpcError::InvalidParams(format!(
+                "volume '{}' is another host's replica: reverting it would change it behind its primary's back (promote it first)",
+                v.name
+            )));
+        }
         let hold = match self.servers().get(&v.uuid).map(|s| s.hold_admission()) {
             Some(None) => return Err(RpcError::InUse(v.name.clone())),
             Some(Some(h)) => Some(h),

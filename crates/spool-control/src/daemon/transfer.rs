@@ -21,31 +21,11 @@ use spool_nbd::Listen;
 use spool_pool::metadata::VolumeKey;
 use spool_pool::VolumeInfo;
 
+use super::expected::Expected;
 use super::hello::{answer_proof, check_token, hello_proved_by, untagged, HelloStream, HELLO_WAIT};
 use super::Daemon;
 use crate::api::{ReceiveInfo, TransferHello, TransferReply, TRANSFER_VERSION};
 use crate::rpc::RpcError;
-
-/// A volume a sender may send here, with its token (`volume receive NAME --token`), and
-/// the volume a hello was answered for: a later hello with the token gets the same export
-/// while that transfer runs, and nothing once it has ended.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-pub(super) struct Expected {
-    volume: String,
-    token: String,
-    /// The largest volume the sender may send (`volume receive --max-size`).
-    max_size: Option<u64>,
-    /// A standing replica (`volume receive --replica`), not a move.
-    replica: bool,
-    answered: Option<uuid::Uuid>,
-}
-
-/// Where the keeper keeps each expected transfer (`expected/NAME/`).
-const EXPECTED_PREFIX: &str = "expected/";
-
-fn expected_key(volume: &str) -> String {
-    format!("{EXPECTED_PREFIX}{volume}/")
-}
 
 /// Where the keeper keeps the listening socket across worker restarts.
 const KEPT_KEY: &str = "transfer-listen";
@@ -109,42 +89,6 @@ impl Daemon {
             ended: None,
             expecting: true,
         })
-    }
-
-    /// Keeps expectation `e` with the keeper, so that the next worker expects it too (and
-    /// a replica's sender can still say its copy became current).
-    fn keep_expected(&self, e: &Expected) {
-        let Some(s) = &self.store else { return };
-        let value = serde_json::to_string(e).unwrap_or_default();
-        if let Err(err) = s.put(&expected_key(&e.volume), value, &[]) {
-            tracing::error!(volume = %e.volume, "cannot keep the expected transfer with the keeper ({err}): a worker restart forgets it");
-        }
-    }
-
-    fn forget_kept_expected(&self, name: &str) {
-        if let Some(s) = &self.store {
-            if let Err(e) = s.remove(&expected_key(name)) {
-                tracing::error!(volume = %name, "keeper: {e}");
-            }
-        }
-    }
-
-    /// Expects again the transfers the previous worker expected.
-    pub(super) fn restore_expected(&self) {
-        let Some(k) = &self.keeping else { return };
-        let mut expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
-        for key in k.keys(EXPECTED_PREFIX) {
-            let kept = k
-                .take(&key)
-                .map(|(v, _)| serde_json::from_str::<Expected>(&v));
-            match kept {
-                Some(Ok(e)) => {
-                    self.keep_expected(&e);
-                    expected.push(e);
-                }
-                _ => tracing::warn!(%key, "a kept expected transfer cannot be read: forgotten"),
-            }
-        }
     }
 
     /// Forgets the expected transfer of volume `name`; how it stood, if it was expected.
@@ -230,18 +174,16 @@ impl Daemon {
             return Err(Refused::Fenced(v.name, v.epoch));
         }
         if let Some(uuid) = answered {
-            // A replica's sender says its copy here became current.
-            if h.current {
-                let v =
-                    (self.pool().replica_complete(&uuid.to_string())).map_err(RpcError::from)?;
-                let why = format!("volume {}: the replica here is complete", v.name);
-                self.monitor.note(v.uuid, &peer.to_string(), "replica", why);
-            }
+            self.replica_hello_again(h, uuid, peer)?;
             // Said hello again (a send resumed): the same export while it runs.
             let receiving = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
             return super::receive::uri_of(&receiving, uuid)
                 .map(|uri| (uri, token))
                 .ok_or_else(|| Refused::Ended(h.volume.clone()));
+        }
+        // A replica's sender asking about a transfer never starts one.
+        if h.ask {
+            return Err(Refused::NotExpected(h.volume.clone()));
         }
         if let Some(max) = max_size.filter(|&m| h.size > m) {
             return Err(Refused::TooLarge(h.volume.clone(), h.size, max));
@@ -256,6 +198,13 @@ impl Daemon {
         // Again under the transfers' lock: while the volume was made, a `--stop` may have
         // ended the expectation, or a second hello of the same send (the sender tries
         // again after its wait) may have been answered: one export per volume, never two.
+        // And a replica promoted meanwhile (`volume promote` stops transfers under this
+        // lock) is written by no export.
+        if h.replica
+            && (self.pool().volume(&v.uuid.to_string())).map_or(true, |v| v.replica.is_none())
+        {
+            return Err(Refused::Ended(h.volume.clone()));
+        }
         {
             let expected = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             let e = expected
@@ -283,6 +232,28 @@ impl Daemon {
             self.keep_expected(e);
         }
         Ok((info.uri, token))
+    }
+
+    /// A replica's sender said hello again for the transfer answered into `volume`: its
+    /// copy became current (`current`: the replica is complete), or (neither `current` nor
+    /// `ask`) its `volume replicate` starts a replication anew, which copies everything
+    /// again (the replica is not complete until it says so again).
+    fn replica_hello_again(
+        &self,
+        h: &TransferHello,
+        volume: uuid::Uuid,
+        peer: IpAddr,
+    ) -> Result<(), Refused> {
+        let id = volume.to_string();
+        if h.current {
+            let v = (self.pool().replica_complete(&id)).map_err(RpcError::from)?;
+            let why = format!("volume {}: the replica here is complete", v.name);
+            self.monitor.note(v.uuid, &peer.to_string(), "replica", why);
+        } else if h.replica && !h.ask {
+            let v = self.pool().volume(&id).map_err(RpcError::from)?;
+            self.become_replica(&v, &peer.to_string(), h.epoch)?;
+        }
+        Ok(())
     }
 
     /// The expectation hello `h` proves its token for.
@@ -394,6 +365,10 @@ fn check_fresh(h: &TransferHello, nonce: &str) -> Result<(), Refused> {
     if h.sender_nonce.len() != 64 || spool_crypt::from_hex(&h.sender_nonce).is_none() {
         return Err(Refused::NoSenderNonce);
     }
+    // A replica at it could never be promoted (the epoch above cannot be written).
+    if h.epoch >= u64::MAX - 1 {
+        return Err(Refused::Epoch(h.epoch));
+    }
     Ok(())
 }
 
@@ -487,6 +462,8 @@ enum Refused {
     ReplicaNotExpected(String),
     #[error("volume '{0}' here was promoted (epoch {1}): a sender at a lower epoch is behind it and may not write it")]
     Fenced(String, u64),
+    #[error("epoch {0} leaves no room for a promotion")]
+    Epoch(u64),
     /// Creating, checking or exporting the volume failed.
     #[error(transparent)]
     Volume(#[from] RpcError),

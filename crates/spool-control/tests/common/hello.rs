@@ -48,6 +48,7 @@ pub fn plain(name: &str, size: u64) -> TransferHello {
         replica: false,
         epoch: 0,
         current: false,
+        ask: false,
     }
 }
 
