@@ -324,6 +324,11 @@ impl Drop for Watch {
 mod tests {
     use super::*;
 
+    /// The watch slots are one table for the process: tests that take slots run one at a
+    /// time, or one's slot shows up in the other's (a CI run failed that way: the slot a
+    /// test freed was taken by the test beside it before it took it again).
+    static SLOTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// A real SIGBUS: a shared mapping of a memfd beyond its end faults on access (as a BAR
     /// does when its device is gone, and guest memory does when the frontend truncates it).
     fn beyond_end(pages: usize) -> (libc::c_int, *mut libc::c_void) {
@@ -347,6 +352,7 @@ mod tests {
 
     #[test]
     fn a_fault_on_a_watched_mapping_is_survived_with_its_fill() {
+        let _alone = SLOTS.lock().unwrap_or_else(|p| p.into_inner());
         for fill in [0xffu8, 0x00] {
             let (fd, p) = beyond_end(2);
             let before = faults();
@@ -371,6 +377,7 @@ mod tests {
 
     #[test]
     fn slots_are_reused_after_unwatch() {
+        let _alone = SLOTS.lock().unwrap_or_else(|p| p.into_inner());
         let a = Watch::new(0x1000, 4096, 0);
         let slot = a.slot.unwrap();
         drop(a);
